@@ -1,0 +1,12 @@
+"""wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
+
+from wna16_jax._quant import dequantize_experts, quantize_experts
+from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
+
+__all__ = [
+    "AlignedRouting",
+    "BlockConfig",
+    "QuantizedExperts",
+    "dequantize_experts",
+    "quantize_experts",
+]

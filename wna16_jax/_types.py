@@ -1,0 +1,187 @@
+"""Typed containers: QuantizedExperts (packed weights), AlignedRouting, BlockConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_BITS = (4, 8)
+# DESIGN.md's 2^31 rule: Pallas' Triton lowering indexes in int32.
+MAX_ARRAY_ELEMENTS = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedExperts:
+    """Weight-only quantized expert weights in the canonical layout (DESIGN.md).
+
+    Logical weight shape [E, N, K] (N output features, K input features).
+
+    Attributes:
+        qweight: uint32 [E, N, K//8] for int4 (k = 8j+i in bits 4i..4i+3 of word j) or
+            uint32 [E, N, K//4] for int8 (k = 4j+i in byte i of word j).
+        scales: [E, N, K//G] float (the activation dtype), G = group size.
+        zeros: uint8 [E, N//2, K//G] for int4 (even n in the low nibble), uint8 [E, N, K//G]
+            for int8, or None for symmetric weights (implicit zero 8 or 128).
+        bits: 4 or 8 (static).
+        group_size: G, or -1 for one group spanning K (static).
+    """
+
+    qweight: Any
+    scales: Any
+    zeros: Any
+    bits: int = 4
+    group_size: int = 128
+
+    # --- static shape facts -------------------------------------------------------------
+    @property
+    def pack_factor(self) -> int:
+        """Quantized values per uint32 word."""
+        return 32 // self.bits
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Logical [E, N, K]."""
+        e, n, kw = self.qweight.shape
+        return (e, n, kw * self.pack_factor)
+
+    @property
+    def num_experts(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.shape[2]
+
+    @property
+    def group(self) -> int:
+        """The effective group size (K when group_size == -1)."""
+        return self.k if self.group_size == -1 else self.group_size
+
+    @property
+    def num_groups(self) -> int:
+        return self.k // self.group
+
+    @property
+    def has_zeros(self) -> bool:
+        return self.zeros is not None
+
+    @property
+    def dtype(self):
+        """The scales' (activation) dtype."""
+        return self.scales.dtype
+
+    def validate(self, name: str = "weights") -> None:
+        """Raises ValueError naming the offending values if this is not the canonical layout."""
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"{name}: bits={self.bits} is not supported (supported: 4, 8)")
+        if self.qweight.ndim != 3:
+            raise ValueError(
+                f"{name}: qweight must be [E, N, K//{self.pack_factor}], got shape "
+                f"{tuple(self.qweight.shape)}"
+            )
+        if self.qweight.dtype != jnp.uint32:
+            raise ValueError(f"{name}: qweight dtype must be uint32, got {self.qweight.dtype}")
+        e, n, k = self.shape
+        if self.group_size != -1 and self.group_size <= 0:
+            raise ValueError(f"{name}: group_size={self.group_size} must be positive or -1")
+        if self.group_size != -1 and k % self.group_size:
+            raise ValueError(
+                f"{name}: K={k} is not a multiple of group_size={self.group_size}"
+            )
+        g = self.num_groups
+        if tuple(self.scales.shape) != (e, n, g):
+            raise ValueError(
+                f"{name}: scales shape {tuple(self.scales.shape)} != expected {(e, n, g)} "
+                f"(E={e}, N={n}, K={k}, group_size={self.group_size})"
+            )
+        if not jnp.issubdtype(self.scales.dtype, jnp.floating):
+            raise ValueError(f"{name}: scales must be floating point, got {self.scales.dtype}")
+        if self.zeros is not None:
+            if self.bits == 4 and n % 2:
+                raise ValueError(f"{name}: int4 zero points need an even N, got N={n}")
+            want = (e, n // 2, g) if self.bits == 4 else (e, n, g)
+            if tuple(self.zeros.shape) != want:
+                raise ValueError(
+                    f"{name}: zeros shape {tuple(self.zeros.shape)} != expected {want} "
+                    f"for bits={self.bits}"
+                )
+            if self.zeros.dtype != jnp.uint8:
+                raise ValueError(f"{name}: zeros dtype must be uint8, got {self.zeros.dtype}")
+        for field in ("qweight", "scales", "zeros"):
+            arr = getattr(self, field)
+            if arr is not None and int(np.prod(arr.shape)) > MAX_ARRAY_ELEMENTS:
+                raise ValueError(
+                    f"{name}: {field} has {int(np.prod(arr.shape))} elements, over the 2^31 "
+                    f"limit of int32 kernel indexing; shard the experts (expert parallelism) "
+                    f"so each device holds fewer"
+                )
+
+
+jax.tree_util.register_dataclass(
+    QuantizedExperts,
+    data_fields=["qweight", "scales", "zeros"],
+    meta_fields=["bits", "group_size"],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignedRouting:
+    """Block-aligned token order produced by `moe_align_block_size` (DESIGN.md).
+
+    Attributes:
+        sorted_token_ids: int32 [max_padded]; flat indices t*k + j into topk_ids, grouped into
+            one run per expert padded to a multiple of block_m; padding holds T*k.
+        expert_ids: int32 [max_padded // block_m]; the local expert of each block, -1 for
+            blocks of off-shard experts and for blocks past the end.
+        num_tokens_post_padded: int32 [] ; the used length of sorted_token_ids.
+        block_m: rows per block (static).
+    """
+
+    sorted_token_ids: Any
+    expert_ids: Any
+    num_tokens_post_padded: Any
+    block_m: int
+
+
+jax.tree_util.register_dataclass(
+    AlignedRouting,
+    data_fields=["sorted_token_ids", "expert_ids", "num_tokens_post_padded"],
+    meta_fields=["block_m"],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Tile sizes of the grouped GEMM kernels (frozen, hashable: usable as a static arg).
+
+    block_m: rows (token slots) per block; also the align padding.
+    block_n: output features per program.  block_k: input features per k-step.
+    split_k: programs sharing one output tile along K (atomic f32 accumulation when > 1).
+    group_m: row-block grouping for L2 reuse.  num_warps / num_stages: Triton settings.
+    """
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"BlockConfig.{f.name}={v!r} must be a positive int")
+        for f in ("block_m", "block_n", "block_k"):
+            v = getattr(self, f)
+            if v & (v - 1):
+                raise ValueError(f"BlockConfig.{f}={v} must be a power of two")
