@@ -1,5 +1,7 @@
 """wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
 
+from wna16_jax._api import fused_moe, moe_align_block_size
+from wna16_jax._dispatch import registered_backends
 from wna16_jax._quant import dequantize_experts, quantize_experts
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
@@ -8,5 +10,8 @@ __all__ = [
     "BlockConfig",
     "QuantizedExperts",
     "dequantize_experts",
+    "fused_moe",
+    "moe_align_block_size",
     "quantize_experts",
+    "registered_backends",
 ]

@@ -93,9 +93,7 @@ class QuantizedExperts:
         if self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"{name}: group_size={self.group_size} must be positive or -1")
         if self.group_size != -1 and k % self.group_size:
-            raise ValueError(
-                f"{name}: K={k} is not a multiple of group_size={self.group_size}"
-            )
+            raise ValueError(f"{name}: K={k} is not a multiple of group_size={self.group_size}")
         g = self.num_groups
         if tuple(self.scales.shape) != (e, n, g):
             raise ValueError(

@@ -1,0 +1,204 @@
+"""Public entry points: validate the inputs, then dispatch to a backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from wna16_jax import _dispatch, _reference
+from wna16_jax._types import MAX_ARRAY_ELEMENTS, AlignedRouting, BlockConfig, QuantizedExperts
+
+ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _shape(a) -> tuple[int, ...]:
+    return tuple(int(d) for d in a.shape)
+
+
+def _check_elements(name: str, a) -> None:
+    n = int(np.prod(_shape(a)))
+    if n > MAX_ARRAY_ELEMENTS:
+        raise ValueError(
+            f"{name} has {n} elements, over the 2^31 limit of int32 kernel indexing; "
+            f"shard the experts or the tokens so each device holds fewer"
+        )
+
+
+def _check_topk_ids(topk_ids) -> None:
+    if topk_ids.ndim != 2:
+        raise ValueError(f"topk_ids must be [T, k], got shape {_shape(topk_ids)}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise ValueError(f"topk_ids must be an integer array, got {topk_ids.dtype}")
+    _check_elements("topk_ids", topk_ids)
+
+
+def _check_expert_map(expert_map, num_local: int | None) -> None:
+    if expert_map is None:
+        return
+    if expert_map.ndim != 1 or not jnp.issubdtype(expert_map.dtype, jnp.integer):
+        raise ValueError(
+            f"expert_map must be a 1-D integer array [E_global], got shape "
+            f"{_shape(expert_map)} dtype {expert_map.dtype}"
+        )
+    if num_local is not None and expert_map.shape[0] < num_local:
+        raise ValueError(
+            f"expert_map has {expert_map.shape[0]} entries, fewer than the {num_local} "
+            f"local experts"
+        )
+
+
+def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation):
+    """Raises ValueError naming the values for any malformed fused_moe input."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, H], got shape {_shape(x)}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x dtype must be bfloat16, float16 or float32, got {x.dtype}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, QuantizedExperts):
+            raise ValueError(f"{name} must be a QuantizedExperts, got {type(w).__name__}")
+        w.validate(name)
+    t, h = _shape(x)
+    e, two_i, h13 = w13.shape
+    if h13 != h:
+        raise ValueError(f"w13 has K={h13} input features but x has H={h}")
+    if two_i % 2:
+        raise ValueError(f"w13 must have an even number of rows (gate and up), got N={two_i}")
+    i = two_i // 2
+    if w2.shape != (e, h, i):
+        raise ValueError(
+            f"w2 shape {w2.shape} != expected (E, H, I) = {(e, h, i)} from w13 {w13.shape} "
+            f"and x {_shape(x)}"
+        )
+    _check_topk_ids(topk_ids)
+    if topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows but x has T={t}")
+    if _shape(topk_weights) != _shape(topk_ids):
+        raise ValueError(
+            f"topk_weights shape {_shape(topk_weights)} != topk_ids shape {_shape(topk_ids)}"
+        )
+    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    _check_expert_map(expert_map, e)
+    if activation not in _reference.ACTIVATIONS:
+        raise ValueError(
+            f"activation={activation!r} is not supported (supported: "
+            f"{sorted(_reference.ACTIVATIONS)})"
+        )
+    _check_elements("x", x)
+
+
+def fused_moe(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map=None,
+    activation: str = "silu",
+    implementation: str | Sequence[str] | None = None,
+    config: BlockConfig | None = None,
+):
+    """A whole MoE layer with weight-only quantized experts (DESIGN.md steps 1-5).
+
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ act(w13[e] @ x[t]),  e = topk_ids[t, j],
+    where act splits its input into gate (rows 0..I-1) and up (rows I..2I-1).
+
+    Args:
+        x: [T, H] bf16, f16 or f32 activations.
+        w13: QuantizedExperts [E, 2I, H] (gate rows, then up rows).
+        w2: QuantizedExperts [E, H, I].
+        topk_weights: [T, k] float routing weights.
+        topk_ids: [T, k] integer global expert ids; ids outside [0, E_global) are dropped.
+        expert_map: optional int32 [E_global]: global id -> local id, -1 for experts on other
+            shards (they contribute exactly zero).
+        activation: "silu".
+        implementation: None (automatic), a backend name ("xla", "pallas",
+            "pallas_interpret"), or names tried in order.
+        config: optional BlockConfig for the kernels; None = tuned table, then heuristic.
+
+    Returns:
+        [T, H] in x.dtype.
+
+    Raises:
+        ValueError: malformed inputs or a config that cannot run these shapes.
+        NotImplementedError: no requested backend can run the problem (reasons listed).
+    """
+    validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation)
+    t, h = _shape(x)
+    e, two_i, _ = w13.shape
+    problem = _dispatch.MoEProblem(
+        platform=_dispatch.current_platform(),
+        num_tokens=t,
+        hidden=h,
+        intermediate=two_i // 2,
+        num_experts=e,
+        num_global_experts=int(expert_map.shape[0]) if expert_map is not None else e,
+        top_k=int(topk_ids.shape[1]),
+        bits=w13.bits,
+        group_size=w13.group_size,
+        w13_group=w13.group,
+        w2_group=w2.group,
+        has_zeros=w13.has_zeros,
+        dtype=jnp.dtype(x.dtype).name,
+        activation=activation,
+    )
+    backend = _dispatch.select_backend(problem, implementation)
+    return backend.fused_moe(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids.astype(jnp.int32),
+        expert_map=None if expert_map is None else expert_map.astype(jnp.int32),
+        activation=activation,
+        config=config,
+    )
+
+
+def moe_align_block_size(
+    topk_ids,
+    *,
+    num_experts: int,
+    block_m: int,
+    expert_map=None,
+    implementation: str | Sequence[str] | None = None,
+) -> AlignedRouting:
+    """Sorts the T*k (token, slot) pairs into per-expert runs padded to block_m.
+
+    Args:
+        topk_ids: integer [T, k] global expert ids; ids outside [0, num_experts) are dropped.
+        num_experts: E, the global number of experts.
+        block_m: the padding multiple (a power of two).
+        expert_map: optional int32 [num_experts] global -> local id, -1 off-shard.
+        implementation: as for `fused_moe`.
+
+    Returns:
+        AlignedRouting (sorted_token_ids, expert_ids, num_tokens_post_padded); DESIGN.md gives
+        the layout.
+    """
+    _check_topk_ids(topk_ids)
+    if num_experts < 1:
+        raise ValueError(f"num_experts={num_experts} must be positive")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two")
+    _check_expert_map(expert_map, None)
+    if expert_map is not None and expert_map.shape[0] != num_experts:
+        raise ValueError(
+            f"expert_map has {expert_map.shape[0]} entries but num_experts={num_experts}"
+        )
+    problem = _dispatch.AlignProblem(
+        platform=_dispatch.current_platform(),
+        num_slots=int(np.prod(_shape(topk_ids))),
+        num_experts=num_experts,
+        block_m=block_m,
+    )
+    backend = _dispatch.select_backend(problem, implementation)
+    return backend.moe_align_block_size(
+        topk_ids.astype(jnp.int32),
+        num_experts=num_experts,
+        block_m=block_m,
+        expert_map=None if expert_map is None else expert_map.astype(jnp.int32),
+    )

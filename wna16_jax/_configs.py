@@ -1,0 +1,158 @@
+"""Block configs: validity rules, the tuned tables (package JSON) and the untuned heuristic."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import re
+from importlib import resources
+
+import jax
+
+from wna16_jax._types import BlockConfig
+
+logger = logging.getLogger("wna16_jax")
+
+TUNED_DIR = "data/tuned"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+    """One grouped GEMM: M token slots, E experts of [N, K] weights."""
+
+    m: int  # rows (token slots = T*k)
+    n: int
+    k: int
+    num_experts: int
+    bits: int
+    group: int  # effective group size along K
+    group_size: int  # as stored (-1 = per channel)
+
+
+def config_problems(config: BlockConfig, shape: GemmShape) -> list[str]:
+    """Why `config` cannot run `shape` (empty when it can)."""
+    problems = []
+    bk, g, k = config.block_k, shape.group, shape.k
+    if k % bk:
+        problems.append(f"K={k} is not a multiple of block_k={bk}")
+    if bk % g and g % bk:
+        problems.append(
+            f"block_k={bk} is incompatible with group_size={g}: a k-tile must lie inside one "
+            f"group or hold a whole number of groups"
+        )
+    if bk < 32 // shape.bits:
+        problems.append(f"block_k={bk} is smaller than one packed word ({32 // shape.bits})")
+    num_k_tiles = k // bk if k % bk == 0 else -(-k // bk)
+    if num_k_tiles % config.split_k:
+        problems.append(
+            f"split_k={config.split_k} does not divide the {num_k_tiles} k-tiles "
+            f"(K={k}, block_k={bk})"
+        )
+    return problems
+
+
+def check_config(config: BlockConfig, shape: GemmShape, what: str = "config") -> None:
+    """Raises ValueError quoting the values when `config` cannot run `shape`."""
+    problems = config_problems(config, shape)
+    if problems:
+        raise ValueError(
+            f"{what} {config} cannot run the GEMM (N={shape.n}, K={shape.k}): "
+            + "; ".join(problems)
+        )
+
+
+def _device_file_name(device_kind: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") + ".json"
+
+
+@functools.cache
+def tuned_table(device_kind: str) -> tuple[tuple[dict, BlockConfig], ...]:
+    """The tuned entries for a device kind: ((problem keys, BlockConfig), ...); empty if none."""
+    name = _device_file_name(device_kind)
+    try:
+        text = resources.files("wna16_jax").joinpath(TUNED_DIR, name).read_text()
+    except (FileNotFoundError, OSError):
+        return ()
+    data = json.loads(text)
+    entries = []
+    for entry in data["entries"]:
+        keys = {k: entry[k] for k in ("E", "N", "K", "bits", "group_size", "M")}
+        entries.append((keys, BlockConfig(**entry["config"])))
+    return tuple(entries)
+
+
+def lookup_tuned(shape: GemmShape, device_kind: str) -> BlockConfig | None:
+    """The tuned config for the nearest M of an exactly matching (E, N, K, bits, G) problem."""
+    matches = [
+        (keys["M"], cfg)
+        for keys, cfg in tuned_table(device_kind)
+        if (keys["E"], keys["N"], keys["K"], keys["bits"], keys["group_size"])
+        == (shape.num_experts, shape.n, shape.k, shape.bits, shape.group_size)
+    ]
+    if not matches:
+        return None
+    _, cfg = min(matches, key=lambda mc: (abs(mc[0] - shape.m), mc[0]))
+    # A tuned entry never overrides the validity rules.
+    return cfg if not config_problems(cfg, shape) else None
+
+
+def _largest_pow2_divisor(x: int, cap: int) -> int:
+    p = 1
+    while p * 2 <= cap and x % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def heuristic_config(shape: GemmShape) -> BlockConfig:
+    """An untuned config that is valid for `shape` and reasonable on a Hopper GPU."""
+    rows_per_expert = max(1, shape.m // max(1, shape.num_experts))
+    if rows_per_expert <= 16:
+        block_m = 16
+    elif rows_per_expert <= 64:
+        block_m = 32
+    else:
+        block_m = 64
+    block_n = 64 if block_m <= 32 else 128
+    block_n = min(block_n, _largest_pow2_divisor(shape.n, 128)) if shape.n >= 16 else 16
+    block_n = max(block_n, 16)
+    block_k = _largest_pow2_divisor(shape.k, 128 if block_m >= 64 else 256)
+    g = shape.group
+    while block_k > g and block_k % g:
+        block_k //= 2
+    while block_k < g and g % block_k:
+        block_k //= 2
+    block_k = max(block_k, 32 // shape.bits)
+    return BlockConfig(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        split_k=1,
+        group_m=1,
+        num_warps=4,
+        num_stages=2 if block_m <= 32 else 3,
+    )
+
+
+def device_kind() -> str:
+    return jax.devices()[0].device_kind
+
+
+def resolve_config(shape: GemmShape, config: BlockConfig | None) -> tuple[BlockConfig, str]:
+    """The config for `shape`: the caller's, else the tuned table's, else the heuristic's.
+
+    Returns:
+        (config, source) where source is "caller", "tuned:<device>" or "heuristic".
+
+    Raises:
+        ValueError: the caller's config cannot run the shape.
+    """
+    if config is not None:
+        check_config(config, shape)
+        return config, "caller"
+    kind = device_kind()
+    tuned = lookup_tuned(shape, kind)
+    if tuned is not None:
+        return tuned, f"tuned:{kind}"
+    return heuristic_config(shape), "heuristic"

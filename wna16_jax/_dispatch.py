@@ -1,0 +1,197 @@
+"""Backends of fused_moe: each says why it cannot run a problem; selection by platform priority."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import jax
+
+from wna16_jax import _reference
+
+logger = logging.getLogger("wna16_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEProblem:
+    """The static facts of one fused_moe call that a backend needs to decide if it can run it."""
+
+    platform: str  # "cpu", "gpu", "tpu", ...
+    num_tokens: int  # T
+    hidden: int  # H
+    intermediate: int  # I
+    num_experts: int  # E_local (weights' leading dim)
+    num_global_experts: int  # len(expert_map) or E_local
+    top_k: int
+    bits: int
+    group_size: int  # as stored (-1 = per channel)
+    w13_group: int  # effective group along H
+    w2_group: int  # effective group along I
+    has_zeros: bool
+    dtype: str  # activation dtype name
+    activation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignProblem:
+    """The static facts of one moe_align_block_size call."""
+
+    platform: str
+    num_slots: int  # T*k
+    num_experts: int  # E (global)
+    block_m: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A fused_moe implementation.
+
+    Attributes:
+        name: the name users pass as `implementation`.
+        unsupported_reason: problem -> None when it can run, else a sentence saying why not.
+        fused_moe: (x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config) -> out.
+        align_unsupported_reason: AlignProblem -> None or why not.
+        moe_align_block_size: (topk_ids, *, num_experts, block_m, expert_map) -> AlignedRouting.
+    """
+
+    name: str
+    unsupported_reason: Callable[[MoEProblem], str | None]
+    fused_moe: Callable
+    align_unsupported_reason: Callable[[AlignProblem], str | None]
+    moe_align_block_size: Callable
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+# Tried in order by automatic selection. 'pallas_interpret' is never chosen automatically.
+PRIORITY: dict[str, tuple[str, ...]] = {
+    "gpu": ("pallas", "xla"),
+    "cuda": ("pallas", "xla"),
+}
+DEFAULT_PRIORITY: tuple[str, ...] = ("xla",)
+
+_logged: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def register_backend(backend: Backend) -> None:
+    """Adds (or replaces) a backend in the registry."""
+    _REGISTRY[backend.name] = backend
+
+
+def registered_backends() -> tuple[str, ...]:
+    _ensure_builtin_backends()
+    return tuple(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    _ensure_builtin_backends()
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown implementation {name!r}; registered backends: {sorted(_REGISTRY)}"
+        )
+    return _REGISTRY[name]
+
+
+def current_platform() -> str:
+    """The platform fused_moe runs on: the default JAX backend ('cpu', 'gpu', 'tpu')."""
+    return jax.default_backend()
+
+
+def select_backend(
+    problem: MoEProblem | AlignProblem, implementation: str | Sequence[str] | None
+) -> Backend:
+    """Picks the backend for `problem` (a fused_moe or a moe_align_block_size call).
+
+    Args:
+        problem: the call's static facts; its type says which op is asked for.
+        implementation: None (the platform's priority list), one name, or names tried in order.
+
+    Raises:
+        ValueError: an unknown backend name.
+        NotImplementedError: no candidate can run the problem; the message gives each reason.
+    """
+    _ensure_builtin_backends()
+    if implementation is None:
+        candidates = PRIORITY.get(problem.platform, DEFAULT_PRIORITY)
+        explicit = False
+    elif isinstance(implementation, str):
+        candidates = (implementation,)
+        explicit = True
+    else:
+        candidates = tuple(implementation)
+        explicit = True
+        if not candidates:
+            raise ValueError("implementation is an empty sequence; pass None or backend names")
+    op = "fused_moe" if isinstance(problem, MoEProblem) else "moe_align_block_size"
+    reasons = {}
+    for name in candidates:
+        backend = get_backend(name)
+        if op == "fused_moe":
+            reason = backend.unsupported_reason(problem)
+        else:
+            reason = backend.align_unsupported_reason(problem)
+        if reason is None:
+            key = (op, name, tuple(candidates))
+            if key not in _logged:
+                _logged.add(key)
+                logger.info(
+                    "wna16_jax: %s uses %r (candidates: %s)", op, name, ", ".join(candidates)
+                )
+            return backend
+        reasons[name] = reason
+    if explicit and len(candidates) == 1:
+        name = candidates[0]
+        raise NotImplementedError(f"backend {name!r} cannot run this {op}: {reasons[name]}")
+    listed = "; ".join(f"{n}: {r}" for n, r in reasons.items())
+    raise NotImplementedError(f"no {op} backend can run this problem ({listed})")
+
+
+# ---- built-in backends ----------------------------------------------------------------------
+
+
+def _xla_unsupported_reason(problem: MoEProblem) -> str | None:
+    if problem.activation not in _reference.ACTIVATIONS:
+        return f"activation {problem.activation!r} is not one of {sorted(_reference.ACTIVATIONS)}"
+    return None
+
+
+def _xla_fused_moe(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config):
+    block_m = config.block_m if config is not None else 16
+    return _reference.fused_moe(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        activation=activation,
+        block_m=block_m,
+    )
+
+
+XLA_BACKEND = Backend(
+    name="xla",
+    unsupported_reason=_xla_unsupported_reason,
+    fused_moe=_xla_fused_moe,
+    align_unsupported_reason=lambda problem: None,
+    moe_align_block_size=_reference.moe_align_block_size,
+)
+
+_builtins_loaded = False
+
+
+def _ensure_builtin_backends() -> None:
+    """Registers 'xla' and, when importable, the Pallas backends (imported lazily)."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    register_backend(XLA_BACKEND)
+    try:
+        from pallas_kernels import backend as pallas_backend
+    except ImportError as err:  # pragma: no cover - the kernels ship with the package
+        logger.debug("wna16_jax: Pallas backends unavailable: %s", err)
+        return
+    for b in pallas_backend.BACKENDS:
+        register_backend(b)

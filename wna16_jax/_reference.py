@@ -1,0 +1,223 @@
+"""Pure-jnp block alignment and fused MoE: the 'xla' backend and the oracle for the kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from wna16_jax._quant import unpack_k, zero_points
+from wna16_jax._types import AlignedRouting, QuantizedExperts
+
+# Tokens per chunk of the reference fused_moe: bounds the [T*k, 2I] intermediates.
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def max_padded_len(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Static length of sorted_token_ids: T*k + E*(block_m - 1), rounded up to block_m."""
+    n = num_slots + num_experts * (block_m - 1)
+    return -(-n // block_m) * block_m
+
+
+def local_expert_of(topk_ids, *, num_experts: int, expert_map=None):
+    """Flat [T*k] int32 local expert per slot; -1 for out-of-range ids and off-shard experts.
+
+    Also returns the flat [T*k] int32 *global* expert with invalid ids replaced by -1.
+    """
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    valid = (ids >= 0) & (ids < num_experts)
+    gid = jnp.where(valid, ids, -1)
+    if expert_map is None:
+        return gid, gid
+    lid = jnp.where(valid, expert_map[jnp.clip(gid, 0, num_experts - 1)], -1)
+    return lid, gid
+
+
+def moe_align_block_size(
+    topk_ids, *, num_experts: int, block_m: int, expert_map=None
+) -> AlignedRouting:
+    """Groups the T*k (token, slot) pairs by expert, each expert's run padded to block_m.
+
+    Args:
+        topk_ids: int32 [T, k] global expert ids; ids outside [0, num_experts) are dropped.
+        num_experts: E, the global number of experts (len(expert_map) when given).
+        block_m: the padding multiple (rows per GEMM block).
+        expert_map: optional int32 [E] global -> local id, -1 for experts on other shards.
+
+    Returns:
+        AlignedRouting; see DESIGN.md for the exact layout.
+    """
+    t, k = topk_ids.shape
+    num_slots = t * k
+    max_padded = max_padded_len(num_slots, num_experts, block_m)
+    num_blocks = max_padded // block_m
+    _, gid = local_expert_of(topk_ids, num_experts=num_experts, expert_map=None)
+    # Bucket E holds the dropped slots; it gets no run.
+    bucket = jnp.where(gid >= 0, gid, num_experts)
+    counts = jnp.zeros(num_experts + 1, jnp.int32).at[bucket].add(1)[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    run_end = jnp.cumsum(padded)  # [E]
+    run_start = run_end - padded
+    total = run_end[-1] if num_experts else jnp.int32(0)
+    # Rank of each slot inside its expert: position in a stable sort by bucket.
+    order = jnp.argsort(bucket, stable=True)  # [T*k]
+    sorted_bucket = bucket[order]
+    first_of_bucket = jnp.searchsorted(sorted_bucket, sorted_bucket, side="left")
+    rank_sorted = jnp.arange(num_slots, dtype=jnp.int32) - first_of_bucket.astype(jnp.int32)
+    start_sorted = jnp.where(
+        sorted_bucket < num_experts,
+        run_start[jnp.clip(sorted_bucket, 0, num_experts - 1)],
+        max_padded,  # dropped: scattered out of bounds, hence not written
+    )
+    dest = start_sorted + rank_sorted
+    sorted_token_ids = (
+        jnp.full((max_padded,), num_slots, jnp.int32)
+        .at[dest]
+        .set(order.astype(jnp.int32), mode="drop")
+    )
+    block_start = jnp.arange(num_blocks, dtype=jnp.int32) * block_m
+    block_expert = jnp.searchsorted(run_end, block_start, side="right").astype(jnp.int32)
+    in_use = block_start < total
+    block_expert = jnp.where(in_use, block_expert, -1)
+    if expert_map is not None:
+        block_expert = jnp.where(in_use, expert_map[jnp.clip(block_expert, 0, num_experts - 1)], -1)
+    return AlignedRouting(
+        sorted_token_ids=sorted_token_ids,
+        expert_ids=block_expert.astype(jnp.int32),
+        num_tokens_post_padded=jnp.asarray(total, jnp.int32),
+        block_m=block_m,
+    )
+
+
+def _dequantize_one(qw: QuantizedExperts, e):
+    """Dequantizes expert `e` (traced index) to f32 [N, K]."""
+    q = unpack_k(jax.lax.dynamic_index_in_dim(qw.qweight, e, keepdims=False), qw.bits)
+    s = jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False).astype(jnp.float32)
+    z = jax.lax.dynamic_index_in_dim(zero_points(qw), e, keepdims=False).astype(jnp.float32)
+    n, k = q.shape
+    g = qw.group
+    w = (q.reshape(n, k // g, g).astype(jnp.float32) - z[..., None]) * s[..., None]
+    return w.reshape(n, k)
+
+
+def grouped_matmul(
+    a, qw: QuantizedExperts, routing: AlignedRouting, *, top_k: int, routed_weights=None
+):
+    """Block-sorted grouped matmul: rows of `a` times dequant(qw[e]).T, in f32.
+
+    Args:
+        a: [R, K] rows; slot s of the routing reads row s // top_k.
+        qw: QuantizedExperts [E_local, N, K].
+        routing: AlignedRouting over R * top_k slots (sentinel = R * top_k).
+        top_k: slots per row of `a` (1 when `a` already holds one row per slot).
+        routed_weights: optional f32 [num_slots] multiplied into each slot's output row.
+
+    Returns:
+        f32 [num_slots, N]: output row per slot (rows of blocks of expert -1 are zero).
+    """
+    bm = routing.block_m
+    num_slots = a.shape[0] * top_k
+    n = qw.n
+    ids = routing.sorted_token_ids
+    num_used_blocks = routing.num_tokens_post_padded // bm
+    a32 = a.astype(jnp.float32)
+
+    def body(b, out):
+        slot = jax.lax.dynamic_slice_in_dim(ids, b * bm, bm)  # [bm]
+        valid = slot < num_slots
+        rows = a32[jnp.where(valid, slot // top_k, 0)]  # [bm, K]
+        e = routing.expert_ids[b]
+        w = _dequantize_one(qw, jnp.maximum(e, 0))  # [N, K]
+        y = jnp.dot(rows, w.T, precision=jax.lax.Precision.HIGHEST)  # [bm, N]
+        if routed_weights is not None:
+            y = y * routed_weights[jnp.where(valid, slot, 0)][:, None]
+        y = jnp.where((e >= 0) & valid[:, None], y, 0.0)
+        # Padding slots go to the spare row num_slots, dropped below.
+        return out.at[jnp.where(valid, slot, num_slots)].set(y)
+
+    out = jnp.zeros((num_slots + 1, n), jnp.float32)
+    out = jax.lax.fori_loop(0, num_used_blocks, body, out)
+    return out[:num_slots]
+
+
+def silu_and_mul(h):
+    """[.., 2I] -> [.., I]: silu(gate) * up with gate = first half."""
+    i = h.shape[-1] // 2
+    return jax.nn.silu(h[..., :i]) * h[..., i:]
+
+
+ACTIVATIONS = {"silu": silu_and_mul}
+
+
+def _fused_moe_chunk(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, block_m):
+    t, k = topk_ids.shape
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+    routing = moe_align_block_size(
+        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
+    )
+    h = grouped_matmul(x, w13, routing, top_k=k)  # [T*k, 2I] f32
+    act = ACTIVATIONS[activation](h)  # [T*k, I]
+    y = grouped_matmul(
+        act, w2, routing, top_k=1, routed_weights=topk_weights.reshape(-1).astype(jnp.float32)
+    )  # [T*k, H]
+    return y.reshape(t, k, -1).sum(axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "block_m", "chunk_tokens"))
+def fused_moe(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map=None,
+    activation: str = "silu",
+    block_m: int = 16,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+):
+    """Reference MoE layer (DESIGN.md steps 1-5) in f32, processed in token chunks.
+
+    Args:
+        x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I].
+        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
+        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
+        activation: "silu".  block_m: alignment block.  chunk_tokens: tokens per chunk.
+
+    Returns:
+        [T, H] in x.dtype.
+    """
+    t, hdim = x.shape
+    if t == 0:
+        return jnp.zeros((0, hdim), x.dtype)
+    run = functools.partial(
+        _fused_moe_chunk,
+        w13=w13,
+        w2=w2,
+        expert_map=expert_map,
+        activation=activation,
+        block_m=block_m,
+    )
+    if t <= chunk_tokens:
+        return run(x, topk_weights=topk_weights, topk_ids=topk_ids).astype(x.dtype)
+    num_chunks = -(-t // chunk_tokens)
+    pad = num_chunks * chunk_tokens - t
+    # Padded tokens route to id -1 (dropped) and contribute nothing.
+    xp = jnp.pad(x, ((0, pad), (0, 0)))
+    wp = jnp.pad(topk_weights, ((0, pad), (0, 0)))
+    ip = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
+
+    def one(args):
+        xc, wc, ic = args
+        return run(xc, topk_weights=wc, topk_ids=ic)
+
+    out = jax.lax.map(
+        one,
+        (
+            xp.reshape(num_chunks, chunk_tokens, hdim),
+            wp.reshape(num_chunks, chunk_tokens, -1),
+            ip.reshape(num_chunks, chunk_tokens, -1),
+        ),
+    )
+    return out.reshape(-1, hdim)[:t].astype(x.dtype)
