@@ -188,9 +188,6 @@ def fused_moe(
     Returns:
         [T, H] in x.dtype.
     """
-    t, hdim = x.shape
-    if t == 0:
-        return jnp.zeros((0, hdim), x.dtype)
     run = functools.partial(
         _fused_moe_chunk,
         w13=w13,
@@ -199,21 +196,26 @@ def fused_moe(
         activation=activation,
         block_m=block_m,
     )
+    return map_token_chunks(run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens)
+
+
+def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int):
+    """Applies run(x, topk_weights=, topk_ids=) -> [t, H] f32 to chunks of at most chunk_tokens.
+
+    Returns [T, H] in x.dtype. Padding tokens of the last chunk route to id -1 (dropped).
+    """
+    t, hdim = x.shape
+    if t == 0:
+        return jnp.zeros((0, hdim), x.dtype)
     if t <= chunk_tokens:
         return run(x, topk_weights=topk_weights, topk_ids=topk_ids).astype(x.dtype)
     num_chunks = -(-t // chunk_tokens)
     pad = num_chunks * chunk_tokens - t
-    # Padded tokens route to id -1 (dropped) and contribute nothing.
     xp = jnp.pad(x, ((0, pad), (0, 0)))
     wp = jnp.pad(topk_weights, ((0, pad), (0, 0)))
     ip = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
-
-    def one(args):
-        xc, wc, ic = args
-        return run(xc, topk_weights=wc, topk_ids=ic)
-
     out = jax.lax.map(
-        one,
+        lambda args: run(args[0], topk_weights=args[1], topk_ids=args[2]),
         (
             xp.reshape(num_chunks, chunk_tokens, hdim),
             wp.reshape(num_chunks, chunk_tokens, -1),

@@ -1,0 +1,95 @@
+"""The 'pallas' and 'pallas_interpret' backends of wna16_jax.fused_moe."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels import fused_moe as pallas_moe
+from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
+
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+MIN_COMPUTE_CAPABILITY = 8.0
+
+
+def _gpu_reason(platform: str) -> str | None:
+    """Why the compiled kernels cannot run on this platform (None when they can)."""
+    if platform != "gpu":
+        return (
+            f"needs an NVIDIA GPU, the platform is {platform!r} (use 'pallas_interpret' to run "
+            f"the same kernels in the Pallas interpreter)"
+        )
+    device = jax.devices()[0]
+    cc = getattr(device, "compute_capability", None)
+    if cc is None:
+        return f"device {device.device_kind!r} is not a CUDA GPU"
+    if float(cc) < MIN_COMPUTE_CAPABILITY:
+        return (
+            f"needs compute capability >= {MIN_COMPUTE_CAPABILITY}, {device.device_kind} has {cc}"
+        )
+    return None
+
+
+def _shape_reason(problem: MoEProblem) -> str | None:
+    if problem.dtype not in SUPPORTED_DTYPES:
+        return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
+    if problem.activation != "silu":
+        return f"activation {problem.activation!r} is not supported (only 'silu')"
+    for what, size in (("H", problem.hidden), ("I", problem.intermediate)):
+        if size % 16:
+            return f"{what}={size} is not a multiple of 16 (the smallest tile)"
+    for what, g in (("w13", problem.w13_group), ("w2", problem.w2_group)):
+        if g % 16:
+            return f"{what} group size {g} is not a multiple of 16 (the smallest k-tile)"
+    return None
+
+
+def _pallas_reason(problem: MoEProblem) -> str | None:
+    return _gpu_reason(problem.platform) or _shape_reason(problem)
+
+
+def _run(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, interpret):
+    return pallas_moe.fused_moe(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        activation=activation,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def _align(topk_ids, *, num_experts, block_m, expert_map, interpret):
+    return pallas_moe.align(
+        topk_ids,
+        num_experts=num_experts,
+        block_m=block_m,
+        expert_map=expert_map,
+        interpret=interpret,
+    )
+
+
+def _align_reason(problem: AlignProblem) -> str | None:
+    return _gpu_reason(problem.platform)
+
+
+BACKENDS = (
+    Backend(
+        name="pallas",
+        unsupported_reason=_pallas_reason,
+        fused_moe=functools.partial(_run, interpret=False),
+        align_unsupported_reason=_align_reason,
+        moe_align_block_size=functools.partial(_align, interpret=False),
+    ),
+    Backend(
+        name="pallas_interpret",
+        unsupported_reason=_shape_reason,
+        fused_moe=functools.partial(_run, interpret=True),
+        align_unsupported_reason=lambda problem: None,
+        moe_align_block_size=functools.partial(_align, interpret=True),
+    ),
+)

@@ -1,0 +1,144 @@
+"""The MoE layer from the Pallas kernels: align -> GEMM1 -> silu*up -> GEMM2 -> sum over top-k."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.wna16_gemm import wna16_gemm
+from wna16_jax import _configs, _reference
+from wna16_jax._types import BlockConfig, QuantizedExperts
+
+logger = logging.getLogger("wna16_jax")
+
+# Tokens per chunk: bounds the [T*k, max(2I, H)] intermediates (and keeps them < 2^31 elements).
+DEFAULT_CHUNK_TOKENS = 8192
+
+_logged_configs: set = set()
+
+
+def align(topk_ids, *, num_experts, block_m, expert_map, interpret):
+    try:
+        from pallas_kernels.align import moe_align_block_size
+    except ImportError:  # pragma: no cover - the align kernel ships beside this file
+        return _reference.moe_align_block_size(
+            topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
+        )
+    return moe_align_block_size(
+        topk_ids,
+        num_experts=num_experts,
+        block_m=block_m,
+        expert_map=expert_map,
+        interpret=interpret,
+    )
+
+
+def gemm_configs(
+    num_slots: int, w13: QuantizedExperts, w2: QuantizedExperts, config: BlockConfig | None
+) -> tuple[BlockConfig, BlockConfig]:
+    """The configs of GEMM1 (w13) and GEMM2 (w2); both share GEMM1's block_m (one alignment)."""
+    shapes = [
+        _configs.GemmShape(
+            m=num_slots,
+            n=w.n,
+            k=w.k,
+            num_experts=w.num_experts,
+            bits=w.bits,
+            group=w.group,
+            group_size=w.group_size,
+        )
+        for w in (w13, w2)
+    ]
+    (c1, src1), (c2, src2) = (_configs.resolve_config(s, config) for s in shapes)
+    c2 = dataclasses.replace(c2, block_m=c1.block_m)
+    key = (shapes[0], shapes[1], c1, c2)
+    if key not in _logged_configs:
+        _logged_configs.add(key)
+        logger.info(
+            "wna16_jax: fused_moe M=%d GEMM1 (N=%d, K=%d) %s [%s]; GEMM2 (N=%d, K=%d) %s [%s]",
+            num_slots,
+            w13.n,
+            w13.k,
+            c1,
+            src1,
+            w2.n,
+            w2.k,
+            c2,
+            src2,
+        )
+    return c1, c2
+
+
+def _fused_moe_chunk(
+    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, interpret
+):
+    t, k = topk_ids.shape
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+    c1, c2 = gemm_configs(t * k, w13, w2, config)
+    routing = align(
+        topk_ids,
+        num_experts=num_experts,
+        block_m=c1.block_m,
+        expert_map=expert_map,
+        interpret=interpret,
+    )
+    h = wna16_gemm(x, w13, routing, top_k=k, config=c1, interpret=interpret)  # [T*k, 2I]
+    act = _reference.ACTIVATIONS[activation](h.astype(jnp.float32)).astype(x.dtype)  # [T*k, I]
+    y = wna16_gemm(
+        act,
+        w2,
+        routing,
+        topk_weights.reshape(-1).astype(jnp.float32),
+        top_k=1,
+        config=c2,
+        out_dtype=jnp.float32,
+        interpret=interpret,
+    )  # [T*k, H] f32, routed weights applied
+    # Slots the alignment dropped (ids out of range) sit in no block: their rows are unwritten.
+    flat = topk_ids.reshape(-1)
+    placed = (flat >= 0) & (flat < num_experts)
+    y = jnp.where(placed[:, None], y, 0.0)
+    return y.reshape(t, k, -1).sum(axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "config", "interpret", "chunk_tokens"))
+def fused_moe(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map=None,
+    activation: str = "silu",
+    config: BlockConfig | None = None,
+    interpret: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+):
+    """fused_moe (DESIGN.md steps 1-5) from the Pallas kernels; inputs already validated.
+
+    Args:
+        x: [T, H] bf16/f16/f32.  w13: [E, 2I, H].  w2: [E, H, I].
+        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
+        expert_map: optional int32 [E_global].  activation: "silu".
+        config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM).
+        interpret: run the kernels under the Pallas interpreter.
+        chunk_tokens: tokens per chunk for large T.
+
+    Returns:
+        [T, H] in x.dtype.
+    """
+    run = functools.partial(
+        _fused_moe_chunk,
+        w13=w13,
+        w2=w2,
+        expert_map=expert_map,
+        activation=activation,
+        config=config,
+        interpret=interpret,
+    )
+    return _reference.map_token_chunks(run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens)
