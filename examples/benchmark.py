@@ -1,0 +1,415 @@
+"""Times fused_moe (whole layer and each stage) against the measured HBM and matmul ceilings.
+
+On a GPU the default problem is DeepSeek-V3's MoE layer (E=256, top-8, H=7168, I=2048, int4
+g128); on a CPU it is a tiny problem so the script doubles as a smoke test. Each timing is the
+median over repeats of a jitted loop that calls the op `--iters` times on rotated input sets, so
+host dispatch is excluded; the per-call time of one jitted call from the host (dispatch
+included) is reported beside it.
+
+Example:
+    python examples/benchmark.py --m 1 16 256 4096 --json out/bench.json --plot out/roofline.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import wna16_jax as wj
+
+PRESETS = {
+    # name: (E, top_k, H, I, group_size)
+    "deepseek-v3": (256, 8, 7168, 2048, 128),
+    "deepseek-v3-tp8": (256, 8, 7168, 256, 128),
+    "tiny": (8, 2, 256, 128, 64),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    group_size: int
+    bits: int
+    has_zp: bool
+    dtype: str = "bfloat16"
+
+
+def _random_experts(key, e, n, k, *, bits, group_size, has_zp, dtype):
+    """Random packed weights built on device (no float weights materialized)."""
+    kq, ks, kz = jax.random.split(key, 3)
+    g = k if group_size == -1 else group_size
+    qweight = jax.random.bits(kq, (e, n, k * bits // 32), jnp.uint32)
+    # Scales ~ 1/sqrt(K) / step so outputs stay O(1).
+    scales = jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5) * (4.0 / k**0.5 / 8)
+    zeros = None
+    if has_zp:
+        zn = n // 2 if bits == 4 else n
+        lo, hi = (6, 10) if bits == 4 else (120, 136)
+        z = jax.random.randint(kz, (e, n, k // g), lo, hi).astype(jnp.uint8)
+        zeros = z if bits == 8 else (z[:, 0::2] | (z[:, 1::2] << 4)).astype(jnp.uint8)
+        assert zeros.shape[1] == zn
+    return wj.QuantizedExperts(
+        qweight=qweight,
+        scales=scales.astype(dtype),
+        zeros=zeros,
+        bits=bits,
+        group_size=group_size,
+    )
+
+
+def random_routing(key, m, e, k, num_sets):
+    """num_sets independent [m, k] routings, each token's experts distinct."""
+    keys = jax.random.split(key, num_sets)
+    scores = jnp.stack([jax.random.uniform(kk, (m, e)) for kk in keys])  # [S, m, E]
+    _, ids = jax.lax.top_k(scores, k)
+    w = jax.random.uniform(jax.random.fold_in(key, 1), (num_sets, m, k), jnp.float32, 0.1, 1.0)
+    return w, ids.astype(jnp.int32)
+
+
+def weight_bytes(qw: wj.QuantizedExperts, experts_touched: int) -> int:
+    per_expert = sum(
+        a.nbytes // a.shape[0] for a in (qw.qweight, qw.scales, qw.zeros) if a is not None
+    )
+    return per_expert * experts_touched
+
+
+def time_loop(fn, args_sets, *, iters, repeats):
+    """Median seconds per call of fn(*args) inside one jitted loop over rotated input sets.
+
+    Returns (device_seconds_per_call, host_seconds_per_single_call).
+    """
+    num_sets = len(args_sets)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *args_sets)
+
+    @jax.jit
+    def loop(stacked):
+        def body(i, acc):
+            args = jax.tree.map(lambda s: s[i % num_sets], stacked)
+            out = fn(*args)
+            return acc + jnp.sum(out.astype(jnp.float32)) * 1e-30
+
+        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+
+    single = jax.jit(fn)
+    jax.block_until_ready(loop(stacked))
+    jax.block_until_ready(single(*args_sets[0]))
+    loop_times, single_times = [], []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(stacked))
+        loop_times.append((time.perf_counter() - t0) / iters)
+        t0 = time.perf_counter()
+        jax.block_until_ready(single(*args_sets[r % num_sets]))
+        single_times.append(time.perf_counter() - t0)
+    return statistics.median(loop_times), statistics.median(single_times)
+
+
+def measure_ceilings(on_gpu: bool, repeats: int):
+    """HBM copy bandwidth (read + write bytes) and dense bf16 matmul FLOP/s, measured now."""
+    n = (1 << 28) if on_gpu else (1 << 22)  # f32 elements: 1 GiB on GPU
+    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
+    t_copy, _ = time_loop(lambda x: x * 1.0001, [(x,) for x in xs], iters=20, repeats=repeats)
+    copy_bps = 2 * n * 4 / t_copy
+    d = 8192 if on_gpu else 512
+    ms = [jax.random.normal(jax.random.key(10 + i), (d, d), jnp.bfloat16) for i in range(2)]
+    t_mm, _ = time_loop(
+        lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+        [(ms[0], ms[1]), (ms[1], ms[0])],
+        iters=10,
+        repeats=repeats,
+    )
+    return copy_bps, 2 * d**3 / t_mm
+
+
+def stage_fns(problem: Problem, implementation: str, config):
+    """The fused_moe stages as separate jittable functions (pallas backends only)."""
+    from pallas_kernels import fused_moe as pm
+    from pallas_kernels.wna16_gemm import wna16_gemm
+
+    interpret = implementation == "pallas_interpret"
+
+    def configs(w13, w2, ids):
+        return pm.gemm_configs(ids.size, w13, w2, config)
+
+    def align(w13, w2, x, tw, ids):
+        c1, _ = configs(w13, w2, ids)
+        r = pm.align(
+            ids,
+            num_experts=problem.num_experts,
+            block_m=c1.block_m,
+            expert_map=None,
+            interpret=interpret,
+        )
+        return r.sorted_token_ids
+
+    def gemm1(w13, w2, x, tw, ids, routing):
+        c1, _ = configs(w13, w2, ids)
+        return wna16_gemm(x, w13, routing, top_k=ids.shape[1], config=c1, interpret=interpret)
+
+    def gemm2(w13, w2, act, tw, ids, routing):
+        _, c2 = configs(w13, w2, ids)
+        return wna16_gemm(
+            act,
+            w2,
+            routing,
+            tw.reshape(-1),
+            top_k=1,
+            config=c2,
+            out_dtype=jnp.float32,
+            interpret=interpret,
+        )
+
+    return align, gemm1, gemm2, configs
+
+
+def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, stages, config):
+    key = jax.random.key(0)
+    dtype = jnp.dtype(problem.dtype)
+    e, k, h, i = problem.num_experts, problem.top_k, problem.hidden, problem.intermediate
+    w13 = _random_experts(
+        jax.random.fold_in(key, 1),
+        e,
+        2 * i,
+        h,
+        bits=problem.bits,
+        group_size=problem.group_size,
+        has_zp=problem.has_zp,
+        dtype=dtype,
+    )
+    w2 = _random_experts(
+        jax.random.fold_in(key, 2),
+        e,
+        h,
+        i,
+        bits=problem.bits,
+        group_size=problem.group_size,
+        has_zp=problem.has_zp,
+        dtype=dtype,
+    )
+    rows = []
+    for m in ms:
+        xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (num_sets, m, h), dtype)
+        tws, idss = random_routing(jax.random.fold_in(key, 4 + m), m, e, k, num_sets)
+        touched = float(np.mean([len(np.unique(np.asarray(idss[s]))) for s in range(num_sets)]))
+        wbytes = weight_bytes(w13, 1) * touched + weight_bytes(w2, 1) * touched
+        flops = 2.0 * m * k * (2 * i * h + h * i)
+        sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
+        for impl in implementations:
+            fn = functools.partial(_moe, w13=w13, w2=w2, implementation=impl, config=config)
+            try:
+                t, t_host = time_loop(fn, sets, iters=iters, repeats=repeats)
+            except Exception as err:  # a backend that cannot run this size: report, go on
+                logging.warning("%s M=%d failed: %s", impl, m, str(err).splitlines()[0])
+                continue
+            row = dict(
+                implementation=impl,
+                M=m,
+                seconds=t,
+                host_call_seconds=t_host,
+                weight_bytes=wbytes,
+                flops=flops,
+                experts_touched=touched,
+            )
+            if stages and impl.startswith("pallas"):
+                row["stages"] = bench_stages(
+                    problem, impl, config, w13, w2, sets, iters=iters, repeats=repeats
+                )
+            rows.append(row)
+            print(f"  {impl:>16} M={m:<6} {t * 1e6:10.1f} us", file=sys.stderr, flush=True)
+    return rows
+
+
+def _moe(x, tw, ids, *, w13, w2, implementation, config):
+    return wj.fused_moe(x, w13, w2, tw, ids, implementation=implementation, config=config)
+
+
+def bench_stages(problem, impl, config, w13, w2, sets, *, iters, repeats):
+    from wna16_jax import _reference
+
+    align, gemm1, gemm2, configs = stage_fns(problem, impl, config)
+    from pallas_kernels import fused_moe as pm
+
+    interpret = impl == "pallas_interpret"
+    routed = []
+    for x, tw, ids in sets:
+        c1, _ = configs(w13, w2, ids)
+        r = pm.align(
+            ids,
+            num_experts=problem.num_experts,
+            block_m=c1.block_m,
+            expert_map=None,
+            interpret=interpret,
+        )
+        h = gemm1(w13, w2, x, tw, ids, r)
+        act = _reference.silu_and_mul(h.astype(jnp.float32)).astype(x.dtype)
+        y = gemm2(w13, w2, act, tw, ids, r)
+        routed.append((x, tw, ids, r, h, act, y))
+    out = {}
+    t = lambda fn, args: time_loop(fn, args, iters=iters, repeats=repeats)[0]  # noqa: E731
+    out["align"] = t(lambda tw, ids: align(w13, w2, None, tw, ids), [(s[1], s[2]) for s in routed])
+    out["gemm1"] = t(lambda x, tw, ids, r: gemm1(w13, w2, x, tw, ids, r), [s[:4] for s in routed])
+    out["activation"] = t(
+        lambda h: _reference.silu_and_mul(h.astype(jnp.float32)).astype(h.dtype),
+        [(s[4],) for s in routed],
+    )
+    out["gemm2"] = t(
+        lambda act, tw, ids, r: gemm2(w13, w2, act, tw, ids, r),
+        [(s[5], s[1], s[2], s[3]) for s in routed],
+    )
+    k = problem.top_k
+    out["reduction"] = t(
+        lambda y: y.reshape(-1, k, y.shape[-1]).sum(1).astype(jnp.bfloat16),
+        [(s[6],) for s in routed],
+    )
+    return out
+
+
+def print_table(rows, copy_bps, mm_flops):
+    print(
+        f"{'impl':>16} {'M':>6} {'time us':>10} {'host us':>9} {'weight GB/s':>12} "
+        f"{'%copy':>6} {'TFLOP/s':>8} {'%mm':>6}"
+    )
+    for r in rows:
+        bw = r["weight_bytes"] / r["seconds"]
+        fl = r["flops"] / r["seconds"]
+        print(
+            f"{r['implementation']:>16} {r['M']:>6} {r['seconds'] * 1e6:>10.1f} "
+            f"{r['host_call_seconds'] * 1e6:>9.1f} {bw / 1e9:>12.1f} {100 * bw / copy_bps:>6.1f} "
+            f"{fl / 1e12:>8.2f} {100 * fl / mm_flops:>6.1f}"
+        )
+        if "stages" in r:
+            st = "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in r["stages"].items())
+            print(f"{'':>16} stages: {st}")
+
+
+def plot_roofline(rows, copy_bps, mm_flops, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = np.logspace(-1, 4, 200)
+    ax.loglog(xs, np.minimum(xs * copy_bps, mm_flops) / 1e12, "k-", label="measured ceilings")
+    for impl in sorted({r["implementation"] for r in rows}):
+        pts = [r for r in rows if r["implementation"] == impl]
+        ai = [r["flops"] / r["weight_bytes"] for r in pts]
+        perf = [r["flops"] / r["seconds"] / 1e12 for r in pts]
+        ax.loglog(ai, perf, "o-", label=impl)
+        for r, a, p in zip(pts, ai, perf):
+            ax.annotate(f"M={r['M']}", (a, p), fontsize=7)
+    ax.set_xlabel("FLOP per weight byte")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("fused_moe roofline (weight bytes only)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    on_gpu = jax.default_backend() == "gpu"
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="deepseek-v3" if on_gpu else "tiny",
+        help="problem shape (default: deepseek-v3 on GPU, tiny on CPU)",
+    )
+    p.add_argument(
+        "--m",
+        type=int,
+        nargs="+",
+        default=None,
+        help="token counts (default: 1 4 16 64 256 1024 4096 on GPU, 1 8 on CPU)",
+    )
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
+    p.add_argument(
+        "--implementations",
+        nargs="+",
+        default=None,
+        help="backends to time (default: pallas xla on GPU, pallas_interpret xla on CPU)",
+    )
+    p.add_argument(
+        "--xla-max-m",
+        type=int,
+        default=64,
+        help="skip the slow xla reference above this many tokens",
+    )
+    p.add_argument("--iters", type=int, default=None, help="calls per timed loop")
+    p.add_argument("--repeats", type=int, default=5, help="timed loops (median taken)")
+    p.add_argument("--sets", type=int, default=4, help="input sets rotated through the loop")
+    p.add_argument("--stages", action="store_true", help="also time each stage (pallas only)")
+    p.add_argument(
+        "--block-config",
+        type=str,
+        default=None,
+        help='BlockConfig as JSON, e.g. \'{"block_m":16,"block_n":64,"block_k":256}\'',
+    )
+    p.add_argument("--json", type=str, default=None, help="write results here")
+    p.add_argument("--plot", type=str, default=None, help="write a roofline PNG here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    e, k, h, i, g = PRESETS[args.preset]
+    problem = Problem(e, k, h, i, g, args.bits, not args.no_zp)
+    ms = args.m or ([1, 4, 16, 64, 256, 1024, 4096] if on_gpu else [1, 8])
+    impls = args.implementations or (["pallas", "xla"] if on_gpu else ["pallas_interpret", "xla"])
+    iters = args.iters or (20 if on_gpu else 2)
+    config = wj.BlockConfig(**json.loads(args.block_config)) if args.block_config else None
+    copy_bps, mm_flops = measure_ceilings(on_gpu, args.repeats)
+    print(
+        f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
+        f"copy ceiling {copy_bps / 1e12:.2f} TB/s  bf16 matmul ceiling "
+        f"{mm_flops / 1e12:.1f} TFLOP/s",
+        flush=True,
+    )
+    print(f"problem: {problem}", flush=True)
+    rows = []
+    for impl in impls:
+        run_ms = [m for m in ms if impl != "xla" or m <= args.xla_max_m]
+        rows += bench_problem(
+            problem,
+            run_ms,
+            [impl],
+            iters=iters,
+            repeats=args.repeats,
+            num_sets=args.sets,
+            stages=args.stages,
+            config=config,
+        )
+    print_table(rows, copy_bps, mm_flops)
+    result = dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        python=platform.python_version(),
+        problem=dataclasses.asdict(problem),
+        copy_bytes_per_s=copy_bps,
+        matmul_flops_per_s=mm_flops,
+        rows=rows,
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot_roofline(rows, copy_bps, mm_flops, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()
