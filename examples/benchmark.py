@@ -311,7 +311,7 @@ def plot_roofline(rows, copy_bps, mm_flops, path):
         ai = [r["flops"] / r["weight_bytes"] for r in pts]
         perf = [r["flops"] / r["seconds"] / 1e12 for r in pts]
         ax.loglog(ai, perf, "o-", label=impl)
-        for r, a, p in zip(pts, ai, perf):
+        for r, a, p in zip(pts, ai, perf, strict=True):
             ax.annotate(f"M={r['M']}", (a, p), fontsize=7)
     ax.set_xlabel("FLOP per weight byte")
     ax.set_ylabel("TFLOP/s")

@@ -1,5 +1,6 @@
 """wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
 
+from wna16_jax import formats
 from wna16_jax._api import fused_moe, moe_align_block_size
 from wna16_jax._dispatch import registered_backends
 from wna16_jax._quant import dequantize_experts, quantize_experts
@@ -10,6 +11,7 @@ __all__ = [
     "BlockConfig",
     "QuantizedExperts",
     "dequantize_experts",
+    "formats",
     "fused_moe",
     "moe_align_block_size",
     "quantize_experts",
