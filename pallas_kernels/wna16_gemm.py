@@ -9,37 +9,75 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import _dequant
 from wna16_jax._quant import implicit_zero
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
 
-def _dequant_tile(qw_ref, s_ref, z_ref, e, n_idx, k0, *, bits, block_k, group, has_zeros):
-    """Loads one [bn, bk] weight tile of expert e and returns (q - z) and its scales.
+def _tile_product(
+    a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros
+):
+    """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for one k-tile.
 
-    When a k-tile lies inside one group the scale is returned per row ([bn]) so the caller can
-    apply it to the [bm, bn] product instead of the [bn, bk] tile; otherwise the tile is
-    returned already scaled (f32 [bn, bk]) and the scale is None.
+    The [bn, bk // per_word] word tile is loaded once; value slice i of the words meets the
+    activation columns k0 + per_word * j + i, so each slice is one [bm, W] x [W, bn] dot.
     """
     per_word = 32 // bits
-    kk = k0 + jnp.arange(block_k, dtype=jnp.int32)  # [bk] input features
-    # [bn, bk] uint32: each word is loaded once per value it holds (served from L1).
-    words = plgpu.load(qw_ref.at[e, n_idx[:, None], (kk // per_word)[None, :]])
-    shift = ((kk % per_word) * bits).astype(jnp.uint32)
-    q = ((words >> shift[None, :]) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32)
-    if block_k <= group:
-        g = k0 // group
-        s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
-        if has_zeros:
-            z = _load_zeros(z_ref, e, n_idx, g, bits=bits)  # [bn]
-            return q - z[:, None], s
-        return q - implicit_zero(bits), s
-    g_idx = (kk // group)[None, :]  # [1, bk]
-    s = plgpu.load(s_ref.at[e, n_idx[:, None], g_idx]).astype(jnp.float32)  # [bn, bk]
-    if has_zeros:
-        z = _load_zeros(z_ref, e, n_idx[:, None], g_idx, bits=bits)  # [bn, bk]
-    else:
-        z = implicit_zero(bits)
-    return (q - z).astype(jnp.float32) * s, None
+    width = block_k // per_word  # W words per row of the tile
+    j = jnp.arange(width, dtype=jnp.int32)
+    words = plgpu.load(qw_ref.at[e, n_idx[:, None], (k0 // per_word + j)[None, :]])  # [bn, W]
+    dtype = a_ref.dtype
+    dot = functools.partial(
+        jax.lax.dot_general,
+        dimension_numbers=(((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+
+    def a_slice(i):  # [bm, W]: columns k0 + per_word * j + i
+        return plgpu.load(a_ref.at[row[:, None], (k0 + per_word * j + i)[None, :]])
+
+    if block_k > group:
+        # Several groups per tile: scale (and shift) each value before the dot.
+        acc = None
+        for i in range(per_word):
+            g_idx = ((k0 + per_word * j + i) // group)[None, :]  # [1, W]
+            s = plgpu.load(s_ref.at[e, n_idx[:, None], g_idx]).astype(jnp.float32)  # [bn, W]
+            z = _zero_points(z_ref, e, n_idx[:, None], g_idx, bits=bits, has_zeros=has_zeros)
+            w = _dequant.to_f32_minus_zero(_dequant.value_slice(words, i, bits=bits), z) * s
+            part = dot(a_slice(i), w.astype(dtype))
+            acc = part if acc is None else acc + part
+        return acc
+
+    # One group per tile: the scale multiplies the [bm, bn] product, not the [bn, bk] tile.
+    g = k0 // group
+    s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
+    z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
+    offset = _dequant.half_magic_offset(bits, dtype)
+    acc = None
+    rowsum = None
+    for i in range(per_word):
+        v = _dequant.value_slice(words, i, bits=bits)  # [bn, W] uint32
+        a_i = a_slice(i)
+        if offset is None:  # exact (v - z) through f32
+            part = dot(
+                a_i, _dequant.to_f32_minus_zero(v, z[:, None] if has_zeros else z).astype(dtype)
+            )
+        else:  # offset + v exactly in the 16-bit dtype; the offset and z come off below
+            part = dot(a_i, _dequant.to_half_plus_offset(v, dtype))
+            rs = jnp.sum(a_i.astype(jnp.float32), axis=1)  # [bm]
+            rowsum = rs if rowsum is None else rowsum + rs
+        acc = part if acc is None else acc + part
+    if offset is not None:
+        zf = (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
+        acc = acc - rowsum[:, None] * zf[None, :] if has_zeros else acc - rowsum[:, None] * zf
+    return acc * s[None, :]
+
+
+def _zero_points(z_ref, e, n_idx, g, *, bits, has_zeros):
+    """Zero points (int32, broadcast shape of n_idx and g), or the implicit int when absent."""
+    if not has_zeros:
+        return implicit_zero(bits)
+    return _load_zeros(z_ref, e, n_idx, g, bits=bits)
 
 
 def _load_zeros(z_ref, e, n_idx, g, *, bits):
@@ -102,14 +140,13 @@ def _gemm_kernel(
 
             def body(t, acc):
                 k0 = (first + t) * bk
-                kk = k0 + jnp.arange(bk, dtype=jnp.int32)
-                # Loads index with arrays only (the interpreter cannot mix arrays and slices).
-                a = plgpu.load(a_ref.at[row[:, None], kk[None, :]])  # [bm, bk]
-                w, s = _dequant_tile(
+                return acc + _tile_product(
+                    a_ref,
                     qw_ref,
                     s_ref,
                     z_ref,
                     e,
+                    row,
                     n_idx,
                     k0,
                     bits=bits,
@@ -117,14 +154,6 @@ def _gemm_kernel(
                     group=group,
                     has_zeros=has_zeros,
                 )
-                w = w.astype(a.dtype)
-                # [bm, bk] x [bn, bk]^T -> [bm, bn], f32 accumulation (IEEE for f32 inputs).
-                part = jax.lax.dot_general(
-                    a, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )
-                if s is not None:
-                    part = part * s[None, :]
-                return acc + part
 
             acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((bm, bn), jnp.float32))
             if rw_ref is not None:
