@@ -88,43 +88,59 @@ def weight_bytes(qw: wj.QuantizedExperts, experts_touched: int) -> int:
     return per_expert * experts_touched
 
 
-def time_loop(fn, args_sets, *, iters, repeats):
-    """Median seconds per call of fn(*args) inside one jitted loop over rotated input sets.
+def time_loop(fn, args_sets, *, iters, repeats, consts=()):
+    """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs.
 
+    `consts` (e.g. the weights) are passed as jit arguments, never captured as constants.
     Returns (device_seconds_per_call, host_seconds_per_single_call).
     """
     num_sets = len(args_sets)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *args_sets)
 
     @jax.jit
-    def loop(stacked):
+    def loop(consts, stacked):
         def body(i, acc):
             args = jax.tree.map(lambda s: s[i % num_sets], stacked)
-            out = fn(*args)
+            out = fn(*consts, *args)
             return acc + jnp.sum(out.astype(jnp.float32)) * 1e-30
 
         return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
 
     single = jax.jit(fn)
-    jax.block_until_ready(loop(stacked))
-    jax.block_until_ready(single(*args_sets[0]))
+    jax.block_until_ready(loop(consts, stacked))
+    jax.block_until_ready(single(*consts, *args_sets[0]))
     loop_times, single_times = [], []
     for r in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(stacked))
+        jax.block_until_ready(loop(consts, stacked))
         loop_times.append((time.perf_counter() - t0) / iters)
         t0 = time.perf_counter()
-        jax.block_until_ready(single(*args_sets[r % num_sets]))
+        jax.block_until_ready(single(*consts, *args_sets[r % num_sets]))
         single_times.append(time.perf_counter() - t0)
     return statistics.median(loop_times), statistics.median(single_times)
+
+
+def time_copy(n, *, iters, repeats):
+    """Seconds per elementwise pass over n f32 values that is read and written (carried)."""
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+
+    @jax.jit
+    def loop(x):
+        return jax.lax.fori_loop(0, iters, lambda i, y: y * 0.999 + 1e-3, x)
+
+    jax.block_until_ready(loop(x))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(x))
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
 
 
 def measure_ceilings(on_gpu: bool, repeats: int):
     """HBM copy bandwidth (read + write bytes) and dense bf16 matmul FLOP/s, measured now."""
     n = (1 << 28) if on_gpu else (1 << 22)  # f32 elements: 1 GiB on GPU
-    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
-    t_copy, _ = time_loop(lambda x: x * 1.0001, [(x,) for x in xs], iters=20, repeats=repeats)
-    copy_bps = 2 * n * 4 / t_copy
+    copy_bps = 2 * n * 4 / time_copy(n, iters=20, repeats=repeats)
     d = 8192 if on_gpu else 512
     ms = [jax.random.normal(jax.random.key(10 + i), (d, d), jnp.bfloat16) for i in range(2)]
     t_mm, _ = time_loop(
@@ -210,9 +226,9 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
         flops = 2.0 * m * k * (2 * i * h + h * i)
         sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
         for impl in implementations:
-            fn = functools.partial(_moe, w13=w13, w2=w2, implementation=impl, config=config)
+            fn = functools.partial(_moe, implementation=impl, config=config)
             try:
-                t, t_host = time_loop(fn, sets, iters=iters, repeats=repeats)
+                t, t_host = time_loop(fn, sets, iters=iters, repeats=repeats, consts=(w13, w2))
             except Exception as err:  # a backend that cannot run this size: report, go on
                 logging.warning("%s M=%d failed: %s", impl, m, str(err).splitlines()[0])
                 continue
@@ -234,7 +250,7 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
     return rows
 
 
-def _moe(x, tw, ids, *, w13, w2, implementation, config):
+def _moe(w13, w2, x, tw, ids, *, implementation, config):
     return wj.fused_moe(x, w13, w2, tw, ids, implementation=implementation, config=config)
 
 
@@ -260,20 +276,22 @@ def bench_stages(problem, impl, config, w13, w2, sets, *, iters, repeats):
         y = gemm2(w13, w2, act, tw, ids, r)
         routed.append((x, tw, ids, r, h, act, y))
     out = {}
-    t = lambda fn, args: time_loop(fn, args, iters=iters, repeats=repeats)[0]  # noqa: E731
-    out["align"] = t(lambda tw, ids: align(w13, w2, None, tw, ids), [(s[1], s[2]) for s in routed])
-    out["gemm1"] = t(lambda x, tw, ids, r: gemm1(w13, w2, x, tw, ids, r), [s[:4] for s in routed])
+
+    def t(fn, args):
+        return time_loop(fn, args, iters=iters, repeats=repeats, consts=(w13, w2))[0]
+
+    out["align"] = t(
+        lambda w13, w2, tw, ids: align(w13, w2, None, tw, ids), [(s[1], s[2]) for s in routed]
+    )
+    out["gemm1"] = t(gemm1, [s[:4] for s in routed])
     out["activation"] = t(
-        lambda h: _reference.silu_and_mul(h.astype(jnp.float32)).astype(h.dtype),
+        lambda w13, w2, h: _reference.silu_and_mul(h.astype(jnp.float32)).astype(h.dtype),
         [(s[4],) for s in routed],
     )
-    out["gemm2"] = t(
-        lambda act, tw, ids, r: gemm2(w13, w2, act, tw, ids, r),
-        [(s[5], s[1], s[2], s[3]) for s in routed],
-    )
+    out["gemm2"] = t(gemm2, [(s[5], s[1], s[2], s[3]) for s in routed])
     k = problem.top_k
     out["reduction"] = t(
-        lambda y: y.reshape(-1, k, y.shape[-1]).sum(1).astype(jnp.bfloat16),
+        lambda w13, w2, y: y.reshape(-1, k, y.shape[-1]).sum(1).astype(jnp.bfloat16),
         [(s[6],) for s in routed],
     )
     return out

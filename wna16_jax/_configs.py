@@ -124,7 +124,7 @@ def heuristic_config(shape: GemmShape) -> BlockConfig:
     while block_k < g and g % block_k:
         block_k //= 2
     block_k = max(block_k, 32 // shape.bits)
-    return BlockConfig(
+    config = BlockConfig(
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
@@ -133,6 +133,10 @@ def heuristic_config(shape: GemmShape) -> BlockConfig:
         num_warps=4,
         num_stages=2 if block_m <= 32 else 3,
     )
+    # Only a group size that is not a multiple of a packed word (e.g. int4 with G=12) leaves
+    # no power-of-two block_k; say so instead of returning a config the kernels cannot run.
+    check_config(config, shape, what="no block config fits; the nearest")
+    return config
 
 
 def device_kind() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jax
@@ -127,6 +128,13 @@ jax.tree_util.register_dataclass(
     QuantizedExperts,
     data_fields=["qweight", "scales", "zeros"],
     meta_fields=["bits", "group_size"],
+)
+# So that jax.export can serialize functions taking or returning QuantizedExperts.
+jax.export.register_pytree_node_serialization(
+    QuantizedExperts,
+    serialized_name="wna16_jax.QuantizedExperts",
+    serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+    deserialize_auxdata=lambda data: tuple(json.loads(data)),
 )
 
 

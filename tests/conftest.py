@@ -1,0 +1,33 @@
+"""Shared fixtures: a per-test seeded numpy Generator and the skip rule for GPU-only tests."""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+# Lets test modules import the shared helpers as `helpers` whatever the rootdir/import mode.
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A Generator seeded from the test id: every case gets its own, reproducible inputs."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_collection_modifyitems(config, items):
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return
+    skip_gpu = pytest.mark.skip(
+        reason=f"needs an NVIDIA GPU (compiled Pallas kernels); JAX's default backend is "
+        f"{backend!r}"
+    )
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

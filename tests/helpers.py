@@ -1,0 +1,288 @@
+"""Shared test helpers: float64 numpy oracles, random inputs and the one tolerance table.
+
+Everything here is independent of the library's own packing and reference code (numpy only),
+so that kernel tests and reference tests check against the same oracle.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from wna16_jax import AlignedRouting, QuantizedExperts
+
+# ---- tolerances -----------------------------------------------------------------------------
+
+# Relative error ||out - ref|| / ||ref|| allowed for a fused MoE output in each activation dtype,
+# against the float64 oracle on the *dequantized* weights (quantization error is not in here).
+# Element-wise, the same number is used as rtol with atol = tol * rms(ref).
+TOLERANCES: dict[np.dtype, float] = {
+    # f32 accumulation over K <= a few hundred: observed ~1e-7.
+    jnp.dtype(jnp.float32): 1e-5,
+    # Loose: the output is rounded to f16 (unit roundoff 2^-11 = 4.9e-4); kernels may also round
+    # the intermediate activation to f16, a second rounding of the same size.
+    jnp.dtype(jnp.float16): 2e-3,
+    # Loose: the output is rounded to bf16 (unit roundoff 2^-8 = 3.9e-3); kernels may also round
+    # the intermediate activation to bf16, a second rounding of the same size.
+    jnp.dtype(jnp.bfloat16): 1e-2,
+}
+
+
+def tolerance(dtype) -> float:
+    """The TOLERANCES entry of an activation dtype."""
+    return TOLERANCES[jnp.dtype(dtype)]
+
+
+def relative_error(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| in float64 (0 when both are empty or zero)."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    num = float(np.linalg.norm((a - e).ravel()))
+    den = float(np.linalg.norm(e.ravel()))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def assert_close(actual, expected, dtype, what: str = "output") -> None:
+    """Checks `actual` against a float64 oracle with the tolerance of activation `dtype`.
+
+    Fails on a shape mismatch, a non-finite value, an element off by more than
+    tol * |ref| + tol * rms(ref) (np.testing shows the diff), or a relative error over tol.
+    """
+    tol = tolerance(dtype)
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
+    assert np.all(np.isfinite(a)), f"{what}: {np.sum(~np.isfinite(a))} non-finite values"
+    rel = relative_error(a, e)
+    rms = float(np.sqrt(np.mean(e**2))) if e.size else 0.0
+    np.testing.assert_allclose(
+        a, e, rtol=tol, atol=tol * rms, err_msg=f"{what}: relative error {rel:.3g} (tol {tol:g})"
+    )
+    assert rel <= tol, f"{what}: relative error {rel:.3g} > tol {tol:g}"
+
+
+# ---- random inputs --------------------------------------------------------------------------
+
+
+def random_routing(rng: np.random.Generator, T: int, k: int, E: int, distinct: bool = True):
+    """Random top-k routing over E experts.
+
+    Args:
+        rng: numpy Generator.
+        T, k, E: tokens, slots per token, experts.
+        distinct: each token's k experts are distinct (needs k <= E); else drawn with
+            replacement (duplicates allowed).
+
+    Returns:
+        (topk_weights f32 [T, k] in [0.1, 1), topk_ids int32 [T, k] in [0, E)) as numpy.
+    """
+    if distinct:
+        if k > E:
+            raise ValueError(f"k={k} distinct experts out of E={E} is impossible")
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
+    else:
+        ids = rng.integers(0, E, size=(T, k))
+    weights = rng.uniform(0.1, 1.0, size=(T, k))
+    return weights.astype(np.float32), ids.astype(np.int32)
+
+
+def random_quantized_experts(
+    rng: np.random.Generator,
+    E: int,
+    N: int,
+    K: int,
+    bits: int,
+    group_size: int,
+    has_zp: bool,
+    dtype=jnp.bfloat16,
+) -> QuantizedExperts:
+    """Random packed words, scales and zeros in the canonical layout (not via quantize_experts).
+
+    Every bit of qweight (and of zeros) is random. Scales are positive and sized so that a
+    dequantized weight is about 1/sqrt(K): x @ w.T stays O(1) for O(1) activations.
+    """
+    per_word = 32 // bits
+    g = K if group_size == -1 else group_size
+    assert K % per_word == 0 and K % g == 0, (K, per_word, g)
+    qweight = rng.integers(0, 2**32, size=(E, N, K // per_word), dtype=np.uint64)
+    scales = rng.uniform(0.5, 1.5, size=(E, N, K // g)) / (2 ** (bits - 1) * np.sqrt(K))
+    zeros = None
+    if has_zp:
+        zshape = (E, N // 2, K // g) if bits == 4 else (E, N, K // g)
+        zeros = jnp.asarray(rng.integers(0, 256, size=zshape, dtype=np.uint8))
+    return QuantizedExperts(
+        qweight=jnp.asarray(qweight.astype(np.uint32)),
+        scales=jnp.asarray(scales, dtype),
+        zeros=zeros,
+        bits=bits,
+        group_size=group_size,
+    )
+
+
+def random_moe_inputs(
+    rng: np.random.Generator,
+    *,
+    T: int,
+    H: int,
+    I: int,
+    E: int,
+    k: int,
+    bits: int = 4,
+    group_size: int = 32,
+    has_zp: bool = True,
+    dtype=jnp.bfloat16,
+    distinct: bool = True,
+):
+    """(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids) as jax arrays.
+
+    Scales are stored in `dtype` (the activation dtype), as in the canonical layout.
+    """
+    x = jnp.asarray(rng.normal(size=(T, H)), dtype)
+    w13 = random_quantized_experts(rng, E, 2 * I, H, bits, group_size, has_zp, dtype)
+    w2 = random_quantized_experts(rng, E, H, I, bits, group_size, has_zp, dtype)
+    weights, ids = random_routing(rng, T, k, E, distinct=distinct)
+    return x, w13, w2, jnp.asarray(weights), jnp.asarray(ids)
+
+
+# ---- numpy oracles --------------------------------------------------------------------------
+
+
+def numpy_unpack_k(qweight, bits: int) -> np.ndarray:
+    """uint32 [..., W] -> int64 [..., W * 32 // bits]: value k = pf*j + i is field i of word j."""
+    w = np.asarray(qweight).astype(np.uint64)
+    per_word = 32 // bits
+    mask = (1 << bits) - 1
+    out = np.empty((*w.shape[:-1], w.shape[-1] * per_word), np.int64)
+    for i in range(per_word):
+        out[..., i::per_word] = ((w >> np.uint64(bits * i)) & np.uint64(mask)).astype(np.int64)
+    return out
+
+
+def numpy_unpack_zeros(zeros, bits: int) -> np.ndarray:
+    """Canonical zeros -> int64 [E, N, G] (int4: even n is the low nibble of byte n // 2)."""
+    z = np.asarray(zeros).astype(np.int64)
+    if bits == 8:
+        return z
+    e, half_n, g = z.shape
+    out = np.empty((e, 2 * half_n, g), np.int64)
+    out[:, 0::2] = z & 0xF
+    out[:, 1::2] = z >> 4
+    return out
+
+
+def numpy_dequantize(qw: QuantizedExperts) -> np.ndarray:
+    """float64 [E, N, K]: w = (q - z) * scale[e, n, k // G], with z = 8 / 128 without zeros."""
+    bits = qw.bits
+    q = numpy_unpack_k(qw.qweight, bits)  # [E, N, K]
+    e, n, k = q.shape
+    g = k if qw.group_size == -1 else qw.group_size
+    s = np.asarray(qw.scales, np.float64)  # [E, N, K//G]
+    if qw.zeros is None:
+        z = np.full(s.shape, 1 << (bits - 1), np.int64)
+    else:
+        z = numpy_unpack_zeros(qw.zeros, bits)
+    return ((q - np.repeat(z, g, axis=-1)) * np.repeat(s, g, axis=-1)).reshape(e, n, k)
+
+
+def _silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def numpy_fused_moe(x, w13_deq, w2_deq, topk_weights, topk_ids, expert_map=None) -> np.ndarray:
+    """The MoE layer in float64: out[t] = sum_j w[t,j] * w2[e] @ silu_mul(w13[e] @ x[t]).
+
+    Args:
+        x: [T, H].  w13_deq: [E_local, 2I, H] dequantized.  w2_deq: [E_local, H, I].
+        topk_weights: [T, k].  topk_ids: [T, k] global ids; ids outside [0, E_global) and ids
+            whose expert_map entry is -1 contribute nothing.
+        expert_map: optional [E_global] global -> local id (-1 off-shard).
+
+    Returns:
+        float64 [T, H].
+    """
+    x = np.asarray(x, np.float64)
+    w13 = np.asarray(w13_deq, np.float64)
+    w2 = np.asarray(w2_deq, np.float64)
+    wts = np.asarray(topk_weights, np.float64)
+    ids = np.asarray(topk_ids).astype(np.int64)
+    t, h = x.shape
+    e_local, two_i, _ = w13.shape
+    i = two_i // 2
+    e_global = e_local if expert_map is None else len(expert_map)
+    valid = (ids >= 0) & (ids < e_global)
+    local = np.full(ids.shape, -1, np.int64)
+    if expert_map is None:
+        local[valid] = ids[valid]
+    else:
+        local[valid] = np.asarray(expert_map).astype(np.int64)[ids[valid]]
+    out = np.zeros((t, h), np.float64)
+    for e in range(e_local):
+        rows, slots = np.nonzero(local == e)
+        if rows.size == 0:
+            continue
+        hid = x[rows] @ w13[e].T  # [n, 2I]
+        act = _silu(hid[:, :i]) * hid[:, i:]  # [n, I]
+        y = (act @ w2[e].T) * wts[rows, slots][:, None]  # [n, H]
+        np.add.at(out, rows, y)
+    return out
+
+
+def numpy_moe_align(topk_ids, *, num_experts: int, block_m: int, expert_map=None) -> dict:
+    """The expected moe_align_block_size layout (runs in ascending expert order, like vLLM).
+
+    Returns:
+        dict with max_padded, sentinel (T*k), total (num_tokens_post_padded), expert_ids
+        (int32 [max_padded // block_m]) and runs: [(global expert, start, padded length,
+        sorted list of the flat slot indices t*k + j routed to it)], experts without slots
+        omitted.
+    """
+    flat = np.asarray(topk_ids).astype(np.int64).reshape(-1)
+    num_slots = flat.size
+    max_padded = -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+    expert_ids = np.full(max_padded // block_m, -1, np.int32)
+    runs = []
+    start = 0
+    for e in range(num_experts):
+        slots = sorted(np.nonzero(flat == e)[0].tolist())
+        if not slots:
+            continue
+        padded = -(-len(slots) // block_m) * block_m
+        local = e if expert_map is None else int(np.asarray(expert_map)[e])
+        expert_ids[start // block_m : (start + padded) // block_m] = local
+        runs.append((e, start, padded, slots))
+        start += padded
+    return dict(
+        max_padded=max_padded,
+        sentinel=num_slots,
+        total=start,
+        expert_ids=expert_ids,
+        runs=runs,
+    )
+
+
+def assert_alignment_matches(
+    routing: AlignedRouting, topk_ids, *, num_experts: int, block_m: int, expert_map=None
+) -> None:
+    """Checks an AlignedRouting against `numpy_moe_align`: runs compared as sets, ints exact."""
+    want = numpy_moe_align(
+        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
+    )
+    assert routing.block_m == block_m
+    ids = np.asarray(routing.sorted_token_ids)
+    eids = np.asarray(routing.expert_ids)
+    assert ids.dtype == np.int32 and ids.shape == (want["max_padded"],), (ids.dtype, ids.shape)
+    assert eids.dtype == np.int32 and eids.shape == (want["max_padded"] // block_m,)
+    npp = np.asarray(routing.num_tokens_post_padded)
+    assert npp.shape == () and npp.dtype == np.int32, (npp.shape, npp.dtype)
+    assert int(npp) == want["total"], f"num_tokens_post_padded {int(npp)} != {want['total']}"
+    sentinel = want["sentinel"]
+    for e, start, padded, slots in want["runs"]:
+        run = ids[start : start + padded]
+        got = sorted(run[run != sentinel].tolist())
+        assert got == slots, f"expert {e}: run [{start}, {start + padded}) holds {got} != {slots}"
+    np.testing.assert_array_equal(
+        ids[want["total"] :], sentinel, err_msg="padding past num_tokens_post_padded"
+    )
+    np.testing.assert_array_equal(eids, want["expert_ids"], err_msg="expert_ids")

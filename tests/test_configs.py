@@ -1,0 +1,265 @@
+"""Tests of block configs: validity rules, the heuristic and the tuned-table lookup."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import pytest
+
+from wna16_jax import BlockConfig, _configs
+from wna16_jax._configs import GemmShape
+
+
+def _shape(m=16, n=4096, k=7168, e=256, bits=4, group_size=128) -> GemmShape:
+    group = k if group_size == -1 else group_size
+    return GemmShape(m=m, n=n, k=k, num_experts=e, bits=bits, group=group, group_size=group_size)
+
+
+# ---- BlockConfig ----------------------------------------------------------------------------
+
+
+def test_block_config_is_hashable_and_frozen():
+    a, b = BlockConfig(block_k=64), BlockConfig(block_k=64)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.block_k = 128
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_m=0), "BlockConfig.block_m=0 must be a positive int"),
+        (dict(split_k=-2), "BlockConfig.split_k=-2 must be a positive int"),
+        (dict(num_warps=4.0), "BlockConfig.num_warps=4.0 must be a positive int"),
+        (dict(block_n=48), "BlockConfig.block_n=48 must be a power of two"),
+        (dict(block_k=96), "BlockConfig.block_k=96 must be a power of two"),
+    ],
+)
+def test_block_config_rejects(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        BlockConfig(**kwargs)
+
+
+# ---- check_config ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, shape, substrings",
+    [
+        (
+            BlockConfig(block_k=64),
+            _shape(k=7168, group_size=-1),  # G = K = 7168: fine, 64 divides it
+            [],
+        ),
+        (
+            BlockConfig(block_k=256),
+            _shape(k=7168, group_size=128),  # two groups per tile: fine
+            [],
+        ),
+        (
+            BlockConfig(block_k=32),
+            _shape(k=7168, group_size=128),  # a quarter group per tile: fine
+            [],
+        ),
+        (
+            BlockConfig(block_k=128),
+            _shape(k=2880, group_size=96),  # 2880 = 30 * 96; 128 vs 96 straddles groups
+            ["block_k=128 is incompatible with group_size=96", "K=2880 is not a multiple"],
+        ),
+        (
+            BlockConfig(block_k=64),
+            _shape(k=2880, group_size=96),
+            ["block_k=64 is incompatible with group_size=96"],
+        ),
+        (
+            BlockConfig(block_k=1024),
+            _shape(k=7168 + 512, group_size=512),
+            ["K=7680 is not a multiple of block_k=1024"],
+        ),
+        (
+            BlockConfig(block_k=128, split_k=3),
+            _shape(k=7168, group_size=128),  # 56 k-tiles
+            ["split_k=3 does not divide the 56 k-tiles", "K=7168, block_k=128"],
+        ),
+        (
+            BlockConfig(block_k=128, split_k=8),
+            _shape(k=7168, group_size=128),
+            [],
+        ),
+        (
+            BlockConfig(block_k=4),
+            _shape(k=64, group_size=32, bits=4),
+            ["block_k=4 is smaller than one packed word (8)"],
+        ),
+    ],
+)
+def test_check_config(config, shape, substrings):
+    problems = _configs.config_problems(config, shape)
+    if not substrings:
+        assert problems == []
+        _configs.check_config(config, shape)
+        return
+    with pytest.raises(ValueError) as err:
+        _configs.check_config(config, shape)
+    msg = str(err.value)
+    assert f"N={shape.n}, K={shape.k}" in msg
+    for s in substrings:
+        assert s in msg, msg
+
+
+# ---- heuristic ------------------------------------------------------------------------------
+
+# DeepSeek-V3: w13 (N=2I=4096, K=H=7168), w2 (N=H=7168, K=I=2048), TP=8 w13 (N=512, K=7168),
+# TP=8 w2 (N=7168, K=256), and small shapes of the tests.
+NK = [(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (64, 64), (96, 32), (24, 40)]
+
+
+HEURISTIC_GRID = [
+    (n, k, bits, group_size, e)
+    for n, k in NK
+    for bits in (4, 8)
+    for group_size in (128, -1, 32, 64)
+    for e in (1, 8, 256)
+    if group_size == -1 or k % group_size == 0
+]
+
+
+@pytest.mark.parametrize("n, k, bits, group_size, e", HEURISTIC_GRID)
+def test_heuristic_config_is_valid(n, k, bits, group_size, e):
+    for m in (1, 8, 64, 512, 4096 * 8, 65536 * 8):
+        shape = _shape(m=m, n=n, k=k, e=e, bits=bits, group_size=group_size)
+        cfg = _configs.heuristic_config(shape)
+        assert isinstance(cfg, BlockConfig)
+        assert _configs.config_problems(cfg, shape) == [], (m, cfg)
+        assert cfg.block_m in (16, 32, 64)
+
+
+@pytest.mark.parametrize("k, group_size", [(24, 12), (40, 20)])
+def test_heuristic_refuses_when_no_config_fits(k, group_size):
+    """int4 groups that end inside a packed word leave no power-of-two block_k: say so."""
+    shape = _shape(m=4, n=64, k=k, e=4, bits=4, group_size=group_size)
+    with pytest.raises(ValueError, match=f"incompatible with group_size={group_size}"):
+        _configs.heuristic_config(shape)
+
+
+# ---- tuned tables ---------------------------------------------------------------------------
+
+DEVICE = "NVIDIA H200 (test)"
+KEYS = dict(E=256, N=4096, K=7168, bits=4, group_size=128)
+
+
+def _entry(m, **config):
+    return KEYS | {"M": m, "config": config}
+
+
+@pytest.fixture
+def tuned(tmp_path, monkeypatch):
+    """Writes a tuned table for DEVICE into a temporary package root and points the loader at it."""
+
+    def write(entries):
+        folder = tmp_path / _configs.TUNED_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / _configs._device_file_name(DEVICE)).write_text(json.dumps({"entries": entries}))
+        _configs.tuned_table.cache_clear()
+
+    monkeypatch.setattr(_configs, "resources", types.SimpleNamespace(files=lambda pkg: tmp_path))
+    _configs.tuned_table.cache_clear()
+    yield write
+    _configs.tuned_table.cache_clear()
+
+
+TABLE = [
+    _entry(1, block_m=16, block_n=32, block_k=128, split_k=4),
+    _entry(16, block_m=16, block_n=64, block_k=128),
+    _entry(256, block_m=32, block_n=128, block_k=64),
+    _entry(4096, block_m=64, block_n=128, block_k=256, num_stages=4),
+]
+
+
+def test_device_file_name():
+    assert _configs._device_file_name("NVIDIA H200") == "nvidia_h200.json"
+    assert _configs._device_file_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3.json"
+
+
+def test_tuned_table_missing_is_empty(tuned):
+    assert _configs.tuned_table("no such device") == ()
+    assert _configs.lookup_tuned(_shape(), "no such device") is None
+
+
+def test_tuned_table_parses(tuned):
+    tuned(TABLE)
+    table = _configs.tuned_table(DEVICE)
+    assert len(table) == len(TABLE)
+    keys, cfg = table[3]
+    assert keys == KEYS | {"M": 4096}
+    assert cfg == BlockConfig(block_m=64, block_n=128, block_k=256, num_stages=4)
+
+
+@pytest.mark.parametrize(
+    "m, want_m",
+    [
+        (1, 1),
+        (2, 1),
+        (8, 1),  # |8-1| = 7 < |8-16| = 8
+        (9, 16),
+        (16, 16),
+        (136, 16),  # tie between 16 and 256: the smaller M
+        (137, 256),
+        (2000, 256),
+        (3000, 4096),
+        (10**6, 4096),
+    ],
+)
+def test_lookup_picks_nearest_m(tuned, m, want_m):
+    tuned(TABLE)
+    want = BlockConfig(**next(e["config"] for e in TABLE if e["M"] == want_m))
+    assert _configs.lookup_tuned(_shape(m=m), DEVICE) == want
+
+
+@pytest.mark.parametrize(
+    "change", [dict(e=128), dict(n=2048), dict(k=2048), dict(bits=8), dict(group_size=-1)]
+)
+def test_lookup_needs_exact_problem(tuned, change):
+    tuned(TABLE)
+    assert _configs.lookup_tuned(_shape(m=16, **change), DEVICE) is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_m=16, block_n=64, block_k=128, split_k=3),  # 56 k-tiles
+        dict(block_m=16, block_n=64, block_k=2048),  # 7168 % 2048 != 0
+    ],
+)
+def test_lookup_never_returns_an_invalid_entry(tuned, monkeypatch, bad):
+    tuned(TABLE + [_entry(64, **bad)])
+    shape = _shape(m=64)
+    assert _configs.config_problems(BlockConfig(**bad), shape)  # the entry really is invalid
+    got = _configs.lookup_tuned(shape, DEVICE)
+    assert got is None or _configs.config_problems(got, shape) == []
+    assert got != BlockConfig(**bad)
+    # resolve_config then falls back to a valid config (another entry or the heuristic).
+    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
+    cfg, source = _configs.resolve_config(shape, None)
+    assert _configs.config_problems(cfg, shape) == []
+    assert source in ("heuristic", f"tuned:{DEVICE}")
+
+
+def test_resolve_config_order(tuned, monkeypatch):
+    tuned(TABLE)
+    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
+    caller = BlockConfig(block_m=32, block_k=64)
+    assert _configs.resolve_config(_shape(m=16), caller) == (caller, "caller")
+    assert _configs.resolve_config(_shape(m=16), None) == (
+        BlockConfig(block_m=16, block_n=64, block_k=128),
+        f"tuned:{DEVICE}",
+    )
+    other = _shape(m=16, n=2048)
+    assert _configs.resolve_config(other, None) == (_configs.heuristic_config(other), "heuristic")
+
+
+def test_resolve_config_rejects_invalid_caller_config():
+    with pytest.raises(ValueError, match="split_k=5 does not divide the 56 k-tiles"):
+        _configs.resolve_config(_shape(), BlockConfig(block_k=128, split_k=5))

@@ -1,0 +1,205 @@
+"""Tests of backend selection: automatic choice, its log line, explicit names and fall-through."""
+
+from __future__ import annotations
+
+import logging
+
+import helpers
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import wna16_jax as wj
+from wna16_jax import _dispatch
+
+
+@pytest.fixture
+def problem(rng):
+    return helpers.random_moe_inputs(rng, T=3, H=64, I=32, E=4, k=2)
+
+
+@pytest.fixture
+def fresh_log(monkeypatch):
+    """Forget which choices were already logged, for this test only."""
+    monkeypatch.setattr(_dispatch, "_logged", set())
+
+
+def _fake(name: str, reason: str | None, marker: float = 7.0) -> _dispatch.Backend:
+    """A backend that refuses with `reason` (or runs, returning a constant `marker` output)."""
+
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config):
+        return jnp.full(x.shape, marker, x.dtype)
+
+    return _dispatch.Backend(
+        name=name,
+        unsupported_reason=lambda problem: reason,
+        fused_moe=fused_moe,
+        align_unsupported_reason=lambda problem: reason,
+        moe_align_block_size=_dispatch.XLA_BACKEND.moe_align_block_size,
+    )
+
+
+@pytest.fixture
+def register(monkeypatch):
+    """Registers fake backends for one test; monkeypatch removes them afterwards."""
+    _dispatch.registered_backends()  # load the built-ins first, so teardown keeps them
+
+    def add(*backends):
+        for b in backends:
+            monkeypatch.setitem(_dispatch._REGISTRY, b.name, b)
+
+    return add
+
+
+def _moe_problem(**changes) -> _dispatch.MoEProblem:
+    base = dict(
+        platform="cpu",
+        num_tokens=3,
+        hidden=64,
+        intermediate=32,
+        num_experts=4,
+        num_global_experts=4,
+        top_k=2,
+        bits=4,
+        group_size=32,
+        w13_group=32,
+        w2_group=32,
+        has_zeros=True,
+        dtype="bfloat16",
+        activation="silu",
+    )
+    return _dispatch.MoEProblem(**(base | changes))
+
+
+def _records(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "wna16_jax"]
+
+
+def test_registered_backends_include_xla():
+    names = wj.registered_backends()
+    assert "xla" in names
+    assert len(set(names)) == len(names)
+
+
+def test_automatic_selection_on_cpu_logs_once(problem, caplog, fresh_log):
+    if _dispatch.current_platform() != "cpu":
+        pytest.skip(f"checks the CPU priority list; platform is {_dispatch.current_platform()}")
+    caplog.set_level(logging.INFO, logger="wna16_jax")
+    first = wj.fused_moe(*problem)
+    second = wj.fused_moe(*problem)
+    np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(second, np.float32))
+    want = "wna16_jax: fused_moe uses 'xla' (candidates: xla)"
+    assert _records(caplog) == [want]
+    info = [r for r in caplog.records if r.name == "wna16_jax"]
+    assert info[0].levelno == logging.INFO
+
+
+def test_automatic_selection_picks_xla_on_cpu():
+    if _dispatch.current_platform() != "cpu":
+        pytest.skip(f"checks the CPU priority list; platform is {_dispatch.current_platform()}")
+    assert _dispatch.select_backend(_moe_problem(), None).name == "xla"
+    align = _dispatch.AlignProblem(platform="cpu", num_slots=6, num_experts=4, block_m=16)
+    assert _dispatch.select_backend(align, None).name == "xla"
+
+
+def test_automatic_never_picks_interpret():
+    for platform in ("cpu", "gpu", "cuda", "tpu"):
+        assert "pallas_interpret" not in _dispatch.PRIORITY.get(
+            platform, _dispatch.DEFAULT_PRIORITY
+        )
+
+
+def test_align_logs_its_own_line(caplog, fresh_log):
+    caplog.set_level(logging.INFO, logger="wna16_jax")
+    ids = jnp.asarray(np.array([[0, 1], [2, 3]], np.int32))
+    wj.moe_align_block_size(ids, num_experts=4, block_m=16, implementation="xla")
+    wj.moe_align_block_size(ids, num_experts=4, block_m=16, implementation="xla")
+    assert _records(caplog) == ["wna16_jax: moe_align_block_size uses 'xla' (candidates: xla)"]
+
+
+def test_unknown_name_lists_registered(problem):
+    with pytest.raises(ValueError) as err:
+        wj.fused_moe(*problem, implementation="no_such_backend")
+    msg = str(err.value)
+    assert "'no_such_backend'" in msg
+    for name in wj.registered_backends():
+        assert repr(name) in msg, msg
+    with pytest.raises(ValueError, match="no_such_backend"):
+        wj.fused_moe(*problem, implementation=["xla", "no_such_backend"][::-1])
+
+
+def test_empty_sequence_rejected(problem):
+    with pytest.raises(ValueError, match="empty sequence"):
+        wj.fused_moe(*problem, implementation=[])
+
+
+def test_explicit_backend_that_cannot_run(problem, register):
+    reason = "needs an H100-class GPU, this is a toaster"
+    register(_fake("fake_refuses", reason))
+    with pytest.raises(NotImplementedError) as err:
+        wj.fused_moe(*problem, implementation="fake_refuses")
+    assert "'fake_refuses'" in str(err.value) and reason in str(err.value)
+    with pytest.raises(NotImplementedError, match="toaster"):
+        wj.moe_align_block_size(
+            problem[4], num_experts=4, block_m=16, implementation="fake_refuses"
+        )
+
+
+def test_explicit_backend_that_can_run(problem, register):
+    register(_fake("fake_runs", None, marker=3.0))
+    out = wj.fused_moe(*problem, implementation="fake_runs")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 3.0)
+
+
+def test_sequence_falls_through_to_first_that_works(problem, register, caplog, fresh_log):
+    register(_fake("fake_a", "reason a"), _fake("fake_b", None, 2.0), _fake("fake_c", None, 5.0))
+    caplog.set_level(logging.INFO, logger="wna16_jax")
+    out = wj.fused_moe(*problem, implementation=("fake_a", "fake_b", "fake_c"))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 2.0)
+    assert _records(caplog) == [
+        "wna16_jax: fused_moe uses 'fake_b' (candidates: fake_a, fake_b, fake_c)"
+    ]
+    out = wj.fused_moe(*problem, implementation=["fake_a", "xla"])
+    ref = wj.fused_moe(*problem, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def test_none_can_run_lists_every_reason(problem, register):
+    register(_fake("fake_a", "reason number one"), _fake("fake_b", "reason number two"))
+    with pytest.raises(NotImplementedError) as err:
+        wj.fused_moe(*problem, implementation=["fake_a", "fake_b"])
+    msg = str(err.value)
+    for s in ("fake_a", "reason number one", "fake_b", "reason number two"):
+        assert s in msg, msg
+
+
+def test_automatic_falls_through_priority_list(problem, register, monkeypatch, caplog, fresh_log):
+    platform = _dispatch.current_platform()
+    register(_fake("fake_first", "not on this platform"))
+    monkeypatch.setitem(_dispatch.PRIORITY, platform, ("fake_first", "xla"))
+    caplog.set_level(logging.INFO, logger="wna16_jax")
+    out = wj.fused_moe(*problem)
+    ref = wj.fused_moe(*problem, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    assert "wna16_jax: fused_moe uses 'xla' (candidates: fake_first, xla)" in _records(caplog)
+
+
+def test_automatic_none_can_run_lists_every_reason(problem, register, monkeypatch):
+    platform = _dispatch.current_platform()
+    register(_fake("fake_a", "first reason"), _fake("fake_b", "second reason"))
+    monkeypatch.setitem(_dispatch.PRIORITY, platform, ("fake_a", "fake_b"))
+    with pytest.raises(NotImplementedError) as err:
+        wj.fused_moe(*problem)
+    msg = str(err.value)
+    for s in ("fake_a", "first reason", "fake_b", "second reason"):
+        assert s in msg, msg
+
+
+def test_xla_refuses_unknown_activation():
+    reason = _dispatch.XLA_BACKEND.unsupported_reason(_moe_problem(activation="gelu"))
+    assert reason is not None and "'gelu'" in reason
+    assert _dispatch.XLA_BACKEND.unsupported_reason(_moe_problem()) is None
+
+
+def test_fakes_do_not_leak():
+    assert not any(name.startswith("fake_") for name in wj.registered_backends())
