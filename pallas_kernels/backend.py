@@ -7,6 +7,7 @@ import functools
 import jax
 
 from pallas_kernels import fused_moe as pallas_moe
+from wna16_jax._configs import min_block_k
 from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -36,12 +37,16 @@ def _shape_reason(problem: MoEProblem) -> str | None:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
     if problem.activation != "silu":
         return f"activation {problem.activation!r} is not supported (only 'silu')"
+    lo = min_block_k(problem.bits)
     for what, size in (("H", problem.hidden), ("I", problem.intermediate)):
-        if size % 16:
-            return f"{what}={size} is not a multiple of 16 (the smallest tile)"
+        if size % lo:
+            return (
+                f"{what}={size} is not a multiple of {lo}, the smallest k-tile for "
+                f"int{problem.bits} (each dot contracts at least 16 features per value slice)"
+            )
     for what, g in (("w13", problem.w13_group), ("w2", problem.w2_group)):
-        if g % 16:
-            return f"{what} group size {g} is not a multiple of 16 (the smallest k-tile)"
+        if g % lo and lo % g:
+            return f"{what} group size {g} does not tile with the smallest k-tile {lo}"
     return None
 
 

@@ -182,8 +182,16 @@ def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     check_config(config, shape)
     if n % config.block_n:
         raise ValueError(f"N={n} is not a multiple of block_n={config.block_n}")
-    if min(config.block_m, config.block_n, config.block_k) < 16:
-        raise ValueError(f"block sizes must be >= 16 for tensor-core dots, got {config}")
+    if min(config.block_m, config.block_n) < 16:
+        raise ValueError(f"block_m and block_n must be >= 16 for tensor-core dots, got {config}")
+    # Each dot contracts one value slice of the word tile: block_k // per_word features.
+    # Measured on the H200: a contraction of 8 (int4, block_k=64) returned garbage.
+    min_block_k = 16 * (32 // qw.bits)
+    if config.block_k < min_block_k:
+        raise ValueError(
+            f"block_k={config.block_k} is below {min_block_k} for int{qw.bits}: each tensor-core "
+            f"dot contracts block_k // {32 // qw.bits} features and needs at least 16"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "config", "out_dtype", "interpret"))

@@ -105,8 +105,17 @@ def _largest_pow2_divisor(x: int, cap: int) -> int:
     return p
 
 
+def min_block_k(bits: int) -> int:
+    """The smallest block_k of the kernels: each dot contracts block_k // (32 // bits) >= 16."""
+    return 16 * (32 // bits)
+
+
 def heuristic_config(shape: GemmShape) -> BlockConfig:
-    """An untuned config that is valid for `shape` and reasonable on a Hopper GPU."""
+    """An untuned config that is valid for `shape` and reasonable on a Hopper GPU.
+
+    block_k is the group size when that is allowed (one scale per k-tile: the scale multiplies
+    the product, not the tile), else the smallest allowed multiple of the group.
+    """
     rows_per_expert = max(1, shape.m // max(1, shape.num_experts))
     if rows_per_expert <= 16:
         block_m = 16
@@ -115,15 +124,23 @@ def heuristic_config(shape: GemmShape) -> BlockConfig:
     else:
         block_m = 64
     block_n = 64 if block_m <= 32 else 128
-    block_n = min(block_n, _largest_pow2_divisor(shape.n, 128)) if shape.n >= 16 else 16
-    block_n = max(block_n, 16)
-    block_k = _largest_pow2_divisor(shape.k, 128 if block_m >= 64 else 256)
-    g = shape.group
-    while block_k > g and block_k % g:
-        block_k //= 2
-    while block_k < g and g % block_k:
-        block_k //= 2
-    block_k = max(block_k, 32 // shape.bits)
+    block_n = max(16, min(block_n, _largest_pow2_divisor(shape.n, 128)))
+    g, lo = shape.group, min_block_k(shape.bits)
+    fits = [
+        bk
+        for bk in (256, 128, 64, 32, 16, 8)
+        if bk >= 32 // shape.bits and shape.k % bk == 0 and (g % bk == 0 or bk % g == 0)
+    ]
+    inside_group = [bk for bk in fits if bk >= lo and g % bk == 0]
+    whole_groups = [bk for bk in fits if bk >= lo]
+    if inside_group:
+        block_k = inside_group[0]  # the largest
+    elif whole_groups:
+        block_k = whole_groups[-1]  # the smallest
+    elif fits:
+        block_k = fits[0]  # too small for the Pallas kernels: their check says so
+    else:
+        block_k = lo
     config = BlockConfig(
         block_m=block_m,
         block_n=block_n,
