@@ -30,6 +30,9 @@ def _tile_product(
     dot = functools.partial(
         jax.lax.dot_general,
         dimension_numbers=(((1,), (1,)), ((), ())),
+        # DEFAULT lowers f32 dots to TF32 on the GPU (measured rel err 2.6e-4); HIGHEST is IEEE.
+        # 16-bit operands are exact products either way.
+        precision=jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None,
         preferred_element_type=jnp.float32,
     )
 
