@@ -10,22 +10,41 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _dequant
+from wna16_jax import _configs
 from wna16_jax._quant import implicit_zero
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
 
-def _tile_product(
-    a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros
-):
-    """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for one k-tile.
+def _operand_pairs(a_ref, qw_ref, e, row, n_idx, k0, *, bits, block_k, unpack):
+    """The k-tile as (a [bm, W], v [bn, W] uint32 values, k [W] feature indices) pairs.
 
-    The [bn, bk // per_word] word tile is loaded once; value slice i of the words meets the
-    activation columns k0 + per_word * j + i, so each slice is one [bm, W] x [W, bn] dot.
+    unpack="slices": the [bn, bk // per_word] word tile is loaded once and value slice i of the
+    words meets activation columns k0 + per_word * j + i: per_word pairs, W = bk // per_word.
+    unpack="tile": each word is loaded once per value it holds (the repeats hit L1) and shifted
+    in place: one pair with W = bk, so the tensor cores see one dot of K = bk.
     """
     per_word = 32 // bits
-    width = block_k // per_word  # W words per row of the tile
-    j = jnp.arange(width, dtype=jnp.int32)
+    if unpack == "tile":
+        kk = k0 + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+        words = plgpu.load(qw_ref.at[e, n_idx[:, None], (kk // per_word)[None, :]])  # [bn, bk]
+        shift = ((kk % per_word) * bits).astype(jnp.uint32)
+        v = (words >> shift[None, :]) & jnp.uint32((1 << bits) - 1)
+        a = plgpu.load(a_ref.at[row[:, None], kk[None, :]])  # [bm, bk]
+        return [(a, v, kk)]
+    j = jnp.arange(block_k // per_word, dtype=jnp.int32)
     words = plgpu.load(qw_ref.at[e, n_idx[:, None], (k0 // per_word + j)[None, :]])  # [bn, W]
+    pairs = []
+    for i in range(per_word):
+        kk = k0 + per_word * j + i  # [W]
+        a = plgpu.load(a_ref.at[row[:, None], kk[None, :]])  # [bm, W]
+        pairs.append((a, _dequant.value_slice(words, i, bits=bits), kk))
+    return pairs
+
+
+def _tile_product(
+    a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros, unpack
+):
+    """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for one k-tile."""
     dtype = a_ref.dtype
     dot = functools.partial(
         jax.lax.dot_general,
@@ -35,19 +54,17 @@ def _tile_product(
         precision=jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None,
         preferred_element_type=jnp.float32,
     )
-
-    def a_slice(i):  # [bm, W]: columns k0 + per_word * j + i
-        return plgpu.load(a_ref.at[row[:, None], (k0 + per_word * j + i)[None, :]])
-
+    pairs = _operand_pairs(
+        a_ref, qw_ref, e, row, n_idx, k0, bits=bits, block_k=block_k, unpack=unpack
+    )
     if block_k > group:
         # Several groups per tile: scale (and shift) each value before the dot.
         acc = None
-        for i in range(per_word):
-            g_idx = ((k0 + per_word * j + i) // group)[None, :]  # [1, W]
+        for a, v, kk in pairs:
+            g_idx = (kk // group)[None, :]  # [1, W]
             s = plgpu.load(s_ref.at[e, n_idx[:, None], g_idx]).astype(jnp.float32)  # [bn, W]
             z = _zero_points(z_ref, e, n_idx[:, None], g_idx, bits=bits, has_zeros=has_zeros)
-            w = _dequant.to_f32_minus_zero(_dequant.value_slice(words, i, bits=bits), z) * s
-            part = dot(a_slice(i), w.astype(dtype))
+            part = dot(a, (_dequant.to_f32_minus_zero(v, z) * s).astype(dtype))
             acc = part if acc is None else acc + part
         return acc
 
@@ -58,16 +75,13 @@ def _tile_product(
     offset = _dequant.half_magic_offset(bits, dtype)
     acc = None
     rowsum = None
-    for i in range(per_word):
-        v = _dequant.value_slice(words, i, bits=bits)  # [bn, W] uint32
-        a_i = a_slice(i)
+    for a, v, _ in pairs:
         if offset is None:  # exact (v - z) through f32
-            part = dot(
-                a_i, _dequant.to_f32_minus_zero(v, z[:, None] if has_zeros else z).astype(dtype)
-            )
+            w = _dequant.to_f32_minus_zero(v, z[:, None] if has_zeros else z).astype(dtype)
+            part = dot(a, w)
         else:  # offset + v exactly in the 16-bit dtype; the offset and z come off below
-            part = dot(a_i, _dequant.to_half_plus_offset(v, dtype))
-            rs = jnp.sum(a_i.astype(jnp.float32), axis=1)  # [bm]
+            part = dot(a, _dequant.to_half_plus_offset(v, dtype))
+            rs = jnp.sum(a.astype(jnp.float32), axis=1)  # [bm]
             rowsum = rs if rowsum is None else rowsum + rs
         acc = part if acc is None else acc + part
     if offset is not None:
@@ -156,6 +170,7 @@ def _gemm_kernel(
                     block_k=bk,
                     group=group,
                     has_zeros=has_zeros,
+                    unpack=config.unpack,
                 )
 
             acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((bm, bn), jnp.float32))
@@ -170,10 +185,8 @@ def _gemm_kernel(
 
 def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     """Raises ValueError when `config` cannot run a GEMM over `qw` ([E, N, K])."""
-    from wna16_jax._configs import GemmShape, check_config
-
     _, n, k = qw.shape
-    shape = GemmShape(
+    shape = _configs.GemmShape(
         m=0,
         n=n,
         k=k,
@@ -182,19 +195,7 @@ def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
         group=qw.group,
         group_size=qw.group_size,
     )
-    check_config(config, shape)
-    if n % config.block_n:
-        raise ValueError(f"N={n} is not a multiple of block_n={config.block_n}")
-    if min(config.block_m, config.block_n) < 16:
-        raise ValueError(f"block_m and block_n must be >= 16 for tensor-core dots, got {config}")
-    # Each dot contracts one value slice of the word tile: block_k // per_word features.
-    # Measured on the H200: a contraction of 8 (int4, block_k=64) returned garbage.
-    min_block_k = 16 * (32 // qw.bits)
-    if config.block_k < min_block_k:
-        raise ValueError(
-            f"block_k={config.block_k} is below {min_block_k} for int{qw.bits}: each tensor-core "
-            f"dot contracts block_k // {32 // qw.bits} features and needs at least 16"
-        )
+    _configs.check_config(config, shape)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "config", "out_dtype", "interpret"))

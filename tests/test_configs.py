@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 
 import pytest
@@ -35,10 +36,11 @@ def test_block_config_is_hashable_and_frozen():
         (dict(num_warps=4.0), "BlockConfig.num_warps=4.0 must be a positive int"),
         (dict(block_n=48), "BlockConfig.block_n=48 must be a power of two"),
         (dict(block_k=96), "BlockConfig.block_k=96 must be a power of two"),
+        (dict(unpack="rows"), "BlockConfig.unpack='rows' is not one of ('slices', 'tile')"),
     ],
 )
 def test_block_config_rejects(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         BlockConfig(**kwargs)
 
 
@@ -49,7 +51,7 @@ def test_block_config_rejects(kwargs, message):
     "config, shape, substrings",
     [
         (
-            BlockConfig(block_k=64),
+            BlockConfig(block_k=64, unpack="tile"),
             _shape(k=7168, group_size=-1),  # G = K = 7168: fine, 64 divides it
             [],
         ),
@@ -59,9 +61,14 @@ def test_block_config_rejects(kwargs, message):
             [],
         ),
         (
-            BlockConfig(block_k=32),
+            BlockConfig(block_k=32, unpack="tile"),
             _shape(k=7168, group_size=128),  # a quarter group per tile: fine
             [],
+        ),
+        (
+            BlockConfig(block_k=64),
+            _shape(k=7168, group_size=128, bits=4),  # "slices": 64 // 8 = 8 < 16 per dot
+            ["block_k=64 is below 128 for int4 with unpack='slices'"],
         ),
         (
             BlockConfig(block_k=128),
@@ -126,8 +133,16 @@ HEURISTIC_GRID = [
 ]
 
 
+# No config fits N=24 (block_n >= 16 must divide N) or K=40 (block_k >= 16 must divide K).
+UNFIT_NK = {(24, 40)}
+
+
 @pytest.mark.parametrize("n, k, bits, group_size, e", HEURISTIC_GRID)
 def test_heuristic_config_is_valid(n, k, bits, group_size, e):
+    if (n, k) in UNFIT_NK:
+        with pytest.raises(ValueError, match="no block config fits"):
+            _configs.heuristic_config(_shape(m=8, n=n, k=k, e=e, bits=bits, group_size=group_size))
+        return
     for m in (1, 8, 64, 512, 4096 * 8, 65536 * 8):
         shape = _shape(m=m, n=n, k=k, e=e, bits=bits, group_size=group_size)
         cfg = _configs.heuristic_config(shape)
@@ -173,7 +188,7 @@ def tuned(tmp_path, monkeypatch):
 TABLE = [
     _entry(1, block_m=16, block_n=32, block_k=128, split_k=4),
     _entry(16, block_m=16, block_n=64, block_k=128),
-    _entry(256, block_m=32, block_n=128, block_k=64),
+    _entry(256, block_m=32, block_n=128, block_k=64, unpack="tile"),
     _entry(4096, block_m=64, block_n=128, block_k=256, num_stages=4),
 ]
 
@@ -250,7 +265,7 @@ def test_lookup_never_returns_an_invalid_entry(tuned, monkeypatch, bad):
 def test_resolve_config_order(tuned, monkeypatch):
     tuned(TABLE)
     monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
-    caller = BlockConfig(block_m=32, block_k=64)
+    caller = BlockConfig(block_m=32, block_k=64, unpack="tile")
     assert _configs.resolve_config(_shape(m=16), caller) == (caller, "caller")
     assert _configs.resolve_config(_shape(m=16), None) == (
         BlockConfig(block_m=16, block_n=64, block_k=128),

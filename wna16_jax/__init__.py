@@ -1,6 +1,6 @@
 """wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
 
-from wna16_jax import formats
+from wna16_jax import formats, sharding
 from wna16_jax._api import fused_moe, moe_align_block_size
 from wna16_jax._dispatch import registered_backends
 from wna16_jax._quant import dequantize_experts, quantize_experts
@@ -16,4 +16,5 @@ __all__ = [
     "moe_align_block_size",
     "quantize_experts",
     "registered_backends",
+    "sharding",
 ]

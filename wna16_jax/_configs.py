@@ -44,6 +44,22 @@ def config_problems(config: BlockConfig, shape: GemmShape) -> list[str]:
         )
     if bk < 32 // shape.bits:
         problems.append(f"block_k={bk} is smaller than one packed word ({32 // shape.bits})")
+    # Kernel rules: tensor-core tiles are at least 16 wide, and a "slices" dot contracts
+    # block_k // values-per-word features (measured on the H200: a contraction of 8, int4 with
+    # block_k=64, returned garbage).
+    if min(config.block_m, config.block_n) < 16:
+        problems.append(
+            f"block_m={config.block_m} and block_n={config.block_n} must be >= 16 for "
+            f"tensor-core dots"
+        )
+    if shape.n % config.block_n:
+        problems.append(f"N={shape.n} is not a multiple of block_n={config.block_n}")
+    min_k = min_block_k(shape.bits) if config.unpack == "slices" else 16
+    if bk < min_k:
+        problems.append(
+            f"block_k={bk} is below {min_k} for int{shape.bits} with unpack={config.unpack!r}: "
+            f"each tensor-core dot must contract at least 16 features"
+        )
     num_k_tiles = k // bk if k % bk == 0 else -(-k // bk)
     if num_k_tiles % config.split_k:
         problems.append(
@@ -133,14 +149,15 @@ def heuristic_config(shape: GemmShape) -> BlockConfig:
     ]
     inside_group = [bk for bk in fits if bk >= lo and g % bk == 0]
     whole_groups = [bk for bk in fits if bk >= lo]
+    unpack = "slices"
     if inside_group:
         block_k = inside_group[0]  # the largest
     elif whole_groups:
         block_k = whole_groups[-1]  # the smallest
-    elif fits:
-        block_k = fits[0]  # too small for the Pallas kernels: their check says so
     else:
-        block_k = lo
+        # K or the group too short for "slices" (16 values per dot): one dot over the tile.
+        unpack = "tile"
+        block_k = next((bk for bk in fits if bk >= 16), fits[0] if fits else lo)
     config = BlockConfig(
         block_m=block_m,
         block_n=block_n,
@@ -149,6 +166,7 @@ def heuristic_config(shape: GemmShape) -> BlockConfig:
         group_m=1,
         num_warps=4,
         num_stages=2 if block_m <= 32 else 3,
+        unpack=unpack,
     )
     # Only a group size that is not a multiple of a packed word (e.g. int4 with G=12) leaves
     # no power-of-two block_k; say so instead of returning a config the kernels cannot run.

@@ -13,6 +13,8 @@ import numpy as np
 SUPPORTED_BITS = (4, 8)
 # DESIGN.md's 2^31 rule: Pallas' Triton lowering indexes in int32.
 MAX_ARRAY_ELEMENTS = 2**31 - 1
+# BlockConfig.unpack values.
+UNPACK_MODES = ("slices", "tile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +174,9 @@ class BlockConfig:
     block_n: output features per program.  block_k: input features per k-step.
     split_k: programs sharing one output tile along K (atomic f32 accumulation when > 1).
     group_m: row-block grouping for L2 reuse.  num_warps / num_stages: Triton settings.
+    unpack: how a k-tile of packed weights meets the tensor cores: "slices" (each word loaded
+        once; one dot per value position, contracting block_k // values-per-word features) or
+        "tile" (words loaded once per value and shifted in place; one dot contracting block_k).
     """
 
     block_m: int = 16
@@ -181,9 +186,14 @@ class BlockConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    unpack: str = "slices"
 
     def __post_init__(self):
+        if self.unpack not in UNPACK_MODES:
+            raise ValueError(f"BlockConfig.unpack={self.unpack!r} is not one of {UNPACK_MODES}")
         for f in dataclasses.fields(self):
+            if f.name == "unpack":
+                continue
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"BlockConfig.{f.name}={v!r} must be a positive int")

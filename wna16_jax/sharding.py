@@ -1,0 +1,803 @@
+"""Expert and tensor parallelism for fused_moe: weight placement, expert maps, shard_map bodies."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from wna16_jax import _api
+from wna16_jax._types import BlockConfig, QuantizedExperts
+
+logger = logging.getLogger("wna16_jax")
+
+MODES = ("replicated", "all_to_all", "auto")
+DISPATCHES = ("all_gather", "ragged")
+# mode="auto" shards the tokens above this many (see fused_moe_ep). A guess pending GPU figures:
+# at or below it one all-reduce (latency-bound) is taken to beat a gather plus a reduce-scatter.
+DEFAULT_TOKEN_THRESHOLD = 256
+# The dispatch of mode="all_to_all" when none is given: the only one XLA:CPU can run, and the
+# one measured (README of this module's tests); "ragged" is opt-in until GPU figures exist.
+DEFAULT_DISPATCH = "all_gather"
+
+_logged: set[tuple] = set()
+
+
+def _log_once(key: tuple, msg: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(msg, *args)
+
+
+# ---- expert maps ----------------------------------------------------------------------------
+
+
+def _check_divisible(num_experts: int, num_shards: int) -> None:
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards} must be positive")
+    if num_experts < 1 or num_experts % num_shards:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by num_shards={num_shards}; expert "
+            f"parallelism needs the same number of experts on every shard"
+        )
+
+
+def expert_map_for_shard(num_experts: int, num_shards: int, shard_index: int) -> np.ndarray:
+    """The expert_map of one shard under contiguous placement (E/n experts per shard).
+
+    Shard s holds global experts [s*E/n, (s+1)*E/n) as local experts 0..E/n-1.
+
+    Args:
+        num_experts: E, the global number of experts.
+        num_shards: n, the number of expert shards (must divide E).
+        shard_index: s in [0, n).
+
+    Returns:
+        numpy int32 [E]: global id -> local id, -1 for experts of other shards.
+
+    Raises:
+        ValueError: n does not divide E, or s is out of range.
+    """
+    _check_divisible(num_experts, num_shards)
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index={shard_index} is not in [0, num_shards={num_shards})")
+    per = num_experts // num_shards
+    local = np.arange(num_experts, dtype=np.int32) - shard_index * per
+    return np.where((local >= 0) & (local < per), local, -1).astype(np.int32)
+
+
+def expert_map_for_axis(num_experts: int, axis_name: str):
+    """`expert_map_for_shard` for the calling shard, traced: use inside `jax.shard_map`.
+
+    The shard index is `jax.lax.axis_index(axis_name)` and n the size of that mesh axis.
+
+    Returns:
+        int32 [E] jax array: global id -> local id, -1 for experts of other shards.
+    """
+    num_shards = jax.lax.axis_size(axis_name)
+    _check_divisible(num_experts, num_shards)
+    per = num_experts // num_shards
+    local = jnp.arange(num_experts, dtype=jnp.int32) - jax.lax.axis_index(axis_name) * per
+    return jnp.where((local >= 0) & (local < per), local, -1).astype(jnp.int32)
+
+
+# ---- partition specs and placement ----------------------------------------------------------
+
+
+def expert_specs(
+    qw: QuantizedExperts,
+    *,
+    expert_axis: str | None = None,
+    n_axis: str | None = None,
+    k_axis: str | None = None,
+) -> QuantizedExperts:
+    """The PartitionSpec of each array of `qw`, as a QuantizedExperts of specs (a pytree).
+
+    Args:
+        qw: the (global) weights [E, N, K]; only bits, group_size and has_zeros are read.
+        expert_axis: mesh axis sharding E (expert parallelism), or None.
+        n_axis: mesh axis sharding N (the output rows; w13 under tensor parallelism).
+        k_axis: mesh axis sharding K (the input features; w2 under tensor parallelism). With
+            group_size=-1 the scales and zeros (one group per row) are replicated over it.
+
+    Returns:
+        QuantizedExperts whose qweight/scales/zeros are PartitionSpecs (zeros None when qw has
+        none): usable as shard_map in_specs and, mapped to NamedShardings, as jit shardings.
+    """
+    return _specs(qw.bits, qw.group_size, qw.has_zeros, expert_axis, n_axis, k_axis)
+
+
+def _specs(bits, group_size, has_zeros, expert_axis, n_axis, k_axis) -> QuantizedExperts:
+    k_groups = None if group_size == -1 else k_axis
+    return QuantizedExperts(
+        qweight=P(expert_axis, n_axis, k_axis),
+        scales=P(expert_axis, n_axis, k_groups),
+        zeros=P(expert_axis, n_axis, k_groups) if has_zeros else None,
+        bits=bits,
+        group_size=group_size,
+    )
+
+
+def named_shardings(mesh: Mesh, specs: QuantizedExperts) -> QuantizedExperts:
+    """Maps a QuantizedExperts of PartitionSpecs (from `expert_specs`) to NamedShardings."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def _axis_size(mesh: Mesh, axis: str | None, what: str) -> int:
+    if axis is None:
+        return 1
+    if axis not in mesh.shape:
+        raise ValueError(f"{what}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    return int(mesh.shape[axis])
+
+
+def _put(qw: QuantizedExperts, mesh: Mesh, specs: QuantizedExperts) -> QuantizedExperts:
+    # device_put of a host (numpy) array sends each device only its slice.
+    return jax.device_put(qw, named_shardings(mesh, specs))
+
+
+def shard_experts(qw: QuantizedExperts, mesh: Mesh, axis: str) -> QuantizedExperts:
+    """Places each array of `qw` on `mesh` sharded on the expert dim: NamedSharding(P(axis)).
+
+    Each device receives only its E/n experts when `qw` holds host (numpy) arrays. For weights
+    too large for one host or device, build each shard where it lives instead, e.g.
+    `jax.make_array_from_callback(shape, NamedSharding(mesh, P(axis)), load_slice)` per array
+    (the checkpoint loader reads only the slice asked for), or `random_sharded_experts` for
+    random weights of a given shape.
+
+    Args:
+        qw: QuantizedExperts [E, N, K] (numpy or jax arrays).
+        mesh: the device mesh.
+        axis: the mesh axis of expert parallelism; its size n must divide E.
+
+    Returns:
+        QuantizedExperts with the same values, sharded P(axis) on E.
+
+    Raises:
+        ValueError: `axis` not in the mesh, or n does not divide E.
+    """
+    qw.validate("qw")
+    _check_divisible(qw.num_experts, _axis_size(mesh, axis, "axis"))
+    return _put(qw, mesh, expert_specs(qw, expert_axis=axis))
+
+
+def _check_tp(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
+    """I/n must be whole, a whole number of packed words and of quantization groups."""
+    if i % num_shards:
+        raise ValueError(
+            f"{what}: the intermediate size I={i} is not divisible by the {num_shards} tensor "
+            f"shards"
+        )
+    per = i // num_shards
+    if per % qw.pack_factor:
+        raise ValueError(
+            f"{what}: I/n = {i}/{num_shards} = {per} is not a multiple of the "
+            f"{qw.pack_factor} {qw.bits}-bit values packed per uint32 word"
+        )
+    if qw.group_size != -1 and per % qw.group_size:
+        raise ValueError(
+            f"{what}: I/n = {i}/{num_shards} = {per} is not a multiple of "
+            f"group_size={qw.group_size}; each tensor shard must hold whole quantization groups"
+        )
+
+
+def _interleave_rows(a, num_shards: int, inverse: bool = False):
+    """[E, 2R, ...] rows [gate; up] <-> [gate_0; up_0; gate_1; up_1; ...] (blocks of R/n)."""
+    e, rows = a.shape[:2]
+    rest = tuple(a.shape[2:])
+    blk = rows // (2 * num_shards)
+    src = (e, 2, num_shards, blk) if not inverse else (e, num_shards, 2, blk)
+    return a.reshape(src + rest).swapaxes(1, 2).reshape((e, rows) + rest)
+
+
+def tp_interleave_w13(w13: QuantizedExperts, num_shards: int) -> QuantizedExperts:
+    """Reorders w13's rows so that n contiguous row blocks each hold [gate_s; up_s].
+
+    w13 rows are [gate 0..I-1; up I..2I-1]; sharding them naively in n blocks would give the
+    first shards only gate rows. After this reorder rows are [gate_0; up_0; gate_1; up_1; ...]
+    with gate_s = gate rows [s*I/n, (s+1)*I/n), so block s of 2I/n rows is a valid w13 of the
+    intermediate slice s (gate first, then up). Works on numpy (host) and jax arrays.
+
+    Args:
+        w13: QuantizedExperts [E, 2I, H] in the canonical layout.
+        num_shards: n, the tensor-parallel degree.
+
+    Returns:
+        QuantizedExperts [E, 2I, H] with rows interleaved (zero points moved with their rows).
+
+    Raises:
+        ValueError: I/n is not whole, or (for int4 zero points) odd.
+    """
+    return _tp_reorder_w13(w13, num_shards, inverse=False)
+
+
+def tp_deinterleave_w13(w13: QuantizedExperts, num_shards: int) -> QuantizedExperts:
+    """Inverse of `tp_interleave_w13`: back to rows [gate; up]."""
+    return _tp_reorder_w13(w13, num_shards, inverse=True)
+
+
+def _tp_reorder_w13(w13: QuantizedExperts, num_shards: int, *, inverse: bool):
+    w13.validate("w13")
+    i = w13.n // 2
+    if w13.n % 2 or i % num_shards:
+        raise ValueError(
+            f"w13: the intermediate size I={w13.n / 2:g} (N={w13.n}) is not divisible by the "
+            f"{num_shards} tensor shards"
+        )
+    if w13.has_zeros and w13.bits == 4 and (i // num_shards) % 2:
+        raise ValueError(
+            f"w13: I/n = {i // num_shards} is odd; int4 zero points pack two rows per byte"
+        )
+    return dataclasses.replace(
+        w13,
+        qweight=_interleave_rows(w13.qweight, num_shards, inverse),
+        scales=_interleave_rows(w13.scales, num_shards, inverse),
+        zeros=None if w13.zeros is None else _interleave_rows(w13.zeros, num_shards, inverse),
+    )
+
+
+def _put_reordered(qw, reorder, mesh, specs):
+    if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(qw)):
+        return _put(reorder(qw), mesh, specs)  # reorder on the host, send slices
+    # Jax arrays: reorder inside jit so that XLA partitions it over the output sharding.
+    return jax.jit(reorder, out_shardings=named_shardings(mesh, specs))(qw)
+
+
+def shard_w13_for_tp(
+    w13: QuantizedExperts, mesh: Mesh, tensor_axis: str, *, expert_axis: str | None = None
+) -> QuantizedExperts:
+    """Places w13 for tensor parallelism: rows interleaved, then sharded on N over tensor_axis.
+
+    The result holds rows in the `tp_interleave_w13` order (NOT the canonical [gate; up]), so
+    that tensor shard s holds [gate_s; up_s]. Pass it only to `fused_moe_tp` /
+    `fused_moe_ep(..., tensor_axis=)` with the same mesh axis; `tp_deinterleave_w13` undoes it.
+
+    Args:
+        w13: QuantizedExperts [E, 2I, H] with canonical rows [gate; up]; host (numpy) arrays
+            are reordered on the host and each device gets only its slice.
+        mesh: the device mesh.
+        tensor_axis: mesh axis of tensor parallelism (size n): I/n must be a multiple of the
+            packing (8 for int4, 4 for int8) and of group_size (w2's K is split the same way).
+        expert_axis: optional mesh axis also sharding E (expert x tensor parallelism).
+
+    Returns:
+        QuantizedExperts [E, 2I, H] (interleaved rows) sharded P(expert_axis, tensor_axis).
+
+    Raises:
+        ValueError: an axis not in the mesh, or I/n, E/n_e not allowed (values quoted).
+    """
+    w13.validate("w13")
+    n_t = _axis_size(mesh, tensor_axis, "tensor_axis")
+    if expert_axis is not None:
+        _check_divisible(w13.num_experts, _axis_size(mesh, expert_axis, "expert_axis"))
+    specs = expert_specs(w13, expert_axis=expert_axis, n_axis=tensor_axis)
+    return _put_reordered(w13, functools.partial(tp_interleave_w13, num_shards=n_t), mesh, specs)
+
+
+def shard_w2_for_tp(
+    w2: QuantizedExperts, mesh: Mesh, tensor_axis: str, *, expert_axis: str | None = None
+) -> QuantizedExperts:
+    """Places w2 [E, H, I] for tensor parallelism: sharded on K (= I) over tensor_axis.
+
+    qweight [E, H, I//pf] and the scales / zeros [E, *, I//G] are split on their last dim
+    (replicated when group_size=-1: one group spans the row), so I/n must be a multiple of
+    the packing (8 for int4, 4 for int8) and of group_size.
+
+    Args:
+        w2: QuantizedExperts [E, H, I].
+        mesh: the device mesh.
+        tensor_axis: mesh axis of tensor parallelism.
+        expert_axis: optional mesh axis also sharding E.
+
+    Returns:
+        QuantizedExperts [E, H, I] sharded P(expert_axis, None, tensor_axis).
+
+    Raises:
+        ValueError: an axis not in the mesh, or I/n, E/n_e not allowed (values quoted).
+    """
+    w2.validate("w2")
+    n_t = _axis_size(mesh, tensor_axis, "tensor_axis")
+    if expert_axis is not None:
+        _check_divisible(w2.num_experts, _axis_size(mesh, expert_axis, "expert_axis"))
+    _check_tp(w2.k, n_t, w2, "w2")
+    return _put(w2, mesh, expert_specs(w2, expert_axis=expert_axis, k_axis=tensor_axis))
+
+
+def _random_experts(key, e, n, k, *, bits, group_size, has_zp, dtype) -> QuantizedExperts:
+    """Random packed words, zeros and scales ~1/sqrt(K) (as in the tests' helpers)."""
+    pf = 32 // bits
+    g = k if group_size == -1 else group_size
+    kq, ks, kz = jax.random.split(key, 3)
+    qweight = jax.random.bits(kq, (e, n, k // pf), jnp.uint32)
+    scales = jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5)
+    scales = (scales / (2 ** (bits - 1) * np.sqrt(k))).astype(dtype)
+    zeros = None
+    if has_zp:
+        zshape = (e, n // 2, k // g) if bits == 4 else (e, n, k // g)
+        zeros = jax.random.bits(kz, zshape, jnp.uint8)
+    return QuantizedExperts(qweight, scales, zeros, bits=bits, group_size=group_size)
+
+
+def random_sharded_experts(
+    key,
+    num_experts: int,
+    n: int,
+    k: int,
+    *,
+    bits: int = 4,
+    group_size: int = 128,
+    has_zp: bool = True,
+    dtype=jnp.bfloat16,
+    mesh: Mesh,
+    expert_axis: str | None = None,
+    n_axis: str | None = None,
+    k_axis: str | None = None,
+) -> QuantizedExperts:
+    """Random QuantizedExperts [E, N, K] generated directly in their sharding.
+
+    Generated inside `jax.jit(out_shardings=...)` with partitionable random bits, so each
+    device computes only its own slice and none ever holds all experts: this is how to make
+    full-size (e.g. DeepSeek-V3) weights for benchmarks. The values do not depend on the mesh.
+
+    Args:
+        key: a jax PRNG key.
+        num_experts, n, k: the logical shape [E, N, K].
+        bits, group_size, has_zp, dtype: the format (dtype = scales' dtype).
+        mesh: the device mesh.
+        expert_axis, n_axis, k_axis: mesh axes sharding E, N and K (see `expert_specs`).
+
+    Returns:
+        QuantizedExperts with every array sharded as `expert_specs` says.
+    """
+    specs = _specs(bits, group_size, has_zp, expert_axis, n_axis, k_axis)
+    make = functools.partial(
+        _random_experts,
+        e=num_experts,
+        n=n,
+        k=k,
+        bits=bits,
+        group_size=group_size,
+        has_zp=has_zp,
+        dtype=dtype,
+    )
+    return jax.jit(make, out_shardings=named_shardings(mesh, specs))(key)
+
+
+# ---- the per-shard body ---------------------------------------------------------------------
+
+
+def _local_moe(x, w13, w2, topk_weights, local_ids, *, activation, implementation, config):
+    # local_ids already hold local expert ids (-1 = not here): the alignment then pads only the
+    # E_local runs, which is what fused_moe(..., expert_map=) computes, with fewer blocks.
+    return _api.fused_moe(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        local_ids,
+        activation=activation,
+        implementation=implementation,
+        config=config,
+    )
+
+
+def _to_local_ids(topk_ids, num_experts: int, expert_axis: str | None):
+    """Global ids -> this shard's local ids (-1 off-shard or out of range)."""
+    ids = topk_ids.astype(jnp.int32)
+    if expert_axis is None:
+        return ids
+    emap = expert_map_for_axis(num_experts, expert_axis)
+    valid = (ids >= 0) & (ids < num_experts)
+    return jnp.where(valid, emap[jnp.clip(ids, 0, num_experts - 1)], -1)
+
+
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """`jax.lax.ragged_all_to_all` (one slice per peer) built from all_gather: any platform.
+
+    The same result as the real collective but every shard receives every operand, so it is
+    only for checking the ragged dispatch where XLA has no ragged-all-to-all (XLA:CPU).
+    """
+    del recv_sizes  # implied by the senders' send_sizes
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [n, R_in, ...]
+    in_off = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # [n] per sender
+    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    out_off = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    n, r_in = ops.shape[:2]
+    r = jnp.arange(r_in, dtype=jnp.int32)[None, :]  # [1, R_in]
+    inside = (r >= in_off[:, None]) & (r < in_off[:, None] + sizes[:, None])  # [n, R_in]
+    dest = jnp.where(inside, out_off[:, None] + r - in_off[:, None], output.shape[0])
+    rows = ops.reshape((n * r_in,) + ops.shape[2:])
+    return output.at[dest.reshape(-1)].set(rows, mode="drop")
+
+
+# The exchange of dispatch="ragged"; tests swap in `emulated_ragged_all_to_all` on CPU.
+_ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+def _exclusive_cumsum(a, axis=0):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _ragged_moe(x, w13, w2, topk_weights, topk_ids, *, num_experts, expert_axis, **moe_kwargs):
+    """Token-sharded EP with a ragged exchange: each token goes once to each shard it needs.
+
+    x [T_l, H] and the routing [T_l, k] are this shard's tokens; returns [T_l, H] summed over
+    the experts of all shards.
+    """
+    t_l, h = x.shape
+    k = topk_ids.shape[1]
+    n = jax.lax.axis_size(expert_axis)
+    me = jax.lax.axis_index(expert_axis)
+    per = num_experts // n
+    ids = topk_ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < num_experts)
+    dest = jnp.where(valid, ids // per, -1)  # [T_l, k] shard of each slot
+    shard = jnp.arange(n, dtype=jnp.int32)[:, None, None]  # [n, 1, 1]
+    to_shard = dest[None] == shard  # [n, T_l, k]
+    # Send rows are the (shard s, token t) pairs with a slot for s, grouped by s.
+    pair_used = to_shard.any(-1).reshape(-1)  # [n*T_l], pair p = s*T_l + t
+    send_sizes = to_shard.any(-1).sum(-1).astype(jnp.int32)  # [n]
+    input_offsets = _exclusive_cumsum(send_sizes)
+    pos = jnp.cumsum(pair_used.astype(jnp.int32)) - 1  # send row of each used pair
+    cap = n * t_l  # worst case: every token to every shard
+    pair_of_row = (
+        jnp.zeros((cap,), jnp.int32)
+        .at[jnp.where(pair_used, pos, cap)]
+        .set(jnp.arange(cap, dtype=jnp.int32), mode="drop")
+    )
+    tok_of_row = pair_of_row % t_l
+    local_ids = jnp.where(to_shard, ids[None] - shard * per, -1).reshape(cap, k)[pair_of_row]
+    # One f32 payload for ids (exact below 2^24) and weights: [cap, 2k].
+    meta = jnp.concatenate(
+        [local_ids.astype(jnp.float32), topk_weights[tok_of_row].astype(jnp.float32)], axis=1
+    )
+    sizes_all = jax.lax.all_gather(send_sizes, expert_axis)  # [n, n]: sender j -> receiver r
+    output_offsets = _exclusive_cumsum(sizes_all, axis=0)[me]  # where my rows land on each r
+    recv_sizes = sizes_all[:, me]
+    exchange = functools.partial(_ragged_all_to_all, axis_name=expert_axis)
+    x_recv = exchange(
+        x[tok_of_row], jnp.zeros((cap, h), x.dtype), input_offsets, send_sizes, output_offsets,
+        recv_sizes,
+    )  # fmt: skip
+    meta_recv = exchange(
+        meta, jnp.zeros((cap, 2 * k), jnp.float32), input_offsets, send_sizes, output_offsets,
+        recv_sizes,
+    )  # fmt: skip
+    got = jnp.arange(cap)[:, None] < recv_sizes.sum()
+    ids_recv = jnp.where(got, meta_recv[:, :k].astype(jnp.int32), -1)
+    y = _local_moe(x_recv, w13, w2, meta_recv[:, k:], ids_recv, **moe_kwargs)  # [cap, H]
+    # Send each result row back to where its token came from.
+    offsets_all = jax.lax.all_gather(input_offsets, expert_axis)  # [n, n]
+    back = exchange(
+        y, jnp.zeros((cap, h), y.dtype), _exclusive_cumsum(recv_sizes), recv_sizes,
+        offsets_all[:, me], send_sizes,
+    )  # fmt: skip
+    row_used = jnp.arange(cap) < send_sizes.sum()
+    out = jnp.zeros((t_l, h), jnp.float32)
+    out = out.at[jnp.where(row_used, tok_of_row, t_l)].add(back.astype(jnp.float32), mode="drop")
+    return out.astype(x.dtype)
+
+
+def fused_moe_local_shard(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    num_experts: int,
+    expert_axis: str | None = None,
+    tensor_axis: str | None = None,
+    mode: str = "replicated",
+    dispatch: str = DEFAULT_DISPATCH,
+    activation: str = "silu",
+    implementation: str | Sequence[str] | None = None,
+    config: BlockConfig | None = None,
+):
+    """The per-shard body of sharded fused_moe: call it inside your own `jax.shard_map`.
+
+    Experts are placed contiguously over `expert_axis` (shard s holds global experts
+    [s*E/n, (s+1)*E/n)); under `tensor_axis` each shard holds an I-slice, w13 interleaved as
+    `shard_w13_for_tp` makes it. The collectives run over the named axes, so the enclosing
+    shard_map must map them (`check_vma=False` is not required by this function itself, but
+    the Pallas backends may need it).
+
+    Args:
+        x: this shard's tokens: [T, H] (mode "replicated") or [T/n, H] (mode "all_to_all",
+            tokens sharded over expert_axis, or over tensor_axis when there is no expert axis).
+        w13: local QuantizedExperts [E/n_e, 2I/n_t, H].  w2: local [E/n_e, H, I/n_t].
+        topk_weights: [T or T/n, k] float.  topk_ids: [T or T/n, k] int global expert ids;
+            ids outside [0, num_experts) are dropped.
+        num_experts: E, the global number of experts.
+        expert_axis: the mesh axis sharding the experts, or None.
+        tensor_axis: the mesh axis sharding I, or None.
+        mode: "replicated" (every shard has all tokens; one psum) or "all_to_all" (tokens
+            sharded; dispatched to the experts' shards and the results sent back).
+        dispatch: for mode "all_to_all": "all_gather" (gather all tokens, reduce-scatter the
+            partial outputs) or "ragged" (`jax.lax.ragged_all_to_all`: each token is sent once
+            to each shard holding one of its experts; not implemented by XLA:CPU).
+        activation, implementation, config: as for `wna16_jax.fused_moe` on the local shard.
+
+    Returns:
+        [T, H] (replicated) or [T/n, H] (this shard's tokens) in x.dtype: the whole layer.
+    """
+    moe_kwargs = dict(activation=activation, implementation=implementation, config=config)
+    if mode not in ("replicated", "all_to_all"):
+        raise ValueError(f"mode={mode!r} must be 'replicated' or 'all_to_all' inside a shard")
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCHES}")
+    if mode == "replicated":
+        local_ids = _to_local_ids(topk_ids, num_experts, expert_axis)
+        y = _local_moe(x, w13, w2, topk_weights, local_ids, **moe_kwargs)
+        axes = tuple(a for a in (expert_axis, tensor_axis) if a is not None)
+        return jax.lax.psum(y, axes) if axes else y
+    token_axis = expert_axis if expert_axis is not None else tensor_axis
+    if token_axis is None:
+        raise ValueError("mode='all_to_all' needs an expert_axis or a tensor_axis")
+    rest = tensor_axis if expert_axis is not None else None
+    if dispatch == "ragged":
+        if expert_axis is None:
+            raise ValueError("dispatch='ragged' needs an expert_axis (it routes tokens to experts)")
+        y = _ragged_moe(
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            num_experts=num_experts,
+            expert_axis=expert_axis,
+            **moe_kwargs,
+        )
+    else:
+        xs = jax.lax.all_gather(x, token_axis, tiled=True)  # [T, H]
+        ws = jax.lax.all_gather(topk_weights, token_axis, tiled=True)
+        ids = jax.lax.all_gather(topk_ids.astype(jnp.int32), token_axis, tiled=True)
+        local_ids = _to_local_ids(ids, num_experts, expert_axis)
+        y = _local_moe(xs, w13, w2, ws, local_ids, **moe_kwargs)  # [T, H] partial
+        y = jax.lax.psum_scatter(y, token_axis, scatter_dimension=0, tiled=True)  # [T/n, H]
+    return jax.lax.psum(y, rest) if rest is not None else y
+
+
+# ---- global entry points --------------------------------------------------------------------
+
+
+def _place(a, mesh: Mesh, spec: P):
+    """Reshards `a` to spec on meshes with Explicit axes (shard_map reshards Auto ones)."""
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.reshard(a, NamedSharding(mesh, spec))
+    return a
+
+
+def _sharded(
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    *,
+    mesh: Mesh,
+    expert_axis: str | None,
+    tensor_axis: str | None,
+    mode: str,
+    dispatch: str | None,
+    token_threshold: int,
+    activation: str,
+    implementation,
+    config,
+):
+    _api.validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, None, activation)
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} must be one of {MODES}")
+    if expert_axis is not None and expert_axis == tensor_axis:
+        raise ValueError(f"expert_axis and tensor_axis are the same mesh axis {expert_axis!r}")
+    n_e = _axis_size(mesh, expert_axis, "expert_axis")
+    n_t = _axis_size(mesh, tensor_axis, "tensor_axis")
+    e = w13.num_experts
+    _check_divisible(e, n_e)
+    i = w13.n // 2
+    if tensor_axis is not None:
+        _check_tp(i, n_t, w2, "w2")
+    t = int(x.shape[0])
+    if mode == "auto":
+        mode = "replicated" if t <= token_threshold else "all_to_all"
+        _log_once(
+            ("auto", mode, token_threshold),
+            "wna16_jax: sharded fused_moe uses mode=%r (T=%d, token_threshold=%d)",
+            mode,
+            t,
+            token_threshold,
+        )
+    if dispatch is None:
+        dispatch = DEFAULT_DISPATCH
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCHES}")
+    if mode == "all_to_all" and dispatch == "ragged":
+        if expert_axis is None:
+            raise ValueError("dispatch='ragged' needs an expert_axis (it routes tokens to experts)")
+        platform = mesh.devices.flat[0].platform
+        if _ragged_all_to_all is jax.lax.ragged_all_to_all and platform == "cpu":
+            raise NotImplementedError(
+                "dispatch='ragged' uses jax.lax.ragged_all_to_all, which XLA:CPU does not "
+                "implement; use dispatch='all_gather' on CPU"
+            )
+    w13_specs = expert_specs(w13, expert_axis=expert_axis, n_axis=tensor_axis)
+    w2_specs = expert_specs(w2, expert_axis=expert_axis, k_axis=tensor_axis)
+    pad = 0
+    if mode == "all_to_all":
+        token_axis = expert_axis if expert_axis is not None else tensor_axis
+        tok = P(token_axis)
+        n_tok = n_e if expert_axis is not None else n_t
+        pad = -t % n_tok
+        if pad:  # padding tokens route to id -1: dropped
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+            topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
+            topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
+    else:
+        tok = P()
+    body = functools.partial(
+        fused_moe_local_shard,
+        num_experts=e,
+        expert_axis=expert_axis,
+        tensor_axis=tensor_axis,
+        mode=mode,
+        dispatch=dispatch,
+        activation=activation,
+        implementation=implementation,
+        config=config,
+    )
+    w13 = jax.tree.map(lambda a, spec: _place(a, mesh, spec), w13, w13_specs)
+    w2 = jax.tree.map(lambda a, spec: _place(a, mesh, spec), w2, w2_specs)
+    x, topk_weights, topk_ids = (_place(a, mesh, tok) for a in (x, topk_weights, topk_ids))
+    out = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(tok, w13_specs, w2_specs, tok, tok),
+        out_specs=tok,
+        check_vma=False,
+    )(x, w13, w2, topk_weights, topk_ids)
+    if pad:
+        # A token count that is not a multiple of the shards cannot stay sharded once sliced.
+        out = _place(out, mesh, P())[:t]
+    return out
+
+
+def fused_moe_ep(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    mesh: Mesh,
+    expert_axis: str,
+    tensor_axis: str | None = None,
+    mode: str = "auto",
+    dispatch: str | None = None,
+    token_threshold: int = DEFAULT_TOKEN_THRESHOLD,
+    activation: str = "silu",
+    implementation: str | Sequence[str] | None = None,
+    config: BlockConfig | None = None,
+):
+    """fused_moe with the experts sharded over a mesh axis (expert parallelism).
+
+    Each shard runs `wna16_jax.fused_moe` on its E/n experts inside `jax.shard_map`:
+    - mode "replicated" (decode): the tokens are replicated; each shard computes the
+      contribution of its experts and one `psum` over expert_axis adds them up.
+    - mode "all_to_all" (large batches): the tokens are sharded over expert_axis; with
+      dispatch "all_gather" (default) every shard gathers all tokens, runs its experts and a
+      `psum_scatter` returns each token shard its sum; with dispatch "ragged" each token is
+      sent once to each shard holding one of its experts (`jax.lax.ragged_all_to_all`,
+      GPU/TPU only) and the results come back the same way. T need not divide by n (padded).
+    - mode "auto": "replicated" for T <= token_threshold, else "all_to_all" (logged once).
+    With `tensor_axis` (a second mesh axis) every expert is also split on I as in
+    `fused_moe_tp` and the partial outputs are summed over it too (expert x tensor parallel).
+
+    Usable under `jax.jit` (wrap it: the shard_map then compiles once). The weights must be
+    placed as `shard_experts` (or, with tensor_axis, `shard_w13_for_tp` / `shard_w2_for_tp`)
+    places them, so that no weight byte moves; the output is replicated ("replicated") or
+    sharded over expert_axis ("all_to_all" with T a multiple of n).
+
+    Args:
+        x: [T, H] activations.
+        w13: global QuantizedExperts [E, 2I, H] sharded P(expert_axis) on E (with
+            tensor_axis: interleaved by `shard_w13_for_tp`, P(expert_axis, tensor_axis)).
+        w2: global QuantizedExperts [E, H, I] sharded P(expert_axis) (with tensor_axis:
+            P(expert_axis, None, tensor_axis)).
+        topk_weights: [T, k] float.  topk_ids: [T, k] int global ids (out-of-range dropped).
+        mesh: the device mesh.
+        expert_axis: the mesh axis sharding E; its size n must divide E.
+        tensor_axis: optional mesh axis sharding I.
+        mode: "replicated", "all_to_all" or "auto".
+        dispatch: "all_gather" or "ragged" for mode "all_to_all"; None = DEFAULT_DISPATCH.
+        token_threshold: the largest T that mode "auto" runs replicated.
+        activation, implementation, config: as for `wna16_jax.fused_moe` per shard.
+
+    Returns:
+        [T, H] in x.dtype.
+
+    Raises:
+        ValueError: malformed inputs, an axis not in the mesh, n not dividing E, or an I/n
+            tensor slice that is not whole packed words and groups (values quoted).
+        NotImplementedError: dispatch "ragged" on CPU.
+    """
+    return _sharded(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        mesh=mesh,
+        expert_axis=expert_axis,
+        tensor_axis=tensor_axis,
+        mode=mode,
+        dispatch=dispatch,
+        token_threshold=token_threshold,
+        activation=activation,
+        implementation=implementation,
+        config=config,
+    )
+
+
+def fused_moe_tp(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    mesh: Mesh,
+    tensor_axis: str,
+    mode: str = "replicated",
+    token_threshold: int = DEFAULT_TOKEN_THRESHOLD,
+    activation: str = "silu",
+    implementation: str | Sequence[str] | None = None,
+    config: BlockConfig | None = None,
+):
+    """fused_moe with the intermediate dim I sharded over a mesh axis (tensor parallelism).
+
+    Shard s holds every expert's gate and up rows [s*I/n, (s+1)*I/n) (w13 interleaved by
+    `shard_w13_for_tp`) and the matching input columns of w2 (`shard_w2_for_tp`); silu(gate)
+    * up is elementwise in I, so each shard computes a partial [T, H] and a psum over
+    tensor_axis adds them. mode "replicated" (default): tokens replicated; "all_to_all":
+    tokens sharded over tensor_axis, gathered before and reduce-scattered after (sequence
+    parallel); "auto": as in `fused_moe_ep`.
+
+    Args:
+        x: [T, H].  w13: [E, 2I, H] placed by `shard_w13_for_tp`.  w2: [E, H, I] placed by
+            `shard_w2_for_tp`.  topk_weights, topk_ids: [T, k].
+        mesh: the device mesh.  tensor_axis: the mesh axis sharding I (size n): I/n must be a
+            multiple of the packing (8 for int4, 4 for int8) and of group_size.
+        mode, token_threshold, activation, implementation, config: as in `fused_moe_ep`.
+
+    Returns:
+        [T, H] in x.dtype.
+
+    Raises:
+        ValueError: malformed inputs, an axis not in the mesh, or a bad I/n (values quoted).
+    """
+    return _sharded(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        mesh=mesh,
+        expert_axis=None,
+        tensor_axis=tensor_axis,
+        mode=mode,
+        dispatch="all_gather",
+        token_threshold=token_threshold,
+        activation=activation,
+        implementation=implementation,
+        config=config,
+    )
