@@ -41,18 +41,23 @@ def candidates(shape: _configs.GemmShape, quick: bool):
     base = _configs.heuristic_config(shape)
     block_ms = sorted({base.block_m, 16} | ({32, 64} if shape.m >= 256 else set()))
     block_ns = (32, 64, 128) if not quick else (64, 128)
-    block_ks = (128, 256) if not quick else (128,)
+    block_ks = (64, 128, 256) if not quick else (128,)
     splits = (1, 2, 4) if not quick else (1, 4)
     warps = (4, 8) if not quick else (4,)
     stages = (2, 3, 4) if not quick else (3,)
-    for bm, bn, bk, sk, nw, ns in itertools.product(
-        block_ms, block_ns, block_ks, splits, warps, stages
+    unpacks = ("slices", "tile")
+    for bm, bn, bk, sk, nw, ns, up in itertools.product(
+        block_ms, block_ns, block_ks, splits, warps, stages, unpacks
     ):
         cfg = wj.BlockConfig(
-            block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns
+            block_m=bm,
+            block_n=bn,
+            block_k=bk,
+            split_k=sk,
+            num_warps=nw,
+            num_stages=ns,
+            unpack=up,
         )
-        if bk < _configs.min_block_k(shape.bits) or shape.n % bn:
-            continue
         if not _configs.config_problems(cfg, shape):
             yield cfg
 
