@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/python.sh
 "$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q -e .
+"$PY" -m pip install -q -c .ci/constraints.txt -e .
 "$PY" examples/generate.py "$@"

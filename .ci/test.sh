@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/python.sh
 "$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -c .ci/constraints.txt -e ".[test]"
 "$PY" -m ruff check .
 "$PY" -m pytest -q -n 2 --durations=15 "$@"

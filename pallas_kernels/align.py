@@ -267,7 +267,7 @@ def _align_kernel(
     bmp = pl.next_power_of_2(block_m)
     col = jnp.arange(bmp, dtype=jnp.int32)  # [BMP]
     expert_map = (
-        plgpu.load(map_ref.at[pl.ds(0, ep)], mask=expert < num_experts, other=-1)
+        plgpu.load(map_ref.at[pl.ds(0, ep)])  # padded to EP with -1 by the wrapper
         if has_map
         else expert
     )  # [EP] local id of each global expert
@@ -395,7 +395,8 @@ def moe_align_block_size(
 
     inputs = [flat_ids]
     if expert_map is not None:
-        inputs.append(expert_map)
+        # Padded to EP entries so the kernel's [EP] load stays in bounds (jax 0.12 checks).
+        inputs.append(jnp.pad(expert_map, (0, ep - num_experts), constant_values=-1))
     if not config.fused:
         histogram = pl.pallas_call(
             functools.partial(
