@@ -23,8 +23,9 @@ DISPATCHES = ("all_gather", "ragged")
 # mode="auto" shards the tokens above this many (see fused_moe_ep). A guess pending GPU figures:
 # at or below it one all-reduce (latency-bound) is taken to beat a gather plus a reduce-scatter.
 DEFAULT_TOKEN_THRESHOLD = 256
-# The dispatch of mode="all_to_all" when none is given: the only one XLA:CPU can run, and the
-# one measured (README of this module's tests); "ragged" is opt-in until GPU figures exist.
+# The dispatch of mode="all_to_all" when none is given: the only one XLA:CPU can run;
+# "ragged" (fewer bytes on the wire: each token once per shard it needs) is opt-in until GPU
+# figures exist.
 DEFAULT_DISPATCH = "all_gather"
 
 _logged: set[tuple] = set()
@@ -311,7 +312,7 @@ def shard_w2_for_tp(
 
 
 def _random_experts(key, e, n, k, *, bits, group_size, has_zp, dtype) -> QuantizedExperts:
-    """Random packed words, zeros and scales ~1/sqrt(K) (as in the tests' helpers)."""
+    """Random packed words and zeros; scales make |w| ~ 1/sqrt(K), so x @ w.T stays O(1)."""
     pf = 32 // bits
     g = k if group_size == -1 else group_size
     kq, ks, kz = jax.random.split(key, 3)
@@ -344,7 +345,8 @@ def random_sharded_experts(
 
     Generated inside `jax.jit(out_shardings=...)` with partitionable random bits, so each
     device computes only its own slice and none ever holds all experts: this is how to make
-    full-size (e.g. DeepSeek-V3) weights for benchmarks. The values do not depend on the mesh.
+    full-size (e.g. DeepSeek-V3) weights for benchmarks. The values do not depend on the mesh
+    (with JAX's default `jax_threefry_partitionable=True`).
 
     Args:
         key: a jax PRNG key.
@@ -356,6 +358,14 @@ def random_sharded_experts(
     Returns:
         QuantizedExperts with every array sharded as `expert_specs` says.
     """
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits} is not supported (supported: 4, 8)")
+    if k % (32 // bits):
+        raise ValueError(f"K={k} is not a multiple of {32 // bits} (bits={bits})")
+    if group_size != -1 and (group_size <= 0 or k % group_size):
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+    if has_zp and bits == 4 and n % 2:
+        raise ValueError(f"int4 zero points need an even N, got N={n}")
     specs = _specs(bits, group_size, has_zp, expert_axis, n_axis, k_axis)
     make = functools.partial(
         _random_experts,
@@ -466,22 +476,34 @@ def _ragged_moe(x, w13, w2, topk_weights, topk_ids, *, num_experts, expert_axis,
     recv_sizes = sizes_all[:, me]
     exchange = functools.partial(_ragged_all_to_all, axis_name=expert_axis)
     x_recv = exchange(
-        x[tok_of_row], jnp.zeros((cap, h), x.dtype), input_offsets, send_sizes, output_offsets,
+        x[tok_of_row],
+        jnp.zeros((cap, h), x.dtype),
+        input_offsets,
+        send_sizes,
+        output_offsets,
         recv_sizes,
-    )  # fmt: skip
+    )
     meta_recv = exchange(
-        meta, jnp.zeros((cap, 2 * k), jnp.float32), input_offsets, send_sizes, output_offsets,
+        meta,
+        jnp.zeros((cap, 2 * k), jnp.float32),
+        input_offsets,
+        send_sizes,
+        output_offsets,
         recv_sizes,
-    )  # fmt: skip
+    )
     got = jnp.arange(cap)[:, None] < recv_sizes.sum()
     ids_recv = jnp.where(got, meta_recv[:, :k].astype(jnp.int32), -1)
     y = _local_moe(x_recv, w13, w2, meta_recv[:, k:], ids_recv, **moe_kwargs)  # [cap, H]
     # Send each result row back to where its token came from.
     offsets_all = jax.lax.all_gather(input_offsets, expert_axis)  # [n, n]
     back = exchange(
-        y, jnp.zeros((cap, h), y.dtype), _exclusive_cumsum(recv_sizes), recv_sizes,
-        offsets_all[:, me], send_sizes,
-    )  # fmt: skip
+        y,
+        jnp.zeros((cap, h), y.dtype),
+        _exclusive_cumsum(recv_sizes),
+        recv_sizes,
+        offsets_all[:, me],
+        send_sizes,
+    )
     row_used = jnp.arange(cap) < send_sizes.sum()
     out = jnp.zeros((t_l, h), jnp.float32)
     out = out.at[jnp.where(row_used, tok_of_row, t_l)].add(back.astype(jnp.float32), mode="drop")
@@ -509,8 +531,8 @@ def fused_moe_local_shard(
     Experts are placed contiguously over `expert_axis` (shard s holds global experts
     [s*E/n, (s+1)*E/n)); under `tensor_axis` each shard holds an I-slice, w13 interleaved as
     `shard_w13_for_tp` makes it. The collectives run over the named axes, so the enclosing
-    shard_map must map them (`check_vma=False` is not required by this function itself, but
-    the Pallas backends may need it).
+    shard_map must map them, and for now pass `check_vma=False`: neither the 'xla' backend's
+    loops nor the Pallas calls annotate device-varying values yet.
 
     Args:
         x: this shard's tokens: [T, H] (mode "replicated") or [T/n, H] (mode "all_to_all",

@@ -1,0 +1,284 @@
+"""Batched generation: jitted prefill + decode loop over a static-length latent cache.
+
+Prompts of different lengths are left-padded; prompt and cache lengths are rounded up to
+buckets (powers of two up to 64, then multiples of 64) so a new prompt length rarely
+recompiles. Sampling is greedy (temperature 0), temperature or top-p; rows stop at eos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+logger = logging.getLogger("models.deepseek_v3")
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int) -> int:
+    """Rounds a length up: powers of two from MIN_BUCKET to 64, then multiples of 64."""
+    if n <= 64:
+        return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+    return -(-n // 64) * 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateStats:
+    """Timings of one generate() call (seconds; compile time kept apart)."""
+
+    batch: int
+    prompt_len: int  # longest prompt (before bucketing)
+    bucket_len: int  # padded prompt length the prefill ran with
+    cache_len: int
+    new_tokens: int  # decode steps run (the loop stops early once every row hit eos)
+    compile_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.batch * self.bucket_len / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second over all rows, excluding the prefill."""
+        return self.batch * self.new_tokens / self.decode_s if self.decode_s else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"batch {self.batch}, prompt {self.prompt_len} (bucket {self.bucket_len}), "
+            f"{self.new_tokens} new tokens: prefill {self.prefill_s * 1e3:.1f} ms "
+            f"({self.prefill_tokens_per_s:.1f} tok/s), decode {self.decode_s * 1e3:.1f} ms "
+            f"({self.decode_tokens_per_s:.1f} tok/s), compile {self.compile_s:.1f} s"
+        )
+
+
+def sample(logits, key, temperature, top_p):
+    """Next tokens int32 [B] from f32 logits [B, V].
+
+    Greedy when temperature <= 0; otherwise softmax(logits / temperature) restricted to the
+    smallest set of tokens whose probability reaches top_p (top_p >= 1: all tokens).
+    """
+
+    def greedy(_):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        scaled = logits / temperature
+
+        def nucleus(x):
+            order = jnp.argsort(-x, axis=-1)
+            sorted_x = jnp.take_along_axis(x, order, axis=-1)
+            probs = jax.nn.softmax(sorted_x, axis=-1)
+            # Keep a token while the mass before it is below top_p (the first always stays).
+            keep = jnp.cumsum(probs, axis=-1) - probs < top_p
+            cut = jnp.where(keep, sorted_x, -jnp.inf)
+            choice = jax.random.categorical(key, cut, axis=-1)
+            return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+        def plain(x):
+            return jax.random.categorical(key, x, axis=-1)
+
+        return jax.lax.cond(top_p < 1.0, nucleus, plain, scaled).astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0.0, sampled, greedy, None)
+
+
+def _prefill(state, tokens, mask, *, graphdef, cache_len):
+    model = nnx.merge(graphdef, state)
+    return model.prefill(tokens, mask, max_len=cache_len)
+
+
+def _decode(
+    state, logits, cache, key, max_new, temperature, top_p, *, graphdef, steps, eos_ids, fill_id
+):
+    """Samples up to `max_new` (<= steps) tokens; the first from the prefill's logits."""
+    model = nnx.merge(graphdef, state)
+    b = logits.shape[0]
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    out = jnp.full((b, steps), fill_id, jnp.int32)
+
+    def pick(logits, key, done):
+        tok = sample(logits, key, temperature, top_p)
+        tok = jnp.where(done, fill_id, tok)
+        return tok, done | jnp.isin(tok, eos)
+
+    key, sub = jax.random.split(key)
+    tok, done = pick(logits, sub, jnp.zeros((b,), bool))
+    out = out.at[:, 0].set(tok)
+
+    def cond(carry):
+        step, _, _, _, done, _ = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, tok, cache, out, done, key = carry
+        logits, cache = model.decode(tok, cache)
+        key, sub = jax.random.split(key)
+        tok, done = pick(logits, sub, done)
+        out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, step))
+        return step + 1, tok, cache, out, done, key
+
+    carry = (jnp.asarray(1, jnp.int32), tok, cache, out, done, key)
+    step, _, _, out, _, _ = jax.lax.while_loop(cond, body, carry)
+    return out, step
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "cache_len"))
+# The cache is updated in place inside the while loop; it is not returned, so not donated.
+_decode_jit = jax.jit(_decode, static_argnames=("graphdef", "steps", "eos_ids", "fill_id"))
+# Compiled executables by (function, static args, argument shapes): compile time is measured
+# apart from run time, and a repeated shape bucket is never compiled twice.
+_COMPILED: dict = {}
+
+
+def _shape_key(tree):
+    return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(tree))
+
+
+def _compiled(fn, statics: dict, *args):
+    key = (fn, tuple(sorted(statics.items(), key=lambda kv: kv[0])), _shape_key(args))
+    exe = _COMPILED.get(key)
+    compile_s = 0.0
+    if exe is None:
+        t0 = time.perf_counter()
+        exe = fn.lower(*args, **statics).compile()
+        compile_s = time.perf_counter() - t0
+        _COMPILED[key] = exe
+    return exe, compile_s
+
+
+def _left_pad(input_ids, attention_mask, pad_id: int):
+    """-> (int32 [B, S] tokens, bool [B, S] mask), left padded."""
+    if isinstance(input_ids, (list, tuple)) and input_ids and not np.isscalar(input_ids[0]):
+        rows = [list(map(int, r)) for r in input_ids]
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a [B, S] array, not a list of prompts")
+        if any(len(r) == 0 for r in rows):
+            raise ValueError("every prompt needs at least one token")
+        s = max(len(r) for r in rows)
+        tokens = np.full((len(rows), s), pad_id, np.int32)
+        mask = np.zeros((len(rows), s), bool)
+        for b, r in enumerate(rows):
+            tokens[b, s - len(r) :] = r
+            mask[b, s - len(r) :] = True
+        return tokens, mask
+    tokens = np.asarray(input_ids, np.int32)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tokens.shape}")
+    if attention_mask is None:
+        mask = np.ones(tokens.shape, bool)
+    else:
+        mask = np.asarray(attention_mask).astype(bool)
+        if mask.shape != tokens.shape:
+            raise ValueError(f"attention_mask shape {mask.shape} != input_ids {tokens.shape}")
+        # Left padding: once a row's tokens start, they continue to the end.
+        if np.any(mask[:, :-1] & ~mask[:, 1:]):
+            raise ValueError("attention_mask must be left padding (zeros, then ones)")
+        if not np.all(mask[:, -1]):
+            raise ValueError("every row needs at least one token (attention_mask[:, -1] == 1)")
+    return tokens, mask
+
+
+def generate(
+    model,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    attention_mask=None,
+    pad_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
+    return_stats: bool = False,
+):
+    """Generates `max_new_tokens` tokens for each prompt.
+
+    Args:
+        model: DeepseekV3ForCausalLM.
+        input_ids: int32 [B, S] (left-padded, with `attention_mask`), or a list of B token
+            lists of different lengths (left-padded here with `pad_id`).
+        max_new_tokens: tokens to generate per row.
+        temperature: 0 for greedy; else the sampling temperature.
+        top_p: nucleus sampling mass (1 = off).
+        seed: sampling seed.
+        attention_mask: [B, S], 0 on left padding (default: no padding).
+        pad_id: padding token for list prompts (default cfg.pad_token_id, else 0).
+        eos_id: id(s) that end a row (default cfg.eos_token_id; () never stops). A finished
+            row is filled with its eos id (the first one) to the end.
+        return_stats: also return a GenerateStats.
+
+    Returns:
+        int32 [B, S + max_new_tokens] (prompt columns as given, then the new tokens);
+        with return_stats, (tokens, GenerateStats).
+    """
+    cfg = model.cfg
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if pad_id is None:
+        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    if eos_id is None:
+        eos_ids = tuple(cfg.eos_token_id)
+    else:
+        eos_ids = (int(eos_id),) if np.isscalar(eos_id) else tuple(int(e) for e in eos_id)
+    fill_id = eos_ids[0] if eos_ids else pad_id
+    tokens, mask = _left_pad(input_ids, attention_mask, pad_id)
+    b, s = tokens.shape
+    s_b = bucket(s)
+    cache_len = bucket(s_b + max_new_tokens)
+    if cache_len > cfg.max_position_embeddings:
+        logger.warning(
+            "cache length %d exceeds max_position_embeddings=%d",
+            cache_len,
+            cfg.max_position_embeddings,
+        )
+    padded = np.full((b, s_b), pad_id, np.int32)
+    padded[:, s_b - s :] = tokens
+    pmask = np.zeros((b, s_b), bool)
+    pmask[:, s_b - s :] = mask
+
+    graphdef, state = nnx.split(model)
+    prefill, c1 = _compiled(
+        _prefill_jit, {"graphdef": graphdef, "cache_len": cache_len}, state, padded, pmask
+    )
+    t0 = time.perf_counter()
+    logits, cache = jax.block_until_ready(prefill(state, padded, pmask))
+    t1 = time.perf_counter()
+
+    steps = cache_len - s_b
+    scalars = (
+        jax.random.key(seed),
+        jnp.asarray(max_new_tokens, jnp.int32),
+        jnp.asarray(temperature, jnp.float32),
+        jnp.asarray(top_p, jnp.float32),
+    )
+    statics = {"graphdef": graphdef, "steps": steps, "eos_ids": eos_ids, "fill_id": fill_id}
+    decode, c2 = _compiled(_decode_jit, statics, state, logits, cache, *scalars)
+    t2 = time.perf_counter()
+    new, num_steps = jax.block_until_ready(decode(state, logits, cache, *scalars))
+    t3 = time.perf_counter()
+
+    out = np.concatenate([tokens, np.asarray(new)[:, :max_new_tokens]], axis=1)
+    stats = GenerateStats(
+        batch=b,
+        prompt_len=s,
+        bucket_len=s_b,
+        cache_len=cache_len,
+        new_tokens=int(num_steps),
+        compile_s=c1 + c2,
+        prefill_s=t1 - t0,
+        decode_s=t3 - t2,
+    )
+    logger.info("generate: %s", stats)
+    out = jnp.asarray(out, jnp.int32)
+    return (out, stats) if return_stats else out

@@ -1,0 +1,835 @@
+"""DeepSeek-V3 in Flax NNX: MLA attention with a latent KV cache, group-limited routing, WNA16 MoE.
+
+Module names mirror Hugging Face's (`model.layers.3.self_attn.kv_b_proj.weight`), so checkpoint
+names map onto module paths with few exceptions (routed experts are stacked, see params.py).
+Letters in shapes: B batch, S query tokens, L cache slots, T tokens (B*S), h heads, H hidden,
+E experts, k top-k, I intermediate, R kv_lora_rank, dr rope dim, dn nope dim, dv value dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import wna16_jax as wj
+from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, yarn_get_mscale
+
+_F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class QuantParam(nnx.Variable):
+    """Packed quantized weight data (qweight / scales / zeros): not trained, kept apart from
+    float `nnx.Param`s so filters (dtype casts, sharding rules) can tell them apart."""
+
+
+# ---- random init ----------------------------------------------------------------------------
+# Modules draw their random initial weights through these helpers. `rngs` is an nnx.Rngs (jax
+# random, usable under jit: weights generated on device) or a numpy Generator (host init:
+# milliseconds for a small model, where XLA would compile every random op separately).
+
+Rng = nnx.Rngs | np.random.Generator
+
+
+def _normal(rngs: Rng, shape, std: float = 1.0):
+    if isinstance(rngs, np.random.Generator):
+        return rngs.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    return jax.random.normal(rngs.params(), shape, _F32) * std
+
+
+def _uniform(rngs: Rng, shape, lo: float, hi: float):
+    if isinstance(rngs, np.random.Generator):
+        return rngs.uniform(lo, hi, shape).astype(np.float32)
+    return jax.random.uniform(rngs.params(), shape, _F32, lo, hi)
+
+
+def _randint(rngs: Rng, shape, lo: int, hi: int):
+    """Integers in [lo, hi) as uint8."""
+    if isinstance(rngs, np.random.Generator):
+        return rngs.integers(lo, hi, shape, dtype=np.uint8)
+    return jax.random.randint(rngs.params(), shape, lo, hi).astype(jnp.uint8)
+
+
+def _bits32(rngs: Rng, shape):
+    if isinstance(rngs, np.random.Generator):
+        return rngs.integers(0, 2**32, shape, dtype=np.uint32)
+    return jax.random.bits(rngs.params(), shape, jnp.uint32)
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+
+class QuantizedTensor(nnx.Module):
+    """The leaves of one `wj.QuantizedExperts` [E, N, K] held as NNX variables.
+
+    `get()` rebuilds the QuantizedExperts (bits and group_size are static attributes), which
+    keeps nnx.split / merge / jit working on plain arrays.
+    """
+
+    def __init__(self, qe: wj.QuantizedExperts):
+        self.qweight = QuantParam(qe.qweight)
+        self.scales = QuantParam(qe.scales)
+        self.zeros = QuantParam(qe.zeros) if qe.zeros is not None else None
+        self.bits = int(qe.bits)
+        self.group_size = int(qe.group_size)
+
+    def get(self) -> wj.QuantizedExperts:
+        return wj.QuantizedExperts(
+            qweight=self.qweight.get_value(),
+            scales=self.scales.get_value(),
+            zeros=None if self.zeros is None else self.zeros.get_value(),
+            bits=self.bits,
+            group_size=self.group_size,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, kw = self.qweight.get_value().shape
+        return (e, n, kw * 32 // self.bits)
+
+
+def random_quantized(rngs: Rng, shape, spec: QuantSpec, *, std: float, dtype):
+    """Random packed weights [E, N, K] drawn directly in the quantized domain (no float copy).
+
+    Uniform codes, zero points near the middle of the range and scales such that the weights
+    have roughly standard deviation `std`. Scales are rounded through float16, the dtype
+    AWQ / GPTQ checkpoints store them in, so saving and reloading a random model is exact.
+    """
+    e, n, k = shape
+    bits = spec.bits
+    g = spec.group_for(k)
+    num_groups = 1 if g == -1 else k // g
+    xp = np if isinstance(rngs, np.random.Generator) else jnp  # host init stays in numpy
+    qweight = _bits32(rngs, (e, n, k * bits // 32))
+    mid = 1 << (bits - 1)
+    zeros = None
+    if spec.has_zp:
+        z = _randint(rngs, (e, n, num_groups), mid - 2, mid + 2)  # uint8
+        if bits == 4:  # [E, N//2, G], even n in the low nibble
+            pairs = z.reshape(e, n // 2, 2, num_groups)
+            zeros = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(xp.uint8)
+        else:
+            zeros = z
+    code_std = math.sqrt(((1 << bits) ** 2 - 1) / 12.0)  # std of uniform codes
+    jitter = _uniform(rngs, (e, n, num_groups), 0.75, 1.25)
+    scales = (jitter * (std / code_std)).astype(xp.float16)
+    return wj.QuantizedExperts(
+        qweight=jnp.asarray(qweight),
+        scales=jnp.asarray(scales).astype(dtype),
+        zeros=None if zeros is None else jnp.asarray(zeros),
+        bits=bits,
+        group_size=g,
+    )
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T with weight float [N, K] (HF layout)."""
+
+    def __init__(self, cfg: DeepseekV3Config, k: int, n: int, *, rngs: Rng, weight=None):
+        if weight is None:
+            weight = _normal(rngs, (n, k), k**-0.5)
+        self.weight = nnx.Param(jnp.asarray(weight, cfg.dtype))
+
+    def dense_weight(self, dtype) -> jax.Array:
+        """float [N, K]."""
+        return self.weight.get_value().astype(dtype)
+
+    def __call__(self, x):
+        return jnp.einsum("...k,nk->...n", x, self.weight.get_value().astype(x.dtype))
+
+
+class QuantizedLinear(nnx.Module):
+    """y = x @ dequant(weight).T for a WNA16 weight [1, N, K].
+
+    Non-expert linears dequantize on the fly inside jit (XLA fuses the unpack into the
+    matmul's operand); routed experts use wna16_jax.fused_moe instead.
+    """
+
+    def __init__(
+        self,
+        cfg: DeepseekV3Config,
+        k: int,
+        n: int,
+        *,
+        rngs: Rng,
+        qe: wj.QuantizedExperts | None = None,
+    ):
+        if qe is None:
+            qe = random_quantized(rngs, (1, n, k), cfg.quant, std=k**-0.5, dtype=cfg.dtype)
+        self.weight = QuantizedTensor(qe)
+
+    def dense_weight(self, dtype) -> jax.Array:
+        """float [N, K], dequantized."""
+        return wj.dequantize_experts(self.weight.get(), dtype=dtype)[0]
+
+    def __call__(self, x):
+        return jnp.einsum("...k,nk->...n", x, self.dense_weight(x.dtype))
+
+
+def make_linear(cfg: DeepseekV3Config, k: int, n: int, *, target: str | None, rngs: Rng):
+    """A QuantizedLinear when `cfg.quant` targets `target`, else a float Linear."""
+    if target is not None and cfg.quantizes(target):
+        return QuantizedLinear(cfg, k, n, rngs=rngs)
+    return Linear(cfg, k, n, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """HF DeepseekV3RMSNorm: normalize in f32, cast back, then scale by weight."""
+
+    def __init__(self, cfg: DeepseekV3Config, dim: int, *, eps: float, rngs: Rng):
+        # Random models perturb the weight so that tests notice a norm loaded into the wrong slot.
+        w = 1.0 + _normal(rngs, (dim,), 0.1)
+        self.weight = nnx.Param(jnp.asarray(w, cfg.dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(_F32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.get_value().astype(x.dtype) * y.astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding, weight float [V, H]."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
+        w = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), 0.02)
+        self.weight = nnx.Param(jnp.asarray(w, cfg.dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight.get_value(), ids, axis=0)
+
+
+# ---- rotary embedding -----------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: DeepseekV3Config) -> tuple[np.ndarray, float]:
+    """Inverse frequencies f32 [dr/2] and the cos/sin magnitude factor (DeepSeek's YaRN).
+
+    YaRN (modeling_deepseek.py's DeepseekV3YarnRotaryEmbedding): frequencies below the
+    correction range are divided by `factor`, above it kept, linearly blended in between;
+    cos/sin are multiplied by yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor,
+    mscale_all_dim).
+    """
+    d = cfg.qk_rope_head_dim
+    base = cfg.rope_theta
+    freq_extra = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    r = cfg.rope_scaling
+    if r is None:
+        return freq_extra.astype(np.float32), 1.0
+    freq_inter = freq_extra / r.factor
+
+    def correction_dim(num_rotations):
+        return (
+            d * math.log(r.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+        ) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(r.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(r.beta_slow)), d - 1)
+    if low == high:
+        high += 0.001  # the reference's guard against a zero-width ramp
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extra_mask = 1.0 - ramp
+    inv_freq = freq_inter * (1.0 - extra_mask) + freq_extra * extra_mask
+    mscale = yarn_get_mscale(r.factor, r.mscale) / yarn_get_mscale(r.factor, r.mscale_all_dim)
+    return inv_freq.astype(np.float32), float(mscale)
+
+
+def rope_cos_sin(cfg: DeepseekV3Config, positions):
+    """positions int32 [B, S] -> cos, sin f32 [B, S, dr] (the half-split layout of HF)."""
+    inv_freq, mscale = rope_inv_freq(cfg)
+    freqs = positions.astype(_F32)[..., None] * jnp.asarray(inv_freq)  # [B, S, dr/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * mscale, jnp.sin(emb) * mscale
+
+
+def apply_rope(x, cos, sin):
+    """DeepSeek rope on x [B, S, ..., dr]: de-interleave pairs ([d/2, 2] -> [2, d/2]), then
+    x * cos + rotate_half(x) * sin. cos/sin: [B, S, dr], broadcast over the middle axes."""
+    d = x.shape[-1]
+    x32 = x.astype(_F32)
+    x32 = x32.reshape(*x.shape[:-1], d // 2, 2).swapaxes(-1, -2).reshape(x.shape)
+    rot = jnp.concatenate([-x32[..., d // 2 :], x32[..., : d // 2]], axis=-1)
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    return (x32 * cos + rot * sin).astype(x.dtype)
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The compressed MLA cache: per layer the normalized latent and the rotated rope key.
+
+    Attributes:
+        c_kv: per layer [B, L, R] (model dtype).
+        k_pe: per layer [B, L, dr] (model dtype).
+        valid: bool [B, L]: the slot holds a real token (left padding is False).
+        next_pos: int32 [B]: rope position of each row's next token.
+        index: int32 []: the next slot to write (shared by all rows).
+    """
+
+    c_kv: tuple
+    k_pe: tuple
+    valid: jax.Array
+    next_pos: jax.Array
+    index: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (HF DeepseekV3Attention) with an absorbed decode path."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
+        self.cfg = cfg
+        h, hd = cfg.num_attention_heads, cfg.qk_head_dim
+        lin = lambda k, n: make_linear(cfg, k, n, target="attention", rngs=rngs)
+        if cfg.q_lora_rank is None:
+            self.q_proj = lin(cfg.hidden_size, h * hd)
+        else:
+            self.q_a_proj = lin(cfg.hidden_size, cfg.q_lora_rank)
+            # HF builds the two LoRA norms with the default eps 1e-6, not rms_norm_eps.
+            self.q_a_layernorm = RMSNorm(cfg, cfg.q_lora_rank, eps=1e-6, rngs=rngs)
+            self.q_b_proj = lin(cfg.q_lora_rank, h * hd)
+        self.kv_a_proj_with_mqa = lin(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg, cfg.kv_lora_rank, eps=1e-6, rngs=rngs)
+        self.kv_b_proj = lin(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = lin(h * cfg.v_head_dim, cfg.hidden_size)
+
+    def _project(self, x, cos, sin):
+        """x [B, S, H] -> q_nope [B,S,h,dn], q_pe [B,S,h,dr], c_kv [B,S,R], k_pe [B,S,dr]
+        (q_pe and k_pe roped)."""
+        cfg = self.cfg
+        b, s, _ = x.shape
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+        kv_a = self.kv_a_proj_with_mqa(x)  # [B, S, R + dr]
+        c_kv = self.kv_a_layernorm(kv_a[..., : cfg.kv_lora_rank])
+        k_pe = kv_a[..., cfg.kv_lora_rank :]
+        return q_nope, apply_rope(q_pe, cos, sin), c_kv, apply_rope(k_pe, cos, sin)
+
+    def _split_kv_b(self, dtype):
+        """kv_b_proj as W_UK [h, dn, R] and W_UV [h, dv, R]."""
+        cfg = self.cfg
+        w = self.kv_b_proj.dense_weight(dtype).reshape(
+            cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+        )
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+    def _softmax(self, scores, mask):
+        scores = jnp.where(mask, scores * self.cfg.softmax_scale, -jnp.inf)
+        return jax.nn.softmax(scores, axis=-1)
+
+    def naive(self, q_nope, q_pe, c_kv, k_pe, mask):
+        """Attention with keys/values expanded through kv_b_proj (prefill form).
+
+        q_nope [B,S,h,dn], q_pe [B,S,h,dr]; c_kv [B,T,R], k_pe [B,T,dr]; mask bool [B,S,T].
+        Returns [B, S, h, dv].
+        """
+        w_uk, w_uv = self._split_kv_b(c_kv.dtype)
+        k_nope = jnp.einsum("btr,hdr->bthd", c_kv, w_uk)  # [B, T, h, dn]
+        v = jnp.einsum("btr,hvr->bthv", c_kv, w_uv)  # [B, T, h, dv]
+        scores = jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=_F32)
+        scores += jnp.einsum("bshd,btd->bhst", q_pe, k_pe, preferred_element_type=_F32)
+        p = self._softmax(scores, mask[:, None]).astype(v.dtype)
+        return jnp.einsum("bhst,bthv->bshv", p, v)
+
+    def absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
+        """The same attention computed against the latent cache (decode form).
+
+        q_nope is absorbed into W_UK so scores are taken against c_kv directly; the output is
+        the probability-weighted latent, mapped through W_UV. Shapes as in `naive`.
+        """
+        w_uk, w_uv = self._split_kv_b(q_nope.dtype)
+        q_lat = jnp.einsum("bshd,hdr->bshr", q_nope, w_uk)  # [B, S, h, R]
+        scores = jnp.einsum("bshr,btr->bhst", q_lat, c_kv, preferred_element_type=_F32)
+        scores += jnp.einsum("bshd,btd->bhst", q_pe, k_pe, preferred_element_type=_F32)
+        p = self._softmax(scores, mask[:, None]).astype(c_kv.dtype)
+        o_lat = jnp.einsum("bhst,btr->bshr", p, c_kv)  # [B, S, h, R]
+        return jnp.einsum("bshr,hvr->bshv", o_lat, w_uv)
+
+    def __call__(self, x, *, cos, sin, mask, mode: str, cache=None, index=None):
+        """Args:
+            x: [B, S, H].  cos, sin: f32 [B, S, dr].
+            mask: bool [B, S, S] ("full", "prefill") or [B, S, L] ("decode").
+            mode: "full" (no cache), "prefill" (write slots 0..S-1 of an empty cache, attend
+                over this chunk) or "decode" (write slots index..index+S-1, attend over the
+                cache in the absorbed form).
+            cache: (c_kv [B, L, R], k_pe [B, L, dr]) for prefill / decode.
+            index: int32 [] first slot written by decode.
+
+        Returns:
+            ([B, S, H], new (c_kv, k_pe) or None).
+        """
+        b, s, _ = x.shape
+        q_nope, q_pe, c_kv, k_pe = self._project(x, cos, sin)
+        new_cache = None
+        if mode == "full":
+            out = self.naive(q_nope, q_pe, c_kv, k_pe, mask)
+        elif mode == "prefill":
+            c_cache, pe_cache = cache
+            new_cache = (
+                jax.lax.dynamic_update_slice(c_cache, c_kv.astype(c_cache.dtype), (0, 0, 0)),
+                jax.lax.dynamic_update_slice(pe_cache, k_pe.astype(pe_cache.dtype), (0, 0, 0)),
+            )
+            out = self.naive(q_nope, q_pe, c_kv, k_pe, mask)
+        elif mode == "decode":
+            c_cache, pe_cache = cache
+            c_cache = jax.lax.dynamic_update_slice(
+                c_cache, c_kv.astype(c_cache.dtype), (0, index, 0)
+            )
+            pe_cache = jax.lax.dynamic_update_slice(
+                pe_cache, k_pe.astype(pe_cache.dtype), (0, index, 0)
+            )
+            new_cache = (c_cache, pe_cache)
+            out = self.absorbed(q_nope, q_pe, c_cache, pe_cache, mask)
+        else:
+            raise ValueError(f"mode={mode!r} is not one of 'full', 'prefill', 'decode'")
+        out = out.reshape(b, s, self.cfg.num_attention_heads * self.cfg.v_head_dim)
+        return self.o_proj(out), new_cache
+
+
+# ---- MLP and MoE ----------------------------------------------------------------------------
+
+
+class MLP(nnx.Module):
+    """down(silu(gate(x)) * up(x)); dense layers and shared experts."""
+
+    def __init__(self, cfg: DeepseekV3Config, intermediate: int, *, target: str, rngs: Rng):
+        lin = lambda k, n: make_linear(cfg, k, n, target=target, rngs=rngs)
+        self.gate_proj = lin(cfg.hidden_size, intermediate)
+        self.up_proj = lin(cfg.hidden_size, intermediate)
+        self.down_proj = lin(intermediate, cfg.hidden_size)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(logits, bias, *, cfg: DeepseekV3Config):
+    """DeepSeek routing in f32: which experts each token uses, and with what weight.
+
+    Args:
+        logits: f32 [T, E] router logits.
+        bias: f32 [E] e_score_correction_bias (noaux_tc), or None.
+        cfg: the config (scoring_func, topk_method, n_group, topk_group, num_experts_per_tok,
+            norm_topk_prob, routed_scaling_factor).
+
+    Returns:
+        topk_weights f32 [T, k], topk_ids int32 [T, k].
+
+    noaux_tc (V3): sigmoid (or softmax) scores; the bias shifts scores for *selection* only;
+    a group's score is the sum of its top-2 biased scores; the topk_group best groups are kept
+    (others masked to -inf); top-k inside them; weights are the unbiased scores of the chosen
+    experts. greedy (V2-Lite): top-k of the scores. group_limited_greedy (V2): groups ranked
+    by their max score. Then weights are normalized when norm_topk_prob (and k > 1) and
+    multiplied by routed_scaling_factor.
+    """
+    logits = logits.astype(_F32)
+    t, e = logits.shape
+    k = cfg.num_experts_per_tok
+    if cfg.scoring_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    if cfg.topk_method == "greedy":
+        choice = scores
+    else:
+        choice = scores + bias.astype(_F32) if bias is not None else scores
+        g = cfg.n_group
+        grouped = choice.reshape(t, g, e // g)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)  # [T, g]
+        else:
+            group_scores = grouped.max(axis=-1)
+        _, group_idx = jax.lax.top_k(group_scores, cfg.topk_group)  # [T, topk_group]
+        keep = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], group_idx].set(True)
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob and k > 1:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+class Router(nnx.Module):
+    """The MoE gate: weight [E, H], e_score_correction_bias f32 [E] (noaux_tc only)."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
+        self.cfg = cfg
+        e, hdim = cfg.n_routed_experts, cfg.hidden_size
+        # Stored in the model dtype like HF; the logits are computed in f32.
+        self.weight = nnx.Param(jnp.asarray(_normal(rngs, (e, hdim), hdim**-0.5), cfg.dtype))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nnx.Param(jnp.asarray(_normal(rngs, (e,), 0.1)))
+        else:
+            self.e_score_correction_bias = None
+
+    def __call__(self, x):
+        """x [T, H] -> (topk_weights f32 [T, k], topk_ids int32 [T, k])."""
+        logits = jnp.dot(x.astype(_F32), self.weight.get_value().astype(_F32).T, precision=_HIGHEST)
+        bias = self.e_score_correction_bias
+        return route(logits, None if bias is None else bias.get_value(), cfg=self.cfg)
+
+
+class RoutedExperts(nnx.Module):
+    """WNA16 routed experts through wna16_jax.fused_moe: w13 [E, 2I, H] (gate rows then up
+    rows), w2 [E, H, I]."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng, w13=None, w2=None, implementation=None):
+        e, i, hdim = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        if w13 is None:
+            w13 = random_quantized(
+                rngs, (e, 2 * i, hdim), cfg.quant, std=hdim**-0.5, dtype=cfg.dtype
+            )
+        if w2 is None:
+            w2 = random_quantized(rngs, (e, hdim, i), cfg.quant, std=i**-0.5, dtype=cfg.dtype)
+        self.w13 = QuantizedTensor(w13)
+        self.w2 = QuantizedTensor(w2)
+        self.implementation = implementation
+
+    def __call__(self, x, topk_weights, topk_ids):
+        """x [T, H] -> [T, H] (x.dtype)."""
+        return wj.fused_moe(
+            x,
+            self.w13.get(),
+            self.w2.get(),
+            topk_weights,
+            topk_ids,
+            implementation=self.implementation,
+        )
+
+
+class FloatExperts(nnx.Module):
+    """Unquantized routed experts (float checkpoints without quantize=): w13 float [E, 2I, H],
+    w2 [E, H, I], computed with sorted tokens and jax.lax.ragged_dot."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng, w13=None, w2=None):
+        e, i, hdim = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        if w13 is None:
+            w13 = _normal(rngs, (e, 2 * i, hdim), hdim**-0.5)
+        if w2 is None:
+            w2 = _normal(rngs, (e, hdim, i), i**-0.5)
+        self.w13 = nnx.Param(jnp.asarray(w13, cfg.dtype))
+        self.w2 = nnx.Param(jnp.asarray(w2, cfg.dtype))
+        self.implementation = None
+
+    def __call__(self, x, topk_weights, topk_ids):
+        t, k = topk_ids.shape
+        w13, w2 = self.w13.get_value(), self.w2.get_value()
+        e, two_i, _ = w13.shape
+        flat = topk_ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # slots grouped by expert
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        xs = x[order // k]  # [T*k, H]
+        h = jax.lax.ragged_dot(
+            xs,
+            w13.astype(x.dtype).transpose(0, 2, 1),
+            sizes,
+            precision=_HIGHEST,
+            preferred_element_type=_F32,
+        )  # [T*k, 2I]
+        act = (jax.nn.silu(h[:, : two_i // 2]) * h[:, two_i // 2 :]).astype(x.dtype)
+        y = jax.lax.ragged_dot(
+            act,
+            w2.astype(x.dtype).transpose(0, 2, 1),
+            sizes,
+            precision=_HIGHEST,
+            preferred_element_type=_F32,
+        )  # [T*k, H]
+        y = y * topk_weights.reshape(-1)[order][:, None].astype(_F32)
+        out = jnp.zeros_like(y).at[order].set(y)
+        return out.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """Router + routed experts + shared experts (HF DeepseekV3MoE)."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
+        self.gate = Router(cfg, rngs=rngs)
+        if cfg.quantizes("experts"):
+            self.experts = RoutedExperts(cfg, rngs=rngs)
+        else:
+            self.experts = FloatExperts(cfg, rngs=rngs)
+        if cfg.n_shared_experts:
+            self.shared_experts = MLP(
+                cfg,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                target="shared_experts",
+                rngs=rngs,
+            )
+        else:
+            self.shared_experts = None
+
+    def __call__(self, x):
+        b, s, hdim = x.shape
+        xt = x.reshape(b * s, hdim)
+        topk_weights, topk_ids = self.gate(xt)
+        out = self.experts(xt, topk_weights, topk_ids).reshape(b, s, hdim)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, *, rngs: Rng):
+        self.self_attn = MLAttention(cfg, rngs=rngs)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, cfg.intermediate_size, target="dense_mlp", rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(
+            cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs
+        )
+
+    def __call__(self, x, **attn_kw):
+        h, new_cache = self.self_attn(self.input_layernorm(x), **attn_kw)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_cache
+
+
+class DeepseekV3Model(nnx.Module):
+    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
+        self.embed_tokens = Embed(cfg, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
+
+
+def _positions_from_mask(mask):
+    """Left-padded mask bool [B, S] -> int32 [B, S] positions (pads get 0)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def _chunk_mask(key_valid):
+    """Causal mask over one chunk: bool [B, S, S]; pad keys masked; each query sees itself so
+    rows of pad queries stay finite."""
+    s = key_valid.shape[1]
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    return (causal[None] & key_valid[:, None, :]) | jnp.eye(s, dtype=bool)[None]
+
+
+class DeepseekV3ForCausalLM(nnx.Module):
+    """The causal LM: `model(input_ids)` -> f32 logits; `prefill` / `decode` for generation."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng, implementation=None):
+        self.cfg = cfg
+        self.model = DeepseekV3Model(cfg, rngs=rngs)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs=rngs)
+        if implementation is not None:
+            self.set_implementation(implementation)
+
+    # --- configuration -------------------------------------------------------------------
+    def set_implementation(self, implementation: str | Sequence[str] | None) -> None:
+        """Selects the fused_moe backend of every routed-expert layer (None = automatic)."""
+        if implementation is not None and not isinstance(implementation, str):
+            implementation = tuple(implementation)
+        for _, m in self.iter_modules():
+            if isinstance(m, RoutedExperts):
+                m.implementation = implementation
+
+    @property
+    def implementation(self):
+        for _, m in self.iter_modules():
+            if isinstance(m, RoutedExperts):
+                return m.implementation
+        return None
+
+    # --- forward -------------------------------------------------------------------------
+    def _logits(self, x):
+        if self.lm_head is None:
+            w = self.model.embed_tokens.weight.get_value()
+        else:
+            w = self.lm_head.dense_weight(x.dtype)
+        return jnp.einsum("...h,vh->...v", x, w.astype(x.dtype), preferred_element_type=_F32)
+
+    def _run(self, ids, positions, mask, *, mode, cache=None, index=None):
+        cos, sin = rope_cos_sin(self.cfg, positions)
+        x = self.model.embed_tokens(ids)
+        new = []
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = None if cache is None else (cache.c_kv[i], cache.k_pe[i])
+            x, nc = layer(x, cos=cos, sin=sin, mask=mask, mode=mode, cache=layer_cache, index=index)
+            new.append(nc)
+        return self.model.norm(x), new
+
+    def __call__(self, input_ids, attention_mask=None):
+        """Logits without a cache.
+
+        Args:
+            input_ids: int32 [B, S].
+            attention_mask: optional [B, S] (1 = token, 0 = left padding).
+
+        Returns:
+            f32 [B, S, vocab].
+        """
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, bool)
+        key_valid = jnp.asarray(attention_mask).astype(bool)
+        x, _ = self._run(
+            input_ids, _positions_from_mask(key_valid), _chunk_mask(key_valid), mode="full"
+        )
+        return self._logits(x)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.cfg
+        n = cfg.num_hidden_layers
+        return KVCache(
+            c_kv=tuple(jnp.zeros((batch, max_len, cfg.kv_lora_rank), cfg.dtype) for _ in range(n)),
+            k_pe=tuple(
+                jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), cfg.dtype) for _ in range(n)
+            ),
+            valid=jnp.zeros((batch, max_len), bool),
+            next_pos=jnp.zeros((batch,), jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def prefill(self, input_ids, attention_mask, *, max_len: int):
+        """Runs the (left-padded) prompt and fills a fresh cache of `max_len` slots.
+
+        Args:
+            input_ids: int32 [B, S].  attention_mask: [B, S], 0 on left padding.
+            max_len: static cache length L >= S.
+
+        Returns:
+            (f32 [B, vocab] logits of the last column, KVCache with index = S).
+        """
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        b, s = input_ids.shape
+        if max_len < s:
+            raise ValueError(f"max_len={max_len} is shorter than the prompt ({s} tokens)")
+        key_valid = jnp.asarray(attention_mask).astype(bool)
+        cache = self.init_cache(b, max_len)
+        x, new = self._run(
+            input_ids,
+            _positions_from_mask(key_valid),
+            _chunk_mask(key_valid),
+            mode="prefill",
+            cache=cache,
+        )
+        cache = KVCache(
+            c_kv=tuple(c for c, _ in new),
+            k_pe=tuple(p for _, p in new),
+            valid=jax.lax.dynamic_update_slice(cache.valid, key_valid, (0, 0)),
+            next_pos=key_valid.sum(axis=1).astype(jnp.int32),
+            index=jnp.asarray(s, jnp.int32),
+        )
+        return self._logits(x[:, -1]), cache
+
+    def decode(self, tokens, cache: KVCache):
+        """Appends tokens int32 [B, S] (or [B]) to every row and attends over the cache
+        (absorbed MLA).
+
+        Returns:
+            (f32 logits [B, S, vocab] (or [B, vocab]), the updated KVCache).
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        squeeze = tokens.ndim == 1
+        if squeeze:
+            tokens = tokens[:, None]
+        b, s = tokens.shape
+        idx = cache.index
+        positions = cache.next_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
+        valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((b, s), bool), (0, idx))
+        slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+        query_slot = idx + jnp.arange(s, dtype=jnp.int32)
+        mask = valid[:, None, :] & (slots[None, None, :] <= query_slot[None, :, None])
+        x, new = self._run(tokens, positions, mask, mode="decode", cache=cache, index=idx)
+        cache = KVCache(
+            c_kv=tuple(c for c, _ in new),
+            k_pe=tuple(p for _, p in new),
+            valid=valid,
+            next_pos=cache.next_pos + s,
+            index=idx + s,
+        )
+        logits = self._logits(x)
+        return (logits[:, 0] if squeeze else logits), cache
+
+
+# Above this many bytes of weights a random model is generated on device under jit; below it,
+# on the host with numpy (XLA compiling ~100 separate random ops costs tens of seconds on CPU).
+HOST_INIT_MAX_BYTES = 1 << 30
+
+
+def param_bytes(cfg: DeepseekV3Config) -> int:
+    """Bytes of the model's weights (from an abstract model: nothing is allocated)."""
+    abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    return sum(
+        int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+        for a in jax.tree.leaves(nnx.state(abstract))
+    )
+
+
+def init_random(
+    cfg: DeepseekV3Config, *, seed: int = 0, implementation=None, on_device: bool | None = None
+) -> DeepseekV3ForCausalLM:
+    """A randomly initialized model (quantized as `cfg.quant` says).
+
+    Args:
+        cfg: the configuration.
+        seed: random seed.
+        implementation: fused_moe backend of the routed experts (None = automatic).
+        on_device: generate the weights under jit on the default device (True) or with
+            numpy on the host (False); None picks the host below HOST_INIT_MAX_BYTES.
+    """
+    if on_device is None:
+        on_device = param_bytes(cfg) > HOST_INIT_MAX_BYTES
+    if on_device:
+        model = nnx.jit(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(seed)))()
+    else:
+        model = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(seed))
+    if implementation is not None:
+        model.set_implementation(implementation)
+    return model
+
+
+def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
+    """A float copy of `model`: every quantized linear and the routed experts replaced by float
+    modules holding the dequantized weights (in cfg.dtype). The test oracle for WNA16 layers."""
+    new = nnx.clone(model)
+    cfg = new.cfg
+    for path, module in list(new.iter_modules()):
+        if isinstance(module, QuantizedLinear):
+            _, n, k = module.weight.shape
+            repl = Linear(cfg, k, n, rngs=None, weight=module.dense_weight(_F32))
+        elif isinstance(module, RoutedExperts):
+            repl = FloatExperts(
+                cfg,
+                rngs=None,
+                w13=wj.dequantize_experts(module.w13.get(), _F32),
+                w2=wj.dequantize_experts(module.w2.get(), _F32),
+            )
+        else:
+            continue
+        parent = new
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        if isinstance(path[-1], int):
+            parent[path[-1]] = repl
+        else:
+            setattr(parent, path[-1], repl)
+    return new

@@ -1,0 +1,210 @@
+"""HF checkpoint loading and saving: round trips per format, quantize-on-load, one error."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from test_deepseek_v3_common import (
+    logits_of,
+    random_ids,
+    tiny_model,
+    v2_lite_tiny,
+)
+
+import wna16_jax as wj
+from models.deepseek_v3 import (
+    ByteTokenizer,
+    QuantSpec,
+    init_random,
+    load_pretrained,
+    load_tokenizer,
+    save_pretrained,
+)
+from models.deepseek_v3.modeling import FloatExperts, Linear, QuantizedLinear, RoutedExperts
+
+# (format, model variant, shard the files): every format, int4 / int8, with and without zero
+# points, single-file and sharded checkpoints.
+ROUND_TRIPS = {
+    "awq-int4-zp": ("awq", dict(), False),
+    "gptq-int4-zp-sharded": ("gptq", dict(), True),
+    "ct-int4-zp": ("compressed-tensors", dict(), False),
+    "gptq-int8-sym": ("gptq", dict(quant=QuantSpec(bits=8, group_size=32, has_zp=False)), False),
+    "ct-int8-sym-sharded": (
+        "compressed-tensors",
+        dict(quant=QuantSpec(bits=8, group_size=32, has_zp=False)),
+        True,
+    ),
+    "bf16-float": ("bf16", dict(dtype="bfloat16", quant=None), False),
+    "awq-int4-tied-embeddings": ("awq", dict(tie_word_embeddings=True), False),
+}
+
+
+def _logits(model, ids):
+    return np.asarray(logits_of(model, ids, np.ones(ids.shape, bool)))
+
+
+@pytest.mark.parametrize("case", sorted(ROUND_TRIPS))
+def test_save_load_round_trip_gives_identical_logits(case, tmp_path, rng):
+    fmt, overrides, sharded = ROUND_TRIPS[case]
+    model = tiny_model(**overrides)
+    save_pretrained(model, tmp_path, format=fmt, max_shard_bytes=40_000 if sharded else None)
+    files = sorted(os.listdir(tmp_path))
+    if sharded:
+        assert "model.safetensors.index.json" in files and len(files) > 3
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["model_type"] == "deepseek_v3"
+    if fmt != "bf16":
+        assert hf["quantization_config"]["quant_method"] == fmt
+    loaded = load_pretrained(tmp_path, dtype=model.cfg.dtype, progress=False)
+    assert loaded.cfg == model.cfg
+    assert type(loaded.model.layers[1].mlp.experts) is type(model.model.layers[1].mlp.experts)
+    assert (loaded.lm_head is None) == model.cfg.tie_word_embeddings
+    ids = random_ids(rng, (2, 8), model.cfg)
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(model, ids))
+
+
+def test_v2_lite_style_checkpoint(tmp_path, rng):
+    """q_proj without LoRA, softmax greedy routing without a bias, 2 shared experts."""
+    model = init_random(v2_lite_tiny(), seed=3)
+    save_pretrained(model, tmp_path, format="awq")
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["q_lora_rank"] is None and hf["topk_method"] == "greedy"
+    names = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.1.self_attn.q_proj.qweight" in names
+    assert not any("e_score_correction_bias" in n for n in names)
+    loaded = load_pretrained(tmp_path, dtype=jnp.float32, progress=False)
+    assert loaded.model.layers[1].mlp.gate.e_score_correction_bias is None
+    ids = random_ids(rng, (2, 8), model.cfg)
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(model, ids))
+
+
+def test_quantize_on_load(tmp_path):
+    """A bf16 checkpoint quantized to int4 while loading: the targeted linears become WNA16,
+    holding exactly the round-to-nearest codes of the float weights."""
+    save_pretrained(tiny_model(dtype="bfloat16", quant=None), tmp_path, format="bf16")
+    ref = load_pretrained(tmp_path, dtype=jnp.float32, progress=False)
+    q = load_pretrained(tmp_path, dtype=jnp.float32, quantize="int4", progress=False)
+    assert isinstance(ref.model.layers[1].mlp.experts, FloatExperts)
+    assert isinstance(q.model.layers[1].mlp.experts, RoutedExperts)
+    assert isinstance(q.model.layers[0].mlp.gate_proj, QuantizedLinear)
+    assert isinstance(q.model.layers[0].self_attn.kv_b_proj, QuantizedLinear)
+    assert isinstance(q.lm_head, Linear)  # embeddings, lm_head and router stay float
+    # "int4" = asymmetric, group 128 (= H here): round to nearest, so every weight is within
+    # half a step of its float value, with the scales / zero points of quantize_experts.
+    w13 = q.model.layers[1].mlp.experts.w13.get()
+    w = np.asarray(ref.model.layers[1].mlp.experts.w13.get_value())
+    want = wj.quantize_experts(w, bits=4, group_size=128, has_zp=True)
+    assert (w13.bits, w13.group_size) == (4, 128)
+    np.testing.assert_array_equal(w13.zeros, want.zeros)
+    np.testing.assert_array_equal(w13.scales, want.scales)
+    err = np.abs(np.asarray(wj.dequantize_experts(w13)) - w)
+    half_step = np.repeat(np.asarray(w13.scales), 128, axis=-1) / 2
+    assert np.all(err <= half_step * (1 + 1e-5))
+    kv_b = q.model.layers[0].self_attn.kv_b_proj.weight.get()
+    # K = kv_lora_rank = 32 is not a multiple of 128: one group per row.
+    assert kv_b.group_size == -1 and kv_b.shape == (1, 128, 32)
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("awq")
+    save_pretrained(tiny_model(), path, format="awq")
+    return path
+
+
+def _rewrite(src, dst, edit_tensors=None, edit_config=None):
+    os.makedirs(dst, exist_ok=True)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    hf = json.loads(open(os.path.join(src, "config.json")).read())
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_config:
+        edit_config(hf)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(hf, f)
+
+
+def test_loading_errors_list_every_problem(awq_dir, tmp_path):
+    def corrupt(t):
+        del t["model.norm.weight"]  # missing float tensor
+        del t["model.layers.2.mlp.experts.5.up_proj.qzeros"]  # missing quantized part
+        t["model.layers.0.self_attn.kv_a_layernorm.weight"] = np.ones(7, np.float32)  # shape
+        t["model.layers.1.mlp.gate.weight"] = t["model.layers.1.mlp.gate.weight"].astype(
+            np.int32
+        )  # dtype
+        qw = t["model.layers.1.self_attn.o_proj.qweight"]
+        t["model.layers.1.self_attn.o_proj.qweight"] = qw[:-8]  # K rows missing
+        del t["model.layers.2.mlp.shared_experts.down_proj.qweight"]
+        del t["model.layers.2.mlp.shared_experts.down_proj.qzeros"]
+        del t["model.layers.2.mlp.shared_experts.down_proj.scales"]  # the whole layer gone
+
+    _rewrite(awq_dir, tmp_path, corrupt)
+    with pytest.raises(ValueError) as err:
+        load_pretrained(tmp_path, progress=False)
+    msg = str(err.value)
+    assert "6 problem(s)" in msg, msg
+    for name in (
+        "model.norm.weight",
+        "model.layers.2.mlp.experts.5.up_proj.qzeros",
+        "model.layers.0.self_attn.kv_a_layernorm.weight: shape [7], expected [32]",
+        "model.layers.1.mlp.gate.weight: dtype I32",
+        "model.layers.1.self_attn.o_proj.qweight: shape [56, 16]",
+        "model.layers.2.mlp.shared_experts.down_proj.weight: missing",
+    ):
+        assert name in msg, f"{name!r} not in:\n{msg}"
+
+
+def test_unsupported_quantization_config(awq_dir, tmp_path):
+    def fp8(hf):
+        hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+
+    _rewrite(awq_dir, tmp_path, edit_config=fp8)
+    with pytest.raises(ValueError) as err:
+        load_pretrained(tmp_path, progress=False)
+    msg = str(err.value)
+    assert "quant_method='fp8' is not supported" in msg
+    assert "model.layers.1.mlp.experts.0.gate_proj" in msg  # and the layers it affects
+
+
+def test_converter_errors_are_collected(awq_dir, tmp_path):
+    """Problems only the format converter sees (scales of the wrong group count) are also
+    reported together, naming each layer."""
+
+    def bad_scales(t):
+        for name in ("model.layers.1.self_attn.q_a_proj", "model.layers.2.mlp.experts.3.up_proj"):
+            t[f"{name}.scales"] = np.concatenate([t[f"{name}.scales"]] * 2)
+
+    _rewrite(awq_dir, tmp_path, bad_scales)
+    with pytest.raises(ValueError) as err:
+        load_pretrained(tmp_path, progress=False)
+    msg = str(err.value)
+    assert "2 problem(s)" in msg, msg
+    assert "model.layers.1.self_attn.q_a_proj" in msg and "experts.3.up_proj" in msg
+
+
+def test_mesh_not_supported_yet(awq_dir):
+    with pytest.raises(NotImplementedError, match="mesh"):
+        load_pretrained(awq_dir, mesh=object())
+
+
+def test_tokenizers(tmp_path):
+    byte = ByteTokenizer()
+    ids = byte.encode("héllo")
+    assert ids[0] == byte.bos_id and byte.decode(ids) == "héllo"
+    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)  # no tokenizer.json
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    hf = load_tokenizer(tmp_path)
+    assert hf.encode("hello world") == [0, 2, 3]
+    assert hf.eos_id == 1 and hf.decode([2, 3]) == "hello world"
