@@ -6,8 +6,12 @@ median over repeats of a jitted loop that calls the op `--iters` times on rotate
 host dispatch is excluded; the per-call time of one jitted call from the host (dispatch
 included) is reported beside it.
 
+With --activation-quant int8_per_token the rows are W8A8 (int8 per-token activations, int8
+per-channel symmetric weights; --bits and --no-zp are ignored then).
+
 Example:
     python examples/benchmark.py --m 1 16 256 4096 --json out/bench.json --plot out/roofline.png
+    python examples/benchmark.py --activation-quant int8_per_token --m 256 4096
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Problem:
     bits: int
     has_zp: bool
     dtype: str = "bfloat16"
+    activation_quant: str | None = None  # None (16-bit activations) or "int8_per_token"
 
 
 def _random_experts(key, e, n, k, *, bits, group_size, has_zp, dtype):
@@ -226,7 +231,9 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
         flops = 2.0 * m * k * (2 * i * h + h * i)
         sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
         for impl in implementations:
-            fn = functools.partial(_moe, implementation=impl, config=config)
+            fn = functools.partial(
+                _moe, implementation=impl, config=config, activation_quant=problem.activation_quant
+            )
             try:
                 t, t_host = time_loop(fn, sets, iters=iters, repeats=repeats, consts=(w13, w2))
             except Exception as err:  # a backend that cannot run this size: report, go on
@@ -240,8 +247,9 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
                 weight_bytes=wbytes,
                 flops=flops,
                 experts_touched=touched,
+                activation_quant=problem.activation_quant,
             )
-            if stages and impl.startswith("pallas"):
+            if stages and impl.startswith("pallas") and problem.activation_quant is None:
                 row["stages"] = bench_stages(
                     problem, impl, config, w13, w2, sets, iters=iters, repeats=repeats
                 )
@@ -250,8 +258,17 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
     return rows
 
 
-def _moe(w13, w2, x, tw, ids, *, implementation, config):
-    return wj.fused_moe(x, w13, w2, tw, ids, implementation=implementation, config=config)
+def _moe(w13, w2, x, tw, ids, *, implementation, config, activation_quant=None):
+    return wj.fused_moe(
+        x,
+        w13,
+        w2,
+        tw,
+        ids,
+        implementation=implementation,
+        config=config,
+        activation_quant=activation_quant,
+    )
 
 
 def bench_stages(problem, impl, config, w13, w2, sets, *, iters, repeats):
@@ -372,7 +389,15 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=None, help="calls per timed loop")
     p.add_argument("--repeats", type=int, default=5, help="timed loops (median taken)")
     p.add_argument("--sets", type=int, default=4, help="input sets rotated through the loop")
-    p.add_argument("--stages", action="store_true", help="also time each stage (pallas only)")
+    p.add_argument(
+        "--stages", action="store_true", help="also time each stage (pallas, WNA16 only)"
+    )
+    p.add_argument(
+        "--activation-quant",
+        choices=("int8_per_token",),
+        default=None,
+        help="W8A8 rows: int8 per-token activations with int8 per-channel symmetric weights",
+    )
     p.add_argument(
         "--block-config",
         type=str,
@@ -385,6 +410,8 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING)
     e, k, h, i, g = PRESETS[args.preset]
     problem = Problem(e, k, h, i, g, args.bits, not args.no_zp)
+    if args.activation_quant:  # W8A8 runs int8 per-channel symmetric weights
+        problem = Problem(e, k, h, i, -1, 8, False, activation_quant=args.activation_quant)
     ms = args.m or ([1, 4, 16, 64, 256, 1024, 4096] if on_gpu else [1, 8])
     impls = args.implementations or (["pallas", "xla"] if on_gpu else ["pallas_interpret", "xla"])
     iters = args.iters or (20 if on_gpu else 2)

@@ -7,6 +7,7 @@ import functools
 import jax
 
 from pallas_kernels import fused_moe as pallas_moe
+from pallas_kernels.w8a8_gemm import MIN_INT8_DOT_K
 from wna16_jax._configs import min_block_k
 from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
 
@@ -32,11 +33,36 @@ def _gpu_reason(platform: str) -> str | None:
     return None
 
 
+def _w8a8_reason(problem: MoEProblem) -> str | None:
+    """Why the W8A8 kernels cannot run `problem` (int8 activations)."""
+    inputs = {"w13": problem.hidden, "w2": problem.intermediate}  # each GEMM's K
+    bad = []
+    for name, bits, group_size, has_zeros in problem.weight_schemes():
+        per_channel = group_size == -1 or group_size == inputs[name]
+        if bits != 8 or not per_channel or has_zeros:
+            zeros = "with zero points" if has_zeros else "symmetric"
+            bad.append(f"{name} is int{bits} group_size={group_size} {zeros}")
+    if bad:
+        return (
+            f"int8 activations ({problem.activation_quant}) need int8 per-channel symmetric "
+            f"weights (bits=8, group_size=-1, zeros=None), but {'; '.join(bad)}"
+        )
+    for what, size in (("H", problem.hidden), ("I", problem.intermediate)):
+        if size % MIN_INT8_DOT_K:
+            return (
+                f"{what}={size} is not a multiple of {MIN_INT8_DOT_K}, the smallest k-tile of "
+                f"an int8 tensor-core dot"
+            )
+    return None
+
+
 def _shape_reason(problem: MoEProblem) -> str | None:
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
     if problem.activation != "silu":
         return f"activation {problem.activation!r} is not supported (only 'silu')"
+    if problem.activation_quant is not None:
+        return _w8a8_reason(problem)
     lo = min_block_k(problem.bits)
     for what, size in (("H", problem.hidden), ("I", problem.intermediate)):
         if size % lo:
@@ -54,7 +80,19 @@ def _pallas_reason(problem: MoEProblem) -> str | None:
     return _gpu_reason(problem.platform) or _shape_reason(problem)
 
 
-def _run(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, interpret):
+def _run(
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map,
+    activation,
+    config,
+    interpret,
+    activation_quant=None,
+):
     return pallas_moe.fused_moe(
         x,
         w13,
@@ -65,6 +103,7 @@ def _run(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, 
         activation=activation,
         config=config,
         interpret=interpret,
+        activation_quant=activation_quant,
     )
 
 

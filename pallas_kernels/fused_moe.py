@@ -9,9 +9,10 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import w8a8_gemm as w8a8
 from pallas_kernels.wna16_gemm import wna16_gemm
 from wna16_jax import _configs, _reference
-from wna16_jax._types import BlockConfig, QuantizedExperts
+from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -38,9 +39,19 @@ def align(topk_ids, *, num_experts, block_m, expert_map, interpret):
 
 
 def gemm_configs(
-    num_slots: int, w13: QuantizedExperts, w2: QuantizedExperts, config: BlockConfig | None
+    num_slots: int,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    config: BlockConfig | None,
+    *,
+    activation_quant: ActivationQuant | None = None,
 ) -> tuple[BlockConfig, BlockConfig]:
-    """The configs of GEMM1 (w13) and GEMM2 (w2); both share GEMM1's block_m (one alignment)."""
+    """The configs of GEMM1 (w13) and GEMM2 (w2); both share GEMM1's block_m (one alignment).
+
+    With activation_quant the W8A8 GEMM's rules and heuristic apply (w8a8_gemm.resolve_config).
+    """
+    if activation_quant is not None:
+        return _w8a8_gemm_configs(num_slots, w13, w2, config, activation_quant)
     shapes = [
         _configs.GemmShape(
             m=num_slots,
@@ -60,6 +71,30 @@ def gemm_configs(
         _logged_configs.add(key)
         logger.info(
             "wna16_jax: fused_moe M=%d GEMM1 (N=%d, K=%d) %s [%s]; GEMM2 (N=%d, K=%d) %s [%s]",
+            num_slots,
+            w13.n,
+            w13.k,
+            c1,
+            src1,
+            w2.n,
+            w2.k,
+            c2,
+            src2,
+        )
+    return c1, c2
+
+
+def _w8a8_gemm_configs(num_slots, w13, w2, config, activation_quant):
+    shapes = [w8a8.gemm_shape(w, num_slots) for w in (w13, w2)]
+    (c1, src1), (c2, src2) = (w8a8.resolve_config(s, config) for s in shapes)
+    c2 = dataclasses.replace(c2, block_m=c1.block_m)
+    key = (shapes[0], shapes[1], c1, c2, activation_quant.scheme)
+    if key not in _logged_configs:
+        _logged_configs.add(key)
+        logger.info(
+            "wna16_jax: fused_moe W8A8 (%s) M=%d GEMM1 (N=%d, K=%d) %s [%s]; GEMM2 (N=%d, "
+            "K=%d) %s [%s]",
+            activation_quant.scheme,
             num_slots,
             w13.n,
             w13.k,
@@ -105,7 +140,56 @@ def _fused_moe_chunk(
     return y.reshape(t, k, -1).sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "config", "interpret", "chunk_tokens"))
+def _fused_moe_w8a8_chunk(
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map,
+    activation,
+    activation_quant,
+    config,
+    interpret,
+):
+    t, k = topk_ids.shape
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+    c1, c2 = gemm_configs(t * k, w13, w2, config, activation_quant=activation_quant)
+    routing = align(
+        topk_ids,
+        num_experts=num_experts,
+        block_m=c1.block_m,
+        expert_map=expert_map,
+        interpret=interpret,
+    )
+    # The quantization is _reference's own (XLA), so kernel and oracle quantize identically.
+    q1, s1 = _reference.quantize_activations(x, activation_quant, 1)  # [T, H] int8, [T] f32
+    h = w8a8.w8a8_gemm(q1, s1, w13, routing, top_k=k, config=c1, interpret=interpret)
+    # h: [T*k, 2I] f32, kept in f32 up to the second quantization (no 16-bit rounding).
+    act = _reference.ACTIVATIONS[activation](h)  # [T*k, I] f32
+    q2, s2 = _reference.quantize_activations(act, activation_quant, 2)  # per slot row
+    y = w8a8.w8a8_gemm(
+        q2,
+        s2,
+        w2,
+        routing,
+        topk_weights.reshape(-1).astype(jnp.float32),
+        top_k=1,
+        config=c2,
+        interpret=interpret,
+    )  # [T*k, H] f32, routed weights applied
+    # Slots the alignment dropped (ids out of range) sit in no block: their rows are unwritten.
+    flat = topk_ids.reshape(-1)
+    placed = (flat >= 0) & (flat < num_experts)
+    y = jnp.where(placed[:, None], y, 0.0)
+    return y.reshape(t, k, -1).sum(axis=1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("activation", "config", "interpret", "chunk_tokens", "activation_quant"),
+)
 def fused_moe(
     x,
     w13: QuantizedExperts,
@@ -118,8 +202,13 @@ def fused_moe(
     config: BlockConfig | None = None,
     interpret: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    activation_quant: ActivationQuant | None = None,
 ):
     """fused_moe (DESIGN.md steps 1-5) from the Pallas kernels; inputs already validated.
+
+    With activation_quant (W8A8; w13 and w2 int8 per-channel symmetric): x is quantized to int8
+    rows, GEMM1 runs int8 x int8 -> int32 with the scales in its epilogue (f32 out), silu(gate)
+    * up in f32 is quantized again, and GEMM2 runs the same way with the routed weights.
 
     Args:
         x: [T, H] bf16/f16/f32.  w13: [E, 2I, H].  w2: [E, H, I].
@@ -128,10 +217,25 @@ def fused_moe(
         config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM).
         interpret: run the kernels under the Pallas interpreter.
         chunk_tokens: tokens per chunk for large T.
+        activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
 
     Returns:
         [T, H] in x.dtype.
     """
+    if activation_quant is not None:
+        run = functools.partial(
+            _fused_moe_w8a8_chunk,
+            w13=w13,
+            w2=w2,
+            expert_map=expert_map,
+            activation=activation,
+            activation_quant=activation_quant,
+            config=config,
+            interpret=interpret,
+        )
+        return _reference.map_token_chunks(
+            run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens
+        )
     run = functools.partial(
         _fused_moe_chunk,
         w13=w13,

@@ -6,39 +6,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
+from jax.experimental import pallas as pl  # noqa: F401  (tests patch wna16_gemm.pl.pallas_call)
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _dequant
+from pallas_kernels._common import grouped_gemm_call, grouped_gemm_program, operand_pairs
 from wna16_jax import _configs
 from wna16_jax._quant import implicit_zero
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
-
-
-def _operand_pairs(a_ref, qw_ref, e, row, n_idx, k0, *, bits, block_k, unpack):
-    """The k-tile as (a [bm, W], v [bn, W] uint32 values, k [W] feature indices) pairs.
-
-    unpack="slices": the [bn, bk // per_word] word tile is loaded once and value slice i of the
-    words meets activation columns k0 + per_word * j + i: per_word pairs, W = bk // per_word.
-    unpack="tile": each word is loaded once per value it holds (the repeats hit L1) and shifted
-    in place: one pair with W = bk, so the tensor cores see one dot of K = bk.
-    """
-    per_word = 32 // bits
-    if unpack == "tile":
-        kk = k0 + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-        words = plgpu.load(qw_ref.at[e, n_idx[:, None], (kk // per_word)[None, :]])  # [bn, bk]
-        shift = ((kk % per_word) * bits).astype(jnp.uint32)
-        v = (words >> shift[None, :]) & jnp.uint32((1 << bits) - 1)
-        a = plgpu.load(a_ref.at[row[:, None], kk[None, :]])  # [bm, bk]
-        return [(a, v, kk)]
-    j = jnp.arange(block_k // per_word, dtype=jnp.int32)
-    words = plgpu.load(qw_ref.at[e, n_idx[:, None], (k0 // per_word + j)[None, :]])  # [bn, W]
-    pairs = []
-    for i in range(per_word):
-        kk = k0 + per_word * j + i  # [W]
-        a = plgpu.load(a_ref.at[row[:, None], kk[None, :]])  # [bm, W]
-        pairs.append((a, _dequant.value_slice(words, i, bits=bits), kk))
-    return pairs
 
 
 def _tile_product(
@@ -54,7 +29,7 @@ def _tile_product(
         precision=jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None,
         preferred_element_type=jnp.float32,
     )
-    pairs = _operand_pairs(
+    pairs = operand_pairs(
         a_ref, qw_ref, e, row, n_idx, k0, bits=bits, block_k=block_k, unpack=unpack
     )
     if block_k > group:
@@ -126,61 +101,36 @@ def _gemm_kernel(
     has_zeros,
     config: BlockConfig,
 ):
-    bm, bn, bk, split_k = config.block_m, config.block_n, config.block_k, config.split_k
-    num_n_blocks = n // bn
-    pid = pl.program_id(0)
-    split = pl.program_id(1)
-    m_block = pid // num_n_blocks
-    n_block = pid % num_n_blocks
-    ntpp = ntpp_ref[0]
+    def tile_product(e, row, n_idx, k0):
+        return _tile_product(
+            a_ref,
+            qw_ref,
+            s_ref,
+            z_ref,
+            e,
+            row,
+            n_idx,
+            k0,
+            bits=bits,
+            block_k=config.block_k,
+            group=group,
+            has_zeros=has_zeros,
+            unpack=config.unpack,
+        )
 
-    @pl.when(m_block * bm < ntpp)
-    def _():
-        e = eids_ref[m_block]
-        slot = plgpu.load(ids_ref.at[pl.ds(m_block * bm, bm)])  # [bm]
-        valid = slot < num_slots
-        out_row = jnp.where(valid, slot, num_slots)  # padding -> the spare row
-        n_idx = n_block * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
-        out_at = out_ref.at[out_row[:, None], n_idx[None, :]]
-
-        if split_k == 1:
-            # Blocks of off-shard experts contribute exact zeros (split-K buffers start at 0).
-            @pl.when(e < 0)
-            def _():
-                plgpu.store(out_at, jnp.zeros((bm, bn), out_ref.dtype))
-
-        @pl.when(e >= 0)
-        def _():
-            row = jnp.where(valid, slot // top_k, 0)  # [bm] activation rows
-            tiles = k // bk // split_k
-            first = split * tiles
-
-            def body(t, acc):
-                k0 = (first + t) * bk
-                return acc + _tile_product(
-                    a_ref,
-                    qw_ref,
-                    s_ref,
-                    z_ref,
-                    e,
-                    row,
-                    n_idx,
-                    k0,
-                    bits=bits,
-                    block_k=bk,
-                    group=group,
-                    has_zeros=has_zeros,
-                    unpack=config.unpack,
-                )
-
-            acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((bm, bn), jnp.float32))
-            if rw_ref is not None:
-                rw = plgpu.load(rw_ref.at[jnp.where(valid, slot, 0)])  # [bm]
-                acc = acc * rw[:, None]
-            if split_k == 1:
-                plgpu.store(out_at, acc.astype(out_ref.dtype))
-            else:
-                plgpu.atomic_add(out_at, (), acc)
+    grouped_gemm_program(
+        ids_ref,
+        eids_ref,
+        ntpp_ref,
+        rw_ref,
+        out_ref,
+        num_slots=num_slots,
+        top_k=top_k,
+        n=n,
+        k=k,
+        config=config,
+        tile_product=tile_product,
+    )
 
 
 def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
@@ -243,8 +193,6 @@ def wna16_gemm(
         raise ValueError(f"activations have K={k} but the weights have K={kq}")
     num_slots = r * top_k
     out_dtype = jnp.dtype(out_dtype or a.dtype)
-    num_blocks = routing.expert_ids.shape[0]
-    grid = (num_blocks * (n // config.block_n), config.split_k)
     kernel = functools.partial(
         _gemm_kernel,
         num_slots=num_slots,
@@ -256,39 +204,15 @@ def wna16_gemm(
         has_zeros=qw.has_zeros,
         config=config,
     )
-    ntpp = routing.num_tokens_post_padded.reshape(1)
-    inputs = [routing.sorted_token_ids, routing.expert_ids, ntpp, a, qw.qweight, qw.scales]
-    optional = [qw.zeros, routed_weights]
-    inputs += [x for x in optional if x is not None]
-
-    def kernel_with_optionals(*refs):
-        fixed, rest = refs[:6], list(refs[6:])
-        z_ref = rest.pop(0) if qw.zeros is not None else None
-        rw_ref = rest.pop(0) if routed_weights is not None else None
-        kernel(*fixed, z_ref, rw_ref, *rest)
-
-    out_rows = num_slots + 1  # the last row takes padding slots' stores
-    if config.split_k == 1:
-        out_shape = jax.ShapeDtypeStruct((out_rows, n), out_dtype)
-        aliases = {}
-    else:
-        inputs.append(jnp.zeros((out_rows, n), jnp.float32))
-        out_shape = jax.ShapeDtypeStruct((out_rows, n), jnp.float32)
-        aliases = {len(inputs) - 1: 0}
-
-        def kernel_with_optionals(*refs, _inner=kernel_with_optionals):  # noqa: F811
-            *ins, _zero_in, out = refs
-            _inner(*ins, out)
-
-    out = pl.pallas_call(
-        kernel_with_optionals,
-        out_shape=out_shape,
-        grid=grid,
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
+    out = grouped_gemm_call(
+        kernel,
+        [a, qw.qweight, qw.scales, qw.zeros, routed_weights],
+        routing=routing,
+        num_slots=num_slots,
+        n=n,
+        out_dtype=out_dtype,
+        config=config,
         interpret=interpret,
         name=f"wna16_gemm_int{qw.bits}",
-    )(*inputs)
-    return out[:num_slots].astype(out_dtype)
+    )
+    return out.astype(out_dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import helpers
@@ -203,3 +204,32 @@ def test_xla_refuses_unknown_activation():
 
 def test_fakes_do_not_leak():
     assert not any(name.startswith("fake_") for name in wj.registered_backends())
+
+
+def test_problem_weight_schemes_default_to_w13():
+    p = _moe_problem()
+    assert p.weight_schemes() == (("w13", 4, 32, True), ("w2", 4, 32, True))
+    assert p.gemm_input_dtype == "bfloat16"
+    q = _moe_problem(w2_bits=8, w2_group_size=-1, w2_has_zeros=False, activation_quant="x")
+    assert q.weight_schemes()[1] == ("w2", 8, -1, False) and q.gemm_input_dtype == "int8"
+
+
+def test_activation_quant_reaches_only_backends_asked_for_it(problem, register):
+    """WNA16 calls keep the old backend signature; W8A8 calls add activation_quant=."""
+    seen = []
+
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs):
+        seen.append(kwargs)
+        return jnp.zeros(x.shape, x.dtype)
+
+    register(dataclasses.replace(_fake("fake_kw", None), fused_moe=fused_moe))
+    wj.fused_moe(*problem, implementation="fake_kw")
+    wj.fused_moe(*problem, implementation="fake_kw", activation_quant="int8_per_token")
+    assert "activation_quant" not in seen[0]
+    assert seen[1]["activation_quant"] == wj.ActivationQuant("int8_per_token")
+
+
+def test_xla_runs_int8_activations_with_any_weights():
+    for bits, has_zeros in ((4, True), (8, False)):
+        p = _moe_problem(bits=bits, has_zeros=has_zeros, activation_quant="int8_per_token")
+        assert _dispatch.XLA_BACKEND.unsupported_reason(p) is None

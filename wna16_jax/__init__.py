@@ -4,9 +4,10 @@ from wna16_jax import formats, sharding
 from wna16_jax._api import fused_moe, moe_align_block_size
 from wna16_jax._dispatch import registered_backends
 from wna16_jax._quant import dequantize_experts, quantize_experts
-from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
+from wna16_jax._types import ActivationQuant, AlignedRouting, BlockConfig, QuantizedExperts
 
 __all__ = [
+    "ActivationQuant",
     "AlignedRouting",
     "BlockConfig",
     "QuantizedExperts",

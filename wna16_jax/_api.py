@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from wna16_jax import _dispatch, _reference
-from wna16_jax._types import MAX_ARRAY_ELEMENTS, AlignedRouting, BlockConfig, QuantizedExperts
+from wna16_jax._types import (
+    ACTIVATION_QUANT_SCHEMES,
+    MAX_ARRAY_ELEMENTS,
+    ActivationQuant,
+    AlignedRouting,
+    BlockConfig,
+    QuantizedExperts,
+)
 
 ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -47,6 +54,36 @@ def _check_expert_map(expert_map, num_local: int | None) -> None:
             f"expert_map has {expert_map.shape[0]} entries, fewer than the {num_local} "
             f"local experts"
         )
+
+
+def normalize_activation_quant(activation_quant) -> ActivationQuant | None:
+    """None, "int8_per_token" or an ActivationQuant -> ActivationQuant or None.
+
+    Raises:
+        ValueError: any other value, or an "int8_static" ActivationQuant without both scales.
+    """
+    if activation_quant is None:
+        return None
+    if isinstance(activation_quant, str) and activation_quant == "int8_per_token":
+        return ActivationQuant(scheme="int8_per_token")
+    if not isinstance(activation_quant, ActivationQuant):
+        hint = ""
+        if isinstance(activation_quant, str) and activation_quant in ACTIVATION_QUANT_SCHEMES:
+            hint = (
+                " (static scales: pass wj.ActivationQuant('int8_static', gemm1_scale=..., "
+                "gemm2_scale=...))"
+            )
+        raise ValueError(
+            f"activation_quant={activation_quant!r} is not supported; accepted: None (16-bit "
+            f"activations), 'int8_per_token', or a wj.ActivationQuant with scheme in "
+            f"{ACTIVATION_QUANT_SCHEMES}{hint}"
+        )
+    if not activation_quant.has_scales:
+        raise ValueError(
+            f"activation_quant={activation_quant}: scheme 'int8_static' needs both gemm1_scale "
+            f"and gemm2_scale (e.g. the checkpoint's input_scale, max over experts)"
+        )
+    return activation_quant
 
 
 def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation):
@@ -100,11 +137,19 @@ def fused_moe(
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | None = None,
+    activation_quant: str | ActivationQuant | None = None,
 ):
     """A whole MoE layer with weight-only quantized experts (DESIGN.md steps 1-5).
 
     out[t] = sum_j topk_weights[t, j] * w2[e] @ act(w13[e] @ x[t]),  e = topk_ids[t, j],
     where act splits its input into gate (rows 0..I-1) and up (rows I..2I-1).
+
+    With activation_quant (W8A8) both GEMM inputs (x, and act's output) are quantized to
+    symmetric int8 with one scale per row (per token, or the given static scales), the GEMMs
+    multiply int8 x int8 into int32 and apply activation and weight scales in the epilogue.
+    The Pallas kernels need int8 per-channel symmetric weights for it (bits=8,
+    group_size=-1, zeros=None: `quantize_experts(w, bits=8, group_size=-1, has_zp=False)` or
+    a compressed-tensors int8 channel/tensor checkpoint); the 'xla' backend takes any weights.
 
     Args:
         x: [T, H] bf16, f16 or f32 activations.
@@ -118,6 +163,8 @@ def fused_moe(
         implementation: None (automatic), a backend name ("xla", "pallas",
             "pallas_interpret"), or names tried in order.
         config: optional BlockConfig for the kernels; None = tuned table, then heuristic.
+        activation_quant: None (16-bit activations: WNA16), "int8_per_token" (dynamic
+            per-token int8), or a wj.ActivationQuant (e.g. static per-tensor scales).
 
     Returns:
         [T, H] in x.dtype.
@@ -127,6 +174,7 @@ def fused_moe(
         NotImplementedError: no requested backend can run the problem (reasons listed).
     """
     validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation)
+    activation_quant = normalize_activation_quant(activation_quant)
     t, h = _shape(x)
     e, two_i, _ = w13.shape
     problem = _dispatch.MoEProblem(
@@ -144,8 +192,14 @@ def fused_moe(
         has_zeros=w13.has_zeros,
         dtype=jnp.dtype(x.dtype).name,
         activation=activation,
+        w2_bits=w2.bits,
+        w2_group_size=w2.group_size,
+        w2_has_zeros=w2.has_zeros,
+        activation_quant=None if activation_quant is None else activation_quant.scheme,
     )
     backend = _dispatch.select_backend(problem, implementation)
+    # Only W8A8 calls pass activation_quant: a backend that never accepts it needs no such arg.
+    extra = {} if activation_quant is None else {"activation_quant": activation_quant}
     return backend.fused_moe(
         x,
         w13,
@@ -155,6 +209,7 @@ def fused_moe(
         expert_map=None if expert_map is None else expert_map.astype(jnp.int32),
         activation=activation,
         config=config,
+        **extra,
     )
 
 

@@ -31,6 +31,27 @@ class MoEProblem:
     has_zeros: bool
     dtype: str  # activation dtype name
     activation: str
+    # Weight scheme of w2 (the fields above without a prefix describe w13); None = as w13.
+    w2_bits: int | None = None
+    w2_group_size: int | None = None
+    w2_has_zeros: bool | None = None
+    # Activation scheme: None (16-bit activations into the GEMMs: WNA16) or an
+    # ActivationQuant.scheme ("int8_per_token", "int8_static": W8A8).
+    activation_quant: str | None = None
+
+    @property
+    def gemm_input_dtype(self) -> str:
+        """The activation format the GEMMs consume: "int8" under activation_quant, else dtype."""
+        return "int8" if self.activation_quant is not None else self.dtype
+
+    def weight_schemes(self) -> tuple[tuple[str, int, int, bool], ...]:
+        """((name, bits, group_size, has_zeros), ...) of w13 and w2."""
+        w2 = (
+            self.bits if self.w2_bits is None else self.w2_bits,
+            self.group_size if self.w2_group_size is None else self.w2_group_size,
+            self.has_zeros if self.w2_has_zeros is None else self.w2_has_zeros,
+        )
+        return (("w13", self.bits, self.group_size, self.has_zeros), ("w2", *w2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +71,9 @@ class Backend:
     Attributes:
         name: the name users pass as `implementation`.
         unsupported_reason: problem -> None when it can run, else a sentence saying why not.
-        fused_moe: (x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config) -> out.
+        fused_moe: (x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config) -> out;
+            called with the keyword activation_quant (an ActivationQuant) too when the problem
+            has one, so a backend that accepts such problems must take it.
         align_unsupported_reason: AlignProblem -> None or why not.
         moe_align_block_size: (topk_ids, *, num_experts, block_m, expert_map) -> AlignedRouting.
     """
@@ -140,6 +163,7 @@ def select_backend(
                 )
             return backend
         reasons[name] = reason
+        logger.debug("wna16_jax: %s skips %r: %s", op, name, reason)
     if explicit and len(candidates) == 1:
         name = candidates[0]
         raise NotImplementedError(f"backend {name!r} cannot run this {op}: {reasons[name]}")
@@ -151,13 +175,28 @@ def select_backend(
 
 
 def _xla_unsupported_reason(problem: MoEProblem) -> str | None:
+    # Every weight scheme, with or without int8 activations (any weights: W8A8, W4A8, ...).
     if problem.activation not in _reference.ACTIVATIONS:
         return f"activation {problem.activation!r} is not one of {sorted(_reference.ACTIVATIONS)}"
     return None
 
 
-def _xla_fused_moe(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config):
+def _xla_fused_moe(
+    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, activation_quant=None
+):
     block_m = config.block_m if config is not None else 16
+    if activation_quant is not None:
+        return _reference.fused_moe_a8(
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation_quant=activation_quant,
+            expert_map=expert_map,
+            activation=activation,
+            block_m=block_m,
+        )
     return _reference.fused_moe(
         x,
         w13,

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from wna16_jax._quant import unpack_k, zero_points
 from wna16_jax._types import AlignedRouting, QuantizedExperts
@@ -223,3 +224,192 @@ def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int):
         ),
     )
     return out.reshape(-1, hdim)[:t].astype(x.dtype)
+
+
+# ---- int8 activations (W8A8): quantization and the exact integer products --------------------
+
+# Symmetric int8 activations use [-127, 127] (the grid is symmetric around 0).
+INT8_ACTIVATION_MAX = 127
+
+
+def quantize_activations_per_token(x):
+    """Dynamic symmetric int8 quantization of each row (token).
+
+    scale_t = max|x_t| * (1/127) and q = clip(round(x * (1 / scale_t)), -127, 127), round half
+    to even, all in f32 (0 scale and q for an all-zero row). The divisions are written as
+    products with reciprocals because that is what XLA compiles them to (it rewrites a / b by
+    a broadcast or constant b as a * (1/b)): so written, numpy reproduces the result bitwise.
+
+    Args:
+        x: [T, K] float.
+
+    Returns:
+        (q int8 [T, K], scale f32 [T]); x ~= q * scale[:, None].
+    """
+    xf = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(xf), axis=-1) * jnp.float32(1.0 / INT8_ACTIVATION_MAX)  # [T]
+    inv = jnp.float32(1.0) / jnp.where(scale > 0, scale, jnp.float32(1.0))  # [T]
+    q = jnp.clip(jnp.round(xf * inv[:, None]), -INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX)
+    return q.astype(jnp.int8), scale
+
+
+def quantize_activations_static(x, scale: float):
+    """Static symmetric int8 quantization with one given scale for the whole tensor.
+
+    Args:
+        x: [T, K] float.
+        scale: positive float (a static Python float).
+
+    Returns:
+        (q int8 [T, K] = clip(round(x * (1 / scale)), -127, 127) in f32, scale f32 [T] filled
+        with `scale`).
+    """
+    s = np.float32(scale)
+    inv = np.float32(1.0) / s  # on the host, IEEE f32
+    q = jnp.clip(jnp.round(x.astype(jnp.float32) * inv), -INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX)
+    return q.astype(jnp.int8), jnp.full((x.shape[0],), s, jnp.float32)
+
+
+def quantize_activations(x, activation_quant, gemm: int):
+    """The int8 input of GEMM `gemm` (1 or 2) under an ActivationQuant: (q int8, scale f32 [T])."""
+    if activation_quant.scheme == "int8_per_token":
+        return quantize_activations_per_token(x)
+    scale = activation_quant.gemm1_scale if gemm == 1 else activation_quant.gemm2_scale
+    return quantize_activations_static(x, scale)
+
+
+def _signed_weights_one(qw: QuantizedExperts, e):
+    """Expert `e` (traced) as integer q - z [N, K] (int8 when it fits, else int32) and f32
+    scales [N, G]."""
+    q = unpack_k(jax.lax.dynamic_index_in_dim(qw.qweight, e, keepdims=False), qw.bits)
+    s = jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False).astype(jnp.float32)
+    z = jax.lax.dynamic_index_in_dim(zero_points(qw), e, keepdims=False).astype(jnp.int32)
+    n, k = q.shape
+    g = qw.group
+    w = q.reshape(n, k // g, g).astype(jnp.int32) - z[..., None]  # [N, G, g]
+    # Symmetric weights and int4 fit int8 (q - z in [-128, 127] / [-15, 15]); int8 with zero
+    # points spans [-255, 255].
+    fits_int8 = qw.bits == 4 or not qw.has_zeros
+    return w.reshape(n, k).astype(jnp.int8 if fits_int8 else jnp.int32), s
+
+
+def grouped_matmul_int8(
+    a_q,
+    a_scale,
+    qw: QuantizedExperts,
+    routing: AlignedRouting,
+    *,
+    top_k: int,
+    routed_weights=None,
+):
+    """Block-sorted grouped matmul of int8 activation rows with quantized weights, exactly.
+
+    out[s] = sum_g (a_q[r] . (q - z)[e, :, group g]) * scales[e, :, g] * a_scale[r], r = s //
+    top_k: each group's integer dot is exact (int32), the scales are applied in f32 in the
+    order ((acc * w_scale) * a_scale) * routed_weight, which is the kernels' epilogue order for
+    per-channel weights. Any canonical weights work (the 'xla' oracle of W8A8 and W4A8).
+
+    Args:
+        a_q: int8 [R, K] quantized rows; slot s reads row s // top_k.
+        a_scale: f32 [R] the rows' scales.
+        qw: QuantizedExperts [E_local, N, K].
+        routing: AlignedRouting over R * top_k slots (sentinel = R * top_k).
+        top_k: slots per row of `a_q`.
+        routed_weights: optional f32 [num_slots] multiplied into each slot's output row.
+
+    Returns:
+        f32 [num_slots, N] (rows of blocks of expert -1 are zero).
+    """
+    bm = routing.block_m
+    num_slots = a_q.shape[0] * top_k
+    n, k = qw.n, qw.k
+    g = qw.group
+    ids = routing.sorted_token_ids
+    num_used_blocks = routing.num_tokens_post_padded // bm
+
+    def body(b, out):
+        slot = jax.lax.dynamic_slice_in_dim(ids, b * bm, bm)  # [bm]
+        valid = slot < num_slots
+        row = jnp.where(valid, slot // top_k, 0)
+        e = routing.expert_ids[b]
+        w, s = _signed_weights_one(qw, jnp.maximum(e, 0))  # [N, K] int, [N, G] f32
+        rows = a_q[row].astype(w.dtype).reshape(bm, k // g, g)  # [bm, G, g]
+        acc = jax.lax.dot_general(
+            rows,
+            w.reshape(n, k // g, g),
+            dimension_numbers=(((2,), (2,)), ((1,), (1,))),
+            preferred_element_type=jnp.int32,
+        )  # [G, bm, N] exact
+        y = jnp.sum(acc.astype(jnp.float32) * s.T[:, None, :], axis=0)  # [bm, N]
+        y = y * a_scale[row][:, None]
+        if routed_weights is not None:
+            y = y * routed_weights[jnp.where(valid, slot, 0)][:, None]
+        y = jnp.where((e >= 0) & valid[:, None], y, 0.0)
+        return out.at[jnp.where(valid, slot, num_slots)].set(y)
+
+    out = jnp.zeros((num_slots + 1, n), jnp.float32)
+    out = jax.lax.fori_loop(0, num_used_blocks, body, out)
+    return out[:num_slots]
+
+
+def _fused_moe_a8_chunk(
+    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, activation_quant, block_m
+):
+    t, k = topk_ids.shape
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+    routing = moe_align_block_size(
+        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
+    )
+    q1, s1 = quantize_activations(x, activation_quant, 1)  # [T, H] int8, [T]
+    h = grouped_matmul_int8(q1, s1, w13, routing, top_k=k)  # [T*k, 2I] f32
+    act = ACTIVATIONS[activation](h)  # [T*k, I] f32
+    q2, s2 = quantize_activations(act, activation_quant, 2)
+    y = grouped_matmul_int8(
+        q2, s2, w2, routing, top_k=1, routed_weights=topk_weights.reshape(-1).astype(jnp.float32)
+    )  # [T*k, H]
+    return y.reshape(t, k, -1).sum(axis=1)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("activation", "activation_quant", "block_m", "chunk_tokens")
+)
+def fused_moe_a8(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    activation_quant,
+    expert_map=None,
+    activation: str = "silu",
+    block_m: int = 16,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+):
+    """Reference MoE layer with int8 activations: the oracle of the W8A8 kernels.
+
+    x is quantized per `activation_quant` (GEMM1's input), GEMM1 is exact in int32 with the
+    scales applied in f32, silu(gate) * up in f32 is quantized again (GEMM2's input), GEMM2 is
+    exact with the routed weights, then the k slots are summed in f32. The kernels apply the
+    same quantization to the same values, so only f32 rounding order separates them.
+
+    Args:
+        x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I] (any canonical weights).
+        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
+        activation_quant: an ActivationQuant with its scales known.
+        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
+        activation: "silu".  block_m: alignment block.  chunk_tokens: tokens per chunk.
+
+    Returns:
+        [T, H] in x.dtype.
+    """
+    run = functools.partial(
+        _fused_moe_a8_chunk,
+        w13=w13,
+        w2=w2,
+        expert_map=expert_map,
+        activation=activation,
+        activation_quant=activation_quant,
+        block_m=block_m,
+    )
+    return map_token_chunks(run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens)

@@ -201,3 +201,61 @@ class BlockConfig:
             v = getattr(self, f)
             if v & (v - 1):
                 raise ValueError(f"BlockConfig.{f}={v} must be a power of two")
+
+
+# ActivationQuant.scheme values.
+ACTIVATION_QUANT_SCHEMES = ("int8_per_token", "int8_static")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationQuant:
+    """How fused_moe quantizes the activations entering its two GEMMs (W8A8); frozen, hashable.
+
+    A static argument: each distinct value (e.g. another static scale) compiles anew.
+
+    Both GEMM inputs (x before GEMM1, silu(gate) * up before GEMM2) become symmetric int8 with
+    one f32 scale per row; the GEMMs multiply int8 x int8 into int32 and apply the activation
+    and weight scales in their epilogue.
+
+    Attributes:
+        scheme: "int8_per_token" (dynamic: scale_t = max|x_t| * (1/127) per token, computed on
+            the fly) or "int8_static" (the given per-tensor scales below). Either way
+            q = clip(round(x * (1/scale)), -127, 127) in f32, round half to even.
+        gemm1_scale: the static scale of GEMM1's input x ("int8_static" only).
+        gemm2_scale: the static scale of GEMM2's input ("int8_static" only).
+            `formats.activation_quant_from_config` returns "int8_static" without scales; fill
+            them (e.g. from the checkpoint's input_scale tensors) before calling fused_moe.
+    """
+
+    scheme: str = "int8_per_token"
+    gemm1_scale: float | None = None
+    gemm2_scale: float | None = None
+
+    def __post_init__(self):
+        if self.scheme not in ACTIVATION_QUANT_SCHEMES:
+            raise ValueError(
+                f"ActivationQuant.scheme={self.scheme!r} is not one of {ACTIVATION_QUANT_SCHEMES}"
+            )
+        for f in ("gemm1_scale", "gemm2_scale"):
+            v = getattr(self, f)
+            if v is None:
+                continue
+            if self.scheme != "int8_static":
+                raise ValueError(
+                    f"ActivationQuant.{f}={v!r}: static scales belong to scheme='int8_static', "
+                    f"not {self.scheme!r}"
+                )
+            try:
+                fv = float(v)  # numpy / 0-d array scalars become hashable Python floats
+            except (TypeError, ValueError):
+                raise ValueError(f"ActivationQuant.{f}={v!r} must be a positive float") from None
+            if not (np.isfinite(fv) and fv > 0):
+                raise ValueError(f"ActivationQuant.{f}={v!r} must be a positive finite float")
+            object.__setattr__(self, f, fv)
+
+    @property
+    def has_scales(self) -> bool:
+        """Whether every scale the scheme needs is known."""
+        if self.scheme == "int8_static":
+            return self.gemm1_scale is not None and self.gemm2_scale is not None
+        return True

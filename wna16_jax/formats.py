@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from wna16_jax._quant import implicit_zero, zero_points
-from wna16_jax._types import SUPPORTED_BITS, QuantizedExperts
+from wna16_jax._types import SUPPORTED_BITS, ActivationQuant, QuantizedExperts
 
 __all__ = [
     "AWQ_ORDER",
+    "activation_quant_from_config",
     "from_awq",
     "from_compressed_tensors",
     "from_compressed_tensors_int",
@@ -23,6 +24,7 @@ __all__ = [
     "from_quantization_config",
     "gptq_act_order_permutation",
     "stack",
+    "static_input_scale",
     "to_awq",
     "to_compressed_tensors",
     "to_compressed_tensors_int",
@@ -37,6 +39,8 @@ _AWQ_NIBBLE_OF_FEATURE = tuple(int(i) for i in np.argsort(AWQ_ORDER))
 _SCALE_DTYPES = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32))
 _GPTQ_FORMATS = ("gptq", "gptq_v2")
 _CT_STRATEGIES = ("group", "channel")
+# int-quantized weights may also carry one scale for the whole tensor.
+_CT_INT_STRATEGIES = (*_CT_STRATEGIES, "tensor")
 
 
 # --- argument checks ---------------------------------------------------------------------
@@ -475,15 +479,18 @@ def to_gptq(qw: QuantizedExperts, *, checkpoint_format: str = "gptq") -> dict[st
 # --- compressed-tensors ------------------------------------------------------------------
 
 
-def _ct_group_size(strategy: str, group_size: Any, what: str) -> int:
-    if strategy not in _CT_STRATEGIES:
+def _ct_group_size(
+    strategy: str, group_size: Any, what: str, supported: tuple[str, ...] = _CT_STRATEGIES
+) -> int:
+    if strategy not in supported:
         raise ValueError(
-            f"{what}: strategy={strategy!r} is not supported (supported: 'group', 'channel')"
+            f"{what}: strategy={strategy!r} is not supported (supported: "
+            f"{', '.join(map(repr, supported))})"
         )
-    if strategy == "channel":
+    if strategy in ("channel", "tensor"):
         if group_size not in (None, -1):
             raise ValueError(
-                f"{what}: strategy='channel' takes group_size=None or -1, got {group_size!r}"
+                f"{what}: strategy={strategy!r} takes group_size=None or -1, got {group_size!r}"
             )
         return -1
     group_size = _as_int(group_size, "group_size", what)
@@ -575,17 +582,20 @@ def from_compressed_tensors_int(
     """compressed-tensors "int-quantized" (or "naive-quantized") tensors -> QuantizedExperts.
 
     The weight is stored unpacked as signed integers; canonical q = q_s + 2**(b-1) and
-    z = zp_s + 2**(b-1), so symmetric weights (no zero point) get the implicit zero.
+    z = zp_s + 2**(b-1), so symmetric weights (no zero point) get the implicit zero. An int8
+    symmetric "channel" or "tensor" checkpoint (W8A8 models) loads as bits=8, group_size=-1,
+    zeros=None: the weights the W8A8 kernels take.
 
     Args:
         weight: int8 [N, K], values in [-2**(b-1), 2**(b-1)).
-        weight_scale: [N, K/G] float16, bfloat16 or float32 ([N, 1] for strategy "channel").
+        weight_scale: [N, K/G] float16, bfloat16 or float32 ([N, 1] for strategy "channel";
+            one value, shape (), (1,) or (1, 1), for "tensor", repeated for every channel).
         weight_zero_point: signed integer [N, K/G] when asymmetric, else None (given with
-            symmetric=True it is dropped if all zero, kept otherwise).
+            symmetric=True it is dropped if all zero, kept otherwise); one value for "tensor".
         num_bits: 8 (int-quantized) or 4 (int4 values held in int8).
-        group_size: G for strategy "group"; None or -1 for "channel".
+        group_size: G for strategy "group"; None or -1 for "channel" and "tensor".
         symmetric: the scheme's `symmetric`.
-        strategy: "group" or "channel".
+        strategy: "group", "channel" or "tensor".
 
     Returns:
         QuantizedExperts of shape [1, N, K].
@@ -596,7 +606,7 @@ def from_compressed_tensors_int(
     """
     what = "from_compressed_tensors_int"
     bits = _check_bits(num_bits, what)
-    group_size = _ct_group_size(strategy, group_size, what)
+    group_size = _ct_group_size(strategy, group_size, what, _CT_INT_STRATEGIES)
     per_word = 32 // bits
     offset = implicit_zero(bits)
     w = np.asarray(weight)
@@ -612,6 +622,10 @@ def from_compressed_tensors_int(
         )
     g = _num_groups(k, group_size, what)
     why = f"N={n}, K={k}, group_size={group_size}"
+    if strategy == "tensor":
+        weight_scale = _per_tensor(weight_scale, "weight_scale", n, what)
+        if weight_zero_point is not None:
+            weight_zero_point = _per_tensor(weight_zero_point, "weight_zero_point", n, what)
     scale = _scales(weight_scale, "weight_scale", what)
     _expect_shape(scale, (n, g), "weight_scale", what, why)
     z = None
@@ -632,6 +646,17 @@ def from_compressed_tensors_int(
         z = _maybe_drop_zeros((zp + offset).astype(np.uint8), bits, bool(symmetric))
     q = (w.astype(np.int16) + offset).astype(np.uint8)  # [N, K]
     return _build(_pack(q, bits, axis=1), scale, z, bits, group_size, what)
+
+
+def _per_tensor(x: Any, name: str, n: int, what: str) -> np.ndarray:
+    """A per-tensor value (shape (), (1,) or (1, 1)) repeated as one per channel: [N, 1]."""
+    a = np.asarray(x)
+    if a.size != 1 or a.ndim > 2:
+        raise ValueError(
+            f"{what}: strategy='tensor' needs one {name} value (shape (), (1,) or (1, 1)), got "
+            f"shape {a.shape}"
+        )
+    return np.full((n, 1), a.reshape(()), dtype=a.dtype)
 
 
 def to_compressed_tensors(qw: QuantizedExperts) -> dict[str, np.ndarray]:
@@ -822,10 +847,13 @@ def _load_compressed_tensors(tensors, cfg, prefix) -> QuantizedExperts:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"{what}: weights num_bits={bits!r} is not supported (supported: 4, 8)")
     strategy = weights.get("strategy", "group")
-    if strategy not in _CT_STRATEGIES:
+    supported = (
+        _CT_INT_STRATEGIES if fmt in ("int-quantized", "naive-quantized") else _CT_STRATEGIES
+    )
+    if strategy not in supported:
         raise ValueError(
-            f"{what}: weights strategy={strategy!r} is not supported (supported: "
-            f"'group', 'channel')"
+            f"{what}: weights strategy={strategy!r} is not supported for format={fmt!r} "
+            f"(supported: {', '.join(map(repr, supported))})"
         )
     kwargs = dict(
         num_bits=bits,
@@ -847,7 +875,7 @@ def _load_compressed_tensors(tensors, cfg, prefix) -> QuantizedExperts:
     if "weight_g_idx" in t:
         g_idx = np.asarray(t["weight_g_idx"])
         k = g_idx.shape[0] if g_idx.ndim == 1 else -1
-        group = kwargs["group_size"] if strategy == "group" else -1
+        group = kwargs["group_size"] if strategy == "group" else -1  # channel, tensor
         if k < 0 or not _trivial_g_idx(g_idx, k, _as_int(group, "group_size", what)):
             raise ValueError(
                 f"{what}: activation ordering with a non-trivial {prefix}.weight_g_idx is not "
@@ -889,14 +917,15 @@ def from_quantization_config(
         (a non-trivial g_idx is refused, see `from_gptq`).
       - "compressed-tensors": the config group whose targets match (regex "re:..." targets
         first; otherwise the single group with class-name targets); weights type "int",
-        num_bits 4/8, strategy group/channel, group_size, symmetric; format (per group or
+        num_bits 4/8, strategy group/channel (and tensor for int-quantized), group_size,
+        symmetric; format (per group or
         top-level) "pack-quantized" (.weight_packed, .weight_scale, optional
         .weight_zero_point, .weight_shape) or "int-quantized" / "naive-quantized" (.weight,
         .weight_scale, optional .weight_zero_point). A non-trivial .weight_g_idx is refused.
         The "ignore" list is not consulted: an ignored layer is a float layer, which the
         caller must not pass here (it fails for lack of the quantized tensors). Only weights
-        are read: input_activations settings (W8A8 schemes) are ignored, so such a model runs
-        with 16-bit activations.
+        are read here: `activation_quant_from_config` reads input_activations (W8A8 schemes),
+        which fused_moe takes as its activation_quant.
 
     Args:
         tensors: mapping name -> numpy or jax array (e.g. one safetensors file's contents).
@@ -916,6 +945,102 @@ def from_quantization_config(
             f"{', '.join(map(repr, _LOADERS))})"
         )
     return _LOADERS[method](tensors, quantization_config, prefix)
+
+
+def activation_quant_from_config(
+    quantization_config: Mapping[str, Any], prefix: str
+) -> ActivationQuant | None:
+    """The activation quantization (W8A8) a checkpoint's config asks for at one layer.
+
+    compressed-tensors' input_activations of the config group covering `prefix`:
+      - absent / null: None (weight-only: 16-bit activations).
+      - int, 8 bits, symmetric, strategy "token", dynamic true: ActivationQuant("int8_per_token").
+      - int, 8 bits, symmetric, strategy "tensor", dynamic false: ActivationQuant("int8_static")
+        without scales: the scales are tensors ({prefix}.input_scale); set them with
+        `static_input_scale`, e.g. dataclasses.replace(aq, gemm1_scale=static_input_scale(
+        tensors, gate_and_up_prefixes), gemm2_scale=static_input_scale(tensors, down_prefixes)).
+    AWQ and GPTQ are weight-only: None.
+
+    Args:
+        quantization_config: the "quantization_config" dict of the model's config.json.
+        prefix: a linear layer's name, e.g. "model.layers.3.mlp.experts.7.up_proj".
+
+    Returns:
+        None or an ActivationQuant for fused_moe's activation_quant.
+
+    Raises:
+        ValueError: an unknown quant_method, or input_activations that fused_moe cannot run
+            (naming the key and value: e.g. asymmetric, float, 4-bit, dynamic per-tensor).
+    """
+    method = quantization_config.get("quant_method")
+    if method in ("awq", "gptq"):
+        return None
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"layer {prefix!r}: quant_method={method!r} is not supported (supported: "
+            f"{', '.join(map(repr, _LOADERS))})"
+        )
+    what = f"compressed-tensors layer {prefix!r}"
+    acts = _ct_scheme(quantization_config, prefix, what).get("input_activations")
+    if not acts:
+        return None
+    facts = {
+        "type": acts.get("type", "int"),
+        "num_bits": acts.get("num_bits"),
+        "symmetric": acts.get("symmetric", True),
+    }
+    want = {"type": "int", "num_bits": 8, "symmetric": True}
+    for key, value in facts.items():
+        if value != want[key]:
+            raise ValueError(
+                f"{what}: input_activations {key}={value!r} is not supported (int8 activations "
+                f"need type='int', num_bits=8, symmetric=true)"
+            )
+    strategy, dynamic = acts.get("strategy", "tensor"), acts.get("dynamic", False)
+    if strategy == "token" and dynamic is True:
+        return ActivationQuant(scheme="int8_per_token")
+    if strategy == "tensor" and dynamic is False:
+        return ActivationQuant(scheme="int8_static")
+    raise ValueError(
+        f"{what}: input_activations strategy={strategy!r} with dynamic={dynamic!r} is not "
+        f"supported (supported: strategy='token' with dynamic=true, strategy='tensor' with "
+        f"dynamic=false)"
+    )
+
+
+def static_input_scale(tensors: Mapping[str, Any], prefixes: Sequence[str]) -> float:
+    """The static activation scale shared by several layers: max of their input_scale tensors.
+
+    One GEMM of fused_moe reads one scale for every expert, so the largest of the experts'
+    (and, for GEMM1, gate's and up's) scales is used, as vLLM does: no activation clips.
+
+    Args:
+        tensors: mapping name -> array holding {prefix}.input_scale for each prefix.
+        prefixes: the layers, e.g. every expert's gate_proj and up_proj for gemm1_scale.
+
+    Returns:
+        A positive float.
+
+    Raises:
+        ValueError: naming missing tensors, or a scale that is not one positive finite value.
+    """
+    what = "static_input_scale"
+    if not prefixes:
+        raise ValueError(f"{what}: needs at least one layer prefix")
+    names = [f"{p}.input_scale" for p in prefixes]
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise ValueError(f"{what}: missing tensors {missing[:8]} ({len(missing)} in all)")
+    values = []
+    for name in names:
+        a = np.asarray(tensors[name], dtype=np.float32)
+        if a.size != 1 or not np.isfinite(a).all() or float(a.reshape(())) <= 0:
+            raise ValueError(
+                f"{what}: {name} must be one positive finite value (per-tensor), got shape "
+                f"{a.shape} values {a.ravel()[:4].tolist()}"
+            )
+        values.append(float(a.reshape(())))
+    return max(values)
 
 
 # --- stacking ----------------------------------------------------------------------------
