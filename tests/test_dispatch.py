@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import helpers
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -233,3 +234,21 @@ def test_xla_runs_int8_activations_with_any_weights():
     for bits, has_zeros in ((4, True), (8, False)):
         p = _moe_problem(bits=bits, has_zeros=has_zeros, activation_quant="int8_per_token")
         assert _dispatch.XLA_BACKEND.unsupported_reason(p) is None
+
+
+def test_select_implementation_names_the_backend_without_running(rng):
+    """select_implementation answers from shapes alone, the same choice fused_moe makes."""
+    e, h, i, t, k = 4, 128, 128, 3, 2
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, jnp.bfloat16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((t, h), jnp.bfloat16)
+    tw = jax.ShapeDtypeStruct((t, k), jnp.float32)
+    ids = jax.ShapeDtypeStruct((t, k), jnp.int32)
+    assert wj.select_implementation(x, w13, w2, tw, ids) == "xla"  # CPU default
+    assert wj.select_implementation(x, w13, w2, tw, ids, implementation="pallas_interpret") == (
+        "pallas_interpret"
+    )
+    with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
+        wj.select_implementation(x, w13, w2, tw, ids, implementation="pallas")
+    with pytest.raises(ValueError, match="topk_weights shape"):
+        wj.select_implementation(x, w13, w2, jax.ShapeDtypeStruct((t, 1), jnp.float32), ids)

@@ -1,7 +1,7 @@
 """wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
 
 from wna16_jax import formats, sharding
-from wna16_jax._api import fused_moe, moe_align_block_size
+from wna16_jax._api import fused_moe, moe_align_block_size, select_implementation
 from wna16_jax._dispatch import registered_backends
 from wna16_jax._quant import dequantize_experts, quantize_experts
 from wna16_jax._types import ActivationQuant, AlignedRouting, BlockConfig, QuantizedExperts
@@ -17,5 +17,6 @@ __all__ = [
     "moe_align_block_size",
     "quantize_experts",
     "registered_backends",
+    "select_implementation",
     "sharding",
 ]

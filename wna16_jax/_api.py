@@ -126,6 +126,35 @@ def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, ac
     _check_elements("x", x)
 
 
+def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant):
+    """Validates the inputs; returns (MoEProblem, normalized activation_quant)."""
+    validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation)
+    activation_quant = normalize_activation_quant(activation_quant)
+    t, h = _shape(x)
+    e, two_i, _ = w13.shape
+    problem = _dispatch.MoEProblem(
+        platform=_dispatch.current_platform(),
+        num_tokens=t,
+        hidden=h,
+        intermediate=two_i // 2,
+        num_experts=e,
+        num_global_experts=int(expert_map.shape[0]) if expert_map is not None else e,
+        top_k=int(topk_ids.shape[1]),
+        bits=w13.bits,
+        group_size=w13.group_size,
+        w13_group=w13.group,
+        w2_group=w2.group,
+        has_zeros=w13.has_zeros,
+        dtype=jnp.dtype(x.dtype).name,
+        activation=activation,
+        w2_bits=w2.bits,
+        w2_group_size=w2.group_size,
+        w2_has_zeros=w2.has_zeros,
+        activation_quant=None if activation_quant is None else activation_quant.scheme,
+    )
+    return problem, activation_quant
+
+
 def fused_moe(
     x,
     w13: QuantizedExperts,
@@ -173,29 +202,8 @@ def fused_moe(
         ValueError: malformed inputs or a config that cannot run these shapes.
         NotImplementedError: no requested backend can run the problem (reasons listed).
     """
-    validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation)
-    activation_quant = normalize_activation_quant(activation_quant)
-    t, h = _shape(x)
-    e, two_i, _ = w13.shape
-    problem = _dispatch.MoEProblem(
-        platform=_dispatch.current_platform(),
-        num_tokens=t,
-        hidden=h,
-        intermediate=two_i // 2,
-        num_experts=e,
-        num_global_experts=int(expert_map.shape[0]) if expert_map is not None else e,
-        top_k=int(topk_ids.shape[1]),
-        bits=w13.bits,
-        group_size=w13.group_size,
-        w13_group=w13.group,
-        w2_group=w2.group,
-        has_zeros=w13.has_zeros,
-        dtype=jnp.dtype(x.dtype).name,
-        activation=activation,
-        w2_bits=w2.bits,
-        w2_group_size=w2.group_size,
-        w2_has_zeros=w2.has_zeros,
-        activation_quant=None if activation_quant is None else activation_quant.scheme,
+    problem, activation_quant = _moe_problem(
+        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
     )
     backend = _dispatch.select_backend(problem, implementation)
     # Only W8A8 calls pass activation_quant: a backend that never accepts it needs no such arg.
@@ -211,6 +219,31 @@ def fused_moe(
         config=config,
         **extra,
     )
+
+
+def select_implementation(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map=None,
+    activation: str = "silu",
+    implementation: str | Sequence[str] | None = None,
+    activation_quant=None,
+) -> str:
+    """The name of the backend `fused_moe` would use for these arguments (nothing runs).
+
+    Takes the same arguments as `fused_moe`; arrays may be jax.ShapeDtypeStruct.
+
+    Raises:
+        The errors `fused_moe` raises before running anything.
+    """
+    problem, _ = _moe_problem(
+        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
+    )
+    return _dispatch.select_backend(problem, implementation).name
 
 
 def moe_align_block_size(
