@@ -66,10 +66,8 @@ def tune_gemm(qw, m, top_k, *, interpret, quick, iters, repeats):
     from pallas_kernels import fused_moe as pm
     from pallas_kernels.wna16_gemm import wna16_gemm
 
-    e, n, k = qw.shape
-    shape = _configs.GemmShape(
-        m=m * top_k, n=n, k=k, num_experts=e, bits=qw.bits, group=qw.group, group_size=qw.group_size
-    )
+    e, _, k = qw.shape
+    shape = _configs.GemmShape.of_weights(qw, m=m * top_k)
     key = jax.random.key(m)
     a = jax.random.normal(key, (m, k), jnp.bfloat16)
     tw, ids = benchmark.random_routing(jax.random.fold_in(key, 1), m, e, top_k, 1)

@@ -49,52 +49,23 @@ def gemm_configs(
     """The configs of GEMM1 (w13) and GEMM2 (w2); both share GEMM1's block_m (one alignment).
 
     With activation_quant the W8A8 GEMM's rules and heuristic apply (w8a8_gemm.resolve_config).
+    Logs each new choice once at INFO with where it came from.
     """
-    if activation_quant is not None:
-        return _w8a8_gemm_configs(num_slots, w13, w2, config, activation_quant)
-    shapes = [
-        _configs.GemmShape(
-            m=num_slots,
-            n=w.n,
-            k=w.k,
-            num_experts=w.num_experts,
-            bits=w.bits,
-            group=w.group,
-            group_size=w.group_size,
-        )
-        for w in (w13, w2)
-    ]
-    (c1, src1), (c2, src2) = (_configs.resolve_config(s, config) for s in shapes)
+    if activation_quant is None:
+        shape_of = functools.partial(_configs.GemmShape.of_weights, m=num_slots)
+        resolve, kind = _configs.resolve_config, "WNA16"
+    else:
+        shape_of = functools.partial(w8a8.gemm_shape, m=num_slots)
+        resolve, kind = w8a8.resolve_config, f"W8A8 ({activation_quant.scheme})"
+    shapes = [shape_of(w) for w in (w13, w2)]
+    (c1, src1), (c2, src2) = (resolve(s, config) for s in shapes)
     c2 = dataclasses.replace(c2, block_m=c1.block_m)
-    key = (shapes[0], shapes[1], c1, c2)
+    key = (kind, shapes[0], shapes[1], c1, c2)
     if key not in _logged_configs:
         _logged_configs.add(key)
         logger.info(
-            "wna16_jax: fused_moe M=%d GEMM1 (N=%d, K=%d) %s [%s]; GEMM2 (N=%d, K=%d) %s [%s]",
-            num_slots,
-            w13.n,
-            w13.k,
-            c1,
-            src1,
-            w2.n,
-            w2.k,
-            c2,
-            src2,
-        )
-    return c1, c2
-
-
-def _w8a8_gemm_configs(num_slots, w13, w2, config, activation_quant):
-    shapes = [w8a8.gemm_shape(w, num_slots) for w in (w13, w2)]
-    (c1, src1), (c2, src2) = (w8a8.resolve_config(s, config) for s in shapes)
-    c2 = dataclasses.replace(c2, block_m=c1.block_m)
-    key = (shapes[0], shapes[1], c1, c2, activation_quant.scheme)
-    if key not in _logged_configs:
-        _logged_configs.add(key)
-        logger.info(
-            "wna16_jax: fused_moe W8A8 (%s) M=%d GEMM1 (N=%d, K=%d) %s [%s]; GEMM2 (N=%d, "
-            "K=%d) %s [%s]",
-            activation_quant.scheme,
+            "wna16_jax: fused_moe %s M=%d GEMM1 (N=%d, K=%d) %s [%s]; GEMM2 (N=%d, K=%d) %s [%s]",
+            kind,
             num_slots,
             w13.n,
             w13.k,

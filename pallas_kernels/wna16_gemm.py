@@ -135,16 +135,7 @@ def _gemm_kernel(
 
 def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     """Raises ValueError when `config` cannot run a GEMM over `qw` ([E, N, K])."""
-    _, n, k = qw.shape
-    shape = _configs.GemmShape(
-        m=0,
-        n=n,
-        k=k,
-        num_experts=qw.num_experts,
-        bits=qw.bits,
-        group=qw.group,
-        group_size=qw.group_size,
-    )
+    shape = _configs.GemmShape.of_weights(qw)
     _configs.check_config(config, shape)
 
 

@@ -30,6 +30,14 @@ class GemmShape:
     group: int  # effective group size along K
     group_size: int  # as stored (-1 = per channel)
 
+    @classmethod
+    def of_weights(cls, qw, m: int = 0) -> GemmShape:
+        """The GEMM of `m` token slots over QuantizedExperts `qw` ([E, N, K])."""
+        e, n, k = qw.shape
+        return cls(
+            m=m, n=n, k=k, num_experts=e, bits=qw.bits, group=qw.group, group_size=qw.group_size
+        )
+
 
 def config_problems(config: BlockConfig, shape: GemmShape) -> list[str]:
     """Why `config` cannot run `shape` (empty when it can)."""
