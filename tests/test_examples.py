@@ -1,0 +1,94 @@
+"""Smoke tests of examples/benchmark.py and examples/tune.py (tiny CPU defaults).
+
+examples/generate.py has its own smoke test in test_deepseek_v3_example.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+@pytest.mark.parametrize("name", ["benchmark", "tune"])
+def test_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _load(name).main(["--help"])
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_benchmark_tiny(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "roofline.png"
+    result = _load("benchmark").main(
+        [
+            "--m",
+            "1",
+            "3",
+            "--implementations",
+            "pallas_interpret",
+            "xla",
+            "--stages",
+            "--iters",
+            "1",
+            "--repeats",
+            "1",
+            "--sets",
+            "2",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
+    table = capsys.readouterr().out
+    assert "% copy" in table.replace("%copy", "% copy") and "stages:" in table
+    saved = json.loads(out_json.read_text())
+    assert saved == json.loads(json.dumps(result))
+    rows = {(r["implementation"], r["M"]) for r in saved["rows"]}
+    assert rows == {(i, m) for i in ("pallas_interpret", "xla") for m in (1, 3)}
+    for r in saved["rows"]:
+        assert r["seconds"] > 0 and r["weight_bytes"] > 0 and r["flops"] > 0
+        if r["implementation"] == "pallas_interpret":
+            assert set(r["stages"]) == {"align", "gemm1", "activation", "gemm2", "reduction"}
+    assert saved["copy_bytes_per_s"] > 0 and saved["matmul_flops_per_s"] > 0
+    assert out_png.stat().st_size > 1000
+
+
+def test_tune_tiny(tmp_path, capsys):
+    out = tmp_path / "tuned.json"
+    entries = _load("tune").main(["--m", "1", "--repeats", "1", "--out", str(out)])
+    table = json.loads(out.read_text())
+    assert table["entries"] == entries and len(entries) == 2  # w13 and w2 of the tiny preset
+    from wna16_jax import BlockConfig, _configs
+
+    for entry in entries:
+        cfg = BlockConfig(**entry["config"])
+        shape = _configs.GemmShape(
+            m=entry["M"],
+            n=entry["N"],
+            k=entry["K"],
+            num_experts=entry["E"],
+            bits=entry["bits"],
+            group=entry["group_size"] if entry["group_size"] != -1 else entry["K"],
+            group_size=entry["group_size"],
+        )
+        assert _configs.config_problems(cfg, shape) == []
+    assert "wrote 2 entries" in capsys.readouterr().out
