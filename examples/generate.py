@@ -3,6 +3,17 @@
 python examples/generate.py                         # tiny random int4 model on CPU
 python examples/generate.py --model /path/to/hf_dir --max-new-tokens 64
 python examples/generate.py --full-width-layers 4   # V3 width, 4 layers, random int4
+
+Sharded (expert parallel over "expert", tensor parallel over "tensor", batch over "data"):
+python examples/generate.py --mesh expert=2 --cpu-devices 8            # 8 fake CPU devices
+python examples/generate.py --mesh expert=2,tensor=2 --cpu-devices 8
+python examples/generate.py --mesh expert=8 --full-width-layers 61     # 8 GPUs, DeepSeek-V3 size
+--cpu-devices N sets XLA_FLAGS=--xla_force_host_platform_device_count=N and JAX_PLATFORMS=cpu
+at the top of main(), before JAX starts its backend (importing jax is fine; a JAX that already
+runs, e.g. inside another program, cannot change its device count: main() then says so).
+
+Several hosts: run the same command on every host with --coordinator HOST0:PORT
+--num-processes N --process-id I (I = 0..N-1); the mesh then spans all hosts' devices.
 """
 
 from __future__ import annotations
@@ -12,7 +23,9 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 
+import wna16_jax as wj
 from models.deepseek_v3 import (
     DeepseekV3Config,
     QuantSpec,
@@ -20,7 +33,9 @@ from models.deepseek_v3 import (
     init_random,
     load_pretrained,
     load_tokenizer,
+    sharding,
 )
+from models.deepseek_v3.modeling import RoutedExperts
 
 
 class _BackendLog(logging.Handler):
@@ -75,15 +90,44 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="activation dtype (default float32 for the tiny model, else bfloat16)",
     )
+    dist = p.add_argument_group("sharding and several hosts")
+    dist.add_argument(
+        "--mesh",
+        default=None,
+        metavar="AXES",
+        help='mesh axes, e.g. "expert=2" or "expert=2,tensor=2" (axes: data, expert, tensor); '
+        "default: one device",
+    )
+    dist.add_argument(
+        "--moe-mode",
+        choices=sharding.MOE_MODES,
+        default="replicated",
+        help="sharded MoE tokens: replicated (psum), all_to_all, or auto by token count",
+    )
+    dist.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run on N fake CPU devices (sets XLA_FLAGS before JAX starts)",
+    )
+    dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (several hosts)")
+    dist.add_argument("--num-processes", type=int, default=None, help="number of hosts")
+    dist.add_argument("--process-id", type=int, default=None, help="this host's index")
     return p.parse_args(argv)
 
 
-def build_model(args):
-    """(model, tokenizer, description) for the arguments."""
+def build_model(args, mesh=None):
+    """(model, tokenizer, description) for the arguments, placed on `mesh` when given."""
     if args.model:
         dtype = args.dtype or "bfloat16"
         model = load_pretrained(
-            args.model, dtype=dtype, implementation=args.implementation, quantize=args.quantize
+            args.model,
+            dtype=dtype,
+            implementation=args.implementation,
+            quantize=args.quantize,
+            mesh=mesh,
+            moe_mode=args.moe_mode,
         )
         return model, load_tokenizer(args.model, cfg=model.cfg), args.model
     bits = 8 if args.quantize == "int8" else 4
@@ -99,12 +143,40 @@ def build_model(args):
             dtype=args.dtype or "float32", quant=QuantSpec(bits=bits, group_size=32)
         )
         what = f"tiny random model, int{bits}"
-    model = init_random(cfg, seed=args.seed, implementation=args.implementation)
+    model = init_random(
+        cfg, seed=args.seed, implementation=args.implementation, mesh=mesh, moe_mode=args.moe_mode
+    )
     return model, load_tokenizer(None, cfg=cfg), what
+
+
+def chosen_backend(model, tokens: int) -> str:
+    """The fused_moe backend of the routed experts for `tokens` tokens, as each device sees
+    them (its own shard of the experts)."""
+    experts = [m for _, m in model.iter_modules() if isinstance(m, RoutedExperts)]
+    if not experts:
+        return "none (float experts)"
+    m = experts[0]
+    local = lambda a: jax.ShapeDtypeStruct(a.addressable_shards[0].data.shape, a.dtype)  # noqa: E731
+    w13, w2 = jax.tree.map(local, m.w13.get()), jax.tree.map(local, m.w2.get())
+    k = model.cfg.num_experts_per_tok
+    name = wj.select_implementation(
+        jax.ShapeDtypeStruct((tokens, model.cfg.hidden_size), model.cfg.dtype),
+        w13,
+        w2,
+        jax.ShapeDtypeStruct((tokens, k), jnp.float32),
+        jax.ShapeDtypeStruct((tokens, k), jnp.int32),
+        implementation=m.implementation,
+    )
+    return repr(name)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Both must happen before JAX starts its backend (the first device query).
+    if args.cpu_devices:
+        sharding.use_cpu_devices(args.cpu_devices)
+    sharding.maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh)) if args.mesh else None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     backend_log = _BackendLog()
     moe_logger = logging.getLogger("wna16_jax")
@@ -112,11 +184,12 @@ def main(argv=None) -> int:
     moe_logger.setLevel(logging.INFO)
     moe_logger.propagate = False  # printed below instead
 
+    print(f"mesh: {sharding.describe(mesh)}")
     t0 = time.perf_counter()
-    model, tokenizer, what = build_model(args)
+    model, tokenizer, what = build_model(args, mesh)
     print(
         f"model: {what} ({time.perf_counter() - t0:.1f} s to build); "
-        f"JAX platform {jax.default_backend()}"
+        f"JAX platform {jax.default_backend()}, {jax.device_count()} device(s)"
     )
     prompt_ids = tokenizer.encode(args.prompt)
     prompts = [prompt_ids] * args.batch_size
@@ -130,11 +203,9 @@ def main(argv=None) -> int:
         pad_id=tokenizer.pad_id,
         return_stats=True,
     )
-    backend = (
-        backend_log.lines[-1]
-        if backend_log.lines
-        else (f"requested {args.implementation!r}" if args.implementation else "auto")
-    )
+    # The log line names the candidates; it is emitted once per process, so a second run in
+    # the same process asks the selection again.
+    backend = backend_log.lines[-1] if backend_log.lines else chosen_backend(model, args.batch_size)
     print(f"fused_moe backend: {backend}")
     for b, row in enumerate(tokens.tolist()):
         new = row[len(prompt_ids) :]

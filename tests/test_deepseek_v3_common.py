@@ -31,6 +31,11 @@ TOLERANCES: dict[str, tuple[float, bool]] = {
     # rounding compounds over the layers (observed ~2%); near-zero logits have no useful
     # element-wise bound.
     "bf16": (5e-2, False),
+    # Looser still: a bf16 model with the routed experts' I split over devices (tensor
+    # parallel) vs its f32 twin. Each device's fused_moe output (a partial sum over I/n) is
+    # rounded to bf16 before the cross-device sum, and partial sums cancel (observed 4% at
+    # TP=2 against 1.5% on one device). vLLM all-reduces bf16 partials the same way.
+    "bf16_tp": (8e-2, False),
 }
 
 

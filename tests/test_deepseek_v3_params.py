@@ -188,9 +188,10 @@ def test_converter_errors_are_collected(awq_dir, tmp_path):
     assert "model.layers.1.self_attn.q_a_proj" in msg and "experts.3.up_proj" in msg
 
 
-def test_mesh_not_supported_yet(awq_dir):
-    with pytest.raises(NotImplementedError, match="mesh"):
-        load_pretrained(awq_dir, mesh=object())
+def test_mesh_must_be_a_mesh(awq_dir):
+    # Loading onto a real mesh: tests/test_deepseek_v3_sharding.py (8 CPU devices).
+    with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+        load_pretrained(awq_dir, mesh=object(), progress=False)
 
 
 def test_tokenizers(tmp_path):

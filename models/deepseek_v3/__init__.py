@@ -1,9 +1,11 @@
 """DeepSeek-V3 (and V2 / V2-Lite) in Flax NNX with WNA16 (int4/int8) quantized experts."""
 
+from models.deepseek_v3 import sharding
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, YarnScaling
 from models.deepseek_v3.generate import GenerateStats, generate
 from models.deepseek_v3.modeling import DeepseekV3ForCausalLM, KVCache, init_random, route
 from models.deepseek_v3.params import load_pretrained, save_pretrained
+from models.deepseek_v3.sharding import ShardingSpecs, make_mesh, shard_model
 from models.deepseek_v3.tokenizer import ByteTokenizer, load_tokenizer
 
 __all__ = [
@@ -13,11 +15,15 @@ __all__ = [
     "GenerateStats",
     "KVCache",
     "QuantSpec",
+    "ShardingSpecs",
     "YarnScaling",
     "generate",
     "init_random",
     "load_pretrained",
     "load_tokenizer",
+    "make_mesh",
     "route",
     "save_pretrained",
+    "shard_model",
+    "sharding",
 ]

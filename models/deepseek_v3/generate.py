@@ -3,11 +3,15 @@
 Prompts of different lengths are left-padded; prompt and cache lengths are rounded up to
 buckets (powers of two up to 64, then multiples of 64) so a new prompt length rarely
 recompiles. Sampling is greedy (temperature 0), temperature or top-p; rows stop at eos.
+A sharded model (sharding.shard_model, init_random / load_pretrained with a mesh) runs the
+same code under jax.jit with in/out shardings: batch over the data axis, the generated
+tokens replicated so every host can read them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -16,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 logger = logging.getLogger("models.deepseek_v3")
 
@@ -131,25 +136,28 @@ def _decode(
     return out, step
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "cache_len"))
-# The cache is updated in place inside the while loop; it is not returned, so not donated.
-_decode_jit = jax.jit(_decode, static_argnames=("graphdef", "steps", "eos_ids", "fill_id"))
-# Compiled executables by (function, static args, argument shapes): compile time is measured
-# apart from run time, and a repeated shape bucket is never compiled twice.
+# Compiled executables by (function, static args, argument shapes and shardings): compile time
+# is measured apart from run time, and a repeated shape bucket is never compiled twice. (The
+# cache is updated in place inside decode's while loop; it is not returned, so not donated.)
 _COMPILED: dict = {}
 
 
 def _shape_key(tree):
-    return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(tree))
+    return tuple(
+        (tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in jax.tree.leaves(tree)
+    )
 
 
-def _compiled(fn, statics: dict, *args):
+def _compiled(fn, statics: dict, *args, shardings: dict | None = None):
+    """(executable, compile seconds) of jax.jit(fn, **shardings) for these arguments."""
     key = (fn, tuple(sorted(statics.items(), key=lambda kv: kv[0])), _shape_key(args))
     exe = _COMPILED.get(key)
     compile_s = 0.0
     if exe is None:
         t0 = time.perf_counter()
-        exe = fn.lower(*args, **statics).compile()
+        # Statics bound by partial: jit takes no keyword arguments alongside in_shardings.
+        jitted = jax.jit(functools.partial(fn, **statics), **(shardings or {}))
+        exe = jitted.lower(*args).compile()
         compile_s = time.perf_counter() - t0
         _COMPILED[key] = exe
     return exe, compile_s
@@ -248,8 +256,31 @@ def generate(
     pmask[:, s_b - s :] = mask
 
     graphdef, state = nnx.split(model)
+    ms = model.sharding
+    prefill_shardings = decode_shardings = None
+    if ms is not None:
+        ms.check_batch(b)
+        state_sh = jax.tree.map(lambda a: a.sharding, state)
+        tok, rep = ms.named(ms.specs.tokens_bt), ms.named(P())
+        logits_sh, cache_sh = (
+            ms.named(ms.specs.logits_bv),
+            ms.cache_shardings(len(model.model.layers)),
+        )
+        prefill_shardings = dict(
+            in_shardings=(state_sh, tok, tok), out_shardings=(logits_sh, cache_sh)
+        )
+        decode_shardings = dict(
+            in_shardings=(state_sh, logits_sh, cache_sh, rep, rep, rep, rep),
+            out_shardings=(rep, rep),  # replicated: every host can read the tokens
+        )
+        padded, pmask = ms.put(padded, ms.specs.tokens_bt), ms.put(pmask, ms.specs.tokens_bt)
     prefill, c1 = _compiled(
-        _prefill_jit, {"graphdef": graphdef, "cache_len": cache_len}, state, padded, pmask
+        _prefill,
+        {"graphdef": graphdef, "cache_len": cache_len},
+        state,
+        padded,
+        pmask,
+        shardings=prefill_shardings,
     )
     t0 = time.perf_counter()
     logits, cache = jax.block_until_ready(prefill(state, padded, pmask))
@@ -263,7 +294,9 @@ def generate(
         jnp.asarray(top_p, jnp.float32),
     )
     statics = {"graphdef": graphdef, "steps": steps, "eos_ids": eos_ids, "fill_id": fill_id}
-    decode, c2 = _compiled(_decode_jit, statics, state, logits, cache, *scalars)
+    decode, c2 = _compiled(
+        _decode, statics, state, logits, cache, *scalars, shardings=decode_shardings
+    )
     t2 = time.perf_counter()
     new, num_steps = jax.block_until_ready(decode(state, logits, cache, *scalars))
     t3 = time.perf_counter()

@@ -8,9 +8,11 @@ E experts, k top-k, I intermediate, R kv_lora_rank, dr rope dim, dn nope dim, dv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,11 @@ from flax import nnx
 import wna16_jax as wj
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, yarn_get_mscale
 
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from models.deepseek_v3.sharding import ModelSharding, ShardingSpecs
+
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -27,6 +34,11 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 class QuantParam(nnx.Variable):
     """Packed quantized weight data (qweight / scales / zeros): not trained, kept apart from
     float `nnx.Param`s so filters (dtype casts, sharding rules) can tell them apart."""
+
+
+def _constrain(ms: ModelSharding | None, x, field: str):
+    """`x` pinned to the ShardingSpecs field `field` on a sharded model; unchanged without."""
+    return x if ms is None else ms.constrain(x, field)
 
 
 # ---- random init ----------------------------------------------------------------------------
@@ -128,6 +140,14 @@ def random_quantized(rngs: Rng, shape, spec: QuantSpec, *, std: float, dtype):
     )
 
 
+def _matmul_nk(x, w):
+    """x [..., K] @ w[N, K].T in x.dtype, accumulated and rounded once in f32: when K is split
+    over devices (o_proj under tensor parallelism) the partial sums are added in f32 too, so
+    a bf16 model rounds once, as on one device."""
+    y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), preferred_element_type=_F32)
+    return y.astype(x.dtype)
+
+
 class Linear(nnx.Module):
     """y = x @ weight.T with weight float [N, K] (HF layout)."""
 
@@ -141,7 +161,7 @@ class Linear(nnx.Module):
         return self.weight.get_value().astype(dtype)
 
     def __call__(self, x):
-        return jnp.einsum("...k,nk->...n", x, self.weight.get_value().astype(x.dtype))
+        return _matmul_nk(x, self.weight.get_value())
 
 
 class QuantizedLinear(nnx.Module):
@@ -169,7 +189,7 @@ class QuantizedLinear(nnx.Module):
         return wj.dequantize_experts(self.weight.get(), dtype=dtype)[0]
 
     def __call__(self, x):
-        return jnp.einsum("...k,nk->...n", x, self.dense_weight(x.dtype))
+        return _matmul_nk(x, self.dense_weight(x.dtype))
 
 
 def make_linear(cfg: DeepseekV3Config, k: int, n: int, *, target: str | None, rngs: Rng):
@@ -306,6 +326,7 @@ class MLAttention(nnx.Module):
         self.kv_a_layernorm = RMSNorm(cfg, cfg.kv_lora_rank, eps=1e-6, rngs=rngs)
         self.kv_b_proj = lin(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = lin(h * cfg.v_head_dim, cfg.hidden_size)
+        self.sharding: ModelSharding | None = None  # heads split over the tensor axis
 
     def _project(self, x, cos, sin):
         """x [B, S, H] -> q_nope [B,S,h,dn], q_pe [B,S,h,dr], c_kv [B,S,R], k_pe [B,S,dr]
@@ -317,6 +338,7 @@ class MLAttention(nnx.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
+        q = _constrain(self.sharding, q, "act_btnk")
         q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
         kv_a = self.kv_a_proj_with_mqa(x)  # [B, S, R + dr]
         c_kv = self.kv_a_layernorm(kv_a[..., : cfg.kv_lora_rank])
@@ -400,6 +422,7 @@ class MLAttention(nnx.Module):
             out = self.absorbed(q_nope, q_pe, c_cache, pe_cache, mask)
         else:
             raise ValueError(f"mode={mode!r} is not one of 'full', 'prefill', 'decode'")
+        out = _constrain(self.sharding, out, "act_btnk")
         out = out.reshape(b, s, self.cfg.num_attention_heads * self.cfg.v_head_dim)
         return self.o_proj(out), new_cache
 
@@ -486,9 +509,23 @@ class Router(nnx.Module):
         return route(logits, None if bias is None else bias.get_value(), cfg=self.cfg)
 
 
+def _check_w13_layout(module, ms: ModelSharding | None) -> None:
+    want = 1 if ms is None else ms.tensor_shards
+    if module.w13_tp_shards != want:
+        raise ValueError(
+            f"w13 rows are interleaved for {module.w13_tp_shards} tensor shards but the model "
+            f"runs with {want}; move models between meshes with sharding.shard_model"
+        )
+
+
 class RoutedExperts(nnx.Module):
     """WNA16 routed experts through wna16_jax.fused_moe: w13 [E, 2I, H] (gate rows then up
-    rows), w2 [E, H, I]."""
+    rows), w2 [E, H, I].
+
+    On a mesh (`sharding` set) the experts are split over the expert axis and I over the
+    tensor axis, w13's rows interleaved for `w13_tp_shards` tensor shards
+    (wna16_jax.sharding.tp_interleave_w13); `canonical_w13()` undoes that.
+    """
 
     def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng, w13=None, w2=None, implementation=None):
         e, i, hdim = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -501,9 +538,28 @@ class RoutedExperts(nnx.Module):
         self.w13 = QuantizedTensor(w13)
         self.w2 = QuantizedTensor(w2)
         self.implementation = implementation
+        self.sharding: ModelSharding | None = None
+        self.w13_tp_shards = 1
+
+    def canonical_w13(self) -> wj.QuantizedExperts:
+        """w13 [E, 2I, H] with rows [gate; up] whatever the tensor-parallel layout."""
+        w13 = self.w13.get()
+        if self.w13_tp_shards == 1:
+            return w13
+        return wj.sharding.tp_deinterleave_w13(w13, self.w13_tp_shards)
 
     def __call__(self, x, topk_weights, topk_ids):
         """x [T, H] -> [T, H] (x.dtype)."""
+        _check_w13_layout(self, self.sharding)
+        if self.sharding is not None:
+            return self.sharding.quantized_moe(
+                x,
+                self.w13.get(),
+                self.w2.get(),
+                topk_weights,
+                topk_ids,
+                implementation=self.implementation,
+            )
         return wj.fused_moe(
             x,
             self.w13.get(),
@@ -527,33 +583,66 @@ class FloatExperts(nnx.Module):
         self.w13 = nnx.Param(jnp.asarray(w13, cfg.dtype))
         self.w2 = nnx.Param(jnp.asarray(w2, cfg.dtype))
         self.implementation = None
+        self.sharding: ModelSharding | None = None
+        self.w13_tp_shards = 1
+
+    def canonical_w13(self) -> jax.Array:
+        """w13 float [E, 2I, H] with rows [gate; up] whatever the tensor-parallel layout."""
+        w13 = self.w13.get_value()
+        if self.w13_tp_shards == 1:
+            return w13
+        e, rows, hdim = w13.shape
+        blk = rows // (2 * self.w13_tp_shards)
+        w13 = w13.reshape(e, self.w13_tp_shards, 2, blk, hdim).swapaxes(1, 2)
+        return w13.reshape(e, rows, hdim)
 
     def __call__(self, x, topk_weights, topk_ids):
-        t, k = topk_ids.shape
+        """x [T, H] -> [T, H] (x.dtype)."""
+        _check_w13_layout(self, self.sharding)
         w13, w2 = self.w13.get_value(), self.w2.get_value()
-        e, two_i, _ = w13.shape
-        flat = topk_ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # slots grouped by expert
-        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-        xs = x[order // k]  # [T*k, H]
-        h = jax.lax.ragged_dot(
-            xs,
-            w13.astype(x.dtype).transpose(0, 2, 1),
-            sizes,
-            precision=_HIGHEST,
-            preferred_element_type=_F32,
-        )  # [T*k, 2I]
-        act = (jax.nn.silu(h[:, : two_i // 2]) * h[:, two_i // 2 :]).astype(x.dtype)
-        y = jax.lax.ragged_dot(
-            act,
-            w2.astype(x.dtype).transpose(0, 2, 1),
-            sizes,
-            precision=_HIGHEST,
-            preferred_element_type=_F32,
-        )  # [T*k, H]
-        y = y * topk_weights.reshape(-1)[order][:, None].astype(_F32)
-        out = jnp.zeros_like(y).at[order].set(y)
-        return out.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
+        if self.sharding is not None:
+            return self.sharding.float_moe(float_experts, x, w13, w2, topk_weights, topk_ids)
+        return float_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+def float_experts(x, w13, w2, topk_weights, topk_ids):
+    """Float routed experts with sorted tokens and jax.lax.ragged_dot.
+
+    Args:
+        x: [T, H].  w13: float [E, 2I, H] (gate rows, then up rows).  w2: float [E, H, I].
+        topk_weights: [T, k].  topk_ids: int [T, k] in [0, E); other ids (-1: an expert on
+            another shard) contribute zero.
+
+    Returns:
+        [T, H] in x.dtype.
+    """
+    t, k = topk_ids.shape
+    e, two_i, _ = w13.shape
+    flat = topk_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < e)
+    flat = jnp.where(valid, flat, e)  # absent slots sort last, outside every group
+    order = jnp.argsort(flat, stable=True)  # slots grouped by expert
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x[order // k]  # [T*k, H]
+    h = jax.lax.ragged_dot(
+        xs,
+        w13.astype(x.dtype).transpose(0, 2, 1),
+        sizes,
+        precision=_HIGHEST,
+        preferred_element_type=_F32,
+    )  # [T*k, 2I]
+    act = (jax.nn.silu(h[:, : two_i // 2]) * h[:, two_i // 2 :]).astype(x.dtype)
+    y = jax.lax.ragged_dot(
+        act,
+        w2.astype(x.dtype).transpose(0, 2, 1),
+        sizes,
+        precision=_HIGHEST,
+        preferred_element_type=_F32,
+    )  # [T*k, H]
+    y = y * topk_weights.reshape(-1)[order][:, None].astype(_F32)
+    y = jnp.where(valid[order][:, None], y, 0.0)
+    out = jnp.zeros_like(y).at[order].set(y)
+    return out.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
 
 
 class MoE(nnx.Module):
@@ -639,6 +728,8 @@ class DeepseekV3ForCausalLM(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs=rngs)
+        # Set by sharding.shard_model / init_random(mesh=) / load_pretrained(mesh=).
+        self.sharding: ModelSharding | None = None
         if implementation is not None:
             self.set_implementation(implementation)
 
@@ -658,6 +749,15 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 return m.implementation
         return None
 
+    def set_sharding(self, sharding: ModelSharding | None) -> None:
+        """Records the mesh and specs the model runs with on every module that uses them.
+
+        Low level: it moves no weight; `sharding.shard_model` places the weights and calls it.
+        """
+        for _, m in self.iter_modules():
+            if hasattr(m, "sharding"):
+                m.sharding = sharding
+
     # --- forward -------------------------------------------------------------------------
     def _logits(self, x):
         if self.lm_head is None:
@@ -668,11 +768,12 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
     def _run(self, ids, positions, mask, *, mode, cache=None, index=None):
         cos, sin = rope_cos_sin(self.cfg, positions)
-        x = self.model.embed_tokens(ids)
+        x = _constrain(self.sharding, self.model.embed_tokens(ids), "act_btd")
         new = []
         for i, layer in enumerate(self.model.layers):
             layer_cache = None if cache is None else (cache.c_kv[i], cache.k_pe[i])
             x, nc = layer(x, cos=cos, sin=sin, mask=mask, mode=mode, cache=layer_cache, index=index)
+            x = _constrain(self.sharding, x, "act_btd")
             new.append(nc)
         return self.model.norm(x), new
 
@@ -785,7 +886,14 @@ def param_bytes(cfg: DeepseekV3Config) -> int:
 
 
 def init_random(
-    cfg: DeepseekV3Config, *, seed: int = 0, implementation=None, on_device: bool | None = None
+    cfg: DeepseekV3Config,
+    *,
+    seed: int = 0,
+    implementation=None,
+    on_device: bool | None = None,
+    mesh: Mesh | None = None,
+    specs: ShardingSpecs | None = None,
+    moe_mode: str = "replicated",
 ) -> DeepseekV3ForCausalLM:
     """A randomly initialized model (quantized as `cfg.quant` says).
 
@@ -793,11 +901,30 @@ def init_random(
         cfg: the configuration.
         seed: random seed.
         implementation: fused_moe backend of the routed experts (None = automatic).
-        on_device: generate the weights under jit on the default device (True) or with
-            numpy on the host (False); None picks the host below HOST_INIT_MAX_BYTES.
+        on_device: generate the weights under jit on the device(s) (True) or with numpy on
+            the host (False); None picks the host below HOST_INIT_MAX_BYTES.
+        mesh: a mesh (sharding.make_mesh) to place the model on. On device, every device
+            generates only its own shard of the weights (sharding.init_sharded: no device ever
+            holds all experts; values equal those of on_device=True without a mesh); on the
+            host, the model is drawn as without a mesh and each device sent its slice.
+        specs: partition specs for the mesh (default sharding.ShardingSpecs.for_mesh).
+        moe_mode: the sharded MoE's token mode (see sharding.ModelSharding).
     """
     if on_device is None:
         on_device = param_bytes(cfg) > HOST_INIT_MAX_BYTES
+    if mesh is not None:
+        from models.deepseek_v3 import sharding  # it imports this module
+
+        if on_device:
+            model = sharding.init_sharded(cfg, mesh, seed=seed, specs=specs, moe_mode=moe_mode)
+        else:
+            host = sharding.host_device()
+            with jax.default_device(host) if host is not None else contextlib.nullcontext():
+                model = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(seed))
+            sharding.shard_model(model, mesh, specs=specs, moe_mode=moe_mode)
+        if implementation is not None:
+            model.set_implementation(implementation)
+        return model
     if on_device:
         model = nnx.jit(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(seed)))()
     else:
@@ -809,7 +936,13 @@ def init_random(
 
 def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
     """A float copy of `model`: every quantized linear and the routed experts replaced by float
-    modules holding the dequantized weights (in cfg.dtype). The test oracle for WNA16 layers."""
+    modules holding the dequantized weights (in cfg.dtype). The test oracle for WNA16 layers.
+
+    Raises:
+        ValueError: the model is sharded (move it to one device with sharding.shard_model).
+    """
+    if model.sharding is not None:
+        raise ValueError("dequantize_model needs an unsharded model: shard_model(model, None)")
     new = nnx.clone(model)
     cfg = new.cfg
     for path, module in list(new.iter_modules()):
@@ -820,7 +953,7 @@ def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
             repl = FloatExperts(
                 cfg,
                 rngs=None,
-                w13=wj.dequantize_experts(module.w13.get(), _F32),
+                w13=wj.dequantize_experts(module.canonical_w13(), _F32),
                 w2=wj.dequantize_experts(module.w2.get(), _F32),
             )
         else:

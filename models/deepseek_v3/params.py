@@ -7,6 +7,7 @@ safetensors headers before anything is read; all problems are reported in one Va
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
@@ -32,6 +35,13 @@ from models.deepseek_v3.modeling import (
     Linear,
     QuantizedLinear,
     RoutedExperts,
+)
+from models.deepseek_v3.sharding import (
+    ShardingSpecs,
+    host_device,
+    model_sharding,
+    place_variables,
+    reorder_w13,
 )
 
 logger = logging.getLogger("models.deepseek_v3")
@@ -481,39 +491,118 @@ def _linear_module(cfg, value, shape):
     return Linear(cfg, k, n, rngs=None, weight=value)
 
 
-def _experts_module(cfg, ckpt, qcfg, entry: WeightEntry, form: str, implementation, problems):
-    """Stacks the E experts of a layer into one module; None (and `problems` extended, one
-    entry per bad expert tensor) when some expert cannot be converted."""
-    e, i, hdim = entry.shape
+def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range, problems):
+    """Experts `experts` of a layer, stacked: (w13 [n, 2I, H], w2 [n, H, I]) as
+    QuantizedExperts, or float numpy arrays for float experts kept float; None (and
+    `problems` extended, one entry per bad expert tensor) when some expert cannot be
+    converted."""
+    _, i, hdim = entry.shape
     parts: dict[str, list] = {p: [] for p in _PROJS}
     ok = True
-    for _, proj, prefix in entry.expert_names(e):
-        try:
-            if form == "float":
-                parts[proj].append(np.asarray(ckpt[f"{prefix}.weight"]))
-            else:
-                parts[proj].append(wj.formats.from_quantization_config(ckpt, qcfg, prefix))
-        except ValueError as err:
-            problems.append(f"{prefix}: {err}")
-            ok = False
+    for j in experts:
+        for proj in _PROJS:
+            prefix = f"{entry.name}.{j}.{proj}"
+            try:
+                if form == "float":
+                    parts[proj].append(np.asarray(ckpt[f"{prefix}.weight"]))
+                else:
+                    parts[proj].append(wj.formats.from_quantization_config(ckpt, qcfg, prefix))
+            except ValueError as err:
+                problems.append(f"{prefix}: {err}")
+                ok = False
     if not ok:
         return None
     if form == "float":
         w13 = np.concatenate([np.stack(parts["gate_proj"]), np.stack(parts["up_proj"])], axis=1)
         w2 = np.stack(parts["down_proj"])
-        if not cfg.quantizes("experts"):
-            return FloatExperts(cfg, rngs=None, w13=w13, w2=w2)
-        w13, w2 = _quantize(w13, cfg.quant, cfg.dtype), _quantize(w2, cfg.quant, cfg.dtype)
+        if cfg.quantizes("experts"):
+            w13, w2 = _quantize(w13, cfg.quant, cfg.dtype), _quantize(w2, cfg.quant, cfg.dtype)
     else:
         gate, up, down = (wj.formats.stack(parts[p]) for p in _PROJS)
         w13 = _with_scale_dtype(_concat_n(gate, up), cfg.dtype)
         w2 = _with_scale_dtype(down, cfg.dtype)
-    if w13.shape != (e, 2 * i, hdim) or w2.shape != (e, hdim, i):
+    n = len(experts)
+    if w13.shape != (n, 2 * i, hdim) or w2.shape != (n, hdim, i):
         raise ValueError(
             f"experts have w13 {w13.shape} / w2 {w2.shape}, expected "
-            f"{(e, 2 * i, hdim)} / {(e, hdim, i)}"
+            f"{(n, 2 * i, hdim)} / {(n, hdim, i)}"
         )
-    return RoutedExperts(cfg, rngs=None, w13=w13, w2=w2, implementation=implementation)
+    return w13, w2
+
+
+def _experts_module(cfg, ckpt, qcfg, entry: WeightEntry, form: str, implementation, problems):
+    """Stacks the E experts of a layer into one module (None when some cannot be converted)."""
+    read = _read_experts(cfg, ckpt, qcfg, entry, form, range(entry.shape[0]), problems)
+    if read is None:
+        return None
+    w13, w2 = read
+    if isinstance(w13, wj.QuantizedExperts):
+        return RoutedExperts(cfg, rngs=None, w13=w13, w2=w2, implementation=implementation)
+    return FloatExperts(cfg, rngs=None, w13=w13, w2=w2)
+
+
+def _sharded_experts_module(
+    cfg, ckpt, qcfg, entry: WeightEntry, form: str, implementation, ms, problems
+):
+    """The experts of a layer placed on the mesh block by block: each device receives only its
+    slice, and the host holds one block of E/n experts (one expert shard) at a time. Only the
+    blocks of this process's devices are read (several hosts)."""
+    e, _, _ = entry.shape
+    mesh, ea, ta = ms.mesh, ms.expert_axis, ms.tensor_axis
+    n_e, n_t = ms.expert_shards, ms.tensor_shards
+    if e % n_e:
+        raise ValueError(f"E={e} experts are not divisible by the {n_e} expert shards")
+    per = e // n_e
+    by_expert = NamedSharding(mesh, P(ea)).addressable_devices_indices_map((e,))
+    blocks = sorted({(idx[0].start or 0) // per for idx in by_expert.values()})
+    layout = None  # (leaves' global shapes, shardings, treedef), known after the first block
+    shards: dict = {}  # (leaf number, device) -> single-device array
+
+    for b in blocks:
+        read = _read_experts(cfg, ckpt, qcfg, entry, form, range(b * per, (b + 1) * per), problems)
+        if read is None:
+            return None
+        w13, w2 = read
+        if isinstance(w13, wj.QuantizedExperts):
+            w13 = jax.tree.map(np.asarray, w13)
+            w2 = jax.tree.map(np.asarray, w2)
+            specs = (
+                wj.sharding.expert_specs(w13, expert_axis=ea, n_axis=ta),
+                wj.sharding.expert_specs(w2, expert_axis=ea, k_axis=ta),
+            )
+        else:
+            w13 = np.asarray(w13, jnp.dtype(cfg.dtype))
+            w2 = np.asarray(w2, jnp.dtype(cfg.dtype))
+            specs = (P(ea, ta, None), P(ea, None, ta))
+        w13 = reorder_w13(w13, 1, n_t)  # tensor shard s holds rows [gate_s; up_s]
+        leaves, treedef = jax.tree.flatten((w13, w2))
+        if layout is None:
+            spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+            shapes = [(e,) + a.shape[1:] for a in leaves]
+            layout = (shapes, [NamedSharding(mesh, sp) for sp in spec_leaves], treedef)
+        shapes, shardings, _ = layout
+        for n, (host, shape, sh) in enumerate(zip(leaves, shapes, shardings, strict=True)):
+            for device, idx in sh.addressable_devices_indices_map(shape).items():
+                start = idx[0].start or 0
+                stop = e if idx[0].stop is None else idx[0].stop
+                if start // per != b or (n, device) in shards:
+                    continue
+                local = (slice(start - b * per, stop - b * per),) + tuple(idx[1:])
+                shards[(n, device)] = jax.device_put(np.ascontiguousarray(host[local]), device)
+    shapes, shardings, treedef = layout
+    arrays = [
+        jax.make_array_from_single_device_arrays(
+            shape, sh, [shards[(n, d)] for d in sh.addressable_devices_indices_map(shape)]
+        )
+        for n, (shape, sh) in enumerate(zip(shapes, shardings, strict=True))
+    ]
+    w13, w2 = jax.tree.unflatten(treedef, arrays)
+    if isinstance(w13, wj.QuantizedExperts):
+        module = RoutedExperts(cfg, rngs=None, w13=w13, w2=w2, implementation=implementation)
+    else:
+        module = FloatExperts(cfg, rngs=None, w13=w13, w2=w2)
+    module.w13_tp_shards = n_t
+    return module
 
 
 def load_pretrained(
@@ -521,9 +610,11 @@ def load_pretrained(
     *,
     dtype=jnp.bfloat16,
     implementation=None,
-    mesh=None,
+    mesh: Mesh | None = None,
     quantize: str | QuantSpec | None = None,
     progress: bool = True,
+    specs: ShardingSpecs | None = None,
+    moe_mode: str = "replicated",
 ) -> DeepseekV3ForCausalLM:
     """Loads a local Hugging Face DeepSeek-V3 / V2 directory.
 
@@ -533,10 +624,16 @@ def load_pretrained(
             compressed-tensors weights, as config.json's quantization_config says.
         dtype: activations, float weights and quantization scales.
         implementation: fused_moe backend of the routed experts (None = automatic).
-        mesh: not supported yet (a later change shards the experts); must be None.
+        mesh: a mesh (sharding.make_mesh) to load onto: every tensor goes straight to its
+            shards (converted on the host, each device sent only its slice; the routed
+            experts read one expert shard at a time, so neither the host nor any device ever
+            holds a layer's experts whole). With several hosts each reads only the experts of
+            its own devices. None: one device.
         quantize: quantize float weights on load: "int4", "int8" (asymmetric, group 128) or a
             QuantSpec (its targets say which linears). Already-quantized weights stay as stored.
         progress: show a tqdm bar over the tensors read.
+        specs: partition specs for the mesh (default sharding.ShardingSpecs.for_mesh).
+        moe_mode: the sharded MoE's token mode (see sharding.ModelSharding).
 
     Returns:
         DeepseekV3ForCausalLM.
@@ -544,10 +641,8 @@ def load_pretrained(
     Raises:
         ValueError: listing every problem at once (missing tensor, wrong shape or dtype,
             unsupported quantization_config or config value).
-        NotImplementedError: mesh is not None.
+        TypeError: mesh is not a jax.sharding.Mesh.
     """
-    if mesh is not None:
-        raise NotImplementedError("load_pretrained(mesh=...) is not supported yet; pass None")
     path = os.fspath(path)
     with open(os.path.join(path, CONFIG_FILE)) as f:
         hf = json.load(f)
@@ -555,6 +650,7 @@ def load_pretrained(
         hf, dtype=jnp.dtype(dtype).name, quant=QuantSpec.parse(quantize)
     )
     qcfg = hf.get("quantization_config")
+    ms = None if mesh is None else model_sharding(mesh, cfg, specs=specs, moe_mode=moe_mode)
     ckpt = Checkpoint(path)
     plans, problems = check_checkpoint(cfg, ckpt, qcfg)
     _raise_problems(path, problems)
@@ -567,19 +663,24 @@ def load_pretrained(
         total=total, unit="tensor", desc=f"loading {os.path.basename(path)}", disable=not progress
     )
     ckpt.on_read = lambda name: bar.update(1)
+    # With a mesh, conversions run on the host's CPU device; only slices reach the mesh.
+    host = host_device() if ms is not None else None
     try:
-        for plan in plans:
-            entry = plan.entry
-            try:
-                _install(model, cfg, ckpt, qcfg, plan, implementation, problems)
-            except ValueError as err:
-                problems.append(f"{entry.name}: {err}")
+        with jax.default_device(host) if host is not None else contextlib.nullcontext():
+            for plan in plans:
+                entry = plan.entry
+                try:
+                    _install(model, cfg, ckpt, qcfg, plan, implementation, problems, ms)
+                except ValueError as err:
+                    problems.append(f"{entry.name}: {err}")
     finally:
         bar.close()
         ckpt.close()
     _raise_problems(path, problems)
     if cfg.tie_word_embeddings:
         model.lm_head = None
+    if ms is not None:
+        model.set_sharding(ms)
     left = [
         jax.tree_util.keystr(p)
         for p, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
@@ -597,9 +698,17 @@ def load_pretrained(
     return model
 
 
-def _install(model, cfg, ckpt, qcfg, plan: _Plan, implementation, problems) -> None:
-    """Reads one plan entry and puts it into the (abstract) model."""
+def _install(model, cfg, ckpt, qcfg, plan: _Plan, implementation, problems, ms=None) -> None:
+    """Reads one plan entry and puts it into the (abstract) model; with a ModelSharding `ms`,
+    placed on its mesh."""
     entry = plan.entry
+    if entry.kind == "experts" and ms is not None:
+        module = _sharded_experts_module(
+            cfg, ckpt, qcfg, entry, plan.form, implementation, ms, problems
+        )
+        if module is not None:
+            _set(model, entry.path, module)
+        return
     if entry.kind in ("embedding", "norm", "router"):
         var = _get(model, entry.path).weight
         var.set_value(jnp.asarray(np.asarray(ckpt[f"{entry.name}.weight"]), cfg.dtype))
@@ -614,6 +723,8 @@ def _install(model, cfg, ckpt, qcfg, plan: _Plan, implementation, problems) -> N
             _set(model, entry.path, module)
     else:  # pragma: no cover
         raise AssertionError(entry.kind)
+    if ms is not None:
+        place_variables(model, entry.path, ms)
 
 
 def _report_unused(cfg, ckpt: Checkpoint, plans: list[_Plan]) -> None:
@@ -661,14 +772,14 @@ def _named_linears(model, cfg) -> Iterator[tuple[str, object]]:
             mod = _get(model, entry.path)
             e, i, _ = entry.shape
             if isinstance(mod, RoutedExperts):
-                w13, w2 = mod.w13.get(), mod.w2.get()
+                w13, w2 = mod.canonical_w13(), mod.w2.get()  # rows [gate; up] at any TP
                 one = lambda qe, j: jax.tree.map(lambda a: a[j : j + 1], qe)
                 for j in range(e):
                     yield f"{entry.name}.{j}.gate_proj", _slice_n(one(w13, j), 0, i)
                     yield f"{entry.name}.{j}.up_proj", _slice_n(one(w13, j), i, 2 * i)
                     yield f"{entry.name}.{j}.down_proj", one(w2, j)
             else:
-                w13, w2 = mod.w13.get_value(), mod.w2.get_value()
+                w13, w2 = mod.canonical_w13(), mod.w2.get_value()
                 for j in range(e):
                     yield f"{entry.name}.{j}.gate_proj", w13[j, :i]
                     yield f"{entry.name}.{j}.up_proj", w13[j, i:]

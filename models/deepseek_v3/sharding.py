@@ -1,0 +1,868 @@
+"""Meshes, partition specs and weight placement for DeepSeek-V3: EP, TP, data parallel, hosts.
+
+Three mesh axes: `expert` shards the routed experts (expert parallelism: each device holds
+E/n experts and runs `wna16_jax.sharding.fused_moe_local_shard` on them inside `jax.shard_map`),
+`tensor` shards the experts' intermediate dim I (w13 rows interleaved as
+`wna16_jax.sharding.tp_interleave_w13` does) and the attention heads (q_b_proj / q_proj /
+kv_b_proj rows, o_proj columns), `data` shards the batch. Everything else is replicated.
+The specs are data (`ShardingSpecs`): the model runs under `jax.jit` with in/out shardings on
+an Auto-axis mesh, so XLA's partitioner follows whatever the specs say; only the routed
+experts run in an explicit `jax.shard_map`, so no expert weight byte ever moves.
+
+    mesh = make_mesh(expert=8)                       # or expert=4, tensor=2, ...
+    model = init_random(cfg, mesh=mesh)              # weights generated in their shards
+    model = load_pretrained(path, mesh=mesh)         # each device reads only its slice
+    model = shard_model(model, mesh)                 # an in-memory model, placed
+    forward, state = jit_forward(model)              # jax.jit with in/out shardings
+    logits = forward(state, ids, mask)
+    tokens = generate(model, prompts, max_new_tokens=16)   # same code, sharded
+
+Several hosts: call `maybe_initialize_distributed(...)` first on every host (same program,
+its own process id); `make_mesh` then spans every host's devices and the loaders place only
+the slices of this host's devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import wna16_jax as wj
+from models.deepseek_v3.config import DeepseekV3Config
+from models.deepseek_v3.modeling import (
+    DeepseekV3ForCausalLM,
+    FloatExperts,
+    KVCache,
+    QuantizedTensor,
+    RoutedExperts,
+)
+
+logger = logging.getLogger("models.deepseek_v3")
+
+DATA, EXPERT, TENSOR = "data", "expert", "tensor"
+AXES = (DATA, EXPERT, TENSOR)
+MOE_MODES = ("replicated", "all_to_all", "auto")
+
+_logged: set = set()
+
+
+def _log_once(key, msg: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(msg, *args)
+
+
+# ---- meshes ---------------------------------------------------------------------------------
+
+
+def make_mesh(expert: int = 1, tensor: int = 1, data: int = 1, *, devices=None) -> Mesh:
+    """A `jax.make_mesh` mesh with axes ("data", "expert", "tensor") (Auto axis types).
+
+    `tensor` is the innermost axis, so tensor-parallel partners are neighbouring devices.
+
+    Args:
+        expert: size of the expert-parallel axis (must divide n_routed_experts).
+        tensor: size of the tensor-parallel axis (experts' I and the attention heads).
+        data: size of the data-parallel axis (the batch).
+        devices: the devices to use (default: the first data*expert*tensor of `jax.devices()`,
+            which with several hosts are all processes' devices).
+
+    Raises:
+        ValueError: a size below 1, or more devices asked for than exist.
+    """
+    sizes = {DATA: data, EXPERT: expert, TENSOR: tensor}
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, (int, np.integer)) or v < 1}
+    if bad:
+        raise ValueError(f"mesh axis sizes must be positive integers, got {bad}")
+    n = data * expert * tensor
+    if devices is None:
+        avail = jax.devices()
+        if n > len(avail):
+            raise ValueError(
+                f"mesh data={data} x expert={expert} x tensor={tensor} needs {n} devices, JAX "
+                f"has {len(avail)} ({jax.default_backend()}); on CPU start JAX with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (examples/generate.py: "
+                f"--cpu-devices {n})"
+            )
+        devices = None if n == len(avail) else avail[:n]
+    elif len(devices) != n:
+        raise ValueError(f"mesh of {n} devices, but {len(devices)} devices were given")
+    return jax.make_mesh(
+        (data, expert, tensor), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
+    )
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """ "expert=2,tensor=2" -> {"expert": 2, "tensor": 2}: the keyword arguments of make_mesh.
+
+    Raises:
+        ValueError: an unknown axis name, a repeated one, or a size that is not a positive int.
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in AXES:
+            raise ValueError(f"mesh {text!r}: {part!r} is not <axis>=<size> with axis in {AXES}")
+        if name in out:
+            raise ValueError(f"mesh {text!r}: axis {name!r} given twice")
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise ValueError(f"mesh {text!r}: size of {name!r} must be a positive integer")
+        out[name] = size
+    return out
+
+
+def describe(mesh: Mesh | None) -> str:
+    """A one-line description, e.g. "data=1 x expert=2 x tensor=2 on 4 cpu devices"."""
+    if mesh is None:
+        return f"none (one {jax.default_backend()} device)"
+    axes = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    procs = len({d.process_index for d in mesh.devices.flat})
+    where = f" in {procs} processes" if procs > 1 else ""
+    return f"{axes} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices{where}"
+
+
+def maybe_initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    initialize: Callable[..., None] | None = None,
+) -> bool:
+    """Starts JAX's multi-process runtime (`jax.distributed.initialize`) when asked to.
+
+    Call it first thing on every host, before JAX touches a device, with the same coordinator
+    ("host:port" of process 0) and process count everywhere and each host's own process id;
+    afterwards `jax.devices()` lists every host's devices and `make_mesh` spans them. With no
+    arguments (or num_processes=1) nothing happens: a single process.
+
+    Args:
+        coordinator_address: "host:port" of process 0's coordinator service.
+        num_processes: the number of processes (hosts) taking part.
+        process_id: this process's index in [0, num_processes).
+        initialize: the function called (default `jax.distributed.initialize`; tests swap it).
+
+    Returns:
+        True when the multi-process runtime is (now) initialized, False for a single process.
+
+    Raises:
+        ValueError: only some of the three are given, or process_id is out of range.
+    """
+    given = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    if all(v is None for v in given.values()) or (
+        num_processes == 1 and coordinator_address is None
+    ):
+        return False
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ValueError(
+            f"multi-process JAX needs coordinator_address, num_processes and process_id; "
+            f"missing {missing} (given {given})"
+        )
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id={process_id} is not in [0, num_processes={num_processes})")
+    if initialize is None:
+        if jax.distributed.is_initialized():
+            logger.info("jax.distributed is already initialized")
+            return True
+        initialize = jax.distributed.initialize
+    logger.info(
+        "jax.distributed.initialize(coordinator=%s, num_processes=%d, process_id=%d)",
+        coordinator_address,
+        num_processes,
+        process_id,
+    )
+    initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    return True
+
+
+def use_cpu_devices(n: int) -> None:
+    """Makes JAX run on `n` fake CPU devices (XLA_FLAGS' host platform device count).
+
+    Works only before JAX has started its backend (the first `jax.devices()` or computation;
+    importing jax is fine): call it at the top of main().
+
+    Raises:
+        RuntimeError: JAX already runs with another number of devices.
+    """
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    jax.config.update("jax_platforms", "cpu")
+    if jax.device_count() != n or jax.default_backend() != "cpu":
+        raise RuntimeError(
+            f"asked for {n} CPU devices but JAX already runs with {jax.device_count()} "
+            f"{jax.default_backend()} device(s): set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={n} JAX_PLATFORMS=cpu before JAX starts"
+        )
+
+
+# ---- specs ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingSpecs:
+    """The PartitionSpec of every parameter and activation; field names end in axis letters.
+
+    Letters: b batch, t query tokens, l cache slots, d hidden (H), v vocab, n attention heads
+    (in weights: heads x per-head features flattened, heads outermost, so splitting n splits
+    whole heads), k per-head features, r a LoRA / latent rank, f intermediate (dense MLP and
+    shared experts; 2I rows of w13, I of w2), e routed experts. Weights are in their stored
+    [N, K] (HF [out, in]) layout; a quantized weight [1, N, K] applies the spec's N and K
+    entries to its qweight, scales and zeros. `for_mesh` gives the defaults.
+    """
+
+    # activations
+    tokens_bt: P = P()
+    act_btd: P = P()
+    act_btnk: P = P()  # q and the attention output per head [B, S, h, dk]
+    logits_btv: P = P()
+    logits_bv: P = P()  # generation's logits of one position
+    cache_blr: P = P()  # c_kv [B, L, R] and k_pe [B, L, dr]
+    cache_bl: P = P()  # which cache slots hold a token
+    cache_b: P = P()  # next rope position per row
+    # weights
+    embed_vd: P = P()
+    lm_head_vd: P = P()
+    norm_d: P = P()
+    norm_r: P = P()  # q_a_layernorm [Q], kv_a_layernorm [R]
+    attn_q_nd: P = P()  # q_proj [h*(dn+dr), H] (no q LoRA)
+    attn_q_a_rd: P = P()  # q_a_proj [Q, H]
+    attn_q_b_nr: P = P()  # q_b_proj [h*(dn+dr), Q]
+    attn_kv_a_rd: P = P()  # kv_a_proj_with_mqa [R+dr, H]
+    attn_kv_b_nr: P = P()  # kv_b_proj [h*(dn+dv), R]
+    attn_o_dn: P = P()  # o_proj [H, h*dv]
+    mlp_gate_up_fd: P = P()  # dense MLP / shared experts gate_proj, up_proj [F, H]
+    mlp_down_df: P = P()  # down_proj [H, F]
+    router_ed: P = P()  # mlp.gate [E, H]
+    router_bias_e: P = P()  # e_score_correction_bias [E]
+    moe_w13_efd: P = P()  # routed experts w13 [E, 2I, H] (gate;up rows, TP-interleaved)
+    moe_w2_edf: P = P()  # routed experts w2 [E, H, I]
+
+    @classmethod
+    def for_mesh(cls, mesh: Mesh, cfg: DeepseekV3Config) -> ShardingSpecs:
+        """The default specs: experts over "expert" (E) and "tensor" (I), attention heads over
+        "tensor" (when it divides the head count), batch over "data", the rest replicated.
+        Axes of size 1 are left out, so a spec names exactly the axes that split its array.
+
+        Raises:
+            ValueError: the expert axis does not divide n_routed_experts.
+        """
+        d, e, t = (a if mesh.shape.get(a, 1) > 1 else None for a in AXES)
+        if e is not None and cfg.n_routed_experts and cfg.n_routed_experts % mesh.shape[e]:
+            raise ValueError(
+                f"n_routed_experts={cfg.n_routed_experts} is not divisible by the expert "
+                f"axis ({mesh.shape[e]}); expert parallelism needs the same number of experts "
+                f"on every device"
+            )
+        heads = t
+        if t is not None and cfg.num_attention_heads % mesh.shape[t]:
+            heads = None
+            logger.warning(
+                "num_attention_heads=%d is not divisible by tensor=%d: attention stays replicated",
+                cfg.num_attention_heads,
+                mesh.shape[t],
+            )
+        return cls(
+            tokens_bt=P(d, None),
+            act_btd=P(d, None, None),
+            act_btnk=P(d, None, heads, None),
+            logits_btv=P(d, None, None),
+            logits_bv=P(d, None),
+            cache_blr=P(d, None, None),
+            cache_bl=P(d, None),
+            cache_b=P(d),
+            attn_q_nd=P(heads, None),
+            attn_q_b_nr=P(heads, None),
+            attn_kv_b_nr=P(heads, None),
+            attn_o_dn=P(None, heads),
+            moe_w13_efd=P(e, t, None),
+            moe_w2_edf=P(e, None, t),
+        )
+
+
+# The ShardingSpecs field of each weight, by the name of the module owning it.
+_WEIGHT_FIELDS = {
+    "embed_tokens": "embed_vd",
+    "lm_head": "lm_head_vd",
+    "norm": "norm_d",
+    "input_layernorm": "norm_d",
+    "post_attention_layernorm": "norm_d",
+    "q_a_layernorm": "norm_r",
+    "kv_a_layernorm": "norm_r",
+    "q_proj": "attn_q_nd",
+    "q_a_proj": "attn_q_a_rd",
+    "q_b_proj": "attn_q_b_nr",
+    "kv_a_proj_with_mqa": "attn_kv_a_rd",
+    "kv_b_proj": "attn_kv_b_nr",
+    "o_proj": "attn_o_dn",
+    "gate_proj": "mlp_gate_up_fd",
+    "up_proj": "mlp_gate_up_fd",
+    "down_proj": "mlp_down_df",
+    "gate": "router_ed",
+}
+
+
+def _entry_size(mesh: Mesh, entry) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def _at(spec: P, i: int):
+    """Entry i of a spec (None past its end: trailing dims are unsplit)."""
+    return spec[i] if i < len(spec) else None
+
+
+def _clean(entries) -> P:
+    """P(None, None) -> P(): a spec that splits nothing is written as replicated."""
+    entries = tuple(entries)
+    return P(*entries) if any(a is not None for a in entries) else P()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSharding:
+    """How a sharded model runs: its mesh and specs, and the MoE token mode.
+
+    Static (hashable): the modules hold it as an attribute, so it is part of the graphdef and
+    every trace sees it. `moe_mode` as in `wna16_jax.sharding.fused_moe_ep`: "replicated"
+    (every device sees every token; one psum), "all_to_all" (tokens split over the expert axis,
+    gathered and reduce-scattered) or "auto" (replicated up to `token_threshold` tokens).
+    """
+
+    mesh: Mesh
+    specs: ShardingSpecs
+    moe_mode: str = "replicated"
+    token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD
+
+    def __post_init__(self):
+        if self.moe_mode not in MOE_MODES:
+            raise ValueError(f"moe_mode={self.moe_mode!r} is not one of {MOE_MODES}")
+        w13, w2 = self.specs.moe_w13_efd, self.specs.moe_w2_edf
+        if (_at(w13, 0), _at(w13, 1)) != (_at(w2, 0), _at(w2, 2)):
+            raise ValueError(
+                f"moe_w13_efd={w13} and moe_w2_edf={w2} must split E over the same axis and "
+                f"w13's rows (2I) and w2's columns (I) over the same axis"
+            )
+
+    # --- axes ----------------------------------------------------------------------------
+    @property
+    def expert_axis(self) -> str | None:
+        return _at(self.specs.moe_w13_efd, 0)
+
+    @property
+    def tensor_axis(self) -> str | None:
+        return _at(self.specs.moe_w13_efd, 1)
+
+    @property
+    def data_axis(self) -> str | None:
+        return _at(self.specs.act_btd, 0)
+
+    def size(self, entry) -> int:
+        """Devices along a spec entry (an axis name, a tuple of names, or None)."""
+        return _entry_size(self.mesh, entry)
+
+    @property
+    def expert_shards(self) -> int:
+        return self.size(self.expert_axis)
+
+    @property
+    def tensor_shards(self) -> int:
+        return self.size(self.tensor_axis)
+
+    def named(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    # --- activations ---------------------------------------------------------------------
+    def constrain(self, x, field: str):
+        """`x` pinned to the spec `field` of ShardingSpecs (inside jit)."""
+        return jax.lax.with_sharding_constraint(x, self.named(getattr(self.specs, field)))
+
+    def check_batch(self, batch: int) -> None:
+        n = self.size(self.data_axis)
+        if batch % n:
+            raise ValueError(
+                f"batch {batch} is not divisible by the data axis ({n} devices); pad the batch "
+                f"or use a mesh with data=1"
+            )
+
+    def cache_shardings(self, num_layers: int) -> KVCache:
+        """NamedShardings of a KVCache (a KVCache of shardings)."""
+        blr = self.named(self.specs.cache_blr)
+        return KVCache(
+            c_kv=(blr,) * num_layers,
+            k_pe=(blr,) * num_layers,
+            valid=self.named(self.specs.cache_bl),
+            next_pos=self.named(self.specs.cache_b),
+            index=self.named(P()),
+        )
+
+    def put(self, host_array, spec: P) -> jax.Array:
+        """A host (numpy) array placed on the mesh, each device given only its slice."""
+        return _place(host_array, self.named(spec))
+
+    # --- routed experts ------------------------------------------------------------------
+    def _moe_tokens(self, t: int):
+        """(mode, token spec, padding) for T tokens."""
+        mode = self.moe_mode
+        if mode == "auto":
+            mode = "replicated" if t <= self.token_threshold else "all_to_all"
+            _log_once(
+                ("auto", mode, self.token_threshold),
+                "deepseek_v3: sharded MoE uses mode=%r (T=%d, token_threshold=%d)",
+                mode,
+                t,
+                self.token_threshold,
+            )
+        token_axis = self.expert_axis or self.tensor_axis
+        if mode == "replicated" or token_axis is None:
+            return "replicated", P(self.data_axis), 0
+        axes = tuple(a for a in (self.data_axis, token_axis) if a is not None)
+        spec = P(axes if len(axes) > 1 else axes[0])
+        return mode, spec, -t % self.size(axes)
+
+    def quantized_moe(self, x, w13, w2, topk_weights, topk_ids, *, implementation=None):
+        """The routed experts of one layer: fused_moe_local_shard on each device's experts.
+
+        Args:
+            x: [T, H].  w13: QuantizedExperts [E, 2I, H] sharded as moe_w13_efd (rows
+                interleaved for the tensor axis).  w2: [E, H, I] sharded as moe_w2_edf.
+            topk_weights: f32 [T, k].  topk_ids: int32 [T, k] global expert ids.
+            implementation: the fused_moe backend.
+
+        Returns:
+            [T, H] in x.dtype.
+        """
+        t = x.shape[0]
+        mode, tok, pad = self._moe_tokens(t)
+        if pad:  # padding tokens route to id -1: dropped
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+            topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
+            topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
+        ea, ta = self.expert_axis, self.tensor_axis
+        body = functools.partial(
+            wj.sharding.fused_moe_local_shard,
+            num_experts=w13.num_experts,
+            expert_axis=ea,
+            tensor_axis=ta,
+            mode=mode,
+            implementation=implementation,
+        )
+        w13_specs = wj.sharding.expert_specs(w13, expert_axis=ea, n_axis=ta)
+        w2_specs = wj.sharding.expert_specs(w2, expert_axis=ea, k_axis=ta)
+        # check_vma=False: the fused_moe backends do not annotate device-varying values yet.
+        out = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(tok, w13_specs, w2_specs, tok, tok),
+            out_specs=tok,
+            check_vma=False,
+        )(x, w13, w2, topk_weights, topk_ids)
+        return out[:t] if pad else out
+
+    def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids):
+        """Float routed experts (tokens replicated): `local_fn(x, w13, w2, weights, local_ids)`
+        on each device's experts (local_ids -1 for experts elsewhere), psum over the expert and
+        tensor axes. Shapes as in `quantized_moe` with float w13 / w2."""
+        ea, ta = self.expert_axis, self.tensor_axis
+        num_experts = w13.shape[0]
+
+        def body(x, w13, w2, topk_weights, topk_ids):
+            ids = topk_ids.astype(jnp.int32)
+            if ea is not None:
+                emap = wj.sharding.expert_map_for_axis(num_experts, ea)
+                valid = (ids >= 0) & (ids < num_experts)
+                ids = jnp.where(valid, emap[jnp.clip(ids, 0, num_experts - 1)], -1)
+            y = local_fn(x, w13, w2, topk_weights, ids)
+            axes = tuple(a for a in (ea, ta) if a is not None)
+            return jax.lax.psum(y, axes) if axes else y
+
+        tok = P(self.data_axis)
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(tok, P(ea, ta, None), P(ea, None, ta), tok, tok),
+            out_specs=tok,
+            check_vma=False,
+        )(x, w13, w2, topk_weights, topk_ids)
+
+
+# ---- the spec of every variable -------------------------------------------------------------
+
+
+def _check_experts(mesh: Mesh, spec3, shape, qt: QuantizedTensor | None, what: str) -> None:
+    """E, N (w13: 2I interleaved) or K (w2: I) must split evenly; raises naming the values."""
+    e_ax, n_ax, k_ax = (_at(spec3, i) for i in range(3))
+    e, n, k = shape
+    problems = []
+    n_e = _entry_size(mesh, e_ax)
+    if e % n_e:
+        problems.append(f"E={e} is not divisible by the {n_e} expert shards")
+    for dim, ax, is_w13 in ((n, n_ax, True), (k, k_ax, False)):
+        s = _entry_size(mesh, ax)
+        if s == 1:
+            continue
+        i = dim // 2 if is_w13 else dim
+        if i % s:
+            problems.append(f"I={i} is not divisible by the {s} tensor shards")
+            continue
+        per = i // s
+        if qt is not None and not is_w13:
+            pf = 32 // qt.bits
+            if per % pf:
+                problems.append(f"I/n = {per} is not a multiple of {pf} ({qt.bits}-bit packing)")
+            if qt.group_size != -1 and per % qt.group_size:
+                problems.append(
+                    f"I/n = {per} is not a multiple of group_size={qt.group_size} (each shard "
+                    f"must hold whole quantization groups)"
+                )
+        if qt is not None and is_w13 and qt.zeros is not None and qt.bits == 4 and per % 2:
+            problems.append(f"I/n = {per} is odd; int4 zero points pack two rows per byte")
+    if problems:
+        raise ValueError(f"{what}: cannot shard as {spec3}: " + "; ".join(problems))
+
+
+def _linear_spec(mesh: Mesh, spec2, shape, qt: QuantizedTensor | None, what: str):
+    """(N axis, K axis) of a [N, K] weight, an axis dropped (logged) when it cannot split."""
+    n_ax, k_ax = _at(spec2, 0), _at(spec2, 1)
+    n, k = shape
+    s_n, s_k = _entry_size(mesh, n_ax), _entry_size(mesh, k_ax)
+    if n % s_n or (qt is not None and qt.zeros is not None and qt.bits == 4 and (n // s_n) % 2):
+        _log_once((what, "n"), "%s: N=%d cannot split %d ways; replicated on N", what, n, s_n)
+        n_ax = None
+    ok_k = k % s_k == 0
+    if ok_k and qt is not None:
+        per = k // s_k
+        ok_k = per % (32 // qt.bits) == 0 and (qt.group_size == -1 or per % qt.group_size == 0)
+    if not ok_k:
+        _log_once((what, "k"), "%s: K=%d cannot split %d ways; replicated on K", what, k, s_k)
+        k_ax = None
+    return n_ax, k_ax
+
+
+def _quant_leaf_spec(leaf: str, qt: QuantizedTensor, e_ax, n_ax, k_ax) -> P:
+    groups = None if qt.group_size == -1 else k_ax
+    return _clean((e_ax, n_ax, k_ax if leaf == "qweight" else groups))
+
+
+def _variable_spec(mesh: Mesh, specs: ShardingSpecs, path: tuple, var, parent) -> P:
+    """The PartitionSpec of the variable at `path` (module names, list indices)."""
+    what = ".".join(str(p) for p in path)
+    shape = tuple(var.get_value().shape)
+    if "experts" in path:
+        i = path.index("experts")
+        which = path[i + 1]
+        spec = specs.moe_w13_efd if which == "w13" else specs.moe_w2_edf
+        axes = tuple(_at(spec, j) for j in range(3))
+        if isinstance(parent, QuantizedTensor):
+            _check_experts(mesh, axes, parent.shape, parent, what)
+            return _quant_leaf_spec(path[-1], parent, *axes)
+        _check_experts(mesh, axes, shape, None, what)
+        return _clean(axes)
+    if path[-1] == "e_score_correction_bias":
+        return specs.router_bias_e
+    quantized = isinstance(parent, QuantizedTensor)
+    owner = path[-3] if quantized else path[-2]
+    field = _WEIGHT_FIELDS.get(owner)
+    if field is None:
+        raise ValueError(f"{what}: no sharding rule for this variable (owner {owner!r})")
+    spec = getattr(specs, field)
+    if quantized:
+        _, n, k = parent.shape
+        n_ax, k_ax = _linear_spec(mesh, spec, (n, k), parent, what)
+        return _quant_leaf_spec(path[-1], parent, None, n_ax, k_ax)
+    if len(shape) == 2:
+        return _clean(_linear_spec(mesh, spec, shape, None, what))
+    return spec
+
+
+def _variable_specs(model, ms: ModelSharding) -> dict[tuple, P]:
+    """{variable path: PartitionSpec} for every variable of `model` (abstract or not)."""
+    nodes = dict(nnx.iter_graph(model))
+    out = {}
+    for path, node in nodes.items():
+        if isinstance(node, nnx.Variable):
+            out[path] = _variable_spec(ms.mesh, ms.specs, path, node, nodes.get(path[:-1]))
+    return out
+
+
+def _key_path(kp) -> tuple:
+    return tuple(k.key for k in kp if isinstance(k, jax.tree_util.DictKey))
+
+
+def param_specs(model, ms: ModelSharding):
+    """The PartitionSpec of each array of `nnx.state(model)`, as a tree of the same structure.
+
+    Quantized weights whose N or K cannot split evenly (packing, groups, int4 zero-point pairs)
+    stay replicated on that dim (logged once); routed experts that cannot split raise.
+    """
+    by_path = _variable_specs(model, ms)
+    return jax.tree_util.tree_map_with_path(lambda kp, _: by_path[_key_path(kp)], nnx.state(model))
+
+
+def param_shardings(model, ms: ModelSharding):
+    """`param_specs` as NamedShardings: usable as jit in/out shardings of the model's state."""
+    return jax.tree.map(ms.named, param_specs(model, ms), is_leaf=lambda x: isinstance(x, P))
+
+
+def _experts_modules(model):
+    for _, m in model.iter_modules():
+        if isinstance(m, (RoutedExperts, FloatExperts)):
+            yield m
+
+
+def _interleave_rows(a, num_shards: int, inverse: bool = False):
+    """Float [E, 2R, K] rows [gate; up] <-> [gate_0; up_0; gate_1; up_1; ...] (as
+    wna16_jax.sharding.tp_interleave_w13 does for quantized rows)."""
+    e, rows = a.shape[:2]
+    rest = tuple(a.shape[2:])
+    blk = rows // (2 * num_shards)
+    src = (e, 2, num_shards, blk) if not inverse else (e, num_shards, 2, blk)
+    return a.reshape(src + rest).swapaxes(1, 2).reshape((e, rows) + rest)
+
+
+def reorder_w13(w13, from_shards: int, to_shards: int):
+    """w13 (QuantizedExperts or float [E, 2I, H], numpy or jax) with rows interleaved for
+    `from_shards` tensor shards -> interleaved for `to_shards` (1 = canonical [gate; up])."""
+    if from_shards == to_shards:
+        return w13
+    if isinstance(w13, wj.QuantizedExperts):
+        if from_shards != 1:
+            w13 = wj.sharding.tp_deinterleave_w13(w13, from_shards)
+        return w13 if to_shards == 1 else wj.sharding.tp_interleave_w13(w13, to_shards)
+    if from_shards != 1:
+        w13 = _interleave_rows(w13, from_shards, inverse=True)
+    return w13 if to_shards == 1 else _interleave_rows(w13, to_shards)
+
+
+def _set_w13(module, w13) -> None:
+    if isinstance(module, RoutedExperts):
+        module.w13.qweight.set_value(w13.qweight)
+        module.w13.scales.set_value(w13.scales)
+        if w13.zeros is not None:
+            module.w13.zeros.set_value(w13.zeros)
+    else:
+        module.w13.set_value(w13)
+
+
+def _w13_value(module):
+    return module.w13.get() if isinstance(module, RoutedExperts) else module.w13.get_value()
+
+
+# ---- placing models -------------------------------------------------------------------------
+
+
+def model_sharding(
+    mesh: Mesh,
+    cfg: DeepseekV3Config,
+    *,
+    specs: ShardingSpecs | None = None,
+    moe_mode: str = "replicated",
+    token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD,
+) -> ModelSharding:
+    """The ModelSharding of `cfg` on `mesh` (default specs: `ShardingSpecs.for_mesh`).
+
+    Raises:
+        TypeError: mesh is not a jax.sharding.Mesh.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (see make_mesh), got {type(mesh)}")
+    specs = specs if specs is not None else ShardingSpecs.for_mesh(mesh, cfg)
+    return ModelSharding(mesh, specs, moe_mode=moe_mode, token_threshold=token_threshold)
+
+
+def shard_model(
+    model: DeepseekV3ForCausalLM,
+    mesh: Mesh | None,
+    *,
+    specs: ShardingSpecs | None = None,
+    moe_mode: str = "replicated",
+    token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD,
+) -> DeepseekV3ForCausalLM:
+    """Places an in-memory model's weights on `mesh` as `specs` say (in place; returns it).
+
+    For models that fit in one host's memory (tests, small models); large models are built
+    in their shards by `init_random(cfg, mesh=)` or `load_pretrained(path, mesh=)`. With a
+    tensor axis the routed experts' w13 rows are reordered (`tp_interleave_w13`).
+
+    Args:
+        model: the model (on one device, or sharded for another mesh).
+        mesh: a mesh from `make_mesh`; None moves the model back to one device (default
+            device) with canonical w13 rows.
+        specs: the partition specs (default `ShardingSpecs.for_mesh(mesh, model.cfg)`).
+        moe_mode, token_threshold: see ModelSharding.
+
+    Raises:
+        ValueError: the routed experts cannot be split as the specs say (values quoted).
+    """
+    if mesh is None:
+        for m in _experts_modules(model):
+            _set_w13(m, reorder_w13(_w13_value(m), m.w13_tp_shards, 1))
+            m.w13_tp_shards = 1
+        device = jax.devices()[0]
+        nnx.update(model, jax.device_put(nnx.state(model), device))
+        model.set_sharding(None)
+        return model
+    ms = model_sharding(
+        mesh, model.cfg, specs=specs, moe_mode=moe_mode, token_threshold=token_threshold
+    )
+    shardings = param_shardings(model, ms)  # validates the experts' split first
+    for m in _experts_modules(model):
+        _set_w13(m, reorder_w13(_w13_value(m), m.w13_tp_shards, ms.tensor_shards))
+        m.w13_tp_shards = ms.tensor_shards
+    nnx.update(model, jax.tree.map(_place, nnx.state(model), shardings))
+    model.set_sharding(ms)
+    return model
+
+
+def _place(value, sharding: NamedSharding) -> jax.Array:
+    """`value` with `sharding`: a global (multi-host) array is resharded by XLA; anything
+    local goes through the host, each device sent only its slice (multi-host safe)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+
+def init_sharded(
+    cfg: DeepseekV3Config,
+    mesh: Mesh,
+    *,
+    seed: int = 0,
+    specs: ShardingSpecs | None = None,
+    moe_mode: str = "replicated",
+    token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD,
+) -> DeepseekV3ForCausalLM:
+    """A random model generated directly in its shards (what `init_random(cfg, mesh=)` runs).
+
+    The whole model is built inside one `jax.jit` whose out_shardings are the parameter
+    shardings; JAX's partitionable threefry makes every device draw only its own slice, so no
+    device ever holds more than its shard of the experts (the compiled program has no
+    collectives) and the values do not depend on the mesh: they equal
+    `init_random(cfg, seed=seed, on_device=True)`'s. With a tensor axis the random w13 rows are
+    taken as already interleaved (a random model's rows have no order to keep).
+    """
+    ms = model_sharding(mesh, cfg, specs=specs, moe_mode=moe_mode, token_threshold=token_threshold)
+    program, graphdef = init_program(cfg, ms, seed=seed)
+    model = nnx.merge(graphdef, program())
+    for m in _experts_modules(model):
+        m.w13_tp_shards = ms.tensor_shards
+    model.set_sharding(ms)
+    return model
+
+
+def init_program(cfg: DeepseekV3Config, ms: ModelSharding, *, seed: int = 0):
+    """The jitted program that draws a random model's state in its shards, and its graphdef.
+
+    Returns:
+        (fn, graphdef): fn() -> the model's nnx.State, every array sharded as `param_specs`
+        says (out_shardings); `nnx.merge(graphdef, fn())` is the model.
+    """
+
+    def build():
+        return DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(seed))
+
+    abstract = nnx.eval_shape(build)
+    fn = jax.jit(lambda: nnx.state(build()), out_shardings=param_shardings(abstract, ms))
+    return fn, nnx.graphdef(abstract)
+
+
+def host_device():
+    """This host's CPU device, where host-side conversions run (None where JAX runs without
+    its CPU backend, e.g. JAX_PLATFORMS=cuda)."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def place_variables(model, path: tuple, ms: ModelSharding) -> None:
+    """Moves every variable under the module or variable at `path` onto its sharding, each
+    device receiving only its slice of the host copy (multi-host safe)."""
+    path = tuple(path)
+    root = model
+    for p in path[:-1]:
+        root = root[p] if isinstance(p, int) else getattr(root, p)
+    nodes = dict(nnx.iter_graph(root))
+    for sub, var in nodes.items():
+        if sub[:1] != path[-1:] or not isinstance(var, nnx.Variable):
+            continue
+        spec = _variable_spec(ms.mesh, ms.specs, path[:-1] + sub, var, nodes.get(sub[:-1]))
+        value = var.get_value()
+        if isinstance(value, jax.ShapeDtypeStruct):  # not loaded yet
+            continue
+        if isinstance(value, jax.Array) and value.sharding == ms.named(spec):
+            continue
+        var.set_value(ms.put(value, spec))
+
+
+def state_shardings(state):
+    """The shardings of the arrays of a state (its current placement), as a tree."""
+    return jax.tree.map(lambda a: a.sharding, state)
+
+
+def jit_forward(model: DeepseekV3ForCausalLM):
+    """`model(ids, mask)` under jax.jit with explicit in/out shardings.
+
+    Models of the same structure and sharding (equal graphdefs) share one jitted function,
+    hence one compilation per input shape.
+
+    Returns:
+        (fn, state): call fn(state, input_ids int32 [B, S], attention_mask bool [B, S]) ->
+        f32 logits [B, S, V]; sharded as logits_btv on a sharded model, and the same code
+        (no shardings) for an unsharded one.
+    """
+    graphdef, state = nnx.split(model)
+    ms = model.sharding
+    shardings = None if ms is None else state_shardings(state)
+    return _jitted_forward(graphdef, ms, shardings), state
+
+
+def _forward(state, input_ids, attention_mask, *, graphdef):
+    return nnx.merge(graphdef, state)(input_ids, attention_mask=attention_mask)
+
+
+_FORWARDS: dict = {}
+
+
+def _jitted_forward(graphdef, ms: ModelSharding | None, shardings):
+    fn = _FORWARDS.get((graphdef, ms))
+    if fn is None:
+        forward = functools.partial(_forward, graphdef=graphdef)
+        if ms is None:
+            fn = jax.jit(forward)
+        else:
+            tok = ms.named(ms.specs.tokens_bt)
+            fn = jax.jit(
+                forward,
+                in_shardings=(shardings, tok, tok),
+                out_shardings=ms.named(ms.specs.logits_btv),
+            )
+        _FORWARDS[(graphdef, ms)] = fn
+    return fn

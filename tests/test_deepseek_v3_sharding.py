@@ -1,0 +1,451 @@
+"""DeepSeek-V3 on a device mesh: sharded == unsharded, placement, no weight collectives, loading.
+
+The mesh tests need 8 JAX devices; on CPU that takes XLA_FLAGS=
+--xla_force_host_platform_device_count=8 before JAX starts, which a full pytest run has already
+done with one device. As in test_sharding.py, they take the `devices8` fixture (skipped with
+fewer devices) and `test_run_this_file_with_8_cpu_devices` re-runs this file in a fresh
+`python -m pytest` with the flag set, failing with its output when a test there fails.
+
+Sharded logits are compared with the unsharded model's on the same weights (the f32 model:
+only the order of the cross-device sums differs, "f32_reordered"; the bf16 model: "bf16").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from test_deepseek_v3_common import assert_close, tiny_config, tiny_model
+
+from models.deepseek_v3 import (
+    QuantSpec,
+    generate,
+    init_random,
+    load_pretrained,
+    params,
+    save_pretrained,
+)
+from models.deepseek_v3 import sharding as sh
+from models.deepseek_v3.modeling import QuantParam, dequantize_model
+
+NUM_DEVICES = 8
+_CHILD_ENV = "WNA16_DSV3_SHARDING_TEST_CHILD"
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYOUTS = {
+    "ep2": dict(expert=2),
+    "ep4": dict(expert=4),
+    "ep8": dict(expert=8),
+    "tp2": dict(tensor=2),
+    "ep2xtp2": dict(expert=2, tensor=2),
+    "dp2xep2xtp2": dict(data=2, expert=2, tensor=2),
+}
+# Two prompts of 8 tokens (batch 2, so that the data axis splits it).
+IDS = np.random.default_rng(7).integers(3, 512, (2, 8), dtype=np.int32)
+MASK = np.ones(IDS.shape, bool)
+MASK[1, :3] = False  # row 1 left-padded
+
+
+@pytest.fixture
+def devices8():
+    """Skips the test unless 8 devices exist (then run by the subprocess test below)."""
+    if jax.device_count() < NUM_DEVICES:
+        if os.environ.get(_CHILD_ENV):
+            pytest.fail(f"the subprocess has {jax.device_count()} devices despite XLA_FLAGS")
+        pytest.skip(
+            f"needs {NUM_DEVICES} devices, JAX has {jax.device_count()}; run with 8 CPU devices "
+            f"by test_run_this_file_with_8_cpu_devices"
+        )
+    return jax.devices()[:NUM_DEVICES]
+
+
+def test_run_this_file_with_8_cpu_devices():
+    if jax.device_count() >= NUM_DEVICES:
+        pytest.skip(f"{jax.device_count()} devices: the sharded tests ran in this process")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    env[_CHILD_ENV] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    cmd += ["--durations=12"]
+    proc = subprocess.run(
+        cmd + [str(Path(__file__))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"8-device run failed (rc {proc.returncode}):\n{out[-20000:]}"
+    assert re.search(r"\d+ passed", out), out[-5000:]
+    print(out[-3000:])
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+@functools.cache
+def sharded_model(layout: str, moe_mode: str = "replicated", **overrides):
+    """tiny_model(**overrides) placed on the mesh of `layout` (a copy; cached)."""
+    mesh = sh.make_mesh(**LAYOUTS[layout])
+    return sh.shard_model(nnx.clone(tiny_model(**overrides)), mesh, moe_mode=moe_mode)
+
+
+_COMPILED: dict[int, tuple] = {}
+
+
+def compiled_forward(model):
+    """(compiled jit_forward executable, state) for IDS / MASK, kept per model."""
+    if id(model) not in _COMPILED:
+        fn, state = sh.jit_forward(model)
+        _COMPILED[id(model)] = (model, fn.lower(state, IDS, MASK).compile(), state)
+    _, exe, state = _COMPILED[id(model)]
+    return exe, state
+
+
+def logits(model) -> np.ndarray:
+    exe, state = compiled_forward(model)
+    return np.asarray(exe(state, IDS, MASK))
+
+
+@functools.cache
+def unsharded_logits(**overrides) -> np.ndarray:
+    return logits(tiny_model(**overrides))
+
+
+def packed_weight_shapes(state) -> set[tuple[int, ...]]:
+    """Global and per-device shapes of every packed (QuantParam) array."""
+    shapes = set()
+    for _, var in nnx.to_flat_state(state):
+        if isinstance(var, QuantParam):
+            arr = var.get_value()
+            shapes.add(tuple(arr.shape))
+            shapes.add(tuple(arr.addressable_shards[0].data.shape))
+    return shapes
+
+
+COLLECTIVE = re.compile(
+    r"=\s*(\w+)\[([\d,]*)\]\S*\s+"
+    r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute|ragged-all-to-all)"
+    r"(?:-start)?\("
+)
+
+
+def collectives(hlo: str) -> list[tuple[str, tuple[int, ...], str]]:
+    return [
+        (dtype, tuple(int(d) for d in dims.split(",") if d), op)
+        for dtype, dims, op in COLLECTIVE.findall(hlo)
+    ]
+
+
+# ---- meshes and specs (no devices needed) ---------------------------------------------------
+
+
+def test_parse_mesh():
+    assert sh.parse_mesh("expert=2") == {"expert": 2}
+    assert sh.parse_mesh("expert=2, tensor=2,data=1") == {"expert": 2, "tensor": 2, "data": 1}
+    assert sh.parse_mesh("") == {}
+    for bad, match in [
+        ("experts=2", "not <axis>=<size>"),
+        ("expert", "not <axis>=<size>"),
+        ("expert=0", "positive integer"),
+        ("expert=x", "positive integer"),
+        ("expert=2,expert=4", "given twice"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            sh.parse_mesh(bad)
+
+
+def test_make_mesh_needs_enough_devices():
+    with pytest.raises(ValueError, match="needs 4096 devices.*--cpu-devices 4096"):
+        sh.make_mesh(expert=64, tensor=64)
+    with pytest.raises(ValueError, match="positive integers"):
+        sh.make_mesh(expert=0)
+
+
+def test_maybe_initialize_distributed_plumbing():
+    calls = []
+    record = lambda **kw: calls.append(kw)  # noqa: E731
+    assert not sh.maybe_initialize_distributed(initialize=record)
+    assert not sh.maybe_initialize_distributed(num_processes=1, initialize=record)
+    assert calls == []
+    assert sh.maybe_initialize_distributed("10.0.0.1:1234", 2, 1, initialize=record)
+    assert calls == [dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)]
+    with pytest.raises(ValueError, match=r"missing \['process_id'\]"):
+        sh.maybe_initialize_distributed("10.0.0.1:1234", 2, initialize=record)
+    with pytest.raises(ValueError, match=r"process_id=2 is not in \[0, num_processes=2\)"):
+        sh.maybe_initialize_distributed("10.0.0.1:1234", 2, 2, initialize=record)
+    assert len(calls) == 1
+
+
+def test_example_flags_reach_the_distributed_helper(monkeypatch):
+    """examples/generate.py passes --coordinator / --num-processes / --process-id through."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_generate", ROOT / "examples/generate.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    seen = []
+
+    def fake(*args, **kw):
+        seen.append(args)
+        raise SystemExit(3)  # stop before building anything
+
+    monkeypatch.setattr(example.sharding, "maybe_initialize_distributed", fake)
+    argv = ["--coordinator", "h0:99", "--num-processes", "4", "--process-id", "2"]
+    with pytest.raises(SystemExit):
+        example.main(argv)
+    assert seen == [("h0:99", 4, 2)]
+    args = example.parse_args(["--mesh", "expert=2,tensor=2", "--cpu-devices", "8"])
+    assert (args.mesh, args.cpu_devices, args.moe_mode) == ("expert=2,tensor=2", 8, "replicated")
+
+
+def test_specs_for_mesh_names_only_split_axes(devices8, monkeypatch):
+    cfg = tiny_config()
+    mesh = sh.make_mesh(expert=2, tensor=2, devices=devices8[:4])
+    assert mesh.axis_types == (AxisType.Auto,) * 3
+    specs = sh.ShardingSpecs.for_mesh(mesh, cfg)
+    assert specs.moe_w13_efd == P("expert", "tensor", None)
+    assert specs.moe_w2_edf == P("expert", None, "tensor")
+    assert specs.attn_kv_b_nr == P("tensor", None) and specs.attn_o_dn == P(None, "tensor")
+    assert specs.act_btd == P(None, None, None) and specs.embed_vd == P()
+    with pytest.raises(ValueError, match="n_routed_experts=16 is not divisible by the expert"):
+        sh.ShardingSpecs.for_mesh(sh.make_mesh(expert=3, devices=devices8[:3]), cfg)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
+    with pytest.raises(RuntimeError, match="asked for 4 CPU devices but JAX already runs"):
+        sh.use_cpu_devices(4)
+
+
+# ---- sharded == unsharded -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_logits_equal_unsharded(devices8, layout):
+    assert_close(logits(sharded_model(layout)), unsharded_logits(), "f32_reordered")
+
+
+def test_all_to_all_moe_mode(devices8):
+    """Tokens split over the expert axis (gathered, then reduce-scattered)."""
+    assert_close(logits(sharded_model("ep4", "all_to_all")), unsharded_logits(), "f32_reordered")
+
+
+@pytest.mark.parametrize("layout,kind", [("ep4", "bf16"), ("ep2xtp2", "bf16_tp")])
+def test_bf16_model(devices8, layout, kind):
+    """The bf16 model on a mesh vs its f32 twin (the same bf16-rounded weights in f32), as
+    the tolerance table defines bf16 accuracy."""
+    bf16 = tiny_model(dtype="bfloat16")
+    upcast = lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a  # noqa: E731
+    twin_state = jax.tree.map(upcast, nnx.state(bf16))
+    exe, _ = compiled_forward(tiny_model())  # the f32 model: same structure, f32 arrays
+    want = np.asarray(exe(twin_state, IDS, MASK))
+    assert_close(logits(sharded_model(layout, dtype="bfloat16")), want, kind)
+
+
+def test_float_experts(devices8):
+    """Float routed experts (ragged_dot on each device's experts, -1 ids skipped) and float
+    attention, sharded as the quantized ones."""
+    model = dequantize_model(tiny_model())
+    want = logits(model)
+    sharded = sh.shard_model(nnx.clone(model), sh.make_mesh(expert=2, tensor=2))
+    assert_close(logits(sharded), want, "f32_reordered")
+
+
+def test_greedy_generation_equals_unsharded(devices8):
+    prompts = [IDS[0, :3].tolist(), IDS[1].tolist()]
+    want = generate(tiny_model(), prompts, max_new_tokens=4, eos_id=())
+    got = generate(sharded_model("ep2xtp2"), prompts, max_new_tokens=4, eos_id=())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---- placement ------------------------------------------------------------------------------
+
+
+def test_parameter_shardings_follow_the_specs(devices8):
+    model = sharded_model("ep2xtp2")
+    ms = model.sharding
+    state = nnx.state(model)
+    want = sh.param_specs(model, ms)
+    flat_want = dict(nnx.to_flat_state(want))
+    checked = 0
+    for path, var in nnx.to_flat_state(state):
+        arr = var.get_value()
+        assert arr.sharding.spec == flat_want[path].get_value(), path
+        checked += 1
+    assert checked == len(flat_want) > 50
+    cfg = model.cfg
+    e, i, hdim = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    layer = model.model.layers[1]
+    w13 = layer.mlp.experts.w13.qweight.get_value()
+    assert w13.sharding.spec == P("expert", "tensor", None)
+    assert w13.addressable_shards[0].data.shape == (e // 2, 2 * i // 2, hdim // 8)
+    w2_scales = layer.mlp.experts.w2.scales.get_value()
+    assert w2_scales.sharding.spec == P("expert", None, "tensor")
+    kv_b = layer.self_attn.kv_b_proj.weight.qweight.get_value()  # [1, h*(dn+dv), R/8]
+    assert kv_b.sharding.spec == P(None, "tensor", None)
+    o_proj = layer.self_attn.o_proj.weight.qweight.get_value()  # [1, H, h*dv/8]
+    assert o_proj.sharding.spec == P(None, None, "tensor")
+    for replicated in (
+        model.model.embed_tokens.weight.get_value(),
+        layer.mlp.gate.weight.get_value(),
+        layer.mlp.shared_experts.down_proj.weight.qweight.get_value(),
+        layer.self_attn.q_a_proj.weight.qweight.get_value(),
+    ):
+        assert replicated.sharding.is_fully_replicated
+    # Interleaved for 2 tensor shards: shard s holds [gate_s; up_s]; canonical_w13 undoes it.
+    assert layer.mlp.experts.w13_tp_shards == 2
+    canonical = tiny_model().model.layers[1].mlp.experts.w13.get()
+    np.testing.assert_array_equal(
+        np.asarray(layer.mlp.experts.canonical_w13().qweight), np.asarray(canonical.qweight)
+    )
+
+
+@pytest.mark.parametrize("layout", ["ep8", "tp2", "ep2xtp2", "dp2xep2xtp2"])
+def test_no_weight_collectives_in_hlo(devices8, layout):
+    """The compiled forward pass never gathers or exchanges packed weights: every collective
+    moves float activations, none of them weight-shaped."""
+    model = sharded_model(layout)
+    exe, state = compiled_forward(model)
+    found = collectives(exe.as_text())
+    assert found, "no collective at all: the partial outputs were never combined"
+    weights = packed_weight_shapes(state)
+    for dtype, shape, op in found:
+        assert dtype not in ("u32", "u8"), f"{op} moves packed weights: {dtype}{shape}"
+        assert shape not in weights, f"{op} of a weight-shaped array {dtype}{shape}"
+    assert "all-reduce" in {op for _, _, op in found}
+
+
+# ---- building on a mesh ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory):
+    if jax.device_count() < NUM_DEVICES:
+        pytest.skip("the checkpoint is for the 8-device tests")
+    path = tmp_path_factory.mktemp("awq")
+    save_pretrained(tiny_model(), path, format="awq")
+    return path
+
+
+@pytest.mark.parametrize("layout", ["ep2xtp2", "ep4"])
+def test_load_pretrained_on_mesh(devices8, awq_dir, layout, monkeypatch):
+    """Each tensor is placed slice by slice, the routed experts read one expert shard at a
+    time; the result equals the in-memory model sharded the same way: identical arrays
+    (values and shardings), hence identical logits."""
+    mesh = sh.make_mesh(**LAYOUTS[layout])
+    blocks = []
+    read = params._read_experts
+
+    def recording(cfg, ckpt, qcfg, entry, form, experts, problems):
+        blocks.append(experts)
+        return read(cfg, ckpt, qcfg, entry, form, experts, problems)
+
+    monkeypatch.setattr(params, "_read_experts", recording)
+    loaded = load_pretrained(awq_dir, dtype=jnp.float32, mesh=mesh, progress=False)
+    per = tiny_config().n_routed_experts // mesh.shape["expert"]
+    moe_layers = tiny_config().num_hidden_layers - tiny_config().first_k_dense_replace
+    assert [len(b) for b in blocks] == [per] * mesh.shape["expert"] * moe_layers
+    want = sharded_model(layout)
+    assert loaded.sharding == want.sharding
+    flat = dict(nnx.to_flat_state(nnx.state(want)))
+    for path, var in nnx.to_flat_state(nnx.state(loaded)):
+        got, ref = var.get_value(), flat[path].get_value()
+        assert got.sharding == ref.sharding, path
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), err_msg=str(path))
+    np.testing.assert_array_equal(logits(loaded), logits(want))
+
+
+def test_init_random_on_mesh_draws_each_shard_in_place(devices8):
+    """init_random(mesh=, on_device=True): one jitted program whose outputs are the shards:
+    no collective in it (no device ever sees another's experts), the values those of the
+    unsharded on-device init, every array sharded as the specs say."""
+    # One MoE layer, only the experts quantized: few random ops (XLA:CPU compiles slowly).
+    quant = QuantSpec(bits=4, group_size=32, targets=("experts",))
+    cfg = tiny_config(num_hidden_layers=1, first_k_dense_replace=0, q_lora_rank=None, quant=quant)
+    mesh = sh.make_mesh(expert=4, tensor=2)
+    model = init_random(cfg, seed=5, mesh=mesh, on_device=True)
+    ms = model.sharding
+    program, _ = sh.init_program(cfg, ms, seed=5)
+    assert collectives(program.lower().compile().as_text()) == []
+    want = dict(nnx.to_flat_state(sh.param_specs(model, ms)))
+    ref = dict(nnx.to_flat_state(nnx.state(init_random(cfg, seed=5, on_device=True))))
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        arr = var.get_value()
+        assert arr.sharding.spec == want[path].get_value(), path
+        np.testing.assert_array_equal(np.asarray(arr), np.asarray(ref[path].get_value()))
+    w13 = model.model.layers[0].mlp.experts.w13.qweight.get_value()
+    assert w13.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 4
+
+
+def test_errors(devices8):
+    model = nnx.clone(tiny_model())
+    with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+        sh.shard_model(model, "expert=2")
+    mesh = sh.make_mesh(tensor=8)  # I/n = 128/8 = 16 is not a multiple of group_size 32
+    with pytest.raises(ValueError, match="not a multiple of group_size=32"):
+        sh.shard_model(model, mesh)
+    sharded = sharded_model("ep2xtp2")
+    with pytest.raises(ValueError, match="batch 3 is not divisible by the data axis"):
+        sharded_model("dp2xep2xtp2").sharding.check_batch(3)
+    with pytest.raises(ValueError, match="needs an unsharded model"):
+        dequantize_model(sharded)
+    # A model whose w13 rows are interleaved cannot run unsharded by accident.
+    bad = nnx.clone(sharded)
+    bad.set_sharding(None)
+    with pytest.raises(ValueError, match="interleaved for 2 tensor shards"):
+        nnx.eval_shape(lambda m: m(IDS[:, :4]), bad)
+
+
+def test_save_pretrained_of_a_sharded_model(devices8, tmp_path):
+    """Saving gathers the shards and writes canonical [gate; up] rows whatever the TP layout:
+    the reloaded arrays are the unsharded model's, bit for bit."""
+    save_pretrained(sharded_model("ep2xtp2"), tmp_path, format="awq")
+    loaded = load_pretrained(tmp_path, dtype=jnp.float32, progress=False)
+    want = dict(nnx.to_flat_state(nnx.state(tiny_model())))
+    for path, var in nnx.to_flat_state(nnx.state(loaded)):
+        np.testing.assert_array_equal(
+            np.asarray(var.get_value()), np.asarray(want[path].get_value()), err_msg=str(path)
+        )
+
+
+def test_back_to_one_device(devices8):
+    model = sh.shard_model(nnx.clone(sharded_model("ep2xtp2")), None)
+    assert model.sharding is None
+    assert model.model.layers[1].mlp.experts.w13_tp_shards == 1
+    w13 = model.model.layers[1].mlp.experts.w13.qweight.get_value()
+    assert len(w13.devices()) == 1
+    want = tiny_model().model.layers[1].mlp.experts.w13.qweight.get_value()
+    np.testing.assert_array_equal(np.asarray(w13), np.asarray(want))
+
+
+# ---- the example ----------------------------------------------------------------------------
+
+
+def test_example_generate_on_a_mesh():
+    """examples/generate.py --mesh expert=2 --cpu-devices 8 in a fresh process (the flag
+    must reach XLA before JAX starts)."""
+    if os.environ.get(_CHILD_ENV):
+        pytest.skip("run once, by the parent process")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(ROOT / "examples/generate.py"), "--mesh", "expert=2"]
+    cmd += ["--cpu-devices", "8", "--max-new-tokens", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "mesh: data=1 x expert=2 x tensor=1 on 2 cpu devices" in out, out
+    assert "8 device(s)" in out and "[0] tokens:" in out, out
+    assert re.search(r"decode: [\d.]+ tokens/s", out), out
