@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 
@@ -92,3 +93,44 @@ def test_tune_tiny(tmp_path, capsys):
         )
         assert _configs.config_problems(cfg, shape) == []
     assert "wrote 2 entries" in capsys.readouterr().out
+
+
+def test_full_deepseek_v3_dry_run_on_cpu_devices(tmp_path):
+    """The issue-9 script end to end at tiny size on 4 fake CPU devices (its own process: the
+    device count is fixed when JAX starts)."""
+    import subprocess
+
+    out = tmp_path / "full.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "full_deepseek_v3.py"),
+            "--preset",
+            "tiny",
+            "--cpu-devices",
+            "4",
+            "--mesh",
+            "expert=2",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--max-new-tokens",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["devices"] == 2 and "expert=2" in result["mesh"]
+    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    for r in result["rows"]:
+        assert r["decode_tokens_per_s"] > 0
+        lo, hi = r["bandwidth_bound_seconds"]
+        assert 0 < lo <= hi
+    assert result["routed_expert_bytes_per_expert_all_layers"] > 0
