@@ -286,3 +286,63 @@ def assert_alignment_matches(
         ids[want["total"] :], sentinel, err_msg="padding past num_tokens_post_padded"
     )
     np.testing.assert_array_equal(eids, want["expert_ids"], err_msg="expert_ids")
+
+
+# ---- tests that need several devices --------------------------------------------------------
+
+# Set in the subprocess that re-runs a test file with fake CPU devices.
+CPU_DEVICES_CHILD_ENV = "WNA16_TEST_CPU_DEVICES_CHILD"
+
+
+def require_devices(n: int):
+    """The first n devices, or a skip (fail inside the re-run subprocess) when JAX has fewer."""
+    import os
+
+    import jax
+    import pytest
+
+    if jax.device_count() < n:
+        if os.environ.get(CPU_DEVICES_CHILD_ENV):
+            pytest.fail(f"the subprocess has {jax.device_count()} devices despite XLA_FLAGS")
+        pytest.skip(
+            f"needs {n} devices, JAX has {jax.device_count()}; the file's "
+            f"test_run_this_file_with_8_cpu_devices re-runs it with {n} CPU devices"
+        )
+    return jax.devices()[:n]
+
+
+def run_file_with_cpu_devices(path, n: int, *extra_pytest_args: str) -> str:
+    """Runs the test file `path` in a fresh pytest process with n fake CPU devices.
+
+    The device count is fixed when JAX starts, so sharded tests re-run their own file this way
+    when the main test process has one device. Returns the output; asserts that it passed.
+    """
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    import jax
+    import pytest
+
+    if jax.device_count() >= n:
+        pytest.skip(f"{jax.device_count()} devices: the sharded tests ran in this process")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env[CPU_DEVICES_CHILD_ENV] = "1"
+    path = pathlib.Path(path)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    proc = subprocess.run(
+        [*cmd, *extra_pytest_args, str(path)],
+        cwd=path.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{n}-device run failed (rc {proc.returncode}):\n{out[-20000:]}"
+    assert re.search(r"\d+ passed", out), out[-5000:]
+    return out

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +41,6 @@ from models.deepseek_v3 import sharding as sh
 from models.deepseek_v3.modeling import QuantParam, dequantize_model
 
 NUM_DEVICES = 8
-_CHILD_ENV = "WNA16_DSV3_SHARDING_TEST_CHILD"
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYOUTS = {
@@ -59,40 +59,12 @@ MASK[1, :3] = False  # row 1 left-padded
 
 @pytest.fixture
 def devices8():
-    """Skips the test unless 8 devices exist (then run by the subprocess test below)."""
-    if jax.device_count() < NUM_DEVICES:
-        if os.environ.get(_CHILD_ENV):
-            pytest.fail(f"the subprocess has {jax.device_count()} devices despite XLA_FLAGS")
-        pytest.skip(
-            f"needs {NUM_DEVICES} devices, JAX has {jax.device_count()}; run with 8 CPU devices "
-            f"by test_run_this_file_with_8_cpu_devices"
-        )
-    return jax.devices()[:NUM_DEVICES]
+    """The 8 devices, or a skip (the test below then re-runs this file with 8 CPU devices)."""
+    return helpers.require_devices(NUM_DEVICES)
 
 
 def test_run_this_file_with_8_cpu_devices():
-    if jax.device_count() >= NUM_DEVICES:
-        pytest.skip(f"{jax.device_count()} devices: the sharded tests ran in this process")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    env[_CHILD_ENV] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    cmd += ["--durations=12"]
-    proc = subprocess.run(
-        cmd + [str(Path(__file__))],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"8-device run failed (rc {proc.returncode}):\n{out[-20000:]}"
-    assert re.search(r"\d+ passed", out), out[-5000:]
-    print(out[-3000:])
+    print(helpers.run_file_with_cpu_devices(__file__, NUM_DEVICES, "--durations=12")[-3000:])
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -437,7 +409,7 @@ def test_back_to_one_device(devices8):
 def test_example_generate_on_a_mesh():
     """examples/generate.py --mesh expert=2 --cpu-devices 8 in a fresh process (the flag
     must reach XLA before JAX starts)."""
-    if os.environ.get(_CHILD_ENV):
+    if os.environ.get(helpers.CPU_DEVICES_CHILD_ENV):
         pytest.skip("run once, by the parent process")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

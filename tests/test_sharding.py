@@ -18,11 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import helpers
 import jax
@@ -36,46 +32,18 @@ import wna16_jax as wj
 from wna16_jax import sharding as sh
 
 NUM_DEVICES = 8
-_CHILD_ENV = "WNA16_SHARDING_TEST_CHILD"
 
 H, I, E, K_TOP = 64, 32, 8, 3
 
 
 @pytest.fixture
 def devices8():
-    """Skips the test unless 8 devices exist (then run by the subprocess test below)."""
-    if jax.device_count() < NUM_DEVICES:
-        if os.environ.get(_CHILD_ENV):
-            pytest.fail(f"the subprocess has {jax.device_count()} devices despite XLA_FLAGS")
-        pytest.skip(
-            f"needs {NUM_DEVICES} devices, JAX has {jax.device_count()}; run with 8 CPU devices "
-            f"by test_run_this_file_with_8_cpu_devices"
-        )
-    return jax.devices()[:NUM_DEVICES]
+    """The 8 devices, or a skip (the test below then re-runs this file with 8 CPU devices)."""
+    return helpers.require_devices(NUM_DEVICES)
 
 
 def test_run_this_file_with_8_cpu_devices():
-    if jax.device_count() >= NUM_DEVICES:
-        pytest.skip(f"{jax.device_count()} devices: the sharded tests ran in this process")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    env[_CHILD_ENV] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    proc = subprocess.run(
-        cmd + [str(Path(__file__))],
-        cwd=Path(__file__).parent.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"8-device run failed (rc {proc.returncode}):\n{out[-20000:]}"
-    assert re.search(r"\d+ passed", out), out[-5000:]
-    print(out[-3000:])
+    print(helpers.run_file_with_cpu_devices(__file__, NUM_DEVICES)[-3000:])
 
 
 # ---- layouts --------------------------------------------------------------------------------
