@@ -79,6 +79,18 @@ def gemm_configs(
     return c1, c2
 
 
+def sum_over_top_k(y, topk_ids, num_experts: int):
+    """[T*k, H] per-slot outputs -> [T, H]: the sum over each token's k slots.
+
+    Slots the alignment dropped (ids out of range) sit in no block, so their rows were never
+    written: they are masked to zero here rather than read.
+    """
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    placed = (flat >= 0) & (flat < num_experts)
+    return jnp.where(placed[:, None], y, 0.0).reshape(t, k, -1).sum(axis=1)
+
+
 def _fused_moe_chunk(
     x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, interpret
 ):
@@ -104,11 +116,7 @@ def _fused_moe_chunk(
         out_dtype=jnp.float32,
         interpret=interpret,
     )  # [T*k, H] f32, routed weights applied
-    # Slots the alignment dropped (ids out of range) sit in no block: their rows are unwritten.
-    flat = topk_ids.reshape(-1)
-    placed = (flat >= 0) & (flat < num_experts)
-    y = jnp.where(placed[:, None], y, 0.0)
-    return y.reshape(t, k, -1).sum(axis=1)
+    return sum_over_top_k(y, topk_ids, num_experts)
 
 
 def _fused_moe_w8a8_chunk(
@@ -150,11 +158,7 @@ def _fused_moe_w8a8_chunk(
         config=c2,
         interpret=interpret,
     )  # [T*k, H] f32, routed weights applied
-    # Slots the alignment dropped (ids out of range) sit in no block: their rows are unwritten.
-    flat = topk_ids.reshape(-1)
-    placed = (flat >= 0) & (flat < num_experts)
-    y = jnp.where(placed[:, None], y, 0.0)
-    return y.reshape(t, k, -1).sum(axis=1)
+    return sum_over_top_k(y, topk_ids, num_experts)
 
 
 @functools.partial(
