@@ -50,15 +50,41 @@ def assert_close(actual, expected, dtype, what: str = "output") -> None:
     Fails on a shape mismatch, a non-finite value, an element off by more than
     tol * |ref| + tol * rms(ref) (np.testing shows the diff), or a relative error over tol.
     """
-    tol = tolerance(dtype)
+    assert_finite_and_close(actual, expected, tolerance(dtype), what)
+
+
+def assert_finite_and_close(
+    actual,
+    expected,
+    tol: float,
+    what: str,
+    *,
+    slack: float = 1.0,
+    require_signal=False,
+    nonfinite_hint: str = "",
+) -> None:
+    """`actual` is finite, shaped like `expected` and matches it to tol.
+
+    Element-wise: |a - e| <= tol * |e| + slack * tol * rms(e); norm-wise: relative error <= tol.
+    With require_signal, an all-zero reference fails (the case would check nothing).
+    """
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
-    assert np.all(np.isfinite(a)), f"{what}: {np.sum(~np.isfinite(a))} non-finite values"
+    bad = ~np.isfinite(a)
+    assert not bad.any(), (
+        f"{what}: {bad.sum()} non-finite values (rows {np.nonzero(bad)[0][:20]}){nonfinite_hint}"
+    )
     rel = relative_error(a, e)
     rms = float(np.sqrt(np.mean(e**2))) if e.size else 0.0
+    if require_signal:
+        assert rms > 0, f"{what}: the reference is all zeros, the case checks nothing"
     np.testing.assert_allclose(
-        a, e, rtol=tol, atol=tol * rms, err_msg=f"{what}: relative error {rel:.3g} (tol {tol:g})"
+        a,
+        e,
+        rtol=tol,
+        atol=slack * tol * rms,
+        err_msg=f"{what}: relative error {rel:.3g} (tol {tol:g})",
     )
     assert rel <= tol, f"{what}: relative error {rel:.3g} > tol {tol:g}"
 

@@ -52,22 +52,7 @@ ELEMENT_SLACK = 5.0
 def assert_moe_close(out, ref, dtype, what: str, tol: float | None = None) -> None:
     """out is finite everywhere and matches ref (norm-wise tol, element-wise with slack)."""
     tol = helpers.tolerance(dtype) if tol is None else tol
-    a = np.asarray(out, np.float64)
-    e = np.asarray(ref, np.float64)
-    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
-    bad = ~np.isfinite(a)
-    assert not bad.any(), f"{what}: {bad.sum()} non-finite values (rows {np.nonzero(bad)[0][:20]})"
-    rel = helpers.relative_error(a, e)
-    rms = float(np.sqrt(np.mean(e**2)))
-    assert rms > 0, f"{what}: the reference is all zeros, the case checks nothing"
-    np.testing.assert_allclose(
-        a,
-        e,
-        rtol=tol,
-        atol=ELEMENT_SLACK * tol * rms,
-        err_msg=f"{what}: relative error {rel:.3g} (tol {tol:g})",
-    )
-    assert rel <= tol, f"{what}: relative error {rel:.3g} > tol {tol:g}"
+    helpers.assert_finite_and_close(out, ref, tol, what, slack=ELEMENT_SLACK, require_signal=True)
 
 
 def oracle(x, w13, w2, topk_weights, topk_ids, expert_map=None) -> np.ndarray:

@@ -82,25 +82,15 @@ def gemm_tolerance(dtype, config: BlockConfig, qw: QuantizedExperts) -> float:
 def assert_gemm_close(out, ref, rows, tol: float, what: str) -> None:
     """Rows `rows` of `out` are finite and match `ref` (norm-wise tol, element-wise with slack)."""
     # Select before converting: rows outside `rows` may hold uninitialized memory on a GPU.
-    a = np.asarray(out)[rows].astype(np.float64)
-    e = np.asarray(ref)[rows].astype(np.float64)
-    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
-    bad = ~np.isfinite(a)
-    assert not bad.any(), (
-        f"{what}: {bad.sum()} non-finite values in rows {np.nonzero(bad.any(1))[0][:20]} (a slot "
-        f"placed in a block was not written)"
+    helpers.assert_finite_and_close(
+        np.asarray(out)[rows],
+        np.asarray(ref)[rows],
+        tol,
+        what,
+        slack=ELEMENT_SLACK,
+        require_signal=True,
+        nonfinite_hint=" (a slot placed in a block was not written)",
     )
-    rel = helpers.relative_error(a, e)
-    rms = float(np.sqrt(np.mean(e**2)))
-    assert rms > 0, f"{what}: the reference is all zeros, the case checks nothing"
-    np.testing.assert_allclose(
-        a,
-        e,
-        rtol=tol,
-        atol=ELEMENT_SLACK * tol * rms,
-        err_msg=f"{what}: relative error {rel:.3g} (tol {tol:g})",
-    )
-    assert rel <= tol, f"{what}: relative error {rel:.3g} > tol {tol:g}"
 
 
 # ---- inputs ---------------------------------------------------------------------------------
