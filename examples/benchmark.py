@@ -93,11 +93,12 @@ def weight_bytes(qw: wj.QuantizedExperts, experts_touched: int) -> int:
     return per_expert * experts_touched
 
 
-def time_loop(fn, args_sets, *, iters, repeats, consts=()):
+def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True):
     """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs.
 
     `consts` (e.g. the weights) are passed as jit arguments, never captured as constants.
-    Returns (device_seconds_per_call, host_seconds_per_single_call).
+    Returns (device_seconds_per_call, host_seconds_per_single_call); the host time is None
+    with host=False (one compile fewer).
     """
     num_sets = len(args_sets)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *args_sets)
@@ -113,16 +114,19 @@ def time_loop(fn, args_sets, *, iters, repeats, consts=()):
 
     single = jax.jit(fn)
     jax.block_until_ready(loop(consts, stacked))
-    jax.block_until_ready(single(*consts, *args_sets[0]))
+    if host:
+        jax.block_until_ready(single(*consts, *args_sets[0]))
     loop_times, single_times = [], []
     for r in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(loop(consts, stacked))
         loop_times.append((time.perf_counter() - t0) / iters)
-        t0 = time.perf_counter()
-        jax.block_until_ready(single(*consts, *args_sets[r % num_sets]))
-        single_times.append(time.perf_counter() - t0)
-    return statistics.median(loop_times), statistics.median(single_times)
+        if host:
+            t0 = time.perf_counter()
+            jax.block_until_ready(single(*consts, *args_sets[r % num_sets]))
+            single_times.append(time.perf_counter() - t0)
+    host_time = statistics.median(single_times) if host else None
+    return statistics.median(loop_times), host_time
 
 
 def time_copy(n, *, iters, repeats):
@@ -179,20 +183,21 @@ def stage_fns(problem: Problem, implementation: str, config):
         return r.sorted_token_ids
 
     def gemm1(w13, w2, x, tw, ids, routing):
-        c1, _ = configs(w13, w2, ids)
+        """GEMM1 as the pipeline runs it (with the activation when it fuses it): act or h."""
+        c1, c2 = configs(w13, w2, ids)
+        if pm.fuses_activation(c1, w13, "silu"):
+            act, _ = pm.gemm1_and_activation(
+                x, w13, w2, routing, top_k=ids.shape[1], c1=c1, c2=c2, activation="silu",
+                interpret=interpret,
+            )  # fmt: skip
+            return act
         return wna16_gemm(x, w13, routing, top_k=ids.shape[1], config=c1, interpret=interpret)
 
     def gemm2(w13, w2, act, tw, ids, routing):
-        _, c2 = configs(w13, w2, ids)
-        return wna16_gemm(
-            act,
-            w2,
-            routing,
-            tw.reshape(-1),
-            top_k=1,
-            config=c2,
-            out_dtype=jnp.float32,
-            interpret=interpret,
+        c1, c2 = configs(w13, w2, ids)
+        fused = pm.fuses_activation(c1, w13, "silu") and c2.unpack == "slices"
+        return pm.gemm2_routed(
+            act, w2, routing, tw, c2=c2, act_slice_major=fused, interpret=interpret
         )
 
     return align, gemm1, gemm2, configs
@@ -279,8 +284,10 @@ def bench_stages(problem, impl, config, w13, w2, sets, *, iters, repeats):
 
     interpret = impl == "pallas_interpret"
     routed = []
+    fused = False
     for x, tw, ids in sets:
         c1, _ = configs(w13, w2, ids)
+        fused = pm.fuses_activation(c1, w13, "silu")
         r = pm.align(
             ids,
             num_experts=problem.num_experts,
@@ -289,7 +296,7 @@ def bench_stages(problem, impl, config, w13, w2, sets, *, iters, repeats):
             interpret=interpret,
         )
         h = gemm1(w13, w2, x, tw, ids, r)
-        act = _reference.silu_and_mul(h.astype(jnp.float32)).astype(x.dtype)
+        act = h if fused else _reference.silu_and_mul(h.astype(jnp.float32)).astype(x.dtype)
         y = gemm2(w13, w2, act, tw, ids, r)
         routed.append((x, tw, ids, r, h, act, y))
     out = {}
@@ -300,11 +307,12 @@ def bench_stages(problem, impl, config, w13, w2, sets, *, iters, repeats):
     out["align"] = t(
         lambda w13, w2, tw, ids: align(w13, w2, None, tw, ids), [(s[1], s[2]) for s in routed]
     )
-    out["gemm1"] = t(gemm1, [s[:4] for s in routed])
-    out["activation"] = t(
-        lambda w13, w2, h: _reference.silu_and_mul(h.astype(jnp.float32)).astype(h.dtype),
-        [(s[4],) for s in routed],
-    )
+    out["gemm1"] = t(gemm1, [s[:4] for s in routed])  # with the activation when fused
+    if not fused:
+        out["activation"] = t(
+            lambda w13, w2, h: _reference.silu_and_mul(h.astype(jnp.float32)).astype(h.dtype),
+            [(s[4],) for s in routed],
+        )
     out["gemm2"] = t(gemm2, [(s[5], s[1], s[2], s[3]) for s in routed])
     k = problem.top_k
     out["reduction"] = t(
@@ -404,11 +412,19 @@ def main(argv=None):
         default=None,
         help='BlockConfig as JSON, e.g. \'{"block_m":16,"block_n":64,"block_k":256}\'',
     )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="quantization group (default: the preset's; -1 = per channel)",
+    )
     p.add_argument("--json", type=str, default=None, help="write results here")
     p.add_argument("--plot", type=str, default=None, help="write a roofline PNG here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     e, k, h, i, g = PRESETS[args.preset]
+    if args.group_size is not None:
+        g = args.group_size
     problem = Problem(e, k, h, i, g, args.bits, not args.no_zp)
     if args.activation_quant:  # W8A8 runs int8 per-channel symmetric weights
         problem = Problem(e, k, h, i, -1, 8, False, activation_quant=args.activation_quant)

@@ -1,24 +1,83 @@
 #!/usr/bin/env bash
-# The GPU check in one go: the kernel tests compiled on the GPU (gpu-marked DeepSeek-V3 cases
-# included), then the benchmark (table + JSON + roofline). Results land in ${OUT:-out}/.
-# The 1536-case full grid of test_wna16_gemm.py (~75 min serially) runs only with FULL=1, spread
-# over 8 workers.
-# Usage: bash examples/gpu_suite.sh [extra pytest -k expression]
+# The GPU checks and figures in one go, step by step; results land in ${OUT:-out}/.
+#
+# Usage: bash examples/gpu_suite.sh [STEP ...]     (default: tests bench)
+# Steps:
+#   tests       the kernel tests compiled on the GPU (gpu-marked DeepSeek-V3 cases included;
+#               the 1536-case full grid of test_wna16_gemm.py only with FULL=1, on 8 workers)
+#   tune-decode tune.py at M = 1, 16 (both GEMMs); installs the table for the steps after it
+#   tune-large  tune.py at M = 256, 4096 (merged into the same table)
+#   bench       benchmark.py: DeepSeek-V3 TP=1 with and without zero points (stages, JSON,
+#               roofline), the TP=8 slice
+#   int8        benchmark.py: W8A8 vs W8A16 (per-channel int8) at M = 1, 256, 4096
+#   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (pallas)
+#   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
+# A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests bench)
 python3 -c "import jax; print(jax.__version__, jax.devices())"
-select="not full_grid"
-workers=()
-if [ "${FULL:-0}" = 1 ]; then
-    select="full_grid"
-    workers=(-n 8)
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+device=$(python3 -c "from wna16_jax import _configs; print(_configs._device_file_name(_configs.device_kind()))")
+table=wna16_jax/data/tuned/$device
+if [ -n "${TUNED:-}" ]; then
+    mkdir -p "$(dirname "$table")" && cp "$TUNED" "$table"
 fi
-python3 -m pytest -q -p no:cacheprovider --durations=20 "${workers[@]}" \
-    tests/test_wna16_gemm.py tests/test_fused_moe_kernels.py tests/test_align_kernel.py \
-    tests/test_w8a8.py -k "$select${1:+ and ($1)}" 2>&1 | tee "$OUT/gpu_tests.log"
-python3 examples/benchmark.py --m 1 16 256 4096 --stages --implementations pallas \
-    --json "$OUT/bench.json" --plot "$OUT/roofline.png" 2>&1 | tee "$OUT/bench.log"
+
+for step in "${steps[@]}"; do
+    echo "=== $step ($(date -u +%H:%M:%S))"
+    case $step in
+    tests)
+        select="not full_grid"
+        workers=()
+        if [ "${FULL:-0}" = 1 ]; then
+            select="full_grid"
+            workers=(-n 8)
+            export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        fi
+        python3 -m pytest -q -p no:cacheprovider --durations=10 "${workers[@]}" \
+            tests/test_wna16_gemm.py tests/test_fused_moe_kernels.py tests/test_align_kernel.py \
+            tests/test_w8a8.py tests/test_gemm_epilogue.py -k "$select" 2>&1 |
+            tee "$OUT/gpu_tests.log" | tail -40
+        ;;
+    tune-decode | tune-large)
+        ms="1 16"
+        [ "$step" = tune-large ] && ms="256 4096"
+        [ -f "$table" ] && cp "$table" "$OUT/tuned.json"
+        python3 examples/tune.py --m $ms --out "$OUT/tuned.json" 2>"$OUT/$step.log" |
+            tee "$OUT/$step.txt"
+        mkdir -p "$(dirname "$table")" && cp "$OUT/tuned.json" "$table"
+        ;;
+    bench)
+        python3 examples/benchmark.py --m 1 16 256 4096 --stages --implementations pallas \
+            --json "$OUT/bench_zp.json" --plot "$OUT/roofline.png" 2>&1 | tee "$OUT/bench_zp.log"
+        python3 examples/benchmark.py --m 1 16 256 4096 --no-zp --implementations pallas \
+            --json "$OUT/bench_sym.json" 2>&1 | tee "$OUT/bench_sym.log"
+        python3 examples/benchmark.py --preset deepseek-v3-tp8 --m 1 16 --stages \
+            --implementations pallas --json "$OUT/bench_tp8.json" 2>&1 | tee "$OUT/bench_tp8.log"
+        ;;
+    int8)
+        python3 examples/benchmark.py --activation-quant int8_per_token --m 1 256 4096 \
+            --implementations pallas --json "$OUT/bench_w8a8.json" 2>&1 | tee "$OUT/bench_w8a8.log"
+        python3 examples/benchmark.py --bits 8 --group-size -1 --no-zp --m 1 256 4096 \
+            --implementations pallas --json "$OUT/bench_w8a16.json" 2>&1 |
+            tee "$OUT/bench_w8a16.log"
+        ;;
+    model)
+        for b in 1 8 64; do
+            python3 examples/generate.py --full-width-layers 8 --implementation pallas \
+                --batch-size $b --max-new-tokens 32 2>&1 | tee "$OUT/generate_b$b.log" | tail -4
+        done
+        ;;
+    triton)
+        bash examples/gpu_triton.sh 2>&1 | tee "$OUT/triton.log" | tail -40
+        ;;
+    *)
+        echo "unknown step $step" >&2
+        exit 2
+        ;;
+    esac
+done

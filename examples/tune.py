@@ -36,62 +36,133 @@ from wna16_jax import _configs, _reference  # noqa: E402
 logger = logging.getLogger("tune")
 
 
-def candidates(shape: _configs.GemmShape, quick: bool):
-    """Candidate configs valid for `shape` (block_m from the heuristic's choice and neighbours)."""
+# The axes of the search and their values (the validity rules drop what cannot run a shape).
+AXES = {
+    "block_m": (16, 32, 64, 128),
+    "block_n": (16, 32, 64, 128, 256),
+    "block_k": (64, 128, 256, 512),
+    "split_k": (1, 2, 4, 8),
+    "num_warps": (2, 4, 8),
+    "num_stages": (1, 2, 3, 4, 5),
+    "unpack": ("slices", "tile"),
+}
+QUICK_AXES = {
+    "block_n": (32, 64, 128),
+    "split_k": (1, 2, 4),
+    "num_stages": (2, 3, 4),
+    "unpack": ("slices", "tile"),
+}
+
+
+def _valid(cfg, shape) -> bool:
+    return not _configs.config_problems(cfg, shape)
+
+
+def exhaustive(shape: _configs.GemmShape):
+    """Every valid config of the product of AXES (block_m: the heuristic's and neighbours)."""
     base = _configs.heuristic_config(shape)
-    block_ms = sorted({base.block_m, 16} | ({32, 64} if shape.m >= 256 else set()))
-    block_ns = (32, 64, 128) if not quick else (64, 128)
-    block_ks = (64, 128, 256) if not quick else (128,)
-    splits = (1, 2, 4) if not quick else (1, 4)
-    warps = (4, 8) if not quick else (4,)
-    stages = (2, 3, 4) if not quick else (3,)
-    unpacks = ("slices", "tile")
-    for bm, bn, bk, sk, nw, ns, up in itertools.product(
-        block_ms, block_ns, block_ks, splits, warps, stages, unpacks
-    ):
-        cfg = wj.BlockConfig(
-            block_m=bm,
-            block_n=bn,
-            block_k=bk,
-            split_k=sk,
-            num_warps=nw,
-            num_stages=ns,
-            unpack=up,
-        )
-        if not _configs.config_problems(cfg, shape):
+    block_ms = sorted({base.block_m, 16} | ({32, 64, 128} if shape.m >= 256 else set()))
+    axes = dict(AXES, block_m=tuple(block_ms))
+    for values in itertools.product(*axes.values()):
+        cfg = wj.BlockConfig(**dict(zip(axes, values, strict=True)))
+        if _valid(cfg, shape):
             yield cfg
 
 
-def tune_gemm(qw, m, top_k, *, interpret, quick, iters, repeats):
+def coordinate_search(shape: _configs.GemmShape, time_config, *, axes, passes: int = 2):
+    """From the heuristic's config, tries every value of one axis at a time keeping the best,
+    for `passes` sweeps over the axes (stops early when a sweep improves nothing).
+
+    time_config(cfg) -> seconds or None (failed). Returns {cfg: seconds} of all that ran.
+    """
+    best = _configs.heuristic_config(shape)
+    times = {}
+    t = time_config(best)
+    if t is not None:
+        times[best] = t
+    if shape.m < 16 * shape.num_experts:  # few rows per expert: the 16-row tile is enough
+        axes = {a: v for a, v in axes.items() if a != "block_m"}
+    for _ in range(passes):
+        improved = False
+        for axis, values in axes.items():
+            for v in values:
+                cfg = dataclasses.replace(best, **{axis: v})
+                if cfg in times or not _valid(cfg, shape):
+                    continue
+                t = time_config(cfg)
+                if t is None:
+                    continue
+                times[cfg] = t
+                if best not in times or t < times[best]:
+                    best, improved = cfg, True
+        if not improved:
+            break
+    return times
+
+
+def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab):
+    """Searches configs of one GEMM at m tokens; returns (shape, best, seconds, err, n, asm_off).
+
+    gated: time GEMM1 the way fused_moe runs it (silu(gate) * up fused when split_k == 1).
+    asm_ab: also time the winner with the PTX conversion off (seconds, or None).
+    """
     from pallas_kernels import fused_moe as pm
     from pallas_kernels.wna16_gemm import wna16_gemm
 
-    e, _, k = qw.shape
+    e, n, k = qw.shape
     shape = _configs.GemmShape.of_weights(qw, m=m * top_k)
     key = jax.random.key(m)
     a = jax.random.normal(key, (m, k), jnp.bfloat16)
     tw, ids = benchmark.random_routing(jax.random.fold_in(key, 1), m, e, top_k, 1)
-    results = []
-    for cfg in candidates(shape, quick):
-        routing = pm.align(
-            ids[0], num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
-        )
+    routings = {}
+
+    def routing_for(block_m):
+        if block_m not in routings:
+            routings[block_m] = pm.align(
+                ids[0], num_experts=e, block_m=block_m, expert_map=None, interpret=interpret
+            )
+        return routings[block_m]
+
+    def time_config(cfg, asm=None):
+        fuse = gated and cfg.split_k == 1 and (n // 2) % cfg.block_n == 0
+        activation = "silu" if fuse else None
 
         def run(qw, a, routing, cfg=cfg):
-            return wna16_gemm(a, qw, routing, top_k=top_k, config=cfg, interpret=interpret)
+            return wna16_gemm(
+                a,
+                qw,
+                routing,
+                top_k=top_k,
+                config=cfg,
+                interpret=interpret,
+                activation=activation,
+                asm=asm,
+            )
 
         try:
             t, _ = benchmark.time_loop(
-                run, [(a, routing)], iters=iters, repeats=repeats, consts=(qw,)
+                run,
+                [(a, routing_for(cfg.block_m))],
+                iters=iters,
+                repeats=repeats,
+                consts=(qw,),
+                host=False,
             )
         except Exception as err:  # does not compile or run on this device: skip it
             logger.info("skip %s: %s", cfg, str(err).splitlines()[0][:200])
-            continue
-        results.append((t, cfg, routing))
-        logger.info("%8.1f us  %s", t * 1e6, cfg)
-    if not results:
+            return None
+        logger.info("%8.1f us  %s%s", t * 1e6, cfg, " (silu fused)" if fuse else "")
+        return t
+
+    if full:
+        times = {c: t for c in exhaustive(shape) if (t := time_config(c)) is not None}
+    else:
+        times = coordinate_search(shape, time_config, axes=QUICK_AXES if interpret else AXES)
+    if not times:
         raise RuntimeError(f"no candidate config ran for {shape}")
-    t, best, routing = min(results, key=lambda r: r[0])
+    best = min(times, key=times.get)
+    asm_off = time_config(best, asm=False) if asm_ab and not interpret else None
+    routing = routing_for(best.block_m)
     out = wna16_gemm(
         a, qw, routing, top_k=top_k, config=best, out_dtype=jnp.float32, interpret=interpret
     )
@@ -101,7 +172,7 @@ def tune_gemm(qw, m, top_k, *, interpret, quick, iters, repeats):
     err = float(np.linalg.norm(o - r) / np.linalg.norm(r))
     if not err < 1e-2:
         raise RuntimeError(f"best config {best} is wrong: relative error {err}")
-    return shape, best, t, err, len(results)
+    return shape, best, times[best], err, len(times), asm_off
 
 
 def main(argv=None):
@@ -113,7 +184,14 @@ def main(argv=None):
     p.add_argument("--m", type=int, nargs="+", default=None, help="token counts")
     p.add_argument("--bits", type=int, choices=(4, 8), default=4)
     p.add_argument("--no-zp", action="store_true")
-    p.add_argument("--full", action="store_true", help="the full candidate grid (slow)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="every config of the grid (slow); default: a coordinate search from the heuristic",
+    )
+    p.add_argument(
+        "--gemms", nargs="+", choices=("w13", "w2"), default=("w13", "w2"), help="GEMMs to tune"
+    )
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=str, default=None, help="tuned JSON to write (merged)")
@@ -147,19 +225,25 @@ def main(argv=None):
         ),
     }
     entries = []
-    print(f"{'gemm':>5} {'M':>6} {'us':>9} {'rel err':>8}  config")
+    print(f"{'gemm':>5} {'M':>6} {'us':>9} {'no-asm us':>9} {'rel err':>8}  config")
     for m in ms:
-        for name, qw in gemms.items():
-            shape, best, t, err, n = tune_gemm(
-                qw,
+        for name in args.gemms:
+            shape, best, t, err, n, asm_off = tune_gemm(
+                gemms[name],
                 m,
                 top_k,
                 interpret=interpret,
-                quick=not args.full,
+                full=args.full,
                 iters=iters,
                 repeats=args.repeats,
+                gated=name == "w13",
+                asm_ab=True,
             )
-            print(f"{name:>5} {m:>6} {t * 1e6:>9.1f} {err:>8.1e}  {best}  ({n} ran)", flush=True)
+            off = f"{asm_off * 1e6:>9.1f}" if asm_off is not None else f"{'-':>9}"
+            print(
+                f"{name:>5} {m:>6} {t * 1e6:>9.1f} {off} {err:>8.1e}  {best}  ({n} ran)",
+                flush=True,
+            )
             entries.append(
                 dict(
                     E=shape.num_experts,
@@ -170,6 +254,8 @@ def main(argv=None):
                     M=shape.m,
                     config=dataclasses.asdict(best),
                     microseconds=t * 1e6,
+                    microseconds_without_asm=None if asm_off is None else asm_off * 1e6,
+                    silu_fused=name == "w13" and best.split_k == 1,
                 )
             )
     if args.out:

@@ -13,16 +13,61 @@ from pallas_kernels import _dequant
 from wna16_jax._types import AlignedRouting, BlockConfig
 
 
+def slice_major(a, *, block_k: int, bits: int):
+    """[R, K] activations -> the column order the "slices" unpack mode reads (XLA, outside).
+
+    Inside each k-tile of block_k columns, column k0 + per_word * j + i moves to
+    k0 + W * i + j (W = block_k // per_word), so that the activations meeting value slice i of
+    the tile's words are one contiguous run of W columns.
+    """
+    r, k = a.shape
+    per_word = 32 // bits
+    w = block_k // per_word
+    return a.reshape(r, k // block_k, w, per_word).swapaxes(2, 3).reshape(r, k)
+
+
+def slice_major_columns(c, *, block_k: int, bits: int):
+    """Where natural column indices `c` sit after slice_major (int32 arrays, traceable)."""
+    per_word = 32 // bits
+    w = block_k // per_word
+    within = c % block_k
+    return c - within + (within % per_word) * w + within // per_word
+
+
+def slice_words(qw_ref, e, n_idx, k0, *, bits, block_k):
+    """The "slices" k-tile's packed weights: uint32 [bn, W], W = block_k // per_word."""
+    per_word = 32 // bits
+    j = jnp.arange(block_k // per_word, dtype=jnp.int32)
+    return plgpu.load(qw_ref.at[e, n_idx[:, None], (k0 // per_word + j)[None, :]])
+
+
+def slice_activations(a_ref, row, k0, *, bits, block_k):
+    """The "slices" k-tile's activations: [(a_i [bm, W], k_i [W]) for each value slice i].
+
+    a_ref holds the activations in slice_major order, so a_i is a contiguous load; k_i are the
+    natural feature indices of slice i (k0 + per_word * j + i).
+    """
+    per_word = 32 // bits
+    w = block_k // per_word
+    j = jnp.arange(w, dtype=jnp.int32)
+    return [
+        (plgpu.load(a_ref.at[row[:, None], (k0 + w * i + j)[None, :]]), k0 + per_word * j + i)
+        for i in range(per_word)
+    ]
+
+
 def operand_pairs(a_ref, qw_ref, e, row, n_idx, k0, *, bits, block_k, unpack):
     """The k-tile as (a [bm, W], v [bn, W] uint32 values, k [W] feature indices) pairs.
 
     a is loaded in a_ref's dtype (16/32-bit floats, or int8 for W8A8); v holds the unsigned
     stored values in [0, 2**bits).
 
-    unpack="slices": the [bn, bk // per_word] word tile is loaded once and value slice i of the
-    words meets activation columns k0 + per_word * j + i: per_word pairs, W = bk // per_word.
-    unpack="tile": each word is loaded once per value it holds (the repeats hit L1) and shifted
-    in place: one pair with W = bk, so the tensor cores see one dot of K = bk.
+    unpack="slices" (a_ref in slice_major order): the [bn, bk // per_word] word tile is loaded
+    once and value slice i of the words meets activation columns k0 + per_word * j + i:
+    per_word pairs, W = bk // per_word.
+    unpack="tile" (a_ref in natural order): each word is loaded once per value it holds (the
+    repeats hit L1) and shifted in place: one pair with W = bk, so the tensor cores see one
+    dot of K = bk.
     """
     per_word = 32 // bits
     if unpack == "tile":
@@ -32,14 +77,14 @@ def operand_pairs(a_ref, qw_ref, e, row, n_idx, k0, *, bits, block_k, unpack):
         v = (words >> shift[None, :]) & jnp.uint32((1 << bits) - 1)
         a = plgpu.load(a_ref.at[row[:, None], kk[None, :]])  # [bm, bk]
         return [(a, v, kk)]
-    j = jnp.arange(block_k // per_word, dtype=jnp.int32)
-    words = plgpu.load(qw_ref.at[e, n_idx[:, None], (k0 // per_word + j)[None, :]])  # [bn, W]
-    pairs = []
-    for i in range(per_word):
-        kk = k0 + per_word * j + i  # [W]
-        a = plgpu.load(a_ref.at[row[:, None], kk[None, :]])  # [bm, W]
-        pairs.append((a, _dequant.value_slice(words, i, bits=bits), kk))
-    return pairs
+    words = slice_words(qw_ref, e, n_idx, k0, bits=bits, block_k=block_k)
+    slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k)
+    return [(a, _dequant.value_slice(words, i, bits=bits), kk) for i, (a, kk) in enumerate(slices)]
+
+
+def silu(x):
+    """x * sigmoid(x) in x's dtype (f32 in the kernels)."""
+    return x / (1.0 + jnp.exp(-x))
 
 
 def grouped_gemm_program(
@@ -57,6 +102,8 @@ def grouped_gemm_program(
     tile_product: Callable,
     acc_dtype=jnp.float32,
     epilogue: Callable | None = None,
+    gate_offset: int | None = None,
+    out_columns: Callable | None = None,
 ):
     """One program of a grouped GEMM over block-sorted token slots.
 
@@ -66,11 +113,17 @@ def grouped_gemm_program(
     == 1; a split-K buffer starts at zero); padding slots write the spare row num_slots.
 
     Args:
-        tile_product: (e, row [bm], n_idx [bn], k0) -> acc_dtype [bm, bn], one k-tile's
-            contribution for activation rows `row` (slot // top_k) of expert e.
+        tile_product: (e, row [bm], n_idxs, k0) -> one acc_dtype [bm, bn] per [bn] array in
+            the tuple n_idxs: one k-tile's contribution for activation rows `row`
+            (slot // top_k) of expert e and weight rows n_idx (the activations loaded once).
         acc_dtype: the k-sum's dtype (f32, or int32 for integer dots).
         epilogue: (acc, e, row, n_idx) -> f32 [bm, bn], applied to the k-sum before the routed
             weight; default: the k-sum itself.
+        gate_offset: the fused activation (split_k == 1 only): the program sums two products,
+            gate over weight rows n_idx and up over rows n_idx + gate_offset, and stores
+            silu(gate) * up in f32 arithmetic (`n` counts output columns: gate_offset of them).
+        out_columns: n_idx -> the output columns to store to (default n_idx), e.g. the
+            slice_major order the next GEMM reads.
     """
     bm, bn, bk, split_k = config.block_m, config.block_n, config.block_k, config.split_k
     num_n_blocks = n // bn
@@ -87,7 +140,8 @@ def grouped_gemm_program(
         valid = slot < num_slots
         out_row = jnp.where(valid, slot, num_slots)  # padding -> the spare row
         n_idx = n_block * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
-        out_at = out_ref.at[out_row[:, None], n_idx[None, :]]
+        cols = n_idx if out_columns is None else out_columns(n_idx)
+        out_at = out_ref.at[out_row[:, None], cols[None, :]]
 
         if split_k == 1:
             # Blocks of off-shard experts contribute exact zeros (split-K buffers start at 0).
@@ -101,12 +155,27 @@ def grouped_gemm_program(
             tiles = k // bk // split_k
             first = split * tiles
 
-            def body(t, acc):
-                return acc + tile_product(e, row, n_idx, (first + t) * bk)
+            if gate_offset is None:
 
-            acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((bm, bn), acc_dtype))
-            if epilogue is not None:
-                acc = epilogue(acc, e, row, n_idx)
+                def body(t, acc):
+                    (part,) = tile_product(e, row, (n_idx,), (first + t) * bk)
+                    return acc + part
+
+                acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((bm, bn), acc_dtype))
+                if epilogue is not None:
+                    acc = epilogue(acc, e, row, n_idx)
+            else:
+
+                def gated_body(t, accs):
+                    parts = tile_product(e, row, (n_idx, n_idx + gate_offset), (first + t) * bk)
+                    return accs[0] + parts[0], accs[1] + parts[1]
+
+                zero = jnp.zeros((bm, bn), acc_dtype)
+                gate, up = jax.lax.fori_loop(0, tiles, gated_body, (zero, zero))
+                if epilogue is not None:
+                    gate = epilogue(gate, e, row, n_idx)
+                    up = epilogue(up, e, row, n_idx + gate_offset)
+                acc = silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
             if rw_ref is not None:
                 rw = plgpu.load(rw_ref.at[jnp.where(valid, slot, 0)])  # [bm]
                 acc = acc * rw[:, None]

@@ -4,6 +4,11 @@ A packed uint32 word holds 32 // bits values; value i of word j is input feature
 k = (32 // bits) * j + i. Kernels load a [bn, W] tile of words once and take value slice i of
 every word at a time ([bn, W], features k0 + per_word * j + i), so no reshape is needed.
 
+Compiled kernels convert two values per 32-bit instruction with PTX (`half_value_slices`,
+asm=True): `prmt` gathers byte q of two words into one register, `lop3` masks a value out of
+each half and ors the exponent pattern in, so one register holds two 16-bit floats (the trick of
+Marlin-class kernels). The interpreter runs the same arithmetic in jnp (asm=False).
+
 Conversion uses the exponent trick: or-ing v into the mantissa of a power of two 2^p gives the
 float 2^p + v exactly (when v < 2^p's unit in the last place allows), so an int -> float
 conversion (a quarter-rate instruction) becomes one logical op:
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 _F32_MAGIC = 0x4B000000  # 2^23
 _HALF_MAGIC = {
@@ -51,3 +57,56 @@ def to_f32_minus_zero(v, z):
     """uint32 v, zero point z (int32 array or int, broadcastable) -> f32 (v - z), exact."""
     f = jax.lax.bitcast_convert_type(v | jnp.uint32(_F32_MAGIC), jnp.float32)  # 2^23 + v
     return f - (jnp.float32(2.0**23) + jnp.asarray(z).astype(jnp.float32))
+
+
+def _prmt_both_halves(q: int) -> int:
+    """prmt selector: bytes 0, 1 of the result <- byte q of word a, bytes 2, 3 <- byte q of b."""
+    return q | (q << 4) | ((4 + q) << 8) | ((4 + q) << 12)
+
+
+def _slices_asm(bits: int, pattern: int) -> str:
+    """PTX: two words ($n, $n+1) -> per_word registers, each two 16-bit floats offset + v.
+
+    Output i holds value i of word a in its low half and value i of word b in its high half.
+    """
+    per_word = 32 // bits
+    mask = (1 << bits) - 1
+    half_mask = f"0x{mask | (mask << 16):08x}"
+    magic = f"0x{pattern | (pattern << 16):08x}"
+    a, b = f"${per_word}", f"${per_word + 1}"
+    lines = ["{", ".reg .b32 t;"]
+    for q in range(4):  # byte q of each word
+        lines.append(f"prmt.b32 t, {a}, {b}, 0x{_prmt_both_halves(q):04x};")
+        for nib in range(8 // bits):  # int4: two values per byte; int8: one
+            out = q * (8 // bits) + nib
+            if nib:
+                lines.append(f"shr.u32 t, t, {bits};")
+            # lop3 0xEA = (t & mask) | magic
+            lines.append(f"lop3.b32 ${out}, t, {half_mask}, {magic}, 0xEA;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def half_value_slices(words, *, bits: int, dtype, asm: bool):
+    """Every value slice of a uint32 word tile as `dtype` arrays holding offset + v, exactly.
+
+    Returns 32 // bits arrays shaped like `words`; array i holds value i of each word plus
+    half_magic_offset(bits, dtype) (which must not be None). asm=True converts with PTX (two
+    values per instruction; compiled Triton kernels only), asm=False with jnp (any platform).
+    Both give the same bits.
+    """
+    per_word = 32 // bits
+    if half_magic_offset(bits, dtype) is None:
+        raise ValueError(f"int{bits} does not convert exactly into {jnp.dtype(dtype).name}")
+    if not asm:
+        values = [value_slice(words, i, bits=bits) for i in range(per_word)]
+        return [to_half_plus_offset(v, dtype) for v in values]
+    pattern = _HALF_MAGIC[jnp.dtype(dtype).name][0]
+    out = jax.ShapeDtypeStruct(words.shape, jnp.dtype(dtype))
+    return plgpu.elementwise_inline_asm(
+        _slices_asm(bits, pattern),
+        args=[words],
+        constraints=",".join(["=r"] * per_word + ["r", "r"]),
+        pack=2,
+        result_shape_dtypes=[out] * per_word,
+    )

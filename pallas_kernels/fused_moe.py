@@ -91,6 +91,47 @@ def sum_over_top_k(y, topk_ids, num_experts: int):
     return jnp.where(placed[:, None], y, 0.0).reshape(t, k, -1).sum(axis=1)
 
 
+def fuses_activation(c1: BlockConfig, w13: QuantizedExperts, activation: str) -> bool:
+    """Whether GEMM1 computes the activation in its epilogue (not with split-K partials)."""
+    return c1.split_k == 1 and activation == "silu" and (w13.n // 2) % c1.block_n == 0
+
+
+def gemm1_and_activation(x, w13, w2, routing, *, top_k, c1, c2, activation, interpret):
+    """[T, H] -> activation(x @ w13.T) per slot [T*k, I] in x.dtype, and whether its columns
+    are in GEMM2's slice_major order (written so by GEMM1's fused epilogue)."""
+    if fuses_activation(c1, w13, activation):
+        to_slices = c2.unpack == "slices"
+        act = wna16_gemm(
+            x,
+            w13,
+            routing,
+            top_k=top_k,
+            config=c1,
+            interpret=interpret,
+            activation=activation,
+            out_slice_major=(c2.block_k, w2.bits) if to_slices else None,
+        )
+        return act, to_slices
+    # split-K partial sums: the activation runs after the whole sum.
+    h = wna16_gemm(x, w13, routing, top_k=top_k, config=c1, interpret=interpret)  # [T*k, 2I]
+    return _reference.ACTIVATIONS[activation](h.astype(jnp.float32)).astype(x.dtype), False
+
+
+def gemm2_routed(act, w2, routing, topk_weights, *, c2, act_slice_major, interpret):
+    """[T*k, I] -> f32 [T*k, H], each slot's row times its routed weight."""
+    return wna16_gemm(
+        act,
+        w2,
+        routing,
+        topk_weights.reshape(-1).astype(jnp.float32),
+        top_k=1,
+        config=c2,
+        out_dtype=jnp.float32,
+        interpret=interpret,
+        a_slice_major=act_slice_major,
+    )
+
+
 def _fused_moe_chunk(
     x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, interpret
 ):
@@ -104,17 +145,11 @@ def _fused_moe_chunk(
         expert_map=expert_map,
         interpret=interpret,
     )
-    h = wna16_gemm(x, w13, routing, top_k=k, config=c1, interpret=interpret)  # [T*k, 2I]
-    act = _reference.ACTIVATIONS[activation](h.astype(jnp.float32)).astype(x.dtype)  # [T*k, I]
-    y = wna16_gemm(
-        act,
-        w2,
-        routing,
-        topk_weights.reshape(-1).astype(jnp.float32),
-        top_k=1,
-        config=c2,
-        out_dtype=jnp.float32,
-        interpret=interpret,
+    act, act_slice_major = gemm1_and_activation(
+        x, w13, w2, routing, top_k=k, c1=c1, c2=c2, activation=activation, interpret=interpret
+    )  # [T*k, I]
+    y = gemm2_routed(
+        act, w2, routing, topk_weights, c2=c2, act_slice_major=act_slice_major, interpret=interpret
     )  # [T*k, H] f32, routed weights applied
     return sum_over_top_k(y, topk_ids, num_experts)
 

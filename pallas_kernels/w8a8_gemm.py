@@ -9,7 +9,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import grouped_gemm_call, grouped_gemm_program, operand_pairs
+from pallas_kernels._common import (
+    grouped_gemm_call,
+    grouped_gemm_program,
+    operand_pairs,
+    slice_major,
+)
 from wna16_jax import _configs
 from wna16_jax._quant import implicit_zero
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
@@ -54,9 +59,12 @@ def _w8a8_kernel(
     k,
     config: BlockConfig,
 ):
-    def tile_product(e, row, n_idx, k0):
-        return _tile_product(
-            a_ref, qw_ref, e, row, n_idx, k0, block_k=config.block_k, unpack=config.unpack
+    def tile_product(e, row, n_idxs, k0):
+        return tuple(
+            _tile_product(
+                a_ref, qw_ref, e, row, n_idx, k0, block_k=config.block_k, unpack=config.unpack
+            )
+            for n_idx in n_idxs
         )
 
     def epilogue(acc, e, row, n_idx):
@@ -205,6 +213,8 @@ def w8a8_gemm(
     if kq != k:
         raise ValueError(f"activations have K={k} but the weights have K={kq}")
     num_slots = r * top_k
+    if config.unpack == "slices":
+        a_q = slice_major(a_q, block_k=config.block_k, bits=8)
     kernel = functools.partial(
         _w8a8_kernel, num_slots=num_slots, top_k=top_k, n=n, k=k, config=config
     )

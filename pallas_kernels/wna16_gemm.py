@@ -10,25 +10,116 @@ from jax.experimental import pallas as pl  # noqa: F401  (tests patch wna16_gemm
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _dequant
-from pallas_kernels._common import grouped_gemm_call, grouped_gemm_program, operand_pairs
+from pallas_kernels._common import (
+    grouped_gemm_call,
+    grouped_gemm_program,
+    operand_pairs,
+    slice_activations,
+    slice_major,
+    slice_major_columns,
+    slice_words,
+)
 from wna16_jax import _configs
 from wna16_jax._quant import implicit_zero
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
 
-def _tile_product(
-    a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros, unpack
-):
-    """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for one k-tile."""
-    dtype = a_ref.dtype
-    dot = functools.partial(
-        jax.lax.dot_general,
+def _dot(a, w):
+    """f32 [bm, bn] = a [bm, W] . w [bn, W] (contracting W) on the tensor cores."""
+    return jax.lax.dot_general(
+        a,
+        w,
         dimension_numbers=(((1,), (1,)), ((), ())),
         # DEFAULT lowers f32 dots to TF32 on the GPU (measured rel err 2.6e-4); HIGHEST is IEEE.
         # 16-bit operands are exact products either way.
-        precision=jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None,
+        precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None,
         preferred_element_type=jnp.float32,
     )
+
+
+def _tile_products(
+    a_ref,
+    qw_ref,
+    s_ref,
+    z_ref,
+    e,
+    row,
+    n_idxs,
+    k0,
+    *,
+    bits,
+    block_k,
+    group,
+    has_zeros,
+    unpack,
+    asm,
+):
+    """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for each n_idx."""
+    dtype = a_ref.dtype
+    offset = _dequant.half_magic_offset(bits, dtype)
+    if unpack == "slices" and block_k <= group and offset is not None:
+        return _one_group_half_slices(
+            a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=block_k,
+            group=group, has_zeros=has_zeros, asm=asm, offset=offset,
+        )  # fmt: skip
+    return tuple(
+        _tile_product_general(
+            a_ref,
+            qw_ref,
+            s_ref,
+            z_ref,
+            e,
+            row,
+            n_idx,
+            k0,
+            bits=bits,
+            block_k=block_k,
+            group=group,
+            has_zeros=has_zeros,
+            unpack=unpack,
+        )  # fmt: skip
+        for n_idx in n_idxs
+    )
+
+
+def _one_group_half_slices(
+    a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, *, bits, block_k, group, has_zeros, asm,
+    offset,
+):  # fmt: skip
+    """The fast path: a k-tile inside one group, values exact in the 16-bit activation dtype.
+
+    Each value slice converts to offset + v (two values per instruction with asm) and meets
+    its contiguous activation columns in one dot; the offset and zero point come off through
+    the activations' row sums, and the group scale multiplies the [bm, bn] product.
+    """
+    dtype = a_ref.dtype
+    slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k)
+    rowsum = None
+    for a, _ in slices:
+        rs = jnp.sum(a.astype(jnp.float32), axis=1)  # [bm]
+        rowsum = rs if rowsum is None else rowsum + rs
+    g = k0 // group
+    results = []
+    for n_idx in n_idxs:
+        words = slice_words(qw_ref, e, n_idx, k0, bits=bits, block_k=block_k)
+        halves = _dequant.half_value_slices(words, bits=bits, dtype=dtype, asm=asm)
+        acc = None
+        for (a, _), w in zip(slices, halves, strict=True):
+            part = _dot(a, w)
+            acc = part if acc is None else acc + part
+        s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
+        z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
+        zf = (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
+        zf = zf[None, :] if has_zeros else zf
+        results.append((acc - rowsum[:, None] * zf) * s[None, :])
+    return tuple(results)
+
+
+def _tile_product_general(
+    a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros, unpack
+):  # fmt: skip
+    """One n_idx, any mode: exact (v - z) through f32, or several groups per tile."""
+    dtype = a_ref.dtype
     pairs = operand_pairs(
         a_ref, qw_ref, e, row, n_idx, k0, bits=bits, block_k=block_k, unpack=unpack
     )
@@ -39,7 +130,7 @@ def _tile_product(
             g_idx = (kk // group)[None, :]  # [1, W]
             s = plgpu.load(s_ref.at[e, n_idx[:, None], g_idx]).astype(jnp.float32)  # [bn, W]
             z = _zero_points(z_ref, e, n_idx[:, None], g_idx, bits=bits, has_zeros=has_zeros)
-            part = dot(a, (_dequant.to_f32_minus_zero(v, z) * s).astype(dtype))
+            part = _dot(a, (_dequant.to_f32_minus_zero(v, z) * s).astype(dtype))
             acc = part if acc is None else acc + part
         return acc
 
@@ -53,9 +144,9 @@ def _tile_product(
     for a, v, _ in pairs:
         if offset is None:  # exact (v - z) through f32
             w = _dequant.to_f32_minus_zero(v, z[:, None] if has_zeros else z).astype(dtype)
-            part = dot(a, w)
+            part = _dot(a, w)
         else:  # offset + v exactly in the 16-bit dtype; the offset and z come off below
-            part = dot(a, _dequant.to_half_plus_offset(v, dtype))
+            part = _dot(a, _dequant.to_half_plus_offset(v, dtype))
             rs = jnp.sum(a.astype(jnp.float32), axis=1)  # [bm]
             rowsum = rs if rowsum is None else rowsum + rs
         acc = part if acc is None else acc + part
@@ -85,39 +176,35 @@ def _gemm_kernel(
     ids_ref,  # [max_padded] int32 sorted slot ids
     eids_ref,  # [num_blocks] int32 expert of each block
     ntpp_ref,  # [1] int32
-    a_ref,  # [R, K] activations
+    a_ref,  # [R, K] activations (slice_major order when config.unpack == "slices")
     qw_ref,  # [E, N, K // per_word] uint32
     s_ref,  # [E, N, K // G]
     z_ref,  # zeros or None
     rw_ref,  # [num_slots] f32 routed weights or None
-    out_ref,  # [num_slots + 1, N]; row num_slots is a spare row for padding
+    out_ref,  # [num_slots + 1, N_out]; row num_slots is a spare row for padding
     *,
     num_slots,
     top_k,
-    n,
+    n_out,
     k,
     bits,
     group,
     has_zeros,
     config: BlockConfig,
+    gated: bool,
+    out_slice_major,
+    asm: bool,
 ):
-    def tile_product(e, row, n_idx, k0):
-        return _tile_product(
-            a_ref,
-            qw_ref,
-            s_ref,
-            z_ref,
-            e,
-            row,
-            n_idx,
-            k0,
-            bits=bits,
-            block_k=config.block_k,
-            group=group,
-            has_zeros=has_zeros,
-            unpack=config.unpack,
-        )
+    def tile_products(e, row, n_idxs, k0):
+        return _tile_products(
+            a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=config.block_k,
+            group=group, has_zeros=has_zeros, unpack=config.unpack, asm=asm,
+        )  # fmt: skip
 
+    out_columns = None
+    if out_slice_major is not None:
+        out_bk, out_bits = out_slice_major
+        out_columns = functools.partial(slice_major_columns, block_k=out_bk, bits=out_bits)
     grouped_gemm_program(
         ids_ref,
         eids_ref,
@@ -126,10 +213,12 @@ def _gemm_kernel(
         out_ref,
         num_slots=num_slots,
         top_k=top_k,
-        n=n,
+        n=n_out,
         k=k,
         config=config,
-        tile_product=tile_product,
+        tile_product=tile_products,
+        gate_offset=n_out if gated else None,
+        out_columns=out_columns,
     )
 
 
@@ -139,7 +228,19 @@ def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     _configs.check_config(config, shape)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "config", "out_dtype", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "top_k",
+        "config",
+        "out_dtype",
+        "interpret",
+        "activation",
+        "a_slice_major",
+        "out_slice_major",
+        "asm",
+    ),
+)
 def wna16_gemm(
     a,
     qw: QuantizedExperts,
@@ -150,6 +251,10 @@ def wna16_gemm(
     config: BlockConfig,
     out_dtype=None,
     interpret: bool = False,
+    activation: str | None = None,
+    a_slice_major: bool = False,
+    out_slice_major: tuple[int, int] | None = None,
+    asm: bool | None = None,
 ):
     """Grouped matmul of gathered activation rows with dequantized expert weights.
 
@@ -166,11 +271,21 @@ def wna16_gemm(
             partial tiles with atomic adds into a zeroed f32 buffer).
         out_dtype: output dtype (default a.dtype; split-K always accumulates in f32).
         interpret: run under the Pallas interpreter (any platform).
+        activation: None, or "silu" for GEMM1 of an MoE layer: the weights' first N/2 rows are
+            the gate, the last N/2 the up projection, and the kernel returns
+            silu(gate) * up ([R * top_k, N/2], computed in f32 from the unrounded sums;
+            split_k must be 1).
+        a_slice_major: `a` is already in `_common.slice_major` order for config.block_k (e.g.
+            written so by the previous GEMM); only with unpack="slices".
+        out_slice_major: (block_k, bits) of the GEMM that reads this output: store its columns
+            in that GEMM's slice_major order.
+        asm: convert int4/int8 with PTX (two values per instruction) on the fast path; default:
+            when compiled (never in the interpreter).
 
     Returns:
-        [R * top_k, N] of out_dtype. Rows of slots that sit in no block (ids the alignment
-        dropped) are not written when split_k == 1 and are zero when split_k > 1: callers mask
-        them (fused_moe does, in its reduction).
+        [R * top_k, N] (N/2 with activation) of out_dtype. Rows of slots that sit in no block
+        (ids the alignment dropped) are not written when split_k == 1 and are zero when
+        split_k > 1: callers mask them (fused_moe does, in its reduction).
     """
     check_gemm_config(config, qw)
     if routing.block_m != config.block_m:
@@ -182,25 +297,47 @@ def wna16_gemm(
     e, n, kq = qw.shape
     if kq != k:
         raise ValueError(f"activations have K={k} but the weights have K={kq}")
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation={activation!r} is not None or 'silu'")
+    gated = activation is not None
+    n_out = n // 2 if gated else n
+    if gated and (n % 2 or n_out % config.block_n or config.split_k != 1):
+        raise ValueError(
+            f"activation={activation!r} needs an even N with N/2 a multiple of block_n and "
+            f"split_k=1; got N={n}, {config}"
+        )
+    if a_slice_major and config.unpack != "slices":
+        raise ValueError(f"a_slice_major=True needs unpack='slices', got {config}")
+    if out_slice_major is not None and n_out % out_slice_major[0]:
+        raise ValueError(f"out_slice_major={out_slice_major} does not tile N_out={n_out}")
+    if asm is None:
+        asm = not interpret
+    if asm and interpret:
+        raise ValueError("asm=True runs only compiled (interpret=False)")
+    if config.unpack == "slices" and not a_slice_major:
+        a = slice_major(a, block_k=config.block_k, bits=qw.bits)
     num_slots = r * top_k
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     kernel = functools.partial(
         _gemm_kernel,
         num_slots=num_slots,
         top_k=top_k,
-        n=n,
+        n_out=n_out,
         k=k,
         bits=qw.bits,
         group=qw.group,
         has_zeros=qw.has_zeros,
         config=config,
+        gated=gated,
+        out_slice_major=out_slice_major,
+        asm=asm,
     )
     out = grouped_gemm_call(
         kernel,
         [a, qw.qweight, qw.scales, qw.zeros, routed_weights],
         routing=routing,
         num_slots=num_slots,
-        n=n,
+        n=n_out,
         out_dtype=out_dtype,
         config=config,
         interpret=interpret,

@@ -68,7 +68,8 @@ def test_benchmark_tiny(tmp_path, capsys):
     for r in saved["rows"]:
         assert r["seconds"] > 0 and r["weight_bytes"] > 0 and r["flops"] > 0
         if r["implementation"] == "pallas_interpret":
-            assert set(r["stages"]) == {"align", "gemm1", "activation", "gemm2", "reduction"}
+            # The heuristic's GEMM1 (split_k 1) computes silu(gate) * up in its epilogue.
+            assert set(r["stages"]) == {"align", "gemm1", "gemm2", "reduction"}
     assert saved["copy_bytes_per_s"] > 0 and saved["matmul_flops_per_s"] > 0
     assert out_png.stat().st_size > 1000
 
