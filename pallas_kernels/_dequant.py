@@ -5,9 +5,10 @@ k = (32 // bits) * j + i. Kernels load a [bn, W] tile of words once and take val
 every word at a time ([bn, W], features k0 + per_word * j + i), so no reshape is needed.
 
 Compiled kernels convert two values per 32-bit instruction with PTX (`half_value_slices`,
-asm=True): `prmt` gathers byte q of two words into one register, `lop3` masks a value out of
-each half and ors the exponent pattern in, so one register holds two 16-bit floats (the trick of
-Marlin-class kernels). The interpreter runs the same arithmetic in jnp (asm=False).
+asm=True): `prmt` gathers byte q of two words into one register, (`shr` moves the high nibble
+down,) `lop3` masks a value out of each half and ors the exponent pattern in, so one register
+holds two 16-bit floats (the trick of Marlin-class kernels). The interpreter runs the same
+arithmetic in jnp (asm=False).
 
 Conversion uses the exponent trick: or-ing v into the mantissa of a power of two 2^p gives the
 float 2^p + v exactly (when v < 2^p's unit in the last place allows), so an int -> float
@@ -64,25 +65,19 @@ def _prmt_both_halves(q: int) -> int:
     return q | (q << 4) | ((4 + q) << 8) | ((4 + q) << 12)
 
 
-def _slices_asm(bits: int, pattern: int) -> str:
-    """PTX: two words ($n, $n+1) -> per_word registers, each two 16-bit floats offset + v.
-
-    Output i holds value i of word a in its low half and value i of word b in its high half.
-    """
-    per_word = 32 // bits
+def _slice_asm(i: int, bits: int, pattern: int) -> str:
+    """PTX: two words ($1, $2) -> one register $0 holding two 16-bit floats offset + v: value i
+    of word a in the low half, value i of word b in the high half."""
+    per_byte = 8 // bits
+    q, shift = divmod(i, per_byte)
     mask = (1 << bits) - 1
-    half_mask = f"0x{mask | (mask << 16):08x}"
-    magic = f"0x{pattern | (pattern << 16):08x}"
-    a, b = f"${per_word}", f"${per_word + 1}"
-    lines = ["{", ".reg .b32 t;"]
-    for q in range(4):  # byte q of each word
-        lines.append(f"prmt.b32 t, {a}, {b}, 0x{_prmt_both_halves(q):04x};")
-        for nib in range(8 // bits):  # int4: two values per byte; int8: one
-            out = q * (8 // bits) + nib
-            if nib:
-                lines.append(f"shr.u32 t, t, {bits};")
-            # lop3 0xEA = (t & mask) | magic
-            lines.append(f"lop3.b32 ${out}, t, {half_mask}, {magic}, 0xEA;")
+    lines = ["{", ".reg .b32 t;", f"prmt.b32 t, $1, $2, 0x{_prmt_both_halves(q):04x};"]
+    if shift:
+        lines.append(f"shr.u32 t, t, {shift * bits};")
+    # lop3 0xEA = (t & mask) | magic
+    lines.append(
+        f"lop3.b32 $0, t, 0x{mask | (mask << 16):08x}, 0x{pattern | (pattern << 16):08x}, 0xEA;"
+    )
     lines.append("}")
     return "\n".join(lines)
 
@@ -103,10 +98,14 @@ def half_value_slices(words, *, bits: int, dtype, asm: bool):
         return [to_half_plus_offset(v, dtype) for v in values]
     pattern = _HALF_MAGIC[jnp.dtype(dtype).name][0]
     out = jax.ShapeDtypeStruct(words.shape, jnp.dtype(dtype))
-    return plgpu.elementwise_inline_asm(
-        _slices_asm(bits, pattern),
-        args=[words],
-        constraints=",".join(["=r"] * per_word + ["r", "r"]),
-        pack=2,
-        result_shape_dtypes=[out] * per_word,
-    )
+    # One asm per slice: Pallas' Triton lowering (jax 0.11.2) rejects multi-result inline asm.
+    return [
+        plgpu.elementwise_inline_asm(
+            _slice_asm(i, bits, pattern),
+            args=[words],
+            constraints="=r,r,r",
+            pack=2,
+            result_shape_dtypes=[out],
+        )[0]
+        for i in range(per_word)
+    ]

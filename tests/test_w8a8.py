@@ -87,6 +87,25 @@ def numpy_quantize_per_token(x) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.int8), scale.astype(np.float32)
 
 
+def assert_same_rounding(q, want_q, x, scale) -> None:
+    """q equals numpy's, except by one step where x / scale sits on a rounding tie.
+
+    On the CPU XLA reproduces numpy bitwise. On the H200 XLA's f32 reciprocal 1/scale may
+    differ from IEEE's in the last place (measured: 2 of 3552 values moved by one step), which
+    matters only where x * (1/scale) is within that of a half-way point.
+    """
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(q, want_q)
+        return
+    diff = np.abs(q.astype(np.int32) - want_q.astype(np.int32))
+    assert diff.max() <= 1, f"q differs from numpy by up to {diff.max()} steps"
+    y = np.abs(x / np.where(scale > 0, scale, 1)[:, None])
+    tie_distance = np.abs(y - np.floor(y) - 0.5)
+    assert np.all(tie_distance[diff > 0] < 1e-5 * np.maximum(y[diff > 0], 1)), (
+        "q differs from numpy away from a rounding tie"
+    )
+
+
 def numpy_quantize_static(x, scale: float) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(x, np.float32)
     q = np.clip(np.round(x * (np.float32(1) / np.float32(scale))), -127, 127)
@@ -174,7 +193,7 @@ def test_quantize_per_token_matches_numpy(rng, dtype):
     assert q.dtype == jnp.int8 and q.shape == x.shape and s.dtype == jnp.float32
     want_q, want_s = numpy_quantize_per_token(np.asarray(x, np.float32))
     np.testing.assert_array_equal(np.asarray(s), want_s)
-    np.testing.assert_array_equal(np.asarray(q), want_q)
+    assert_same_rounding(np.asarray(q), want_q, np.asarray(x, np.float32), want_s)
     assert np.asarray(s)[3] == 0 and not np.asarray(q)[3].any()
     assert np.asarray(q)[5, 7] == -127
     # Each row's largest |x| maps to 127, and q * scale is within half a step of x (plus the

@@ -155,7 +155,10 @@ def heuristic_config(shape: GemmShape) -> BlockConfig:
         for bk in (256, 128, 64, 32, 16, 8)
         if bk >= 32 // shape.bits and shape.k % bk == 0 and (g % bk == 0 or bk % g == 0)
     ]
-    inside_group = [bk for bk in fits if bk >= lo and g % bk == 0]
+    # With 64-row tiles, a 256-wide k-tile's pipelined stages overflow the H200's 227 KiB of
+    # shared memory (int8 per channel: 245,760 bytes requested, measured).
+    cap = 128 if block_m >= 64 else 256
+    inside_group = [bk for bk in fits if lo <= bk <= cap and g % bk == 0]
     whole_groups = [bk for bk in fits if bk >= lo]
     unpack = "slices"
     if inside_group:

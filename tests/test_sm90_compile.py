@@ -1,0 +1,61 @@
+"""The Pallas kernels build for an H200 (sm_90) without a GPU: lowering, Triton, PTX, ptxas.
+
+Each case lowers the whole fused_moe at DeepSeek-V3 shapes for the "cuda" platform and compiles
+every kernel with the `triton` package (tests/sm90.py), then checks what a GPU would reject at
+launch: shared memory over the H200's 227 KiB. Skipped when triton is not installed (CI); with
+it (`pip install triton==3.6.0`) a GPU-free machine catches build failures before device time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+import sm90
+
+import wna16_jax as wj
+from pallas_kernels import fused_moe as pallas_moe
+
+pytestmark = pytest.mark.skipif(sm90.available() is not None, reason=str(sm90.available()))
+
+E, TOP_K, H, I = 256, 8, 7168, 2048
+
+
+def abstract_experts(n, k, bits, group_size, has_zeros, dtype=jnp.bfloat16):
+    g = k if group_size == -1 else group_size
+    zn = n // 2 if bits == 4 else n
+    return wj.QuantizedExperts(
+        jax.ShapeDtypeStruct((E, n, k * bits // 32), jnp.uint32),
+        jax.ShapeDtypeStruct((E, n, k // g), dtype),
+        jax.ShapeDtypeStruct((E, zn, k // g), jnp.uint8) if has_zeros else None,
+        bits=bits,
+        group_size=group_size,
+    )
+
+
+@pytest.mark.parametrize("m", [1, 16, 256, 4096])
+@pytest.mark.parametrize(
+    "bits, group_size, has_zeros, dtype",
+    [(4, 128, True, jnp.bfloat16), (4, 128, False, jnp.float16), (8, -1, False, jnp.bfloat16)],
+    ids=["int4-g128-zp-bf16", "int4-g128-sym-f16", "int8-channel-bf16"],
+)
+def test_deepseek_v3_kernels_build_for_sm90(m, bits, group_size, has_zeros, dtype):
+    w13 = abstract_experts(2 * I, H, bits, group_size, has_zeros, dtype)
+    w2 = abstract_experts(H, I, bits, group_size, has_zeros, dtype)
+    args = (
+        jax.ShapeDtypeStruct((m, H), dtype),
+        w13,
+        w2,
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+    )
+    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a), *args)
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert len(gemms) == 2, [k.name for k in kernels]
+    for k in kernels:
+        assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES, (
+            f"{k.name} (warps {k.num_warps}, stages {k.num_stages}) needs {k.shared_bytes} "
+            f"bytes of shared memory"
+        )
+    if bits == 4:  # the in-group 16-bit path converts with PTX prmt + lop3
+        assert all("prmt.b32" in k.ptx and "lop3.b32" in k.ptx for k in gemms)
