@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -221,16 +222,18 @@ _builtins_loaded = False
 
 
 def _ensure_builtin_backends() -> None:
-    """Registers 'xla' and, when importable, the Pallas backends (imported lazily)."""
+    """Registers 'xla' and, when importable, the Pallas and Triton backends (imported lazily;
+    importing the 'triton' backend needs neither triton nor jax_triton)."""
     global _builtins_loaded
     if _builtins_loaded:
         return
     _builtins_loaded = True
     register_backend(XLA_BACKEND)
-    try:
-        from pallas_kernels import backend as pallas_backend
-    except ImportError as err:  # pragma: no cover - the kernels ship with the package
-        logger.debug("wna16_jax: Pallas backends unavailable: %s", err)
-        return
-    for b in pallas_backend.BACKENDS:
-        register_backend(b)
+    for module in ("pallas_kernels.backend", "triton_kernels.backend"):
+        try:
+            backends = importlib.import_module(module).BACKENDS
+        except ImportError as err:  # pragma: no cover - the kernels ship with the package
+            logger.debug("wna16_jax: %s unavailable: %s", module, err)
+            continue
+        for b in backends:
+            register_backend(b)
