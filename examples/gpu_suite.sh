@@ -10,7 +10,9 @@
 #   bench       benchmark.py: DeepSeek-V3 TP=1 with and without zero points (stages, JSON,
 #               roofline), the TP=8 slice
 #   int8        benchmark.py: W8A8 vs W8A16 (per-channel int8) at M = 1, 256, 4096
+#   w8a16       benchmark.py: W8A16 (per-channel int8) at M = 1, 256, 4096 (int8 runs it too)
 #   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (pallas)
+#   sharded     (2 GPUs) the 8-layer model on one GPU and at EP=2, batch 1, 8, 64; 30 layers EP=2
 #   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
 # A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
 set -uo pipefail
@@ -62,6 +64,8 @@ for step in "${steps[@]}"; do
     int8)
         python3 examples/benchmark.py --activation-quant int8_per_token --m 1 256 4096 \
             --implementations pallas --json "$OUT/bench_w8a8.json" 2>&1 | tee "$OUT/bench_w8a8.log"
+        ;&
+    w8a16)
         python3 examples/benchmark.py --bits 8 --group-size -1 --no-zp --m 1 256 4096 \
             --implementations pallas --json "$OUT/bench_w8a16.json" 2>&1 |
             tee "$OUT/bench_w8a16.log"
@@ -71,6 +75,19 @@ for step in "${steps[@]}"; do
             python3 examples/generate.py --full-width-layers 8 --implementation pallas \
                 --batch-size $b --max-new-tokens 32 2>&1 | tee "$OUT/generate_b$b.log" | tail -4
         done
+        ;;
+    sharded) # 2 GPUs: the 8-layer model on GPU 0 alone and EP=2 per batch, then 30 layers EP=2
+        for b in 1 8 64; do
+            CUDA_VISIBLE_DEVICES=0 timeout 120 python3 examples/generate.py \
+                --full-width-layers 8 --implementation pallas --batch-size $b \
+                --max-new-tokens 32 2>&1 | tee "$OUT/generate_1gpu_b$b.log" | grep -E "decode|speed|backend"
+            timeout 120 python3 examples/generate.py --full-width-layers 8 --mesh expert=2 \
+                --implementation pallas --batch-size $b --max-new-tokens 32 2>&1 |
+                tee "$OUT/generate_ep2_b$b.log" | grep -E "decode|speed|mesh"
+        done
+        timeout 150 python3 examples/generate.py --full-width-layers 30 --mesh expert=2 \
+            --implementation pallas --batch-size 1 --max-new-tokens 32 2>&1 |
+            tee "$OUT/generate_ep2_30layers.log" | tail -5
         ;;
     triton)
         bash examples/gpu_triton.sh 2>&1 | tee "$OUT/triton.log" | tail -40
