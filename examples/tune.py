@@ -38,7 +38,8 @@ logger = logging.getLogger("tune")
 
 # The axes of the search and their values (the validity rules drop what cannot run a shape).
 AXES = {
-    "block_m": (16, 32, 64, 128),
+    "dot": ("mma", "fma"),
+    "block_m": (1, 2, 4, 8, 16, 32, 64, 128),
     "block_n": (16, 32, 64, 128, 256),
     "block_k": (64, 128, 256, 512),
     "split_k": (1, 2, 4, 8),
@@ -47,6 +48,7 @@ AXES = {
     "unpack": ("slices", "tile"),
 }
 QUICK_AXES = {
+    "dot": ("mma", "fma"),
     "block_n": (32, 64, 128),
     "split_k": (1, 2, 4),
     "num_stages": (2, 3, 4),
@@ -69,34 +71,48 @@ def exhaustive(shape: _configs.GemmShape):
             yield cfg
 
 
+def starting_points(shape: _configs.GemmShape) -> list:
+    """The heuristic's config, and for few rows per expert the CUDA-core "fma" product with one
+    row per block (a tensor-core tile of 16 rows would hold mostly padding)."""
+    base = _configs.heuristic_config(shape)
+    starts = [base]
+    if shape.m <= 4 * shape.num_experts:
+        fma = dataclasses.replace(base, dot="fma", block_m=1)
+        if _valid(fma, shape):
+            starts.append(fma)
+    return starts
+
+
 def coordinate_search(shape: _configs.GemmShape, time_config, *, axes, passes: int = 2):
-    """From the heuristic's config, tries every value of one axis at a time keeping the best,
-    for `passes` sweeps over the axes (stops early when a sweep improves nothing).
+    """From each starting point, tries every value of one axis at a time keeping the best, for
+    `passes` sweeps over the axes (stopping early when a sweep improves nothing).
 
     time_config(cfg) -> seconds or None (failed). Returns {cfg: seconds} of all that ran.
     """
-    best = _configs.heuristic_config(shape)
     times = {}
-    t = time_config(best)
-    if t is not None:
-        times[best] = t
-    if shape.m < 16 * shape.num_experts:  # few rows per expert: the 16-row tile is enough
-        axes = {a: v for a, v in axes.items() if a != "block_m"}
-    for _ in range(passes):
-        improved = False
-        for axis, values in axes.items():
-            for v in values:
-                cfg = dataclasses.replace(best, **{axis: v})
-                if cfg in times or not _valid(cfg, shape):
-                    continue
-                t = time_config(cfg)
-                if t is None:
-                    continue
-                times[cfg] = t
-                if best not in times or t < times[best]:
-                    best, improved = cfg, True
-        if not improved:
-            break
+    if shape.m >= 16 * shape.num_experts:  # many rows per expert: tiles of at least 16
+        axes = dict(axes, block_m=tuple(b for b in axes.get("block_m", ()) if b >= 16))
+    for best in starting_points(shape):
+        if best not in times:
+            t = time_config(best)
+            if t is None:
+                continue
+            times[best] = t
+        for _ in range(passes):
+            improved = False
+            for axis, values in axes.items():
+                for v in values:
+                    cfg = dataclasses.replace(best, **{axis: v})
+                    if cfg in times or not _valid(cfg, shape):
+                        continue
+                    t = time_config(cfg)
+                    if t is None:
+                        continue
+                    times[cfg] = t
+                    if t < times[best]:
+                        best, improved = cfg, True
+            if not improved:
+                break
     return times
 
 

@@ -46,7 +46,8 @@ def gemm_configs(
     *,
     activation_quant: ActivationQuant | None = None,
 ) -> tuple[BlockConfig, BlockConfig]:
-    """The configs of GEMM1 (w13) and GEMM2 (w2); both share GEMM1's block_m (one alignment).
+    """The configs of GEMM1 (w13) and GEMM2 (w2); both share GEMM1's block_m (one alignment),
+    and GEMM2 sums with dot="fma" when that block_m is below a tensor-core tile.
 
     With activation_quant the W8A8 GEMM's rules and heuristic apply (w8a8_gemm.resolve_config).
     Logs each new choice once at INFO with where it came from.
@@ -60,6 +61,8 @@ def gemm_configs(
     shapes = [shape_of(w) for w in (w13, w2)]
     (c1, src1), (c2, src2) = (resolve(s, config) for s in shapes)
     c2 = dataclasses.replace(c2, block_m=c1.block_m)
+    if c1.block_m < 16 and c2.dot == "mma":  # rows GEMM1 aligned below a tensor-core tile
+        c2 = dataclasses.replace(c2, dot="fma")
     key = (kind, shapes[0], shapes[1], c1, c2)
     if key not in _logged_configs:
         _logged_configs.add(key)

@@ -112,6 +112,8 @@ def gemm_shape(qw: QuantizedExperts, m: int = 0) -> _configs.GemmShape:
 def config_problems(config: BlockConfig, shape: _configs.GemmShape) -> list[str]:
     """Why `config` cannot run the W8A8 GEMM `shape`: the WNA16 rules plus the int8 dot's."""
     problems = _configs.config_problems(config, shape)
+    if config.dot != "mma":
+        problems.append(f"dot={config.dot!r}: the W8A8 GEMM runs int8 tensor-core dots only")
     per_dot = config.block_k // 4 if config.unpack == "slices" else config.block_k
     if per_dot < MIN_INT8_DOT_K:
         problems.append(

@@ -37,6 +37,16 @@ def _dot(a, w):
     )
 
 
+def _fma(a, w):
+    """f32 [bm, bn, W] products a[m, j] * w[n, j] on the CUDA cores (summed by the caller)."""
+    return a.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None, :, :]
+
+
+def _product(a, w, dot: str):
+    """f32 [bm, bn] = a [bm, W] . w [bn, W]: tensor cores ("mma") or CUDA-core FMAs ("fma")."""
+    return _dot(a, w) if dot == "mma" else jnp.sum(_fma(a, w), axis=2)
+
+
 def _tile_products(
     a_ref,
     qw_ref,
@@ -53,6 +63,7 @@ def _tile_products(
     has_zeros,
     unpack,
     asm,
+    dot,
 ):
     """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for each n_idx."""
     dtype = a_ref.dtype
@@ -60,7 +71,7 @@ def _tile_products(
     if unpack == "slices" and block_k <= group and offset is not None:
         return _one_group_half_slices(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=block_k,
-            group=group, has_zeros=has_zeros, asm=asm, offset=offset,
+            group=group, has_zeros=has_zeros, asm=asm, offset=offset, dot=dot,
         )  # fmt: skip
     return tuple(
         _tile_product_general(
@@ -77,20 +88,22 @@ def _tile_products(
             group=group,
             has_zeros=has_zeros,
             unpack=unpack,
-        )  # fmt: skip
+            dot=dot,
+        )
         for n_idx in n_idxs
     )
 
 
 def _one_group_half_slices(
     a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, *, bits, block_k, group, has_zeros, asm,
-    offset,
+    offset, dot,
 ):  # fmt: skip
     """The fast path: a k-tile inside one group, values exact in the 16-bit activation dtype.
 
     Each value slice converts to offset + v (two values per instruction with asm) and meets
     its contiguous activation columns in one dot; the offset and zero point come off through
-    the activations' row sums, and the group scale multiplies the [bm, bn] product.
+    the activations' row sums, and the group scale multiplies the [bm, bn] product. With
+    dot="fma" the slices' products accumulate as [bm, bn, W] f32 FMAs, reduced once per tile.
     """
     dtype = a_ref.dtype
     slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k)
@@ -105,8 +118,10 @@ def _one_group_half_slices(
         halves = _dequant.half_value_slices(words, bits=bits, dtype=dtype, asm=asm)
         acc = None
         for (a, _), w in zip(slices, halves, strict=True):
-            part = _dot(a, w)
+            part = _dot(a, w) if dot == "mma" else _fma(a, w)
             acc = part if acc is None else acc + part
+        if dot == "fma":
+            acc = jnp.sum(acc, axis=2)
         s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
         z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
         zf = (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
@@ -116,7 +131,8 @@ def _one_group_half_slices(
 
 
 def _tile_product_general(
-    a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros, unpack
+    a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros, unpack,
+    dot,
 ):  # fmt: skip
     """One n_idx, any mode: exact (v - z) through f32, or several groups per tile."""
     dtype = a_ref.dtype
@@ -130,7 +146,7 @@ def _tile_product_general(
             g_idx = (kk // group)[None, :]  # [1, W]
             s = plgpu.load(s_ref.at[e, n_idx[:, None], g_idx]).astype(jnp.float32)  # [bn, W]
             z = _zero_points(z_ref, e, n_idx[:, None], g_idx, bits=bits, has_zeros=has_zeros)
-            part = _dot(a, (_dequant.to_f32_minus_zero(v, z) * s).astype(dtype))
+            part = _product(a, (_dequant.to_f32_minus_zero(v, z) * s).astype(dtype), dot)
             acc = part if acc is None else acc + part
         return acc
 
@@ -144,9 +160,9 @@ def _tile_product_general(
     for a, v, _ in pairs:
         if offset is None:  # exact (v - z) through f32
             w = _dequant.to_f32_minus_zero(v, z[:, None] if has_zeros else z).astype(dtype)
-            part = _dot(a, w)
+            part = _product(a, w, dot)
         else:  # offset + v exactly in the 16-bit dtype; the offset and z come off below
-            part = _dot(a, _dequant.to_half_plus_offset(v, dtype))
+            part = _product(a, _dequant.to_half_plus_offset(v, dtype), dot)
             rs = jnp.sum(a.astype(jnp.float32), axis=1)  # [bm]
             rowsum = rs if rowsum is None else rowsum + rs
         acc = part if acc is None else acc + part
@@ -198,7 +214,7 @@ def _gemm_kernel(
     def tile_products(e, row, n_idxs, k0):
         return _tile_products(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=config.block_k,
-            group=group, has_zeros=has_zeros, unpack=config.unpack, asm=asm,
+            group=group, has_zeros=has_zeros, unpack=config.unpack, asm=asm, dot=config.dot,
         )  # fmt: skip
 
     out_columns = None

@@ -187,6 +187,25 @@ def test_explicit_split_k_config(rng):
     assert_moe_close(out, ref, F16, "vs xla backend")
 
 
+@pytest.mark.parametrize("block_m, split_k", [(1, 1), (4, 2)])
+def test_fma_config_with_expert_map(rng, block_m, split_k):
+    """dot="fma" with block_m below a tensor-core tile: both GEMMs (GEMM2 follows GEMM1's
+    block_m), a quarter of the experts local, dropped ids."""
+    e = 16
+    x, w13, w2, tw, ti = helpers.random_moe_inputs(
+        rng, T=5, H=256, I=256, E=e, k=4, bits=4, group_size=128
+    )
+    ti = np.asarray(ti).copy()
+    ti[0, 0] = -1
+    expert_map = quarter_local_map(rng, e)
+    local = int((np.asarray(expert_map) >= 0).sum())
+    w13 = jax.tree.map(lambda a: a[:local], w13)
+    w2 = jax.tree.map(lambda a: a[:local], w2)
+    config = BlockConfig(block_m=block_m, block_n=32, block_k=128, split_k=split_k, dot="fma")
+    out, ref = run_both(x, w13, w2, tw, jnp.asarray(ti), config=config, expert_map=expert_map)
+    assert_moe_close(out, ref, BF16, f"{config} vs xla backend")
+
+
 def test_chunked_tokens_match(rng):
     """Token chunks (chunk_tokens=4 over T=10: two full chunks and a padded one) give the
     unchunked result."""

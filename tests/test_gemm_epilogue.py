@@ -152,3 +152,61 @@ def test_gated_gemm_rejects_split_k(rng):
     config = BlockConfig(block_m=16, block_n=64, block_k=128, split_k=2)
     with pytest.raises(ValueError, match="split_k=1"):
         wna16_gemm(x, w13, routing, top_k=1, config=config, activation="silu", interpret=True)
+
+
+# ---- dot="fma": CUDA-core products for few rows per expert ---------------------------------
+
+FMA_CASES = [
+    # (bits, group, has_zp, dtype, block_m, block_k, unpack, split_k)
+    (4, 128, True, BF16, 1, 128, "slices", 1),
+    (4, 64, False, F16, 2, 128, "slices", 2),  # several groups per tile
+    (8, 128, True, BF16, 4, 64, "slices", 1),  # int8 into bf16: the exact f32 path
+    (4, -1, True, BF16, 8, 64, "tile", 2),
+    (8, 32, False, F16, 16, 32, "tile", 1),
+]
+
+
+@pytest.mark.parametrize("bits, group, has_zp, dtype, block_m, block_k, unpack, split_k", FMA_CASES)
+def test_fma_gemm_matches_reference(
+    rng, bits, group, has_zp, dtype, block_m, block_k, unpack, split_k
+):
+    t, top_k, e, n, k = 7, 3, 8, 64, 256
+    qw = helpers.random_quantized_experts(rng, e, n, k, bits, group, has_zp, dtype)
+    _, ids = helpers.random_routing(rng, t, top_k, e)
+    routing = _ref_align(jnp.asarray(ids, jnp.int32), num_experts=e, block_m=block_m)
+    a = jnp.asarray(rng.normal(size=(t, k)), dtype)
+    rw = jnp.asarray(rng.uniform(0.1, 1.0, size=t * top_k), jnp.float32)
+    config = BlockConfig(
+        block_m=block_m, block_n=32, block_k=block_k, unpack=unpack, split_k=split_k, dot="fma"
+    )
+    out = wna16_gemm(
+        a, qw, routing, rw, top_k=top_k, config=config, out_dtype=jnp.float32, interpret=INTERPRET
+    )
+    ref = _ref_gemm(a, qw, routing, top_k=top_k, routed_weights=rw)
+    # f32 products of the same 16-bit operands as the tensor-core path: the same tolerances
+    # (1e-5 inside one group, ~u/2 across groups; f16 in-group 1e-4, as test_wna16_gemm.py).
+    in_group = block_k <= qw.group
+    tol = (1e-4 if dtype == F16 else 1e-5) if in_group else 5e-3
+    helpers.assert_finite_and_close(
+        np.asarray(out), np.asarray(ref), tol, f"fma {config}", require_signal=True
+    )
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (BlockConfig(block_m=8, block_n=32, block_k=128), "must be >= 16 for tensor-core dots"),
+        (BlockConfig(block_m=32, block_n=32, block_k=128, dot="fma"), "must be <= 16"),
+    ],
+)
+def test_dot_mode_rules(rng, config, message):
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16)
+    routing = _ref_align(jnp.zeros((1, 1), jnp.int32), num_experts=2, block_m=config.block_m)
+    a = jnp.asarray(rng.normal(size=(1, 256)), BF16)
+    with pytest.raises(ValueError, match=message):
+        wna16_gemm(a, qw, routing, top_k=1, config=config, interpret=True)
+
+
+def test_unknown_dot_mode_is_refused():
+    with pytest.raises(ValueError, match="BlockConfig.dot='wmma' is not one of"):
+        BlockConfig(dot="wmma")

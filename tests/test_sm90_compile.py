@@ -59,3 +59,32 @@ def test_deepseek_v3_kernels_build_for_sm90(m, bits, group_size, has_zeros, dtyp
         )
     if bits == 4:  # the in-group 16-bit path converts with PTX prmt + lop3
         assert all("prmt.b32" in k.ptx and "lop3.b32" in k.ptx for k in gemms)
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, wj.BlockConfig(block_m=1, block_n=64, block_k=128, dot="fma")),
+        (1, wj.BlockConfig(block_m=1, block_n=64, block_k=128, split_k=4, dot="fma")),
+        (16, wj.BlockConfig(block_m=2, block_n=128, block_k=128, dot="fma")),
+    ],
+    ids=["m1-bm1", "m1-bm1-split4", "m16-bm2"],
+)
+def test_fma_kernels_build_for_sm90(m, config):
+    """The CUDA-core product (no tensor cores) builds, converts with PTX and uses real FMAs."""
+    w13 = abstract_experts(2 * I, H, 4, 128, True)
+    w2 = abstract_experts(H, I, 4, 128, True)
+    args = (
+        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
+        w13,
+        w2,
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+    )
+    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert len(gemms) == 2
+    for k in gemms:
+        assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES
+        assert "fma.rn.f32" in k.ptx and "prmt.b32" in k.ptx
+        assert "mma.sync" not in k.ptx and "wgmma" not in k.ptx

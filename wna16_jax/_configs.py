@@ -54,15 +54,20 @@ def config_problems(config: BlockConfig, shape: GemmShape) -> list[str]:
         problems.append(f"block_k={bk} is smaller than one packed word ({32 // shape.bits})")
     # Kernel rules: tensor-core tiles are at least 16 wide, and a "slices" dot contracts
     # block_k // values-per-word features (measured on the H200: a contraction of 8, int4 with
-    # block_k=64, returned garbage).
-    if min(config.block_m, config.block_n) < 16:
+    # block_k=64, returned garbage). The "fma" products use no tensor cores.
+    if config.dot == "mma" and min(config.block_m, config.block_n) < 16:
         problems.append(
             f"block_m={config.block_m} and block_n={config.block_n} must be >= 16 for "
-            f"tensor-core dots"
+            f"tensor-core dots (dot='mma')"
+        )
+    if config.dot == "fma" and (config.block_m > 16 or config.block_n < 16):
+        problems.append(
+            f"dot='fma' is for few rows per expert: block_m={config.block_m} must be <= 16 and "
+            f"block_n={config.block_n} >= 16"
         )
     if shape.n % config.block_n:
         problems.append(f"N={shape.n} is not a multiple of block_n={config.block_n}")
-    min_k = min_block_k(shape.bits) if config.unpack == "slices" else 16
+    min_k = min_block_k(shape.bits) if config.unpack == "slices" and config.dot == "mma" else 16
     if bk < min_k:
         problems.append(
             f"block_k={bk} is below {min_k} for int{shape.bits} with unpack={config.unpack!r}: "

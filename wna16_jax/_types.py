@@ -15,6 +15,8 @@ SUPPORTED_BITS = (4, 8)
 MAX_ARRAY_ELEMENTS = 2**31 - 1
 # BlockConfig.unpack values.
 UNPACK_MODES = ("slices", "tile")
+# BlockConfig.dot values.
+DOT_MODES = ("mma", "fma")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +179,10 @@ class BlockConfig:
     unpack: how a k-tile of packed weights meets the tensor cores: "slices" (each word loaded
         once; one dot per value position, contracting block_k // values-per-word features) or
         "tile" (words loaded once per value and shifted in place; one dot contracting block_k).
+    dot: how a k-tile's products are summed: "mma" (tensor-core dots; block_m, block_n >= 16)
+        or "fma" (dequantize-multiply-reduce in f32 on the CUDA cores, for very few rows per
+        expert: block_m may be 1, 2, 4 or 8 where a 16-row tensor-core tile would waste most of
+        its work).
     """
 
     block_m: int = 16
@@ -187,12 +193,15 @@ class BlockConfig:
     num_warps: int = 4
     num_stages: int = 2
     unpack: str = "slices"
+    dot: str = "mma"
 
     def __post_init__(self):
         if self.unpack not in UNPACK_MODES:
             raise ValueError(f"BlockConfig.unpack={self.unpack!r} is not one of {UNPACK_MODES}")
+        if self.dot not in DOT_MODES:
+            raise ValueError(f"BlockConfig.dot={self.dot!r} is not one of {DOT_MODES}")
         for f in dataclasses.fields(self):
-            if f.name == "unpack":
+            if f.name in ("unpack", "dot"):
                 continue
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 1:
