@@ -92,6 +92,7 @@ def _run(
     config,
     interpret,
     activation_quant=None,
+    out_dtype=None,
 ):
     return pallas_moe.fused_moe(
         x,
@@ -104,6 +105,7 @@ def _run(
         config=config,
         interpret=interpret,
         activation_quant=activation_quant,
+        out_dtype=out_dtype,
     )
 
 

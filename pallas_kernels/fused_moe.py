@@ -201,7 +201,14 @@ def _fused_moe_w8a8_chunk(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("activation", "config", "interpret", "chunk_tokens", "activation_quant"),
+    static_argnames=(
+        "activation",
+        "config",
+        "interpret",
+        "chunk_tokens",
+        "activation_quant",
+        "out_dtype",
+    ),
 )
 def fused_moe(
     x,
@@ -216,6 +223,7 @@ def fused_moe(
     interpret: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     activation_quant: ActivationQuant | None = None,
+    out_dtype=None,
 ):
     """fused_moe (DESIGN.md steps 1-5) from the Pallas kernels; inputs already validated.
 
@@ -231,9 +239,10 @@ def fused_moe(
         interpret: run the kernels under the Pallas interpreter.
         chunk_tokens: tokens per chunk for large T.
         activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
+        out_dtype: the output dtype (default x.dtype), rounded once from the f32 sum.
 
     Returns:
-        [T, H] in x.dtype.
+        [T, H] in out_dtype.
     """
     if activation_quant is not None:
         run = functools.partial(
@@ -247,7 +256,7 @@ def fused_moe(
             interpret=interpret,
         )
         return _reference.map_token_chunks(
-            run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens
+            run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
         )
     run = functools.partial(
         _fused_moe_chunk,
@@ -258,4 +267,6 @@ def fused_moe(
         config=config,
         interpret=interpret,
     )
-    return _reference.map_token_chunks(run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens)
+    return _reference.map_token_chunks(
+        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
+    )

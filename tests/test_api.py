@@ -316,6 +316,30 @@ def test_fused_moe_equals_reference_and_oracle(rng, dtype):
     helpers.assert_close(out, want, dtype)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_out_dtype_float32_is_the_sum_before_rounding(rng, implementation):
+    """out_dtype=float32 returns the f32 sum every backend rounds once to x.dtype by default,
+    so the default output is exactly its rounding (the sharded layer adds shards' partials in
+    f32 this way)."""
+    x, w13, w2, wts, ids = helpers.random_moe_inputs(
+        rng, T=5, H=128, I=128, E=4, k=2, group_size=128
+    )
+    out = wj.fused_moe(x, w13, w2, wts, ids, implementation=implementation)
+    full = wj.fused_moe(x, w13, w2, wts, ids, implementation=implementation, out_dtype="float32")
+    assert out.dtype == jnp.bfloat16 and full.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(full.astype(jnp.bfloat16), np.float32), np.asarray(out, np.float32)
+    )
+    assert np.any(np.asarray(full) != np.asarray(out, np.float32))  # not just bf16 values
+
+
+def test_out_dtype_must_be_a_float_dtype(problem):
+    p = problem
+    args = (p["x"], p["w13"], p["w2"], p["topk_weights"], p["topk_ids"])
+    with pytest.raises(ValueError, match="out_dtype=.*int32.* must be one of"):
+        wj.fused_moe(*args, out_dtype=jnp.int32)
+
+
 def test_fused_moe_under_jit(problem):
     p = problem
     args = (p["x"], p["w13"], p["w2"], p["topk_weights"], p["topk_ids"])

@@ -86,7 +86,9 @@ def align_unsupported_reason(problem: AlignProblem) -> str | None:
     return reason
 
 
-def _fused_moe(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config):
+def _fused_moe(
+    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, out_dtype=None
+):
     from triton_kernels import fused_moe as triton_moe
 
     return triton_moe.fused_moe(
@@ -98,6 +100,7 @@ def _fused_moe(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, co
         expert_map=expert_map,
         activation=activation,
         config=config,
+        out_dtype=out_dtype,
     )
 
 

@@ -45,7 +45,9 @@ def _fused_moe_chunk(
     return sum_over_top_k(y, topk_ids, num_experts)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "config", "chunk_tokens", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("activation", "config", "chunk_tokens", "interpret", "out_dtype")
+)
 def fused_moe(
     x,
     w13: QuantizedExperts,
@@ -58,6 +60,7 @@ def fused_moe(
     config: BlockConfig | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     interpret: bool = False,
+    out_dtype=None,
 ):
     """fused_moe (DESIGN.md steps 1-5) from the Triton kernels; inputs already validated.
 
@@ -73,8 +76,10 @@ def fused_moe(
         chunk_tokens: tokens per chunk for large T.
         interpret: run the kernels in Triton's interpreter on the host (slow; for tests).
 
+        out_dtype: the output dtype (default x.dtype), rounded once from the f32 sum.
+
     Returns:
-        [T, H] in x.dtype.
+        [T, H] in out_dtype.
     """
     run = functools.partial(
         _fused_moe_chunk,
@@ -85,4 +90,6 @@ def fused_moe(
         config=config,
         interpret=interpret,
     )
-    return _reference.map_token_chunks(run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens)
+    return _reference.map_token_chunks(
+        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
+    )

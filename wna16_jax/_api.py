@@ -155,6 +155,9 @@ def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, act
     return problem, activation_quant
 
 
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
 def fused_moe(
     x,
     w13: QuantizedExperts,
@@ -167,6 +170,7 @@ def fused_moe(
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | None = None,
     activation_quant: str | ActivationQuant | None = None,
+    out_dtype=None,
 ):
     """A whole MoE layer with weight-only quantized experts (DESIGN.md steps 1-5).
 
@@ -194,9 +198,12 @@ def fused_moe(
         config: optional BlockConfig for the kernels; None = tuned table, then heuristic.
         activation_quant: None (16-bit activations: WNA16), "int8_per_token" (dynamic
             per-token int8), or a wj.ActivationQuant (e.g. static per-tensor scales).
+        out_dtype: the output dtype, default x.dtype. Every backend sums the top-k slots in
+            f32 and rounds once to it; float32 keeps partial layers exact for a later sum
+            (the sharded layer adds its shards' partials in f32 this way).
 
     Returns:
-        [T, H] in x.dtype.
+        [T, H] in out_dtype.
 
     Raises:
         ValueError: malformed inputs or a config that cannot run these shapes.
@@ -205,9 +212,16 @@ def fused_moe(
     problem, activation_quant = _moe_problem(
         x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
     )
+    if out_dtype is not None and jnp.dtype(out_dtype) not in _OUT_DTYPES:
+        raise ValueError(
+            f"out_dtype={out_dtype!r} must be one of {[d.name for d in _OUT_DTYPES]} (or None)"
+        )
     backend = _dispatch.select_backend(problem, implementation)
-    # Only W8A8 calls pass activation_quant: a backend that never accepts it needs no such arg.
+    # Only W8A8 calls pass activation_quant, and only callers asking another output dtype
+    # pass out_dtype: a backend that never accepts them needs no such args.
     extra = {} if activation_quant is None else {"activation_quant": activation_quant}
+    if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(x.dtype):
+        extra["out_dtype"] = jnp.dtype(out_dtype)
     return backend.fused_moe(
         x,
         w13,

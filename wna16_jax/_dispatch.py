@@ -74,7 +74,8 @@ class Backend:
         unsupported_reason: problem -> None when it can run, else a sentence saying why not.
         fused_moe: (x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config) -> out;
             called with the keyword activation_quant (an ActivationQuant) too when the problem
-            has one, so a backend that accepts such problems must take it.
+            has one, so a backend that accepts such problems must take it, and with out_dtype
+            when the caller asks for an output dtype other than x's.
         align_unsupported_reason: AlignProblem -> None or why not.
         moe_align_block_size: (topk_ids, *, num_experts, block_m, expert_map) -> AlignedRouting.
     """
@@ -183,7 +184,17 @@ def _xla_unsupported_reason(problem: MoEProblem) -> str | None:
 
 
 def _xla_fused_moe(
-    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, activation_quant=None
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map,
+    activation,
+    config,
+    activation_quant=None,
+    out_dtype=None,
 ):
     block_m = config.block_m if config is not None else 16
     if activation_quant is not None:
@@ -197,6 +208,7 @@ def _xla_fused_moe(
             expert_map=expert_map,
             activation=activation,
             block_m=block_m,
+            out_dtype=out_dtype,
         )
     return _reference.fused_moe(
         x,
@@ -207,6 +219,7 @@ def _xla_fused_moe(
         expert_map=expert_map,
         activation=activation,
         block_m=block_m,
+        out_dtype=out_dtype,
     )
 
 

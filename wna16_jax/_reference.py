@@ -165,7 +165,7 @@ def _fused_moe_chunk(x, w13, w2, topk_weights, topk_ids, *, expert_map, activati
     return y.reshape(t, k, -1).sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_m", "chunk_tokens"))
+@functools.partial(jax.jit, static_argnames=("activation", "block_m", "chunk_tokens", "out_dtype"))
 def fused_moe(
     x,
     w13: QuantizedExperts,
@@ -177,6 +177,7 @@ def fused_moe(
     activation: str = "silu",
     block_m: int = 16,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    out_dtype=None,
 ):
     """Reference MoE layer (DESIGN.md steps 1-5) in f32, processed in token chunks.
 
@@ -185,9 +186,10 @@ def fused_moe(
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
         expert_map: optional int32 [E_global] global -> local (-1 off-shard).
         activation: "silu".  block_m: alignment block.  chunk_tokens: tokens per chunk.
+        out_dtype: the output dtype (default x.dtype).
 
     Returns:
-        [T, H] in x.dtype.
+        [T, H] in out_dtype.
     """
     run = functools.partial(
         _fused_moe_chunk,
@@ -197,19 +199,23 @@ def fused_moe(
         activation=activation,
         block_m=block_m,
     )
-    return map_token_chunks(run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens)
+    return map_token_chunks(
+        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
+    )
 
 
-def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int):
+def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int, out_dtype=None):
     """Applies run(x, topk_weights=, topk_ids=) -> [t, H] f32 to chunks of at most chunk_tokens.
 
-    Returns [T, H] in x.dtype. Padding tokens of the last chunk route to id -1 (dropped).
+    Returns [T, H] in out_dtype (default x.dtype), rounded once from the f32 sums. Padding
+    tokens of the last chunk route to id -1 (dropped).
     """
     t, hdim = x.shape
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     if t == 0:
-        return jnp.zeros((0, hdim), x.dtype)
+        return jnp.zeros((0, hdim), out_dtype)
     if t <= chunk_tokens:
-        return run(x, topk_weights=topk_weights, topk_ids=topk_ids).astype(x.dtype)
+        return run(x, topk_weights=topk_weights, topk_ids=topk_ids).astype(out_dtype)
     num_chunks = -(-t // chunk_tokens)
     pad = num_chunks * chunk_tokens - t
     xp = jnp.pad(x, ((0, pad), (0, 0)))
@@ -223,7 +229,7 @@ def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int):
             ip.reshape(num_chunks, chunk_tokens, -1),
         ),
     )
-    return out.reshape(-1, hdim)[:t].astype(x.dtype)
+    return out.reshape(-1, hdim)[:t].astype(out_dtype)
 
 
 # ---- int8 activations (W8A8): quantization and the exact integer products --------------------
@@ -371,7 +377,8 @@ def _fused_moe_a8_chunk(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("activation", "activation_quant", "block_m", "chunk_tokens")
+    jax.jit,
+    static_argnames=("activation", "activation_quant", "block_m", "chunk_tokens", "out_dtype"),
 )
 def fused_moe_a8(
     x,
@@ -385,6 +392,7 @@ def fused_moe_a8(
     activation: str = "silu",
     block_m: int = 16,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    out_dtype=None,
 ):
     """Reference MoE layer with int8 activations: the oracle of the W8A8 kernels.
 
@@ -399,9 +407,10 @@ def fused_moe_a8(
         activation_quant: an ActivationQuant with its scales known.
         expert_map: optional int32 [E_global] global -> local (-1 off-shard).
         activation: "silu".  block_m: alignment block.  chunk_tokens: tokens per chunk.
+        out_dtype: the output dtype (default x.dtype).
 
     Returns:
-        [T, H] in x.dtype.
+        [T, H] in out_dtype.
     """
     run = functools.partial(
         _fused_moe_a8_chunk,
@@ -412,4 +421,6 @@ def fused_moe_a8(
         activation_quant=activation_quant,
         block_m=block_m,
     )
-    return map_token_chunks(run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens)
+    return map_token_chunks(
+        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
+    )

@@ -384,8 +384,11 @@ def random_sharded_experts(
 
 
 def _local_moe(x, w13, w2, topk_weights, local_ids, *, activation, implementation, config):
-    # local_ids already hold local expert ids (-1 = not here): the alignment then pads only the
-    # E_local runs, which is what fused_moe(..., expert_map=) computes, with fewer blocks.
+    """This shard's partial layer in f32 (the shards' partials are summed before rounding).
+
+    local_ids already hold local expert ids (-1 = not here): the alignment then pads only the
+    E_local runs, which is what fused_moe(..., expert_map=) computes, with fewer blocks.
+    """
     return _api.fused_moe(
         x,
         w13,
@@ -395,6 +398,7 @@ def _local_moe(x, w13, w2, topk_weights, local_ids, *, activation, implementatio
         activation=activation,
         implementation=implementation,
         config=config,
+        out_dtype=jnp.float32,
     )
 
 
@@ -441,8 +445,8 @@ def _exclusive_cumsum(a, axis=0):
 def _ragged_moe(x, w13, w2, topk_weights, topk_ids, *, num_experts, expert_axis, **moe_kwargs):
     """Token-sharded EP with a ragged exchange: each token goes once to each shard it needs.
 
-    x [T_l, H] and the routing [T_l, k] are this shard's tokens; returns [T_l, H] summed over
-    the experts of all shards.
+    x [T_l, H] and the routing [T_l, k] are this shard's tokens; returns f32 [T_l, H] summed
+    over the experts of all shards.
     """
     t_l, h = x.shape
     k = topk_ids.shape[1]
@@ -507,7 +511,7 @@ def _ragged_moe(x, w13, w2, topk_weights, topk_ids, *, num_experts, expert_axis,
     row_used = jnp.arange(cap) < send_sizes.sum()
     out = jnp.zeros((t_l, h), jnp.float32)
     out = out.at[jnp.where(row_used, tok_of_row, t_l)].add(back.astype(jnp.float32), mode="drop")
-    return out.astype(x.dtype)
+    return out  # f32: the caller rounds once after any psum
 
 
 def fused_moe_local_shard(
@@ -560,9 +564,9 @@ def fused_moe_local_shard(
         raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCHES}")
     if mode == "replicated":
         local_ids = _to_local_ids(topk_ids, num_experts, expert_axis)
-        y = _local_moe(x, w13, w2, topk_weights, local_ids, **moe_kwargs)
+        y = _local_moe(x, w13, w2, topk_weights, local_ids, **moe_kwargs)  # f32 partial
         axes = tuple(a for a in (expert_axis, tensor_axis) if a is not None)
-        return jax.lax.psum(y, axes) if axes else y
+        return (jax.lax.psum(y, axes) if axes else y).astype(x.dtype)
     token_axis = expert_axis if expert_axis is not None else tensor_axis
     if token_axis is None:
         raise ValueError("mode='all_to_all' needs an expert_axis or a tensor_axis")
@@ -587,7 +591,8 @@ def fused_moe_local_shard(
         local_ids = _to_local_ids(ids, num_experts, expert_axis)
         y = _local_moe(xs, w13, w2, ws, local_ids, **moe_kwargs)  # [T, H] partial
         y = jax.lax.psum_scatter(y, token_axis, scatter_dimension=0, tiled=True)  # [T/n, H]
-    return jax.lax.psum(y, rest) if rest is not None else y
+    # The partials are f32 up to here: one rounding to x.dtype, as unsharded.
+    return (jax.lax.psum(y, rest) if rest is not None else y).astype(x.dtype)
 
 
 # ---- global entry points --------------------------------------------------------------------
