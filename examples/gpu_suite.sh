@@ -7,6 +7,7 @@
 #               the 1536-case full grid of test_wna16_gemm.py only with FULL=1, on 8 workers)
 #   tune-decode tune.py at M = 1, 16 (both GEMMs); installs the table for the steps after it
 #   tune-large  tune.py at M = 256, 4096 (merged into the same table)
+#   tune-tp8    tune.py on the TP=8 slice (I=256) at M = 1, 16 (merged into the same table)
 #   bench       benchmark.py: DeepSeek-V3 TP=1 with and without zero points (stages, JSON,
 #               roofline), the TP=8 slice
 #   int8        benchmark.py: W8A8 vs W8A16 (per-channel int8) at M = 1, 256, 4096
@@ -45,12 +46,14 @@ for step in "${steps[@]}"; do
             tests/test_w8a8.py tests/test_gemm_epilogue.py -k "$select" 2>&1 |
             tee "$OUT/gpu_tests.log" | tail -40
         ;;
-    tune-decode | tune-large)
+    tune-decode | tune-large | tune-tp8)
         ms="1 16"
+        preset=deepseek-v3
         [ "$step" = tune-large ] && ms="256 4096"
+        [ "$step" = tune-tp8 ] && preset=deepseek-v3-tp8
         [ -f "$table" ] && cp "$table" "$OUT/tuned.json"
-        python3 examples/tune.py --m $ms --out "$OUT/tuned.json" 2>"$OUT/$step.log" |
-            tee "$OUT/$step.txt"
+        python3 examples/tune.py --preset $preset --m $ms --out "$OUT/tuned.json" \
+            2>"$OUT/$step.log" | tee "$OUT/$step.txt"
         mkdir -p "$(dirname "$table")" && cp "$OUT/tuned.json" "$table"
         ;;
     bench)
