@@ -72,6 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="fused_moe backend (xla, pallas, pallas_interpret, ...); default auto",
     )
     p.add_argument(
+        "--linear-implementation",
+        choices=("xla", "pallas", "pallas_interpret"),
+        default="xla",
+        help="quantized non-expert linears (attention, dense MLP, shared experts): xla "
+        "(dequantize + dot, default) or the Pallas GEMM with one expert (not with --mesh)",
+    )
+    p.add_argument(
         "--quantize",
         choices=("int4", "int8"),
         default=None,
@@ -177,6 +184,11 @@ def main(argv=None) -> int:
         sharding.use_cpu_devices(args.cpu_devices)
     sharding.maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh)) if args.mesh else None
+    if mesh is not None and args.linear_implementation != "xla":
+        raise SystemExit(
+            f"--linear-implementation {args.linear_implementation} cannot run under --mesh (a "
+            f"Pallas call is not partitioned by GSPMD); use xla"
+        )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     backend_log = _BackendLog()
     moe_logger = logging.getLogger("wna16_jax")
@@ -187,6 +199,7 @@ def main(argv=None) -> int:
     print(f"mesh: {sharding.describe(mesh)}")
     t0 = time.perf_counter()
     model, tokenizer, what = build_model(args, mesh)
+    model.set_linear_implementation(args.linear_implementation)
     print(
         f"model: {what} ({time.perf_counter() - t0:.1f} s to build); "
         f"JAX platform {jax.default_backend()}, {jax.device_count()} device(s)"

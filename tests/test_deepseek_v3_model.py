@@ -205,6 +205,27 @@ def test_pallas_interpret_matches_xla(rng):
     assert_close(logits_of(interp, ids, mask), logits_of(model_xla, ids, mask), "pallas_interpret")
 
 
+def test_pallas_linears_match_xla(rng):
+    """The quantized non-expert linears through the one-expert Pallas GEMM (interpreted) give
+    the logits of the dequantize-and-dot path."""
+    model = tiny_model(num_hidden_layers=2)
+    linears = [m for _, m in model.iter_modules() if isinstance(m, QuantizedLinear)]
+    on_kernel = [m for m in linears if wj.linear.kernel_reason(m.weight.get()) is None]
+    assert len(on_kernel) >= len(linears) // 2, "most linears must run through the kernel"
+    kernel = nnx.clone(model)
+    kernel.set_linear_implementation("pallas_interpret")
+    assert all(
+        m.implementation == "pallas_interpret"
+        for _, m in kernel.iter_modules()
+        if isinstance(m, QuantizedLinear)
+    )
+    ids = random_ids(rng, (2, 5), model.cfg)
+    mask = np.ones(ids.shape, bool)
+    assert_close(logits_of(kernel, ids, mask), logits_of(model, ids, mask), "pallas_interpret")
+    with pytest.raises(ValueError, match="linear implementation 'triton' is not one of"):
+        kernel.set_linear_implementation("triton")
+
+
 def test_bf16_model_tracks_f32(rng):
     """The same random weights in bf16: logits stay close to the f32 model's."""
     f32 = tiny_model(num_hidden_layers=2)

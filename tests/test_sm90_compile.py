@@ -88,3 +88,35 @@ def test_fma_kernels_build_for_sm90(m, config):
         assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES
         assert "fma.rn.f32" in k.ptx and "prmt.b32" in k.ptx
         assert "mma.sync" not in k.ptx and "wgmma" not in k.ptx
+
+
+# DeepSeek-V3's quantized non-expert linears (N, K): MLA projections, dense MLP.
+DSV3_LINEARS = {
+    "q_a": (1536, 7168),
+    "q_b": (24576, 1536),
+    "kv_a": (576, 7168),
+    "kv_b": (32768, 512),
+    "o": (7168, 16384),
+    "dense_gate": (18432, 7168),
+    "dense_down": (7168, 18432),
+}
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("name", sorted(DSV3_LINEARS))
+def test_deepseek_v3_linears_build_for_sm90(name, rows):
+    from wna16_jax import linear
+
+    n, k = DSV3_LINEARS[name]
+    w = abstract_experts(n, k, 4, 128, True)
+    w = wj.QuantizedExperts(
+        *(jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in (w.qweight, w.scales, w.zeros)),
+        bits=4,
+        group_size=128,
+    )
+    x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+    kernels = sm90.compile_for_sm90(
+        lambda x, w: linear.quantized_matmul(x, w, implementation="pallas"), x, w
+    )
+    assert [k.name for k in kernels] == ["wna16_gemm_int4"]
+    assert kernels[0].shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES

@@ -167,8 +167,10 @@ class Linear(nnx.Module):
 class QuantizedLinear(nnx.Module):
     """y = x @ dequant(weight).T for a WNA16 weight [1, N, K].
 
-    Non-expert linears dequantize on the fly inside jit (XLA fuses the unpack into the
-    matmul's operand); routed experts use wna16_jax.fused_moe instead.
+    `implementation` (DeepseekV3ForCausalLM.set_linear_implementation): "xla" (default)
+    dequantizes on the fly inside jit and runs one float dot; "pallas" / "pallas_interpret" run
+    the dequant-fused grouped GEMM with one expert (`wna16_jax.linear.quantized_matmul`), for
+    models that are not sharded by GSPMD (a Pallas call cannot be partitioned).
     """
 
     def __init__(
@@ -183,13 +185,18 @@ class QuantizedLinear(nnx.Module):
         if qe is None:
             qe = random_quantized(rngs, (1, n, k), cfg.quant, std=k**-0.5, dtype=cfg.dtype)
         self.weight = QuantizedTensor(qe)
+        self.implementation = "xla"
 
     def dense_weight(self, dtype) -> jax.Array:
         """float [N, K], dequantized."""
         return wj.dequantize_experts(self.weight.get(), dtype=dtype)[0]
 
     def __call__(self, x):
-        return _matmul_nk(x, self.dense_weight(x.dtype))
+        w = self.weight.get()
+        if self.implementation == "xla" or wj.linear.kernel_reason(w) is not None:
+            # Shapes the kernels cannot tile (e.g. N not a multiple of 16) stay on xla.
+            return _matmul_nk(x, self.dense_weight(x.dtype))
+        return wj.linear.quantized_matmul(x, w, implementation=self.implementation)
 
 
 def make_linear(cfg: DeepseekV3Config, k: int, n: int, *, target: str | None, rngs: Rng):
@@ -740,6 +747,20 @@ class DeepseekV3ForCausalLM(nnx.Module):
             implementation = tuple(implementation)
         for _, m in self.iter_modules():
             if isinstance(m, RoutedExperts):
+                m.implementation = implementation
+
+    def set_linear_implementation(self, implementation: str) -> None:
+        """Selects how every quantized non-expert linear runs: "xla" (dequantize + dot, the
+        default, works under any sharding) or "pallas" / "pallas_interpret" (the dequant-fused
+        GEMM with one expert; not for GSPMD-sharded models). Layers whose shape the kernels
+        cannot tile stay on "xla"."""
+        if implementation not in wj.linear.LINEAR_IMPLEMENTATIONS:
+            raise ValueError(
+                f"linear implementation {implementation!r} is not one of "
+                f"{wj.linear.LINEAR_IMPLEMENTATIONS}"
+            )
+        for _, m in self.iter_modules():
+            if isinstance(m, QuantizedLinear):
                 m.implementation = implementation
 
     @property

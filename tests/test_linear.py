@@ -1,0 +1,80 @@
+"""Tests of the quantized linear layer (wna16_jax.linear): the one-expert grouped GEMM.
+
+The Pallas path (interpreted on CPU, compiled on a GPU) and the xla path against a float64
+numpy product on the same dequantized weights; shapes (leading dims, rows not a multiple of
+block_m, no rows), the identity routing, and the errors.
+"""
+
+from __future__ import annotations
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import wna16_jax as wj
+from wna16_jax import linear
+
+ON_GPU = jax.default_backend() == "gpu"
+KERNEL = "pallas" if ON_GPU else "pallas_interpret"
+
+
+def numpy_linear(x, w) -> np.ndarray:
+    wd = helpers.numpy_dequantize(w)[0]  # [N, K] float64
+    return np.einsum("...k,nk->...n", np.asarray(x, np.float64), wd)
+
+
+@pytest.mark.parametrize("implementation", ["xla", KERNEL])
+@pytest.mark.parametrize(
+    "bits, group, has_zp, dtype",
+    [
+        (4, 128, True, jnp.bfloat16),
+        (4, 64, False, jnp.float16),
+        (8, -1, False, jnp.bfloat16),
+        (4, 32, True, jnp.float32),
+    ],
+)
+def test_matches_numpy(rng, implementation, bits, group, has_zp, dtype):
+    w = helpers.random_quantized_experts(rng, 1, 96, 256, bits, group, has_zp, dtype)
+    x = jnp.asarray(rng.normal(size=(2, 3, 256)), dtype)  # 6 rows: not a multiple of block_m
+    out = linear.quantized_matmul(x, w, implementation=implementation)
+    assert out.shape == (2, 3, 96) and out.dtype == dtype
+    helpers.assert_close(out, numpy_linear(x, w), dtype, f"{implementation} linear")
+
+
+def test_kernel_with_fma_config_and_zero_rows(rng):
+    w = helpers.random_quantized_experts(rng, 1, 64, 256, 4, 128, True, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(3, 256)), jnp.bfloat16)
+    cfg = wj.BlockConfig(block_m=1, block_n=32, block_k=128, dot="fma")
+    out = linear.quantized_matmul(x, w, implementation=KERNEL, config=cfg)
+    helpers.assert_close(out, numpy_linear(x, w), jnp.bfloat16, "fma linear")
+    empty = linear.quantized_matmul(x[:0], w, implementation=KERNEL)
+    assert empty.shape == (0, 64)
+
+
+def test_identity_routing():
+    r = linear.identity_routing(5, 4)
+    np.testing.assert_array_equal(r.sorted_token_ids, [0, 1, 2, 3, 4, 5, 5, 5])
+    np.testing.assert_array_equal(r.expert_ids, [0, 0])
+    assert int(r.num_tokens_post_padded) == 8 and r.block_m == 4
+
+
+def test_default_is_xla_off_gpu(rng):
+    w = helpers.random_quantized_experts(rng, 1, 64, 128, 4, 128, True, jnp.bfloat16)
+    assert linear.default_implementation(w) == ("pallas" if ON_GPU else "xla")
+
+
+@pytest.mark.parametrize(
+    "e, k_x, implementation, message",
+    [
+        (2, 128, "xla", r"a quantized linear weight is \[1, N, K\]"),
+        (1, 64, "xla", "x has 64 input features, the weight K=128"),
+        (1, 128, "triton", "implementation='triton' is not one of"),
+    ],
+)
+def test_errors(rng, e, k_x, implementation, message):
+    w = helpers.random_quantized_experts(rng, e, 64, 128, 4, 128, True, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(2, k_x)), jnp.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        linear.quantized_matmul(x, w, implementation=implementation)
