@@ -12,7 +12,8 @@
 #               roofline), the TP=8 slice
 #   int8        benchmark.py: W8A8 vs W8A16 (per-channel int8) at M = 1, 256, 4096
 #   w8a16       benchmark.py: W8A16 (per-channel int8) at M = 1, 256, 4096 (int8 runs it too)
-#   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (pallas)
+#   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (pallas experts), the
+#               quantized linears on xla and on the Pallas GEMM
 #   sharded     (2 GPUs) the 8-layer model on one GPU and at EP=2, batch 1, 8, 64; 30 layers EP=2
 #   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
 # A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
@@ -73,10 +74,14 @@ for step in "${steps[@]}"; do
             --implementations pallas --json "$OUT/bench_w8a16.json" 2>&1 |
             tee "$OUT/bench_w8a16.log"
         ;;
-    model)
+    model) # the linears dequantize + dot (xla) and run the one-expert Pallas GEMM, A/B
         for b in 1 8 64; do
-            python3 examples/generate.py --full-width-layers 8 --implementation pallas \
-                --batch-size $b --max-new-tokens 32 2>&1 | tee "$OUT/generate_b$b.log" | tail -4
+            for lin in xla pallas; do
+                timeout 150 python3 examples/generate.py --full-width-layers 8 \
+                    --implementation pallas --linear-implementation $lin --batch-size $b \
+                    --max-new-tokens 32 2>&1 | tee "$OUT/generate_b${b}_$lin.log" |
+                    grep -E "decode|speed"
+            done
         done
         ;;
     sharded) # 2 GPUs: the 8-layer model on GPU 0 alone and EP=2 per batch, then 30 layers EP=2
