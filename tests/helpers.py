@@ -1,11 +1,15 @@
 """Shared test helpers: float64 numpy oracles, random inputs and the one tolerance table.
 
-Everything here is independent of the library's own packing and reference code (numpy only),
-so that kernel tests and reference tests check against the same oracle.
+Everything here is independent of the library's own packing and reference code (numpy only,
+except device_quantized_experts, which draws GPU-sized random inputs with jax.random), so that
+kernel tests and reference tests check against the same oracle.
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -145,6 +149,23 @@ def random_quantized_experts(
         bits=bits,
         group_size=group_size,
     )
+
+
+def device_quantized_experts(
+    key, e: int, n: int, k: int, bits: int, group_size: int, has_zp: bool, dtype
+) -> QuantizedExperts:
+    """Like random_quantized_experts (every bit random, dequantized weights ~1/sqrt(K)), but
+    generated on the default device with jax.random: fast at GPU sizes."""
+    kq, ks, kz = jax.random.split(key, 3)
+    g = k if group_size == -1 else group_size
+    qweight = jax.random.bits(kq, (e, n, k * bits // 32), jnp.uint32)
+    scale = 1.0 / (2 ** (bits - 1) * math.sqrt(k))
+    scales = (jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5) * scale).astype(dtype)
+    zeros = None
+    if has_zp:
+        zshape = (e, n // 2, k // g) if bits == 4 else (e, n, k // g)
+        zeros = jax.random.bits(kz, zshape, jnp.uint8)
+    return QuantizedExperts(qweight, scales, zeros, bits=bits, group_size=group_size)
 
 
 def random_moe_inputs(

@@ -17,8 +17,6 @@ How to run:
 
 from __future__ import annotations
 
-import math
-
 import helpers
 import jax
 import jax.numpy as jnp
@@ -28,7 +26,7 @@ import pytest
 import wna16_jax as wj
 from pallas_kernels import fused_moe as pallas_moe
 from pallas_kernels import wna16_gemm as gemm_module
-from wna16_jax._types import BlockConfig, QuantizedExperts
+from wna16_jax._types import BlockConfig
 
 # Compiled on a GPU, the Pallas interpreter elsewhere: the same tests run both ways.
 ON_GPU = jax.default_backend() == "gpu"
@@ -271,30 +269,13 @@ DSV3_E, DSV3_TOP_K, DSV3_H, DSV3_G = 256, 8, 7168, 128
 DSV3_TOL = 1e-2
 
 
-def device_quantized_experts(
-    key, e: int, n: int, k: int, bits: int, group_size: int, has_zp: bool, dtype
-) -> QuantizedExperts:
-    """Random words, scales and zeros generated on the device (fast at GPU sizes); scales make a
-    dequantized weight ~1/sqrt(K), as in helpers.random_quantized_experts."""
-    kq, ks, kz = jax.random.split(key, 3)
-    g = k if group_size == -1 else group_size
-    qweight = jax.random.bits(kq, (e, n, k * bits // 32), jnp.uint32)
-    scale = 1.0 / (2 ** (bits - 1) * math.sqrt(k))
-    scales = (jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5) * scale).astype(dtype)
-    zeros = None
-    if has_zp:
-        zshape = (e, n // 2, k // g) if bits == 4 else (e, n, k // g)
-        zeros = jax.random.bits(kz, zshape, jnp.uint8)
-    return QuantizedExperts(qweight, scales, zeros, bits=bits, group_size=group_size)
-
-
 def deepseek_layer(rng, *, m: int, intermediate: int, has_zp: bool):
     """(x, w13, w2, topk_weights, topk_ids) of one DeepSeek-V3 MoE layer, int4 G=128, bf16."""
     key = jax.random.key(int(rng.integers(2**31)))
     k13, k2, kx = jax.random.split(key, 3)
     e, h, i = DSV3_E, DSV3_H, intermediate
-    w13 = device_quantized_experts(k13, e, 2 * i, h, 4, DSV3_G, has_zp, BF16)
-    w2 = device_quantized_experts(k2, e, h, i, 4, DSV3_G, has_zp, BF16)
+    w13 = helpers.device_quantized_experts(k13, e, 2 * i, h, 4, DSV3_G, has_zp, BF16)
+    w2 = helpers.device_quantized_experts(k2, e, h, i, 4, DSV3_G, has_zp, BF16)
     x = jax.random.normal(kx, (m, h), BF16)
     tw, ti = helpers.random_routing(rng, m, DSV3_TOP_K, e)
     return x, w13, w2, jnp.asarray(tw), jnp.asarray(ti)

@@ -135,21 +135,6 @@ def routing_ids(rng, t: int, k: int, e: int, *, drop: bool = True) -> np.ndarray
     return ids.astype(np.int32)
 
 
-def device_quantized_experts(key, e, n, k, bits, group_size, has_zp, dtype) -> QuantizedExperts:
-    """Like helpers.random_quantized_experts (every bit random, weights ~1/sqrt(K)), generated
-    on the default device: fast at GPU sizes."""
-    kq, ks, kz = jax.random.split(key, 3)
-    g = k if group_size == -1 else group_size
-    qweight = jax.random.bits(kq, (e, n, k * bits // 32), jnp.uint32)
-    scale = 1.0 / (2 ** (bits - 1) * math.sqrt(k))
-    scales = (jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5) * scale).astype(dtype)
-    zeros = None
-    if has_zp:
-        zshape = (e, n // 2, k // g) if bits == 4 else (e, n, k // g)
-        zeros = jax.random.bits(kz, zshape, jnp.uint8)
-    return QuantizedExperts(qweight, scales, zeros, bits=bits, group_size=group_size)
-
-
 def gemm_config(
     qw, *, block_m: int, block_k: int, split_k: int, unpack: str, group_m: int = 1
 ) -> BlockConfig:
@@ -529,7 +514,7 @@ def host_weights(rng, e, n, k, bits, group, has_zp, dtype):
 
 def device_weights(rng, e, n, k, bits, group, has_zp, dtype):
     key = jax.random.key(int(rng.integers(2**31)))
-    return device_quantized_experts(key, e, n, k, bits, group, has_zp, dtype)
+    return helpers.device_quantized_experts(key, e, n, k, bits, group, has_zp, dtype)
 
 
 def _grid():
@@ -922,8 +907,10 @@ def deepseek_layer(rng, *, m: int, intermediate: int, has_zp: bool):
     token 0 routes to the last expert, whose w13 words start past 2^31 bytes."""
     key = jax.random.key(int(rng.integers(2**31)))
     k13, k2, kx = jax.random.split(key, 3)
-    w13 = device_quantized_experts(k13, DSV3_E, 2 * intermediate, DSV3_H, 4, DSV3_G, has_zp, BF16)
-    w2 = device_quantized_experts(k2, DSV3_E, DSV3_H, intermediate, 4, DSV3_G, has_zp, BF16)
+    w13 = helpers.device_quantized_experts(
+        k13, DSV3_E, 2 * intermediate, DSV3_H, 4, DSV3_G, has_zp, BF16
+    )
+    w2 = helpers.device_quantized_experts(k2, DSV3_E, DSV3_H, intermediate, 4, DSV3_G, has_zp, BF16)
     x = jax.random.normal(kx, (m, DSV3_H), BF16)
     tw, ti = helpers.random_routing(rng, m, DSV3_TOP_K, DSV3_E)
     if DSV3_E - 1 not in ti[0]:

@@ -19,7 +19,6 @@ How to run:
 from __future__ import annotations
 
 import itertools
-import math
 
 import helpers
 import jax
@@ -120,23 +119,6 @@ def routing_ids(rng: np.random.Generator, t: int, k: int, e: int, *, drop: bool)
     return ids.astype(np.int32)
 
 
-def device_quantized_experts(
-    key, e: int, n: int, k: int, bits: int, group_size: int, has_zp: bool, dtype
-) -> QuantizedExperts:
-    """Like helpers.random_quantized_experts (every bit random, dequantized weight ~1/sqrt(K)),
-    generated on the default device: fast for GPU-sized weights."""
-    kq, ks, kz = jax.random.split(key, 3)
-    g = k if group_size == -1 else group_size
-    qweight = jax.random.bits(kq, (e, n, k * bits // 32), jnp.uint32)
-    scale = 1.0 / (2 ** (bits - 1) * math.sqrt(k))
-    scales = (jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5) * scale).astype(dtype)
-    zeros = None
-    if has_zp:
-        zshape = (e, n // 2, k // g) if bits == 4 else (e, n, k // g)
-        zeros = jax.random.bits(kz, zshape, jnp.uint8)
-    return QuantizedExperts(qweight, scales, zeros, bits=bits, group_size=group_size)
-
-
 def gemm_config(qw: QuantizedExperts, *, block_m: int, block_k: int, split_k: int) -> BlockConfig:
     """A valid config for qw: block_k clamped so split_k divides the k-tiles, and split_k
     lowered where K holds fewer than split_k of the smallest k-tile (16 values per slice)."""
@@ -208,7 +190,7 @@ def host_weights(rng, e, n, k, bits, group, has_zp, dtype):
 
 def device_weights(rng, e, n, k, bits, group, has_zp, dtype):
     key = jax.random.key(int(rng.integers(2**31)))
-    return device_quantized_experts(key, e, n, k, bits, group, has_zp, dtype)
+    return helpers.device_quantized_experts(key, e, n, k, bits, group, has_zp, dtype)
 
 
 # ---- the grid -------------------------------------------------------------------------------
