@@ -1,4 +1,4 @@
-"""Tests of the 'triton' backend (triton_kernels: Triton kernels called through jax_triton).
+"""Tests of the 'triton' backend (jax_triton_kernels: Triton kernels called through jax_triton).
 
 Kernel outputs are compared with `wna16_jax._reference` on the *same* quantized weights (the
 GEMM with `grouped_matmul`, the align with `moe_align_block_size`, the layer with the 'xla'
@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
-from triton_kernels import backend as triton_backend
+from jax_triton_kernels import backend as triton_backend
 from wna16_jax import _dispatch, _reference
 from wna16_jax._configs import min_block_k
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
@@ -327,8 +327,8 @@ def _sm90():
 @needs_triton
 @pytest.mark.parametrize("case", COMPILE_GEMMS, ids=[f"gemm{i}" for i in range(len(COMPILE_GEMMS))])
 def test_gemm_compiles_for_sm90(case):
-    from triton_kernels import _launch
-    from triton_kernels import wna16_gemm as gemm
+    from jax_triton_kernels import _launch
+    from jax_triton_kernels import wna16_gemm as gemm
 
     *shape, config, routed, poisoned = case
     e, n, k, bits, group_size, zp, dtype, m, top_k = shape
@@ -357,9 +357,9 @@ def test_gemm_compiles_for_sm90(case):
 @pytest.mark.parametrize("m", [1, 64, 4096])
 def test_deepseek_heuristic_configs_compile_for_sm90(m):
     """Both GEMMs of DeepSeek-V3 (TP=1) with the configs fused_moe picks untuned."""
+    from jax_triton_kernels import _launch
+    from jax_triton_kernels import wna16_gemm as gemm
     from pallas_kernels.fused_moe import gemm_configs
-    from triton_kernels import _launch
-    from triton_kernels import wna16_gemm as gemm
 
     w13 = _abstract_gemm(256, 4096, 7168, 4, 128, True, BF16, m, 8, 16, False)[1]
     w2 = _abstract_gemm(256, 7168, 2048, 4, 128, True, BF16, m, 8, 16, False)[1]
@@ -393,7 +393,7 @@ def test_deepseek_heuristic_configs_compile_for_sm90(m):
     ],
 )
 def test_align_compiles_for_sm90(e, t, k, block_m, with_map):
-    from triton_kernels import _launch, align
+    from jax_triton_kernels import _launch, align
 
     ids = jax.ShapeDtypeStruct((t, k), jnp.int32)
     emap = jax.ShapeDtypeStruct((e,), jnp.int32) if with_map else None
@@ -410,7 +410,7 @@ def test_align_compiles_for_sm90(e, t, k, block_m, with_map):
 
 def test_launch_signature_checked():
     """A launch whose arrays or constexprs do not match the kernel's parameters is refused."""
-    from triton_kernels import _launch
+    from jax_triton_kernels import _launch
 
     class FakeKernel:
         arg_names = ["x_ptr", "out_ptr", "N"]
@@ -453,7 +453,7 @@ def run_gemm_case(
     experts local (blocks of expert -1). split_k == 1 writes into a NaN-poisoned buffer, so a
     placed row the kernel skips fails the finiteness check.
     """
-    from triton_kernels.wna16_gemm import wna16_gemm
+    from jax_triton_kernels.wna16_gemm import wna16_gemm
 
     dtype = jnp.dtype(dtype)
     e_local = max(1, E // 4) if ep else E
@@ -592,7 +592,7 @@ def test_gemm_gpu(rng, jax_triton_ready, case):
 @needs_triton
 def test_gemm_default_out_dtype_is_rounded_f32(rng):
     """out_dtype=None gives a.dtype: the same f32 accumulator rounded once (bitwise)."""
-    from triton_kernels.wna16_gemm import wna16_gemm
+    from jax_triton_kernels.wna16_gemm import wna16_gemm
 
     qw = helpers.random_quantized_experts(rng, 4, 64, 128, 4, 64, True, BF16)
     a = jnp.asarray(rng.normal(size=(5, 128)), BF16)
@@ -622,7 +622,7 @@ BAD_GEMM_CONFIGS = [
     ids=["bk-over-K", "split-vs-tiles", "slices-minimum", "span-under-16"],
 )
 def test_bad_gemm_config_raises(rng, bits, kdim, group, config, message):
-    from triton_kernels.wna16_gemm import wna16_gemm
+    from jax_triton_kernels.wna16_gemm import wna16_gemm
 
     qw = helpers.random_quantized_experts(rng, 4, 128, kdim, bits, group, True, BF16)
     a = jnp.asarray(rng.normal(size=(3, kdim)), BF16)
@@ -651,7 +651,7 @@ def make_ids(rng, t, k, e, pattern):
 def check_align(rng, t, k, e, block_m, *, with_map, pattern, interpret):
     """The kernel's routing equals the reference's: counts, expert_ids and sentinel positions
     exactly, each expert's run as a set (the order inside a run follows the atomics)."""
-    from triton_kernels.align import moe_align_block_size
+    from jax_triton_kernels.align import moe_align_block_size
 
     ids = make_ids(rng, t, k, e, pattern)
     expert_map = quarter_local_map(rng, e) if with_map else None
@@ -740,7 +740,7 @@ def _with_dropped_ids(ti, e):
     ids=[_layer_id(*c) for c in LAYER_CASES[:2]],
 )
 def test_layer_interpreted(rng, T, H, I, E, top_k, bits, group, has_zp, dtype):
-    from triton_kernels import fused_moe as triton_moe
+    from jax_triton_kernels import fused_moe as triton_moe
 
     x, w13, w2, tw, ti = helpers.random_moe_inputs(
         rng, T=T, H=H, I=I, E=E, k=top_k, bits=bits, group_size=group, has_zp=has_zp, dtype=dtype
@@ -755,8 +755,8 @@ def test_layer_interpreted(rng, T, H, I, E, top_k, bits, group, has_zp, dtype):
 @pytest.fixture
 def triton_interpret_backend(monkeypatch):
     """Registers, for one test, 'triton_interpret': the triton backend run interpreted."""
-    from triton_kernels import align
-    from triton_kernels import fused_moe as triton_moe
+    from jax_triton_kernels import align
+    from jax_triton_kernels import fused_moe as triton_moe
 
     _dispatch.registered_backends()  # the built-ins first, so teardown keeps them
     backend = _dispatch.Backend(
@@ -776,7 +776,7 @@ def test_interpreted_under_jit_chunks_and_shard_map(rng, triton_interpret_backen
     and inside jax.shard_map (EP over JAX's devices) equals the 'xla' backend."""
     from jax.sharding import PartitionSpec as P
 
-    from triton_kernels import fused_moe as triton_moe
+    from jax_triton_kernels import fused_moe as triton_moe
     from wna16_jax import sharding as sh
 
     name = triton_interpret_backend
@@ -866,7 +866,7 @@ def test_layer_expert_map_gpu(rng, jax_triton_ready, split_k):
 
 @pytest.mark.gpu
 def test_layer_chunks_gpu(rng, jax_triton_ready):
-    from triton_kernels import fused_moe as triton_moe
+    from jax_triton_kernels import fused_moe as triton_moe
 
     x, w13, w2, tw, ti = helpers.random_moe_inputs(rng, T=10, H=128, I=128, E=8, k=2)
     chunked = triton_moe.fused_moe(x, w13, w2, tw, ti, chunk_tokens=4)

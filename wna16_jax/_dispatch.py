@@ -242,7 +242,7 @@ def _ensure_builtin_backends() -> None:
         return
     _builtins_loaded = True
     register_backend(XLA_BACKEND)
-    for module in ("pallas_kernels.backend", "triton_kernels.backend"):
+    for module in ("pallas_kernels.backend", "jax_triton_kernels.backend"):
         try:
             backends = importlib.import_module(module).BACKENDS
         except ImportError as err:  # pragma: no cover - the kernels ship with the package

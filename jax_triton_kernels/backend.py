@@ -15,7 +15,7 @@ from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 MIN_COMPUTE_CAPABILITY = 8.0
-# As triton_kernels.align.MAX_EXPERTS and triton_kernels.wna16_gemm.MIN_SPAN (not imported
+# As jax_triton_kernels.align.MAX_EXPERTS and jax_triton_kernels.wna16_gemm.MIN_SPAN (not imported
 # here: those modules import triton).
 MAX_EXPERTS = 1024
 MIN_SPAN = 16
@@ -89,7 +89,7 @@ def align_unsupported_reason(problem: AlignProblem) -> str | None:
 def _fused_moe(
     x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, out_dtype=None
 ):
-    from triton_kernels import fused_moe as triton_moe
+    from jax_triton_kernels import fused_moe as triton_moe
 
     return triton_moe.fused_moe(
         x,
@@ -105,7 +105,7 @@ def _fused_moe(
 
 
 def _align(topk_ids, *, num_experts, block_m, expert_map):
-    from triton_kernels import align
+    from jax_triton_kernels import align
 
     return align.moe_align_block_size(
         topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map

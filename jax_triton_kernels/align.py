@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from triton_kernels import _launch
+from jax_triton_kernels import _launch
 from wna16_jax._reference import max_padded_len
 from wna16_jax._types import AlignedRouting
 

@@ -7,9 +7,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_triton_kernels.align import moe_align_block_size
+from jax_triton_kernels.wna16_gemm import wna16_gemm
 from pallas_kernels.fused_moe import gemm_configs, sum_over_top_k
-from triton_kernels.align import moe_align_block_size
-from triton_kernels.wna16_gemm import wna16_gemm
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
