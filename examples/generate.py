@@ -79,6 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(dequantize + dot, default) or the Pallas GEMM with one expert (not with --mesh)",
     )
     p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="time the first executions of prefill and decode (default: run each once "
+        "untimed first, so module loading and communicator setup are not timed)",
+    )
+    p.add_argument(
         "--quantize",
         choices=("int4", "int8"),
         default=None,
@@ -215,6 +221,7 @@ def main(argv=None) -> int:
         seed=args.seed,
         pad_id=tokenizer.pad_id,
         return_stats=True,
+        warmup=not args.no_warmup,
     )
     # The log line names the candidates; it is emitted once per process, so a second run in
     # the same process asks the selection again.

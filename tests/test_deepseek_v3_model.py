@@ -167,6 +167,19 @@ def test_prompt_length_bucketing_reuses_compiled_code(batched_run):
     assert second.decode_tokens_per_s > 0 and second.new_tokens == 2
 
 
+def test_warmup_times_second_executions_with_the_same_tokens(batched_run):
+    """warmup=True runs prefill and decode once untimed: same tokens, stats marked warm."""
+    model, _, _ = batched_run
+    ids = [random_ids(np.random.default_rng(11), (9,), model.cfg).tolist()]
+    kw = dict(max_new_tokens=3, eos_id=(), return_stats=True)
+    cold_tokens, cold = generate(model, ids, **kw)
+    warm_tokens, warm = generate(model, ids, warmup=True, **kw)
+    np.testing.assert_array_equal(np.asarray(warm_tokens), np.asarray(cold_tokens))
+    assert warm.warm and not cold.warm
+    assert "warm" in str(warm) and "first execution" in str(cold)
+    assert warm.prefill_s > 0 and warm.decode_tokens_per_s > 0
+
+
 def test_int4_model_equals_f32_model_on_dequantized_weights(batched_run):
     """The WNA16 model (fused_moe + dequantizing linears) against a float model holding its
     dequantized weights (ragged_dot experts, float linears): same logits, same greedy tokens."""

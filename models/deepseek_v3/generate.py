@@ -46,6 +46,7 @@ class GenerateStats:
     compile_s: float
     prefill_s: float
     decode_s: float
+    warm: bool = False  # timed on a second execution (first-run costs excluded)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -62,6 +63,7 @@ class GenerateStats:
             f"{self.new_tokens} new tokens: prefill {self.prefill_s * 1e3:.1f} ms "
             f"({self.prefill_tokens_per_s:.1f} tok/s), decode {self.decode_s * 1e3:.1f} ms "
             f"({self.decode_tokens_per_s:.1f} tok/s), compile {self.compile_s:.1f} s"
+            f"{', warm' if self.warm else ', first execution'}"
         )
 
 
@@ -209,6 +211,7 @@ def generate(
     pad_id: int | None = None,
     eos_id: int | Sequence[int] | None = None,
     return_stats: bool = False,
+    warmup: bool = False,
 ):
     """Generates `max_new_tokens` tokens for each prompt.
 
@@ -225,6 +228,9 @@ def generate(
         eos_id: id(s) that end a row (default cfg.eos_token_id; () never stops). A finished
             row is filled with its eos id (the first one) to the end.
         return_stats: also return a GenerateStats.
+        warmup: run the prefill and the decode loop once before the timed runs, so the
+            timings exclude first-execution costs (loading the kernels' modules, and on a mesh
+            setting up the collectives' communicators); the work is done twice.
 
     Returns:
         int32 [B, S + max_new_tokens] (prompt columns as given, then the new tokens);
@@ -282,6 +288,8 @@ def generate(
         pmask,
         shardings=prefill_shardings,
     )
+    if warmup:
+        jax.block_until_ready(prefill(state, padded, pmask))
     t0 = time.perf_counter()
     logits, cache = jax.block_until_ready(prefill(state, padded, pmask))
     t1 = time.perf_counter()
@@ -297,6 +305,8 @@ def generate(
     decode, c2 = _compiled(
         _decode, statics, state, logits, cache, *scalars, shardings=decode_shardings
     )
+    if warmup:
+        jax.block_until_ready(decode(state, logits, cache, *scalars))
     t2 = time.perf_counter()
     new, num_steps = jax.block_until_ready(decode(state, logits, cache, *scalars))
     t3 = time.perf_counter()
@@ -311,6 +321,7 @@ def generate(
         compile_s=c1 + c2,
         prefill_s=t1 - t0,
         decode_s=t3 - t2,
+        warm=warmup,
     )
     logger.info("generate: %s", stats)
     out = jnp.asarray(out, jnp.int32)
