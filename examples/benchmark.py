@@ -195,9 +195,14 @@ def stage_fns(problem: Problem, implementation: str, config):
 
     def gemm2(w13, w2, act, tw, ids, routing):
         c1, c2 = configs(w13, w2, ids)
-        fused = pm.fuses_activation(c1, w13, "silu") and c2.unpack == "slices"
         return pm.gemm2_routed(
-            act, w2, routing, tw, c2=c2, act_slice_major=fused, interpret=interpret
+            act,
+            w2,
+            routing,
+            tw,
+            c2=c2,
+            act_slice_major=pm.act_in_slice_major(c1, c2, w13, "silu"),
+            interpret=interpret,
         )
 
     return align, gemm1, gemm2, configs

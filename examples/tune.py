@@ -125,7 +125,7 @@ def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab):
     from pallas_kernels import fused_moe as pm
     from pallas_kernels.wna16_gemm import wna16_gemm
 
-    e, n, k = qw.shape
+    e, _, k = qw.shape
     shape = _configs.GemmShape.of_weights(qw, m=m * top_k)
     key = jax.random.key(m)
     a = jax.random.normal(key, (m, k), jnp.bfloat16)
@@ -140,7 +140,7 @@ def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab):
         return routings[block_m]
 
     def time_config(cfg, asm=None):
-        fuse = gated and cfg.split_k == 1 and (n // 2) % cfg.block_n == 0
+        fuse = gated and pm.fuses_activation(cfg, qw, "silu")
         activation = "silu" if fuse else None
 
         def run(qw, a, routing, cfg=cfg):

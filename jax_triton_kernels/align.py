@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from jax_triton_kernels import _launch
+from wna16_jax import _reference
 from wna16_jax._reference import max_padded_len
 from wna16_jax._types import AlignedRouting
 
@@ -204,36 +205,15 @@ def moe_align_block_size(
         ValueError: a topk_ids that is not int32 [T, k], E outside [1, 1024], block_m < 1, an
             expert_map that is not int32 [E], or 2^31 or more sorted positions.
     """
-    if topk_ids.ndim != 2 or topk_ids.dtype != jnp.int32:
-        raise ValueError(
-            f"topk_ids must be int32 [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
-        )
-    if not 1 <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"num_experts={num_experts} must be in [1, {MAX_EXPERTS}]")
-    if block_m < 1:
-        raise ValueError(f"block_m={block_m} must be positive")
-    if expert_map is not None and (
-        expert_map.shape != (num_experts,) or expert_map.dtype != jnp.int32
-    ):
-        raise ValueError(
-            f"expert_map must be int32 [num_experts={num_experts}], got {expert_map.dtype} "
-            f"{tuple(expert_map.shape)}"
-        )
-    t, k = topk_ids.shape
-    num_slots = t * k
-    max_padded = max_padded_len(num_slots, num_experts, block_m)
-    if max_padded >= 2**31:
-        raise ValueError(
-            f"T*k={num_slots} with E={num_experts}, block_m={block_m} gives {max_padded} sorted "
-            f"positions, over the 2^31 - 1 of int32 indexing; route fewer tokens per call"
-        )
-    if num_slots == 0:  # nothing to count: every position is padding
-        return AlignedRouting(
-            sorted_token_ids=jnp.zeros((max_padded,), jnp.int32),
-            expert_ids=jnp.full((max_padded // block_m,), -1, jnp.int32),
-            num_tokens_post_padded=jnp.zeros((), jnp.int32),
-            block_m=block_m,
-        )
+    max_padded = _reference.check_align_kernel_args(
+        topk_ids,
+        num_experts=num_experts,
+        block_m=block_m,
+        expert_map=expert_map,
+        max_experts=MAX_EXPERTS,
+    )
+    if topk_ids.size == 0:  # nothing to count: every position is padding
+        return _reference.all_padding_routing(max_padded, block_m)
     count, place = align_launches(
         topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
     )

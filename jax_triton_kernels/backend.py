@@ -8,32 +8,15 @@ from __future__ import annotations
 
 import functools
 
-import jax
-
 from wna16_jax import _reference
 from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
+from wna16_jax._dispatch import cuda_gpu_reason as _gpu_reason
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
-MIN_COMPUTE_CAPABILITY = 8.0
 # As jax_triton_kernels.align.MAX_EXPERTS and jax_triton_kernels.wna16_gemm.MIN_SPAN (not imported
 # here: those modules import triton).
 MAX_EXPERTS = 1024
 MIN_SPAN = 16
-
-
-def _gpu_reason(platform: str) -> str | None:
-    """Why no CUDA GPU runs the kernels here (None when one does)."""
-    if platform != "gpu":
-        return f"needs an NVIDIA GPU, the platform is {platform!r}"
-    device = jax.devices()[0]
-    cc = getattr(device, "compute_capability", None)
-    if cc is None:
-        return f"device {device.device_kind!r} is not a CUDA GPU"
-    if float(cc) < MIN_COMPUTE_CAPABILITY:
-        return (
-            f"needs compute capability >= {MIN_COMPUTE_CAPABILITY}, {device.device_kind} has {cc}"
-        )
-    return None
 
 
 @functools.cache

@@ -254,15 +254,9 @@ def gemm_launch(
     given) or a zeroed f32 split-K buffer (split_k > 1).
     """
     check_gemm_config(config, qw)
-    if routing.block_m != config.block_m:
-        raise ValueError(
-            f"routing was aligned with block_m={routing.block_m} but config.block_m="
-            f"{config.block_m}"
-        )
     r, k = a.shape
-    e, n, kq = qw.shape
-    if kq != k:
-        raise ValueError(f"activations have K={k} but the weights have K={kq}")
+    _configs.check_gemm_operands(config, routing, k, qw)
+    e, n, _ = qw.shape
     dtype = jnp.dtype(a.dtype)
     if dtype.name not in SUPPORTED_DTYPES:
         raise ValueError(f"activation dtype {dtype} is not one of {SUPPORTED_DTYPES}")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from wna16_jax._reference import max_padded_len
+from wna16_jax import _reference
 from wna16_jax._types import AlignedRouting
 
 logger = logging.getLogger(__name__)
@@ -334,37 +334,18 @@ def moe_align_block_size(
         ValueError: on a topk_ids that is not int32 [T, k], E outside [1, 1024], block_m < 1,
             an expert_map that is not int32 [E], or 2^31 or more sorted positions.
     """
-    if topk_ids.ndim != 2 or topk_ids.dtype != jnp.int32:
-        raise ValueError(
-            f"topk_ids must be int32 [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
-        )
-    if not 1 <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"num_experts={num_experts} must be in [1, {MAX_EXPERTS}]")
-    if block_m < 1:
-        raise ValueError(f"block_m={block_m} must be positive")
-    if expert_map is not None and (
-        expert_map.shape != (num_experts,) or expert_map.dtype != jnp.int32
-    ):
-        raise ValueError(
-            f"expert_map must be int32 [num_experts={num_experts}], got {expert_map.dtype} "
-            f"{tuple(expert_map.shape)}"
-        )
+    max_padded = _reference.check_align_kernel_args(  # P
+        topk_ids,
+        num_experts=num_experts,
+        block_m=block_m,
+        expert_map=expert_map,
+        max_experts=MAX_EXPERTS,
+    )
     t, k = topk_ids.shape
     num_slots = t * k  # S, also the sentinel
-    max_padded = max_padded_len(num_slots, num_experts, block_m)  # P
-    if max_padded >= 2**31:
-        raise ValueError(
-            f"T*k={num_slots} with E={num_experts}, block_m={block_m} gives {max_padded} sorted "
-            f"positions, over the 2^31 - 1 of int32 kernel indexing; route fewer tokens per call"
-        )
     num_blocks = max_padded // block_m
     if num_slots == 0:  # nothing to launch over: every position is padding
-        return AlignedRouting(
-            sorted_token_ids=jnp.zeros((max_padded,), jnp.int32),
-            expert_ids=jnp.full((num_blocks,), -1, jnp.int32),
-            num_tokens_post_padded=jnp.zeros((), jnp.int32),
-            block_m=block_m,
-        )
+        return _reference.all_padding_routing(max_padded, block_m)
 
     if config is None:
         config = default_config(num_slots)

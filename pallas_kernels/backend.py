@@ -4,33 +4,19 @@ from __future__ import annotations
 
 import functools
 
-import jax
-
 from pallas_kernels import fused_moe as pallas_moe
 from pallas_kernels.w8a8_gemm import MIN_INT8_DOT_K
 from wna16_jax._configs import min_block_k
-from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
+from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem, cuda_gpu_reason
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
-MIN_COMPUTE_CAPABILITY = 8.0
 
 
 def _gpu_reason(platform: str) -> str | None:
     """Why the compiled kernels cannot run on this platform (None when they can)."""
-    if platform != "gpu":
-        return (
-            f"needs an NVIDIA GPU, the platform is {platform!r} (use 'pallas_interpret' to run "
-            f"the same kernels in the Pallas interpreter)"
-        )
-    device = jax.devices()[0]
-    cc = getattr(device, "compute_capability", None)
-    if cc is None:
-        return f"device {device.device_kind!r} is not a CUDA GPU"
-    if float(cc) < MIN_COMPUTE_CAPABILITY:
-        return (
-            f"needs compute capability >= {MIN_COMPUTE_CAPABILITY}, {device.device_kind} has {cc}"
-        )
-    return None
+    return cuda_gpu_reason(
+        platform, " (use 'pallas_interpret' to run the same kernels in the Pallas interpreter)"
+    )
 
 
 def _w8a8_reason(problem: MoEProblem) -> str | None:
@@ -80,45 +66,6 @@ def _pallas_reason(problem: MoEProblem) -> str | None:
     return _gpu_reason(problem.platform) or _shape_reason(problem)
 
 
-def _run(
-    x,
-    w13,
-    w2,
-    topk_weights,
-    topk_ids,
-    *,
-    expert_map,
-    activation,
-    config,
-    interpret,
-    activation_quant=None,
-    out_dtype=None,
-):
-    return pallas_moe.fused_moe(
-        x,
-        w13,
-        w2,
-        topk_weights,
-        topk_ids,
-        expert_map=expert_map,
-        activation=activation,
-        config=config,
-        interpret=interpret,
-        activation_quant=activation_quant,
-        out_dtype=out_dtype,
-    )
-
-
-def _align(topk_ids, *, num_experts, block_m, expert_map, interpret):
-    return pallas_moe.align(
-        topk_ids,
-        num_experts=num_experts,
-        block_m=block_m,
-        expert_map=expert_map,
-        interpret=interpret,
-    )
-
-
 def _align_reason(problem: AlignProblem) -> str | None:
     return _gpu_reason(problem.platform)
 
@@ -127,15 +74,15 @@ BACKENDS = (
     Backend(
         name="pallas",
         unsupported_reason=_pallas_reason,
-        fused_moe=functools.partial(_run, interpret=False),
+        fused_moe=functools.partial(pallas_moe.fused_moe, interpret=False),
         align_unsupported_reason=_align_reason,
-        moe_align_block_size=functools.partial(_align, interpret=False),
+        moe_align_block_size=functools.partial(pallas_moe.align, interpret=False),
     ),
     Backend(
         name="pallas_interpret",
         unsupported_reason=_shape_reason,
-        fused_moe=functools.partial(_run, interpret=True),
+        fused_moe=functools.partial(pallas_moe.fused_moe, interpret=True),
         align_unsupported_reason=lambda problem: None,
-        moe_align_block_size=functools.partial(_align, interpret=True),
+        moe_align_block_size=functools.partial(pallas_moe.align, interpret=True),
     ),
 )

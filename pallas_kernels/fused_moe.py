@@ -99,11 +99,16 @@ def fuses_activation(c1: BlockConfig, w13: QuantizedExperts, activation: str) ->
     return c1.split_k == 1 and activation == "silu" and (w13.n // 2) % c1.block_n == 0
 
 
+def act_in_slice_major(c1: BlockConfig, c2: BlockConfig, w13, activation: str) -> bool:
+    """Whether GEMM1's fused epilogue writes the activation in GEMM2's slice_major order."""
+    return fuses_activation(c1, w13, activation) and c2.unpack == "slices"
+
+
 def gemm1_and_activation(x, w13, w2, routing, *, top_k, c1, c2, activation, interpret):
     """[T, H] -> activation(x @ w13.T) per slot [T*k, I] in x.dtype, and whether its columns
     are in GEMM2's slice_major order (written so by GEMM1's fused epilogue)."""
     if fuses_activation(c1, w13, activation):
-        to_slices = c2.unpack == "slices"
+        to_slices = act_in_slice_major(c1, c2, w13, activation)
         act = wna16_gemm(
             x,
             w13,
@@ -244,28 +249,19 @@ def fused_moe(
     Returns:
         [T, H] in out_dtype.
     """
-    if activation_quant is not None:
-        run = functools.partial(
-            _fused_moe_w8a8_chunk,
-            w13=w13,
-            w2=w2,
-            expert_map=expert_map,
-            activation=activation,
-            activation_quant=activation_quant,
-            config=config,
-            interpret=interpret,
-        )
-        return _reference.map_token_chunks(
-            run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
-        )
+    if activation_quant is None:
+        chunk, extra = _fused_moe_chunk, {}
+    else:
+        chunk, extra = _fused_moe_w8a8_chunk, {"activation_quant": activation_quant}
     run = functools.partial(
-        _fused_moe_chunk,
+        chunk,
         w13=w13,
         w2=w2,
         expert_map=expert_map,
         activation=activation,
         config=config,
         interpret=interpret,
+        **extra,
     )
     return _reference.map_token_chunks(
         run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype

@@ -201,19 +201,13 @@ def w8a8_gemm(
             f"w8a8_gemm needs int8 per-channel symmetric weights; got {', '.join(bad)}"
         )
     check_config(config, gemm_shape(qw))
-    if routing.block_m != config.block_m:
-        raise ValueError(
-            f"routing was aligned with block_m={routing.block_m} but config.block_m="
-            f"{config.block_m}"
-        )
     if a_q.dtype != jnp.int8 or a_q.ndim != 2:
         raise ValueError(f"a_q must be int8 [R, K], got {a_q.dtype} {tuple(a_q.shape)}")
     r, k = a_q.shape
     if tuple(a_scale.shape) != (r,):
         raise ValueError(f"a_scale shape {tuple(a_scale.shape)} != (R,) = {(r,)}")
-    _, n, kq = qw.shape
-    if kq != k:
-        raise ValueError(f"activations have K={k} but the weights have K={kq}")
+    _configs.check_gemm_operands(config, routing, k, qw)
+    n = qw.n
     num_slots = r * top_k
     if config.unpack == "slices":
         a_q = slice_major(a_q, block_k=config.block_k, bits=8)

@@ -124,10 +124,19 @@ def _one_group_half_slices(
             acc = jnp.sum(acc, axis=2)
         s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
         z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
-        zf = (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
-        zf = zf[None, :] if has_zeros else zf
-        results.append((acc - rowsum[:, None] * zf) * s[None, :])
+        acc = _minus_offset_and_zero(acc, rowsum, z, offset=offset, has_zeros=has_zeros)
+        results.append(acc * s[None, :])
     return tuple(results)
+
+
+def _minus_offset_and_zero(acc, rowsum, z, *, offset: float, has_zeros: bool):
+    """sum_k a * (offset + v) -> sum_k a * (v - z): subtracts (offset + z) * sum_k a.
+
+    acc: f32 [bm, bn]; rowsum: f32 [bm] activation sums; z: int32 [bn] zero points, or the
+    implicit int without them.
+    """
+    zf = (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
+    return acc - rowsum[:, None] * (zf[None, :] if has_zeros else zf)
 
 
 def _tile_product_general(
@@ -167,8 +176,7 @@ def _tile_product_general(
             rowsum = rs if rowsum is None else rowsum + rs
         acc = part if acc is None else acc + part
     if offset is not None:
-        zf = (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
-        acc = acc - rowsum[:, None] * zf[None, :] if has_zeros else acc - rowsum[:, None] * zf
+        acc = _minus_offset_and_zero(acc, rowsum, z, offset=offset, has_zeros=has_zeros)
     return acc * s[None, :]
 
 
@@ -304,15 +312,9 @@ def wna16_gemm(
         split_k > 1: callers mask them (fused_moe does, in its reduction).
     """
     check_gemm_config(config, qw)
-    if routing.block_m != config.block_m:
-        raise ValueError(
-            f"routing was aligned with block_m={routing.block_m} but config.block_m="
-            f"{config.block_m}"
-        )
     r, k = a.shape
-    e, n, kq = qw.shape
-    if kq != k:
-        raise ValueError(f"activations have K={k} but the weights have K={kq}")
+    _configs.check_gemm_operands(config, routing, k, qw)
+    e, n, _ = qw.shape
     if activation not in (None, "silu"):
         raise ValueError(f"activation={activation!r} is not None or 'silu'")
     gated = activation is not None

@@ -92,6 +92,18 @@ def check_config(config: BlockConfig, shape: GemmShape, what: str = "config") ->
         )
 
 
+def check_gemm_operands(config: BlockConfig, routing, k: int, qw) -> None:
+    """Raises ValueError unless `routing` was aligned with config.block_m and the activations'
+    K equals the weights' ([E, N, K] QuantizedExperts `qw`)."""
+    if routing.block_m != config.block_m:
+        raise ValueError(
+            f"routing was aligned with block_m={routing.block_m} but config.block_m="
+            f"{config.block_m}"
+        )
+    if qw.shape[2] != k:
+        raise ValueError(f"activations have K={k} but the weights have K={qw.shape[2]}")
+
+
 def _device_file_name(device_kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") + ".json"
 

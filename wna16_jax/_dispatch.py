@@ -118,6 +118,26 @@ def get_backend(name: str) -> Backend:
     return _REGISTRY[name]
 
 
+# The oldest NVIDIA GPUs the Triton-lowered kernels (Pallas and raw Triton) target (Ampere).
+MIN_COMPUTE_CAPABILITY = 8.0
+
+
+def cuda_gpu_reason(platform: str, hint: str = "") -> str | None:
+    """Why compiled GPU kernels cannot run on `platform` (None when they can): not a GPU
+    platform (then `hint` is appended), not a CUDA device, or compute capability below 8.0."""
+    if platform != "gpu":
+        return f"needs an NVIDIA GPU, the platform is {platform!r}{hint}"
+    device = jax.devices()[0]
+    cc = getattr(device, "compute_capability", None)
+    if cc is None:
+        return f"device {device.device_kind!r} is not a CUDA GPU"
+    if float(cc) < MIN_COMPUTE_CAPABILITY:
+        return (
+            f"needs compute capability >= {MIN_COMPUTE_CAPABILITY}, {device.device_kind} has {cc}"
+        )
+    return None
+
+
 def current_platform() -> str:
     """The platform fused_moe runs on: the default JAX backend ('cpu', 'gpu', 'tpu')."""
     return jax.default_backend()
