@@ -17,6 +17,8 @@
 #   sharded     (2 GPUs) the 8-layer model on one GPU and at EP=2, batch 1, 8, 64; 30 layers EP=2
 #   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
 # A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
+# TUNE_BUDGET: seconds per (GEMM, M) search (default 40). INSTALL=0: the tune steps leave the
+# package's table alone (their table is in $OUT/tuned.json), e.g. while another GPU benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -55,8 +57,10 @@ for step in "${steps[@]}"; do
         [ "$step" = tune-tp8 ] && preset=deepseek-v3-tp8
         [ -f "$table" ] && cp "$table" "$OUT/tuned.json"
         python3 examples/tune.py --preset $preset --m $ms --out "$OUT/tuned.json" \
-            2>"$OUT/$step.log" | tee "$OUT/$step.txt"
-        mkdir -p "$(dirname "$table")" && cp "$OUT/tuned.json" "$table"
+            --budget-s "${TUNE_BUDGET:-40}" 2>"$OUT/$step.log" | tee "$OUT/$step.txt"
+        if [ "${INSTALL:-1}" = 1 ]; then
+            mkdir -p "$(dirname "$table")" && cp "$OUT/tuned.json" "$table"
+        fi
         ;;
     bench)
         python3 examples/benchmark.py --m 1 16 256 4096 --stages --implementations pallas \

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -36,15 +37,17 @@ from wna16_jax import _configs, _reference  # noqa: E402
 logger = logging.getLogger("tune")
 
 
-# The axes of the search and their values (the validity rules drop what cannot run a shape).
+# The axes of the search and their values (the validity rules drop what cannot run a shape),
+# in the order the coordinate search visits them: the ones that change the work in flight
+# most first, so that a search cut short by its time budget has tried them.
 AXES = {
-    "dot": ("mma", "fma"),
-    "block_m": (1, 2, 4, 8, 16, 32, 64, 128),
+    "split_k": (1, 2, 4, 8),
     "block_n": (16, 32, 64, 128, 256),
     "block_k": (64, 128, 256, 512),
-    "split_k": (1, 2, 4, 8),
     "num_warps": (2, 4, 8),
     "num_stages": (1, 2, 3, 4, 5),
+    "block_m": (1, 2, 4, 8, 16, 32, 64, 128),
+    "dot": ("mma", "fma"),
     "unpack": ("slices", "tile"),
 }
 QUICK_AXES = {
@@ -83,21 +86,23 @@ def starting_points(shape: _configs.GemmShape) -> list:
     return starts
 
 
-def coordinate_search(shape: _configs.GemmShape, time_config, *, axes, passes: int = 2):
+def coordinate_search(
+    shape: _configs.GemmShape, time_config, *, axes, passes: int = 2, budget_s: float | None = None
+):
     """From each starting point, tries every value of one axis at a time keeping the best, for
     `passes` sweeps over the axes (stopping early when a sweep improves nothing).
 
     time_config(cfg) -> seconds or None (failed). Returns {cfg: seconds} of all that ran.
+    budget_s: wall-clock seconds for the whole search; each starting point gets an equal share
+    (what has run when its share is spent is kept).
     """
     times = {}
+    starts = starting_points(shape)
+    share = None if budget_s is None else budget_s / len(starts)
     if shape.m >= 16 * shape.num_experts:  # many rows per expert: tiles of at least 16
         axes = dict(axes, block_m=tuple(b for b in axes.get("block_m", ()) if b >= 16))
-    for best in starting_points(shape):
-        if best not in times:
-            t = time_config(best)
-            if t is None:
-                continue
-            times[best] = t
+
+    def search_from(best, deadline):
         for _ in range(passes):
             improved = False
             for axis, values in axes.items():
@@ -105,6 +110,9 @@ def coordinate_search(shape: _configs.GemmShape, time_config, *, axes, passes: i
                     cfg = dataclasses.replace(best, **{axis: v})
                     if cfg in times or not _valid(cfg, shape):
                         continue
+                    if deadline is not None and time.monotonic() > deadline:
+                        logger.info("time budget spent (%d configs ran)", len(times))
+                        return
                     t = time_config(cfg)
                     if t is None:
                         continue
@@ -112,11 +120,20 @@ def coordinate_search(shape: _configs.GemmShape, time_config, *, axes, passes: i
                     if t < times[best]:
                         best, improved = cfg, True
             if not improved:
-                break
+                return
+
+    for start in starts:
+        deadline = None if share is None else time.monotonic() + share
+        if start not in times:
+            t = time_config(start)
+            if t is None:
+                continue
+            times[start] = t
+        search_from(start, deadline)
     return times
 
 
-def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab):
+def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab, budget_s=None):
     """Searches configs of one GEMM at m tokens; returns (shape, best, seconds, err, n, asm_off).
 
     gated: time GEMM1 the way fused_moe runs it (silu(gate) * up fused when split_k == 1).
@@ -173,7 +190,9 @@ def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab):
     if full:
         times = {c: t for c in exhaustive(shape) if (t := time_config(c)) is not None}
     else:
-        times = coordinate_search(shape, time_config, axes=QUICK_AXES if interpret else AXES)
+        times = coordinate_search(
+            shape, time_config, axes=QUICK_AXES if interpret else AXES, budget_s=budget_s
+        )
     if not times:
         raise RuntimeError(f"no candidate config ran for {shape}")
     best = min(times, key=times.get)
@@ -210,6 +229,13 @@ def main(argv=None):
     )
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock seconds per (GEMM, M) search (default: no limit); the search keeps "
+        "the best config found when it runs out",
+    )
     p.add_argument("--out", type=str, default=None, help="tuned JSON to write (merged)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -254,6 +280,7 @@ def main(argv=None):
                 repeats=args.repeats,
                 gated=name == "w13",
                 asm_ab=True,
+                budget_s=args.budget_s,
             )
             off = f"{asm_off * 1e6:>9.1f}" if asm_off is not None else f"{'-':>9}"
             print(
@@ -274,21 +301,27 @@ def main(argv=None):
                     silu_fused=name == "w13" and best.split_k == 1,
                 )
             )
+            if args.out:  # after each problem: a run cut short keeps what it found
+                merge_table(args.out, entries)
     if args.out:
-        table = {"device": jax.devices()[0].device_kind, "entries": []}
-        if os.path.exists(args.out):
-            with open(args.out) as f:
-                table = json.load(f)
-        keys = {(d["E"], d["N"], d["K"], d["bits"], d["group_size"], d["M"]) for d in entries}
-        table["entries"] = [
-            d
-            for d in table["entries"]
-            if (d["E"], d["N"], d["K"], d["bits"], d["group_size"], d["M"]) not in keys
-        ] + entries
-        with open(args.out, "w") as f:
-            json.dump(table, f, indent=1)
         print(f"wrote {len(entries)} entries to {args.out}")
     return entries
+
+
+def merge_table(path: str, entries: list[dict]) -> None:
+    """Writes `entries` into the tuned JSON at `path`, replacing entries of the same problem."""
+    table = {"device": jax.devices()[0].device_kind, "entries": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    keys = {(d["E"], d["N"], d["K"], d["bits"], d["group_size"], d["M"]) for d in entries}
+    table["entries"] = [
+        d
+        for d in table["entries"]
+        if (d["E"], d["N"], d["K"], d["bits"], d["group_size"], d["M"]) not in keys
+    ] + entries
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,22 +34,32 @@ def slice_major_columns(c, *, block_k: int, bits: int):
     return c - within + (within % per_word) * w + within // per_word
 
 
-def slice_words(qw_ref, e, n_idx, k0, *, bits, block_k):
-    """The "slices" k-tile's packed weights: uint32 [bn, W], W = block_k // per_word."""
-    per_word = 32 // bits
-    j = jnp.arange(block_k // per_word, dtype=jnp.int32)
-    return plgpu.load(qw_ref.at[e, n_idx[:, None], (k0 // per_word + j)[None, :]])
+def _word_range(bits, block_k, words):
+    """Word indices j of a k-tile: all block_k // per_word, or the run (start, count)."""
+    start, count = (0, block_k // (32 // bits)) if words is None else words
+    return start + jnp.arange(count, dtype=jnp.int32)
 
 
-def slice_activations(a_ref, row, k0, *, bits, block_k):
+def slice_words(qw_ref, e, n_idx, k0, *, bits, block_k, words=None):
+    """The "slices" k-tile's packed weights: uint32 [bn, W], W = block_k // per_word.
+
+    words: (start, count) loads only words start .. start + count of the tile (e.g. one group
+    of a tile that holds several).
+    """
+    j = _word_range(bits, block_k, words)
+    return plgpu.load(qw_ref.at[e, n_idx[:, None], (k0 // (32 // bits) + j)[None, :]])
+
+
+def slice_activations(a_ref, row, k0, *, bits, block_k, words=None):
     """The "slices" k-tile's activations: [(a_i [bm, W], k_i [W]) for each value slice i].
 
     a_ref holds the activations in slice_major order, so a_i is a contiguous load; k_i are the
-    natural feature indices of slice i (k0 + per_word * j + i).
+    natural feature indices of slice i (k0 + per_word * j + i). words: as in slice_words (the
+    activations meeting those words).
     """
     per_word = 32 // bits
     w = block_k // per_word
-    j = jnp.arange(w, dtype=jnp.int32)
+    j = _word_range(bits, block_k, words)
     return [
         (plgpu.load(a_ref.at[row[:, None], (k0 + w * i + j)[None, :]]), k0 + per_word * j + i)
         for i in range(per_word)

@@ -47,6 +47,20 @@ def _product(a, w, dot: str):
     return _dot(a, w) if dot == "mma" else jnp.sum(_fma(a, w), axis=2)
 
 
+def scales_per_group(*, block_k, unpack, dot, bits, group, dtype) -> bool:
+    """Whether the kernel takes its exact fast path: values as 16-bit (offset + v) products,
+    the scale applied to each group's [bm, bn] product; else the general path, which scales
+    each value in f32 and rounds it to `dtype` when a k-tile holds several groups.
+
+    The fast path needs unpack="slices", values exact in `dtype` (int4, or int8 in fp16) and,
+    for tensor-core dots, at least 16 words per group in the tile (each dot contracts one
+    group's slice).
+    """
+    if unpack != "slices" or _dequant.half_magic_offset(bits, dtype) is None:
+        return False
+    return dot == "fma" or min(block_k, group) // (32 // bits) >= 16
+
+
 def _tile_products(
     a_ref,
     qw_ref,
@@ -66,12 +80,12 @@ def _tile_products(
     dot,
 ):
     """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for each n_idx."""
-    dtype = a_ref.dtype
-    offset = _dequant.half_magic_offset(bits, dtype)
-    if unpack == "slices" and block_k <= group and offset is not None:
-        return _one_group_half_slices(
+    if scales_per_group(block_k=block_k, unpack=unpack, dot=dot, bits=bits, group=group,
+                        dtype=a_ref.dtype):  # fmt: skip
+        return _half_slices_per_group(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=block_k,
-            group=group, has_zeros=has_zeros, asm=asm, offset=offset, dot=dot,
+            group=group, has_zeros=has_zeros, asm=asm, dot=dot,
+            offset=_dequant.half_magic_offset(bits, a_ref.dtype),
         )  # fmt: skip
     return tuple(
         _tile_product_general(
@@ -94,38 +108,44 @@ def _tile_products(
     )
 
 
-def _one_group_half_slices(
+def _half_slices_per_group(
     a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, *, bits, block_k, group, has_zeros, asm,
     offset, dot,
 ):  # fmt: skip
-    """The fast path: a k-tile inside one group, values exact in the 16-bit activation dtype.
+    """The fast path: values exact in the 16-bit activation dtype, one group at a time.
 
-    Each value slice converts to offset + v (two values per instruction with asm) and meets
+    The k-tile holds one group, part of one, or several whole groups. For each group in it,
+    each value slice converts to offset + v (two values per instruction with asm) and meets
     its contiguous activation columns in one dot; the offset and zero point come off through
     the activations' row sums, and the group scale multiplies the [bm, bn] product. With
-    dot="fma" the slices' products accumulate as [bm, bn, W] f32 FMAs, reduced once per tile.
+    dot="fma" the slices' products accumulate as [bm, bn, W] f32 FMAs, reduced once per group.
     """
-    dtype = a_ref.dtype
-    slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k)
-    rowsum = None
-    for a, _ in slices:
-        rs = jnp.sum(a.astype(jnp.float32), axis=1)  # [bm]
-        rowsum = rs if rowsum is None else rowsum + rs
-    g = k0 // group
-    results = []
-    for n_idx in n_idxs:
-        words = slice_words(qw_ref, e, n_idx, k0, bits=bits, block_k=block_k)
-        halves = _dequant.half_value_slices(words, bits=bits, dtype=dtype, asm=asm)
-        acc = None
-        for (a, _), w in zip(slices, halves, strict=True):
-            part = _dot(a, w) if dot == "mma" else _fma(a, w)
-            acc = part if acc is None else acc + part
-        if dot == "fma":
-            acc = jnp.sum(acc, axis=2)
-        s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
-        z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
-        acc = _minus_offset_and_zero(acc, rowsum, z, offset=offset, has_zeros=has_zeros)
-        results.append(acc * s[None, :])
+    per_word = 32 // bits
+    group_k = min(block_k, group)
+    count = group_k // per_word
+    results = [None] * len(n_idxs)
+    for part in range(block_k // group_k):
+        words = (part * count, count)
+        slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k, words=words)
+        rowsum = None
+        for a, _ in slices:
+            rs = jnp.sum(a.astype(jnp.float32), axis=1)  # [bm]
+            rowsum = rs if rowsum is None else rowsum + rs
+        g = (k0 + part * group_k) // group
+        for r, n_idx in enumerate(n_idxs):
+            tile = slice_words(qw_ref, e, n_idx, k0, bits=bits, block_k=block_k, words=words)
+            halves = _dequant.half_value_slices(tile, bits=bits, dtype=a_ref.dtype, asm=asm)
+            acc = None
+            for (a, _), w in zip(slices, halves, strict=True):
+                p = _dot(a, w) if dot == "mma" else _fma(a, w)
+                acc = p if acc is None else acc + p
+            if dot == "fma":
+                acc = jnp.sum(acc, axis=2)
+            s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
+            z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
+            acc = _minus_offset_and_zero(acc, rowsum, z, offset=offset, has_zeros=has_zeros)
+            acc = acc * s[None, :]
+            results[r] = acc if results[r] is None else results[r] + acc
     return tuple(results)
 
 

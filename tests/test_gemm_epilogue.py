@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _dequant
 from pallas_kernels._common import slice_major, slice_major_columns
-from pallas_kernels.wna16_gemm import wna16_gemm
+from pallas_kernels.wna16_gemm import scales_per_group, wna16_gemm
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig
 
@@ -159,7 +159,8 @@ def test_gated_gemm_rejects_split_k(rng):
 FMA_CASES = [
     # (bits, group, has_zp, dtype, block_m, block_k, unpack, split_k)
     (4, 128, True, BF16, 1, 128, "slices", 1),
-    (4, 64, False, F16, 2, 128, "slices", 2),  # several groups per tile
+    (4, 64, False, F16, 2, 128, "slices", 2),  # several groups per tile, each scaled exactly
+    (4, 128, True, BF16, 1, 256, "slices", 1),
     (8, 128, True, BF16, 4, 64, "slices", 1),  # int8 into bf16: the exact f32 path
     (4, -1, True, BF16, 8, 64, "tile", 2),
     (8, 32, False, F16, 16, 32, "tile", 1),
@@ -185,7 +186,9 @@ def test_fma_gemm_matches_reference(
     ref = _ref_gemm(a, qw, routing, top_k=top_k, routed_weights=rw)
     # f32 products of the same 16-bit operands as the tensor-core path: the same tolerances
     # (1e-5 inside one group, ~u/2 across groups; f16 in-group 1e-4, as test_wna16_gemm.py).
-    in_group = block_k <= qw.group
+    in_group = block_k <= qw.group or scales_per_group(
+        block_k=block_k, unpack=unpack, dot="fma", bits=bits, group=qw.group, dtype=dtype
+    )
     tol = (1e-4 if dtype == F16 else 1e-5) if in_group else 5e-3
     helpers.assert_finite_and_close(
         np.asarray(out), np.asarray(ref), tol, f"fma {config}", require_signal=True

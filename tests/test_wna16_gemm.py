@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import wna16_gemm as gemm_module
-from pallas_kernels.wna16_gemm import check_gemm_config, wna16_gemm
+from pallas_kernels.wna16_gemm import check_gemm_config, scales_per_group, wna16_gemm
 from wna16_jax import _reference
 from wna16_jax._configs import min_block_k
 from wna16_jax._types import BlockConfig, QuantizedExperts
@@ -70,12 +70,18 @@ GEMM_TOLERANCES: dict[tuple[jnp.dtype, str], float] = {
 ELEMENT_SLACK = 5.0
 
 
-def tile_kind(config: BlockConfig, qw: QuantizedExperts) -> str:
-    return "in_group" if config.block_k <= qw.group else "multi_group"
+def tile_kind(config: BlockConfig, qw: QuantizedExperts, dtype) -> str:
+    """ "in_group" when the kernel scales each group's product (its exact path, any block_k),
+    or block_k <= group; "multi_group" when it scales each value before the dot."""
+    per_group = scales_per_group(
+        block_k=config.block_k, unpack=config.unpack, dot=config.dot, bits=qw.bits,
+        group=qw.group, dtype=dtype,
+    )  # fmt: skip
+    return "in_group" if per_group or config.block_k <= qw.group else "multi_group"
 
 
 def gemm_tolerance(dtype, config: BlockConfig, qw: QuantizedExperts) -> float:
-    return GEMM_TOLERANCES[(jnp.dtype(dtype), tile_kind(config, qw))]
+    return GEMM_TOLERANCES[(jnp.dtype(dtype), tile_kind(config, qw, dtype))]
 
 
 def assert_gemm_close(out, ref, rows, tol: float, what: str) -> None:
@@ -181,7 +187,9 @@ def run_layer_gemms(
         assert out.shape == (T * top_k, qw.n) and out.dtype == jnp.float32
         tol = gemm_tolerance(dtype, config, qw)
         np.testing.assert_array_equal(np.asarray(out)[off_shard], 0.0, err_msg="off-shard slots")
-        assert_gemm_close(out, ref, placed, tol, f"{what} {config} ({tile_kind(config, qw)})")
+        assert_gemm_close(
+            out, ref, placed, tol, f"{what} {config} ({tile_kind(config, qw, dtype)})"
+        )
 
 
 def host_weights(rng, e, n, k, bits, group, has_zp, dtype):
@@ -211,6 +219,10 @@ COVERING_CASES = [
     (7, 256, 256, 8, 6, 4, 128, False, False, 2, BF16, 128),
     (33, 128, 128, 8, 2, 4, 64, True, False, 1, F32, 128),
     (19, 256, 128, 64, 6, 8, 64, False, False, 1, BF16, 64),
+    # Tiles of several whole groups on the exact path (each group's product scaled).
+    (7, 256, 512, 8, 2, 4, 128, True, False, 2, BF16, 256),
+    (19, 512, 512, 8, 6, 4, 128, False, True, 1, F16, 512),
+    (7, 128, 256, 8, 2, 8, 64, True, False, 1, F16, 128),
 ]
 
 
@@ -322,7 +334,7 @@ def test_unplaced_rows(rng, split_k):
     ref = _ref_gemm(a, qw, routing, top_k=k)
     assert out.dtype == BF16  # out_dtype defaults to the activation dtype
     # The bf16 output adds one rounding (u = 2^-8, ~2e-3 rms) to the in-group path's ~1e-6.
-    assert tile_kind(config, qw) == "in_group"
+    assert tile_kind(config, qw, a.dtype) == "in_group"
     assert_gemm_close(out, ref, placed, 5e-3, "placed rows")
     if split_k > 1:
         np.testing.assert_array_equal(out[~placed], 0, err_msg="dropped rows with split-K")
