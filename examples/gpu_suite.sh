@@ -40,7 +40,7 @@ for step in "${steps[@]}"; do
         # Compiling dominates: 4 workers share the GPU (no preallocation; the DeepSeek-V3
         # cases hold ~6 GB of weights each). Serially the step took 315 s on the H200.
         select="not full_grid"
-        workers=(-n 4)
+        workers=(-n 4 --dist loadgroup)  # DeepSeek-sized cases on one worker (conftest.py)
         if [ "${FULL:-0}" = 1 ]; then
             select="full_grid"
             workers=(-n 8)

@@ -47,15 +47,15 @@ AXES = {
     "num_warps": (2, 4, 8),
     "num_stages": (1, 2, 3, 4, 5),
     "block_m": (1, 2, 4, 8, 16, 32, 64, 128),
+    "unpack": ("slices", "join", "tile"),
     "dot": ("mma", "fma"),
-    "unpack": ("slices", "tile"),
 }
 QUICK_AXES = {
     "dot": ("mma", "fma"),
     "block_n": (32, 64, 128),
     "split_k": (1, 2, 4),
     "num_stages": (2, 3, 4),
-    "unpack": ("slices", "tile"),
+    "unpack": ("slices", "join", "tile"),
 }
 
 
@@ -75,10 +75,14 @@ def exhaustive(shape: _configs.GemmShape):
 
 
 def starting_points(shape: _configs.GemmShape) -> list:
-    """The heuristic's config, and for few rows per expert the CUDA-core "fma" product with one
-    row per block (a tensor-core tile of 16 rows would hold mostly padding)."""
+    """The heuristic's config, the same with unpack="join" (one dot per group instead of one
+    per value slice), and for few rows per expert the CUDA-core "fma" product with one row per
+    block (a tensor-core tile of 16 rows would hold mostly padding)."""
     base = _configs.heuristic_config(shape)
     starts = [base]
+    joined = dataclasses.replace(base, unpack="join")
+    if base.unpack == "slices" and _valid(joined, shape):
+        starts.append(joined)
     if shape.m <= 4 * shape.num_experts:
         fma = dataclasses.replace(base, dot="fma", block_m=1)
         if _valid(fma, shape):

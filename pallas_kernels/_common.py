@@ -75,12 +75,12 @@ def operand_pairs(a_ref, qw_ref, e, row, n_idx, k0, *, bits, block_k, unpack):
     unpack="slices" (a_ref in slice_major order): the [bn, bk // per_word] word tile is loaded
     once and value slice i of the words meets activation columns k0 + per_word * j + i:
     per_word pairs, W = bk // per_word.
-    unpack="tile" (a_ref in natural order): each word is loaded once per value it holds (the
-    repeats hit L1) and shifted in place: one pair with W = bk, so the tensor cores see one
-    dot of K = bk.
+    unpack="tile" or "join" (a_ref in natural order): each word is loaded once per value it
+    holds (the repeats hit L1) and shifted in place: one pair with W = bk, so the tensor cores
+    see one dot of K = bk.
     """
     per_word = 32 // bits
-    if unpack == "tile":
+    if unpack in ("tile", "join"):  # natural feature order ("join" outside its exact path)
         kk = k0 + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
         words = plgpu.load(qw_ref.at[e, n_idx[:, None], (kk // per_word)[None, :]])  # [bn, bk]
         shift = ((kk % per_word) * bits).astype(jnp.uint32)

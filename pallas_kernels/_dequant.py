@@ -109,3 +109,22 @@ def half_value_slices(words, *, bits: int, dtype, asm: bool):
         )[0]
         for i in range(per_word)
     ]
+
+
+def join_value_slices(slices):
+    """Value slices back in natural feature order: per_word arrays [bn, W] -> [bn, W * per_word].
+
+    slices[i][n, j] (value i of word j, feature per_word * j + i) lands at column
+    per_word * j + i. Built from pairwise joins (Triton's `join`, which appends a minor axis of
+    size 2): the first level pairs slices whose index differs in its highest bit, the last in
+    its lowest, so the joined axes read (high bit, ..., low bit) = i.
+    """
+    level = list(slices)
+    count = len(level)
+    if count & (count - 1):
+        raise ValueError(f"{count} value slices is not a power of two")
+    while len(level) > 1:
+        half = len(level) // 2
+        level = [jnp.stack([level[i], level[i + half]], axis=-1) for i in range(half)]
+    (joined,) = level
+    return joined.reshape(joined.shape[0], -1)

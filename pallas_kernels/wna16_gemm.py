@@ -52,12 +52,14 @@ def scales_per_group(*, block_k, unpack, dot, bits, group, dtype) -> bool:
     the scale applied to each group's [bm, bn] product; else the general path, which scales
     each value in f32 and rounds it to `dtype` when a k-tile holds several groups.
 
-    The fast path needs unpack="slices", values exact in `dtype` (int4, or int8 in fp16) and,
-    for tensor-core dots, at least 16 words per group in the tile (each dot contracts one
-    group's slice).
+    The fast path needs unpack="slices" or "join", values exact in `dtype` (int4, or int8 in
+    fp16) and, for tensor-core dots, at least 16 features per dot (a group's slice, or with
+    "join" the group's part of the tile).
     """
-    if unpack != "slices" or _dequant.half_magic_offset(bits, dtype) is None:
+    if unpack == "tile" or _dequant.half_magic_offset(bits, dtype) is None:
         return False
+    if unpack == "join":  # one dot over a group's (part of the tile's) features
+        return min(block_k, group) >= 16
     return dot == "fma" or min(block_k, group) // (32 // bits) >= 16
 
 
@@ -84,7 +86,7 @@ def _tile_products(
                         dtype=a_ref.dtype):  # fmt: skip
         return _half_slices_per_group(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=block_k,
-            group=group, has_zeros=has_zeros, asm=asm, dot=dot,
+            group=group, has_zeros=has_zeros, asm=asm, dot=dot, joined=unpack == "join",
             offset=_dequant.half_magic_offset(bits, a_ref.dtype),
         )  # fmt: skip
     return tuple(
@@ -110,43 +112,63 @@ def _tile_products(
 
 def _half_slices_per_group(
     a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, *, bits, block_k, group, has_zeros, asm,
-    offset, dot,
+    offset, dot, joined,
 ):  # fmt: skip
     """The fast path: values exact in the 16-bit activation dtype, one group at a time.
 
     The k-tile holds one group, part of one, or several whole groups. For each group in it,
     each value slice converts to offset + v (two values per instruction with asm) and meets
-    its contiguous activation columns in one dot; the offset and zero point come off through
-    the activations' row sums, and the group scale multiplies the [bm, bn] product. With
-    dot="fma" the slices' products accumulate as [bm, bn, W] f32 FMAs, reduced once per group.
+    its contiguous activation columns in one dot; the group scale multiplies that product, and
+    the offset and zero point come off through the activations' row sums:
+    s * sum_k a (offset + v) - s * (offset + z) * sum_k a.
+    With dot="fma" the products stay [bm, bn, W] f32 FMAs, scaled per group and reduced over W
+    once per k-tile (a cross-lane reduction costs more than the scaling FMA).
+    joined (unpack="join", a_ref in natural order): the converted slices are joined back into
+    feature order and meet the group's activations in one dot (no sum of per-slice products).
     """
     per_word = 32 // bits
     group_k = min(block_k, group)
     count = group_k // per_word
-    results = [None] * len(n_idxs)
+    products = [None] * len(n_idxs)  # mma: [bm, bn]; fma: [bm, bn, W]; scaled, over groups
+    corrections = [None] * len(n_idxs)  # [bm, bn]: s * (offset + z) * rowsum, over groups
     for part in range(block_k // group_k):
         words = (part * count, count)
-        slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k, words=words)
-        rowsum = None
+        if joined:
+            kk = k0 + part * group_k + jnp.arange(group_k, dtype=jnp.int32)
+            slices = [(plgpu.load(a_ref.at[row[:, None], kk[None, :]]), kk)]  # [bm, group_k]
+        else:
+            slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k, words=words)
+        # The slices summed elementwise first: one cross-lane reduction per group.
+        columns = None
         for a, _ in slices:
-            rs = jnp.sum(a.astype(jnp.float32), axis=1)  # [bm]
-            rowsum = rs if rowsum is None else rowsum + rs
+            columns = a.astype(jnp.float32) if columns is None else columns + a
+        rowsum = jnp.sum(columns, axis=1)  # [bm]
         g = (k0 + part * group_k) // group
         for r, n_idx in enumerate(n_idxs):
             tile = slice_words(qw_ref, e, n_idx, k0, bits=bits, block_k=block_k, words=words)
             halves = _dequant.half_value_slices(tile, bits=bits, dtype=a_ref.dtype, asm=asm)
+            if joined:
+                halves = [_dequant.join_value_slices(halves)]  # [bn, group_k]
             acc = None
             for (a, _), w in zip(slices, halves, strict=True):
                 p = _dot(a, w) if dot == "mma" else _fma(a, w)
                 acc = p if acc is None else acc + p
-            if dot == "fma":
-                acc = jnp.sum(acc, axis=2)
             s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
             z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
-            acc = _minus_offset_and_zero(acc, rowsum, z, offset=offset, has_zeros=has_zeros)
-            acc = acc * s[None, :]
-            results[r] = acc if results[r] is None else results[r] + acc
-    return tuple(results)
+            scaled = acc * (s[None, :] if dot == "mma" else s[None, :, None])
+            zs = _offset_plus_zero(z, offset=offset, has_zeros=has_zeros) * s  # [bn]
+            corr = rowsum[:, None] * zs[None, :]
+            products[r] = scaled if products[r] is None else products[r] + scaled
+            corrections[r] = corr if corrections[r] is None else corrections[r] + corr
+    return tuple(
+        (jnp.sum(p, axis=2) if dot == "fma" else p) - c
+        for p, c in zip(products, corrections, strict=True)
+    )
+
+
+def _offset_plus_zero(z, *, offset: float, has_zeros: bool):
+    """f32 offset + z: [bn] for zero points z (int32 [bn]), a scalar for the implicit int."""
+    return (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
 
 
 def _minus_offset_and_zero(acc, rowsum, z, *, offset: float, has_zeros: bool):
@@ -155,7 +177,7 @@ def _minus_offset_and_zero(acc, rowsum, z, *, offset: float, has_zeros: bool):
     acc: f32 [bm, bn]; rowsum: f32 [bm] activation sums; z: int32 [bn] zero points, or the
     implicit int without them.
     """
-    zf = (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
+    zf = _offset_plus_zero(z, offset=offset, has_zeros=has_zeros)
     return acc - rowsum[:, None] * (zf[None, :] if has_zeros else zf)
 
 

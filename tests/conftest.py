@@ -23,6 +23,12 @@ def rng(request) -> np.random.Generator:
 def pytest_collection_modifyitems(config, items):
     backend = jax.default_backend()
     if backend == "gpu":
+        # The DeepSeek-V3-sized cases hold 4-7 GB of weights plus their reference's dequantized
+        # copy: under xdist with --dist loadgroup they share one worker, so several never run
+        # at once on one GPU (4 of them at once ran out of the H200's memory).
+        for item in items:
+            if "gpu" in item.keywords and "deepseek" in item.name:
+                item.add_marker(pytest.mark.xdist_group("gpu_memory"))
         return
     skip_gpu = pytest.mark.skip(
         reason=f"needs an NVIDIA GPU (compiled Pallas kernels); JAX's default backend is "

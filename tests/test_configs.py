@@ -36,7 +36,10 @@ def test_block_config_is_hashable_and_frozen():
         (dict(num_warps=4.0), "BlockConfig.num_warps=4.0 must be a positive int"),
         (dict(block_n=48), "BlockConfig.block_n=48 must be a power of two"),
         (dict(block_k=96), "BlockConfig.block_k=96 must be a power of two"),
-        (dict(unpack="rows"), "BlockConfig.unpack='rows' is not one of ('slices', 'tile')"),
+        (
+            dict(unpack="rows"),
+            "BlockConfig.unpack='rows' is not one of ('slices', 'tile', 'join')",
+        ),
     ],
 )
 def test_block_config_rejects(kwargs, message):

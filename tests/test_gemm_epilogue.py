@@ -22,7 +22,7 @@ from wna16_jax._types import BlockConfig
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
-BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 
 _ref_align = jax.jit(_reference.moe_align_block_size, static_argnames=("num_experts", "block_m"))
 _ref_gemm = jax.jit(_reference.grouped_matmul, static_argnames=("top_k",))
@@ -193,6 +193,54 @@ def test_fma_gemm_matches_reference(
     helpers.assert_finite_and_close(
         np.asarray(out), np.asarray(ref), tol, f"fma {config}", require_signal=True
     )
+
+
+# ---- unpack="join": converted value slices joined back into feature order, one dot per group
+
+JOIN_CASES = [
+    # (bits, group, has_zp, dtype, block_m, block_k, split_k)
+    (4, 128, True, BF16, 16, 128, 1),
+    (4, 128, False, F16, 32, 256, 1),  # two groups per tile, each scaled exactly
+    (4, 32, True, BF16, 16, 128, 1),  # four small groups per tile
+    (8, 64, True, F16, 16, 64, 1),  # int8 exact in fp16
+    (8, 128, False, BF16, 16, 128, 2),  # int8 into bf16: the general path, run as "tile"
+    (4, -1, True, F32, 16, 64, 1),  # f32 activations: the general path
+]
+
+
+@pytest.mark.parametrize("bits, group, has_zp, dtype, block_m, block_k, split_k", JOIN_CASES)
+def test_join_gemm_matches_reference(rng, bits, group, has_zp, dtype, block_m, block_k, split_k):
+    t, top_k, e, n, k = 9, 3, 8, 64, 256
+    qw = helpers.random_quantized_experts(rng, e, n, k, bits, group, has_zp, dtype)
+    _, ids = helpers.random_routing(rng, t, top_k, e)
+    routing = _ref_align(jnp.asarray(ids, jnp.int32), num_experts=e, block_m=block_m)
+    a = jnp.asarray(rng.normal(size=(t, k)), dtype)
+    rw = jnp.asarray(rng.uniform(0.1, 1.0, size=t * top_k), jnp.float32)
+    config = BlockConfig(
+        block_m=block_m, block_n=32, block_k=block_k, unpack="join", split_k=split_k
+    )
+    out = wna16_gemm(
+        a, qw, routing, rw, top_k=top_k, config=config, out_dtype=jnp.float32, interpret=INTERPRET
+    )
+    ref = _ref_gemm(a, qw, routing, top_k=top_k, routed_weights=rw)
+    exact = scales_per_group(
+        block_k=block_k, unpack="join", dot="mma", bits=bits, group=qw.group, dtype=dtype
+    )
+    # The tolerances of test_wna16_gemm.py: the exact path 1e-5 (f16 1e-4); the general path
+    # in one group the same, across groups ~u/2 of the activation dtype.
+    if exact or block_k <= qw.group:
+        tol = 1e-4 if dtype == F16 else 1e-5
+    else:
+        tol = 5e-3 if dtype == BF16 else 1e-3
+    helpers.assert_finite_and_close(
+        np.asarray(out),
+        np.asarray(ref),
+        tol,
+        f"join {config}",
+        require_signal=True,
+        slack=5.0,  # test_wna16_gemm.py's ELEMENT_SLACK: tol is a norm-wise bound
+    )
+    assert exact == (dtype != F32 and not (bits == 8 and dtype == BF16))
 
 
 @pytest.mark.parametrize(

@@ -120,3 +120,31 @@ def test_deepseek_v3_linears_build_for_sm90(name, rows):
     )
     assert [k.name for k in kernels] == ["wna16_gemm_int4"]
     assert kernels[0].shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, wj.BlockConfig(block_m=16, block_n=128, block_k=128, unpack="join")),
+        (4096, wj.BlockConfig(block_m=64, block_n=128, block_k=256, num_stages=3, unpack="join")),
+    ],
+    ids=["m1-bm16", "m4096-bm64-bk256"],
+)
+def test_join_kernels_build_for_sm90(m, config):
+    """unpack="join": the joined slices meet one tensor-core dot per group (wgmma at 64 rows)."""
+    w13 = abstract_experts(2 * I, H, 4, 128, True)
+    w2 = abstract_experts(H, I, 4, 128, True)
+    args = (
+        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
+        w13,
+        w2,
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+    )
+    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert len(gemms) == 2
+    for k in gemms:
+        assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES
+        assert "prmt.b32" in k.ptx
+        assert ("wgmma" in k.ptx) if config.block_m >= 64 else ("mma.sync" in k.ptx)

@@ -14,7 +14,7 @@ SUPPORTED_BITS = (4, 8)
 # DESIGN.md's 2^31 rule: Pallas' Triton lowering indexes in int32.
 MAX_ARRAY_ELEMENTS = 2**31 - 1
 # BlockConfig.unpack values.
-UNPACK_MODES = ("slices", "tile")
+UNPACK_MODES = ("slices", "tile", "join")
 # BlockConfig.dot values.
 DOT_MODES = ("mma", "fma")
 
@@ -177,8 +177,11 @@ class BlockConfig:
     split_k: programs sharing one output tile along K (atomic f32 accumulation when > 1).
     group_m: row-block grouping for L2 reuse.  num_warps / num_stages: Triton settings.
     unpack: how a k-tile of packed weights meets the tensor cores: "slices" (each word loaded
-        once; one dot per value position, contracting block_k // values-per-word features) or
-        "tile" (words loaded once per value and shifted in place; one dot contracting block_k).
+        once; one dot per value position, contracting block_k // values-per-word features),
+        "tile" (words loaded once per value and shifted in place; one dot contracting block_k)
+        or "join" (each word loaded and converted once, the value slices joined back into
+        feature order; one dot per group in the tile, on the exact 16-bit path; elsewhere it
+        runs as "tile").
     dot: how a k-tile's products are summed: "mma" (tensor-core dots; block_m, block_n >= 16)
         or "fma" (dequantize-multiply-reduce in f32 on the CUDA cores, for very few rows per
         expert: block_m may be 1, 2, 4 or 8 where a 16-row tensor-core tile would waste most of
