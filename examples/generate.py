@@ -91,7 +91,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="quantize float weights: on load with --model, or the random model's "
         "weights (default int4)",
     )
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="prompts per batch; several values generate once per value with the same model "
+        "(built once)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -211,28 +218,33 @@ def main(argv=None) -> int:
         f"JAX platform {jax.default_backend()}, {jax.device_count()} device(s)"
     )
     prompt_ids = tokenizer.encode(args.prompt)
-    prompts = [prompt_ids] * args.batch_size
-    tokens, stats = generate(
-        model,
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        pad_id=tokenizer.pad_id,
-        return_stats=True,
-        warmup=not args.no_warmup,
-    )
-    # The log line names the candidates; it is emitted once per process, so a second run in
-    # the same process asks the selection again.
-    backend = backend_log.lines[-1] if backend_log.lines else chosen_backend(model, args.batch_size)
-    print(f"fused_moe backend: {backend}")
-    for b, row in enumerate(tokens.tolist()):
-        new = row[len(prompt_ids) :]
-        print(f"[{b}] tokens: {new}")
-        print(f"[{b}] text:   {args.prompt!r} -> {tokenizer.decode(new)!r}")
-    print(f"speed: {stats}")
-    print(f"decode: {stats.decode_tokens_per_s:.1f} tokens/s")
+    for batch_size in args.batch_size:
+        if len(args.batch_size) > 1:
+            print(f"=== batch size {batch_size}")
+        tokens, stats = generate(
+            model,
+            [prompt_ids] * batch_size,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            pad_id=tokenizer.pad_id,
+            return_stats=True,
+            warmup=not args.no_warmup,
+        )
+        # The log line names the candidates; it is emitted once per process, so a later run in
+        # the same process asks the selection again.
+        backend = (
+            backend_log.lines[-1] if backend_log.lines else chosen_backend(model, batch_size)
+        )
+        backend_log.lines.clear()
+        print(f"fused_moe backend: {backend}")
+        for b, row in enumerate(tokens.tolist()):
+            new = row[len(prompt_ids) :]
+            print(f"[{b}] tokens: {new}")
+            print(f"[{b}] text:   {args.prompt!r} -> {tokenizer.decode(new)!r}")
+        print(f"speed: {stats}")
+        print(f"decode: {stats.decode_tokens_per_s:.1f} tokens/s")
     return 0
 
 

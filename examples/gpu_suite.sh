@@ -13,10 +13,13 @@
 #   int8        benchmark.py: W8A8 vs W8A16 (per-channel int8) at M = 1, 256, 4096
 #   w8a16       benchmark.py: W8A16 (per-channel int8) at M = 1, 256, 4096 (int8 runs it too)
 #   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (pallas experts), the
-#               quantized linears on xla and on the Pallas GEMM
-#   sharded     (2 GPUs) the 8-layer model on one GPU and at EP=2, batch 1, 8, 64; 30 layers EP=2
+#               quantized linears on xla and on the Pallas GEMM (each model built once)
+#   ep2         (2 GPUs) 8 layers at EP=2, batch 1, 8, 64; 30 layers at EP=2, batch 1
+#   sharded     (2 GPUs) model on GPU 0 alone, then ep2
 #   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
 # A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
+# LINEARS: the model step's --linear-implementation values (default "xla pallas").
+# TEST_FILES: the tests step's files (default: every kernel test file).
 # TUNE_BUDGET: seconds per (GEMM, M) search (default 40). INSTALL=0: the tune steps leave the
 # package's table alone (their table is in $OUT/tuned.json), e.g. while another GPU benchmarks.
 set -uo pipefail
@@ -37,18 +40,21 @@ for step in "${steps[@]}"; do
     echo "=== $step ($(date -u +%H:%M:%S))"
     case $step in
     tests)
-        # Compiling dominates: 4 workers share the GPU (no preallocation; the DeepSeek-V3
-        # cases hold ~6 GB of weights each). Serially the step took 315 s on the H200.
+        # Compiling dominates: 4 workers share the GPU (the DeepSeek-V3 cases hold ~6 GB of
+        # weights each). Serially the step took 315 s on the H200.
         select="not full_grid"
         workers=(-n 4 --dist loadgroup)  # DeepSeek-sized cases on one worker (conftest.py)
         if [ "${FULL:-0}" = 1 ]; then
             select="full_grid"
             workers=(-n 8)
         fi
-        XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
-            --durations=10 "${workers[@]}" tests/test_wna16_gemm.py tests/test_fused_moe_kernels.py \
-            tests/test_align_kernel.py tests/test_w8a8.py tests/test_gemm_epilogue.py \
-            tests/test_linear.py -k "$select" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+        # The platform allocator returns freed memory to the GPU: the BFC allocator (even
+        # without preallocation) keeps what each worker once held, and 4 workers then ran out.
+        XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m pytest -q -p no:cacheprovider \
+            --durations=10 "${workers[@]}" ${TEST_FILES:-tests/test_wna16_gemm.py \
+            tests/test_fused_moe_kernels.py tests/test_align_kernel.py tests/test_w8a8.py \
+            tests/test_gemm_epilogue.py tests/test_linear.py} -k "$select" 2>&1 |
+            tee "$OUT/gpu_tests.log" | tail -40
         ;;
     tune-decode | tune-large | tune-tp8)
         ms="1 16"
@@ -79,28 +85,27 @@ for step in "${steps[@]}"; do
             --implementations pallas --json "$OUT/bench_w8a16.json" 2>&1 |
             tee "$OUT/bench_w8a16.log"
         ;;
-    model) # the linears dequantize + dot (xla) and run the one-expert Pallas GEMM, A/B
-        for b in 1 8 64; do
-            for lin in xla pallas; do
-                timeout 150 python3 examples/generate.py --full-width-layers 8 \
-                    --implementation pallas --linear-implementation $lin --batch-size $b \
-                    --max-new-tokens 32 2>&1 | tee "$OUT/generate_b${b}_$lin.log" |
-                    grep -E "decode|speed"
-            done
+    model) # one GPU, 8 layers; the linears dequantize + dot (xla) or run the Pallas GEMM, A/B
+        for lin in ${LINEARS:-xla pallas}; do
+            timeout 300 python3 examples/generate.py --full-width-layers 8 \
+                --implementation pallas --linear-implementation $lin --batch-size 1 8 64 \
+                --max-new-tokens 32 2>&1 | tee "$OUT/generate_1gpu_$lin.log" |
+                grep -E "===|decode|speed|backend"
         done
         ;;
-    sharded) # 2 GPUs: the 8-layer model on GPU 0 alone and EP=2 per batch, then 30 layers EP=2
-        for b in 1 8 64; do
-            CUDA_VISIBLE_DEVICES=0 timeout 120 python3 examples/generate.py \
-                --full-width-layers 8 --implementation pallas --batch-size $b \
-                --max-new-tokens 32 2>&1 | tee "$OUT/generate_1gpu_b$b.log" | grep -E "decode|speed|backend"
-            timeout 120 python3 examples/generate.py --full-width-layers 8 --mesh expert=2 \
-                --implementation pallas --batch-size $b --max-new-tokens 32 2>&1 |
-                tee "$OUT/generate_ep2_b$b.log" | grep -E "decode|speed|mesh"
+    ep2) # 2 GPUs: the 8-layer model at EP=2 (compare with "model"), then 30 layers at EP=2
+        for layers in 8 30; do
+            batches="1 8 64"
+            [ $layers = 30 ] && batches=1  # the model too large for one GPU: that it runs
+            # shellcheck disable=SC2086
+            timeout 400 python3 examples/generate.py --full-width-layers $layers --mesh expert=2 \
+                --implementation pallas --batch-size $batches --max-new-tokens 32 2>&1 |
+                tee "$OUT/generate_ep2_${layers}layers.log" | grep -E "===|decode|speed|mesh|model"
         done
-        timeout 150 python3 examples/generate.py --full-width-layers 30 --mesh expert=2 \
-            --implementation pallas --batch-size 1 --max-new-tokens 32 2>&1 |
-            tee "$OUT/generate_ep2_30layers.log" | tail -5
+        ;;
+    sharded) # 2 GPUs: the 8-layer model on GPU 0 alone, then the ep2 step
+        CUDA_VISIBLE_DEVICES=0 OUT=$OUT bash "$0" model
+        OUT=$OUT bash "$0" ep2
         ;;
     triton)
         bash examples/gpu_triton.sh 2>&1 | tee "$OUT/triton.log" | tail -40

@@ -27,7 +27,7 @@ def test_example_help(capsys):
 
 
 def test_example_main_tiny(capsys):
-    assert _load_example().main(["--max-new-tokens", "3", "--batch-size", "2"]) == 0
+    assert _load_example().main(["--max-new-tokens", "3", "--batch-size", "1", "2"]) == 0
     out = capsys.readouterr().out
     assert "fused_moe backend: 'xla'" in out
     assert "[1] tokens:" in out and "tokens/s" in out
