@@ -86,6 +86,7 @@ def compile_for_sm90(fn, *args, **kwargs) -> list[CompiledKernel]:
         for i, (ir, (name, stages, warps)) in enumerate(zip(captured, settings, strict=True)):
             path = Path(tmp) / f"k{i}.ttir"
             path.write_text(ir)
+            _run_ttir_passes(path)
             compiled = triton.compile(
                 str(path),
                 target=GPUTarget("cuda", 90, 32),
@@ -101,3 +102,23 @@ def compile_for_sm90(fn, *args, **kwargs) -> list[CompiledKernel]:
                 )
             )
     return kernels
+
+
+def _run_ttir_passes(path: Path) -> None:
+    """Applies Triton's TTIR passes (inliner, canonicalizer, combine: dot(a, b, 0) + c ->
+    dot(a, b, c), ...) to the IR file in place.
+
+    triton.compile skips the passes of an IR file's own stage, but on the GPU the TTIR Pallas
+    emits goes through them (XLA's Triton pipeline starts with the same passes), so without
+    this the PTX here would keep adds the GPU build folds into the dots.
+    """
+    from triton._C.libtriton import ir
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    context = ir.context()
+    ir.load_dialects(context)
+    CUDABackend.load_dialects(None, context)
+    module = ir.parse_mlir_module(str(path), context)
+    module.context = context
+    CUDABackend.make_ttir(module, {}, None, 90)
+    path.write_text(str(module))
