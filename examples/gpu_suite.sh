@@ -63,7 +63,8 @@ for step in "${steps[@]}"; do
         [ "$step" = tune-tp8 ] && preset=deepseek-v3-tp8
         [ -f "$table" ] && cp "$table" "$OUT/tuned.json"
         python3 examples/tune.py --preset $preset --m $ms --out "$OUT/tuned.json" \
-            --budget-s "${TUNE_BUDGET:-40}" 2>"$OUT/$step.log" | tee "$OUT/$step.txt"
+            --budget-s "${TUNE_BUDGET:-40}" --trials "$OUT/$step-trials.json" \
+            2>"$OUT/$step.log" | tee "$OUT/$step.txt"
         if [ "${INSTALL:-1}" = 1 ]; then
             mkdir -p "$(dirname "$table")" && cp "$OUT/tuned.json" "$table"
         fi

@@ -138,7 +138,8 @@ def coordinate_search(
 
 
 def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab, budget_s=None):
-    """Searches configs of one GEMM at m tokens; returns (shape, best, seconds, err, n, asm_off).
+    """Searches configs of one GEMM at m tokens; returns (shape, best, {config: seconds} of every
+    config that ran, err, asm_off).
 
     gated: time GEMM1 the way fused_moe runs it (silu(gate) * up fused when split_k == 1).
     asm_ab: also time the winner with the PTX conversion off (seconds, or None).
@@ -211,7 +212,7 @@ def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab, b
     err = float(np.linalg.norm(o - r) / np.linalg.norm(r))
     if not err < 1e-2:
         raise RuntimeError(f"best config {best} is wrong: relative error {err}")
-    return shape, best, times[best], err, len(times), asm_off
+    return shape, best, times, err, asm_off
 
 
 def main(argv=None):
@@ -241,6 +242,13 @@ def main(argv=None):
         "the best config found when it runs out",
     )
     p.add_argument("--out", type=str, default=None, help="tuned JSON to write (merged)")
+    p.add_argument(
+        "--trials",
+        type=str,
+        default=None,
+        help="also write every config timed, per problem, to this JSON (evidence such as "
+        "the best config with and without split-K)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
@@ -270,11 +278,11 @@ def main(argv=None):
             dtype=jnp.bfloat16,
         ),
     }
-    entries = []
+    entries, trials = [], []
     print(f"{'gemm':>5} {'M':>6} {'us':>9} {'no-asm us':>9} {'rel err':>8}  config")
     for m in ms:
         for name in args.gemms:
-            shape, best, t, err, n, asm_off = tune_gemm(
+            shape, best, times, err, asm_off = tune_gemm(
                 gemms[name],
                 m,
                 top_k,
@@ -286,6 +294,22 @@ def main(argv=None):
                 asm_ab=True,
                 budget_s=args.budget_s,
             )
+            t, n = times[best], len(times)
+            trials.append(
+                dict(
+                    gemm=name,
+                    M=shape.m,
+                    N=shape.n,
+                    K=shape.k,
+                    tried=[
+                        dict(config=dataclasses.asdict(c), microseconds=sec * 1e6)
+                        for c, sec in sorted(times.items(), key=lambda ct: ct[1])
+                    ],
+                )
+            )
+            if args.trials:
+                with open(args.trials, "w") as f:
+                    json.dump(trials, f, indent=1)
             off = f"{asm_off * 1e6:>9.1f}" if asm_off is not None else f"{'-':>9}"
             print(
                 f"{name:>5} {m:>6} {t * 1e6:>9.1f} {off} {err:>8.1e}  {best}  ({n} ran)",
