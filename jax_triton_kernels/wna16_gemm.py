@@ -220,9 +220,22 @@ def _wna16_gemm_into_kernel(
     )  # fmt: skip
 
 
+def triton_config_problems(config: BlockConfig) -> list[str]:
+    """Why the Triton GEMM cannot run `config` whatever the shape (empty when it can): its
+    products are tensor-core dots only, and Triton's dot takes tiles of at least 16 rows."""
+    problems = []
+    if config.dot != "mma":
+        problems.append(f"dot={config.dot!r}: the Triton GEMM runs tensor-core dots only")
+    if config.block_m < MIN_SPAN:
+        problems.append(f"block_m={config.block_m} is below Triton's 16-row dot tile")
+    return problems
+
+
 def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     """Raises ValueError when `config` cannot run a GEMM over `qw` ([E, N, K])."""
     _configs.check_config(config, _configs.GemmShape.of_weights(qw))
+    if problems := triton_config_problems(config):
+        raise ValueError(f"config {config} cannot run the Triton GEMM: " + "; ".join(problems))
     span = min(config.block_k, qw.group)
     if span < MIN_SPAN:
         raise ValueError(

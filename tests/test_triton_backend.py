@@ -36,7 +36,7 @@ import pytest
 
 import wna16_jax as wj
 from jax_triton_kernels import backend as triton_backend
-from wna16_jax import _dispatch, _reference
+from wna16_jax import _configs, _dispatch, _reference
 from wna16_jax._configs import min_block_k
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
@@ -614,6 +614,8 @@ BAD_GEMM_CONFIGS = [
     (4, 512, 64, BlockConfig(16, 64, 128, split_k=3), "split_k=3 does not divide the 4 k-tiles"),
     (4, 256, 64, BlockConfig(16, 64, 64), "block_k=64 is below 128 for int4"),
     (8, 256, 8, BlockConfig(16, 64, 64, unpack="tile"), "dots over 8 input features"),
+    (4, 256, 128, BlockConfig(16, 64, 128, dot="fma"), "tensor-core dots only"),
+    (4, 256, 128, BlockConfig(1, 64, 128, dot="fma"), "below Triton's 16-row dot tile"),
 ]
 
 
@@ -621,7 +623,7 @@ BAD_GEMM_CONFIGS = [
 @pytest.mark.parametrize(
     "bits, kdim, group, config, message",
     BAD_GEMM_CONFIGS,
-    ids=["bk-over-K", "split-vs-tiles", "slices-minimum", "span-under-16"],
+    ids=["bk-over-K", "split-vs-tiles", "slices-minimum", "span-under-16", "fma", "block-m-1"],
 )
 def test_bad_gemm_config_raises(rng, bits, kdim, group, config, message):
     from jax_triton_kernels.wna16_gemm import wna16_gemm
@@ -632,6 +634,29 @@ def test_bad_gemm_config_raises(rng, bits, kdim, group, config, message):
     routing = _ref_align(ids, num_experts=4, block_m=config.block_m)
     with pytest.raises(ValueError, match=message):
         wna16_gemm(a, qw, routing, top_k=2, config=config, interpret=True)
+
+
+@needs_triton
+def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
+    """A tuned table's CUDA-core entries (block_m 1, dot="fma": the H200 table's decode
+    configs) are the Pallas kernel's: the Triton pipeline takes the heuristic instead and
+    stays right (before, it ran them and returned garbage: relative error 1.0)."""
+    from jax_triton_kernels import fused_moe as triton_moe
+
+    fma = BlockConfig(block_m=1, block_n=64, block_k=64, split_k=2, dot="fma")
+    monkeypatch.setattr(_configs, "lookup_tuned", lambda shape, kind: fma)
+    e, h, i, t, k = 8, 256, 128, 3, 2
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
+    c1, c2 = triton_moe.triton_gemm_configs(t * k, w13, w2, None)
+    assert c1 == _configs.heuristic_config(_configs.GemmShape.of_weights(w13, m=t * k))
+    assert c1.dot == c2.dot == "mma" and c2.block_m == c1.block_m >= 16
+    x = jnp.asarray(rng.normal(size=(t, h)), BF16)
+    tw, ids = helpers.random_routing(rng, t, k, e)
+    args = (x, w13, w2, jnp.asarray(tw, F32), jnp.asarray(ids, jnp.int32))
+    out = triton_moe.fused_moe(*args, interpret=True)
+    ref = wj.fused_moe(*args, implementation="xla")
+    helpers.assert_close(out, ref, BF16, "triton fused_moe with an fma tuned entry")
 
 
 # ---- align against the reference ------------------------------------------------------------
