@@ -234,9 +234,7 @@ def main(argv=None) -> int:
         )
         # The log line names the candidates; it is emitted once per process, so a later run in
         # the same process asks the selection again.
-        backend = (
-            backend_log.lines[-1] if backend_log.lines else chosen_backend(model, batch_size)
-        )
+        backend = backend_log.lines[-1] if backend_log.lines else chosen_backend(model, batch_size)
         backend_log.lines.clear()
         print(f"fused_moe backend: {backend}")
         for b, row in enumerate(tokens.tolist()):
