@@ -75,18 +75,21 @@ def exhaustive(shape: _configs.GemmShape):
 
 
 def starting_points(shape: _configs.GemmShape) -> list:
-    """The heuristic's config, the same with unpack="join" (one dot per group instead of one
-    per value slice), and for few rows per expert the CUDA-core "fma" product with one row per
-    block (a tensor-core tile of 16 rows would hold mostly padding)."""
+    """The heuristic's config; its tensor-core variant (for decode the heuristic gives the
+    CUDA-core "fma" product) and that with unpack="join" (one dot per group instead of one per
+    value slice); and for few rows per expert the "fma" product with one row per block (a
+    tensor-core tile of 16 rows would hold mostly padding)."""
     base = _configs.heuristic_config(shape)
-    starts = [base]
-    joined = dataclasses.replace(base, unpack="join")
-    if base.unpack == "slices" and _valid(joined, shape):
-        starts.append(joined)
+    mma = _configs.heuristic_config(shape, allow_fma=False)
+    candidates = [base, mma]
+    if mma.unpack == "slices":
+        candidates.append(dataclasses.replace(mma, unpack="join"))
     if shape.m <= 4 * shape.num_experts:
-        fma = dataclasses.replace(base, dot="fma", block_m=1)
-        if _valid(fma, shape):
-            starts.append(fma)
+        candidates.append(dataclasses.replace(mma, dot="fma", block_m=1))
+    starts = []
+    for cfg in candidates:
+        if cfg not in starts and _valid(cfg, shape):
+            starts.append(cfg)
     return starts
 
 

@@ -22,13 +22,17 @@ def triton_gemm_configs(
     num_slots: int, w13: QuantizedExperts, w2: QuantizedExperts, config: BlockConfig | None
 ) -> tuple[BlockConfig, BlockConfig]:
     """The Pallas pipeline's configs (caller's, tuned table, heuristic; both with GEMM1's
-    block_m), except that tuned entries the Triton GEMM cannot run (the Pallas kernel's
-    CUDA-core "fma" configs with tiles below 16 rows, as the H200 table has for decode) give
-    way to the heuristic's. A caller's config is checked as given."""
+    block_m), except that configs the Triton GEMM cannot run (the Pallas kernel's CUDA-core
+    "fma" configs with tiles below 16 rows, as the H200 table and the decode heuristic give)
+    give way to the tensor-core heuristic's. A caller's config is checked as given."""
     c1, c2 = gemm_configs(num_slots, w13, w2, config)
     if config is None and (triton_config_problems(c1) or triton_config_problems(c2)):
-        c1 = _configs.heuristic_config(_configs.GemmShape.of_weights(w13, m=num_slots))
-        c2 = _configs.heuristic_config(_configs.GemmShape.of_weights(w2, m=num_slots))
+        c1, c2 = (
+            _configs.heuristic_config(
+                _configs.GemmShape.of_weights(w, m=num_slots), allow_fma=False
+            )
+            for w in (w13, w2)
+        )
         c2 = dataclasses.replace(c2, block_m=c1.block_m)
     return c1, c2
 

@@ -139,7 +139,7 @@ def heuristic_config(shape: _configs.GemmShape) -> BlockConfig:
     Per-channel weights put no group limit on block_k; when the heuristic's "slices" tile is too
     narrow for an int8 dot (K not a multiple of 128), one dot over a "tile" of 64 or 32 runs.
     """
-    config = _configs.heuristic_config(shape)
+    config = _configs.heuristic_config(shape, allow_fma=False)  # int8 tensor-core dots only
     if config_problems(config, shape):
         bk = next((b for b in (64, 32) if shape.k % b == 0), MIN_INT8_DOT_K)
         config = dataclasses.replace(config, block_k=bk, unpack="tile")

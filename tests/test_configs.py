@@ -148,10 +148,33 @@ def test_heuristic_config_is_valid(n, k, bits, group_size, e):
         return
     for m in (1, 8, 64, 512, 4096 * 8, 65536 * 8):
         shape = _shape(m=m, n=n, k=k, e=e, bits=bits, group_size=group_size)
-        cfg = _configs.heuristic_config(shape)
-        assert isinstance(cfg, BlockConfig)
-        assert _configs.config_problems(cfg, shape) == [], (m, cfg)
-        assert cfg.block_m in (16, 32, 64)
+        for allow_fma in (True, False):
+            cfg = _configs.heuristic_config(shape, allow_fma=allow_fma)
+            assert isinstance(cfg, BlockConfig)
+            assert _configs.config_problems(cfg, shape) == [], (m, cfg)
+            if cfg.dot == "fma":  # decode: at most a quarter of a row per expert
+                assert allow_fma and 4 * m <= e and cfg.block_m == 1, (m, cfg)
+            else:
+                assert cfg.block_m in (16, 32, 64)
+
+
+@pytest.mark.parametrize(
+    "n, k, split_k",
+    [(4096, 7168, 8), (7168, 2048, 4), (512, 7168, 8), (7168, 256, 1)],
+    ids=["w13", "w2", "w13-tp8", "w2-tp8"],
+)
+def test_heuristic_decode_is_fma_with_split_k(n, k, split_k):
+    """DeepSeek-V3 at one token (8 slots over 256 experts): the CUDA-core family that won on
+    the H200, split-K into chunks of at least 4 k-tiles; 128 slots take 16-row tensor-core
+    tiles again, and allow_fma=False (tensor-core-only kernels) never gives "fma"."""
+    decode = _shape(m=8, n=n, k=k, e=256, bits=4, group_size=128)
+    cfg = _configs.heuristic_config(decode)
+    assert (cfg.dot, cfg.block_m, cfg.block_n, cfg.split_k) == ("fma", 1, 128, split_k)
+    assert (k // cfg.block_k) // cfg.split_k >= 4 or cfg.split_k == 1
+    mma = _configs.heuristic_config(decode, allow_fma=False)
+    assert mma.dot == "mma" and mma.block_m == 16 and mma.split_k == 1
+    batch = _configs.heuristic_config(_shape(m=128, n=n, k=k, e=256, bits=4, group_size=128))
+    assert batch.dot == "mma" and batch.block_m == 16
 
 
 @pytest.mark.parametrize("k, group_size", [(24, 12), (40, 20)])

@@ -356,15 +356,15 @@ def test_gemm_compiles_for_sm90(case):
 @needs_triton
 @pytest.mark.parametrize("m", [1, 64, 4096])
 def test_deepseek_heuristic_configs_compile_for_sm90(m):
-    """Both GEMMs of DeepSeek-V3 (TP=1) with the configs fused_moe picks untuned."""
+    """Both GEMMs of DeepSeek-V3 (TP=1) with the configs the triton pipeline picks untuned."""
     from jax_triton_kernels import _launch
     from jax_triton_kernels import wna16_gemm as gemm
-    from pallas_kernels.fused_moe import gemm_configs
+    from jax_triton_kernels.fused_moe import triton_gemm_configs
 
     w13 = _abstract_gemm(256, 4096, 7168, 4, 128, True, BF16, m, 8, 16, False)[1]
     w2 = _abstract_gemm(256, 7168, 2048, 4, 128, True, BF16, m, 8, 16, False)[1]
     for qw, config, top_k, routed in zip(
-        (w13, w2), gemm_configs(m * 8, w13, w2, None), (8, 1), (False, True), strict=True
+        (w13, w2), triton_gemm_configs(m * 8, w13, w2, None), (8, 1), (False, True), strict=True
     ):
         a, qw, routing, rw = _abstract_gemm(
             256, qw.n, qw.k, 4, 128, True, BF16, m * 8 // top_k, top_k, config.block_m, routed

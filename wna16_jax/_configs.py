@@ -151,11 +151,13 @@ def min_block_k(bits: int) -> int:
     return 16 * (32 // bits)
 
 
-def heuristic_config(shape: GemmShape) -> BlockConfig:
+def heuristic_config(shape: GemmShape, *, allow_fma: bool = True) -> BlockConfig:
     """An untuned config that is valid for `shape` and reasonable on a Hopper GPU.
 
     block_k is the group size when that is allowed (one scale per k-tile: the scale multiplies
-    the product, not the tile), else the smallest allowed multiple of the group.
+    the product, not the tile), else the smallest allowed multiple of the group. With at most
+    a quarter of a row per expert (decode), the CUDA-core product over one-row blocks with
+    split-K (`few_rows_config`), unless allow_fma is False (kernels with tensor-core dots only).
     """
     rows_per_expert = max(1, shape.m // max(1, shape.num_experts))
     if rows_per_expert <= 16:
@@ -199,7 +201,29 @@ def heuristic_config(shape: GemmShape) -> BlockConfig:
     # Only a group size that is not a multiple of a packed word (e.g. int4 with G=12) leaves
     # no power-of-two block_k; say so instead of returning a config the kernels cannot run.
     check_config(config, shape, what="no block config fits; the nearest")
+    if allow_fma and 4 * shape.m <= shape.num_experts:
+        few = few_rows_config(config, shape)
+        if not config_problems(few, shape):
+            return few
     return config
+
+
+def few_rows_config(base: BlockConfig, shape: GemmShape) -> BlockConfig:
+    """`base` turned into the decode config: one row per block, CUDA-core products ("fma"),
+    128 output columns per program and split-K into chunks of at least 4 k-tiles.
+
+    Measured on the H200 (session 3's tuning, DeepSeek-V3 at one token: 8 slots over 256
+    experts): the best tensor-core config with 16-row tiles vs this family took 187 vs 118 us
+    (GEMM1, TP=1), 115.8 vs 35.0 us (GEMM1, TP=8), 74.8 vs 69.4 us (GEMM2, TP=1). At 128 slots
+    over 256 experts the 16-row tensor-core tiles won (GEMM2 550 vs 672 us), hence the bound
+    of a quarter row per expert.
+    """
+    tiles = shape.k // base.block_k
+    split_k = next((s for s in (8, 4, 2) if tiles % s == 0 and tiles // s >= 4), 1)
+    block_n = max(16, _largest_pow2_divisor(shape.n, 128))
+    return dataclasses.replace(
+        base, block_m=1, block_n=block_n, split_k=split_k, num_stages=2, dot="fma"
+    )
 
 
 def device_kind() -> str:
