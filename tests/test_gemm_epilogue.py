@@ -156,6 +156,23 @@ def test_gated_gemm_rejects_split_k(rng):
 
 # ---- dot="fma": CUDA-core products for few rows per expert ---------------------------------
 
+
+def routed_gemm_and_reference(rng, config, *, t, bits, group, has_zp, dtype):
+    """One routed GEMM (t tokens, top-3 of 8 experts, N=64, K=256, routed weights) through the
+    kernel with `config` and through the reference: (out f32, ref, the quantized weights)."""
+    top_k, e, n, k = 3, 8, 64, 256
+    qw = helpers.random_quantized_experts(rng, e, n, k, bits, group, has_zp, dtype)
+    _, ids = helpers.random_routing(rng, t, top_k, e)
+    routing = _ref_align(jnp.asarray(ids, jnp.int32), num_experts=e, block_m=config.block_m)
+    a = jnp.asarray(rng.normal(size=(t, k)), dtype)
+    rw = jnp.asarray(rng.uniform(0.1, 1.0, size=t * top_k), jnp.float32)
+    out = wna16_gemm(
+        a, qw, routing, rw, top_k=top_k, config=config, out_dtype=jnp.float32, interpret=INTERPRET
+    )
+    ref = _ref_gemm(a, qw, routing, top_k=top_k, routed_weights=rw)
+    return np.asarray(out), np.asarray(ref), qw
+
+
 FMA_CASES = [
     # (bits, group, has_zp, dtype, block_m, block_k, unpack, split_k)
     (4, 128, True, BF16, 1, 128, "slices", 1),
@@ -171,28 +188,19 @@ FMA_CASES = [
 def test_fma_gemm_matches_reference(
     rng, bits, group, has_zp, dtype, block_m, block_k, unpack, split_k
 ):
-    t, top_k, e, n, k = 7, 3, 8, 64, 256
-    qw = helpers.random_quantized_experts(rng, e, n, k, bits, group, has_zp, dtype)
-    _, ids = helpers.random_routing(rng, t, top_k, e)
-    routing = _ref_align(jnp.asarray(ids, jnp.int32), num_experts=e, block_m=block_m)
-    a = jnp.asarray(rng.normal(size=(t, k)), dtype)
-    rw = jnp.asarray(rng.uniform(0.1, 1.0, size=t * top_k), jnp.float32)
     config = BlockConfig(
         block_m=block_m, block_n=32, block_k=block_k, unpack=unpack, split_k=split_k, dot="fma"
     )
-    out = wna16_gemm(
-        a, qw, routing, rw, top_k=top_k, config=config, out_dtype=jnp.float32, interpret=INTERPRET
+    out, ref, qw = routed_gemm_and_reference(
+        rng, config, t=7, bits=bits, group=group, has_zp=has_zp, dtype=dtype
     )
-    ref = _ref_gemm(a, qw, routing, top_k=top_k, routed_weights=rw)
     # f32 products of the same 16-bit operands as the tensor-core path: the same tolerances
     # (1e-5 inside one group, ~u/2 across groups; f16 in-group 1e-4, as test_wna16_gemm.py).
     in_group = block_k <= qw.group or scales_per_group(
         block_k=block_k, unpack=unpack, dot="fma", bits=bits, group=qw.group, dtype=dtype
     )
     tol = (1e-4 if dtype == F16 else 1e-5) if in_group else 5e-3
-    helpers.assert_finite_and_close(
-        np.asarray(out), np.asarray(ref), tol, f"fma {config}", require_signal=True
-    )
+    helpers.assert_finite_and_close(out, ref, tol, f"fma {config}", require_signal=True)
 
 
 # ---- unpack="join": converted value slices joined back into feature order, one dot per group
@@ -210,19 +218,12 @@ JOIN_CASES = [
 
 @pytest.mark.parametrize("bits, group, has_zp, dtype, block_m, block_k, split_k", JOIN_CASES)
 def test_join_gemm_matches_reference(rng, bits, group, has_zp, dtype, block_m, block_k, split_k):
-    t, top_k, e, n, k = 9, 3, 8, 64, 256
-    qw = helpers.random_quantized_experts(rng, e, n, k, bits, group, has_zp, dtype)
-    _, ids = helpers.random_routing(rng, t, top_k, e)
-    routing = _ref_align(jnp.asarray(ids, jnp.int32), num_experts=e, block_m=block_m)
-    a = jnp.asarray(rng.normal(size=(t, k)), dtype)
-    rw = jnp.asarray(rng.uniform(0.1, 1.0, size=t * top_k), jnp.float32)
     config = BlockConfig(
         block_m=block_m, block_n=32, block_k=block_k, unpack="join", split_k=split_k
     )
-    out = wna16_gemm(
-        a, qw, routing, rw, top_k=top_k, config=config, out_dtype=jnp.float32, interpret=INTERPRET
+    out, ref, qw = routed_gemm_and_reference(
+        rng, config, t=9, bits=bits, group=group, has_zp=has_zp, dtype=dtype
     )
-    ref = _ref_gemm(a, qw, routing, top_k=top_k, routed_weights=rw)
     exact = scales_per_group(
         block_k=block_k, unpack="join", dot="mma", bits=bits, group=qw.group, dtype=dtype
     )
@@ -233,8 +234,8 @@ def test_join_gemm_matches_reference(rng, bits, group, has_zp, dtype, block_m, b
     else:
         tol = 5e-3 if dtype == BF16 else 1e-3
     helpers.assert_finite_and_close(
-        np.asarray(out),
-        np.asarray(ref),
+        out,
+        ref,
         tol,
         f"join {config}",
         require_signal=True,

@@ -61,6 +61,22 @@ def test_deepseek_v3_kernels_build_for_sm90(m, bits, group_size, has_zeros, dtyp
         assert all("prmt.b32" in k.ptx and "lop3.b32" in k.ptx for k in gemms)
 
 
+def deepseek_gemm_kernels(m: int, config) -> list:
+    """The two GEMM kernels of DeepSeek-V3's MoE layer (TP=1, int4 g128 zp, bf16) at m tokens
+    with `config`, built for sm_90."""
+    args = (
+        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
+        abstract_experts(2 * I, H, 4, 128, True),
+        abstract_experts(H, I, 4, 128, True),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+    )
+    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert len(gemms) == 2, [k.name for k in kernels]
+    return gemms
+
+
 @pytest.mark.parametrize(
     "m, config",
     [
@@ -72,18 +88,7 @@ def test_deepseek_v3_kernels_build_for_sm90(m, bits, group_size, has_zeros, dtyp
 )
 def test_fma_kernels_build_for_sm90(m, config):
     """The CUDA-core product (no tensor cores) builds, converts with PTX and uses real FMAs."""
-    w13 = abstract_experts(2 * I, H, 4, 128, True)
-    w2 = abstract_experts(H, I, 4, 128, True)
-    args = (
-        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
-        w13,
-        w2,
-        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
-        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
-    )
-    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
-    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
-    assert len(gemms) == 2
+    gemms = deepseek_gemm_kernels(m, config)
     for k in gemms:
         assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES
         assert "fma.rn.f32" in k.ptx and "prmt.b32" in k.ptx
@@ -132,18 +137,7 @@ def test_deepseek_v3_linears_build_for_sm90(name, rows):
 )
 def test_join_kernels_build_for_sm90(m, config):
     """unpack="join": the joined slices meet one tensor-core dot per group (wgmma at 64 rows)."""
-    w13 = abstract_experts(2 * I, H, 4, 128, True)
-    w2 = abstract_experts(H, I, 4, 128, True)
-    args = (
-        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
-        w13,
-        w2,
-        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
-        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
-    )
-    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
-    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
-    assert len(gemms) == 2
+    gemms = deepseek_gemm_kernels(m, config)
     for k in gemms:
         assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES
         assert "prmt.b32" in k.ptx
