@@ -24,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import wna16_jax as wj
 from models.deepseek_v3 import (
@@ -172,7 +173,7 @@ def build_model(args, mesh=None):
 def chosen_backend(model, tokens: int) -> str:
     """The fused_moe backend of the routed experts for `tokens` tokens, as each device sees
     them (its own shard of the experts)."""
-    experts = [m for _, m in model.iter_modules() if isinstance(m, RoutedExperts)]
+    experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
     if not experts:
         return "none (float experts)"
     m = experts[0]

@@ -222,14 +222,14 @@ def test_pallas_linears_match_xla(rng):
     """The quantized non-expert linears through the one-expert Pallas GEMM (interpreted) give
     the logits of the dequantize-and-dot path."""
     model = tiny_model(num_hidden_layers=2)
-    linears = [m for _, m in model.iter_modules() if isinstance(m, QuantizedLinear)]
+    linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
     on_kernel = [m for m in linears if wj.linear.kernel_reason(m.weight.get()) is None]
     assert len(on_kernel) >= len(linears) // 2, "most linears must run through the kernel"
     kernel = nnx.clone(model)
     kernel.set_linear_implementation("pallas_interpret")
     assert all(
         m.implementation == "pallas_interpret"
-        for _, m in kernel.iter_modules()
+        for _, m in nnx.iter_modules(kernel)
         if isinstance(m, QuantizedLinear)
     )
     ids = random_ids(rng, (2, 5), model.cfg)

@@ -745,7 +745,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         """Selects the fused_moe backend of every routed-expert layer (None = automatic)."""
         if implementation is not None and not isinstance(implementation, str):
             implementation = tuple(implementation)
-        for _, m in self.iter_modules():
+        for _, m in nnx.iter_modules(self):
             if isinstance(m, RoutedExperts):
                 m.implementation = implementation
 
@@ -759,13 +759,13 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 f"linear implementation {implementation!r} is not one of "
                 f"{wj.linear.LINEAR_IMPLEMENTATIONS}"
             )
-        for _, m in self.iter_modules():
+        for _, m in nnx.iter_modules(self):
             if isinstance(m, QuantizedLinear):
                 m.implementation = implementation
 
     @property
     def implementation(self):
-        for _, m in self.iter_modules():
+        for _, m in nnx.iter_modules(self):
             if isinstance(m, RoutedExperts):
                 return m.implementation
         return None
@@ -775,7 +775,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
         Low level: it moves no weight; `sharding.shard_model` places the weights and calls it.
         """
-        for _, m in self.iter_modules():
+        for _, m in nnx.iter_modules(self):
             if hasattr(m, "sharding"):
                 m.sharding = sharding
 
@@ -966,7 +966,7 @@ def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
         raise ValueError("dequantize_model needs an unsharded model: shard_model(model, None)")
     new = nnx.clone(model)
     cfg = new.cfg
-    for path, module in list(new.iter_modules()):
+    for path, module in list(nnx.iter_modules(new)):
         if isinstance(module, QuantizedLinear):
             _, n, k = module.weight.shape
             repl = Linear(cfg, k, n, rngs=None, weight=module.dense_weight(_F32))

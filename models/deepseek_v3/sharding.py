@@ -632,7 +632,7 @@ def param_shardings(model, ms: ModelSharding):
 
 
 def _experts_modules(model):
-    for _, m in model.iter_modules():
+    for _, m in nnx.iter_modules(model):
         if isinstance(m, (RoutedExperts, FloatExperts)):
             yield m
 
