@@ -216,20 +216,6 @@ def _xla_fused_moe(
     activation_quant=None,
     out_dtype=None,
 ):
-    block_m = config.block_m if config is not None else 16
-    if activation_quant is not None:
-        return _reference.fused_moe_a8(
-            x,
-            w13,
-            w2,
-            topk_weights,
-            topk_ids,
-            activation_quant=activation_quant,
-            expert_map=expert_map,
-            activation=activation,
-            block_m=block_m,
-            out_dtype=out_dtype,
-        )
     return _reference.fused_moe(
         x,
         w13,
@@ -238,7 +224,8 @@ def _xla_fused_moe(
         topk_ids,
         expert_map=expert_map,
         activation=activation,
-        block_m=block_m,
+        activation_quant=activation_quant,
+        block_m=config.block_m if config is not None else 16,
         out_dtype=out_dtype,
     )
 

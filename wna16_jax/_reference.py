@@ -196,21 +196,35 @@ def silu_and_mul(h):
 ACTIVATIONS = {"silu": silu_and_mul}
 
 
-def _fused_moe_chunk(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, block_m):
+def _fused_moe_chunk(
+    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, activation_quant, block_m
+):
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     routing = moe_align_block_size(
         topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
     )
-    h = grouped_matmul(x, w13, routing, top_k=k)  # [T*k, 2I] f32
-    act = ACTIVATIONS[activation](h)  # [T*k, I]
-    y = grouped_matmul(
-        act, w2, routing, top_k=1, routed_weights=topk_weights.reshape(-1).astype(jnp.float32)
+
+    def gemm(a, w, which: int, **kwargs):
+        """GEMM `which` (1 or 2) of the layer, in f32; with int8 activations, `a` quantized
+        first and the product exact in int32 with the scales applied in f32."""
+        if activation_quant is None:
+            return grouped_matmul(a, w, routing, **kwargs)
+        q, scale = quantize_activations(a, activation_quant, which)
+        return grouped_matmul_int8(q, scale, w, routing, **kwargs)
+
+    h = gemm(x, w13, 1, top_k=k)  # [T*k, 2I] f32
+    act = ACTIVATIONS[activation](h)  # [T*k, I] f32
+    y = gemm(
+        act, w2, 2, top_k=1, routed_weights=topk_weights.reshape(-1).astype(jnp.float32)
     )  # [T*k, H]
     return y.reshape(t, k, -1).sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_m", "chunk_tokens", "out_dtype"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("activation", "activation_quant", "block_m", "chunk_tokens", "out_dtype"),
+)
 def fused_moe(
     x,
     w13: QuantizedExperts,
@@ -220,17 +234,25 @@ def fused_moe(
     *,
     expert_map=None,
     activation: str = "silu",
+    activation_quant=None,
     block_m: int = 16,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
 ):
     """Reference MoE layer (DESIGN.md steps 1-5) in f32, processed in token chunks.
 
+    With activation_quant (int8 activations: the oracle of the W8A8 kernels), x is quantized
+    per `activation_quant` (GEMM1's input), GEMM1 is exact in int32 with the scales applied in
+    f32, silu(gate) * up in f32 is quantized again (GEMM2's input), GEMM2 is exact with the
+    routed weights, then the k slots are summed in f32. The kernels apply the same
+    quantization to the same values, so only f32 rounding order separates them.
+
     Args:
-        x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I].
+        x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I] (any canonical weights).
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
         expert_map: optional int32 [E_global] global -> local (-1 off-shard).
-        activation: "silu".  block_m: alignment block.  chunk_tokens: tokens per chunk.
+        activation: "silu".  activation_quant: None (16-bit activations) or an ActivationQuant
+        with its scales known.  block_m: alignment block.  chunk_tokens: tokens per chunk.
         out_dtype: the output dtype (default x.dtype).
 
     Returns:
@@ -242,6 +264,7 @@ def fused_moe(
         w2=w2,
         expert_map=expert_map,
         activation=activation,
+        activation_quant=activation_quant,
         block_m=block_m,
     )
     return map_token_chunks(
@@ -401,71 +424,3 @@ def grouped_matmul_int8(
     out = jnp.zeros((num_slots + 1, n), jnp.float32)
     out = jax.lax.fori_loop(0, num_used_blocks, body, out)
     return out[:num_slots]
-
-
-def _fused_moe_a8_chunk(
-    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, activation_quant, block_m
-):
-    t, k = topk_ids.shape
-    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
-    routing = moe_align_block_size(
-        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
-    )
-    q1, s1 = quantize_activations(x, activation_quant, 1)  # [T, H] int8, [T]
-    h = grouped_matmul_int8(q1, s1, w13, routing, top_k=k)  # [T*k, 2I] f32
-    act = ACTIVATIONS[activation](h)  # [T*k, I] f32
-    q2, s2 = quantize_activations(act, activation_quant, 2)
-    y = grouped_matmul_int8(
-        q2, s2, w2, routing, top_k=1, routed_weights=topk_weights.reshape(-1).astype(jnp.float32)
-    )  # [T*k, H]
-    return y.reshape(t, k, -1).sum(axis=1)
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("activation", "activation_quant", "block_m", "chunk_tokens", "out_dtype"),
-)
-def fused_moe_a8(
-    x,
-    w13: QuantizedExperts,
-    w2: QuantizedExperts,
-    topk_weights,
-    topk_ids,
-    *,
-    activation_quant,
-    expert_map=None,
-    activation: str = "silu",
-    block_m: int = 16,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    out_dtype=None,
-):
-    """Reference MoE layer with int8 activations: the oracle of the W8A8 kernels.
-
-    x is quantized per `activation_quant` (GEMM1's input), GEMM1 is exact in int32 with the
-    scales applied in f32, silu(gate) * up in f32 is quantized again (GEMM2's input), GEMM2 is
-    exact with the routed weights, then the k slots are summed in f32. The kernels apply the
-    same quantization to the same values, so only f32 rounding order separates them.
-
-    Args:
-        x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I] (any canonical weights).
-        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
-        activation_quant: an ActivationQuant with its scales known.
-        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
-        activation: "silu".  block_m: alignment block.  chunk_tokens: tokens per chunk.
-        out_dtype: the output dtype (default x.dtype).
-
-    Returns:
-        [T, H] in out_dtype.
-    """
-    run = functools.partial(
-        _fused_moe_a8_chunk,
-        w13=w13,
-        w2=w2,
-        expert_map=expert_map,
-        activation=activation,
-        activation_quant=activation_quant,
-        block_m=block_m,
-    )
-    return map_token_chunks(
-        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
-    )
