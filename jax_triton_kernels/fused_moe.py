@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from jax_triton_kernels.align import moe_align_block_size
-from jax_triton_kernels.wna16_gemm import triton_config_problems, wna16_gemm
+from jax_triton_kernels.wna16_gemm import wna16_gemm
 from pallas_kernels.fused_moe import gemm_configs, sum_over_top_k
-from wna16_jax import _configs, _reference
+from wna16_jax import _reference
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
 # Tokens per chunk: bounds the [T*k, max(2I, H)] intermediates.
 DEFAULT_CHUNK_TOKENS = 8192
-
-
-def triton_gemm_configs(
-    num_slots: int, w13: QuantizedExperts, w2: QuantizedExperts, config: BlockConfig | None
-) -> tuple[BlockConfig, BlockConfig]:
-    """The Pallas pipeline's configs (caller's, tuned table, heuristic; both with GEMM1's
-    block_m), except that configs the Triton GEMM cannot run (the Pallas kernel's CUDA-core
-    "fma" configs with tiles below 16 rows, as the H200 table and the decode heuristic give)
-    give way to the tensor-core heuristic's. A caller's config is checked as given."""
-    c1, c2 = gemm_configs(num_slots, w13, w2, config)
-    if config is None and (triton_config_problems(c1) or triton_config_problems(c2)):
-        c1, c2 = (
-            _configs.heuristic_config(
-                _configs.GemmShape.of_weights(w, m=num_slots), allow_fma=False
-            )
-            for w in (w13, w2)
-        )
-        c2 = dataclasses.replace(c2, block_m=c1.block_m)
-    return c1, c2
 
 
 def _fused_moe_chunk(
@@ -42,7 +22,8 @@ def _fused_moe_chunk(
 ):
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
-    c1, c2 = triton_gemm_configs(t * k, w13, w2, config)  # both with GEMM1's block_m
+    # Both with GEMM1's block_m; tensor-core configs only (the Triton GEMM has no "fma").
+    c1, c2 = gemm_configs(t * k, w13, w2, config, allow_fma=False)
     routing = moe_align_block_size(
         topk_ids,
         num_experts=num_experts,
@@ -92,7 +73,7 @@ def fused_moe(
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
         expert_map: optional int32 [E_global].  activation: a key of _reference.ACTIVATIONS.
         config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM:
-            `triton_gemm_configs`).
+            `pallas_kernels.fused_moe.gemm_configs` with allow_fma=False).
         chunk_tokens: tokens per chunk for large T.
         interpret: run the kernels in Triton's interpreter on the host (slow; for tests).
 

@@ -45,16 +45,20 @@ def gemm_configs(
     config: BlockConfig | None,
     *,
     activation_quant: ActivationQuant | None = None,
+    allow_fma: bool = True,
 ) -> tuple[BlockConfig, BlockConfig]:
     """The configs of GEMM1 (w13) and GEMM2 (w2); both share GEMM1's block_m (one alignment),
     and GEMM2 sums with dot="fma" when that block_m is below a tensor-core tile.
 
     With activation_quant the W8A8 GEMM's rules and heuristic apply (w8a8_gemm.resolve_config).
+    allow_fma=False: tensor-core configs only (`_configs.resolve_config`), for GEMMs without
+    the CUDA-core product (the Triton pipeline shares this function).
     Logs each new choice once at INFO with where it came from.
     """
     if activation_quant is None:
         shape_of = functools.partial(_configs.GemmShape.of_weights, m=num_slots)
-        resolve, kind = _configs.resolve_config, "WNA16"
+        resolve = functools.partial(_configs.resolve_config, allow_fma=allow_fma)
+        kind = "WNA16"
     else:
         shape_of = functools.partial(w8a8.gemm_shape, m=num_slots)
         resolve, kind = w8a8.resolve_config, f"W8A8 ({activation_quant.scheme})"

@@ -301,6 +301,22 @@ def test_resolve_config_order(tuned, monkeypatch):
     assert _configs.resolve_config(other, None) == (_configs.heuristic_config(other), "heuristic")
 
 
+def test_resolve_config_without_fma(monkeypatch):
+    """allow_fma=False (tensor-core-only GEMMs, e.g. Triton's) passes over a tuned CUDA-core
+    entry and asks the heuristic for a tensor-core config; a tensor-core entry still wins."""
+    shape = _shape(m=8)  # decode: the H200 table's and the heuristic's answer is "fma"
+    fma = BlockConfig(block_m=1, block_n=128, block_k=128, split_k=8, dot="fma")
+    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
+    monkeypatch.setattr(_configs, "lookup_tuned", lambda s, kind: fma)
+    assert _configs.resolve_config(shape, None) == (fma, f"tuned:{DEVICE}")
+    cfg, source = _configs.resolve_config(shape, None, allow_fma=False)
+    assert source == "heuristic" and cfg.dot == "mma" and cfg.block_m == 16
+    assert cfg == _configs.heuristic_config(shape, allow_fma=False)
+    mma = BlockConfig(block_m=16, block_n=128, block_k=128)
+    monkeypatch.setattr(_configs, "lookup_tuned", lambda s, kind: mma)
+    assert _configs.resolve_config(shape, None, allow_fma=False) == (mma, f"tuned:{DEVICE}")
+
+
 def test_resolve_config_rejects_invalid_caller_config():
     with pytest.raises(ValueError, match="split_k=5 does not divide the 56 k-tiles"):
         _configs.resolve_config(_shape(), BlockConfig(block_k=128, split_k=5))

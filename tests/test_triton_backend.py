@@ -359,12 +359,16 @@ def test_deepseek_heuristic_configs_compile_for_sm90(m):
     """Both GEMMs of DeepSeek-V3 (TP=1) with the configs the triton pipeline picks untuned."""
     from jax_triton_kernels import _launch
     from jax_triton_kernels import wna16_gemm as gemm
-    from jax_triton_kernels.fused_moe import triton_gemm_configs
+    from pallas_kernels.fused_moe import gemm_configs
 
     w13 = _abstract_gemm(256, 4096, 7168, 4, 128, True, BF16, m, 8, 16, False)[1]
     w2 = _abstract_gemm(256, 7168, 2048, 4, 128, True, BF16, m, 8, 16, False)[1]
     for qw, config, top_k, routed in zip(
-        (w13, w2), triton_gemm_configs(m * 8, w13, w2, None), (8, 1), (False, True), strict=True
+        (w13, w2),
+        gemm_configs(m * 8, w13, w2, None, allow_fma=False),
+        (8, 1),
+        (False, True),
+        strict=True,
     ):
         a, qw, routing, rw = _abstract_gemm(
             256, qw.n, qw.k, 4, 128, True, BF16, m * 8 // top_k, top_k, config.block_m, routed
@@ -642,14 +646,18 @@ def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
     configs) are the Pallas kernel's: the Triton pipeline takes the heuristic instead and
     stays right (before, it ran them and returned garbage: relative error 1.0)."""
     from jax_triton_kernels import fused_moe as triton_moe
+    from pallas_kernels.fused_moe import gemm_configs
 
     fma = BlockConfig(block_m=1, block_n=64, block_k=64, split_k=2, dot="fma")
     monkeypatch.setattr(_configs, "lookup_tuned", lambda shape, kind: fma)
     e, h, i, t, k = 8, 256, 128, 3, 2
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
-    c1, c2 = triton_moe.triton_gemm_configs(t * k, w13, w2, None)
-    assert c1 == _configs.heuristic_config(_configs.GemmShape.of_weights(w13, m=t * k))
+    c1, c2 = gemm_configs(t * k, w13, w2, None, allow_fma=False)  # what the pipeline asks
+    heuristic = _configs.heuristic_config(
+        _configs.GemmShape.of_weights(w13, m=t * k), allow_fma=False
+    )
+    assert c1 == heuristic
     assert c1.dot == c2.dot == "mma" and c2.block_m == c1.block_m >= 16
     x = jnp.asarray(rng.normal(size=(t, h)), BF16)
     tw, ids = helpers.random_routing(rng, t, k, e)

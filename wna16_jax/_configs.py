@@ -230,8 +230,13 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def resolve_config(shape: GemmShape, config: BlockConfig | None) -> tuple[BlockConfig, str]:
+def resolve_config(
+    shape: GemmShape, config: BlockConfig | None, *, allow_fma: bool = True
+) -> tuple[BlockConfig, str]:
     """The config for `shape`: the caller's, else the tuned table's, else the heuristic's.
+
+    allow_fma=False (kernels with tensor-core dots only, e.g. the Triton GEMM): a tuned
+    CUDA-core ("fma") entry is passed over, and the heuristic gives a tensor-core config.
 
     Returns:
         (config, source) where source is "caller", "tuned:<device>" or "heuristic".
@@ -244,6 +249,6 @@ def resolve_config(shape: GemmShape, config: BlockConfig | None) -> tuple[BlockC
         return config, "caller"
     kind = device_kind()
     tuned = lookup_tuned(shape, kind)
-    if tuned is not None:
+    if tuned is not None and (allow_fma or tuned.dot != "fma"):
         return tuned, f"tuned:{kind}"
-    return heuristic_config(shape), "heuristic"
+    return heuristic_config(shape, allow_fma=allow_fma), "heuristic"
