@@ -14,7 +14,8 @@
 #   w8a16       benchmark.py: W8A16 (per-channel int8) at M = 1, 256, 4096 (int8 runs it too)
 #   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (pallas experts), the
 #               quantized linears on xla and on the Pallas GEMM (each model built once)
-#   ep2         (2 GPUs) 8 layers at EP=2, batch 1, 8, 64; 30 layers at EP=2, batch 1
+#   ep2         (2 GPUs) 8 layers at EP=2, batch 1, 8, 64; 30 layers at EP=2, batch 1, 8
+#               (LAYERS: which layer counts, default "8 30"; EP2_TIMEOUT: s per run, 400)
 #   sharded     (2 GPUs) model on GPU 0 alone, then ep2
 #   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
 # A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
@@ -95,11 +96,11 @@ for step in "${steps[@]}"; do
         done
         ;;
     ep2) # 2 GPUs: the 8-layer model at EP=2 (compare with "model"), then 30 layers at EP=2
-        for layers in 8 30; do
+        for layers in ${LAYERS:-8 30}; do
             batches="1 8 64"
-            [ $layers = 30 ] && batches=1  # the model too large for one GPU: that it runs
+            [ "$layers" -gt 8 ] && batches="1 8"  # too large for one GPU: that it runs, and how fast
             # shellcheck disable=SC2086
-            timeout 400 python3 examples/generate.py --full-width-layers $layers --mesh expert=2 \
+            timeout ${EP2_TIMEOUT:-400} python3 examples/generate.py --full-width-layers $layers --mesh expert=2 \
                 --implementation pallas --batch-size $batches --max-new-tokens 32 2>&1 |
                 tee "$OUT/generate_ep2_${layers}layers.log" | grep -E "===|decode|speed|mesh|model"
         done
