@@ -18,6 +18,8 @@
 #               (LAYERS: which layer counts, default "8 30"; EP2_TIMEOUT: s per run, 400)
 #   sharded     (2 GPUs) model on GPU 0 alone, then ep2
 #   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
+#   mgpu        the Mosaic GPU GEMM prototype: its tests compiled, then mgpu_probe.py (DeepSeek-V3
+#               TP=1 with zero points at M = 1, 16, 256, 4096; the TP=8 slice at M = 1, 16)
 # A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
 # LINEARS: the model step's --linear-implementation values (default "xla pallas").
 # TEST_FILES: the tests step's files (default: every kernel test file).
@@ -108,6 +110,14 @@ for step in "${steps[@]}"; do
     sharded) # 2 GPUs: the 8-layer model on GPU 0 alone, then the ep2 step
         CUDA_VISIBLE_DEVICES=0 OUT=$OUT bash "$0" model
         OUT=$OUT bash "$0" ep2
+        ;;
+    mgpu)
+        python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_mgpu_gemm.py 2>&1 |
+            tee "$OUT/mgpu_tests.log" | tail -30
+        python3 examples/mgpu_probe.py --m ${MGPU_MS:-1 16 256 4096} --json "$OUT/mgpu_tp1.json" \
+            2>&1 | tee "$OUT/mgpu_tp1.log"
+        python3 examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 \
+            --json "$OUT/mgpu_tp8.json" 2>&1 | tee "$OUT/mgpu_tp8.log"
         ;;
     triton)
         bash examples/gpu_triton.sh 2>&1 | tee "$OUT/triton.log" | tail -40

@@ -16,5 +16,5 @@ export PYTHONUNBUFFERED=1
 python3 -c "import jax, triton, jax_triton; print(jax.__version__, triton.__version__, jax.devices())"
 python3 -m pytest -q -rs -p no:cacheprovider --durations=15 -m gpu tests/test_triton_backend.py \
     ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_triton_tests.log"
-python3 examples/benchmark.py --implementations pallas triton --m 1 16 256 4096 \
+python3 examples/benchmark.py --implementations pallas triton --m ${TRITON_MS:-1 16 256 2048 4096 8192} \
     --json "$OUT/bench_triton.json" 2>&1 | tee "$OUT/bench_triton.log"

@@ -1,0 +1,165 @@
+"""Times the Mosaic GPU int4 GEMM prototype (pallas_kernels/mgpu_fused_moe.py) against the
+'pallas' backend on the benchmark's workload, in one run on one GPU.
+
+For each M it times the whole layer for every candidate (block_m, block_k, stages) of the
+prototype, and GEMM1 and GEMM2 alone for the best of them, beside `fused_moe(...,
+implementation="pallas")` with the package's configs. Same timing method as benchmark.py
+(jitted loop over 4 rotated input sets, median of repeats). A candidate that fails to compile
+is reported with its error and skipped.
+
+    python examples/mgpu_probe.py --m 1 16 256 4096 --json out/mgpu.json
+    python examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 --no-zp
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import benchmark  # noqa: E402
+
+import wna16_jax as wj  # noqa: E402
+from pallas_kernels.fused_moe import align  # noqa: E402
+from pallas_kernels.mgpu_fused_moe import mgpu_fused_moe  # noqa: E402
+from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm, prepare_weights  # noqa: E402
+
+
+def candidates(m: int, top_k: int, num_experts: int, group: int) -> list[tuple[int, int, int]]:
+    """(block_m, block_k, stages) to try: block_m around the mean rows per expert, block_k
+    dividing the group."""
+    rows = m * top_k / num_experts
+    if rows <= 1:
+        bms = [8]
+    elif rows <= 4:
+        bms = [8, 16]
+    elif rows <= 16:
+        bms = [8, 16, 32]
+    elif rows <= 64:
+        bms = [32, 64]
+    else:
+        bms = [64, 128]
+    bks = [bk for bk in (128, 64) if group % bk == 0]
+    return [(bm, bk, st) for bm in bms for bk in bks for st in (4, 2)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096])
+    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="run the kernels in the Mosaic GPU interpreter (a CPU check of this script; the "
+        "times mean nothing)",
+    )
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if jax.default_backend() != "gpu" and not args.interpret:
+        raise SystemExit("mgpu_probe.py times compiled Mosaic GPU kernels: it needs an sm_90 GPU "
+                         "(or --interpret)")  # fmt: skip
+    interpret = args.interpret
+
+    e, top_k, h, i, g = benchmark.PRESETS[args.preset]
+    has_zp = not args.no_zp
+    key = jax.random.key(0)
+    make = functools.partial(benchmark._random_experts, bits=4, group_size=g, has_zp=has_zp,
+                             dtype=jnp.bfloat16)  # fmt: skip
+    w13 = make(jax.random.fold_in(key, 1), e, 2 * i, h)
+    w2 = make(jax.random.fold_in(key, 2), e, h, i)
+    w13p, w2p = jax.block_until_ready((prepare_weights(w13), prepare_weights(w2)))
+    copy_bps, mm_flops = benchmark.measure_ceilings(not interpret, args.repeats)
+    print(f"{args.preset} zp={has_zp}: copy {copy_bps / 1e12:.2f} TB/s, "
+          f"matmul {mm_flops / 1e12:.1f} TFLOP/s", flush=True)  # fmt: skip
+    rows = []
+    for m in args.m:
+        xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (4, m, h), jnp.bfloat16)
+        tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 4)
+        sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
+        touched = float(np.mean([len(np.unique(np.asarray(idss[s]))) for s in range(4)]))
+        wbytes = (benchmark.weight_bytes(w13, 1) + benchmark.weight_bytes(w2, 1)) * touched
+        iters = args.iters or (100 if m <= 256 else 20)
+        timing = dict(iters=iters, repeats=args.repeats, host=False)
+
+        record = functools.partial(_record, rows, dict(preset=args.preset, zp=has_zp, M=m),
+                                   wbytes, copy_bps)  # fmt: skip
+
+        pallas = lambda a, b, x, tw, ids: wj.fused_moe(  # noqa: E731
+            x, a, b, tw, ids, implementation="xla" if interpret else "pallas"
+        )
+        t, _ = benchmark.time_loop(pallas, sets, consts=(w13, w2), **timing)
+        record("pallas layer", "package", t)
+        best = None
+        for bm, bk, st in candidates(m, top_k, e, h if g == -1 else g):
+            fn = functools.partial(
+                _layer, block_m=bm, block_k=bk, max_concurrent_steps=st, interpret=interpret
+            )
+            t0 = time.perf_counter()
+            try:
+                t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), **timing)
+            except Exception as err:  # report, go on
+                msg = str(err).strip().splitlines()
+                print(f"M={m:<5} mgpu layer     {(bm, bk, st)!s:<18} FAILED "
+                      f"({time.perf_counter() - t0:.0f} s): {msg[:1]} ... {msg[-3:]}",
+                      flush=True)  # fmt: skip
+                rows.append(dict(M=m, what="mgpu layer", config=(bm, bk, st), error="\n".join(msg)))
+                continue
+            record("mgpu layer", (bm, bk, st), t)
+            if best is None or t < best[0]:
+                best = (t, bm, bk, st)
+        if best is None:
+            continue
+        _, bm, bk, st = best
+        # The two GEMMs alone at the best layer config, on set 0's rows.
+        routing = align(idss[0], num_experts=e, block_m=bm, expert_map=None, interpret=interpret)
+        slots = routing.sorted_token_ids
+        placed = slots < m * top_k
+        x_rows = jnp.where(placed[:, None], xs[0][jnp.where(placed, slots // top_k, 0)], 0)
+        act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
+        gemm = functools.partial(
+            mgpu_wna16_gemm, block_m=bm, block_k=bk, max_concurrent_steps=st, interpret=interpret
+        )
+        for what, w, a in (("mgpu GEMM1", w13p, x_rows), ("mgpu GEMM2", w2p, act_rows)):
+            t, _ = benchmark.time_loop(
+                lambda w, a, ex, gemm=gemm: gemm(a, w, ex),
+                [(a, routing.expert_ids)],
+                consts=(w,),
+                **timing,
+            )
+            record(what, (bm, bk, st), t)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                           date=time.strftime("%Y-%m-%d"), copy_bps=copy_bps,
+                           matmul_flops=mm_flops, rows=rows), f, indent=1)  # fmt: skip
+    return 0
+
+
+def _record(rows, keys, wbytes, copy_bps, what, config, seconds):
+    rows.append(dict(keys, what=what, config=config, seconds=seconds, weight_bytes=wbytes))
+    pct = wbytes / seconds / copy_bps * 100
+    print(f"M={keys['M']:<5} {what:<14} {config!s:<18} {seconds * 1e6:10.1f} us "
+          f"({pct:5.1f}% of copy for the layer's weights)", flush=True)  # fmt: skip
+
+
+def _layer(w13p, w2p, x, tw, ids, **config):
+    return mgpu_fused_moe(x, w13p, w2p, tw, ids, **config)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

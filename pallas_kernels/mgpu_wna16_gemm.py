@@ -1,0 +1,214 @@
+"""The int4 grouped expert GEMM on Hopper tensor cores through Pallas' Mosaic GPU backend
+(prototype, not yet a `fused_moe` backend).
+
+Swap-AB: each program computes out[rows of one block, block_n features] as the transpose of
+W[e][features, :] @ x[rows, :]^T. The dequantized weight tile is the wgmma's A operand, taken
+from registers: int4 is loaded from shared memory, converted to bf16 and shifted by the zero
+point in registers, never written back to shared memory. (q - z) is a small integer, exact in
+bf16, so each k-tile's products are exact in its f32 sum; the tile sum is then scaled by the
+group's scale (one scale per k-tile: block_k divides the group). The block's token rows are the
+B operand (shared memory, K-major), so a block needs 8..256 rows rather than a 64-row tile: the
+path for decode (one row per expert) and prefill alike. TMA copies of the weight, scale and row
+tiles run `max_concurrent_steps` k-steps ahead (`plgpu.emit_pipeline`).
+
+It consumes a private weight layout (`MgpuInt4Weights`, made once by `prepare_weights`):
+  q            int4 [E, N, K]: the canonical nibbles minus 8 (xor 8), so that the signed int4 ->
+               bf16 conversion applies; the bytes are the canonical qweight's otherwise
+  scales       [E, K // G, N]: one TMA row of block_n scales per group
+  zero_offset  [E, K // G, N] in the activation dtype: 8 - z (None without zero points, z = 8)
+so that w = (q + zero_offset) * scales, the DESIGN.md dequantization.
+
+Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
+p // block_m), one expert id per block (-1: the block's output rows are zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from wna16_jax._types import QuantizedExperts
+
+# Output features per program: one warpgroup's wgmma M (64 rows of W).
+BLOCK_N = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MgpuInt4Weights:
+    """int4 experts in the layout of this kernel (see the module docstring)."""
+
+    q: jax.Array
+    scales: jax.Array
+    zero_offset: jax.Array | None
+    group_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.q.shape
+
+    @property
+    def group(self) -> int:
+        return self.shape[2] if self.group_size == -1 else self.group_size
+
+
+def prepare_weights(qw: QuantizedExperts) -> MgpuInt4Weights:
+    """The kernel's layout of int4 experts (a one-time conversion, e.g. at load)."""
+    if qw.bits != 4:
+        raise NotImplementedError(f"the Mosaic GPU GEMM takes int4 experts, not int{qw.bits}")
+    e, n, k = qw.shape
+    signed = lax.bitcast_convert_type(qw.qweight ^ jnp.uint32(0x88888888), jnp.int4)
+    q = signed.reshape(e, n, k)
+    scales = jnp.swapaxes(qw.scales, 1, 2)
+    offset = None
+    if qw.zeros is not None:
+        lo = qw.zeros & 0xF
+        hi = qw.zeros >> 4
+        z = jnp.stack([lo, hi], axis=2).reshape(e, n, -1)  # n even in the low nibble
+        offset = jnp.swapaxes((8 - z.astype(jnp.int32)).astype(qw.scales.dtype), 1, 2)
+    return MgpuInt4Weights(q=q, scales=scales, zero_offset=offset, group_size=qw.group_size)
+
+
+def check_config(w: MgpuInt4Weights, x_rows, *, block_m: int, block_k: int) -> None:
+    e, n, k = w.shape
+    p, kx = x_rows.shape
+    if kx != k:
+        raise ValueError(f"x_rows has K={kx}, the weights K={k}")
+    if x_rows.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"activations must be bfloat16, got {x_rows.dtype}")
+    if block_m % 8 or not 8 <= block_m <= 256:
+        raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
+    if p % block_m:
+        raise ValueError(f"{p} rows are not whole blocks of {block_m}")
+    if n % BLOCK_N:
+        raise ValueError(f"N={n} must be a multiple of {BLOCK_N}")
+    if block_k % 64 or k % block_k:
+        raise ValueError(f"block_k={block_k} must be a multiple of 64 dividing K={k}")
+    if w.group % block_k:
+        raise ValueError(f"block_k={block_k} must divide the group ({w.group}): one scale/k-tile")
+
+
+def _swizzled(shape, dtype, what: str):
+    """Tiling + swizzle transforms for an SMEM tile whose minor dimension is shape[-1]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bits = jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).bits
+    swizzle = plgpu.find_swizzle(shape[-1] * bits, what)
+    return (plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_m", "block_k", "max_concurrent_steps", "interpret")
+)
+def mgpu_wna16_gemm(
+    x_rows: jax.Array,
+    w: MgpuInt4Weights,
+    block_experts: jax.Array,
+    *,
+    block_m: int,
+    block_k: int = 128,
+    max_concurrent_steps: int = 4,
+    interpret: bool = False,
+) -> jax.Array:
+    """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in x_rows' dtype ([P, N]).
+
+    Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
+    interpreter with interpret=True).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    check_config(w, x_rows, block_m=block_m, block_k=block_k)
+    e_count, n, k = w.shape
+    p = x_rows.shape[0]
+    dtype = x_rows.dtype
+    bm, bn, bk = block_m, BLOCK_N, block_k
+    tiles_per_group = w.group // bk
+    has_offset = w.zero_offset is not None
+    steps = k // bk
+    wgmma = plgpu.Layout.WGMMA
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(experts_gmem, x_gmem, q_gmem, s_gmem, *rest):
+        if has_offset:
+            z_gmem, o_gmem, o_smem, *a_smem = rest
+        else:
+            (o_gmem, o_smem, *a_smem), z_gmem = rest, None
+        a_smem = a_smem[0] if a_smem else None
+        ni = lax.axis_index("n")
+        bi = lax.axis_index("b")
+        expert = experts_gmem[bi]
+
+        @pl.when(expert >= 0)
+        def _matmul():
+            def step(_, q_smem, x_smem, s_smem, *rest):
+                *z_smem, acc = rest
+                # q - 8 (and + 8 - z) are small integers: exact in bf16, and so are the
+                # products with x in the f32 tile sum; the group scale multiplies the sum.
+                wt = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                wt = plgpu.layout_cast(wt, wgmma).astype(dtype)
+                if z_smem:
+                    z = plgpu.load(z_smem[0].at[0], layout=row)
+                    wt = wt + lax.broadcast_in_dim(z, wt.shape, [0])
+                if interpret:  # the interpreter's wgmma takes A from shared memory only
+                    a_smem[...] = wt
+                    wt = a_smem
+
+                def tile_product(part_ref):
+                    plgpu.wgmma(part_ref, wt, x_smem.T)
+                    return part_ref[...]
+
+                part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
+                scale = plgpu.load(s_smem.at[0], layout=row).astype(jnp.float32)
+                return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+
+            group_row = lambda kk: (kk // tiles_per_group, ni)  # noqa: E731
+            in_specs = [
+                plgpu.BlockSpec(
+                    (bn, bk), lambda kk: (ni, kk), transforms=_swizzled((bn, bk), jnp.int4, "w")
+                ),
+                plgpu.BlockSpec(
+                    (bm, bk), lambda kk: (bi, kk), transforms=_swizzled((bm, bk), dtype, "x")
+                ),
+                plgpu.BlockSpec((1, bn), group_row),
+            ]
+            operands = [q_gmem.at[expert], x_gmem, s_gmem.at[expert]]
+            if has_offset:
+                in_specs.append(plgpu.BlockSpec((1, bn), group_row))
+                operands.append(z_gmem.at[expert])
+            zeros = plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
+            acc = plgpu.emit_pipeline(
+                step,
+                grid=(steps,),
+                in_specs=in_specs,
+                max_concurrent_steps=min(max_concurrent_steps, steps),
+                init_carry=zeros,
+            )(*operands)
+            o_smem.T[...] = plgpu.layout_cast(acc.astype(dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+
+        @pl.when(expert < 0)
+        def _zeros():
+            o_smem[...] = jnp.zeros((bm, bn), dtype)
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(bi * bm, bm), pl.ds(ni * bn, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    operands = [block_experts.astype(jnp.int32), x_rows, w.q, w.scales]
+    if has_offset:
+        operands.append(w.zero_offset)
+    del e_count
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((p, n), dtype),
+        scratch_types=[plgpu.SMEM((bm, bn), dtype)] + [plgpu.SMEM((bn, bk), dtype)] * interpret,
+        grid=(n // bn, p // bm),
+        grid_names=("n", "b"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return call(*operands)

@@ -1,0 +1,157 @@
+"""Tests of the Mosaic GPU int4 GEMM prototype (pallas_kernels/mgpu_wna16_gemm.py) and the MoE
+layer built on it (pallas_kernels/mgpu_fused_moe.py).
+
+Outputs are compared with float64 numpy on the dequantized weights of the same packed words
+(helpers.numpy_dequantize), and the layer with helpers.numpy_fused_moe. Inputs are random.
+
+How to run:
+    CPU (CI): the kernels run in the Mosaic GPU interpreter (`InterpretGPUParams`); its wgmma
+        takes A from shared memory only, so there the dequantized tile goes through shared
+        memory, and the register path is proven only on the GPU.
+    GPU (sm_90): `pytest -m gpu tests/test_mgpu_gemm.py` runs the same cases compiled, plus
+        DeepSeek-V3-sized GEMMs.
+"""
+
+from __future__ import annotations
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from wna16_jax._types import QuantizedExperts
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+from pallas_kernels.mgpu_fused_moe import mgpu_fused_moe  # noqa: E402
+from pallas_kernels.mgpu_wna16_gemm import (  # noqa: E402
+    check_config,
+    mgpu_wna16_gemm,
+    prepare_weights,
+)
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+BF16 = jnp.bfloat16
+# Products are exact and summed in f32, each k-tile sum scaled once: what remains is the bf16
+# output's rounding, at most u = 2^-8 = 3.9e-3 relative per element (about u / 3.5 rms).
+TOL = 4e-3
+ELEMENT_SLACK = 5.0
+
+
+def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
+    """float64 out[p] = x_rows[p] @ w_deq[e].T for the block's expert e (zeros for e = -1)."""
+    x = np.asarray(x_rows, np.float64)
+    out = np.zeros((x.shape[0], w_deq.shape[1]))
+    for b, e in enumerate(np.asarray(block_experts)):
+        if e >= 0:
+            rows = slice(b * block_m, (b + 1) * block_m)
+            out[rows] = x[rows] @ w_deq[e].T
+    return out
+
+
+def run_gemm_case(rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks):
+    qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
+    block_experts = np.asarray(blocks, np.int32)
+    x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
+    out = mgpu_wna16_gemm(
+        x_rows,
+        prepare_weights(qw),
+        jnp.asarray(block_experts),
+        block_m=block_m,
+        block_k=block_k,
+        interpret=INTERPRET,
+    )
+    ref = numpy_block_gemm(x_rows, helpers.numpy_dequantize(qw), block_experts, block_m)
+    out = np.asarray(out, np.float64)
+    empty = np.repeat(block_experts < 0, block_m)
+    assert np.all(out[empty] == 0), "rows of expert -1 blocks must be zeros"
+    helpers.assert_finite_and_close(
+        out[~empty], ref[~empty], TOL, "GEMM rows", slack=ELEMENT_SLACK, require_signal=True
+    )
+
+
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "block_m,block_k,group_size",
+    [(8, 128, 128), (16, 64, 128), (64, 128, -1), (32, 64, 64)],
+    ids=lambda v: str(v),
+)
+def test_gemm_matches_numpy(rng, has_zp, block_m, block_k, group_size):
+    run_gemm_case(
+        rng, e=4, n=128, k=256, group_size=group_size, has_zp=has_zp, block_m=block_m,
+        block_k=block_k, blocks=[2, -1, 0, 3, 2],
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize("block_m", [8, 64, 128])
+def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m):
+    """GEMM1 of DeepSeek-V3 TP=1 (N=4096, K=7168, G=128) on 16 experts, compiled."""
+    run_gemm_case(
+        rng, e=16, n=4096, k=7168, group_size=128, has_zp=has_zp, block_m=block_m,
+        block_k=128, blocks=[3, 15, -1, 0, 7],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize("t,block_m", [(1, 8), (5, 16)])
+def test_fused_moe_matches_numpy(rng, has_zp, t, block_m):
+    e, top_k, h, i = 8, 2, 128, 64
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    topk_weights, topk_ids = helpers.random_routing(rng, t, top_k, e)
+    out = mgpu_fused_moe(
+        x,
+        prepare_weights(w13),
+        prepare_weights(w2),
+        jnp.asarray(topk_weights),
+        jnp.asarray(topk_ids),
+        block_m=block_m,
+        block_k=64,
+        interpret=INTERPRET,
+    )
+    ref = helpers.numpy_fused_moe(
+        np.asarray(x, np.float64),
+        helpers.numpy_dequantize(w13),
+        helpers.numpy_dequantize(w2),
+        np.asarray(topk_weights, np.float64),
+        np.asarray(topk_ids),
+    )
+    # Two GEMMs, the bf16 activation between them and the bf16 output: the layer tolerance.
+    helpers.assert_close(out, ref, BF16, "fused_moe")
+
+
+def test_prepare_weights_layout(rng):
+    """The kernel's int4 values, scales and zero offsets dequantize to the canonical weights."""
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, jnp.float32)
+    w = prepare_weights(qw)
+    q = np.asarray(w.q.astype(jnp.int32), np.float64)  # [E, N, K], nibble - 8
+    g = 128
+    scales = np.repeat(np.swapaxes(np.asarray(w.scales, np.float64), 1, 2), g, axis=2)
+    offset = np.repeat(np.swapaxes(np.asarray(w.zero_offset, np.float64), 1, 2), g, axis=2)
+    np.testing.assert_array_equal((q + offset) * scales, helpers.numpy_dequantize(qw))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_m=12, block_k=128), "multiple of 8"),
+        (dict(block_m=16, block_k=96), "block_k=96"),
+        (dict(block_m=16, block_k=256), "divide the group"),
+    ],
+)
+def test_bad_configs_are_refused(rng, kwargs, match):
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, False, BF16)
+    x_rows = jnp.zeros((48, 256), BF16)
+    with pytest.raises(ValueError, match=match):
+        check_config(prepare_weights(qw), x_rows, **kwargs)
+
+
+def test_int8_is_refused(rng):
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 8, 128, False, BF16)
+    assert isinstance(qw, QuantizedExperts)
+    with pytest.raises(NotImplementedError, match="int4"):
+        prepare_weights(qw)
