@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from importlib import resources
 
 import helpers
 import jax
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
-from wna16_jax import _dispatch
+from wna16_jax import _dispatch, _measured_order
 
 
 @pytest.fixture
@@ -252,3 +254,74 @@ def test_select_implementation_names_the_backend_without_running(rng):
         wj.select_implementation(x, w13, w2, tw, ids, implementation="pallas")
     with pytest.raises(ValueError, match="topk_weights shape"):
         wj.select_implementation(x, w13, w2, jax.ShapeDtypeStruct((t, 1), jnp.float32), ids)
+
+
+# ---- the measured order (wna16_jax/_measured_order.py, data/backends/*.json) -----------------
+
+
+def _dsv3_tp1(**changes) -> _dispatch.MoEProblem:
+    """DeepSeek-V3 TP=1 int4 g128 with zero points on a GPU: the H200 file's rule."""
+    base = dict(
+        platform="gpu", num_tokens=4096, hidden=7168, intermediate=2048, num_experts=256,
+        num_global_experts=256, top_k=8, bits=4, group_size=128, w13_group=128, w2_group=128,
+        has_zeros=True, dtype="bfloat16", activation="silu",
+    )  # fmt: skip
+    return _dispatch.MoEProblem(**(base | changes))
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    """Selection as on an H200: its measured-order file, and fake 'pallas'/'triton' that run."""
+    _dispatch.registered_backends()
+    monkeypatch.setattr(_dispatch._configs, "device_kind", lambda: "NVIDIA H200")
+    for name in ("pallas", "triton"):
+        monkeypatch.setitem(_dispatch._REGISTRY, name, _fake(name, None))
+
+
+def test_h200_file_orders_triton_first_from_4096_tokens(on_h200):
+    assert _dispatch.select_backend(_dsv3_tp1(num_tokens=4096), None).name == "triton"
+    assert _dispatch.select_backend(_dsv3_tp1(num_tokens=8192), None).name == "triton"
+    # Measured slower there (2048: 63.2 ms against 14.3 ms): the platform's priority.
+    assert _dispatch.select_backend(_dsv3_tp1(num_tokens=2048), None).name == "pallas"
+
+
+def test_measured_order_needs_the_exact_problem(on_h200):
+    # Not measured: no zero points, an expert shard, the TP=8 slice, f16.
+    for changes in (
+        dict(has_zeros=False),
+        dict(num_experts=128),
+        dict(intermediate=256),
+        dict(dtype="float16"),
+    ):
+        assert _dispatch.select_backend(_dsv3_tp1(**changes), None).name == "pallas", changes
+
+
+def test_measured_order_skips_a_backend_that_cannot_run(on_h200, monkeypatch):
+    monkeypatch.setitem(_dispatch._REGISTRY, "triton", _fake("triton", "jax_triton is missing"))
+    assert _dispatch.select_backend(_dsv3_tp1(), None).name == "pallas"
+
+
+def test_measured_order_leaves_explicit_names_and_other_devices_alone(on_h200, monkeypatch):
+    assert _dispatch.select_backend(_dsv3_tp1(), "pallas").name == "pallas"
+    monkeypatch.setattr(_dispatch._configs, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    assert _dispatch.select_backend(_dsv3_tp1(), None).name == "pallas"
+
+
+def test_shipped_measured_order_files_are_valid():
+    """Every rule names known MoEProblem fields and registered backends, and carries figures
+    in which its first backend is the faster one at every measured T it covers."""
+    fields = {f.name for f in dataclasses.fields(_dispatch.MoEProblem)}
+    registered = set(_dispatch.registered_backends())
+    folder = resources.files("wna16_jax").joinpath(_measured_order.BACKENDS_DIR)
+    files = [f for f in folder.iterdir() if f.name.endswith(".json")]
+    assert files
+    for f in files:
+        for rule in json.loads(f.read_text())["rules"]:
+            assert set(rule["problem"]) <= fields, f.name
+            assert set(rule["order"]) <= registered, f.name
+            first = rule["order"][0]
+            lo, hi = rule["min_tokens"] or 0, rule["max_tokens"] or float("inf")
+            covered = {int(t): us for t, us in rule["measured_us"].items() if lo <= int(t) <= hi}
+            assert covered, f"{f.name}: no figure behind the rule"
+            for t, us in covered.items():
+                assert us[first] == min(us.values()), (f.name, t, us)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from wna16_jax import _reference
+from wna16_jax import _configs, _measured_order, _reference
 
 logger = logging.getLogger("wna16_jax")
 
@@ -150,7 +150,9 @@ def select_backend(
 
     Args:
         problem: the call's static facts; its type says which op is asked for.
-        implementation: None (the platform's priority list), one name, or names tried in order.
+        implementation: None (the platform's priority list, or the order the device's benchmark
+            measured fastest for this problem: _measured_order), one name, or names tried in
+            order.
 
     Raises:
         ValueError: an unknown backend name.
@@ -159,6 +161,10 @@ def select_backend(
     _ensure_builtin_backends()
     if implementation is None:
         candidates = PRIORITY.get(problem.platform, DEFAULT_PRIORITY)
+        if isinstance(problem, MoEProblem) and problem.platform in PRIORITY:
+            # Where a device's benchmark measured another backend faster for this problem.
+            measured = _measured_order.measured_order(problem, _configs.device_kind())
+            candidates = measured or candidates
         explicit = False
     elif isinstance(implementation, str):
         candidates = (implementation,)

@@ -1,0 +1,53 @@
+"""Automatic backend order from measurements: a device's file lists problems where a backend
+other than the platform's first measured faster, and selection tries them in that order.
+
+File: wna16_jax/data/backends/<device kind>.json (the tuned table's naming), written from a
+benchmark run (examples/gpu_triton.sh prints pallas and triton side by side):
+
+    {"device": "NVIDIA H200", "source": "...", "rules": [
+        {"problem": {"num_experts": 256, "hidden": 7168, ...},   # MoEProblem fields, exact
+         "min_tokens": 4096, "max_tokens": null,                 # T range, both inclusive
+         "order": ["triton", "pallas", "xla"],                   # tried in this order
+         "measured_us": {...}}]}                                  # the figures behind it
+
+A backend that cannot run the problem (e.g. jax_triton not installed) is skipped as always, so
+the next one in the order runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+
+from wna16_jax import _configs
+
+BACKENDS_DIR = "data/backends"
+
+
+@functools.cache
+def rules(device_kind: str) -> tuple[dict, ...]:
+    """The device's rules (empty when it has no file)."""
+    name = _configs._device_file_name(device_kind)
+    try:
+        text = resources.files("wna16_jax").joinpath(BACKENDS_DIR, name).read_text()
+    except (FileNotFoundError, OSError):
+        return ()
+    return tuple(json.loads(text)["rules"])
+
+
+def matches(rule: dict, problem) -> bool:
+    """Whether `rule` covers `problem` (a MoEProblem): every listed field equal, T in range."""
+    if any(getattr(problem, field) != value for field, value in rule["problem"].items()):
+        return False
+    t = problem.num_tokens
+    lo, hi = rule.get("min_tokens"), rule.get("max_tokens")
+    return (lo is None or t >= lo) and (hi is None or t <= hi)
+
+
+def measured_order(problem, device_kind: str) -> tuple[str, ...] | None:
+    """The backend order of the first rule covering `problem` on this device, or None."""
+    for rule in rules(device_kind):
+        if matches(rule, problem):
+            return tuple(rule["order"])
+    return None
