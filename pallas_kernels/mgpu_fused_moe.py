@@ -19,7 +19,8 @@ from wna16_jax import _reference
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_m", "block_k", "max_concurrent_steps", "interpret")
+    jax.jit,
+    static_argnames=("block_m", "block_k", "max_concurrent_steps", "exact", "interpret"),
 )
 def mgpu_fused_moe(
     x: jax.Array,
@@ -31,6 +32,7 @@ def mgpu_fused_moe(
     block_m: int,
     block_k: int = 128,
     max_concurrent_steps: int = 4,
+    exact: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """fused_moe(x, w13, w2, topk_weights, topk_ids) with silu, in x.dtype ([T, H])."""
@@ -47,6 +49,7 @@ def mgpu_fused_moe(
         block_m=block_m,
         block_k=block_k,
         max_concurrent_steps=max_concurrent_steps,
+        exact=exact,
         interpret=interpret,
     )
     h = gemm(x_rows, w13, routing.expert_ids)  # [P, 2I]

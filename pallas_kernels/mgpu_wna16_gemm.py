@@ -103,7 +103,7 @@ def _swizzled(shape, dtype, what: str):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_m", "block_k", "max_concurrent_steps", "interpret")
+    jax.jit, static_argnames=("block_m", "block_k", "max_concurrent_steps", "exact", "interpret")
 )
 def mgpu_wna16_gemm(
     x_rows: jax.Array,
@@ -113,12 +113,16 @@ def mgpu_wna16_gemm(
     block_m: int,
     block_k: int = 128,
     max_concurrent_steps: int = 4,
+    exact: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in x_rows' dtype ([P, N]).
 
-    Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
-    interpreter with interpret=True).
+    Blocks with expert -1 give zero rows. exact=False is a timing experiment: the weight tile is
+    scaled in bf16 before the dot (each weight rounded once, as the Triton GEMM's multi-group
+    tiles do) and accumulated straight into one accumulator, instead of each k-tile's exact
+    product landing in a fresh one that is then scaled. Compiles for sm_90 only (or runs in the
+    Mosaic GPU interpreter with interpret=True).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -145,18 +149,26 @@ def mgpu_wna16_gemm(
 
         @pl.when(expert >= 0)
         def _matmul():
-            def step(_, q_smem, x_smem, s_smem, *rest):
-                *z_smem, acc = rest
-                # q - 8 (and + 8 - z) are small integers: exact in bf16, and so are the
-                # products with x in the f32 tile sum; the group scale multiplies the sum.
+            def dequantized_tile(q_smem, z_smem):
+                # q - 8 (and + 8 - z) are small integers: exact in bf16.
                 wt = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)
                 wt = plgpu.layout_cast(wt, wgmma).astype(dtype)
                 if z_smem:
                     z = plgpu.load(z_smem[0].at[0], layout=row)
                     wt = wt + lax.broadcast_in_dim(z, wt.shape, [0])
+                return wt
+
+            def a_operand(wt):
                 if interpret:  # the interpreter's wgmma takes A from shared memory only
                     a_smem[...] = wt
-                    wt = a_smem
+                    return a_smem
+                return wt
+
+            def step(_, q_smem, x_smem, s_smem, *rest):
+                # Each k-tile's products are exact in its f32 sum; the group scale multiplies
+                # the sum.
+                *z_smem, acc = rest
+                wt = a_operand(dequantized_tile(q_smem, z_smem))
 
                 def tile_product(part_ref):
                     plgpu.wgmma(part_ref, wt, x_smem.T)
@@ -165,6 +177,13 @@ def mgpu_wna16_gemm(
                 part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
                 scale = plgpu.load(s_smem.at[0], layout=row).astype(jnp.float32)
                 return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+
+            def scaled_step(acc_ref, _, q_smem, x_smem, s_smem, *z_smem):
+                wt = dequantized_tile(q_smem, z_smem)
+                scale = plgpu.load(s_smem.at[0], layout=row)
+                wt = a_operand(wt * lax.broadcast_in_dim(scale, wt.shape, [0]))
+                plgpu.wgmma(acc_ref, wt, x_smem.T)
+                plgpu.wgmma_wait(0)
 
             group_row = lambda kk: (kk // tiles_per_group, ni)  # noqa: E731
             in_specs = [
@@ -180,14 +199,22 @@ def mgpu_wna16_gemm(
             if has_offset:
                 in_specs.append(plgpu.BlockSpec((1, bn), group_row))
                 operands.append(z_gmem.at[expert])
-            zeros = plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
-            acc = plgpu.emit_pipeline(
-                step,
+            pipeline = functools.partial(
+                plgpu.emit_pipeline,
                 grid=(steps,),
                 in_specs=in_specs,
                 max_concurrent_steps=min(max_concurrent_steps, steps),
-                init_carry=zeros,
-            )(*operands)
+            )
+            if exact:
+                zeros = plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
+                acc = pipeline(step, init_carry=zeros)(*operands)
+            else:
+
+                def accumulate(acc_ref):
+                    pipeline(functools.partial(scaled_step, acc_ref))(*operands)
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(accumulate, plgpu.ACC((bn, bm), jnp.float32))
             o_smem.T[...] = plgpu.layout_cast(acc.astype(dtype), plgpu.Layout.WGMMA_TRANSPOSED)
 
         @pl.when(expert < 0)
