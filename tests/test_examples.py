@@ -1,4 +1,5 @@
-"""Smoke tests of examples/benchmark.py and examples/tune.py (tiny CPU defaults).
+"""Smoke tests of examples/benchmark.py, examples/tune.py and examples/mgpu_probe.py (tiny CPU
+defaults; the probe in the Mosaic GPU interpreter).
 
 examples/generate.py has its own smoke test in test_deepseek_v3_example.py.
 """
@@ -28,7 +29,7 @@ def _load(name):
         sys.path.remove(str(EXAMPLES))
 
 
-@pytest.mark.parametrize("name", ["benchmark", "tune"])
+@pytest.mark.parametrize("name", ["benchmark", "tune", "mgpu_probe"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         _load(name).main(["--help"])
@@ -72,6 +73,20 @@ def test_benchmark_tiny(tmp_path, capsys):
             assert set(r["stages"]) == {"align", "gemm1", "gemm2", "reduction"}
     assert saved["copy_bytes_per_s"] > 0 and saved["matmul_flops_per_s"] > 0
     assert out_png.stat().st_size > 1000
+
+
+def test_mgpu_probe_tiny_in_the_interpreter(tmp_path, capsys):
+    """The probe's rows on the tiny preset, the kernels in the Mosaic GPU interpreter."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    out_json = tmp_path / "mgpu.json"
+    argv = ["--preset", "tiny", "--m", "1", "--interpret", "--iters", "1", "--repeats", "1"]
+    assert _load("mgpu_probe").main([*argv, "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    whats = [r["what"] for r in rows]
+    # tiny has group 64: the candidates are block_k 64 only (block_k must divide the group).
+    assert whats[0] == "pallas layer" and "mgpu layer" in whats, whats
+    assert {"mgpu GEMM1", "mgpu GEMM2"} <= set(whats), whats
+    assert all(r["seconds"] > 0 for r in rows if "seconds" in r)
 
 
 def test_tune_tiny(tmp_path, capsys):
