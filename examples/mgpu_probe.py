@@ -1,9 +1,10 @@
-"""Times the Mosaic GPU int4 GEMM prototype (pallas_kernels/mgpu_fused_moe.py) against the
-'pallas' backend on the benchmark's workload, in one run on one GPU.
+"""Times the 'mgpu' backend (pallas_kernels/mgpu_fused_moe.py, the Mosaic GPU int4 GEMM)
+against the 'pallas' backend on the benchmark's workload, in one run on one GPU.
 
-For each M it times the whole layer for every candidate (block_m, block_k, stages) of the
-prototype, and GEMM1 and GEMM2 alone for the best of them, beside `fused_moe(...,
-implementation="pallas")` with the package's configs. Same timing method as benchmark.py
+For each M it times `fused_moe(..., implementation="pallas")` (the package's configs) and
+`implementation="mgpu"` (its default config) on the same weights, the latter converted once to
+the mgpu_int4 layout (not timed); with --search also every candidate (block_m, block_k,
+stages); then GEMM1 and GEMM2 alone at the best config. Same timing method as benchmark.py
 (jitted loop over 4 rotated input sets, median of repeats). A candidate that fails to compile
 is reported with its error and skipped.
 
@@ -20,6 +21,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import astuple
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmark  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
+from pallas_kernels import mgpu_fused_moe  # noqa: E402
 from pallas_kernels.fused_moe import align  # noqa: E402
-from pallas_kernels.mgpu_fused_moe import mgpu_fused_moe  # noqa: E402
-from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm, prepare_weights  # noqa: E402
+from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
+from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm  # noqa: E402
 
 
-def candidates(m: int, top_k: int, num_experts: int, group: int) -> list[tuple]:
-    """(block_m, block_k, stages, exact) to try: block_m around the mean rows per expert,
-    block_k dividing the group; the exact kernel, and the scaled-weight timing experiment
-    (exact=False) at block_k 128."""
+def candidates(m: int, top_k: int, num_experts: int, group: int) -> list[MgpuConfig]:
+    """Configs to try: block_m around the mean rows per expert, block_k dividing the group."""
     rows = m * top_k / num_experts
     if rows <= 1:
         bms = [8]
@@ -54,8 +55,7 @@ def candidates(m: int, top_k: int, num_experts: int, group: int) -> list[tuple]:
     bks = [bk for bk in (128, 64) if group % bk == 0]
     # block_k 64 measured slower than 128 at every M (session 4): one stage count for it.
     stages = {128: (4, 2), 64: (2,)}
-    exact = [(bm, bk, st, True) for bm in bms for bk in bks for st in stages[bk]]
-    return exact + [(bm, 128, 2, False) for bm in bms if group % 128 == 0]
+    return [MgpuConfig(bm, bk, st) for bm in bms for bk in bks for st in stages[bk]]
 
 
 def main(argv=None) -> int:
@@ -64,6 +64,11 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096])
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="also time candidate configs (block_m, block_k, stages) besides the default",
+    )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")
     p.add_argument(
@@ -86,7 +91,8 @@ def main(argv=None) -> int:
                              dtype=jnp.bfloat16)  # fmt: skip
     w13 = make(jax.random.fold_in(key, 1), e, 2 * i, h)
     w2 = make(jax.random.fold_in(key, 2), e, h, i)
-    w13p, w2p = jax.block_until_ready((prepare_weights(w13), prepare_weights(w2)))
+    to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
+    w13p, w2p = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
     copy_bps, mm_flops = benchmark.measure_ceilings(not interpret, args.repeats)
     print(f"{args.preset} zp={has_zp}: copy {copy_bps / 1e12:.2f} TB/s, "
           f"matmul {mm_flops / 1e12:.1f} TFLOP/s", flush=True)  # fmt: skip
@@ -108,39 +114,41 @@ def main(argv=None) -> int:
         )
         t, _ = benchmark.time_loop(pallas, sets, consts=(w13, w2), **timing)
         record("pallas layer", "package", t)
-        best = None
-        for bm, bk, st, exact in candidates(m, top_k, e, h if g == -1 else g):
-            fn = functools.partial(
-                _layer, block_m=bm, block_k=bk, max_concurrent_steps=st, exact=exact,
-                interpret=interpret,
-            )  # fmt: skip
+        backend = lambda a, b, x, tw, ids: wj.fused_moe(  # noqa: E731
+            x, a, b, tw, ids, implementation="mgpu_interpret" if interpret else "mgpu"
+        )
+        t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), **timing)
+        chosen = default_config(m * top_k, e, h if g == -1 else g)
+        record("mgpu backend", astuple(chosen), t)
+        best = (t, chosen)
+        for cfg in candidates(m, top_k, e, h if g == -1 else g) if args.search else ():
+            fn = functools.partial(_layer, config=cfg, interpret=interpret)
             t0 = time.perf_counter()
             try:
                 t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), **timing)
             except Exception as err:  # report, go on
                 msg = str(err).strip().splitlines()
-                print(f"M={m:<5} mgpu layer     {(bm, bk, st, exact)!s:<18} FAILED "
+                print(f"M={m:<5} mgpu layer     {astuple(cfg)!s:<18} FAILED "
                       f"({time.perf_counter() - t0:.0f} s): {msg[:1]} ... {msg[-3:]}",
                       flush=True)  # fmt: skip
-                config = (bm, bk, st, exact)
-                rows.append(dict(M=m, what="mgpu layer", config=config, error="\n".join(msg)))
+                rows.append(dict(M=m, what="mgpu layer", config=astuple(cfg), error="\n".join(msg)))
                 continue
-            record("mgpu layer", (bm, bk, st, exact), t)
-            if exact and (best is None or t < best[0]):
-                best = (t, bm, bk, st)
-        if best is None:
-            continue
-        _, bm, bk, st = best
-        exact = True
-        # The two GEMMs alone at the best layer config, on set 0's rows.
-        routing = align(idss[0], num_experts=e, block_m=bm, expert_map=None, interpret=interpret)
+            record("mgpu layer", astuple(cfg), t)
+            if t < best[0]:
+                best = (t, cfg)
+        cfg = best[1]
+        # The two GEMMs alone (f32 outputs, as the layer runs them), on set 0's rows.
+        routing = align(
+            idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
+        )
         slots = routing.sorted_token_ids
         placed = slots < m * top_k
         x_rows = jnp.where(placed[:, None], xs[0][jnp.where(placed, slots // top_k, 0)], 0)
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = functools.partial(
-            mgpu_wna16_gemm, block_m=bm, block_k=bk, max_concurrent_steps=st, interpret=interpret
-        )
+            mgpu_wna16_gemm, block_m=cfg.block_m, block_k=cfg.block_k,
+            max_concurrent_steps=cfg.stages, out_dtype=jnp.float32, interpret=interpret,
+        )  # fmt: skip
         for what, w, a in (("mgpu GEMM1", w13p, x_rows), ("mgpu GEMM2", w2p, act_rows)):
             t, _ = benchmark.time_loop(
                 lambda w, a, ex, gemm=gemm: gemm(a, w, ex),
@@ -148,7 +156,7 @@ def main(argv=None) -> int:
                 consts=(w,),
                 **timing,
             )
-            record(what, (bm, bk, st, exact), t)
+            record(what, astuple(cfg), t)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
@@ -164,8 +172,8 @@ def _record(rows, keys, wbytes, copy_bps, what, config, seconds):
           f"({pct:5.1f}% of copy for the layer's weights)", flush=True)  # fmt: skip
 
 
-def _layer(w13p, w2p, x, tw, ids, **config):
-    return mgpu_fused_moe(x, w13p, w2p, tw, ids, **config)
+def _layer(w13p, w2p, x, tw, ids, *, config, interpret):
+    return mgpu_fused_moe.fused_moe(x, w13p, w2p, tw, ids, config=config, interpret=interpret)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,23 @@
-"""The 'pallas' and 'pallas_interpret' backends of wna16_jax.fused_moe."""
+"""The 'pallas' and 'pallas_interpret' backends of wna16_jax.fused_moe (the Triton-lowered
+kernels), and 'mgpu' / 'mgpu_interpret' (the Mosaic GPU GEMM, weights in the mgpu_int4 layout)."""
 
 from __future__ import annotations
 
 import functools
 
+import jax
+
 from pallas_kernels import fused_moe as pallas_moe
+from pallas_kernels import mgpu_fused_moe
 from pallas_kernels.w8a8_gemm import MIN_INT8_DOT_K
 from wna16_jax._configs import min_block_k
-from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem, cuda_gpu_reason
+from wna16_jax._dispatch import (
+    AlignProblem,
+    Backend,
+    MoEProblem,
+    canonical_layout_reason,
+    cuda_gpu_reason,
+)
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -43,6 +53,8 @@ def _w8a8_reason(problem: MoEProblem) -> str | None:
 
 
 def _shape_reason(problem: MoEProblem) -> str | None:
+    if (reason := canonical_layout_reason(problem)) is not None:
+        return reason
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
     if problem.activation != "silu":
@@ -70,6 +82,45 @@ def _align_reason(problem: AlignProblem) -> str | None:
     return _gpu_reason(problem.platform)
 
 
+# The Mosaic GPU GEMM: 64 output features per program; its k-tile (64 or 128) divides the group.
+MGPU_SPAN = 64
+
+
+def _mgpu_shape_reason(problem: MoEProblem) -> str | None:
+    if problem.layout != "mgpu_int4":
+        return (
+            f"reads weights in the 'mgpu_int4' layout, not {problem.layout!r} (convert once at "
+            f"load: wna16_jax.layouts.to_kernel_layout(qw, 'mgpu_int4'))"
+        )
+    if problem.dtype != "bfloat16":
+        return f"activation dtype {problem.dtype} is not bfloat16"
+    if problem.activation != "silu":
+        return f"activation {problem.activation!r} is not supported (only 'silu')"
+    if problem.activation_quant is not None:
+        return f"int8 activations ({problem.activation_quant!r}) are not supported"
+    for what, n in (("2I", 2 * problem.intermediate), ("H", problem.hidden)):
+        if n % MGPU_SPAN:
+            return f"{what}={n} output features are not a multiple of {MGPU_SPAN}"
+    for what, g in (("w13", problem.w13_group), ("w2", problem.w2_group)):
+        if g % MGPU_SPAN:
+            return f"{what} group size {g} is not a multiple of {MGPU_SPAN} (the k-tile)"
+    return None
+
+
+def _mgpu_reason(problem: MoEProblem) -> str | None:
+    reason = cuda_gpu_reason(
+        problem.platform, " (use 'mgpu_interpret' for the Mosaic GPU interpreter)"
+    )
+    if reason is None:
+        device = jax.devices()[0]
+        if str(device.compute_capability) != "9.0":
+            reason = (
+                f"needs sm_90 (wgmma): {device.device_kind} has compute capability "
+                f"{device.compute_capability}"
+            )
+    return reason or _mgpu_shape_reason(problem)
+
+
 BACKENDS = (
     Backend(
         name="pallas",
@@ -82,6 +133,20 @@ BACKENDS = (
         name="pallas_interpret",
         unsupported_reason=_shape_reason,
         fused_moe=functools.partial(pallas_moe.fused_moe, interpret=True),
+        align_unsupported_reason=lambda problem: None,
+        moe_align_block_size=functools.partial(pallas_moe.align, interpret=True),
+    ),
+    Backend(
+        name="mgpu",
+        unsupported_reason=_mgpu_reason,
+        fused_moe=functools.partial(mgpu_fused_moe.fused_moe, interpret=False),
+        align_unsupported_reason=_align_reason,
+        moe_align_block_size=functools.partial(pallas_moe.align, interpret=False),
+    ),
+    Backend(
+        name="mgpu_interpret",
+        unsupported_reason=_mgpu_shape_reason,
+        fused_moe=functools.partial(mgpu_fused_moe.fused_moe, interpret=True),
         align_unsupported_reason=lambda problem: None,
         moe_align_block_size=functools.partial(pallas_moe.align, interpret=True),
     ),

@@ -1,66 +1,119 @@
-"""The MoE layer on the Mosaic GPU GEMM (prototype): align -> gather rows -> GEMM1 ->
+"""The MoE layer on the Mosaic GPU GEMM (the 'mgpu' backend): align -> gather rows -> GEMM1 ->
 silu*up -> GEMM2 -> weighted sum over top-k.
 
 Unlike the Triton-lowered pipeline, the GEMMs take rows already in block order (x gathered
 once by XLA), write rows in block order, and the top-k sum gathers each slot's row back.
-Weights come in the kernel's layout (`mgpu_wna16_gemm.prepare_weights`).
+Weights are QuantizedExperts in the "mgpu_int4" layout (wna16_jax.layouts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fused_moe import align
-from pallas_kernels.mgpu_wna16_gemm import MgpuInt4Weights, mgpu_wna16_gemm
+from pallas_kernels.fused_moe import DEFAULT_CHUNK_TOKENS, align
+from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm
 from wna16_jax import _reference
+from wna16_jax._types import BlockConfig, QuantizedExperts
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("block_m", "block_k", "max_concurrent_steps", "exact", "interpret"),
-)
-def mgpu_fused_moe(
-    x: jax.Array,
-    w13: MgpuInt4Weights,
-    w2: MgpuInt4Weights,
-    topk_weights: jax.Array,
-    topk_ids: jax.Array,
-    *,
-    block_m: int,
-    block_k: int = 128,
-    max_concurrent_steps: int = 4,
-    exact: bool = True,
-    interpret: bool = False,
-) -> jax.Array:
-    """fused_moe(x, w13, w2, topk_weights, topk_ids) with silu, in x.dtype ([T, H])."""
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Rows per block (wgmma N, 8..256), k-tile (divides the group) and pipelined k-steps."""
+
+    block_m: int
+    block_k: int = 128
+    stages: int = 4
+
+
+def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
+    """block_m near the mean rows per expert, from the H200 figures of session 4 (8 rows won
+    at M=1 and 16, 16 rows at M=256, 64 rows at M=4096; block_k 128 beat 64 everywhere)."""
+    rows = num_slots / num_experts
+    block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
+    return MgpuConfig(block_m=block_m, block_k=128 if group % 128 == 0 else 64)
+
+
+def from_block_config(config: BlockConfig) -> MgpuConfig:
+    """A BlockConfig's block_m, block_k and num_stages (its other fields do not apply)."""
+    return MgpuConfig(config.block_m, config.block_k, config.num_stages)
+
+
+def _chunk(x, w13, w2, topk_weights, topk_ids, *, expert_map, cfg: MgpuConfig, interpret):
     t, k = topk_ids.shape
-    num_experts = w13.shape[0]
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     routing = align(
-        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=None, interpret=interpret
+        topk_ids,
+        num_experts=num_experts,
+        block_m=cfg.block_m,
+        expert_map=expert_map,
+        interpret=interpret,
     )
     slots = routing.sorted_token_ids  # [P]: t*k + j, or the sentinel t*k for padding
     placed = slots < t * k
     x_rows = jnp.where(placed[:, None], x[jnp.where(placed, slots // k, 0)], 0).astype(x.dtype)
     gemm = functools.partial(
         mgpu_wna16_gemm,
-        block_m=block_m,
-        block_k=block_k,
-        max_concurrent_steps=max_concurrent_steps,
-        exact=exact,
+        block_experts=routing.expert_ids,
+        block_m=cfg.block_m,
+        block_k=cfg.block_k,
+        max_concurrent_steps=cfg.stages,
         interpret=interpret,
     )
-    h = gemm(x_rows, w13, routing.expert_ids)  # [P, 2I]
-    act = _reference.silu_and_mul(h.astype(jnp.float32)).astype(x.dtype)  # [P, I]
-    y = gemm(act, w2, routing.expert_ids)  # [P, H]
-    # Each slot's row in block order (padding rows point past the end and are dropped).
-    p = slots.shape[0]
+    # f32 GEMM outputs: the activation and the top-k sum see unrounded sums, as in the
+    # reference (only the activation is rounded to x's dtype between the GEMMs).
+    h = gemm(x_rows, w13, out_dtype=jnp.float32)  # [P, 2I]
+    act = _reference.silu_and_mul(h).astype(x.dtype)  # [P, I]
+    y = gemm(act, w2, out_dtype=jnp.float32)  # [P, H]; off-shard blocks (expert -1) are zeros
+    # Each slot's row in block order (padding points past the end and is dropped; a slot the
+    # alignment dropped, id out of range, keeps position 0 and is masked below).
     position = jnp.zeros(t * k, jnp.int32)
-    position = position.at[slots].set(jnp.arange(p, dtype=jnp.int32), mode="drop")
+    position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
     flat = topk_ids.reshape(-1)
     kept = (flat >= 0) & (flat < num_experts)
-    rows = jnp.where(kept[:, None], y[position].astype(jnp.float32), 0.0)
-    out = (rows.reshape(t, k, -1) * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
-    return out.astype(x.dtype)
+    rows = jnp.where(kept[:, None], y[position], 0.0)
+    return (rows.reshape(t, k, -1) * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("activation", "config", "out_dtype", "chunk_tokens", "interpret"),
+)
+def fused_moe(
+    x: jax.Array,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    expert_map=None,
+    activation: str = "silu",
+    config: BlockConfig | MgpuConfig | None = None,
+    out_dtype=None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    interpret: bool = False,
+) -> jax.Array:
+    """The 'mgpu' backend's fused_moe (silu only; weights in the mgpu_int4 layout), [T, H]."""
+    if activation != "silu":
+        raise NotImplementedError(f"the mgpu backend runs silu only, not {activation!r}")
+    t, k = topk_ids.shape
+    if config is None:
+        num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+        group = math.gcd(w13.group, w2.group)
+        cfg = default_config(min(t, chunk_tokens) * k, num_experts, group)
+    elif isinstance(config, BlockConfig):
+        cfg = from_block_config(config)
+    else:
+        cfg = config
+    chunk = functools.partial(_chunk, expert_map=expert_map, cfg=cfg, interpret=interpret)
+    parts = [
+        chunk(x[s : s + chunk_tokens], w13, w2, topk_weights[s : s + chunk_tokens],
+              topk_ids[s : s + chunk_tokens])
+        for s in range(0, t, chunk_tokens)
+    ]  # fmt: skip
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    return out.astype(out_dtype or x.dtype)

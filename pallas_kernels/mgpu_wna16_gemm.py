@@ -11,12 +11,9 @@ B operand (shared memory, K-major), so a block needs 8..256 rows rather than a 6
 path for decode (one row per expert) and prefill alike. TMA copies of the weight, scale and row
 tiles run `max_concurrent_steps` k-steps ahead (`plgpu.emit_pipeline`).
 
-It consumes a private weight layout (`MgpuInt4Weights`, made once by `prepare_weights`):
-  q            int4 [E, N, K]: the canonical nibbles minus 8 (xor 8), so that the signed int4 ->
-               bf16 conversion applies; the bytes are the canonical qweight's otherwise
-  scales       [E, K // G, N]: one TMA row of block_n scales per group
-  zero_offset  [E, K // G, N] in the activation dtype: 8 - z (None without zero points, z = 8)
-so that w = (q + zero_offset) * scales, the DESIGN.md dequantization.
+It reads QuantizedExperts in the "mgpu_int4" layout (wna16_jax/layouts.py, made once):
+qweight int4 [E, N, K] holding q - 8, scales [E, K//G, N] (one TMA row of block_n scales per
+group) and zeros None or 8 - z as [E, K//G, N], so that w = (qweight + zeros) * scales.
 
 Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
 p // block_m), one expert id per block (-1: the block's output rows are zeros).
@@ -24,7 +21,6 @@ p // block_m), one expert id per block (-1: the block's output rows are zeros).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -38,43 +34,14 @@ from wna16_jax._types import QuantizedExperts
 BLOCK_N = 64
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MgpuInt4Weights:
-    """int4 experts in the layout of this kernel (see the module docstring)."""
-
-    q: jax.Array
-    scales: jax.Array
-    zero_offset: jax.Array | None
-    group_size: int = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.q.shape
-
-    @property
-    def group(self) -> int:
-        return self.shape[2] if self.group_size == -1 else self.group_size
-
-
-def prepare_weights(qw: QuantizedExperts) -> MgpuInt4Weights:
-    """The kernel's layout of int4 experts (a one-time conversion, e.g. at load)."""
-    if qw.bits != 4:
-        raise NotImplementedError(f"the Mosaic GPU GEMM takes int4 experts, not int{qw.bits}")
-    e, n, k = qw.shape
-    signed = lax.bitcast_convert_type(qw.qweight ^ jnp.uint32(0x88888888), jnp.int4)
-    q = signed.reshape(e, n, k)
-    scales = jnp.swapaxes(qw.scales, 1, 2)
-    offset = None
-    if qw.zeros is not None:
-        lo = qw.zeros & 0xF
-        hi = qw.zeros >> 4
-        z = jnp.stack([lo, hi], axis=2).reshape(e, n, -1)  # n even in the low nibble
-        offset = jnp.swapaxes((8 - z.astype(jnp.int32)).astype(qw.scales.dtype), 1, 2)
-    return MgpuInt4Weights(q=q, scales=scales, zero_offset=offset, group_size=qw.group_size)
-
-
-def check_config(w: MgpuInt4Weights, x_rows, *, block_m: int, block_k: int) -> None:
+def check_config(w: QuantizedExperts, x_rows, *, block_m: int, block_k: int) -> None:
+    """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
+    this GEMM cannot take."""
+    if w.layout != "mgpu_int4":
+        raise NotImplementedError(
+            f"the Mosaic GPU GEMM reads the mgpu_int4 layout, got {w.layout!r} "
+            f"(wna16_jax.layouts.to_kernel_layout converts)"
+        )
     e, n, k = w.shape
     p, kx = x_rows.shape
     if kx != k:
@@ -103,20 +70,30 @@ def _swizzled(shape, dtype, what: str):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_m", "block_k", "max_concurrent_steps", "exact", "interpret")
+    jax.jit,
+    static_argnames=(
+        "block_m",
+        "block_k",
+        "max_concurrent_steps",
+        "exact",
+        "out_dtype",
+        "interpret",
+    ),  # fmt: skip
 )
 def mgpu_wna16_gemm(
     x_rows: jax.Array,
-    w: MgpuInt4Weights,
+    w: QuantizedExperts,
     block_experts: jax.Array,
     *,
     block_m: int,
     block_k: int = 128,
     max_concurrent_steps: int = 4,
     exact: bool = True,
+    out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
-    """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in x_rows' dtype ([P, N]).
+    """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
+    [P, N].
 
     Blocks with expert -1 give zero rows. exact=False is a timing experiment: the weight tile is
     scaled in bf16 before the dot (each weight rounded once, as the Triton GEMM's multi-group
@@ -130,9 +107,10 @@ def mgpu_wna16_gemm(
     e_count, n, k = w.shape
     p = x_rows.shape[0]
     dtype = x_rows.dtype
+    out_dtype = jnp.dtype(out_dtype or dtype)
     bm, bn, bk = block_m, BLOCK_N, block_k
     tiles_per_group = w.group // bk
-    has_offset = w.zero_offset is not None
+    has_offset = w.zeros is not None
     steps = k // bk
     wgmma = plgpu.Layout.WGMMA
     row = plgpu.Layout.WGMMA.reduce(1)
@@ -215,24 +193,24 @@ def mgpu_wna16_gemm(
                     return acc_ref[...]
 
                 acc = pl.run_scoped(accumulate, plgpu.ACC((bn, bm), jnp.float32))
-            o_smem.T[...] = plgpu.layout_cast(acc.astype(dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+            o_smem.T[...] = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
 
         @pl.when(expert < 0)
         def _zeros():
-            o_smem[...] = jnp.zeros((bm, bn), dtype)
+            o_smem[...] = jnp.zeros((bm, bn), out_dtype)
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(bi * bm, bm), pl.ds(ni * bn, bn)])
         plgpu.wait_smem_to_gmem(0)
 
-    operands = [block_experts.astype(jnp.int32), x_rows, w.q, w.scales]
+    operands = [block_experts.astype(jnp.int32), x_rows, w.qweight, w.scales]
     if has_offset:
-        operands.append(w.zero_offset)
+        operands.append(w.zeros)
     del e_count
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((p, n), dtype),
-        scratch_types=[plgpu.SMEM((bm, bn), dtype)] + [plgpu.SMEM((bn, bk), dtype)] * interpret,
+        out_type=jax.ShapeDtypeStruct((p, n), out_dtype),
+        scratch_types=[plgpu.SMEM((bm, bn), out_dtype)] + [plgpu.SMEM((bn, bk), dtype)] * interpret,
         grid=(n // bn, p // bm),
         grid_names=("n", "b"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -325,3 +325,14 @@ def test_shipped_measured_order_files_are_valid():
             assert covered, f"{f.name}: no figure behind the rule"
             for t, us in covered.items():
                 assert us[first] == min(us.values()), (f.name, t, us)
+
+
+def test_measured_order_falls_back_to_the_platform_order(on_h200, monkeypatch):
+    """A measured order naming only backends that cannot run still ends in the platform's."""
+    for name in ("triton", "pallas"):
+        monkeypatch.setitem(_dispatch._REGISTRY, name, _fake(name, "cannot"))
+    monkeypatch.setitem(_dispatch._REGISTRY, "mgpu", _fake("mgpu", "cannot"))
+    assert _dispatch.select_backend(_dsv3_tp1(), None).name == "xla"
+    # Weights in a kernel's layout do not match the rule (made for canonical weights).
+    monkeypatch.setitem(_dispatch._REGISTRY, "mgpu", _fake("mgpu", None))
+    assert _dispatch.select_backend(_dsv3_tp1(layout="mgpu_int4"), None).name == "mgpu"

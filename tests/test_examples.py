@@ -84,7 +84,7 @@ def test_mgpu_probe_tiny_in_the_interpreter(tmp_path, capsys):
     rows = json.loads(out_json.read_text())["rows"]
     whats = [r["what"] for r in rows]
     # tiny has group 64: the candidates are block_k 64 only (block_k must divide the group).
-    assert whats[0] == "pallas layer" and "mgpu layer" in whats, whats
+    assert whats[0] == "pallas layer" and "mgpu backend" in whats, whats
     assert {"mgpu GEMM1", "mgpu GEMM2"} <= set(whats), whats
     assert all(r["seconds"] > 0 for r in rows if "seconds" in r)
 

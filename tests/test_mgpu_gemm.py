@@ -1,5 +1,6 @@
-"""Tests of the Mosaic GPU int4 GEMM prototype (pallas_kernels/mgpu_wna16_gemm.py) and the MoE
-layer built on it (pallas_kernels/mgpu_fused_moe.py).
+"""Tests of the Mosaic GPU int4 GEMM (pallas_kernels/mgpu_wna16_gemm.py), the 'mgpu' backend's
+MoE layer built on it (pallas_kernels/mgpu_fused_moe.py) and its weight layout
+(wna16_jax/layouts.py).
 
 Outputs are compared with float64 numpy on the dequantized weights of the same packed words
 (helpers.numpy_dequantize), and the layer with helpers.numpy_fused_moe. Inputs are random.
@@ -23,12 +24,14 @@ import pytest
 from wna16_jax._types import QuantizedExperts
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-from pallas_kernels.mgpu_fused_moe import mgpu_fused_moe  # noqa: E402
-from pallas_kernels.mgpu_wna16_gemm import (  # noqa: E402
-    check_config,
-    mgpu_wna16_gemm,
-    prepare_weights,
-)
+import wna16_jax as wj  # noqa: E402
+from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
+from pallas_kernels.mgpu_wna16_gemm import check_config, mgpu_wna16_gemm  # noqa: E402
+
+
+def prepare_weights(qw):
+    return wj.layouts.to_kernel_layout(qw, "mgpu_int4")
+
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -109,23 +112,25 @@ def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, exact):
     )  # fmt: skip
 
 
+IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
+
+
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-@pytest.mark.parametrize("t,block_m", [(1, 8), (5, 16)])
+@pytest.mark.parametrize("t,block_m", [(1, 8), (5, 16), (9, None)])
 def test_fused_moe_matches_numpy(rng, has_zp, t, block_m):
     e, top_k, h, i = 8, 2, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
     x = jnp.asarray(rng.standard_normal((t, h)), BF16)
     topk_weights, topk_ids = helpers.random_routing(rng, t, top_k, e)
-    out = mgpu_fused_moe(
+    out = wj.fused_moe(
         x,
         prepare_weights(w13),
         prepare_weights(w2),
         jnp.asarray(topk_weights),
         jnp.asarray(topk_ids),
-        block_m=block_m,
-        block_k=64,
-        interpret=INTERPRET,
+        implementation=IMPLEMENTATION,
+        config=None if block_m is None else wj.BlockConfig(block_m=block_m, block_k=64),
     )
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64),
@@ -138,14 +143,102 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, block_m):
     helpers.assert_close(out, ref, BF16, "fused_moe")
 
 
-def test_prepare_weights_layout(rng):
+def test_fused_moe_expert_map_and_dropped_slots(rng):
+    """An expert shard (expert_map, off-shard blocks give zeros) and out-of-range ids (dropped)
+    match numpy, as the other backends do."""
+    e_global, e_local, top_k, t, h, i = 8, 4, 3, 6, 128, 64
+    w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e_local, h, i, 4, 64, True, BF16)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    topk_weights, topk_ids = helpers.random_routing(rng, t, top_k, e_global)
+    topk_ids[0, 1] = e_global + 3  # out of range: dropped
+    expert_map = np.full(e_global, -1, np.int32)
+    expert_map[[1, 2, 5, 7]] = np.arange(e_local)
+    out = wj.fused_moe(
+        x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
+        jnp.asarray(topk_ids), expert_map=jnp.asarray(expert_map), implementation=IMPLEMENTATION,
+    )  # fmt: skip
+    ref = helpers.numpy_fused_moe(
+        np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
+        np.asarray(topk_weights, np.float64), topk_ids, expert_map=expert_map,
+    )  # fmt: skip
+    helpers.assert_close(out, ref, BF16, "fused_moe with expert_map")
+
+
+def test_xla_reads_the_layout_exactly(rng):
+    """'xla' on mgpu_int4 weights converts back losslessly: the same output bits as on the
+    canonical weights."""
+    e, top_k, t, h, i = 4, 2, 3, 128, 64
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
+    canonical = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
+    private = wj.fused_moe(
+        x, prepare_weights(w13), prepare_weights(w2), tw, ids, implementation="xla"
+    )
+    np.testing.assert_array_equal(
+        np.asarray(private, np.float32), np.asarray(canonical, np.float32)
+    )
+
+
+def test_backends_name_the_layout(rng):
+    e, h, i = 4, 128, 64
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, False, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, False, BF16)
+    x = jnp.zeros((2, h), BF16)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, 2, 2, e))
+    with pytest.raises(NotImplementedError, match="'mgpu_int4' layout"):
+        wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
+                     implementation="pallas_interpret")  # fmt: skip
+    with pytest.raises(NotImplementedError, match="reads weights in the 'mgpu_int4' layout"):
+        wj.fused_moe(x, w13, w2, tw, ids, implementation="mgpu_interpret")
+    with pytest.raises(ValueError, match="layout"):
+        wj.fused_moe(x, prepare_weights(w13), w2, tw, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64])
+def test_fused_moe_deepseek_v3_tp1_gpu(t):
+    """The whole layer at DeepSeek-V3 TP=1 (E=256, H=7168, I=2048, g128, zp): w13's int4 array
+    has 7.5e9 elements, past 2^31 (DESIGN.md's rule for the Triton lowering; the TMA addressing
+    of this kernel is checked here). Against 'xla' on the same weights."""
+    key = jax.random.key(t)
+    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
+                                           True, BF16)  # fmt: skip
+    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 2048, 4, 128,
+                                          True, BF16)  # fmt: skip
+    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
+    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
+    tw, ids = jax.lax.top_k(scores, 8)
+    ref = wj.fused_moe(x, w13, w2, tw, ids.astype(jnp.int32), implementation="xla")
+    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids.astype(jnp.int32),
+                       implementation="mgpu")  # fmt: skip
+    helpers.assert_close(out, np.asarray(ref, np.float64), BF16, "DeepSeek-V3 layer")
+
+
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+def test_layout_round_trip_is_lossless(rng, has_zp):
+    qw = helpers.random_quantized_experts(rng, 3, 64, 256, 4, 64, has_zp, BF16)
+    back = wj.layouts.to_canonical_layout(prepare_weights(qw))
+    assert back.layout == "canonical"
+    for field in ("qweight", "scales", "zeros"):
+        a, b = getattr(back, field), getattr(qw, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
+
+
+def test_layout_dequantizes_to_the_canonical_weights(rng):
     """The kernel's int4 values, scales and zero offsets dequantize to the canonical weights."""
     qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, jnp.float32)
     w = prepare_weights(qw)
-    q = np.asarray(w.q.astype(jnp.int32), np.float64)  # [E, N, K], nibble - 8
+    w.validate("w")
+    assert w.shape == qw.shape
+    q = np.asarray(w.qweight.astype(jnp.int32), np.float64)  # [E, N, K], nibble - 8
     g = 128
     scales = np.repeat(np.swapaxes(np.asarray(w.scales, np.float64), 1, 2), g, axis=2)
-    offset = np.repeat(np.swapaxes(np.asarray(w.zero_offset, np.float64), 1, 2), g, axis=2)
+    offset = np.repeat(np.swapaxes(np.asarray(w.zeros, np.float64), 1, 2), g, axis=2)
     np.testing.assert_array_equal((q + offset) * scales, helpers.numpy_dequantize(qw))
 
 
@@ -167,5 +260,20 @@ def test_bad_configs_are_refused(rng, kwargs, match):
 def test_int8_is_refused(rng):
     qw = helpers.random_quantized_experts(rng, 2, 64, 256, 8, 128, False, BF16)
     assert isinstance(qw, QuantizedExperts)
-    with pytest.raises(NotImplementedError, match="int4"):
+    with pytest.raises(ValueError, match="int4"):
         prepare_weights(qw)
+
+
+def test_gemm_refuses_the_canonical_layout(rng):
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, False, BF16)
+    with pytest.raises(NotImplementedError, match="mgpu_int4 layout"):
+        check_config(qw, jnp.zeros((16, 256), BF16), block_m=16, block_k=128)
+
+
+@pytest.mark.parametrize(
+    "m,block_m", [(1, 8), (16, 8), (256, 16), (4096, 64)], ids=lambda v: str(v)
+)
+def test_default_config_follows_the_h200_figures(m, block_m):
+    """DeepSeek-V3 (top-8 of 256): the block_m that won at each M in session 4's probe."""
+    assert default_config(m * 8, 256, 128) == MgpuConfig(block_m, 128, 4)
+    assert default_config(m * 8, 256, 64).block_k == 64

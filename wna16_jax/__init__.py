@@ -1,6 +1,6 @@
 """wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
 
-from wna16_jax import formats, linear, sharding
+from wna16_jax import formats, layouts, linear, sharding
 from wna16_jax._api import fused_moe, moe_align_block_size, select_implementation
 from wna16_jax._dispatch import registered_backends
 from wna16_jax._quant import dequantize_experts, quantize_experts
@@ -13,6 +13,7 @@ __all__ = [
     "QuantizedExperts",
     "dequantize_experts",
     "formats",
+    "layouts",
     "fused_moe",
     "linear",
     "moe_align_block_size",

@@ -96,6 +96,8 @@ def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, ac
         if not isinstance(w, QuantizedExperts):
             raise ValueError(f"{name} must be a QuantizedExperts, got {type(w).__name__}")
         w.validate(name)
+    if w13.layout != w2.layout:
+        raise ValueError(f"w13 is in the {w13.layout!r} layout but w2 in {w2.layout!r}")
     t, h = _shape(x)
     e, two_i, h13 = w13.shape
     if h13 != h:
@@ -151,6 +153,7 @@ def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, act
         w2_group_size=w2.group_size,
         w2_has_zeros=w2.has_zeros,
         activation_quant=None if activation_quant is None else activation_quant.scheme,
+        layout=w13.layout,
     )
     return problem, activation_quant
 

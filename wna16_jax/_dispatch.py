@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from wna16_jax import _configs, _measured_order, _reference
+from wna16_jax import _configs, _measured_order, _reference, layouts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -39,6 +39,8 @@ class MoEProblem:
     # Activation scheme: None (16-bit activations into the GEMMs: WNA16) or an
     # ActivationQuant.scheme ("int8_per_token", "int8_static": W8A8).
     activation_quant: str | None = None
+    # QuantizedExperts.layout of both weights ("canonical" or a kernel's private layout).
+    layout: str = "canonical"
 
     @property
     def gemm_input_dtype(self) -> str:
@@ -91,8 +93,9 @@ _REGISTRY: dict[str, Backend] = {}
 
 # Tried in order by automatic selection. 'pallas_interpret' is never chosen automatically.
 PRIORITY: dict[str, tuple[str, ...]] = {
-    "gpu": ("pallas", "xla"),
-    "cuda": ("pallas", "xla"),
+    # 'mgpu' runs only weights in its own layout, which 'pallas' refuses.
+    "gpu": ("pallas", "mgpu", "xla"),
+    "cuda": ("pallas", "mgpu", "xla"),
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("xla",)
 
@@ -120,6 +123,16 @@ def get_backend(name: str) -> Backend:
 
 # The oldest NVIDIA GPUs the Triton-lowered kernels (Pallas and raw Triton) target (Ampere).
 MIN_COMPUTE_CAPABILITY = 8.0
+
+
+def canonical_layout_reason(problem: MoEProblem) -> str | None:
+    """Why a backend that reads the canonical layout cannot run `problem` (None when it can)."""
+    if problem.layout != "canonical":
+        return (
+            f"the weights are in the {problem.layout!r} layout, not the canonical one "
+            f"(wna16_jax.layouts.to_canonical_layout converts back)"
+        )
+    return None
 
 
 def cuda_gpu_reason(platform: str, hint: str = "") -> str | None:
@@ -163,8 +176,8 @@ def select_backend(
         candidates = PRIORITY.get(problem.platform, DEFAULT_PRIORITY)
         if isinstance(problem, MoEProblem) and problem.platform in PRIORITY:
             # Where a device's benchmark measured another backend faster for this problem.
-            measured = _measured_order.measured_order(problem, _configs.device_kind())
-            candidates = measured or candidates
+            measured = _measured_order.measured_order(problem, _configs.device_kind()) or ()
+            candidates = measured + tuple(c for c in candidates if c not in measured)
         explicit = False
     elif isinstance(implementation, str):
         candidates = (implementation,)
@@ -224,8 +237,8 @@ def _xla_fused_moe(
 ):
     return _reference.fused_moe(
         x,
-        w13,
-        w2,
+        layouts.to_canonical_layout(w13),
+        layouts.to_canonical_layout(w2),
         topk_weights,
         topk_ids,
         expert_map=expert_map,

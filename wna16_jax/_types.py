@@ -17,15 +17,19 @@ MAX_ARRAY_ELEMENTS = 2**31 - 1
 UNPACK_MODES = ("slices", "tile", "join")
 # BlockConfig.dot values.
 DOT_MODES = ("mma", "fma")
+# QuantizedExperts.layout values: "canonical" (DESIGN.md, every backend) and "mgpu_int4" (the
+# Mosaic GPU GEMM's private layout, made once by wna16_jax.layouts.to_kernel_layout).
+LAYOUTS = ("canonical", "mgpu_int4")
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedExperts:
-    """Weight-only quantized expert weights in the canonical layout (DESIGN.md).
+    """Weight-only quantized expert weights, in the canonical layout (DESIGN.md) unless
+    `layout` names a kernel's private one.
 
     Logical weight shape [E, N, K] (N output features, K input features).
 
-    Attributes:
+    Attributes (layout "canonical"):
         qweight: uint32 [E, N, K//8] for int4 (k = 8j+i in bits 4i..4i+3 of word j) or
             uint32 [E, N, K//4] for int8 (k = 4j+i in byte i of word j).
         scales: [E, N, K//G] float (the activation dtype), G = group size.
@@ -33,6 +37,10 @@ class QuantizedExperts:
             for int8, or None for symmetric weights (implicit zero 8 or 128).
         bits: 4 or 8 (static).
         group_size: G, or -1 for one group spanning K (static).
+        layout: "canonical" (static).
+    Layout "mgpu_int4" (int4 only; read by the 'mgpu' backend, and by 'xla' through
+    wna16_jax.layouts.to_canonical_layout): qweight int4 [E, N, K] holding q - 8; scales
+    [E, K//G, N]; zeros None or 8 - z as [E, K//G, N] in the scales' dtype.
     """
 
     qweight: Any
@@ -40,6 +48,7 @@ class QuantizedExperts:
     zeros: Any
     bits: int = 4
     group_size: int = 128
+    layout: str = "canonical"
 
     # --- static shape facts -------------------------------------------------------------
     @property
@@ -50,6 +59,8 @@ class QuantizedExperts:
     @property
     def shape(self) -> tuple[int, int, int]:
         """Logical [E, N, K]."""
+        if self.layout == "mgpu_int4":
+            return tuple(int(d) for d in self.qweight.shape)
         e, n, kw = self.qweight.shape
         return (e, n, kw * self.pack_factor)
 
@@ -84,7 +95,12 @@ class QuantizedExperts:
         return self.scales.dtype
 
     def validate(self, name: str = "weights") -> None:
-        """Raises ValueError naming the offending values if this is not the canonical layout."""
+        """Raises ValueError naming the offending values if the arrays do not have the layout's
+        shapes and dtypes."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"{name}: layout={self.layout!r} is not one of {LAYOUTS}")
+        if self.layout == "mgpu_int4":
+            return self._validate_mgpu_int4(name)
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"{name}: bits={self.bits} is not supported (supported: 4, 8)")
         if self.qweight.ndim != 3:
@@ -127,18 +143,47 @@ class QuantizedExperts:
                     f"so each device holds fewer"
                 )
 
+    def _validate_mgpu_int4(self, name: str) -> None:
+        if self.bits != 4:
+            raise ValueError(f"{name}: the mgpu_int4 layout holds int4 weights, not int{self.bits}")
+        if self.qweight.ndim != 3 or self.qweight.dtype != jnp.int4:
+            raise ValueError(
+                f"{name}: mgpu_int4 qweight must be int4 [E, N, K], got "
+                f"{self.qweight.dtype} {tuple(self.qweight.shape)}"
+            )
+        e, n, k = self.shape
+        if self.group_size != -1 and (self.group_size <= 0 or k % self.group_size):
+            raise ValueError(f"{name}: K={k} is not a multiple of group_size={self.group_size}")
+        want = (e, self.num_groups, n)
+        for field in ("scales", "zeros"):
+            arr = getattr(self, field)
+            if arr is None and field == "zeros":
+                continue
+            if tuple(arr.shape) != want or not jnp.issubdtype(arr.dtype, jnp.floating):
+                raise ValueError(
+                    f"{name}: mgpu_int4 {field} must be float [E, K//G, N] = {want}, got "
+                    f"{arr.dtype} {tuple(arr.shape)}"
+                )
+
 
 jax.tree_util.register_dataclass(
     QuantizedExperts,
     data_fields=["qweight", "scales", "zeros"],
-    meta_fields=["bits", "group_size"],
+    meta_fields=["bits", "group_size", "layout"],
 )
+
+
+def _deserialize_auxdata(data: bytes) -> tuple:
+    aux = tuple(json.loads(data))
+    return aux if len(aux) == 3 else (*aux, "canonical")  # exported before layouts existed
+
+
 # So that jax.export can serialize functions taking or returning QuantizedExperts.
 jax.export.register_pytree_node_serialization(
     QuantizedExperts,
     serialized_name="wna16_jax.QuantizedExperts",
     serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
-    deserialize_auxdata=lambda data: tuple(json.loads(data)),
+    deserialize_auxdata=_deserialize_auxdata,
 )
 
 

@@ -1,0 +1,70 @@
+"""Kernel-private weight layouts behind QuantizedExperts, made once (e.g. at load) and lossless.
+
+    mgpu = wj.layouts.to_kernel_layout(qw, "mgpu_int4")    # for implementation="mgpu"
+    qw_again = wj.layouts.to_canonical_layout(mgpu)        # bit-identical to qw
+
+"mgpu_int4" (pallas_kernels/mgpu_wna16_gemm.py's operands; int4 only):
+  qweight  int4 [E, N, K]: the canonical nibbles minus 8 (xor 8), so the signed int4 -> bf16
+           conversion applies; otherwise the canonical bytes (low nibble first).
+  scales   [E, K//G, N]: a group's scales for consecutive features are one TMA row.
+  zeros    None, or 8 - z as [E, K//G, N] in the scales' dtype (exact: small integers),
+           so that w = (qweight + zeros) * scales is DESIGN.md's (q - z) * scale.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from wna16_jax._types import LAYOUTS, QuantizedExperts
+
+_XOR_8 = 0x88888888  # flips bit 3 of each nibble: u -> u - 8 read as signed int4
+
+
+def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
+    """`qw` (canonical) in `layout`, one of LAYOUTS."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if qw.layout == layout:
+        return qw
+    if qw.layout != "canonical":
+        qw = to_canonical_layout(qw)
+    if layout == "canonical":
+        return qw
+    qw.validate("weights")
+    if qw.bits != 4:
+        raise ValueError(f"the {layout} layout holds int4 weights, not int{qw.bits}")
+    e, n, k = qw.shape
+    q = lax.bitcast_convert_type(qw.qweight ^ jnp.uint32(_XOR_8), jnp.int4).reshape(e, n, k)
+    offset = None
+    if qw.zeros is not None:
+        z = jnp.stack([qw.zeros & 0xF, qw.zeros >> 4], axis=2).reshape(e, n, -1)
+        offset = jnp.swapaxes((8 - z.astype(jnp.int32)).astype(qw.scales.dtype), 1, 2)
+    return QuantizedExperts(
+        qweight=q,
+        scales=jnp.swapaxes(qw.scales, 1, 2),
+        zeros=offset,
+        bits=4,
+        group_size=qw.group_size,
+        layout=layout,
+    )
+
+
+def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
+    """`qw` in the canonical layout (DESIGN.md); the inverse of to_kernel_layout."""
+    if qw.layout == "canonical":
+        return qw
+    qw.validate("weights")
+    e, n, k = qw.shape
+    words = lax.bitcast_convert_type(qw.qweight.reshape(e, n, k // 8, 8), jnp.uint32)
+    zeros = None
+    if qw.zeros is not None:
+        z = (8 - jnp.swapaxes(qw.zeros, 1, 2).astype(jnp.int32)).astype(jnp.uint8)  # [E, N, g]
+        zeros = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(jnp.uint8)
+    return QuantizedExperts(
+        qweight=words ^ jnp.uint32(_XOR_8),
+        scales=jnp.swapaxes(qw.scales, 1, 2),
+        zeros=zeros,
+        bits=4,
+        group_size=qw.group_size,
+    )
