@@ -121,33 +121,28 @@ def _mgpu_reason(problem: MoEProblem) -> str | None:
     return reason or _mgpu_shape_reason(problem)
 
 
+def _compiled_and_interpreted(name, fused_moe, reason, shape_reason) -> tuple[Backend, Backend]:
+    """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
+    interpreter, any platform), both aligning with the Pallas align kernel."""
+    return (
+        Backend(
+            name=name,
+            unsupported_reason=reason,
+            fused_moe=functools.partial(fused_moe, interpret=False),
+            align_unsupported_reason=_align_reason,
+            moe_align_block_size=functools.partial(pallas_moe.align, interpret=False),
+        ),
+        Backend(
+            name=f"{name}_interpret",
+            unsupported_reason=shape_reason,
+            fused_moe=functools.partial(fused_moe, interpret=True),
+            align_unsupported_reason=lambda problem: None,
+            moe_align_block_size=functools.partial(pallas_moe.align, interpret=True),
+        ),
+    )
+
+
 BACKENDS = (
-    Backend(
-        name="pallas",
-        unsupported_reason=_pallas_reason,
-        fused_moe=functools.partial(pallas_moe.fused_moe, interpret=False),
-        align_unsupported_reason=_align_reason,
-        moe_align_block_size=functools.partial(pallas_moe.align, interpret=False),
-    ),
-    Backend(
-        name="pallas_interpret",
-        unsupported_reason=_shape_reason,
-        fused_moe=functools.partial(pallas_moe.fused_moe, interpret=True),
-        align_unsupported_reason=lambda problem: None,
-        moe_align_block_size=functools.partial(pallas_moe.align, interpret=True),
-    ),
-    Backend(
-        name="mgpu",
-        unsupported_reason=_mgpu_reason,
-        fused_moe=functools.partial(mgpu_fused_moe.fused_moe, interpret=False),
-        align_unsupported_reason=_align_reason,
-        moe_align_block_size=functools.partial(pallas_moe.align, interpret=False),
-    ),
-    Backend(
-        name="mgpu_interpret",
-        unsupported_reason=_mgpu_shape_reason,
-        fused_moe=functools.partial(mgpu_fused_moe.fused_moe, interpret=True),
-        align_unsupported_reason=lambda problem: None,
-        moe_align_block_size=functools.partial(pallas_moe.align, interpret=True),
-    ),
+    *_compiled_and_interpreted("pallas", pallas_moe.fused_moe, _pallas_reason, _shape_reason),
+    *_compiled_and_interpreted("mgpu", mgpu_fused_moe.fused_moe, _mgpu_reason, _mgpu_shape_reason),
 )
