@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from wna16_jax import _types
 from wna16_jax._types import QuantizedExperts
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -277,3 +278,16 @@ def test_default_config_follows_the_h200_figures(m, block_m):
     """DeepSeek-V3 (top-8 of 256): the block_m that won at each M in session 4's probe."""
     assert default_config(m * 8, 256, 128) == MgpuConfig(block_m, 128, 4)
     assert default_config(m * 8, 256, 64).block_k == 64
+
+
+@pytest.mark.parametrize("layout", ["canonical", "mgpu_int4"])
+def test_export_serializes_the_layout(rng, layout):
+    """jax.export round-trips QuantizedExperts with its layout; an auxdata written before the
+    layout field existed (two meta fields) reads as canonical."""
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16)
+    qw = wj.layouts.to_kernel_layout(qw, layout)
+    exported = jax.export.export(jax.jit(lambda w: w))(qw)
+    back = jax.export.deserialize(exported.serialize())
+    assert back.out_tree.unflatten([0, 1, 2]).layout == layout
+    assert _types._deserialize_auxdata(b"[4, 128]") == (4, 128, "canonical")
