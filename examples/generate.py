@@ -70,7 +70,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--implementation",
         default=None,
-        help="fused_moe backend (xla, pallas, pallas_interpret, ...); default auto",
+        help="fused_moe backend (xla, pallas, pallas_interpret, mgpu, mgpu_interpret, ...); "
+        "default auto. mgpu* convert the experts to the mgpu_int4 layout (see --expert-layout)",
+    )
+    p.add_argument(
+        "--expert-layout",
+        choices=("canonical", "mgpu_int4"),
+        default=None,
+        help="the routed experts' weight layout (wna16_jax.layouts), converted once after "
+        "building or loading: mgpu_int4 for the Mosaic GPU backend (H100/H200; int4, bf16, "
+        "no tensor axis); default canonical, or mgpu_int4 with --implementation mgpu*",
     )
     p.add_argument(
         "--linear-implementation",
@@ -214,6 +223,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer, what = build_model(args, mesh)
     model.set_linear_implementation(args.linear_implementation)
+    layout = args.expert_layout or (
+        "mgpu_int4" if (args.implementation or "").startswith("mgpu") else "canonical"
+    )
+    if layout != "canonical":
+        t1 = time.perf_counter()
+        model.set_expert_layout(layout)
+        print(f"experts converted to the {layout} layout ({time.perf_counter() - t1:.1f} s)")
     print(
         f"model: {what} ({time.perf_counter() - t0:.1f} s to build); "
         f"JAX platform {jax.default_backend()}, {jax.device_count()} device(s)"

@@ -256,3 +256,33 @@ def test_call_without_mask_equals_all_ones_mask(rng):
     full = nnx.jit(lambda m, x: m(x))(model, ids)
     assert_close(full, logits_of(model, ids, np.ones(ids.shape, bool)), "f32_reordered")
     assert full.shape == (1, 6, model.cfg.vocab_size) and full.dtype == jnp.float32
+
+
+def test_mgpu_expert_layout_matches_canonical(rng):
+    """set_expert_layout("mgpu_int4") converts every routed-expert layer losslessly: under
+    'xla' the logits are bit-identical to the canonical model's, the 'mgpu' kernels
+    (interpreted) match them, and converting back restores the canonical arrays."""
+    from models.deepseek_v3.config import QuantSpec
+
+    # bf16 and group 64: what the Mosaic GPU GEMM takes (H, 2I multiples of 64 in the preset).
+    model = tiny_model(
+        num_hidden_layers=2, dtype="bfloat16", quant=QuantSpec(bits=4, group_size=64)
+    )
+    model.set_implementation("xla")
+    converted = nnx.clone(model)
+    converted.set_expert_layout("mgpu_int4")
+    experts = [m for _, m in nnx.iter_modules(converted) if isinstance(m, RoutedExperts)]
+    assert experts and all(m.w13.get().layout == "mgpu_int4" for m in experts)
+    ids = random_ids(rng, (2, 5), model.cfg)
+    mask = np.ones(ids.shape, bool)
+    want = np.asarray(logits_of(model, ids, mask), np.float32)
+    np.testing.assert_array_equal(np.asarray(logits_of(converted, ids, mask), np.float32), want)
+    converted.set_implementation("mgpu_interpret")
+    # bf16 activations: the kernels' f32 sums differ from xla's in order only, but a flipped
+    # bf16 rounding compounds over the layers: the bf16 model tolerance.
+    assert_close(logits_of(converted, ids, mask), want, "bf16")
+    converted.set_expert_layout("canonical")
+    original = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
+    for a, b in zip(experts, original, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.w13.get().qweight), b.w13.get().qweight)
+        np.testing.assert_array_equal(np.asarray(a.w2.get().scales), b.w2.get().scales)

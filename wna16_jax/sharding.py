@@ -112,17 +112,28 @@ def expert_specs(
         QuantizedExperts whose qweight/scales/zeros are PartitionSpecs (zeros None when qw has
         none): usable as shard_map in_specs and, mapped to NamedShardings, as jit shardings.
     """
-    return _specs(qw.bits, qw.group_size, qw.has_zeros, expert_axis, n_axis, k_axis)
+    return _specs(
+        qw.bits, qw.group_size, qw.has_zeros, expert_axis, n_axis, k_axis, layout=qw.layout
+    )
 
 
-def _specs(bits, group_size, has_zeros, expert_axis, n_axis, k_axis) -> QuantizedExperts:
+def _specs(
+    bits, group_size, has_zeros, expert_axis, n_axis, k_axis, layout="canonical"
+) -> QuantizedExperts:
     k_groups = None if group_size == -1 else k_axis
+    # Per-group arrays: [E, N, K//G] canonically, [E, K//G, N] in the mgpu_int4 layout.
+    per_group = (
+        P(expert_axis, n_axis, k_groups)
+        if layout == "canonical"
+        else P(expert_axis, k_groups, n_axis)
+    )
     return QuantizedExperts(
         qweight=P(expert_axis, n_axis, k_axis),
-        scales=P(expert_axis, n_axis, k_groups),
-        zeros=P(expert_axis, n_axis, k_groups) if has_zeros else None,
+        scales=per_group,
+        zeros=per_group if has_zeros else None,
         bits=bits,
         group_size=group_size,
+        layout=layout,
     )
 
 
@@ -224,8 +235,17 @@ def tp_deinterleave_w13(w13: QuantizedExperts, num_shards: int) -> QuantizedExpe
     return _tp_reorder_w13(w13, num_shards, inverse=True)
 
 
+def _canonical_for_tp(qw: QuantizedExperts, what: str) -> None:
+    qw.validate(what)
+    if qw.layout != "canonical":
+        raise ValueError(
+            f"{what}: tensor-parallel placement takes canonical weights, got the {qw.layout!r} "
+            f"layout (wna16_jax.layouts.to_canonical_layout converts back)"
+        )
+
+
 def _tp_reorder_w13(w13: QuantizedExperts, num_shards: int, *, inverse: bool):
-    w13.validate("w13")
+    _canonical_for_tp(w13, "w13")
     i = w13.n // 2
     if w13.n % 2 or i % num_shards:
         raise ValueError(
@@ -274,7 +294,7 @@ def shard_w13_for_tp(
     Raises:
         ValueError: an axis not in the mesh, or I/n, E/n_e not allowed (values quoted).
     """
-    w13.validate("w13")
+    _canonical_for_tp(w13, "w13")
     n_t = _axis_size(mesh, tensor_axis, "tensor_axis")
     if expert_axis is not None:
         _check_divisible(w13.num_experts, _axis_size(mesh, expert_axis, "expert_axis"))
@@ -303,7 +323,7 @@ def shard_w2_for_tp(
     Raises:
         ValueError: an axis not in the mesh, or I/n, E/n_e not allowed (values quoted).
     """
-    w2.validate("w2")
+    _canonical_for_tp(w2, "w2")
     n_t = _axis_size(mesh, tensor_axis, "tensor_axis")
     if expert_axis is not None:
         _check_divisible(w2.num_experts, _axis_size(mesh, expert_axis, "expert_axis"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -80,8 +81,8 @@ def _bits32(rngs: Rng, shape):
 class QuantizedTensor(nnx.Module):
     """The leaves of one `wj.QuantizedExperts` [E, N, K] held as NNX variables.
 
-    `get()` rebuilds the QuantizedExperts (bits and group_size are static attributes), which
-    keeps nnx.split / merge / jit working on plain arrays.
+    `get()` rebuilds the QuantizedExperts (bits, group_size and layout are static attributes),
+    which keeps nnx.split / merge / jit working on plain arrays.
     """
 
     def __init__(self, qe: wj.QuantizedExperts):
@@ -90,6 +91,7 @@ class QuantizedTensor(nnx.Module):
         self.zeros = QuantParam(qe.zeros) if qe.zeros is not None else None
         self.bits = int(qe.bits)
         self.group_size = int(qe.group_size)
+        self.layout = str(qe.layout)
 
     def get(self) -> wj.QuantizedExperts:
         return wj.QuantizedExperts(
@@ -98,12 +100,12 @@ class QuantizedTensor(nnx.Module):
             zeros=None if self.zeros is None else self.zeros.get_value(),
             bits=self.bits,
             group_size=self.group_size,
+            layout=self.layout,
         )
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        e, n, kw = self.qweight.get_value().shape
-        return (e, n, kw * 32 // self.bits)
+        return self.get().shape
 
 
 def random_quantized(rngs: Rng, shape, spec: QuantSpec, *, std: float, dtype):
@@ -549,11 +551,45 @@ class RoutedExperts(nnx.Module):
         self.w13_tp_shards = 1
 
     def canonical_w13(self) -> wj.QuantizedExperts:
-        """w13 [E, 2I, H] with rows [gate; up] whatever the tensor-parallel layout."""
-        w13 = self.w13.get()
+        """w13 [E, 2I, H] with rows [gate; up], in the canonical layout, whatever the
+        tensor-parallel row order or kernel layout."""
+        w13 = wj.layouts.to_canonical_layout(self.w13.get())
         if self.w13_tp_shards == 1:
             return w13
         return wj.sharding.tp_deinterleave_w13(w13, self.w13_tp_shards)
+
+    @property
+    def layout(self) -> str:
+        return self.w13.layout
+
+    def set_layout(self, layout: str) -> None:
+        """Converts w13 and w2 to `layout` (wna16_jax.layouts; "mgpu_int4" for the 'mgpu'
+        backend), replacing them: no second copy is kept. On a mesh each device converts its
+        own expert shard (the shardings follow the layout's specs).
+
+        Raises:
+            ValueError: tensor-parallel experts (their placement takes canonical weights).
+        """
+        if layout == self.layout:
+            return
+        if self.w13_tp_shards != 1:
+            raise ValueError(
+                f"experts split over a tensor axis ({self.w13_tp_shards} shards) keep the "
+                f"canonical layout; {layout!r} runs with expert parallelism only"
+            )
+        convert = functools.partial(wj.layouts.to_kernel_layout, layout=layout)
+        w13, w2 = self.w13.get(), self.w2.get()
+        if self.sharding is not None:
+            ea, mesh = self.sharding.expert_axis, self.sharding.mesh
+            shard = lambda qw: wj.sharding.named_shardings(  # noqa: E731
+                mesh, wj.sharding.expert_specs(jax.eval_shape(convert, qw), expert_axis=ea)
+            )
+            w13 = jax.jit(convert, out_shardings=shard(w13))(w13)
+            w2 = jax.jit(convert, out_shardings=shard(w2))(w2)
+        else:
+            w13, w2 = convert(w13), convert(w2)
+        self.w13 = QuantizedTensor(w13)
+        self.w2 = QuantizedTensor(w2)
 
     def __call__(self, x, topk_weights, topk_ids):
         """x [T, H] -> [T, H] (x.dtype)."""
@@ -748,6 +784,14 @@ class DeepseekV3ForCausalLM(nnx.Module):
         for _, m in nnx.iter_modules(self):
             if isinstance(m, RoutedExperts):
                 m.implementation = implementation
+
+    def set_expert_layout(self, layout: str) -> None:
+        """Converts every routed-expert layer's weights to `layout` (wna16_jax.layouts):
+        "mgpu_int4" for the 'mgpu' backend (fused_moe then picks it automatically), or back to
+        "canonical". One layer at a time, each replaced (no second copy of the experts)."""
+        for _, m in nnx.iter_modules(self):
+            if isinstance(m, RoutedExperts):
+                m.set_layout(layout)
 
     def set_linear_implementation(self, implementation: str) -> None:
         """Selects how every quantized non-expert linear runs: "xla" (dequantize + dot, the
