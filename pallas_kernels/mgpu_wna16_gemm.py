@@ -1,5 +1,5 @@
-"""The int4 grouped expert GEMM on Hopper tensor cores through Pallas' Mosaic GPU backend
-(prototype, not yet a `fused_moe` backend).
+"""The int4 grouped expert GEMM on Hopper tensor cores through Pallas' Mosaic GPU backend (the
+'mgpu' backend's GEMM; the layer is pallas_kernels/mgpu_fused_moe.py).
 
 Swap-AB: each program computes out[rows of one block, block_n features] as the transpose of
 W[e][features, :] @ x[rows, :]^T. The dequantized weight tile is the wgmma's A operand, taken
