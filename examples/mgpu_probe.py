@@ -141,9 +141,7 @@ def main(argv=None) -> int:
         routing = align(
             idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
         )
-        slots = routing.sorted_token_ids
-        placed = slots < m * top_k
-        x_rows = jnp.where(placed[:, None], xs[0][jnp.where(placed, slots // top_k, 0)], 0)
+        x_rows = mgpu_fused_moe.rows_in_block_order(xs[0], routing.sorted_token_ids, top_k)
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = functools.partial(
             mgpu_wna16_gemm, block_m=cfg.block_m, block_k=cfg.block_k,

@@ -43,7 +43,14 @@ def from_block_config(config: BlockConfig) -> MgpuConfig:
     return MgpuConfig(config.block_m, config.block_k, config.num_stages)
 
 
-def _chunk(x, w13, w2, topk_weights, topk_ids, *, expert_map, cfg: MgpuConfig, interpret):
+def rows_in_block_order(x, slots, top_k: int):
+    """x's row of each aligned slot ([P, H]; padding slots, ids >= T*k, get zero rows)."""
+    placed = slots < x.shape[0] * top_k
+    return jnp.where(placed[:, None], x[jnp.where(placed, slots // top_k, 0)], 0).astype(x.dtype)
+
+
+def _chunk(x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret):
+    """One chunk of tokens: [t, H] f32."""
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     routing = align(
@@ -54,8 +61,7 @@ def _chunk(x, w13, w2, topk_weights, topk_ids, *, expert_map, cfg: MgpuConfig, i
         interpret=interpret,
     )
     slots = routing.sorted_token_ids  # [P]: t*k + j, or the sentinel t*k for padding
-    placed = slots < t * k
-    x_rows = jnp.where(placed[:, None], x[jnp.where(placed, slots // k, 0)], 0).astype(x.dtype)
+    x_rows = rows_in_block_order(x, slots, k)
     gemm = functools.partial(
         mgpu_wna16_gemm,
         block_experts=routing.expert_ids,
@@ -109,11 +115,9 @@ def fused_moe(
         cfg = from_block_config(config)
     else:
         cfg = config
-    chunk = functools.partial(_chunk, expert_map=expert_map, cfg=cfg, interpret=interpret)
-    parts = [
-        chunk(x[s : s + chunk_tokens], w13, w2, topk_weights[s : s + chunk_tokens],
-              topk_ids[s : s + chunk_tokens])
-        for s in range(0, t, chunk_tokens)
-    ]  # fmt: skip
-    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-    return out.astype(out_dtype or x.dtype)
+    run = functools.partial(
+        _chunk, w13=w13, w2=w2, expert_map=expert_map, cfg=cfg, interpret=interpret
+    )
+    return _reference.map_token_chunks(
+        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
+    )

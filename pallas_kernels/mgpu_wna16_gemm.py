@@ -75,7 +75,6 @@ def _swizzled(shape, dtype, what: str):
         "block_m",
         "block_k",
         "max_concurrent_steps",
-        "exact",
         "out_dtype",
         "interpret",
     ),  # fmt: skip
@@ -88,23 +87,19 @@ def mgpu_wna16_gemm(
     block_m: int,
     block_k: int = 128,
     max_concurrent_steps: int = 4,
-    exact: bool = True,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
     [P, N].
 
-    Blocks with expert -1 give zero rows. exact=False is a timing experiment: the weight tile is
-    scaled in bf16 before the dot (each weight rounded once, as the Triton GEMM's multi-group
-    tiles do) and accumulated straight into one accumulator, instead of each k-tile's exact
-    product landing in a fresh one that is then scaled. Compiles for sm_90 only (or runs in the
-    Mosaic GPU interpreter with interpret=True).
+    Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
+    interpreter with interpret=True).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     check_config(w, x_rows, block_m=block_m, block_k=block_k)
-    e_count, n, k = w.shape
+    _, n, k = w.shape
     p = x_rows.shape[0]
     dtype = x_rows.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
@@ -156,13 +151,6 @@ def mgpu_wna16_gemm(
                 scale = plgpu.load(s_smem.at[0], layout=row).astype(jnp.float32)
                 return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
-            def scaled_step(acc_ref, _, q_smem, x_smem, s_smem, *z_smem):
-                wt = dequantized_tile(q_smem, z_smem)
-                scale = plgpu.load(s_smem.at[0], layout=row)
-                wt = a_operand(wt * lax.broadcast_in_dim(scale, wt.shape, [0]))
-                plgpu.wgmma(acc_ref, wt, x_smem.T)
-                plgpu.wgmma_wait(0)
-
             group_row = lambda kk: (kk // tiles_per_group, ni)  # noqa: E731
             in_specs = [
                 plgpu.BlockSpec(
@@ -177,22 +165,14 @@ def mgpu_wna16_gemm(
             if has_offset:
                 in_specs.append(plgpu.BlockSpec((1, bn), group_row))
                 operands.append(z_gmem.at[expert])
-            pipeline = functools.partial(
-                plgpu.emit_pipeline,
+            zeros = plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
+            acc = plgpu.emit_pipeline(
+                step,
                 grid=(steps,),
                 in_specs=in_specs,
                 max_concurrent_steps=min(max_concurrent_steps, steps),
-            )
-            if exact:
-                zeros = plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
-                acc = pipeline(step, init_carry=zeros)(*operands)
-            else:
-
-                def accumulate(acc_ref):
-                    pipeline(functools.partial(scaled_step, acc_ref))(*operands)
-                    return acc_ref[...]
-
-                acc = pl.run_scoped(accumulate, plgpu.ACC((bn, bm), jnp.float32))
+                init_carry=zeros,
+            )(*operands)
             o_smem.T[...] = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
 
         @pl.when(expert < 0)
@@ -206,7 +186,6 @@ def mgpu_wna16_gemm(
     operands = [block_experts.astype(jnp.int32), x_rows, w.qweight, w.scales]
     if has_offset:
         operands.append(w.zeros)
-    del e_count
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((p, n), out_dtype),
