@@ -108,15 +108,21 @@ def _device_file_name(device_kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") + ".json"
 
 
+def device_file(folder: str, device_kind: str) -> dict | None:
+    """The parsed JSON of the package file `folder`/<device kind>.json, or None if absent."""
+    try:
+        text = resources.files("wna16_jax").joinpath(folder, _device_file_name(device_kind))
+        return json.loads(text.read_text())
+    except (FileNotFoundError, OSError):
+        return None
+
+
 @functools.cache
 def tuned_table(device_kind: str) -> tuple[tuple[dict, BlockConfig], ...]:
     """The tuned entries for a device kind: ((problem keys, BlockConfig), ...); empty if none."""
-    name = _device_file_name(device_kind)
-    try:
-        text = resources.files("wna16_jax").joinpath(TUNED_DIR, name).read_text()
-    except (FileNotFoundError, OSError):
+    data = device_file(TUNED_DIR, device_kind)
+    if data is None:
         return ()
-    data = json.loads(text)
     entries = []
     for entry in data["entries"]:
         keys = {k: entry[k] for k in ("E", "N", "K", "bits", "group_size", "M")}

@@ -17,8 +17,6 @@ the next one in the order runs.
 from __future__ import annotations
 
 import functools
-import json
-from importlib import resources
 
 from wna16_jax import _configs
 
@@ -28,12 +26,8 @@ BACKENDS_DIR = "data/backends"
 @functools.cache
 def rules(device_kind: str) -> tuple[dict, ...]:
     """The device's rules (empty when it has no file)."""
-    name = _configs._device_file_name(device_kind)
-    try:
-        text = resources.files("wna16_jax").joinpath(BACKENDS_DIR, name).read_text()
-    except (FileNotFoundError, OSError):
-        return ()
-    return tuple(json.loads(text)["rules"])
+    data = _configs.device_file(BACKENDS_DIR, device_kind)
+    return () if data is None else tuple(data["rules"])
 
 
 def matches(rule: dict, problem) -> bool:
