@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from wna16_jax import _reference
-from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem, canonical_layout_reason
+from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
 from wna16_jax._dispatch import cuda_gpu_reason as _gpu_reason
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -35,8 +35,6 @@ def import_reason() -> str | None:
 
 def shape_reason(problem: MoEProblem) -> str | None:
     """Why the kernels cannot run `problem`'s shapes and formats (None when they can)."""
-    if (reason := canonical_layout_reason(problem)) is not None:
-        return reason
     if problem.activation_quant is not None:
         return (
             f"int8 activations (activation_quant={problem.activation_quant!r}, W8A8) are not "

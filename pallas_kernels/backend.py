@@ -11,13 +11,7 @@ from pallas_kernels import fused_moe as pallas_moe
 from pallas_kernels import mgpu_fused_moe
 from pallas_kernels.w8a8_gemm import MIN_INT8_DOT_K
 from wna16_jax._configs import min_block_k
-from wna16_jax._dispatch import (
-    AlignProblem,
-    Backend,
-    MoEProblem,
-    canonical_layout_reason,
-    cuda_gpu_reason,
-)
+from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem, cuda_gpu_reason
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -53,8 +47,6 @@ def _w8a8_reason(problem: MoEProblem) -> str | None:
 
 
 def _shape_reason(problem: MoEProblem) -> str | None:
-    if (reason := canonical_layout_reason(problem)) is not None:
-        return reason
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
     if problem.activation != "silu":
@@ -87,11 +79,7 @@ MGPU_SPAN = 64
 
 
 def _mgpu_shape_reason(problem: MoEProblem) -> str | None:
-    if problem.layout != "mgpu_int4":
-        return (
-            f"reads weights in the 'mgpu_int4' layout, not {problem.layout!r} (convert once at "
-            f"load: wna16_jax.layouts.to_kernel_layout(qw, 'mgpu_int4'))"
-        )
+    # The layout (mgpu_int4 only) is checked by selection: Backend.layouts.
     if problem.dtype != "bfloat16":
         return f"activation dtype {problem.dtype} is not bfloat16"
     if problem.activation != "silu":
@@ -121,9 +109,12 @@ def _mgpu_reason(problem: MoEProblem) -> str | None:
     return reason or _mgpu_shape_reason(problem)
 
 
-def _compiled_and_interpreted(name, fused_moe, reason, shape_reason) -> tuple[Backend, Backend]:
+def _compiled_and_interpreted(
+    name, fused_moe, reason, shape_reason, layouts=("canonical",)
+) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
-    interpreter, any platform), both aligning with the Pallas align kernel."""
+    interpreter, any platform), both aligning with the Pallas align kernel and reading weights
+    in `layouts`."""
     return (
         Backend(
             name=name,
@@ -131,6 +122,7 @@ def _compiled_and_interpreted(name, fused_moe, reason, shape_reason) -> tuple[Ba
             fused_moe=functools.partial(fused_moe, interpret=False),
             align_unsupported_reason=_align_reason,
             moe_align_block_size=functools.partial(pallas_moe.align, interpret=False),
+            layouts=layouts,
         ),
         Backend(
             name=f"{name}_interpret",
@@ -138,11 +130,14 @@ def _compiled_and_interpreted(name, fused_moe, reason, shape_reason) -> tuple[Ba
             fused_moe=functools.partial(fused_moe, interpret=True),
             align_unsupported_reason=lambda problem: None,
             moe_align_block_size=functools.partial(pallas_moe.align, interpret=True),
+            layouts=layouts,
         ),
     )
 
 
 BACKENDS = (
     *_compiled_and_interpreted("pallas", pallas_moe.fused_moe, _pallas_reason, _shape_reason),
-    *_compiled_and_interpreted("mgpu", mgpu_fused_moe.fused_moe, _mgpu_reason, _mgpu_shape_reason),
+    *_compiled_and_interpreted(
+        "mgpu", mgpu_fused_moe.fused_moe, _mgpu_reason, _mgpu_shape_reason, ("mgpu_int4",)
+    ),
 )

@@ -334,5 +334,17 @@ def test_measured_order_falls_back_to_the_platform_order(on_h200, monkeypatch):
     monkeypatch.setitem(_dispatch._REGISTRY, "mgpu", _fake("mgpu", "cannot"))
     assert _dispatch.select_backend(_dsv3_tp1(), None).name == "xla"
     # Weights in a kernel's layout do not match the rule (made for canonical weights).
-    monkeypatch.setitem(_dispatch._REGISTRY, "mgpu", _fake("mgpu", None))
+    mgpu = dataclasses.replace(_fake("mgpu", None), layouts=("mgpu_int4",))
+    monkeypatch.setitem(_dispatch._REGISTRY, "mgpu", mgpu)
     assert _dispatch.select_backend(_dsv3_tp1(layout="mgpu_int4"), None).name == "mgpu"
+
+
+def test_selection_refuses_a_layout_the_backend_does_not_read(register):
+    """Backend.layouts: a backend (registered ones included) never gets weights in a layout it
+    does not declare; 'xla' reads every layout (it converts back)."""
+    register(_fake("fake_canonical", None))
+    kernel_layout = _moe_problem(layout="mgpu_int4")
+    with pytest.raises(NotImplementedError, match="'mgpu_int4' layout, which this backend does"):
+        _dispatch.select_backend(kernel_layout, "fake_canonical")
+    assert _dispatch.select_backend(kernel_layout, "xla").name == "xla"
+    assert _dispatch.select_backend(_moe_problem(), "fake_canonical").name == "fake_canonical"

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from wna16_jax import _configs, _measured_order, _reference, layouts
+from wna16_jax._types import LAYOUTS
 
 logger = logging.getLogger("wna16_jax")
 
@@ -80,6 +81,8 @@ class Backend:
             when the caller asks for an output dtype other than x's.
         align_unsupported_reason: AlignProblem -> None or why not.
         moe_align_block_size: (topk_ids, *, num_experts, block_m, expert_map) -> AlignedRouting.
+        layouts: the QuantizedExperts layouts its fused_moe reads; selection refuses weights
+            in any other (layout_reason) before asking unsupported_reason.
     """
 
     name: str
@@ -87,6 +90,7 @@ class Backend:
     fused_moe: Callable
     align_unsupported_reason: Callable[[AlignProblem], str | None]
     moe_align_block_size: Callable
+    layouts: tuple[str, ...] = ("canonical",)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -125,14 +129,20 @@ def get_backend(name: str) -> Backend:
 MIN_COMPUTE_CAPABILITY = 8.0
 
 
-def canonical_layout_reason(problem: MoEProblem) -> str | None:
-    """Why a backend that reads the canonical layout cannot run `problem` (None when it can)."""
-    if problem.layout != "canonical":
+def layout_reason(backend: Backend, problem: MoEProblem) -> str | None:
+    """Why `backend` cannot read `problem`'s weight layout (None when it can)."""
+    if problem.layout in backend.layouts:
+        return None
+    if "canonical" in backend.layouts:
         return (
-            f"the weights are in the {problem.layout!r} layout, not the canonical one "
-            f"(wna16_jax.layouts.to_canonical_layout converts back)"
+            f"the weights are in the {problem.layout!r} layout, which this backend does not "
+            f"read (wna16_jax.layouts.to_canonical_layout converts back)"
         )
-    return None
+    want = backend.layouts[0]
+    return (
+        f"reads weights in the {want!r} layout, not {problem.layout!r} (convert once at "
+        f"load: wna16_jax.layouts.to_kernel_layout(qw, {want!r}))"
+    )
 
 
 def cuda_gpu_reason(platform: str, hint: str = "") -> str | None:
@@ -192,7 +202,7 @@ def select_backend(
     for name in candidates:
         backend = get_backend(name)
         if op == "fused_moe":
-            reason = backend.unsupported_reason(problem)
+            reason = layout_reason(backend, problem) or backend.unsupported_reason(problem)
         else:
             reason = backend.align_unsupported_reason(problem)
         if reason is None:
@@ -255,6 +265,7 @@ XLA_BACKEND = Backend(
     fused_moe=_xla_fused_moe,
     align_unsupported_reason=lambda problem: None,
     moe_align_block_size=_reference.moe_align_block_size,
+    layouts=LAYOUTS,  # other layouts convert back to the canonical one (wna16_jax.layouts)
 )
 
 _builtins_loaded = False
