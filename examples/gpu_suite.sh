@@ -18,8 +18,10 @@
 #               (LAYERS: which layer counts, default "8 30"; EP2_TIMEOUT: s per run, 400)
 #   sharded     (2 GPUs) model on GPU 0 alone, then ep2
 #   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
-#   mgpu        the Mosaic GPU GEMM prototype: its tests compiled, then mgpu_probe.py (DeepSeek-V3
-#               TP=1 with zero points at M = 1, 16, 256, 4096; the TP=8 slice at M = 1, 16)
+#   mgpu        the 'mgpu' backend: its tests compiled (MGPU_TESTS=0 skips them), then
+#               mgpu_probe.py on DeepSeek-V3 TP=1 with zero points at M = MGPU_MS (default
+#               "1 16 256 4096") and the TP=8 slice at M = MGPU_TP8_MS (default "1 16"; an empty
+#               list skips a preset); MGPU_SEARCH=1 adds the probe's config search
 # A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
 # LINEARS: the model step's --linear-implementation values (default "xla pallas").
 # TEST_FILES: the tests step's files (default: every kernel test file).
@@ -112,12 +114,19 @@ for step in "${steps[@]}"; do
         OUT=$OUT bash "$0" ep2
         ;;
     mgpu)
-        python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_mgpu_gemm.py 2>&1 |
-            tee "$OUT/mgpu_tests.log" | tail -30
-        python3 examples/mgpu_probe.py --m ${MGPU_MS:-1 16 256 4096} --json "$OUT/mgpu_tp1.json" \
-            2>&1 | tee "$OUT/mgpu_tp1.log"
-        python3 examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 \
-            --json "$OUT/mgpu_tp8.json" 2>&1 | tee "$OUT/mgpu_tp8.log"
+        if [ "${MGPU_TESTS:-1}" = 1 ]; then
+            python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_mgpu_gemm.py 2>&1 |
+                tee "$OUT/mgpu_tests.log" | tail -30
+        fi
+        search=${MGPU_SEARCH:+--search}
+        ms=${MGPU_MS-1 16 256 4096}
+        tp8_ms=${MGPU_TP8_MS-1 16}
+        # shellcheck disable=SC2086  # lists of M
+        [ -n "$ms" ] && python3 examples/mgpu_probe.py --m $ms $search \
+            --json "$OUT/mgpu_tp1.json" 2>&1 | tee "$OUT/mgpu_tp1.log"
+        # shellcheck disable=SC2086
+        [ -n "$tp8_ms" ] && python3 examples/mgpu_probe.py --preset deepseek-v3-tp8 \
+            --m $tp8_ms $search --json "$OUT/mgpu_tp8.json" 2>&1 | tee "$OUT/mgpu_tp8.log"
         ;;
     triton)
         bash examples/gpu_triton.sh 2>&1 | tee "$OUT/triton.log" | tail -40

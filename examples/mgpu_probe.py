@@ -4,9 +4,9 @@ against the 'pallas' backend on the benchmark's workload, in one run on one GPU.
 For each M it times `fused_moe(..., implementation="pallas")` (the package's configs) and
 `implementation="mgpu"` (its default config) on the same weights, the latter converted once to
 the mgpu_int4 layout (not timed); with --search also every candidate (block_m, block_k,
-stages); then GEMM1 and GEMM2 alone at the best config. Same timing method as benchmark.py
-(jitted loop over 4 rotated input sets, median of repeats). A candidate that fails to compile
-is reported with its error and skipped.
+stages, consumer warpgroups, K splits); then GEMM1 and GEMM2 alone at the best config. Same
+timing method as benchmark.py (jitted loop over 4 rotated input sets, median of repeats). A
+candidate that fails to compile is reported with its error and skipped.
 
     python examples/mgpu_probe.py --m 1 16 256 4096 --json out/mgpu.json
     python examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 --no-zp
@@ -36,26 +36,28 @@ import wna16_jax as wj  # noqa: E402
 from pallas_kernels import mgpu_fused_moe  # noqa: E402
 from pallas_kernels.fused_moe import align  # noqa: E402
 from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
-from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm  # noqa: E402
 
 
 def candidates(m: int, top_k: int, num_experts: int, group: int) -> list[MgpuConfig]:
-    """Configs to try: block_m around the mean rows per expert, block_k dividing the group."""
+    """Configs to try: block_m around the mean rows per expert; no warp specialization or a
+    producer with 1-2 consumer warpgroups; K splits for few rows. block_k is the largest of
+    128/64 dividing the group (64 lost to 128 at every M in session 4), 4 stages (2 changed
+    nothing) except where 4 would not fit in shared memory."""
     rows = m * top_k / num_experts
+    bk = 128 if group % 128 == 0 else 64
     if rows <= 1:
-        bms = [8]
+        bms, variants = [8], [(0, 1), (0, 4), (0, 8), (1, 4), (2, 1), (2, 4), (2, 8)]
     elif rows <= 4:
-        bms = [8, 16]
-    elif rows <= 16:
-        bms = [8, 16, 32]
+        bms, variants = [8, 16], [(0, 1), (0, 4), (2, 1), (2, 4)]
     elif rows <= 64:
-        bms = [32, 64]
+        bms, variants = [16, 32], [(0, 1), (1, 1), (2, 1), (2, 2)]
     else:
-        bms = [64, 128]
-    bks = [bk for bk in (128, 64) if group % bk == 0]
-    # block_k 64 measured slower than 128 at every M (session 4): one stage count for it.
-    stages = {128: (4, 2), 64: (2,)}
-    return [MgpuConfig(bm, bk, st) for bm in bms for bk in bks for st in stages[bk]]
+        bms, variants = [64, 128], [(0, 1), (1, 1), (2, 1)]
+    return [
+        MgpuConfig(bm, bk, 3 if bm * bk > 64 * 128 and c == 2 else 4, c, s)
+        for bm in bms
+        for c, s in variants
+    ]
 
 
 def main(argv=None) -> int:
@@ -67,7 +69,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--search",
         action="store_true",
-        help="also time candidate configs (block_m, block_k, stages) besides the default",
+        help="also time candidate configs (block_m, block_k, stages, consumers, splits) besides "
+        "the default",
     )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
                 t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), **timing)
             except Exception as err:  # report, go on
                 msg = str(err).strip().splitlines()
-                print(f"M={m:<5} mgpu layer     {astuple(cfg)!s:<18} FAILED "
+                print(f"M={m:<5} mgpu layer     {astuple(cfg)!s:<22} FAILED "
                       f"({time.perf_counter() - t0:.0f} s): {msg[:1]} ... {msg[-3:]}",
                       flush=True)  # fmt: skip
                 rows.append(dict(M=m, what="mgpu layer", config=astuple(cfg), error="\n".join(msg)))
@@ -141,16 +144,14 @@ def main(argv=None) -> int:
         routing = align(
             idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
         )
-        x_rows = mgpu_fused_moe.rows_in_block_order(xs[0], routing.sorted_token_ids, top_k)
+        slots, block_experts = mgpu_fused_moe.used_blocks(routing, m * top_k, cfg.block_m)
+        x_rows = mgpu_fused_moe.rows_in_block_order(xs[0], slots, top_k)
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
-        gemm = functools.partial(
-            mgpu_wna16_gemm, block_m=cfg.block_m, block_k=cfg.block_k,
-            max_concurrent_steps=cfg.stages, out_dtype=jnp.float32, interpret=interpret,
-        )  # fmt: skip
+        gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
         for what, w, a in (("mgpu GEMM1", w13p, x_rows), ("mgpu GEMM2", w2p, act_rows)):
             t, _ = benchmark.time_loop(
                 lambda w, a, ex, gemm=gemm: gemm(a, w, ex),
-                [(a, routing.expert_ids)],
+                [(a, block_experts)],
                 consts=(w,),
                 **timing,
             )
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
 def _record(rows, keys, wbytes, copy_bps, what, config, seconds):
     rows.append(dict(keys, what=what, config=config, seconds=seconds, weight_bytes=wbytes))
     pct = wbytes / seconds / copy_bps * 100
-    print(f"M={keys['M']:<5} {what:<14} {config!s:<18} {seconds * 1e6:10.1f} us "
+    print(f"M={keys['M']:<5} {what:<14} {config!s:<22} {seconds * 1e6:10.1f} us "
           f"({pct:5.1f}% of copy for the layer's weights)", flush=True)  # fmt: skip
 
 

@@ -23,11 +23,15 @@ from wna16_jax._types import BlockConfig, QuantizedExperts
 
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
-    """Rows per block (wgmma N, 8..256), k-tile (divides the group) and pipelined k-steps."""
+    """Rows per block (wgmma N, 8..256), k-tile (divides the group), pipelined k-steps,
+    consumer warpgroups (0: no warp specialization; 1 or 2 with a producer warpgroup) and the
+    most K splits (each GEMM takes the largest divisor of its k-step count up to it)."""
 
     block_m: int
     block_k: int = 128
     stages: int = 4
+    consumers: int = 0
+    splits: int = 1
 
 
 def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
@@ -39,14 +43,48 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
 
 
 def from_block_config(config: BlockConfig) -> MgpuConfig:
-    """A BlockConfig's block_m, block_k and num_stages (its other fields do not apply)."""
-    return MgpuConfig(config.block_m, config.block_k, config.num_stages)
+    """A BlockConfig's block_m, block_k, num_stages and split_k (its other fields do not
+    apply)."""
+    return MgpuConfig(config.block_m, config.block_k, config.num_stages, splits=config.split_k)
 
 
 def rows_in_block_order(x, slots, top_k: int):
     """x's row of each aligned slot ([P, H]; padding slots, ids >= T*k, get zero rows)."""
     placed = slots < x.shape[0] * top_k
     return jnp.where(placed[:, None], x[jnp.where(placed, slots // top_k, 0)], 0).astype(x.dtype)
+
+
+def used_blocks(routing, num_slots: int, block_m: int):
+    """The aligned slots [B*block_m] and block experts [B] of the B = min(blocks, num_slots)
+    leading blocks: every block holding a slot is among them (each holds at least one slot and
+    the runs are packed from the start, DESIGN.md), so the GEMMs skip the trailing empty ones
+    (at T=1, top-8, E=256, block_m=8: 8 of 225 blocks)."""
+    blocks = min(routing.expert_ids.shape[0], num_slots)
+    return routing.sorted_token_ids[: blocks * block_m], routing.expert_ids[:blocks]
+
+
+def block_gemm(cfg: MgpuConfig, interpret: bool):
+    """gemm(rows, w, block_experts) -> [P, N] f32: the Mosaic GPU GEMM at cfg, K-split
+    partial products summed."""
+
+    def gemm(rows, w, block_experts):
+        steps = w.shape[2] // cfg.block_k
+        splits = max(d for d in range(1, min(cfg.splits, steps) + 1) if steps % d == 0)
+        out = mgpu_wna16_gemm(
+            rows,
+            w,
+            block_experts,
+            block_m=cfg.block_m,
+            block_k=cfg.block_k,
+            max_concurrent_steps=cfg.stages,
+            consumers=cfg.consumers,
+            splits=splits,
+            out_dtype=jnp.float32,
+            interpret=interpret,
+        )
+        return out.sum(axis=0) if splits > 1 else out
+
+    return gemm
 
 
 def _chunk(x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret):
@@ -60,21 +98,15 @@ def _chunk(x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, i
         expert_map=expert_map,
         interpret=interpret,
     )
-    slots = routing.sorted_token_ids  # [P]: t*k + j, or the sentinel t*k for padding
+    # slots: t*k + j, or the sentinel t*k for padding
+    slots, block_experts = used_blocks(routing, t * k, cfg.block_m)
     x_rows = rows_in_block_order(x, slots, k)
-    gemm = functools.partial(
-        mgpu_wna16_gemm,
-        block_experts=routing.expert_ids,
-        block_m=cfg.block_m,
-        block_k=cfg.block_k,
-        max_concurrent_steps=cfg.stages,
-        interpret=interpret,
-    )
+    gemm = block_gemm(cfg, interpret)
     # f32 GEMM outputs: the activation and the top-k sum see unrounded sums, as in the
     # reference (only the activation is rounded to x's dtype between the GEMMs).
-    h = gemm(x_rows, w13, out_dtype=jnp.float32)  # [P, 2I]
+    h = gemm(x_rows, w13, block_experts)  # [P, 2I]
     act = _reference.silu_and_mul(h).astype(x.dtype)  # [P, I]
-    y = gemm(act, w2, out_dtype=jnp.float32)  # [P, H]; off-shard blocks (expert -1) are zeros
+    y = gemm(act, w2, block_experts)  # [P, H]; off-shard blocks (expert -1) are zeros
     # Each slot's row in block order (padding points past the end and is dropped; a slot the
     # alignment dropped, id out of range, keeps position 0 and is masked below).
     position = jnp.zeros(t * k, jnp.int32)

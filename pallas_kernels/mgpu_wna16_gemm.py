@@ -34,7 +34,15 @@ from wna16_jax._types import QuantizedExperts
 BLOCK_N = 64
 
 
-def check_config(w: QuantizedExperts, x_rows, *, block_m: int, block_k: int) -> None:
+def check_config(
+    w: QuantizedExperts,
+    x_rows,
+    *,
+    block_m: int,
+    block_k: int,
+    consumers: int = 0,
+    splits: int = 1,
+) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
     if w.layout != "mgpu_int4":
@@ -52,12 +60,16 @@ def check_config(w: QuantizedExperts, x_rows, *, block_m: int, block_k: int) -> 
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
     if p % block_m:
         raise ValueError(f"{p} rows are not whole blocks of {block_m}")
-    if n % BLOCK_N:
-        raise ValueError(f"N={n} must be a multiple of {BLOCK_N}")
+    if consumers not in (0, 1, 2):
+        raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
+    if n % (BLOCK_N * max(consumers, 1)):
+        raise ValueError(f"N={n} must be a multiple of {BLOCK_N * max(consumers, 1)}")
     if block_k % 64 or k % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 64 dividing K={k}")
     if w.group % block_k:
         raise ValueError(f"block_k={block_k} must divide the group ({w.group}): one scale/k-tile")
+    if splits < 1 or (k // block_k) % splits:
+        raise ValueError(f"splits={splits} must divide the {k // block_k} k-steps")
 
 
 def _swizzled(shape, dtype, what: str):
@@ -75,6 +87,8 @@ def _swizzled(shape, dtype, what: str):
         "block_m",
         "block_k",
         "max_concurrent_steps",
+        "consumers",
+        "splits",
         "out_dtype",
         "interpret",
     ),  # fmt: skip
@@ -87,26 +101,37 @@ def mgpu_wna16_gemm(
     block_m: int,
     block_k: int = 128,
     max_concurrent_steps: int = 4,
+    consumers: int = 0,
+    splits: int = 1,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
-    [P, N].
+    [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed.
+
+    consumers=0: one warpgroup per program issues the copies and does the math on 64 features
+    (`plgpu.emit_pipeline`). consumers=1 or 2: warp specialization
+    (`plgpu.emit_pipeline_warp_specialized`), a producer warpgroup issues the copies and each
+    consumer warpgroup does the math on its own 64 features of the program's tile, sharing the
+    rows' tile. splits > 1: each program takes one of `splits` equal runs of k-steps (more
+    programs for few rows).
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    check_config(w, x_rows, block_m=block_m, block_k=block_k)
+    check_config(w, x_rows, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits)
     _, n, k = w.shape
     p = x_rows.shape[0]
     dtype = x_rows.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
+    wgs = max(consumers, 1)  # warpgroups doing math, each on BLOCK_N features
     bm, bn, bk = block_m, BLOCK_N, block_k
+    tile_n = bn * wgs  # features per program
     tiles_per_group = w.group // bk
     has_offset = w.zeros is not None
-    steps = k // bk
+    steps = k // bk // splits
     wgmma = plgpu.Layout.WGMMA
     row = plgpu.Layout.WGMMA.reduce(1)
 
@@ -118,81 +143,124 @@ def mgpu_wna16_gemm(
         a_smem = a_smem[0] if a_smem else None
         ni = lax.axis_index("n")
         bi = lax.axis_index("b")
+        first_step = lax.axis_index("s") * steps if splits > 1 else 0
+        wg = lax.axis_index("wg") if consumers else 0
         expert = experts_gmem[bi]
+        features = pl.ds(wg * bn, bn) if consumers > 1 else slice(None)
+        out_tile = o_gmem.at[lax.axis_index("s")] if splits > 1 else o_gmem
+        out_tile = out_tile.at[pl.ds(bi * bm, bm), pl.ds(ni * tile_n + wg * bn, bn)]
+
+        def store(value):
+            # This warpgroup's [bm, bn] output tile.
+            o_smem.at[wg].T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_tile)
+            plgpu.wait_smem_to_gmem(0)
+
+        def dequantized_tile(q_smem, z_smem):
+            # q - 8 (and + 8 - z) are small integers: exact in bf16.
+            wt = plgpu.load(q_smem.at[features], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            wt = plgpu.layout_cast(wt, wgmma).astype(dtype)
+            if z_smem:
+                z = plgpu.load(z_smem[0].at[0, features], layout=row)
+                wt = wt + lax.broadcast_in_dim(z, wt.shape, [0])
+            return wt
+
+        def a_operand(wt):
+            if interpret:  # the interpreter's wgmma takes A from shared memory only
+                a_smem.at[wg][...] = wt
+                return a_smem.at[wg]
+            return wt
+
+        def step(_, q_smem, x_smem, s_smem, *rest):
+            # Each k-tile's products are exact in its f32 sum; the group scale multiplies
+            # the sum.
+            *z_smem, acc = rest
+            wt = a_operand(dequantized_tile(q_smem, z_smem))
+
+            def tile_product(part_ref):
+                plgpu.wgmma(part_ref, wt, x_smem.T)
+                return part_ref[...]
+
+            part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
+            scale = plgpu.load(s_smem.at[0, features], layout=row).astype(jnp.float32)
+            return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+
+        group_row = lambda kk: ((first_step + kk) // tiles_per_group, ni)  # noqa: E731
+        in_specs = [
+            plgpu.BlockSpec(
+                (tile_n, bk),
+                lambda kk: (ni, first_step + kk),
+                transforms=_swizzled((tile_n, bk), jnp.int4, "w"),
+            ),
+            plgpu.BlockSpec(
+                (bm, bk),
+                lambda kk: (bi, first_step + kk),
+                transforms=_swizzled((bm, bk), dtype, "x"),
+            ),
+            plgpu.BlockSpec((1, tile_n), group_row),
+        ]
+        if has_offset:
+            in_specs.append(plgpu.BlockSpec((1, tile_n), group_row))
+        stages = min(max_concurrent_steps, steps)
+
+        def operands():
+            ops = [q_gmem.at[expert], x_gmem, s_gmem.at[expert]]
+            return ops + [z_gmem.at[expert]] if has_offset else ops
+
+        def zero_acc():
+            return plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
 
         @pl.when(expert >= 0)
         def _matmul():
-            def dequantized_tile(q_smem, z_smem):
-                # q - 8 (and + 8 - z) are small integers: exact in bf16.
-                wt = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                wt = plgpu.layout_cast(wt, wgmma).astype(dtype)
-                if z_smem:
-                    z = plgpu.load(z_smem[0].at[0], layout=row)
-                    wt = wt + lax.broadcast_in_dim(z, wt.shape, [0])
-                return wt
+            if not consumers:
+                acc = plgpu.emit_pipeline(
+                    step,
+                    grid=(steps,),
+                    in_specs=in_specs,
+                    max_concurrent_steps=stages,
+                    init_carry=zero_acc(),
+                )(*operands())
+                store(acc.astype(out_dtype))
+                return
 
-            def a_operand(wt):
-                if interpret:  # the interpreter's wgmma takes A from shared memory only
-                    a_smem[...] = wt
-                    return a_smem
-                return wt
+            def compute(run_pipeline):  # the consumer warpgroups' prologue and epilogue
+                store(run_pipeline(zero_acc()).astype(out_dtype))
 
-            def step(_, q_smem, x_smem, s_smem, *rest):
-                # Each k-tile's products are exact in its f32 sum; the group scale multiplies
-                # the sum.
-                *z_smem, acc = rest
-                wt = a_operand(dequantized_tile(q_smem, z_smem))
-
-                def tile_product(part_ref):
-                    plgpu.wgmma(part_ref, wt, x_smem.T)
-                    return part_ref[...]
-
-                part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
-                scale = plgpu.load(s_smem.at[0], layout=row).astype(jnp.float32)
-                return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
-
-            group_row = lambda kk: (kk // tiles_per_group, ni)  # noqa: E731
-            in_specs = [
-                plgpu.BlockSpec(
-                    (bn, bk), lambda kk: (ni, kk), transforms=_swizzled((bn, bk), jnp.int4, "w")
-                ),
-                plgpu.BlockSpec(
-                    (bm, bk), lambda kk: (bi, kk), transforms=_swizzled((bm, bk), dtype, "x")
-                ),
-                plgpu.BlockSpec((1, bn), group_row),
-            ]
-            operands = [q_gmem.at[expert], x_gmem, s_gmem.at[expert]]
-            if has_offset:
-                in_specs.append(plgpu.BlockSpec((1, bn), group_row))
-                operands.append(z_gmem.at[expert])
-            zeros = plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
-            acc = plgpu.emit_pipeline(
+            plgpu.emit_pipeline_warp_specialized(
                 step,
                 grid=(steps,),
+                memory_registers=40,
                 in_specs=in_specs,
-                max_concurrent_steps=min(max_concurrent_steps, steps),
-                init_carry=zeros,
-            )(*operands)
-            o_smem.T[...] = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                max_concurrent_steps=stages,
+                wg_axis="wg",
+                num_compute_wgs=consumers,
+                compute_context=compute,
+            )(*operands())
 
-        @pl.when(expert < 0)
+        @pl.when((expert < 0) & (wg < wgs))
         def _zeros():
-            o_smem[...] = jnp.zeros((bm, bn), out_dtype)
-
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(bi * bm, bm), pl.ds(ni * bn, bn)])
-        plgpu.wait_smem_to_gmem(0)
+            store(plgpu.layout_cast(jnp.full((bn, bm), 0, out_dtype), wgmma))
 
     operands = [block_experts.astype(jnp.int32), x_rows, w.qweight, w.scales]
     if has_offset:
         operands.append(w.zeros)
+    out_shape = (splits, p, n) if splits > 1 else (p, n)
+    scratch = [plgpu.SMEM((wgs, bm, bn), out_dtype)]
+    if interpret:
+        scratch.append(plgpu.SMEM((wgs, bn, bk), dtype))
+    grid, names = (n // tile_n, p // bm), ("n", "b")
+    if splits > 1:
+        grid, names = grid + (splits,), names + ("s",)
+    threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((p, n), out_dtype),
-        scratch_types=[plgpu.SMEM((bm, bn), out_dtype)] + [plgpu.SMEM((bn, bk), dtype)] * interpret,
-        grid=(n // bn, p // bm),
-        grid_names=("n", "b"),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=names,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **threads,
     )
     return call(*operands)

@@ -57,7 +57,9 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
     return out
 
 
-def run_gemm_case(rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks):
+def run_gemm_case(
+    rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1
+):
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
@@ -67,9 +69,16 @@ def run_gemm_case(rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks)
         jnp.asarray(block_experts),
         block_m=block_m,
         block_k=block_k,
+        consumers=consumers,
+        splits=splits,
+        # K-split partial products are summed here: f32, so that only the sum is rounded.
+        out_dtype=jnp.float32 if splits > 1 else None,
         interpret=INTERPRET,
     )
     ref = numpy_block_gemm(x_rows, helpers.numpy_dequantize(qw), block_experts, block_m)
+    if splits > 1:
+        assert out.shape == (splits, *ref.shape)
+        out = out.sum(axis=0).astype(BF16)
     out = np.asarray(out, np.float64)
     empty = np.repeat(block_experts < 0, block_m)
     assert np.all(out[empty] == 0), "rows of expert -1 blocks must be zeros"
@@ -91,14 +100,30 @@ def test_gemm_matches_numpy(rng, has_zp, block_m, block_k, group_size):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "consumers,splits,block_m", [(1, 1, 16), (2, 1, 8), (0, 2, 16), (2, 4, 32)], ids=str
+)
+def test_gemm_warp_specialized_and_split_k(rng, has_zp, consumers, splits, block_m):
+    """A producer warpgroup feeding 1 or 2 consumer warpgroups (each its own 64 features of
+    the program's tile), and K split over programs (partial products, summed)."""
+    run_gemm_case(
+        rng, e=3, n=256, k=512, group_size=128, has_zp=has_zp, block_m=block_m, block_k=128,
+        blocks=[1, -1, 0, 2, 1], consumers=consumers, splits=splits,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-@pytest.mark.parametrize("block_m", [8, 64, 128])
-def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m):
+@pytest.mark.parametrize(
+    "block_m,consumers,splits", [(8, 0, 1), (64, 0, 1), (128, 0, 1), (8, 2, 8), (64, 2, 1),
+                                 (128, 2, 1), (16, 1, 7)], ids=str,
+)  # fmt: skip
+def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits):
     """GEMM1 of DeepSeek-V3 TP=1 (N=4096, K=7168, G=128) on 16 experts, compiled."""
     run_gemm_case(
         rng, e=16, n=4096, k=7168, group_size=128, has_zp=has_zp, block_m=block_m,
-        block_k=128, blocks=[3, 15, -1, 0, 7],
+        block_k=128, blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits,
     )  # fmt: skip
 
 
@@ -106,8 +131,18 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-@pytest.mark.parametrize("t,block_m", [(1, 8), (5, 16), (9, None)])
-def test_fused_moe_matches_numpy(rng, has_zp, t, block_m):
+@pytest.mark.parametrize(
+    "t,config",
+    [
+        (1, wj.BlockConfig(block_m=8, block_k=64)),
+        (5, wj.BlockConfig(block_m=16, block_k=64)),
+        (9, None),
+        (7, MgpuConfig(block_m=8, block_k=64, consumers=2, splits=2)),
+        (3, MgpuConfig(block_m=16, block_k=64, stages=2, consumers=1, splits=4)),
+    ],
+    ids=str,
+)
+def test_fused_moe_matches_numpy(rng, has_zp, t, config):
     e, top_k, h, i = 8, 2, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
@@ -120,7 +155,7 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, block_m):
         jnp.asarray(topk_weights),
         jnp.asarray(topk_ids),
         implementation=IMPLEMENTATION,
-        config=None if block_m is None else wj.BlockConfig(block_m=block_m, block_k=64),
+        config=config,
     )
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64),
@@ -167,6 +202,23 @@ def test_fused_moe_expert_map_and_dropped_slots(rng):
         np.asarray(topk_weights, np.float64), topk_ids, expert_map=expert_map,
     )  # fmt: skip
     helpers.assert_close(out, ref, BF16, "fused_moe with expert_map")
+
+
+@pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 256, 8), (16, 8, 256, 16), (40, 2, 4, 8)])
+def test_used_blocks_hold_every_slot(rng, t, k, e, block_m):
+    """The layer runs only the leading min(blocks, T*k) blocks: the alignment packs every
+    expert's run from the start and gives an expert without slots no block, so every slot
+    lands there, and every block after them is empty (expert -1, sentinel slots)."""
+    _, ids = helpers.random_routing(rng, t, k, e)
+    routing = wj.moe_align_block_size(
+        jnp.asarray(ids), num_experts=e, block_m=block_m, implementation="xla"
+    )
+    slots, experts = mgpu_fused_moe.used_blocks(routing, t * k, block_m)
+    assert experts.shape[0] == min(routing.expert_ids.shape[0], t * k)
+    assert sorted(int(v) for v in slots if v < t * k) == list(range(t * k))
+    rest = np.asarray(routing.sorted_token_ids)[slots.shape[0] :]
+    assert np.all(rest == t * k)
+    assert np.all(np.asarray(routing.expert_ids)[experts.shape[0] :] == -1)
 
 
 def test_xla_reads_the_layout_exactly(rng):
@@ -252,6 +304,9 @@ def test_layout_dequantizes_to_the_canonical_weights(rng):
         (dict(block_m=12, block_k=128), "multiple of 8"),
         (dict(block_m=16, block_k=96), "block_k=96"),
         (dict(block_m=16, block_k=256), "divide the group"),
+        (dict(block_m=16, block_k=64, consumers=3), "consumers=3"),
+        (dict(block_m=16, block_k=64, consumers=2), "multiple of 128"),
+        (dict(block_m=16, block_k=64, splits=3), "splits=3"),
     ],
 )
 def test_bad_configs_are_refused(rng, kwargs, match):
