@@ -12,10 +12,11 @@
 #               roofline), the TP=8 slice
 #   int8        benchmark.py: W8A8 vs W8A16 (per-channel int8) at M = 1, 256, 4096
 #   w8a16       benchmark.py: W8A16 (per-channel int8) at M = 1, 256, 4096 (int8 runs it too)
-#   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (pallas experts), the
+#   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (EXPERTS, default pallas), the
 #               quantized linears on xla and on the Pallas GEMM (each model built once)
 #   ep2         (2 GPUs) 8 layers at EP=2, batch 1, 8, 64; 30 layers at EP=2, batch 1, 8
-#               (LAYERS: which layer counts, default "8 30"; EP2_TIMEOUT: s per run, 400)
+#               (LAYERS: which layer counts, default "8 30"; EP2_TIMEOUT: s per run, 400;
+#               EXPERTS: the experts' --implementation, default pallas, e.g. mgpu)
 #   sharded     (2 GPUs) model on GPU 0 alone, then ep2
 #   triton      the triton backend's GPU tests and the pallas/triton benchmark side by side
 #   mgpu        the 'mgpu' backend: its tests compiled (MGPU_TESTS=0 skips them), then
@@ -94,7 +95,7 @@ for step in "${steps[@]}"; do
     model) # one GPU, 8 layers; the linears dequantize + dot (xla) or run the Pallas GEMM, A/B
         for lin in ${LINEARS:-xla pallas}; do
             timeout 300 python3 examples/generate.py --full-width-layers 8 \
-                --implementation pallas --linear-implementation $lin --batch-size 1 8 64 \
+                --implementation ${EXPERTS:-pallas} --linear-implementation $lin --batch-size 1 8 64 \
                 --max-new-tokens 32 2>&1 | tee "$OUT/generate_1gpu_$lin.log" |
                 grep -E "===|decode|speed|backend"
         done
@@ -105,7 +106,7 @@ for step in "${steps[@]}"; do
             [ "$layers" -gt 8 ] && batches="1 8"  # too large for one GPU: that it runs, and how fast
             # shellcheck disable=SC2086
             timeout ${EP2_TIMEOUT:-400} python3 examples/generate.py --full-width-layers $layers --mesh expert=2 \
-                --implementation pallas --batch-size $batches --max-new-tokens 32 2>&1 |
+                --implementation ${EXPERTS:-pallas} --batch-size $batches --max-new-tokens 32 2>&1 |
                 tee "$OUT/generate_ep2_${layers}layers.log" | grep -E "===|decode|speed|mesh|model"
         done
         ;;

@@ -35,11 +35,17 @@ class MgpuConfig:
 
 
 def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
-    """block_m near the mean rows per expert, from the H200 figures of session 4 (8 rows won
-    at M=1 and 16, 16 rows at M=256, 64 rows at M=4096; block_k 128 beat 64 everywhere)."""
+    """block_m near the mean rows per expert, from the H200 figures of sessions 4 and 5 (8 rows
+    won at M=1 and 16, 16 rows at M=256, 64 rows at M=4096; block_k 128 beat 64 everywhere).
+    Two consumer warpgroups with 64-row blocks (M=4096: 12.5 vs 16.7 ms); no warp
+    specialization or K split for smaller blocks (each lost at M=1, 16 and 256)."""
     rows = num_slots / num_experts
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
-    return MgpuConfig(block_m=block_m, block_k=128 if group % 128 == 0 else 64)
+    return MgpuConfig(
+        block_m=block_m,
+        block_k=128 if group % 128 == 0 else 64,
+        consumers=2 if block_m == 64 else 0,
+    )
 
 
 def from_block_config(config: BlockConfig) -> MgpuConfig:

@@ -273,6 +273,30 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
     helpers.assert_close(out, np.asarray(ref, np.float64), BF16, "DeepSeek-V3 layer")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,dispatch", [("replicated", None), ("all_to_all", "all_gather"),
+                                           ("all_to_all", "ragged")])  # fmt: skip
+def test_fused_moe_expert_parallel_gpu(rng, mode, dispatch):
+    """'mgpu' inside shard_map: two expert shards of mgpu_int4 weights (one per GPU), each
+    shard's layer compiled for its GPU, against unsharded 'xla' on the canonical weights."""
+    from wna16_jax import sharding as sh
+
+    devices = helpers.require_devices(2)[:2]
+    e, top_k, t, h, i = 16, 4, 34, 512, 256
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 128, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 128, True, BF16)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
+    mesh = jax.make_mesh((2,), ("e",), devices=devices)
+    w13s = sh.shard_experts(prepare_weights(w13), mesh, "e")
+    w2s = sh.shard_experts(prepare_weights(w2), mesh, "e")
+    f = jax.jit(functools.partial(sh.fused_moe_ep, mesh=mesh, expert_axis="e", mode=mode,
+                                  dispatch=dispatch, implementation="mgpu"))  # fmt: skip
+    out = f(x, w13s, w2s, tw, ids)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
+    helpers.assert_close(out, np.asarray(ref, np.float64), BF16, f"EP=2 {mode} {dispatch}")
+
+
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 def test_layout_round_trip_is_lossless(rng, has_zp):
     qw = helpers.random_quantized_experts(rng, 3, 64, 256, 4, 64, has_zp, BF16)
@@ -330,11 +354,12 @@ def test_gemm_refuses_the_canonical_layout(rng):
 
 
 @pytest.mark.parametrize(
-    "m,block_m", [(1, 8), (16, 8), (256, 16), (4096, 64)], ids=lambda v: str(v)
+    "m,block_m,consumers", [(1, 8, 0), (16, 8, 0), (256, 16, 0), (4096, 64, 2)], ids=str
 )
-def test_default_config_follows_the_h200_figures(m, block_m):
-    """DeepSeek-V3 (top-8 of 256): the block_m that won at each M in session 4's probe."""
-    assert default_config(m * 8, 256, 128) == MgpuConfig(block_m, 128, 4)
+def test_default_config_follows_the_h200_figures(m, block_m, consumers):
+    """DeepSeek-V3 (top-8 of 256): the block_m and warp specialization that won at each M in
+    the probe (sessions 4 and 5)."""
+    assert default_config(m * 8, 256, 128) == MgpuConfig(block_m, 128, 4, consumers)
     assert default_config(m * 8, 256, 64).block_k == 64
 
 
