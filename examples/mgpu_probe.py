@@ -47,13 +47,13 @@ def candidates(m: int, top_k: int, num_experts: int, group: int) -> list[MgpuCon
     bk = 128 if group % 128 == 0 else 64
     # (stages, consumers, splits) per block_m
     if rows <= 1:
-        bms, variants = [8], [(4, 0, 1), (8, 0, 1), (4, 0, 2), (8, 2, 1), (6, 1, 1)]
+        bms, variants = [8], [(4, 0, 1), (4, 0, 2), (4, 0, 4), (4, 0, 8), (8, 2, 1)]
     elif rows <= 4:
-        bms, variants = [8, 16], [(4, 0, 1), (8, 0, 1), (8, 2, 1)]
+        bms, variants = [8, 16], [(4, 0, 1), (4, 0, 2), (8, 2, 1)]
     elif rows <= 64:
-        bms, variants = [16, 32, 64], [(4, 0, 1), (6, 0, 1), (4, 2, 1)]
+        bms, variants = [16, 32, 64], [(4, 0, 1), (4, 2, 1)]
     else:
-        bms, variants = [64, 128], [(4, 0, 1), (4, 2, 1), (6, 2, 1)]
+        bms, variants = [64, 128], [(4, 0, 1), (4, 2, 1)]
     configs = (
         MgpuConfig(bm, bk, 3 if bm * bk > 64 * 128 and c == 2 else st, c, s)
         for bm in bms

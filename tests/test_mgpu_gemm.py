@@ -274,11 +274,20 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,dispatch", [("replicated", None), ("all_to_all", "all_gather"),
-                                           ("all_to_all", "ragged")])  # fmt: skip
-def test_fused_moe_expert_parallel_gpu(rng, mode, dispatch):
+@pytest.mark.parametrize(
+    "mode,dispatch,implementation",
+    [
+        ("replicated", None, "mgpu"),
+        ("all_to_all", "all_gather", "mgpu"),
+        ("all_to_all", "ragged", "mgpu"),
+        ("all_to_all", "ragged", "xla"),
+    ],
+)
+def test_fused_moe_expert_parallel_gpu(rng, mode, dispatch, implementation):
     """'mgpu' inside shard_map: two expert shards of mgpu_int4 weights (one per GPU), each
-    shard's layer compiled for its GPU, against unsharded 'xla' on the canonical weights."""
+    shard's layer compiled for its GPU, against unsharded 'xla' on the canonical weights. The
+    ragged dispatch also with 'xla' shards: it is the only run of the real
+    jax.lax.ragged_all_to_all (CPU tests emulate it)."""
     from wna16_jax import sharding as sh
 
     devices = helpers.require_devices(2)[:2]
@@ -288,13 +297,18 @@ def test_fused_moe_expert_parallel_gpu(rng, mode, dispatch):
     x = jnp.asarray(rng.standard_normal((t, h)), BF16)
     tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
     mesh = jax.make_mesh((2,), ("e",), devices=devices)
-    w13s = sh.shard_experts(prepare_weights(w13), mesh, "e")
-    w2s = sh.shard_experts(prepare_weights(w2), mesh, "e")
+    convert = prepare_weights if implementation == "mgpu" else lambda w: w
+    w13s = sh.shard_experts(convert(w13), mesh, "e")
+    w2s = sh.shard_experts(convert(w2), mesh, "e")
     f = jax.jit(functools.partial(sh.fused_moe_ep, mesh=mesh, expert_axis="e", mode=mode,
-                                  dispatch=dispatch, implementation="mgpu"))  # fmt: skip
-    out = f(x, w13s, w2s, tw, ids)
-    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
-    helpers.assert_close(out, np.asarray(ref, np.float64), BF16, f"EP=2 {mode} {dispatch}")
+                                  dispatch=dispatch, implementation=implementation))  # fmt: skip
+    out = np.asarray(f(x, w13s, w2s, tw, ids), np.float64)
+    ref = np.asarray(wj.fused_moe(x, w13, w2, tw, ids, implementation="xla"), np.float64)
+    bad = np.flatnonzero(~np.isclose(out, ref, rtol=0.05, atol=0.05).all(axis=1))
+    assert not len(bad), f"tokens {bad.tolist()} differ; max |diff| per token " + str(
+        np.abs(out - ref).max(axis=1)[bad].round(3).tolist()
+    )
+    helpers.assert_close(out, ref, BF16, f"EP=2 {mode} {dispatch}")
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
@@ -361,6 +375,15 @@ def test_default_config_follows_the_h200_figures(m, block_m, consumers):
     the probe (sessions 4 and 5)."""
     assert default_config(m * 8, 256, 128) == MgpuConfig(block_m, 128, 4, consumers)
     assert default_config(m * 8, 256, 64).block_k == 64
+
+
+@pytest.mark.parametrize(
+    "programs,splits", [(64, 5), (512, 1), (896, 1), (264, 1), (263, 2), (1, 8)], ids=str
+)
+def test_auto_splits(programs, splits):
+    """Splits until each of 132 SMs has 2 programs, at most 8 (the GEMM then takes the largest
+    divisor of its k-step count up to it: 4 of 56 for DeepSeek-V3 TP=8 GEMM1 at M=1)."""
+    assert mgpu_fused_moe.auto_splits(programs, 132) == splits
 
 
 @pytest.mark.parametrize("layout", ["canonical", "mgpu_int4"])
