@@ -280,6 +280,7 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
         ("replicated", None, "mgpu"),
         ("all_to_all", "all_gather", "mgpu"),
         ("all_to_all", "ragged", "mgpu"),
+        ("all_to_all", "ragged", "mgpu-no-split"),
         ("all_to_all", "ragged", "xla"),
     ],
 )
@@ -287,8 +288,12 @@ def test_fused_moe_expert_parallel_gpu(rng, mode, dispatch, implementation):
     """'mgpu' inside shard_map: two expert shards of mgpu_int4 weights (one per GPU), each
     shard's layer compiled for its GPU, against unsharded 'xla' on the canonical weights. The
     ragged dispatch also with 'xla' shards: it is the only run of the real
-    jax.lax.ragged_all_to_all (CPU tests emulate it)."""
+    jax.lax.ragged_all_to_all (CPU tests emulate it). 'mgpu-no-split': 'mgpu' without K splits
+    (the case failed once in session 5, before splits were chosen by default)."""
     from wna16_jax import sharding as sh
+
+    config = wj.BlockConfig(block_m=8, block_k=128) if implementation == "mgpu-no-split" else None
+    implementation = implementation.removesuffix("-no-split")
 
     devices = helpers.require_devices(2)[:2]
     e, top_k, t, h, i = 16, 4, 34, 512, 256
@@ -301,7 +306,8 @@ def test_fused_moe_expert_parallel_gpu(rng, mode, dispatch, implementation):
     w13s = sh.shard_experts(convert(w13), mesh, "e")
     w2s = sh.shard_experts(convert(w2), mesh, "e")
     f = jax.jit(functools.partial(sh.fused_moe_ep, mesh=mesh, expert_axis="e", mode=mode,
-                                  dispatch=dispatch, implementation=implementation))  # fmt: skip
+                                  dispatch=dispatch, implementation=implementation,
+                                  config=config))  # fmt: skip
     out = np.asarray(f(x, w13s, w2s, tw, ids), np.float64)
     ref = np.asarray(wj.fused_moe(x, w13, w2, tw, ids, implementation="xla"), np.float64)
     bad = np.flatnonzero(~np.isclose(out, ref, rtol=0.05, atol=0.05).all(axis=1))
