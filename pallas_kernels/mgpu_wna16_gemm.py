@@ -9,7 +9,18 @@ bf16, so each k-tile's products are exact in its f32 sum; the tile sum is then s
 group's scale (one scale per k-tile: block_k divides the group). The block's token rows are the
 B operand (shared memory, K-major), so a block needs 8..256 rows rather than a 64-row tile: the
 path for decode (one row per expert) and prefill alike. TMA copies of the weight, scale and row
-tiles run `max_concurrent_steps` k-steps ahead (`plgpu.emit_pipeline`).
+tiles run `max_concurrent_steps` k-steps ahead.
+
+Two ways to run a program, both measured on the H200 (docs/PERFORMANCE.md, session 5):
+- consumers=0: one warpgroup issues the copies and does the math on 64 features
+  (`plgpu.emit_pipeline`); fastest for blocks of 8-16 rows (decode, M <= 256).
+- consumers=1 or 2: warp specialization (`plgpu.emit_pipeline_warp_specialized`): a producer
+  warpgroup issues the copies, and each consumer warpgroup does the math on its own 64 features
+  of the program's 64*consumers, sharing the rows' tile. While one consumer waits for its
+  wgmma the other converts its next tile: 12.4 vs 16.4 ms for the DeepSeek-V3 layer at M=4096.
+splits > 1 gives each program one of `splits` runs of k-steps and writes partial products
+[splits, P, N] (summed by the caller): programs for GEMMs with few N tiles and blocks (the TP=8
+slice at M=1).
 
 It reads QuantizedExperts in the "mgpu_int4" layout (wna16_jax/layouts.py, made once):
 qweight int4 [E, N, K] holding q - 8, scales [E, K//G, N] (one TMA row of block_n scales per
