@@ -75,11 +75,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--expert-layout",
-        choices=("canonical", "mgpu_int4"),
-        default=None,
+        choices=("auto", "canonical", "mgpu_int4"),
+        default="auto",
         help="the routed experts' weight layout (wna16_jax.layouts), converted once after "
         "building or loading: mgpu_int4 for the Mosaic GPU backend (H100/H200; int4, bf16, "
-        "no tensor axis); default canonical, or mgpu_int4 with --implementation mgpu*",
+        "no tensor axis). auto (default): mgpu_int4 with --implementation mgpu*, canonical "
+        "with another --implementation, else the layout of the fastest backend that runs the "
+        "experts here (wna16_jax.layouts.preferred_layout: mgpu_int4 on H100/H200 for int4 "
+        "bf16 experts without a tensor axis, canonical elsewhere)",
     )
     p.add_argument(
         "--linear-implementation",
@@ -223,9 +226,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer, what = build_model(args, mesh)
     model.set_linear_implementation(args.linear_implementation)
-    layout = args.expert_layout or (
-        "mgpu_int4" if (args.implementation or "").startswith("mgpu") else "canonical"
-    )
+    layout = args.expert_layout
+    if layout == "auto" and args.implementation is not None:
+        layout = "mgpu_int4" if args.implementation.startswith("mgpu") else "canonical"
+    elif layout == "auto":
+        layout = model.preferred_expert_layout()
     if layout != "canonical":
         t1 = time.perf_counter()
         model.set_expert_layout(layout)

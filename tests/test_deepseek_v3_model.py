@@ -258,6 +258,23 @@ def test_call_without_mask_equals_all_ones_mask(rng):
     assert full.shape == (1, 6, model.cfg.vocab_size) and full.dtype == jnp.float32
 
 
+def test_preferred_expert_layout(monkeypatch):
+    """The model asks wna16_jax.layouts.preferred_layout: canonical on CPU (the 'mgpu' backend
+    needs an sm_90 GPU); with the interpreter standing in for it, mgpu_int4 for bf16 int4
+    experts and canonical for f32 ones."""
+    import wna16_jax as wj
+    from models.deepseek_v3.config import QuantSpec
+
+    quant = QuantSpec(bits=4, group_size=64)
+    bf16 = tiny_model(num_hidden_layers=2, dtype="bfloat16", quant=quant)
+    f32 = tiny_model(num_hidden_layers=2, dtype="float32", quant=quant)
+    if wj._dispatch.current_platform() == "cpu":
+        assert bf16.preferred_expert_layout() == "canonical"
+    monkeypatch.setattr(wj.layouts, "PREFERRED", (("mgpu_int4", "mgpu_interpret"),))
+    assert bf16.preferred_expert_layout() == "mgpu_int4"
+    assert f32.preferred_expert_layout() == "canonical"
+
+
 def test_mgpu_expert_layout_matches_canonical(rng):
     """set_expert_layout("mgpu_int4") converts every routed-expert layer losslessly: under
     'xla' the logits are bit-identical to the canonical model's, the 'mgpu' kernels

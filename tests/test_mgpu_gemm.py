@@ -317,6 +317,30 @@ def test_fused_moe_expert_parallel_gpu(rng, mode, dispatch, implementation):
     helpers.assert_close(out, ref, BF16, f"EP=2 {mode} {dispatch}")
 
 
+@pytest.mark.parametrize(
+    "bits,group_size,dtype,want",
+    [
+        (4, 64, BF16, "mgpu_int4"),
+        (4, 128, BF16, "mgpu_int4"),
+        (4, 32, BF16, "canonical"),  # the k-tile (64) does not divide the group
+        (4, 64, jnp.float16, "canonical"),
+        (8, 64, BF16, "canonical"),
+    ],
+    ids=str,
+)
+def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
+    """mgpu_int4 exactly where its backend takes the experts (the interpreter stands in for
+    'mgpu', which needs an sm_90 GPU), canonical elsewhere."""
+    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, group_size, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, group_size, True, BF16)
+    if not ON_GPU:
+        assert wj.layouts.preferred_layout(w13, w2, dtype=dtype) == "canonical"
+    monkeypatch.setattr(wj.layouts, "PREFERRED", (("mgpu_int4", "mgpu_interpret"),))
+    assert wj.layouts.preferred_layout(w13, w2, dtype=dtype) == want
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        wj.layouts.preferred_layout(w13, w2, dtype=dtype, activation="gelu")
+
+
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 def test_layout_round_trip_is_lossless(rng, has_zp):
     qw = helpers.random_quantized_experts(rng, 3, 64, 256, 4, 64, has_zp, BF16)

@@ -3,6 +3,8 @@
     mgpu = wj.layouts.to_kernel_layout(qw, "mgpu_int4")    # for implementation="mgpu"
     qw_again = wj.layouts.to_canonical_layout(mgpu)        # bit-identical to qw
 
+    layout = wj.layouts.preferred_layout(w13, w2, dtype=jnp.bfloat16)  # what runs fastest here
+
 "mgpu_int4" (pallas_kernels/mgpu_wna16_gemm.py's operands; int4 only):
   qweight  int4 [E, N, K]: the canonical nibbles minus 8 (xor 8), so the signed int4 -> bf16
            conversion applies; otherwise the canonical bytes (low nibble first).
@@ -13,10 +15,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
 
 from wna16_jax._types import LAYOUTS, QuantizedExperts
+
+# Kernel layouts (with their backend) that preferred_layout picks, in order, where the backend
+# can run the experts here. On the H200 the 'mgpu' layer (mgpu_int4) beat 'pallas'
+# (canonical) at M = 1, 16, 64, 128, 256, 2048 and 4096 for DeepSeek-V3 TP=1 and at M=16 for
+# the TP=8 slice, and tied it at TP=8 M=1 (docs/PERFORMANCE.md, session 5).
+PREFERRED = (("mgpu_int4", "mgpu"),)
 
 _XOR_8 = 0x88888888  # flips bit 3 of each nibble: u -> u - 8 read as signed int4
 
@@ -68,3 +78,35 @@ def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
         bits=4,
         group_size=qw.group_size,
     )
+
+
+def preferred_layout(
+    w13: QuantizedExperts, w2: QuantizedExperts, *, dtype, activation: str = "silu"
+) -> str:
+    """The layout to convert these experts to once (at load) for the fastest backend that can
+    run them on this platform: the first of PREFERRED whose backend accepts them here (for
+    mgpu_int4: an sm_90 GPU, int4, bfloat16 activations, silu, feature counts and groups in
+    multiples of 64), else "canonical".
+
+    Raises:
+        ValueError: experts (or a dtype, activation) that fused_moe itself would refuse.
+    """
+    import jax
+
+    from wna16_jax import _api, _dispatch
+
+    top_k = 1
+    x = jax.ShapeDtypeStruct((1, w13.shape[2]), dtype)
+    ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
+    weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
+    problem, _ = _api._moe_problem(x, w13, w2, weights, ids, None, activation, None)
+    if w13.bits != 4 or w2.bits != 4:
+        return "canonical"  # every kernel layout holds int4
+    for layout, name in PREFERRED:
+        candidate = dataclasses.replace(problem, layout=layout)
+        backend = _dispatch.get_backend(name)
+        if (
+            _dispatch.layout_reason(backend, candidate) or backend.unsupported_reason(candidate)
+        ) is None:
+            return layout
+    return "canonical"

@@ -793,6 +793,17 @@ class DeepseekV3ForCausalLM(nnx.Module):
             if isinstance(m, RoutedExperts):
                 m.set_layout(layout)
 
+    def preferred_expert_layout(self) -> str:
+        """wna16_jax.layouts.preferred_layout for the routed experts on this platform;
+        "canonical" for experts split over a tensor axis (kernel layouts run with expert
+        parallelism only) or a model without routed experts."""
+        for _, m in nnx.iter_modules(self):
+            if isinstance(m, RoutedExperts):
+                if m.w13_tp_shards != 1:
+                    return "canonical"
+                return wj.layouts.preferred_layout(m.w13.get(), m.w2.get(), dtype=self.cfg.dtype)
+        return "canonical"
+
     def set_linear_implementation(self, implementation: str) -> None:
         """Selects how every quantized non-expert linear runs: "xla" (dequantize + dot, the
         default, works under any sharding) or "pallas" / "pallas_interpret" (the dequant-fused
