@@ -23,6 +23,9 @@
 #               mgpu_probe.py on DeepSeek-V3 TP=1 with zero points at M = MGPU_MS (default
 #               "1 16 256 4096") and the TP=8 slice at M = MGPU_TP8_MS (default "1 16"; an empty
 #               list skips a preset); MGPU_SEARCH=1 adds the probe's config search
+#   mgpu-profile  mgpu_profile.py: in-kernel profile (time per k-step, share per region, resident
+#               warpgroups per SM) and ptxas registers/smem of the mgpu GEMMs, DeepSeek-V3 TP=1 at
+#               M = PROFILE_MS (default "1 16 256 4096"), the TP=8 slice at M=1
 # A tuned table from an earlier call can be passed in with TUNED=path (copied into the package).
 # LINEARS: the model step's --linear-implementation values (default "xla pallas").
 # TEST_FILES: the tests step's files (default: every kernel test file).
@@ -113,6 +116,13 @@ for step in "${steps[@]}"; do
     sharded) # 2 GPUs: the 8-layer model on GPU 0 alone, then the ep2 step
         CUDA_VISIBLE_DEVICES=0 OUT=$OUT bash "$0" model
         OUT=$OUT bash "$0" ep2
+        ;;
+    mgpu-profile)
+        # shellcheck disable=SC2086  # a list of M
+        python3 examples/mgpu_profile.py --m ${PROFILE_MS:-1 16 256 4096} \
+            --out "$OUT/profile_tp1" 2>&1 | tee "$OUT/mgpu_profile_tp1.log"
+        python3 examples/mgpu_profile.py --preset deepseek-v3-tp8 --m 1 \
+            --out "$OUT/profile_tp8" 2>&1 | tee "$OUT/mgpu_profile_tp8.log"
         ;;
     mgpu)
         if [ "${MGPU_TESTS:-1}" = 1 ]; then

@@ -102,6 +102,7 @@ def _swizzled(shape, dtype, what: str):
         "splits",
         "out_dtype",
         "interpret",
+        "profile_dir",
     ),  # fmt: skip
 )
 def mgpu_wna16_gemm(
@@ -116,6 +117,7 @@ def mgpu_wna16_gemm(
     splits: int = 1,
     out_dtype=None,
     interpret: bool = False,
+    profile_dir: str | None = None,
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
     [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed.
@@ -128,7 +130,9 @@ def mgpu_wna16_gemm(
     programs for few rows).
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
-    interpreter with interpret=True).
+    interpreter with interpret=True). profile_dir: record each warpgroup's named regions
+    ("convert", "wgmma", "scale", "store") with Mosaic GPU's in-kernel profiler and write a
+    Chrome trace there per call (examples/mgpu_profile.py reads it).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -161,6 +165,7 @@ def mgpu_wna16_gemm(
         out_tile = o_gmem.at[lax.axis_index("s")] if splits > 1 else o_gmem
         out_tile = out_tile.at[pl.ds(bi * bm, bm), pl.ds(ni * tile_n + wg * bn, bn)]
 
+        @jax.named_scope("store")
         def store(value):
             # This warpgroup's [bm, bn] output tile.
             o_smem.at[wg].T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
@@ -168,6 +173,7 @@ def mgpu_wna16_gemm(
             plgpu.copy_smem_to_gmem(o_smem.at[wg], out_tile)
             plgpu.wait_smem_to_gmem(0)
 
+        @jax.named_scope("convert")
         def dequantized_tile(q_smem, z_smem):
             # q - 8 (and + 8 - z) are small integers: exact in bf16.
             wt = plgpu.load(q_smem.at[features], layout=plgpu.Layout.WGMMA_UPCAST_4X)
@@ -193,9 +199,11 @@ def mgpu_wna16_gemm(
                 plgpu.wgmma(part_ref, wt, x_smem.T)
                 return part_ref[...]
 
-            part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
-            scale = plgpu.load(s_smem.at[0, features], layout=row).astype(jnp.float32)
-            return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+            with jax.named_scope("wgmma"):  # issue, wait, read out
+                part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
+            with jax.named_scope("scale"):
+                scale = plgpu.load(s_smem.at[0, features], layout=row).astype(jnp.float32)
+                return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
         group_row = lambda kk: ((first_step + kk) // tiles_per_group, ni)  # noqa: E731
         in_specs = [
@@ -264,13 +272,18 @@ def mgpu_wna16_gemm(
     if splits > 1:
         grid, names = grid + (splits,), names + ("s",)
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
+    profile = {}
+    if profile_dir:  # events per warpgroup: begin and end of 3 regions per k-step, the store
+        profile = dict(profile_space=6 * steps + 8, profile_dir=profile_dir)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=scratch,
         grid=grid,
         grid_names=names,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile
+        ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
     )

@@ -29,7 +29,7 @@ def _load(name):
         sys.path.remove(str(EXAMPLES))
 
 
-@pytest.mark.parametrize("name", ["benchmark", "tune", "mgpu_probe"])
+@pytest.mark.parametrize("name", ["benchmark", "tune", "mgpu_probe", "mgpu_profile"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         _load(name).main(["--help"])
@@ -150,3 +150,39 @@ def test_full_deepseek_v3_dry_run_on_cpu_devices(tmp_path):
         lo, hi = r["bandwidth_bound_seconds"]
         assert 0 < lo <= hi
     assert result["routed_expert_bytes_per_expert_all_layers"] > 0
+
+
+def _warpgroup_trace(pid, tid, start):
+    """One warpgroup's events: two k-steps (convert 1 us, wgmma 2, scale 1, then 1 us outside
+    any region) and a 1 us store: a 10 us span."""
+    regions = [("convert", 0, 1), ("wgmma", 1, 3), ("scale", 3, 4), ("convert", 5, 6),
+               ("wgmma", 6, 8), ("scale", 8, 9), ("store", 9, 10)]  # fmt: skip
+    events = []
+    for name, b, e in regions:
+        events.append(dict(name=name, ph="B", ts=start + b, pid=pid, tid=tid))
+        events.append(dict(name=name, ph="E", ts=start + e, pid=pid, tid=tid))
+    return events
+
+
+def test_mgpu_profile_summarizes_a_trace():
+    """Two warpgroups overlapping on SM 1 (the second starts 5 us later), one alone on SM 2."""
+    events = (_warpgroup_trace(1, 1, 0.0) + _warpgroup_trace(1, 2, 5.0)
+              + _warpgroup_trace(2, 3, 0.0))  # fmt: skip
+    summary = _load("mgpu_profile").summarize_trace(events[::-1])  # any event order
+    assert summary["warpgroups"] == 3 and summary["sms"] == 2
+    assert summary["span_us_median"] == 10.0 and summary["steps_median"] == 2
+    assert summary["step_us_median"] == 5.0
+    assert summary["shares"] == pytest.approx(dict(convert=0.2, wgmma=0.4, scale=0.2, store=0.1))
+    assert summary["outside_share"] == pytest.approx(0.1)
+    # SM 1: 1, 2, then 1 resident over 5 us each; SM 2: 1 over 10 us.
+    assert summary["resident_max"] == 2
+    assert summary["resident_mean"] == pytest.approx((5 + 10 + 5 + 10) / 25)
+
+
+def test_mgpu_profile_runs_in_the_interpreter(tmp_path, capsys):
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    argv = ["--preset", "tiny", "--m", "1", "--interpret", "--out", str(tmp_path)]
+    assert _load("mgpu_profile").main(argv) == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert [r["gemm"] for r in rows] == ["GEMM1", "GEMM2"]
+    assert "no trace (interpreter)" in capsys.readouterr().out

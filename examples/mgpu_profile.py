@@ -1,0 +1,213 @@
+"""Where the 'mgpu' GEMM's time goes: Mosaic GPU's in-kernel profiler and ptxas' resource report
+for the GEMMs of the benchmark's workload, on one sm_90 GPU.
+
+For each M it aligns random routing like the layer (pallas_kernels/mgpu_fused_moe.py: the used
+blocks, at most --max-blocks of them, so that the trace stays small), runs GEMM1 (x rows @ w13)
+and GEMM2 (activation rows @ w2) once with the profiler on, and summarizes each warpgroup's
+trace (one per program, one per consumer with warp specialization):
+  - time per k-step (the warpgroup's span / its wgmma regions) and the span itself;
+  - the share of the span in each named region: "convert" (int4 -> bf16 and the zero point),
+    "wgmma" (issue, wait and read the k-tile product), "scale" (group scale, accumulate),
+    "store" (output tile); "outside" is the rest: waiting for the k-tile's copies, loop control;
+  - warpgroups resident on an SM at once (max, and mean over the time any is resident).
+With MOSAIC_GPU_DUMP_PTXAS set (this script sets it, dumping under --out/ptxas) ptxas reports
+each kernel's registers and shared memory, which bound how many programs an SM holds.
+
+    python examples/mgpu_profile.py --m 1 16 4096 --out out/profile
+    python examples/mgpu_profile.py --preset deepseek-v3-tp8 --m 1 --config 8,128,4,0,4
+
+--interpret runs the same flow in the Mosaic GPU interpreter (no profiler there: a CPU check of
+this script only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REGIONS = ("convert", "wgmma", "scale", "store")
+
+
+def summarize_trace(events: list[dict]) -> dict:
+    """Summary of one Mosaic GPU profiler trace (Chrome trace events: name, ph "B"/"E", ts in
+    us, pid = 1 + SM, tid = one warpgroup of one program); see the module docstring."""
+    intervals = defaultdict(list)  # tid -> [(name, begin, end)]
+    sm_of = {}
+    open_by_tid = defaultdict(list)
+    for ev in sorted(events, key=lambda e: (e["tid"], e["ts"], e["ph"] == "B")):
+        tid = ev["tid"]
+        sm_of[tid] = ev["pid"]
+        if ev["ph"] == "B":
+            open_by_tid[tid].append(ev)
+        elif open_by_tid[tid]:
+            begin = open_by_tid[tid].pop()
+            intervals[tid].append((begin["name"], begin["ts"], ev["ts"]))
+    spans, steps_of, region_time = {}, {}, defaultdict(float)
+    for tid, ivs in intervals.items():
+        spans[tid] = (min(b for _, b, _ in ivs), max(e for _, _, e in ivs))
+        steps_of[tid] = sum(name == "wgmma" for name, _, _ in ivs)
+        for name, b, e in ivs:
+            region_time[name] += e - b
+    if not spans:
+        raise ValueError("the trace has no complete region")
+    total = sum(e - b for b, e in spans.values())
+    durations = [e - b for b, e in spans.values()]
+    per_step = [(e - b) / steps_of[t] for t, (b, e) in spans.items() if steps_of[t]]
+    # Resident warpgroups per SM: a sweep over each SM's spans.
+    concurrent_max, weighted, busy = 0, 0.0, 0.0
+    by_sm = defaultdict(list)
+    for tid, (b, e) in spans.items():
+        by_sm[sm_of[tid]] += [(b, 1), (e, -1)]
+    for points in by_sm.values():
+        points.sort(key=lambda p: (p[0], p[1]))
+        level, last = 0, None
+        for t, delta in points:
+            if level and last is not None:
+                weighted += level * (t - last)
+                busy += t - last
+            level += delta
+            last = t
+            concurrent_max = max(concurrent_max, level)
+    shares = {name: region_time[name] / total for name in sorted(region_time)}
+    return dict(
+        warpgroups=len(spans),
+        sms=len(by_sm),
+        span_us_median=statistics.median(durations),
+        step_us_median=statistics.median(per_step) if per_step else None,
+        steps_median=statistics.median(steps_of.values()),
+        shares=shares,
+        outside_share=max(0.0, 1.0 - sum(v for k, v in shares.items() if k in REGIONS)),
+        resident_max=concurrent_max,
+        resident_mean=weighted / busy if busy else 0.0,
+    )
+
+
+def ptxas_report(dump_dir: str) -> list[str]:
+    """The resource lines (registers, shared memory) of ptxas' verbose output in dump_dir."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(dump_dir, "**", "*"), recursive=True)):
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                lines += [ln.strip() for ln in f if "registers" in ln or "smem" in ln]
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="deepseek-v3", help="examples/benchmark.py's presets")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096])
+    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
+    p.add_argument(
+        "--config",
+        help="block_m,block_k,stages,consumers,splits (default: the layer's default_config; "
+        "splits as auto_splits would choose)",
+    )
+    p.add_argument(
+        "--max-blocks", type=int, default=528, help="profile at most this many blocks per GEMM"
+    )
+    p.add_argument("--out", default="out/profile", help="traces, ptxas dumps and summary.json")
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="the Mosaic GPU interpreter: checks this script on CPU (no profile, no ptxas)",
+    )
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    ptxas_dir = os.path.join(args.out, "ptxas")
+    if not args.interpret:
+        # Read when each kernel compiles (jaxlib/mosaic/gpu/dump.cc).
+        os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
+        os.environ.setdefault("MOSAIC_GPU_DUMP_TO", ptxas_dir)
+
+    import benchmark
+    import jax
+    import jax.numpy as jnp
+
+    import wna16_jax as wj
+    from pallas_kernels import mgpu_fused_moe
+    from pallas_kernels.fused_moe import align
+    from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config
+    from pallas_kernels.mgpu_wna16_gemm import BLOCK_N, mgpu_wna16_gemm
+
+    if jax.default_backend() != "gpu" and not args.interpret:
+        raise SystemExit("mgpu_profile.py profiles compiled Mosaic GPU kernels: it needs an "
+                         "sm_90 GPU (or --interpret)")  # fmt: skip
+    if args.preset not in benchmark.PRESETS:
+        raise SystemExit(f"--preset {args.preset!r}: one of {sorted(benchmark.PRESETS)}")
+    e, top_k, h, i, g = benchmark.PRESETS[args.preset]
+    group = h if g == -1 else g
+    key = jax.random.key(0)
+    make = dict(bits=4, group_size=g, has_zp=not args.no_zp, dtype=jnp.bfloat16)
+    to_mgpu = lambda w: wj.layouts.to_kernel_layout(w, "mgpu_int4")  # noqa: E731
+    make_experts = lambda seed, n, k: to_mgpu(  # noqa: E731
+        benchmark._random_experts(jax.random.fold_in(key, seed), e, n, k, **make)
+    )
+    weights = {"GEMM1": make_experts(1, 2 * i, h), "GEMM2": make_experts(2, h, i)}
+    summary = []
+    for m in args.m:
+        if args.config:
+            cfg = MgpuConfig(*(int(v) for v in args.config.split(",")))
+        else:
+            cfg = default_config(m * top_k, e, group)
+        tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 1)
+        routing = align(
+            idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=args.interpret
+        )
+        slots, experts = mgpu_fused_moe.used_blocks(routing, m * top_k, cfg.block_m)
+        blocks = min(experts.shape[0], args.max_blocks)
+        experts = experts[:blocks]
+        x = jax.random.normal(jax.random.fold_in(key, 3 + m), (m, h), jnp.bfloat16)
+        rows = {
+            "GEMM1": mgpu_fused_moe.rows_in_block_order(x, slots, top_k)[: blocks * cfg.block_m],
+            "GEMM2": jax.random.normal(key, (blocks * cfg.block_m, i), jnp.bfloat16),
+        }
+        for what, w in weights.items():
+            steps = w.shape[2] // cfg.block_k
+            tiles = w.shape[1] // (BLOCK_N * max(cfg.consumers, 1))
+            most = cfg.splits or mgpu_fused_moe.auto_splits(
+                tiles * blocks, mgpu_fused_moe._num_sms()
+            )
+            splits = max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
+            trace_dir = os.path.join(args.out, f"M{m}_{what}")
+            os.makedirs(trace_dir, exist_ok=True)
+            run = dict(block_m=cfg.block_m, block_k=cfg.block_k, consumers=cfg.consumers,
+                       max_concurrent_steps=cfg.stages, splits=splits, out_dtype=jnp.float32,
+                       interpret=args.interpret)  # fmt: skip
+            out = mgpu_wna16_gemm(rows[what], w, experts, **run,
+                                  profile_dir=None if args.interpret else trace_dir)  # fmt: skip
+            jax.block_until_ready(out)
+            row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
+                                               cfg.consumers, splits], blocks=blocks)  # fmt: skip
+            traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
+            if traces:
+                with open(traces[-1]) as f:
+                    row.update(summarize_trace(json.load(f)["traceEvents"]))
+                shares = " ".join(f"{k} {v:.0%}" for k, v in row["shares"].items())
+                print(f"M={m:<5} {what} {row['config']} {blocks} blocks: step "
+                      f"{row['step_us_median']:.2f} us, span {row['span_us_median']:.1f} us, "
+                      f"{shares}, outside {row['outside_share']:.0%}; resident per SM max "
+                      f"{row['resident_max']}, mean {row['resident_mean']:.1f}",
+                      flush=True)  # fmt: skip
+            else:
+                why = "interpreter" if args.interpret else "the profiler wrote none"
+                print(f"M={m:<5} {what} {row['config']} {blocks} blocks: ran, no trace ({why})")
+            summary.append(row)
+    resources = ptxas_report(ptxas_dir)
+    for line in resources:
+        print("ptxas:", line)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                       rows=summary, ptxas=resources), f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
