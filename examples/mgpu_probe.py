@@ -40,24 +40,26 @@ from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E4
 
 def candidates(m: int, top_k: int, num_experts: int, group: int) -> list[MgpuConfig]:
     """Configs to try: block_m around the mean rows per expert; no warp specialization or a
-    producer with 1-2 consumer warpgroups; K splits for few rows. block_k is the largest of
+    producer with 1-2 consumer warpgroups; K splits for few rows; exact or in-place
+    accumulation. block_k is the largest of
     128/64 dividing the group (64 lost to 128 at every M in session 4), 4 stages (2 changed
     nothing) except where 4 would not fit in shared memory."""
     rows = m * top_k / num_experts
     bk = 128 if group % 128 == 0 else 64
-    # (stages, consumers, splits) per block_m
+    # (stages, consumers, splits, exact) per block_m; splits None: auto_splits
     if rows <= 1:
-        bms, variants = [8], [(4, 0, 1), (4, 0, 2), (4, 0, 4), (4, 0, 8), (8, 2, 1)]
+        bms = [8]
+        variants = [(4, 0, 1, 1), (4, 0, None, 1), (4, 0, 8, 1), (4, 0, None, 0), (8, 2, 1, 1)]
     elif rows <= 4:
-        bms, variants = [8, 16], [(4, 0, 1), (4, 0, 2), (8, 2, 1)]
+        bms, variants = [8, 16], [(4, 0, None, 1), (4, 0, 2, 1), (4, 0, None, 0)]
     elif rows <= 64:
-        bms, variants = [16, 32, 64], [(4, 0, 1), (4, 2, 1)]
+        bms, variants = [16, 32, 64], [(4, 0, None, 1), (4, 2, None, 1), (4, 2, None, 0)]
     else:
-        bms, variants = [64, 128], [(4, 0, 1), (4, 2, 1)]
+        bms, variants = [64, 128], [(4, 2, None, 1), (4, 2, None, 0), (4, 1, None, 0)]
     configs = (
-        MgpuConfig(bm, bk, 3 if bm * bk > 64 * 128 and c == 2 else st, c, s)
+        MgpuConfig(bm, bk, 3 if bm * bk > 64 * 128 and c == 2 else st, c, s, bool(x))
         for bm in bms
-        for st, c, s in variants
+        for st, c, s, x in variants
     )
     return list(dict.fromkeys(configs))
 

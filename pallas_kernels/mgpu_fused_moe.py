@@ -26,13 +26,15 @@ class MgpuConfig:
     """Rows per block (wgmma N, 8..256), k-tile (divides the group), pipelined k-steps,
     consumer warpgroups (0: no warp specialization; 1 or 2 with a producer warpgroup) and the
     most K splits (each GEMM takes the largest divisor of its k-step count up to it; None:
-    `auto_splits` per GEMM)."""
+    `auto_splits` per GEMM), and whether each k-tile's exact product is scaled (exact) or the
+    bf16-rounded weights accumulate in place (mgpu_wna16_gemm's `exact`)."""
 
     block_m: int
     block_k: int = 128
     stages: int = 4
     consumers: int = 0
     splits: int | None = None
+    exact: bool = True
 
 
 def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
@@ -107,6 +109,7 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
             max_concurrent_steps=cfg.stages,
             consumers=cfg.consumers,
             splits=splits,
+            exact=cfg.exact,
             out_dtype=jnp.float32,
             interpret=interpret,
         )
@@ -130,8 +133,9 @@ def _chunk(x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, i
     slots, block_experts = used_blocks(routing, t * k, cfg.block_m)
     x_rows = rows_in_block_order(x, slots, k)
     gemm = block_gemm(cfg, interpret)
-    # f32 GEMM outputs: the activation and the top-k sum see unrounded sums, as in the
-    # reference (only the activation is rounded to x's dtype between the GEMMs).
+    # f32 GEMM outputs: the activation and the top-k sum see unrounded sums. The activation
+    # is rounded to x's dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla'
+    # reference keeps it in f32).
     h = gemm(x_rows, w13, block_experts)  # [P, 2I]
     act = _reference.silu_and_mul(h).astype(x.dtype)  # [P, I]
     y = gemm(act, w2, block_experts)  # [P, H]; off-shard blocks (expert -1) are zeros

@@ -100,6 +100,7 @@ def _swizzled(shape, dtype, what: str):
         "max_concurrent_steps",
         "consumers",
         "splits",
+        "exact",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -115,6 +116,7 @@ def mgpu_wna16_gemm(
     max_concurrent_steps: int = 4,
     consumers: int = 0,
     splits: int = 1,
+    exact: bool = True,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -127,7 +129,9 @@ def mgpu_wna16_gemm(
     (`plgpu.emit_pipeline_warp_specialized`), a producer warpgroup issues the copies and each
     consumer warpgroup does the math on its own 64 features of the program's tile, sharing the
     rows' tile. splits > 1: each program takes one of `splits` equal runs of k-steps (more
-    programs for few rows).
+    programs for few rows). exact=False: each weight is rounded to bf16 once, as
+    (q - z) * scale (the 'xla' reference's dequantization), and the k-tiles accumulate in one
+    f32 accumulator: no per-step readout and scaling of a fresh product.
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
@@ -230,8 +234,57 @@ def mgpu_wna16_gemm(
         def zero_acc():
             return plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
 
-        @pl.when(expert >= 0)
-        def _matmul():
+        def inplace_step(acc_ref):
+            # exact=False: the group scale multiplies the bf16 weights (one rounding per
+            # weight, as dequantize-then-dot does) and every k-tile accumulates into acc_ref.
+            def body(_, q_smem, x_smem, s_smem, *z_smem):
+                wt = dequantized_tile(q_smem, z_smem)
+                with jax.named_scope("scale"):
+                    scale = plgpu.load(s_smem.at[0, features], layout=row)
+                    wt = wt * lax.broadcast_in_dim(scale.astype(dtype), wt.shape, [0])
+                with jax.named_scope("wgmma"):
+                    plgpu.wgmma(acc_ref, a_operand(wt), x_smem.T)
+                    plgpu.wgmma_wait(0)
+
+            return body
+
+        def accumulated(run):  # run(acc_ref) fills a zeroed accumulator; its value
+            def scoped(acc_ref):
+                run(acc_ref)
+                return acc_ref[...]
+
+            return pl.run_scoped(scoped, plgpu.ACC((bn, bm), jnp.float32))
+
+        def matmul_in_place():
+            if not consumers:
+                pipeline = lambda acc_ref: plgpu.emit_pipeline(  # noqa: E731
+                    inplace_step(acc_ref),
+                    grid=(steps,),
+                    in_specs=in_specs,
+                    max_concurrent_steps=stages,
+                )(*operands())
+                store(accumulated(pipeline).astype(out_dtype))
+                return
+
+            def body(*args):  # the carry is the accumulator
+                inplace_step(args[-1])(*args[:-1])
+                return args[-1]
+
+            def compute(run_pipeline):
+                store(accumulated(run_pipeline).astype(out_dtype))
+
+            plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(steps,),
+                memory_registers=40,
+                in_specs=in_specs,
+                max_concurrent_steps=stages,
+                wg_axis="wg",
+                num_compute_wgs=consumers,
+                compute_context=compute,
+            )(*operands())
+
+        def matmul():
             if not consumers:
                 acc = plgpu.emit_pipeline(
                     step,
@@ -256,6 +309,8 @@ def mgpu_wna16_gemm(
                 num_compute_wgs=consumers,
                 compute_context=compute,
             )(*operands())
+
+        pl.when(expert >= 0)(matmul if exact else matmul_in_place)
 
         @pl.when((expert < 0) & (wg < wgs))
         def _zeros():

@@ -237,7 +237,9 @@ def _silu(v: np.ndarray) -> np.ndarray:
     return v / (1.0 + np.exp(-v))
 
 
-def numpy_fused_moe(x, w13_deq, w2_deq, topk_weights, topk_ids, expert_map=None) -> np.ndarray:
+def numpy_fused_moe(
+    x, w13_deq, w2_deq, topk_weights, topk_ids, expert_map=None, activation_dtype=None
+) -> np.ndarray:
     """The MoE layer in float64: out[t] = sum_j w[t,j] * w2[e] @ silu_mul(w13[e] @ x[t]).
 
     Args:
@@ -245,6 +247,11 @@ def numpy_fused_moe(x, w13_deq, w2_deq, topk_weights, topk_ids, expert_map=None)
         topk_weights: [T, k].  topk_ids: [T, k] global ids; ids outside [0, E_global) and ids
             whose expert_map entry is -1 contribute nothing.
         expert_map: optional [E_global] global -> local id (-1 off-shard).
+        activation_dtype: round silu_mul's output to this dtype before GEMM2, for a backend
+            whose contract does (its GEMM2 reads the activation in x's dtype). The rounding
+            error can be amplified by cancellation in GEMM2's sums beyond the output tolerance
+            (a bf16 case: 0.0052 on an element of 0.097), so such a backend is checked against
+            its own contract.
 
     Returns:
         float64 [T, H].
@@ -271,6 +278,8 @@ def numpy_fused_moe(x, w13_deq, w2_deq, topk_weights, topk_ids, expert_map=None)
             continue
         hid = x[rows] @ w13[e].T  # [n, 2I]
         act = _silu(hid[:, :i]) * hid[:, i:]  # [n, I]
+        if activation_dtype is not None:
+            act = np.asarray(jnp.asarray(act, activation_dtype), np.float64)
         y = (act @ w2[e].T) * wts[rows, slots][:, None]  # [n, H]
         np.add.at(out, rows, y)
     return out

@@ -3,7 +3,8 @@ MoE layer built on it (pallas_kernels/mgpu_fused_moe.py) and its weight layout
 (wna16_jax/layouts.py).
 
 Outputs are compared with float64 numpy on the dequantized weights of the same packed words
-(helpers.numpy_dequantize), and the layer with helpers.numpy_fused_moe. Inputs are random.
+(helpers.numpy_dequantize), and the layer with helpers.numpy_fused_moe, whose activation is
+rounded to bf16 as the layer's GEMM2 reads it. Inputs are random.
 
 How to run:
     CPU (CI): the kernels run in the Mosaic GPU interpreter (`InterpretGPUParams`); its wgmma
@@ -58,8 +59,9 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
 
 
 def run_gemm_case(
-    rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1
-):
+    rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
+    exact=True,
+):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
@@ -71,11 +73,15 @@ def run_gemm_case(
         block_k=block_k,
         consumers=consumers,
         splits=splits,
+        exact=exact,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
         interpret=INTERPRET,
     )
-    ref = numpy_block_gemm(x_rows, helpers.numpy_dequantize(qw), block_experts, block_m)
+    w_deq = helpers.numpy_dequantize(qw)
+    if not exact:  # its contract: each weight rounded once to bf16, as (q - z) * scale
+        w_deq = np.asarray(jnp.asarray(w_deq, BF16), np.float64)
+    ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
     if splits > 1:
         assert out.shape == (splits, *ref.shape)
         out = out.sum(axis=0).astype(BF16)
@@ -102,28 +108,35 @@ def test_gemm_matches_numpy(rng, has_zp, block_m, block_k, group_size):
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
-    "consumers,splits,block_m", [(1, 1, 16), (2, 1, 8), (0, 2, 16), (2, 4, 32)], ids=str
-)
-def test_gemm_warp_specialized_and_split_k(rng, has_zp, consumers, splits, block_m):
+    "consumers,splits,block_m,exact",
+    [(1, 1, 16, True), (2, 1, 8, True), (0, 2, 16, True), (2, 4, 32, True), (0, 1, 8, False),
+     (2, 1, 16, False), (1, 2, 8, False)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_warp_specialized_and_split_k(rng, has_zp, consumers, splits, block_m, exact):
     """A producer warpgroup feeding 1 or 2 consumer warpgroups (each its own 64 features of
-    the program's tile), and K split over programs (partial products, summed)."""
+    the program's tile), K split over programs (partial products, summed), and in-place
+    accumulation of bf16-rounded weights (exact=False)."""
     run_gemm_case(
         rng, e=3, n=256, k=512, group_size=128, has_zp=has_zp, block_m=block_m, block_k=128,
-        blocks=[1, -1, 0, 2, 1], consumers=consumers, splits=splits,
+        blocks=[1, -1, 0, 2, 1], consumers=consumers, splits=splits, exact=exact,
     )  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
-    "block_m,consumers,splits", [(8, 0, 1), (64, 0, 1), (128, 0, 1), (8, 2, 8), (64, 2, 1),
-                                 (128, 2, 1), (16, 1, 7)], ids=str,
+    "block_m,consumers,splits,exact",
+    [(8, 0, 1, True), (64, 0, 1, True), (128, 0, 1, True), (8, 2, 8, True), (64, 2, 1, True),
+     (128, 2, 1, True), (16, 1, 7, True), (8, 0, 1, False), (64, 2, 1, False),
+     (128, 2, 1, False)],
+    ids=str,
 )  # fmt: skip
-def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits):
+def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits, exact):
     """GEMM1 of DeepSeek-V3 TP=1 (N=4096, K=7168, G=128) on 16 experts, compiled."""
     run_gemm_case(
         rng, e=16, n=4096, k=7168, group_size=128, has_zp=has_zp, block_m=block_m,
-        block_k=128, blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits,
+        block_k=128, blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits, exact=exact,
     )  # fmt: skip
 
 
@@ -139,6 +152,7 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (9, None),
         (7, MgpuConfig(block_m=8, block_k=64, consumers=2, splits=2)),
         (3, MgpuConfig(block_m=16, block_k=64, stages=2, consumers=1, splits=4)),
+        (6, MgpuConfig(block_m=8, block_k=64, consumers=2, exact=False)),
     ],
     ids=str,
 )
@@ -157,12 +171,16 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
         implementation=IMPLEMENTATION,
         config=config,
     )
+    deq = helpers.numpy_dequantize
+    if isinstance(config, MgpuConfig) and not config.exact:  # weights rounded to bf16 once
+        deq = lambda w: np.asarray(jnp.asarray(helpers.numpy_dequantize(w), BF16), np.float64)  # noqa: E731
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64),
-        helpers.numpy_dequantize(w13),
-        helpers.numpy_dequantize(w2),
+        deq(w13),
+        deq(w2),
         np.asarray(topk_weights, np.float64),
         np.asarray(topk_ids),
+        activation_dtype=BF16,  # the layer's contract: GEMM2 reads a bf16 activation
     )
     # Two GEMMs, the bf16 activation between them and the bf16 output: the layer tolerance.
     helpers.assert_close(out, ref, BF16, "fused_moe")
@@ -200,6 +218,7 @@ def test_fused_moe_expert_map_and_dropped_slots(rng):
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
         np.asarray(topk_weights, np.float64), topk_ids, expert_map=expert_map,
+        activation_dtype=BF16,
     )  # fmt: skip
     helpers.assert_close(out, ref, BF16, "fused_moe with expert_map")
 
