@@ -24,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import wna16_jax as wj
@@ -114,6 +115,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--prompt", default="The capital of France is")
+    p.add_argument(
+        "--distinct-prompts",
+        action="store_true",
+        help="start each row's prompt with its own random token (seeded by --seed), so that "
+        "rows route to different experts as a server's batch would; by default every row is "
+        "the same prompt and, decoded greedily, every row sends its tokens to the same experts",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -243,9 +251,13 @@ def main(argv=None) -> int:
     for batch_size in args.batch_size:
         if len(args.batch_size) > 1:
             print(f"=== batch size {batch_size}")
+        prompts = [prompt_ids] * batch_size
+        if args.distinct_prompts:
+            prompts = [[tok, *prompt_ids] for tok in first_tokens(model, tokenizer, batch_size,
+                                                                  args.seed)]  # fmt: skip
         tokens, stats = generate(
             model,
-            [prompt_ids] * batch_size,
+            prompts,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -260,12 +272,21 @@ def main(argv=None) -> int:
         backend_log.lines.clear()
         print(f"fused_moe backend: {backend}")
         for b, row in enumerate(tokens.tolist()):
-            new = row[len(prompt_ids) :]
+            new = row[len(prompts[b]) :]
             print(f"[{b}] tokens: {new}")
             print(f"[{b}] text:   {args.prompt!r} -> {tokenizer.decode(new)!r}")
         print(f"speed: {stats}")
         print(f"decode: {stats.decode_tokens_per_s:.1f} tokens/s")
     return 0
+
+
+def first_tokens(model, tokenizer, n: int, seed: int) -> list[int]:
+    """n random token ids (no padding id) to start n distinct prompts."""
+    rng = np.random.default_rng(seed)
+    pad = tokenizer.pad_id
+    candidates = [t for t in range(model.cfg.vocab_size) if t != pad]
+    ids = rng.choice(candidates, n, replace=n > len(candidates))
+    return [int(t) for t in ids]
 
 
 if __name__ == "__main__":

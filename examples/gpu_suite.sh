@@ -22,7 +22,8 @@
 #   mgpu        the 'mgpu' backend: its tests compiled (MGPU_TESTS=0 skips them), then
 #               mgpu_probe.py on DeepSeek-V3 TP=1 with zero points at M = MGPU_MS (default
 #               "1 16 256 4096") and the TP=8 slice at M = MGPU_TP8_MS (default "1 16"; an empty
-#               list skips a preset); MGPU_SEARCH=1 adds the probe's config search
+#               list skips a preset); MGPU_SEARCH=1 adds the probe's config search;
+#               MGPU_ROUTING=identical routes every token like the first (one prompt, greedy)
 #   mgpu-profile  mgpu_profile.py: in-kernel profile (time per k-step, share per region, resident
 #               warpgroups per SM) and ptxas registers/smem of the mgpu GEMMs, DeepSeek-V3 TP=1 at
 #               M = PROFILE_MS (default "1 16 256 4096"), the TP=8 slice at M=1
@@ -129,7 +130,7 @@ for step in "${steps[@]}"; do
             python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_mgpu_gemm.py 2>&1 |
                 tee "$OUT/mgpu_tests.log" | tail -30
         fi
-        search=${MGPU_SEARCH:+--search}
+        search="${MGPU_SEARCH:+--search} ${MGPU_ROUTING:+--routing $MGPU_ROUTING}"
         ms=${MGPU_MS-1 16 256 4096}
         tp8_ms=${MGPU_TP8_MS-1 16}
         # shellcheck disable=SC2086  # lists of M

@@ -38,13 +38,12 @@ from pallas_kernels.fused_moe import align  # noqa: E402
 from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
 
 
-def candidates(m: int, top_k: int, num_experts: int, group: int) -> list[MgpuConfig]:
-    """Configs to try: block_m around the mean rows per expert; no warp specialization or a
-    producer with 1-2 consumer warpgroups; K splits for few rows; exact or in-place
-    accumulation. block_k is the largest of
-    128/64 dividing the group (64 lost to 128 at every M in session 4), 4 stages (2 changed
-    nothing) except where 4 would not fit in shared memory."""
-    rows = m * top_k / num_experts
+def candidates(rows: float, group: int) -> list[MgpuConfig]:
+    """Configs to try for `rows` rows per used expert: block_m around it; no warp
+    specialization or a producer with 1-2 consumer warpgroups; K splits for few rows; exact or
+    in-place accumulation. block_k is the largest of 128/64 dividing the group (64 lost to 128
+    at every M in session 4), 4 stages (2 changed nothing) except where 4 would not fit in
+    shared memory."""
     bk = 128 if group % 128 == 0 else 64
     # (stages, consumers, splits, exact) per block_m; splits None: auto_splits
     if rows <= 1:
@@ -69,6 +68,14 @@ def main(argv=None) -> int:
     p.add_argument("--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3")
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096])
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
+    p.add_argument(
+        "--routing",
+        choices=("uniform", "identical"),
+        default="uniform",
+        help="uniform: each token picks k distinct experts at random (the benchmark's); "
+        "identical: every token of a set picks the first token's experts, as a batch of one "
+        "prompt decoded greedily does (all M*k rows on k experts)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--search",
@@ -107,13 +114,16 @@ def main(argv=None) -> int:
     for m in args.m:
         xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (4, m, h), jnp.bfloat16)
         tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 4)
+        if args.routing == "identical":
+            idss = jnp.broadcast_to(idss[:, :1], idss.shape)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
         touched = float(np.mean([len(np.unique(np.asarray(idss[s]))) for s in range(4)]))
         wbytes = (benchmark.weight_bytes(w13, 1) + benchmark.weight_bytes(w2, 1)) * touched
         iters = args.iters or (100 if m <= 256 else 20)
         timing = dict(iters=iters, repeats=args.repeats, host=False)
 
-        record = functools.partial(_record, rows, dict(preset=args.preset, zp=has_zp, M=m),
+        keys = dict(preset=args.preset, zp=has_zp, M=m, routing=args.routing)
+        record = functools.partial(_record, rows, keys,
                                    wbytes, copy_bps)  # fmt: skip
 
         pallas = lambda a, b, x, tw, ids: wj.fused_moe(  # noqa: E731
@@ -128,7 +138,8 @@ def main(argv=None) -> int:
         chosen = default_config(m * top_k, e, h if g == -1 else g)
         record("mgpu backend", astuple(chosen), t)
         best = (t, chosen)
-        for cfg in candidates(m, top_k, e, h if g == -1 else g) if args.search else ():
+        rows_per_expert = m if args.routing == "identical" else m * top_k / e
+        for cfg in candidates(rows_per_expert, h if g == -1 else g) if args.search else ():
             fn = functools.partial(_layer, config=cfg, interpret=interpret)
             t0 = time.perf_counter()
             try:

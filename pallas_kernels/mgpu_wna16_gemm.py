@@ -255,25 +255,14 @@ def mgpu_wna16_gemm(
 
             return pl.run_scoped(scoped, plgpu.ACC((bn, bm), jnp.float32))
 
-        def matmul_in_place():
+        def pipelined(body, **carry):
+            """The k-steps of `body`: one warpgroup (carry: init_carry=), or a producer and the
+            consumers (carry: compute_context=)."""
             if not consumers:
-                pipeline = lambda acc_ref: plgpu.emit_pipeline(  # noqa: E731
-                    inplace_step(acc_ref),
-                    grid=(steps,),
-                    in_specs=in_specs,
-                    max_concurrent_steps=stages,
+                return plgpu.emit_pipeline(
+                    body, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages, **carry
                 )(*operands())
-                store(accumulated(pipeline).astype(out_dtype))
-                return
-
-            def body(*args):  # the carry is the accumulator
-                inplace_step(args[-1])(*args[:-1])
-                return args[-1]
-
-            def compute(run_pipeline):
-                store(accumulated(run_pipeline).astype(out_dtype))
-
-            plgpu.emit_pipeline_warp_specialized(
+            return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(steps,),
                 memory_registers=40,
@@ -281,34 +270,27 @@ def mgpu_wna16_gemm(
                 max_concurrent_steps=stages,
                 wg_axis="wg",
                 num_compute_wgs=consumers,
-                compute_context=compute,
+                **carry,
             )(*operands())
 
-        def matmul():
+        def matmul():  # exact: the carry is the f32 accumulator value
             if not consumers:
-                acc = plgpu.emit_pipeline(
-                    step,
-                    grid=(steps,),
-                    in_specs=in_specs,
-                    max_concurrent_steps=stages,
-                    init_carry=zero_acc(),
-                )(*operands())
+                store(pipelined(step, init_carry=zero_acc()).astype(out_dtype))
+                return
+            # The consumer warpgroups' prologue and epilogue.
+            pipelined(step, compute_context=lambda run: store(run(zero_acc()).astype(out_dtype)))
+
+        def matmul_in_place():
+            if not consumers:
+                acc = accumulated(lambda acc_ref: pipelined(inplace_step(acc_ref)))
                 store(acc.astype(out_dtype))
                 return
 
-            def compute(run_pipeline):  # the consumer warpgroups' prologue and epilogue
-                store(run_pipeline(zero_acc()).astype(out_dtype))
+            def body(*args):  # the carry is the accumulator's ref
+                inplace_step(args[-1])(*args[:-1])
+                return args[-1]
 
-            plgpu.emit_pipeline_warp_specialized(
-                step,
-                grid=(steps,),
-                memory_registers=40,
-                in_specs=in_specs,
-                max_concurrent_steps=stages,
-                wg_axis="wg",
-                num_compute_wgs=consumers,
-                compute_context=compute,
-            )(*operands())
+            pipelined(body, compute_context=lambda run: store(accumulated(run).astype(out_dtype)))
 
         pl.when(expert >= 0)(matmul if exact else matmul_in_place)
 

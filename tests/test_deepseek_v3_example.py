@@ -33,6 +33,26 @@ def test_example_main_tiny(capsys):
     assert "[1] tokens:" in out and "tokens/s" in out
 
 
+def test_example_distinct_prompts(capsys):
+    """--distinct-prompts: each row starts with its own token, so rows differ."""
+    argv = ["--max-new-tokens", "2", "--batch-size", "3", "--distinct-prompts", "--no-warmup"]
+    assert _load_example().main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(f"[{b}] tokens:" in out for b in range(3))
+    example = _load_example()
+    from models.deepseek_v3.config import DeepseekV3Config
+
+    class Model:
+        cfg = DeepseekV3Config.tiny()
+
+    class Tokenizer:
+        pad_id = 0
+
+    firsts = example.first_tokens(Model, Tokenizer, 3, seed=0)
+    assert len(set(firsts)) == 3 and 0 not in firsts
+    assert firsts == example.first_tokens(Model, Tokenizer, 3, seed=0)
+
+
 def test_hf_transformers_parity(tmp_path, rng):
     """Our logits against transformers' DeepseekV3ForCausalLM on the same float checkpoint."""
     torch = pytest.importorskip("torch", reason="needs torch for the HF parity check")

@@ -75,18 +75,29 @@ def test_benchmark_tiny(tmp_path, capsys):
     assert out_png.stat().st_size > 1000
 
 
-def test_mgpu_probe_tiny_in_the_interpreter(tmp_path, capsys):
+@pytest.mark.parametrize("routing", ["uniform", "identical"])
+def test_mgpu_probe_tiny_in_the_interpreter(tmp_path, capsys, routing):
     """The probe's rows on the tiny preset, the kernels in the Mosaic GPU interpreter."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     out_json = tmp_path / "mgpu.json"
-    argv = ["--preset", "tiny", "--m", "1", "--interpret", "--iters", "1", "--repeats", "1"]
+    argv = ["--preset", "tiny", "--m", "3", "--interpret", "--iters", "1", "--repeats", "1",
+            "--routing", routing]  # fmt: skip
     assert _load("mgpu_probe").main([*argv, "--json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())["rows"]
+    assert all(r["routing"] == routing for r in rows)
     whats = [r["what"] for r in rows]
     # tiny has group 64: the candidates are block_k 64 only (block_k must divide the group).
     assert whats[0] == "pallas layer" and "mgpu backend" in whats, whats
     assert {"mgpu GEMM1", "mgpu GEMM2"} <= set(whats), whats
     assert all(r["seconds"] > 0 for r in rows if "seconds" in r)
+
+
+def test_mgpu_probe_candidates_follow_the_rows_per_expert():
+    probe = _load("mgpu_probe")
+    assert {c.block_m for c in probe.candidates(0.03, 128)} == {8}  # M=1 of 256 experts, top-8
+    assert {c.block_m for c in probe.candidates(64, 128)} == {16, 32, 64}  # 64 rows on 8 experts
+    assert {c.block_m for c in probe.candidates(128, 128)} == {64, 128}
+    assert {c.block_k for c in probe.candidates(8, 64)} == {64}  # block_k divides the group
 
 
 def test_tune_tiny(tmp_path, capsys):
