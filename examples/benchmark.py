@@ -232,6 +232,7 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
         has_zp=problem.has_zp,
         dtype=dtype,
     )
+    weights = _WeightsByLayout(w13, w2)
     rows = []
     for m in ms:
         xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (num_sets, m, h), dtype)
@@ -245,7 +246,8 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
                 _moe, implementation=impl, config=config, activation_quant=problem.activation_quant
             )
             try:
-                t, t_host = time_loop(fn, sets, iters=iters, repeats=repeats, consts=(w13, w2))
+                consts = weights.for_backend(impl)
+                t, t_host = time_loop(fn, sets, iters=iters, repeats=repeats, consts=consts)
             except Exception as err:  # a backend that cannot run this size: report, go on
                 logging.warning("%s M=%d failed: %s", impl, m, str(err).splitlines()[0])
                 continue
@@ -266,6 +268,25 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
             rows.append(row)
             print(f"  {impl:>16} M={m:<6} {t * 1e6:10.1f} us", file=sys.stderr, flush=True)
     return rows
+
+
+class _WeightsByLayout:
+    """The benchmark's weights in each backend's layout, converted once (not timed): a backend
+    that reads only a kernel layout (e.g. 'mgpu': mgpu_int4) gets its own copy."""
+
+    def __init__(self, w13, w2):
+        self._by_layout = {"canonical": (w13, w2)}
+
+    def for_backend(self, name: str):
+        from wna16_jax import _dispatch
+
+        layouts = _dispatch.get_backend(name).layouts
+        layout = "canonical" if "canonical" in layouts else layouts[0]
+        if layout not in self._by_layout:
+            w13, w2 = self._by_layout["canonical"]
+            convert = functools.partial(wj.layouts.to_kernel_layout, layout=layout)
+            self._by_layout[layout] = jax.block_until_ready((convert(w13), convert(w2)))
+        return self._by_layout[layout]
 
 
 def _moe(w13, w2, x, tw, ids, *, implementation, config, activation_quant=None):
@@ -391,7 +412,9 @@ def main(argv=None):
         "--implementations",
         nargs="+",
         default=None,
-        help="backends to time (default: pallas xla on GPU, pallas_interpret xla on CPU)",
+        help="backends to time (default: pallas xla on GPU, pallas_interpret xla on CPU); a "
+        "backend that reads its own weight layout (mgpu, mgpu_interpret) gets the weights "
+        "converted once, untimed",
     )
     p.add_argument(
         "--xla-max-m",

@@ -8,8 +8,8 @@
 #   tune-decode tune.py at M = 1, 16 (both GEMMs); installs the table for the steps after it
 #   tune-large  tune.py at M = 256, 4096 (merged into the same table)
 #   tune-tp8    tune.py on the TP=8 slice (I=256) at M = 1, 16 (merged into the same table)
-#   bench       benchmark.py: DeepSeek-V3 TP=1 with and without zero points (stages, JSON,
-#               roofline), the TP=8 slice
+#   bench       benchmark.py, pallas and mgpu: DeepSeek-V3 TP=1 with and without zero points
+#               (pallas' stages, JSON, roofline), the TP=8 slice
 #   int8        benchmark.py: W8A8 vs W8A16 (per-channel int8) at M = 1, 256, 4096
 #   w8a16       benchmark.py: W8A16 (per-channel int8) at M = 1, 256, 4096 (int8 runs it too)
 #   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (EXPERTS, default pallas), the
@@ -80,12 +80,12 @@ for step in "${steps[@]}"; do
         fi
         ;;
     bench)
-        python3 examples/benchmark.py --m 1 16 256 4096 --stages --implementations pallas \
+        python3 examples/benchmark.py --m 1 16 256 4096 --stages --implementations pallas mgpu \
             --json "$OUT/bench_zp.json" --plot "$OUT/roofline.png" 2>&1 | tee "$OUT/bench_zp.log"
-        python3 examples/benchmark.py --m 1 16 256 4096 --no-zp --implementations pallas \
+        python3 examples/benchmark.py --m 1 16 256 4096 --no-zp --implementations pallas mgpu \
             --json "$OUT/bench_sym.json" 2>&1 | tee "$OUT/bench_sym.log"
         python3 examples/benchmark.py --preset deepseek-v3-tp8 --m 1 16 --stages \
-            --implementations pallas --json "$OUT/bench_tp8.json" 2>&1 | tee "$OUT/bench_tp8.log"
+            --implementations pallas mgpu --json "$OUT/bench_tp8.json" 2>&1 | tee "$OUT/bench_tp8.log"
         ;;
     int8)
         python3 examples/benchmark.py --activation-quant int8_per_token --m 1 256 4096 \
