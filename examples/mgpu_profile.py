@@ -2,9 +2,9 @@
 for the GEMMs of the benchmark's workload, on one sm_90 GPU.
 
 For each M it aligns random routing like the layer (pallas_kernels/mgpu_fused_moe.py: the used
-blocks, at most --max-blocks of them, so that the trace stays small), runs GEMM1 (x rows @ w13)
-and GEMM2 (activation rows @ w2) once with the profiler on, and summarizes each warpgroup's
-trace (one per program, one per consumer with warp specialization):
+blocks, as many as fit in --max-programs programs, so that the trace stays small), runs GEMM1
+(x rows @ w13) and GEMM2 (activation rows @ w2) once with the profiler on, and summarizes each
+warpgroup's trace (one per program, one per consumer with warp specialization):
   - time per k-step (the warpgroup's span / its wgmma regions) and the span itself;
   - the share of the span in each named region: "convert" (int4 -> bf16 and the zero point),
     "wgmma" (issue, wait and read the k-tile product), "scale" (group scale, accumulate),
@@ -111,7 +111,12 @@ def main(argv=None) -> int:
         "splits as auto_splits would choose)",
     )
     p.add_argument(
-        "--max-blocks", type=int, default=528, help="profile at most this many blocks per GEMM"
+        "--max-programs",
+        type=int,
+        default=1056,
+        help="profile at most this many programs per GEMM (whole blocks; default 1056, about "
+        "two waves of 4 per SM on an H200): the trace holds one event pair per region per "
+        "k-step per warpgroup",
     )
     p.add_argument("--out", default="out/profile", help="traces, ptxas dumps and summary.json")
     p.add_argument(
@@ -161,27 +166,27 @@ def main(argv=None) -> int:
         routing = align(
             idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=args.interpret
         )
-        slots, experts = mgpu_fused_moe.used_blocks(routing, m * top_k, cfg.block_m)
-        blocks = min(experts.shape[0], args.max_blocks)
-        experts = experts[:blocks]
+        slots, used = mgpu_fused_moe.used_blocks(routing, m * top_k, cfg.block_m)
         x = jax.random.normal(jax.random.fold_in(key, 3 + m), (m, h), jnp.bfloat16)
-        rows = {
-            "GEMM1": mgpu_fused_moe.rows_in_block_order(x, slots, top_k)[: blocks * cfg.block_m],
-            "GEMM2": jax.random.normal(key, (blocks * cfg.block_m, i), jnp.bfloat16),
-        }
+        x_rows = mgpu_fused_moe.rows_in_block_order(x, slots, top_k)
         for what, w in weights.items():
             steps = w.shape[2] // cfg.block_k
             tiles = w.shape[1] // (BLOCK_N * max(cfg.consumers, 1))
+            # The splits the layer would take on all its blocks; then at most --max-programs.
             most = cfg.splits or mgpu_fused_moe.auto_splits(
-                tiles * blocks, mgpu_fused_moe._num_sms()
+                tiles * used.shape[0], mgpu_fused_moe._num_sms()
             )
             splits = max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
+            blocks = min(used.shape[0], max(1, args.max_programs // (tiles * splits)))
+            experts = used[:blocks]
+            rows = x_rows if what == "GEMM1" else jax.random.normal(key, x_rows.shape[:1] + (i,))
+            rows = rows[: blocks * cfg.block_m].astype(jnp.bfloat16)
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
             run = dict(block_m=cfg.block_m, block_k=cfg.block_k, consumers=cfg.consumers,
                        max_concurrent_steps=cfg.stages, splits=splits, out_dtype=jnp.float32,
                        interpret=args.interpret)  # fmt: skip
-            out = mgpu_wna16_gemm(rows[what], w, experts, **run,
+            out = mgpu_wna16_gemm(rows, w, experts, **run,
                                   profile_dir=None if args.interpret else trace_dir)  # fmt: skip
             jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
