@@ -79,11 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("auto", "canonical", "mgpu_int4"),
         default="auto",
         help="the routed experts' weight layout (wna16_jax.layouts), converted once after "
-        "building or loading: mgpu_int4 for the Mosaic GPU backend (H100/H200; int4, bf16, "
-        "no tensor axis). auto (default): mgpu_int4 with --implementation mgpu*, canonical "
+        "building or loading: mgpu_int4 for the Mosaic GPU backend (H100/H200; int4, bf16). "
+        "auto (default): mgpu_int4 with --implementation mgpu*, canonical "
         "with another --implementation, else the layout of the fastest backend that runs the "
         "experts here (wna16_jax.layouts.preferred_layout: mgpu_int4 on H100/H200 for int4 "
-        "bf16 experts without a tensor axis, canonical elsewhere)",
+        "bf16 experts, canonical elsewhere)",
     )
     p.add_argument(
         "--linear-implementation",

@@ -38,7 +38,7 @@ from models.deepseek_v3 import (
     save_pretrained,
 )
 from models.deepseek_v3 import sharding as sh
-from models.deepseek_v3.modeling import QuantParam, dequantize_model
+from models.deepseek_v3.modeling import QuantParam, RoutedExperts, dequantize_model
 
 NUM_DEVICES = 8
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,6 +234,31 @@ def test_float_experts(devices8):
     want = logits(model)
     sharded = sh.shard_model(nnx.clone(model), sh.make_mesh(expert=2, tensor=2))
     assert_close(logits(sharded), want, "f32_reordered")
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2", "ep2xtp2"])
+def test_kernel_expert_layout_on_a_mesh(devices8, layout):
+    """set_expert_layout("mgpu_int4") on a sharded model converts each shard where it lives
+    (experts over the expert axis; w13's rows and w2's K over the tensor axis, w13's
+    tensor-parallel row order kept): under 'xla' (which reads the layout by converting back)
+    the logits equal the canonical sharded model's bit for bit, and back again restores the
+    arrays."""
+    canonical = sharded_model(layout)
+    model = nnx.clone(canonical)
+    model.set_expert_layout("mgpu_int4")
+    experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
+    assert experts and all(m.w13.get().layout == "mgpu_int4" for m in experts)
+    ta = LAYOUTS[layout].get("tensor") and "tensor"
+    ea = LAYOUTS[layout].get("expert") and "expert"
+    w13, w2 = experts[0].w13.get(), experts[0].w2.get()
+    assert w13.scales.sharding.spec == P(ea, None, ta)  # [E, K//G, N]: rows last
+    assert w2.scales.sharding.spec == P(ea, ta, None)  # w2's K groups
+    np.testing.assert_array_equal(logits(model), logits(canonical))
+    model.set_expert_layout("canonical")
+    before = [m for _, m in nnx.iter_modules(canonical) if isinstance(m, RoutedExperts)]
+    for a, b in zip(experts, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.w13.get().qweight), b.w13.get().qweight)
+        np.testing.assert_array_equal(np.asarray(a.w2.get().scales), b.w2.get().scales)
 
 
 def test_greedy_generation_equals_unsharded(devices8):

@@ -292,9 +292,19 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
     helpers.assert_close(out, np.asarray(ref, np.float64), BF16, "DeepSeek-V3 layer")
 
 
+def layer_oracle(x, w13, w2, topk_weights, topk_ids, *, bf16_activation: bool):
+    """float64 layer on canonical weights; with bf16_activation GEMM2 reads the activation
+    rounded to bf16, as the mgpu layer's contract says ('xla' keeps it in f32)."""
+    return helpers.numpy_fused_moe(
+        np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
+        np.asarray(topk_weights, np.float64), np.asarray(topk_ids),
+        activation_dtype=BF16 if bf16_activation else None,
+    )  # fmt: skip
+
+
 def run_expert_parallel_case(rng, mode, dispatch, implementation, config=None):
-    """Two expert shards (one per GPU) of fused_moe_ep against unsharded 'xla' on the canonical
-    weights; 'mgpu' shards take mgpu_int4 weights."""
+    """Two expert shards (one per GPU) of fused_moe_ep against the float64 layer on the
+    canonical weights; 'mgpu' shards take mgpu_int4 weights."""
     from wna16_jax import sharding as sh
 
     devices = helpers.require_devices(2)[:2]
@@ -311,7 +321,7 @@ def run_expert_parallel_case(rng, mode, dispatch, implementation, config=None):
                                   dispatch=dispatch, implementation=implementation,
                                   config=config))  # fmt: skip
     out = np.asarray(f(x, w13s, w2s, tw, ids), np.float64)
-    ref = np.asarray(wj.fused_moe(x, w13, w2, tw, ids, implementation="xla"), np.float64)
+    ref = layer_oracle(x, w13, w2, tw, ids, bf16_activation=implementation == "mgpu")
     bad = np.flatnonzero(~np.isclose(out, ref, rtol=0.05, atol=0.05).all(axis=1))
     assert not len(bad), f"tokens {bad.tolist()} differ; max |diff| per token " + str(
         np.abs(out - ref).max(axis=1)[bad].round(3).tolist()
@@ -336,6 +346,28 @@ def test_fused_moe_expert_parallel_gpu(rng, mode, dispatch, implementation, bloc
     run of the real jax.lax.ragged_all_to_all (CPU tests emulate it)."""
     config = None if block_m is None else wj.BlockConfig(block_m=block_m, block_k=128)
     run_expert_parallel_case(rng, mode, dispatch, implementation, config)
+
+
+@pytest.mark.gpu
+def test_fused_moe_tensor_parallel_gpu(rng):
+    """'mgpu' under tensor parallelism: w13's rows (interleaved in the layout) and w2's K split
+    over the two GPUs, against the float64 layer on the canonical weights."""
+    from wna16_jax import sharding as sh
+
+    devices = helpers.require_devices(2)[:2]
+    e, top_k, t, h, i = 16, 4, 9, 512, 256
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 128, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 128, True, BF16)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
+    mesh = jax.make_mesh((2,), ("t",), devices=devices)
+    w13s = sh.shard_w13_for_tp(prepare_weights(w13), mesh, "t")
+    w2s = sh.shard_w2_for_tp(prepare_weights(w2), mesh, "t")
+    f = jax.jit(functools.partial(sh.fused_moe_tp, mesh=mesh, tensor_axis="t",
+                                  implementation="mgpu"))  # fmt: skip
+    out = f(x, w13s, w2s, tw, ids)
+    ref = layer_oracle(x, w13, w2, tw, ids, bf16_activation=True)
+    helpers.assert_close(out, ref, BF16, "TP=2 mgpu")
 
 
 @pytest.mark.gpu

@@ -548,9 +548,54 @@ def test_kernel_layout_ep2(rng, devices8, mode):
     check_against_unsharded(f(x, w13s, w2s, wts, ids), x, w13, w2, wts, ids)
 
 
-def test_tp_placement_refuses_a_kernel_layout(rng, devices8):
-    layout = LAYOUTS["tp2"]
+@pytest.mark.parametrize("layout", ["canonical", "mgpu_int4"])
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_tensor_shard_is_what_the_first_tensor_shard_holds(rng, devices8, layout, group_size):
+    """sh.tensor_shard(w, n, "n" | "k") equals device 0's shard of the tensor-parallel
+    placement (w13 after the row interleave; w2 as is), in either layout."""
+    mesh = jax.make_mesh((4,), ("t",), devices=devices8[:4])
+    w13 = helpers.random_quantized_experts(rng, 2, 512, 128, 4, group_size, True, jnp.bfloat16)
+    w2 = helpers.random_quantized_experts(rng, 2, 128, 256, 4, group_size, True, jnp.bfloat16)
+    w13, w2 = (wj.layouts.to_kernel_layout(w, layout) for w in (w13, w2))
+    for placed, local in (
+        (
+            sh.shard_w13_for_tp(w13, mesh, "t"),
+            sh.tensor_shard(sh.tp_interleave_w13(w13, 4), 4, "n"),
+        ),
+        (sh.shard_w2_for_tp(w2, mesh, "t"), sh.tensor_shard(w2, 4, "k")),
+    ):
+        for field in ("qweight", "scales", "zeros"):
+            shard = getattr(placed, field).addressable_shards[0]
+            assert shard.device == devices8[0]
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(getattr(local, field)))
+    assert sh.tensor_shard(w13, 4, "n").shape == (2, 128, 128)
+    assert sh.tensor_shard(w2, 4, "k").shape == (2, 128, 64)
+    with pytest.raises(ValueError, match="split='x'"):
+        sh.tensor_shard(w2, 4, "x")
+
+
+@pytest.mark.parametrize("shape,axes", [((2,), ("t",)), ((4,), ("t",)), ((2, 2), ("e", "t"))])
+def test_kernel_layout_tp(rng, devices8, shape, axes):
+    """Tensor-parallel placement of mgpu_int4 weights: w13's rows are interleaved in the layout
+    (its per-group arrays hold the rows last), which equals converting the canonical
+    interleave; the shard specs follow the layout; the shards' layers ('xla', which reads the
+    layout by converting back) sum to the unsharded result."""
+    layout = Layout(shape, axes, bits=4, group_size=64, has_zp=True)
     mesh = make_mesh(layout, devices8)
-    w13 = helpers.random_quantized_experts(rng, E, 2 * I, H, 4, 16, True)
-    with pytest.raises(ValueError, match="tensor-parallel placement takes canonical"):
-        sh.shard_w13_for_tp(wj.layouts.to_kernel_layout(w13, "mgpu_int4"), mesh, "t")
+    x, w13, w2, wts, ids = make_problem(rng, layout, 5, dtype=jnp.bfloat16, h=128, i=256)
+    to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
+    n_t = mesh.shape["t"]
+    in_layout = sh.tp_interleave_w13(to_mgpu(w13), n_t)
+    converted = to_mgpu(sh.tp_interleave_w13(w13, n_t))
+    for field in ("qweight", "scales", "zeros"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(in_layout, field)), np.asarray(getattr(converted, field))
+        )
+    back = sh.tp_deinterleave_w13(in_layout, n_t)
+    np.testing.assert_array_equal(np.asarray(back.scales), np.asarray(to_mgpu(w13).scales))
+    w13s, w2s = place(layout, mesh, to_mgpu(w13), to_mgpu(w2))
+    assert w13s.layout == w2s.layout == "mgpu_int4"
+    assert w13s.scales.sharding.spec == P(layout.expert_axis, None, "t")  # [E, K//G, N]
+    assert w2s.scales.sharding.spec == P(layout.expert_axis, "t", None)
+    f = sharded_fn(layout, mesh, implementation="xla")
+    check_against_unsharded(f(x, w13s, w2s, wts, ids), x, w13, w2, wts, ids)

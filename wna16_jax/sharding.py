@@ -137,6 +137,27 @@ def _specs(
     )
 
 
+def tensor_shard(qw: QuantizedExperts, num_shards: int, split: str) -> QuantizedExperts:
+    """The first of `num_shards` tensor shards of `qw`: the arrays one tensor shard holds, cut
+    where `expert_specs` splits them (split "n": w13's rows, n_axis; "k": w2's K, k_axis), in
+    any layout. Shapes are what callers mostly need: wrap it in jax.eval_shape."""
+    if split not in ("n", "k"):
+        raise ValueError(f"split={split!r} must be 'n' (w13's rows) or 'k' (w2's K)")
+    specs = expert_specs(qw, **{f"{split}_axis": "tensor"})
+
+    def cut(a, spec):
+        for axis, name in enumerate(spec):
+            if name == "tensor":
+                return jax.lax.slice_in_dim(a, 0, a.shape[axis] // num_shards, axis=axis)
+        return a
+
+    fields = ("qweight", "scales", "zeros")
+    return dataclasses.replace(
+        qw,
+        **{f: cut(getattr(qw, f), getattr(specs, f)) for f in fields if getattr(qw, f) is not None},
+    )
+
+
 def named_shardings(mesh: Mesh, specs: QuantizedExperts) -> QuantizedExperts:
     """Maps a QuantizedExperts of PartitionSpecs (from `expert_specs`) to NamedShardings."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -200,8 +221,11 @@ def _check_tp(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
         )
 
 
-def _interleave_rows(a, num_shards: int, inverse: bool = False):
-    """[E, 2R, ...] rows [gate; up] <-> [gate_0; up_0; gate_1; up_1; ...] (blocks of R/n)."""
+def _interleave_rows(a, num_shards: int, inverse: bool = False, axis: int = 1):
+    """[E, 2R, ...] rows [gate; up] <-> [gate_0; up_0; gate_1; up_1; ...] (blocks of R/n), the
+    rows along `axis` (1, or 2 for the per-group arrays of a kernel layout: [E, K//G, N])."""
+    if axis != 1:
+        return _interleave_rows(a.swapaxes(1, axis), num_shards, inverse).swapaxes(1, axis)
     e, rows = a.shape[:2]
     rest = tuple(a.shape[2:])
     blk = rows // (2 * num_shards)
@@ -215,17 +239,19 @@ def tp_interleave_w13(w13: QuantizedExperts, num_shards: int) -> QuantizedExpert
     w13 rows are [gate 0..I-1; up I..2I-1]; sharding them naively in n blocks would give the
     first shards only gate rows. After this reorder rows are [gate_0; up_0; gate_1; up_1; ...]
     with gate_s = gate rows [s*I/n, (s+1)*I/n), so block s of 2I/n rows is a valid w13 of the
-    intermediate slice s (gate first, then up). Works on numpy (host) and jax arrays.
+    intermediate slice s (gate first, then up). Works on numpy (host) and jax arrays, in any
+    layout (wna16_jax.layouts; the rows of the mgpu_int4 layout's per-group arrays are their
+    last dim).
 
     Args:
-        w13: QuantizedExperts [E, 2I, H] in the canonical layout.
+        w13: QuantizedExperts [E, 2I, H].
         num_shards: n, the tensor-parallel degree.
 
     Returns:
         QuantizedExperts [E, 2I, H] with rows interleaved (zero points moved with their rows).
 
     Raises:
-        ValueError: I/n is not whole, or (for int4 zero points) odd.
+        ValueError: I/n is not whole, or (for canonical int4 zero points) odd.
     """
     return _tp_reorder_w13(w13, num_shards, inverse=False)
 
@@ -235,32 +261,26 @@ def tp_deinterleave_w13(w13: QuantizedExperts, num_shards: int) -> QuantizedExpe
     return _tp_reorder_w13(w13, num_shards, inverse=True)
 
 
-def _canonical_for_tp(qw: QuantizedExperts, what: str) -> None:
-    qw.validate(what)
-    if qw.layout != "canonical":
-        raise ValueError(
-            f"{what}: tensor-parallel placement takes canonical weights, got the {qw.layout!r} "
-            f"layout (wna16_jax.layouts.to_canonical_layout converts back)"
-        )
-
-
 def _tp_reorder_w13(w13: QuantizedExperts, num_shards: int, *, inverse: bool):
-    _canonical_for_tp(w13, "w13")
+    w13.validate("w13")
     i = w13.n // 2
     if w13.n % 2 or i % num_shards:
         raise ValueError(
             f"w13: the intermediate size I={w13.n / 2:g} (N={w13.n}) is not divisible by the "
             f"{num_shards} tensor shards"
         )
-    if w13.has_zeros and w13.bits == 4 and (i // num_shards) % 2:
+    canonical = w13.layout == "canonical"
+    if canonical and w13.has_zeros and w13.bits == 4 and (i // num_shards) % 2:
         raise ValueError(
             f"w13: I/n = {i // num_shards} is odd; int4 zero points pack two rows per byte"
         )
+    per_group_axis = 1 if canonical else 2  # [E, N, K//G] or [E, K//G, N]
+    reorder = functools.partial(_interleave_rows, num_shards=num_shards, inverse=inverse)
     return dataclasses.replace(
         w13,
-        qweight=_interleave_rows(w13.qweight, num_shards, inverse),
-        scales=_interleave_rows(w13.scales, num_shards, inverse),
-        zeros=None if w13.zeros is None else _interleave_rows(w13.zeros, num_shards, inverse),
+        qweight=reorder(w13.qweight),
+        scales=reorder(w13.scales, axis=per_group_axis),
+        zeros=None if w13.zeros is None else reorder(w13.zeros, axis=per_group_axis),
     )
 
 
@@ -281,8 +301,9 @@ def shard_w13_for_tp(
     `fused_moe_ep(..., tensor_axis=)` with the same mesh axis; `tp_deinterleave_w13` undoes it.
 
     Args:
-        w13: QuantizedExperts [E, 2I, H] with canonical rows [gate; up]; host (numpy) arrays
-            are reordered on the host and each device gets only its slice.
+        w13: QuantizedExperts [E, 2I, H] with rows [gate; up], in any layout (the shard specs
+            follow it); host (numpy) arrays are reordered on the host and each device gets
+            only its slice.
         mesh: the device mesh.
         tensor_axis: mesh axis of tensor parallelism (size n): I/n must be a multiple of the
             packing (8 for int4, 4 for int8) and of group_size (w2's K is split the same way).
@@ -294,7 +315,7 @@ def shard_w13_for_tp(
     Raises:
         ValueError: an axis not in the mesh, or I/n, E/n_e not allowed (values quoted).
     """
-    _canonical_for_tp(w13, "w13")
+    w13.validate("w13")
     n_t = _axis_size(mesh, tensor_axis, "tensor_axis")
     if expert_axis is not None:
         _check_divisible(w13.num_experts, _axis_size(mesh, expert_axis, "expert_axis"))
@@ -307,9 +328,10 @@ def shard_w2_for_tp(
 ) -> QuantizedExperts:
     """Places w2 [E, H, I] for tensor parallelism: sharded on K (= I) over tensor_axis.
 
-    qweight [E, H, I//pf] and the scales / zeros [E, *, I//G] are split on their last dim
+    qweight [E, H, I//pf] and the scales / zeros [E, *, I//G] are split on their K dim
     (replicated when group_size=-1: one group spans the row), so I/n must be a multiple of
-    the packing (8 for int4, 4 for int8) and of group_size.
+    the packing (8 for int4, 4 for int8) and of group_size. Any layout: the shard specs follow
+    it (mgpu_int4: qweight [E, H, I], per-group arrays [E, I//G, H]).
 
     Args:
         w2: QuantizedExperts [E, H, I].
@@ -323,7 +345,7 @@ def shard_w2_for_tp(
     Raises:
         ValueError: an axis not in the mesh, or I/n, E/n_e not allowed (values quoted).
     """
-    _canonical_for_tp(w2, "w2")
+    w2.validate("w2")
     n_t = _axis_size(mesh, tensor_axis, "tensor_axis")
     if expert_axis is not None:
         _check_divisible(w2.num_experts, _axis_size(mesh, expert_axis, "expert_axis"))

@@ -565,27 +565,24 @@ class RoutedExperts(nnx.Module):
     def set_layout(self, layout: str) -> None:
         """Converts w13 and w2 to `layout` (wna16_jax.layouts; "mgpu_int4" for the 'mgpu'
         backend), replacing them: no second copy is kept. On a mesh each device converts its
-        own expert shard (the shardings follow the layout's specs).
-
-        Raises:
-            ValueError: tensor-parallel experts (their placement takes canonical weights).
-        """
+        own shard (the shardings follow the layout's specs: experts over the expert axis, w13's
+        rows and w2's K over the tensor axis; the conversion is row by row, so w13's
+        tensor-parallel row order is kept)."""
         if layout == self.layout:
             return
-        if self.w13_tp_shards != 1:
-            raise ValueError(
-                f"experts split over a tensor axis ({self.w13_tp_shards} shards) keep the "
-                f"canonical layout; {layout!r} runs with expert parallelism only"
-            )
         convert = functools.partial(wj.layouts.to_kernel_layout, layout=layout)
         w13, w2 = self.w13.get(), self.w2.get()
         if self.sharding is not None:
-            ea, mesh = self.sharding.expert_axis, self.sharding.mesh
-            shard = lambda qw: wj.sharding.named_shardings(  # noqa: E731
-                mesh, wj.sharding.expert_specs(jax.eval_shape(convert, qw), expert_axis=ea)
-            )
-            w13 = jax.jit(convert, out_shardings=shard(w13))(w13)
-            w2 = jax.jit(convert, out_shardings=shard(w2))(w2)
+            ea, ta, mesh = self.sharding.expert_axis, self.sharding.tensor_axis, self.sharding.mesh
+
+            def shard(qw, **tensor):
+                specs = wj.sharding.expert_specs(
+                    jax.eval_shape(convert, qw), expert_axis=ea, **tensor
+                )
+                return wj.sharding.named_shardings(mesh, specs)
+
+            w13 = jax.jit(convert, out_shardings=shard(w13, n_axis=ta))(w13)
+            w2 = jax.jit(convert, out_shardings=shard(w2, k_axis=ta))(w2)
         else:
             w13, w2 = convert(w13), convert(w2)
         self.w13 = QuantizedTensor(w13)
@@ -794,14 +791,18 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 m.set_layout(layout)
 
     def preferred_expert_layout(self) -> str:
-        """wna16_jax.layouts.preferred_layout for the routed experts on this platform;
-        "canonical" for experts split over a tensor axis (kernel layouts run with expert
-        parallelism only) or a model without routed experts."""
+        """wna16_jax.layouts.preferred_layout for the routed experts on this platform (for one
+        tensor shard's slice when they are split over a tensor axis); "canonical" for a model
+        without routed experts."""
         for _, m in nnx.iter_modules(self):
             if isinstance(m, RoutedExperts):
-                if m.w13_tp_shards != 1:
-                    return "canonical"
-                return wj.layouts.preferred_layout(m.w13.get(), m.w2.get(), dtype=self.cfg.dtype)
+                w13, w2 = m.w13.get(), m.w2.get()
+                n = m.w13_tp_shards
+                if n != 1:  # one tensor shard's slice: 2I/n rows of w13, I/n of w2's K
+                    shard = functools.partial(wj.sharding.tensor_shard, num_shards=n)
+                    w13 = jax.eval_shape(functools.partial(shard, split="n"), w13)
+                    w2 = jax.eval_shape(functools.partial(shard, split="k"), w2)
+                return wj.layouts.preferred_layout(w13, w2, dtype=self.cfg.dtype)
         return "canonical"
 
     def set_linear_implementation(self, implementation: str) -> None:
