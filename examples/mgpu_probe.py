@@ -118,25 +118,26 @@ def main(argv=None) -> int:
             idss = jnp.broadcast_to(idss[:, :1], idss.shape)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
         touched = float(np.mean([len(np.unique(np.asarray(idss[s]))) for s in range(4)]))
-        wbytes = (benchmark.weight_bytes(w13, 1) + benchmark.weight_bytes(w2, 1)) * touched
+        bytes1, bytes2 = (benchmark.weight_bytes(w, 1) * touched for w in (w13, w2))
+        flops1, flops2 = 2.0 * m * top_k * 2 * i * h, 2.0 * m * top_k * h * i
         iters = args.iters or (100 if m <= 256 else 20)
         timing = dict(iters=iters, repeats=args.repeats, host=False)
 
         keys = dict(preset=args.preset, zp=has_zp, M=m, routing=args.routing)
-        record = functools.partial(_record, rows, keys,
-                                   wbytes, copy_bps)  # fmt: skip
+        record = functools.partial(_record, rows, keys, copy_bps, mm_flops)
+        layer = dict(weight_bytes=bytes1 + bytes2, flops=flops1 + flops2)
 
         pallas = lambda a, b, x, tw, ids: wj.fused_moe(  # noqa: E731
             x, a, b, tw, ids, implementation="xla" if interpret else "pallas"
         )
         t, _ = benchmark.time_loop(pallas, sets, consts=(w13, w2), **timing)
-        record("pallas layer", "package", t)
+        record("pallas layer", "package", t, **layer)
         backend = lambda a, b, x, tw, ids: wj.fused_moe(  # noqa: E731
             x, a, b, tw, ids, implementation="mgpu_interpret" if interpret else "mgpu"
         )
         t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), **timing)
         chosen = default_config(m * top_k, e, h if g == -1 else g)
-        record("mgpu backend", astuple(chosen), t)
+        record("mgpu backend", astuple(chosen), t, **layer)
         best = (t, chosen)
         rows_per_expert = m if args.routing == "identical" else m * top_k / e
         for cfg in candidates(rows_per_expert, h if g == -1 else g) if args.search else ():
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
                       flush=True)  # fmt: skip
                 rows.append(dict(M=m, what="mgpu layer", config=astuple(cfg), error="\n".join(msg)))
                 continue
-            record("mgpu layer", astuple(cfg), t)
+            record("mgpu layer", astuple(cfg), t, **layer)
             if t < best[0]:
                 best = (t, cfg)
         cfg = best[1]
@@ -163,14 +164,17 @@ def main(argv=None) -> int:
         x_rows = mgpu_fused_moe.rows_in_block_order(xs[0], slots, top_k)
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
-        for what, w, a in (("mgpu GEMM1", w13p, x_rows), ("mgpu GEMM2", w2p, act_rows)):
+        for what, w, a, work in (
+            ("mgpu GEMM1", w13p, x_rows, dict(weight_bytes=bytes1, flops=flops1)),
+            ("mgpu GEMM2", w2p, act_rows, dict(weight_bytes=bytes2, flops=flops2)),
+        ):
             t, _ = benchmark.time_loop(
                 lambda w, a, ex, gemm=gemm: gemm(a, w, ex),
                 [(a, block_experts)],
                 consts=(w,),
                 **timing,
             )
-            record(what, astuple(cfg), t)
+            record(what, astuple(cfg), t, **work)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
@@ -179,11 +183,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def _record(rows, keys, wbytes, copy_bps, what, config, seconds):
-    rows.append(dict(keys, what=what, config=config, seconds=seconds, weight_bytes=wbytes))
-    pct = wbytes / seconds / copy_bps * 100
+def _record(rows, keys, copy_bps, mm_flops, what, config, seconds, *, weight_bytes, flops):
+    """One timed row; weight_bytes and flops are those of what was timed (the layer's, or one
+    GEMM's), against the run's copy and matmul ceilings."""
+    rows.append(dict(keys, what=what, config=config, seconds=seconds, weight_bytes=weight_bytes,
+                     flops=flops))  # fmt: skip
+    pct = weight_bytes / seconds / copy_bps * 100
+    tflops = flops / seconds / 1e12
     print(f"M={keys['M']:<5} {what:<14} {config!s:<22} {seconds * 1e6:10.1f} us "
-          f"({pct:5.1f}% of copy for the layer's weights)", flush=True)  # fmt: skip
+          f"({pct:5.1f}% of copy, {tflops:6.1f} TFLOP/s = {flops / seconds / mm_flops:5.1%} "
+          f"of matmul)", flush=True)  # fmt: skip
 
 
 def _layer(w13p, w2p, x, tw, ids, *, config, interpret):
