@@ -408,6 +408,17 @@ def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
         wj.layouts.preferred_layout(w13, w2, dtype=dtype, activation="gelu")
 
 
+@pytest.mark.gpu
+def test_preferred_layout_on_this_gpu(rng):
+    """On an sm_90 GPU the preferred layout of int4 bf16 experts is mgpu_int4 (the 'mgpu'
+    backend runs them); on other GPUs canonical."""
+    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, 4, 128, True, BF16)
+    sm90 = str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+    want = "mgpu_int4" if sm90 else "canonical"
+    assert wj.layouts.preferred_layout(w13, w2, dtype=BF16) == want
+
+
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 def test_layout_round_trip_is_lossless(rng, has_zp):
     qw = helpers.random_quantized_experts(rng, 3, 64, 256, 4, 64, has_zp, BF16)
