@@ -129,9 +129,10 @@ def mgpu_wna16_gemm(
     (`plgpu.emit_pipeline_warp_specialized`), a producer warpgroup issues the copies and each
     consumer warpgroup does the math on its own 64 features of the program's tile, sharing the
     rows' tile. splits > 1: each program takes one of `splits` equal runs of k-steps (more
-    programs for few rows). exact=False: each weight is rounded to bf16 once, as
-    (q - z) * scale (the 'xla' reference's dequantization), and the k-tiles accumulate in one
-    f32 accumulator: no per-step readout and scaling of a fresh product.
+    programs for few rows). exact=False: each weight (q - z) * scale is rounded to bf16 once,
+    as a dequantize-then-dot in bf16 does (the 'pallas' GEMM does so when a k-tile spans
+    several groups; the 'xla' reference keeps weights in f32), and the k-tiles accumulate in
+    one f32 accumulator: no per-step readout and scaling of a fresh product.
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
@@ -236,7 +237,7 @@ def mgpu_wna16_gemm(
 
         def inplace_step(acc_ref):
             # exact=False: the group scale multiplies the bf16 weights (one rounding per
-            # weight, as dequantize-then-dot does) and every k-tile accumulates into acc_ref.
+            # weight) and every k-tile accumulates into acc_ref.
             def body(_, q_smem, x_smem, s_smem, *z_smem):
                 wt = dequantized_tile(q_smem, z_smem)
                 with jax.named_scope("scale"):
