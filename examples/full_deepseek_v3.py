@@ -79,6 +79,14 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--implementation", default=None, help="fused_moe backend (default auto)")
+    p.add_argument(
+        "--expert-layout",
+        choices=("auto", "canonical", "mgpu_int4"),
+        default="auto",
+        help="the routed experts' weight layout, converted per shard after drawing them; auto: "
+        "as generate.py (mgpu_int4 with --implementation mgpu*, else the fastest backend's "
+        "layout here: mgpu_int4 on H100/H200)",
+    )
     p.add_argument("--cpu-devices", type=int, default=None, help="N fake CPU devices")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -110,6 +118,12 @@ def main(argv=None):
     model = init_random(cfg, mesh=mesh, on_device=True, implementation=args.implementation)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     print(f"weights drawn on the devices in {time.perf_counter() - t0:.1f} s", flush=True)
+    layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
+    if layout != "canonical":
+        t1 = time.perf_counter()
+        model.set_expert_layout(layout)
+        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+        print(f"experts converted to {layout} in {time.perf_counter() - t1:.1f} s", flush=True)
     expert_bytes_per_expert, other_bytes = _weight_bytes(model)
     on_gpu = jax.default_backend() == "gpu"
     n_copy = (1 << 28) if on_gpu else (1 << 20)  # f32 values: 1 GiB on a GPU
@@ -158,6 +172,7 @@ def main(argv=None):
         device_kind=jax.devices()[0].device_kind,
         jax=jax.__version__,
         copy_bytes_per_s=copy_bps,
+        expert_layout=layout,
         routed_expert_bytes_per_expert_all_layers=expert_bytes_per_expert,
         other_weight_bytes=other_bytes,
         rows=rows,

@@ -234,11 +234,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer, what = build_model(args, mesh)
     model.set_linear_implementation(args.linear_implementation)
-    layout = args.expert_layout
-    if layout == "auto" and args.implementation is not None:
-        layout = "mgpu_int4" if args.implementation.startswith("mgpu") else "canonical"
-    elif layout == "auto":
-        layout = model.preferred_expert_layout()
+    layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
     if layout != "canonical":
         t1 = time.perf_counter()
         model.set_expert_layout(layout)

@@ -275,6 +275,18 @@ def test_preferred_expert_layout(monkeypatch):
     assert f32.preferred_expert_layout() == "canonical"
 
 
+def test_resolve_expert_layout(monkeypatch):
+    """generate.py's --expert-layout: a named layout as is; auto follows a named
+    implementation (mgpu* -> mgpu_int4, another -> canonical), else the preferred layout."""
+    model = tiny_model(num_hidden_layers=2)
+    assert model.resolve_expert_layout("mgpu_int4", "pallas") == "mgpu_int4"
+    assert model.resolve_expert_layout("auto", "mgpu_interpret") == "mgpu_int4"
+    assert model.resolve_expert_layout("auto", ("mgpu", "xla")) == "mgpu_int4"
+    assert model.resolve_expert_layout("auto", "xla") == "canonical"
+    monkeypatch.setattr(model, "preferred_expert_layout", lambda: "mgpu_int4")
+    assert model.resolve_expert_layout("auto", None) == "mgpu_int4"
+
+
 def test_mgpu_expert_layout_matches_canonical(rng):
     """set_expert_layout("mgpu_int4") converts every routed-expert layer losslessly: under
     'xla' the logits are bit-identical to the canonical model's, the 'mgpu' kernels

@@ -152,6 +152,8 @@ def test_full_deepseek_v3_dry_run_on_cpu_devices(tmp_path):
             "2",
             "--max-new-tokens",
             "2",
+            "--expert-layout",
+            "mgpu_int4",  # converted per expert shard; the CPU's 'xla' reads it
             "--json",
             str(out),
         ],
@@ -163,6 +165,7 @@ def test_full_deepseek_v3_dry_run_on_cpu_devices(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["devices"] == 2 and "expert=2" in result["mesh"]
+    assert result["expert_layout"] == "mgpu_int4"
     assert [r["batch"] for r in result["rows"]] == [1, 2]
     for r in result["rows"]:
         assert r["decode_tokens_per_s"] > 0

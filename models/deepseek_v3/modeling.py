@@ -790,6 +790,18 @@ class DeepseekV3ForCausalLM(nnx.Module):
             if isinstance(m, RoutedExperts):
                 m.set_layout(layout)
 
+    def resolve_expert_layout(self, requested: str, implementation=None) -> str:
+        """The experts' layout for a `requested` one ("auto", or a wna16_jax.layouts name) and
+        a fused_moe `implementation`: "auto" means mgpu_int4 for an mgpu* implementation,
+        canonical for another named one, and `preferred_expert_layout()` when none is named."""
+        if requested != "auto":
+            return requested
+        if isinstance(implementation, str):
+            return "mgpu_int4" if implementation.startswith("mgpu") else "canonical"
+        if implementation is not None:  # a sequence of names: the first decides
+            return self.resolve_expert_layout("auto", tuple(implementation)[0])
+        return self.preferred_expert_layout()
+
     def preferred_expert_layout(self) -> str:
         """wna16_jax.layouts.preferred_layout for the routed experts on this platform (for one
         tensor shard's slice when they are split over a tensor axis); "canonical" for a model
