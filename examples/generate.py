@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--expert-layout",
-        choices=("auto", "canonical", "mgpu_int4"),
+        choices=("auto", *wj.layouts.LAYOUTS),
         default="auto",
         help="the routed experts' weight layout (wna16_jax.layouts), converted once after "
         "building or loading: mgpu_int4 for the Mosaic GPU backend (H100/H200; int4, bf16). "

@@ -34,7 +34,6 @@ import benchmark  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
 from pallas_kernels import mgpu_fused_moe  # noqa: E402
-from pallas_kernels.fused_moe import align  # noqa: E402
 from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
 
 
@@ -157,11 +156,10 @@ def main(argv=None) -> int:
                 best = (t, cfg)
         cfg = best[1]
         # The two GEMMs alone (f32 outputs, as the layer runs them), on set 0's rows.
-        routing = align(
-            idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
-        )
-        slots, block_experts = mgpu_fused_moe.used_blocks(routing, m * top_k, cfg.block_m)
-        x_rows = mgpu_fused_moe.rows_in_block_order(xs[0], slots, top_k)
+        _, block_experts, x_rows = mgpu_fused_moe.block_rows(
+            xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
+            interpret=interpret,
+        )  # fmt: skip
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
         for what, w, a, work in (

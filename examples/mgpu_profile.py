@@ -14,7 +14,7 @@ With MOSAIC_GPU_DUMP_PTXAS set (this script sets it, dumping under --out/ptxas) 
 each kernel's registers and shared memory, which bound how many programs an SM holds.
 
     python examples/mgpu_profile.py --m 1 16 4096 --out out/profile
-    python examples/mgpu_profile.py --preset deepseek-v3-tp8 --m 1 --config 8,128,4,0,4
+    python examples/mgpu_profile.py --preset deepseek-v3-tp8 --m 1 --config 8,128,4,0,4,0
 
 --interpret runs the same flow in the Mosaic GPU interpreter (no profiler there: a CPU check of
 this script only).
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument(
         "--config",
-        help="block_m,block_k,stages,consumers,splits (default: the layer's default_config; "
-        "splits as auto_splits would choose)",
+        help="block_m,block_k,stages,consumers[,splits[,exact]] as integers (splits omitted: "
+        "auto_splits; exact 0: in-place accumulation; default: the layer's default_config)",
     )
     p.add_argument(
         "--max-programs",
@@ -138,7 +138,6 @@ def main(argv=None) -> int:
 
     import wna16_jax as wj
     from pallas_kernels import mgpu_fused_moe
-    from pallas_kernels.fused_moe import align
     from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config
     from pallas_kernels.mgpu_wna16_gemm import BLOCK_N, mgpu_wna16_gemm
 
@@ -163,34 +162,28 @@ def main(argv=None) -> int:
         else:
             cfg = default_config(m * top_k, e, group)
         tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 1)
-        routing = align(
-            idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=args.interpret
-        )
-        slots, used = mgpu_fused_moe.used_blocks(routing, m * top_k, cfg.block_m)
         x = jax.random.normal(jax.random.fold_in(key, 3 + m), (m, h), jnp.bfloat16)
-        x_rows = mgpu_fused_moe.rows_in_block_order(x, slots, top_k)
+        _, used, x_rows = mgpu_fused_moe.block_rows(
+            x, idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
+            interpret=args.interpret,
+        )  # fmt: skip
         for what, w in weights.items():
-            steps = w.shape[2] // cfg.block_k
             tiles = w.shape[1] // (BLOCK_N * max(cfg.consumers, 1))
             # The splits the layer would take on all its blocks; then at most --max-programs.
-            most = cfg.splits or mgpu_fused_moe.auto_splits(
-                tiles * used.shape[0], mgpu_fused_moe._num_sms()
-            )
-            splits = max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
+            splits = mgpu_fused_moe.gemm_splits(cfg, w, used.shape[0])
             blocks = min(used.shape[0], max(1, args.max_programs // (tiles * splits)))
             experts = used[:blocks]
             rows = x_rows if what == "GEMM1" else jax.random.normal(key, x_rows.shape[:1] + (i,))
             rows = rows[: blocks * cfg.block_m].astype(jnp.bfloat16)
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
-            run = dict(block_m=cfg.block_m, block_k=cfg.block_k, consumers=cfg.consumers,
-                       max_concurrent_steps=cfg.stages, splits=splits, out_dtype=jnp.float32,
-                       interpret=args.interpret)  # fmt: skip
-            out = mgpu_wna16_gemm(rows, w, experts, **run,
+            out = mgpu_wna16_gemm(rows, w, experts, **mgpu_fused_moe.gemm_options(cfg, splits),
+                                  interpret=args.interpret,
                                   profile_dir=None if args.interpret else trace_dir)  # fmt: skip
             jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
-                                               cfg.consumers, splits], blocks=blocks)  # fmt: skip
+                                               cfg.consumers, splits, cfg.exact],
+                       blocks=blocks)  # fmt: skip
             traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
             if traces:
                 with open(traces[-1]) as f:

@@ -89,49 +89,64 @@ def _num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
+    """The K splits a GEMM of `num_blocks` blocks on `w` takes at cfg: the largest divisor of
+    its k-step count up to cfg.splits (None: auto_splits for its programs)."""
+    steps = w.shape[2] // cfg.block_k
+    most = cfg.splits
+    if most is None:
+        tiles = w.shape[1] // (BLOCK_N * max(cfg.consumers, 1))
+        most = auto_splits(tiles * num_blocks, _num_sms())
+    return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
+
+
+def gemm_options(cfg: MgpuConfig, splits: int) -> dict:
+    """mgpu_wna16_gemm's keyword arguments at cfg with `splits`, f32 outputs (the layer's)."""
+    return dict(
+        block_m=cfg.block_m,
+        block_k=cfg.block_k,
+        max_concurrent_steps=cfg.stages,
+        consumers=cfg.consumers,
+        splits=splits,
+        exact=cfg.exact,
+        out_dtype=jnp.float32,
+    )
+
+
 def block_gemm(cfg: MgpuConfig, interpret: bool):
     """gemm(rows, w, block_experts) -> [P, N] f32: the Mosaic GPU GEMM at cfg, K-split
     partial products summed."""
 
     def gemm(rows, w, block_experts):
-        steps = w.shape[2] // cfg.block_k
-        most = cfg.splits
-        if most is None:
-            tiles = w.shape[1] // (BLOCK_N * max(cfg.consumers, 1))
-            most = auto_splits(tiles * block_experts.shape[0], _num_sms())
-        splits = max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
-        out = mgpu_wna16_gemm(
-            rows,
-            w,
-            block_experts,
-            block_m=cfg.block_m,
-            block_k=cfg.block_k,
-            max_concurrent_steps=cfg.stages,
-            consumers=cfg.consumers,
-            splits=splits,
-            exact=cfg.exact,
-            out_dtype=jnp.float32,
-            interpret=interpret,
-        )
+        splits = gemm_splits(cfg, w, block_experts.shape[0])
+        options = gemm_options(cfg, splits)
+        out = mgpu_wna16_gemm(rows, w, block_experts, **options, interpret=interpret)
         return out.sum(axis=0) if splits > 1 else out
 
     return gemm
+
+
+def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret: bool):
+    """The aligned slots, block experts and x's rows in block order of the used blocks
+    (align, used_blocks, rows_in_block_order): the GEMMs' inputs."""
+    t, k = topk_ids.shape
+    routing = align(
+        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
+        interpret=interpret,
+    )  # fmt: skip
+    # slots: t*k + j, or the sentinel t*k for padding
+    slots, block_experts = used_blocks(routing, t * k, block_m)
+    return slots, block_experts, rows_in_block_order(x, slots, k)
 
 
 def _chunk(x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret):
     """One chunk of tokens: [t, H] f32."""
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
-    routing = align(
-        topk_ids,
-        num_experts=num_experts,
-        block_m=cfg.block_m,
-        expert_map=expert_map,
+    slots, block_experts, x_rows = block_rows(
+        x, topk_ids, num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map,
         interpret=interpret,
-    )
-    # slots: t*k + j, or the sentinel t*k for padding
-    slots, block_experts = used_blocks(routing, t * k, cfg.block_m)
-    x_rows = rows_in_block_order(x, slots, k)
+    )  # fmt: skip
     gemm = block_gemm(cfg, interpret)
     # f32 GEMM outputs: the activation and the top-k sum see unrounded sums. The activation
     # is rounded to x's dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla'

@@ -302,17 +302,24 @@ def layer_oracle(x, w13, w2, topk_weights, topk_ids, *, bf16_activation: bool):
     )  # fmt: skip
 
 
+def two_gpu_problem(rng, t: int):
+    """(the first 2 devices, x, w13, w2, topk_weights, topk_ids) for the 2-GPU layer tests:
+    E=16, top-4, H=512, I=256, int4 g128 with zero points, bf16."""
+    devices = helpers.require_devices(2)[:2]
+    e, top_k, h, i = 16, 4, 512, 256
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 128, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 128, True, BF16)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
+    return devices, x, w13, w2, tw, ids
+
+
 def run_expert_parallel_case(rng, mode, dispatch, implementation, config=None):
     """Two expert shards (one per GPU) of fused_moe_ep against the float64 layer on the
     canonical weights; 'mgpu' shards take mgpu_int4 weights."""
     from wna16_jax import sharding as sh
 
-    devices = helpers.require_devices(2)[:2]
-    e, top_k, t, h, i = 16, 4, 34, 512, 256
-    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 128, True, BF16)
-    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 128, True, BF16)
-    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
-    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
+    devices, x, w13, w2, tw, ids = two_gpu_problem(rng, t=34)
     mesh = jax.make_mesh((2,), ("e",), devices=devices)
     convert = prepare_weights if implementation == "mgpu" else lambda w: w
     w13s = sh.shard_experts(convert(w13), mesh, "e")
@@ -354,12 +361,7 @@ def test_fused_moe_tensor_parallel_gpu(rng):
     over the two GPUs, against the float64 layer on the canonical weights."""
     from wna16_jax import sharding as sh
 
-    devices = helpers.require_devices(2)[:2]
-    e, top_k, t, h, i = 16, 4, 9, 512, 256
-    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 128, True, BF16)
-    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 128, True, BF16)
-    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
-    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
+    devices, x, w13, w2, tw, ids = two_gpu_problem(rng, t=9)
     mesh = jax.make_mesh((2,), ("t",), devices=devices)
     w13s = sh.shard_w13_for_tp(prepare_weights(w13), mesh, "t")
     w2s = sh.shard_w2_for_tp(prepare_weights(w2), mesh, "t")
