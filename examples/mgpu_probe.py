@@ -39,25 +39,25 @@ from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E4
 
 def candidates(rows: float, group: int) -> list[MgpuConfig]:
     """Configs to try for `rows` rows per used expert: block_m around it; no warp
-    specialization or a producer with 1-2 consumer warpgroups; K splits for few rows; exact or
-    in-place accumulation. block_k is the largest of 128/64 dividing the group (64 lost to 128
-    at every M in session 4), 4 stages (2 changed nothing) except where 4 would not fit in
-    shared memory."""
+    specialization or a producer with 1-2 consumer warpgroups; K splits for few rows; k-steps
+    of one group (block_k 128 where it divides the group: 64 lost to 128 at every M in session
+    4) or of two (256: fewer, larger copies per step); 4 stages (2 and 6-8 changed nothing)
+    except where 4 would not fit in shared memory."""
     bk = 128 if group % 128 == 0 else 64
-    # (stages, consumers, splits, exact) per block_m; splits None: auto_splits
+    # (block_k, stages, consumers, splits) per block_m; splits None: auto_splits
     if rows <= 1:
         bms = [8]
-        variants = [(4, 0, 1, 1), (4, 0, None, 1), (4, 0, 8, 1), (4, 0, None, 0), (8, 2, 1, 1)]
+        variants = [(bk, 4, 0, None), (bk, 4, 0, 8), (2 * group, 4, 0, None), (bk, 8, 2, 1)]
     elif rows <= 4:
-        bms, variants = [8, 16], [(4, 0, None, 1), (4, 0, 2, 1), (4, 0, None, 0)]
+        bms, variants = [8, 16], [(bk, 4, 0, None), (bk, 4, 0, 2), (2 * group, 4, 0, None)]
     elif rows <= 64:
-        bms, variants = [16, 32, 64], [(4, 0, None, 1), (4, 2, None, 1), (4, 2, None, 0)]
+        bms, variants = [16, 32, 64], [(bk, 4, 0, None), (bk, 4, 2, None), (2 * group, 3, 2, None)]
     else:
-        bms, variants = [64, 128], [(4, 2, None, 1), (4, 2, None, 0), (4, 1, None, 0)]
+        bms, variants = [64, 128], [(bk, 4, 2, None), (bk, 4, 1, None), (2 * group, 3, 2, None)]
     configs = (
-        MgpuConfig(bm, bk, 3 if bm * bk > 64 * 128 and c == 2 else st, c, s, bool(x))
+        MgpuConfig(bm, k, 3 if bm * k > 64 * 128 and c == 2 else st, c, s)
         for bm in bms
-        for st, c, s, x in variants
+        for k, st, c, s in variants
     )
     return list(dict.fromkeys(configs))
 

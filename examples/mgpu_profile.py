@@ -10,8 +10,11 @@ warpgroup's trace (one per program, one per consumer with warp specialization):
     "wgmma" (issue, wait and read the k-tile product), "scale" (group scale, accumulate),
     "store" (output tile); "outside" is the rest: waiting for the k-tile's copies, loop control;
   - warpgroups resident on an SM at once (max, and mean over the time any is resident).
-With MOSAIC_GPU_DUMP_PTXAS set (this script sets it, dumping under --out/ptxas) ptxas reports
-each kernel's registers and shared memory, which bound how many programs an SM holds.
+With MOSAIC_GPU_DUMP_PTXAS set (this script sets it) ptxas reports each kernel's registers and
+shared memory, which bound how many programs an SM holds: the script catches what the compiler
+writes to the process's stdout/stderr while each kernel compiles (--out/compile.log) and keeps
+ptxas' resource lines. On the H200 (session 6): 72 registers per thread, so registers did not
+cap the 4-7 resident programs per SM.
 
     python examples/mgpu_profile.py --m 1 16 4096 --out out/profile
     python examples/mgpu_profile.py --preset deepseek-v3-tp8 --m 1 --config 8,128,4,0,4,0
@@ -23,6 +26,7 @@ this script only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -90,14 +94,30 @@ def summarize_trace(events: list[dict]) -> dict:
     )
 
 
-def ptxas_report(dump_dir: str) -> list[str]:
-    """The resource lines (registers, shared memory) of ptxas' verbose output in dump_dir."""
-    lines = []
-    for path in sorted(glob.glob(os.path.join(dump_dir, "**", "*"), recursive=True)):
-        if os.path.isfile(path):
-            with open(path, errors="replace") as f:
-                lines += [ln.strip() for ln in f if "registers" in ln or "smem" in ln]
-    return lines
+def ptxas_report(log_path: str) -> list[str]:
+    """The resource lines (registers, barriers, shared memory) of ptxas' verbose output."""
+    with open(log_path, errors="replace") as f:
+        return [ln.strip() for ln in f if ln.startswith("ptxas info") and "Used" in ln]
+
+
+@contextlib.contextmanager
+def fds_to(path: str):
+    """Sends file descriptors 1 and 2 (where the compiler's C++ code writes) to path."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
 
 
 def main(argv=None) -> int:
@@ -107,8 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument(
         "--config",
-        help="block_m,block_k,stages,consumers[,splits[,exact]] as integers (splits omitted: "
-        "auto_splits; exact 0: in-place accumulation; default: the layer's default_config)",
+        help="block_m,block_k,stages,consumers[,splits] as integers (splits omitted: "
+        "auto_splits; default: the layer's default_config)",
     )
     p.add_argument(
         "--max-programs",
@@ -126,11 +146,10 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    ptxas_dir = os.path.join(args.out, "ptxas")
+    compile_log = os.path.join(args.out, "compile.log")
     if not args.interpret:
         # Read when each kernel compiles (jaxlib/mosaic/gpu/dump.cc).
         os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
-        os.environ.setdefault("MOSAIC_GPU_DUMP_TO", ptxas_dir)
 
     import benchmark
     import jax
@@ -177,12 +196,13 @@ def main(argv=None) -> int:
             rows = rows[: blocks * cfg.block_m].astype(jnp.bfloat16)
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
-            out = mgpu_wna16_gemm(rows, w, experts, **mgpu_fused_moe.gemm_options(cfg, splits),
-                                  interpret=args.interpret,
-                                  profile_dir=None if args.interpret else trace_dir)  # fmt: skip
-            jax.block_until_ready(out)
+            with fds_to(compile_log):
+                out = mgpu_wna16_gemm(rows, w, experts, **mgpu_fused_moe.gemm_options(cfg, splits),
+                                      interpret=args.interpret,
+                                      profile_dir=None if args.interpret else trace_dir)  # fmt: skip
+                jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
-                                               cfg.consumers, splits, cfg.exact],
+                                               cfg.consumers, splits],
                        blocks=blocks)  # fmt: skip
             traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
             if traces:
@@ -198,7 +218,7 @@ def main(argv=None) -> int:
                 why = "interpreter" if args.interpret else "the profiler wrote none"
                 print(f"M={m:<5} {what} {row['config']} {blocks} blocks: ran, no trace ({why})")
             summary.append(row)
-    resources = ptxas_report(ptxas_dir)
+    resources = ptxas_report(compile_log) if os.path.exists(compile_log) else []
     for line in resources:
         print("ptxas:", line)
     with open(os.path.join(args.out, "summary.json"), "w") as f:

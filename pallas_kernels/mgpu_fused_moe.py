@@ -26,15 +26,13 @@ class MgpuConfig:
     """Rows per block (wgmma N, 8..256), k-tile (divides the group), pipelined k-steps,
     consumer warpgroups (0: no warp specialization; 1 or 2 with a producer warpgroup) and the
     most K splits (each GEMM takes the largest divisor of its k-step count up to it; None:
-    `auto_splits` per GEMM), and whether each k-tile's exact product is scaled (exact) or the
-    bf16-rounded weights accumulate in place (mgpu_wna16_gemm's `exact`)."""
+    `auto_splits` per GEMM)."""
 
     block_m: int
     block_k: int = 128
     stages: int = 4
     consumers: int = 0
     splits: int | None = None
-    exact: bool = True
 
 
 def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
@@ -92,6 +90,8 @@ def _num_sms() -> int:
 def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
     """The K splits a GEMM of `num_blocks` blocks on `w` takes at cfg: the largest divisor of
     its k-step count up to cfg.splits (None: auto_splits for its programs)."""
+    if w.shape[2] % cfg.block_k:
+        raise ValueError(f"block_k={cfg.block_k} must divide the GEMM's K={w.shape[2]}")
     steps = w.shape[2] // cfg.block_k
     most = cfg.splits
     if most is None:
@@ -108,7 +108,6 @@ def gemm_options(cfg: MgpuConfig, splits: int) -> dict:
         max_concurrent_steps=cfg.stages,
         consumers=cfg.consumers,
         splits=splits,
-        exact=cfg.exact,
         out_dtype=jnp.float32,
     )
 

@@ -5,8 +5,9 @@ Swap-AB: each program computes out[rows of one block, block_n features] as the t
 W[e][features, :] @ x[rows, :]^T. The dequantized weight tile is the wgmma's A operand, taken
 from registers: int4 is loaded from shared memory, converted to bf16 and shifted by the zero
 point in registers, never written back to shared memory. (q - z) is a small integer, exact in
-bf16, so each k-tile's products are exact in its f32 sum; the tile sum is then scaled by the
-group's scale (one scale per k-tile: block_k divides the group). The block's token rows are the
+bf16, so the products of a group's k-tiles are exact in their f32 sum; that sum is then
+scaled by the group's scale (block_k divides the group, or a k-step spans whole groups, each
+scaled on its own). The block's token rows are the
 B operand (shared memory, K-major), so a block needs 8..256 rows rather than a 64-row tile: the
 path for decode (one row per expert) and prefill alike. TMA copies of the weight, scale and row
 tiles run `max_concurrent_steps` k-steps ahead.
@@ -23,8 +24,11 @@ splits > 1 gives each program one of `splits` runs of k-steps and writes partial
 slice at M=1).
 
 It reads QuantizedExperts in the "mgpu_int4" layout (wna16_jax/layouts.py, made once):
-qweight int4 [E, N, K] holding q - 8, scales [E, K//G, N] (one TMA row of block_n scales per
-group) and zeros None or 8 - z as [E, K//G, N], so that w = (qweight + zeros) * scales.
+qweight int4 [E, N/64, K/64, 64, 64] holding q - 8 in 64x64 tiles, k-tiles of a row of tiles
+consecutive, so that each k-step's block_n x block_k weights are one contiguous run of memory
+(3-14% faster than rows [E, N, K] at M = 1..256 on the H200, docs/PERFORMANCE.md session 6);
+scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 8 - z as
+[E, K//G, N], so that w = (qweight + zeros) * scales.
 
 Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
 p // block_m), one expert id per block (-1: the block's output rows are zeros).
@@ -39,10 +43,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from wna16_jax._types import QuantizedExperts
+from wna16_jax._types import MGPU_TILE, QuantizedExperts
 
 # Output features per program: one warpgroup's wgmma M (64 rows of W).
 BLOCK_N = 64
+# The mgpu_int4 layout's weight tiles are TILE x TILE.
+TILE = MGPU_TILE
 
 
 def check_config(
@@ -56,6 +62,7 @@ def check_config(
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
+    w.validate("weights")
     if w.layout != "mgpu_int4":
         raise NotImplementedError(
             f"the Mosaic GPU GEMM reads the mgpu_int4 layout, got {w.layout!r} "
@@ -77,8 +84,11 @@ def check_config(
         raise ValueError(f"N={n} must be a multiple of {BLOCK_N * max(consumers, 1)}")
     if block_k % 64 or k % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 64 dividing K={k}")
-    if w.group % block_k:
-        raise ValueError(f"block_k={block_k} must divide the group ({w.group}): one scale/k-tile")
+    if w.group % block_k and block_k % w.group:
+        raise ValueError(
+            f"block_k={block_k} must divide the group ({w.group}) or be a multiple of it: "
+            f"one scale per group's k-tiles"
+        )
     if splits < 1 or (k // block_k) % splits:
         raise ValueError(f"splits={splits} must divide the {k // block_k} k-steps")
 
@@ -100,7 +110,6 @@ def _swizzled(shape, dtype, what: str):
         "max_concurrent_steps",
         "consumers",
         "splits",
-        "exact",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -116,7 +125,6 @@ def mgpu_wna16_gemm(
     max_concurrent_steps: int = 4,
     consumers: int = 0,
     splits: int = 1,
-    exact: bool = True,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -129,10 +137,7 @@ def mgpu_wna16_gemm(
     (`plgpu.emit_pipeline_warp_specialized`), a producer warpgroup issues the copies and each
     consumer warpgroup does the math on its own 64 features of the program's tile, sharing the
     rows' tile. splits > 1: each program takes one of `splits` equal runs of k-steps (more
-    programs for few rows). exact=False: each weight (q - z) * scale is rounded to bf16 once,
-    as a dequantize-then-dot in bf16 does (the 'pallas' GEMM does so when a k-tile spans
-    several groups; the 'xla' reference keeps weights in f32), and the k-tiles accumulate in
-    one f32 accumulator: no per-step readout and scaling of a fresh product.
+    programs for few rows).
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
@@ -149,7 +154,10 @@ def mgpu_wna16_gemm(
     wgs = max(consumers, 1)  # warpgroups doing math, each on BLOCK_N features
     bm, bn, bk = block_m, BLOCK_N, block_k
     tile_n = bn * wgs  # features per program
-    tiles_per_group = w.group // bk
+    # A k-step spans part of one group (steps_per_group of them) or several whole groups.
+    steps_per_group = max(w.group // bk, 1)
+    groups_per_step = max(bk // w.group, 1)
+    tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
     has_offset = w.zeros is not None
     steps = k // bk // splits
     wgmma = plgpu.Layout.WGMMA
@@ -179,53 +187,57 @@ def mgpu_wna16_gemm(
             plgpu.wait_smem_to_gmem(0)
 
         @jax.named_scope("convert")
-        def dequantized_tile(q_smem, z_smem):
-            # q - 8 (and + 8 - z) are small integers: exact in bf16.
-            wt = plgpu.load(q_smem.at[features], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+        def dequantized_tile(q_smem, z_smem, j):
+            # This warpgroup's j-th 64x64 weight tile of the k-step in bf16: q - 8 (and
+            # + 8 - z) are small integers, exact in bf16.
+            g = j // tiles_per_part  # the tile's group in the step
+            q_tile = q_smem.at[wg if consumers > 1 else 0, j]
+            wt = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA_UPCAST_4X)
             wt = plgpu.layout_cast(wt, wgmma).astype(dtype)
             if z_smem:
-                z = plgpu.load(z_smem[0].at[0, features], layout=row)
+                z = plgpu.load(z_smem[0].at[g, features], layout=row)
                 wt = wt + lax.broadcast_in_dim(z, wt.shape, [0])
-            return wt
-
-        def a_operand(wt):
             if interpret:  # the interpreter's wgmma takes A from shared memory only
-                a_smem.at[wg][...] = wt
-                return a_smem.at[wg]
+                a_smem.at[wg, j][...] = wt
+                return a_smem.at[wg, j]
             return wt
 
         def step(_, q_smem, x_smem, s_smem, *rest):
-            # Each k-tile's products are exact in its f32 sum; the group scale multiplies
-            # the sum.
+            # The products of a group's k-tiles are exact in their f32 sum; the group scale
+            # multiplies the sum.
             *z_smem, acc = rest
-            wt = a_operand(dequantized_tile(q_smem, z_smem))
+            for g in range(groups_per_step):
+                tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
+                wts = [dequantized_tile(q_smem, z_smem, j) for j in tiles]
 
-            def tile_product(part_ref):
-                plgpu.wgmma(part_ref, wt, x_smem.T)
-                return part_ref[...]
+                def tile_product(part_ref, tiles=tiles, wts=wts):
+                    for j, wt in zip(tiles, wts):
+                        plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
+                    return part_ref[...]
 
-            with jax.named_scope("wgmma"):  # issue, wait, read out
-                part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
-            with jax.named_scope("scale"):
-                scale = plgpu.load(s_smem.at[0, features], layout=row).astype(jnp.float32)
-                return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+                with jax.named_scope("wgmma"):  # issue, wait, read out
+                    part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
+                with jax.named_scope("scale"):
+                    scale = plgpu.load(s_smem.at[g, features], layout=row).astype(jnp.float32)
+                    acc = acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+            return acc
 
-        group_row = lambda kk: ((first_step + kk) // tiles_per_group, ni)  # noqa: E731
+        group_rows = lambda kk: ((first_step + kk) // steps_per_group, ni)  # noqa: E731
         in_specs = [
-            plgpu.BlockSpec(
-                (tile_n, bk),
-                lambda kk: (ni, first_step + kk),
-                transforms=_swizzled((tile_n, bk), jnp.int4, "w"),
+            plgpu.BlockSpec(  # [consumers or 1, bk/64, 64, 64]: contiguous in memory
+                (wgs, bk // TILE, TILE, TILE),
+                lambda kk: (ni, first_step + kk, 0, 0),
+                transforms=_swizzled((TILE, TILE), jnp.int4, "w"),
             ),
             plgpu.BlockSpec(
                 (bm, bk),
                 lambda kk: (bi, first_step + kk),
                 transforms=_swizzled((bm, bk), dtype, "x"),
             ),
-            plgpu.BlockSpec((1, tile_n), group_row),
+            plgpu.BlockSpec((groups_per_step, tile_n), group_rows),
         ]
         if has_offset:
-            in_specs.append(plgpu.BlockSpec((1, tile_n), group_row))
+            in_specs.append(plgpu.BlockSpec((groups_per_step, tile_n), group_rows))
         stages = min(max_concurrent_steps, steps)
 
         def operands():
@@ -235,65 +247,26 @@ def mgpu_wna16_gemm(
         def zero_acc():
             return plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
 
-        def inplace_step(acc_ref):
-            # exact=False: the group scale multiplies the bf16 weights (one rounding per
-            # weight) and every k-tile accumulates into acc_ref.
-            def body(_, q_smem, x_smem, s_smem, *z_smem):
-                wt = dequantized_tile(q_smem, z_smem)
-                with jax.named_scope("scale"):
-                    scale = plgpu.load(s_smem.at[0, features], layout=row)
-                    wt = wt * lax.broadcast_in_dim(scale.astype(dtype), wt.shape, [0])
-                with jax.named_scope("wgmma"):
-                    plgpu.wgmma(acc_ref, a_operand(wt), x_smem.T)
-                    plgpu.wgmma_wait(0)
-
-            return body
-
-        def accumulated(run):  # run(acc_ref) fills a zeroed accumulator; its value
-            def scoped(acc_ref):
-                run(acc_ref)
-                return acc_ref[...]
-
-            return pl.run_scoped(scoped, plgpu.ACC((bn, bm), jnp.float32))
-
-        def pipelined(body, **carry):
-            """The k-steps of `body`: one warpgroup (carry: init_carry=), or a producer and the
-            consumers (carry: compute_context=)."""
+        @pl.when(expert >= 0)
+        def _matmul():  # the carry is the f32 accumulator value
             if not consumers:
-                return plgpu.emit_pipeline(
-                    body, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages, **carry
-                )(*operands())
-            return plgpu.emit_pipeline_warp_specialized(
-                body,
+                acc = plgpu.emit_pipeline(
+                    step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages,
+                    init_carry=zero_acc(),
+                )(*operands())  # fmt: skip
+                store(acc.astype(out_dtype))
+                return
+            plgpu.emit_pipeline_warp_specialized(
+                step,
                 grid=(steps,),
                 memory_registers=40,
                 in_specs=in_specs,
                 max_concurrent_steps=stages,
                 wg_axis="wg",
                 num_compute_wgs=consumers,
-                **carry,
+                # The consumer warpgroups' prologue and epilogue.
+                compute_context=lambda run: store(run(zero_acc()).astype(out_dtype)),
             )(*operands())
-
-        def matmul():  # exact: the carry is the f32 accumulator value
-            if not consumers:
-                store(pipelined(step, init_carry=zero_acc()).astype(out_dtype))
-                return
-            # The consumer warpgroups' prologue and epilogue.
-            pipelined(step, compute_context=lambda run: store(run(zero_acc()).astype(out_dtype)))
-
-        def matmul_in_place():
-            if not consumers:
-                acc = accumulated(lambda acc_ref: pipelined(inplace_step(acc_ref)))
-                store(acc.astype(out_dtype))
-                return
-
-            def body(*args):  # the carry is the accumulator's ref
-                inplace_step(args[-1])(*args[:-1])
-                return args[-1]
-
-            pipelined(body, compute_context=lambda run: store(accumulated(run).astype(out_dtype)))
-
-        pl.when(expert >= 0)(matmul if exact else matmul_in_place)
 
         @pl.when((expert < 0) & (wg < wgs))
         def _zeros():
@@ -305,14 +278,16 @@ def mgpu_wna16_gemm(
     out_shape = (splits, p, n) if splits > 1 else (p, n)
     scratch = [plgpu.SMEM((wgs, bm, bn), out_dtype)]
     if interpret:
-        scratch.append(plgpu.SMEM((wgs, bn, bk), dtype))
+        scratch.append(plgpu.SMEM((wgs, bk // TILE, bn, TILE), dtype))
     grid, names = (n // tile_n, p // bm), ("n", "b")
     if splits > 1:
         grid, names = grid + (splits,), names + ("s",)
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     profile = {}
-    if profile_dir:  # events per warpgroup: begin and end of 3 regions per k-step, the store
-        profile = dict(profile_space=6 * steps + 8, profile_dir=profile_dir)
+    if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma and a scale
+        # per group (twice that, to spare), and the store
+        regions = bk // TILE + 2 * groups_per_step
+        profile = dict(profile_space=2 * regions * steps + 8, profile_dir=profile_dir)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),

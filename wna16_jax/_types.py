@@ -20,6 +20,8 @@ DOT_MODES = ("mma", "fma")
 # QuantizedExperts.layout values: "canonical" (DESIGN.md, every backend) and "mgpu_int4" (the
 # Mosaic GPU GEMM's private layout, made once by wna16_jax.layouts.to_kernel_layout).
 LAYOUTS = ("canonical", "mgpu_int4")
+# The mgpu_int4 layout's weight tiles: MGPU_TILE x MGPU_TILE (features x inputs).
+MGPU_TILE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +41,9 @@ class QuantizedExperts:
         group_size: G, or -1 for one group spanning K (static).
         layout: "canonical" (static).
     Layout "mgpu_int4" (int4 only; read by the 'mgpu' backend, and by 'xla' through
-    wna16_jax.layouts.to_canonical_layout): qweight int4 [E, N, K] holding q - 8; scales
-    [E, K//G, N]; zeros None or 8 - z as [E, K//G, N] in the scales' dtype.
+    wna16_jax.layouts.to_canonical_layout): qweight int4 [E, N/64, K/64, 64, 64] holding q - 8
+    in 64x64 tiles (N and K multiples of 64); scales [E, K//G, N]; zeros None or 8 - z as
+    [E, K//G, N] in the scales' dtype.
     """
 
     qweight: Any
@@ -59,8 +62,9 @@ class QuantizedExperts:
     @property
     def shape(self) -> tuple[int, int, int]:
         """Logical [E, N, K]."""
-        if self.layout == "mgpu_int4":
-            return tuple(int(d) for d in self.qweight.shape)
+        if self.layout == "mgpu_int4":  # [E, N/64, K/64, 64, 64] tiles
+            e, n_tiles, k_tiles, tile_n, tile_k = (int(d) for d in self.qweight.shape)
+            return (e, n_tiles * tile_n, k_tiles * tile_k)
         e, n, kw = self.qweight.shape
         return (e, n, kw * self.pack_factor)
 
@@ -70,7 +74,7 @@ class QuantizedExperts:
 
     @property
     def n(self) -> int:
-        return self.qweight.shape[1]
+        return self.shape[1]
 
     @property
     def k(self) -> int:
@@ -146,10 +150,12 @@ class QuantizedExperts:
     def _validate_mgpu_int4(self, name: str) -> None:
         if self.bits != 4:
             raise ValueError(f"{name}: the mgpu_int4 layout holds int4 weights, not int{self.bits}")
-        if self.qweight.ndim != 3 or self.qweight.dtype != jnp.int4:
+        tile = (MGPU_TILE, MGPU_TILE)
+        q = self.qweight
+        if q.ndim != 5 or tuple(q.shape[3:]) != tile or q.dtype != jnp.int4:
             raise ValueError(
-                f"{name}: mgpu_int4 qweight must be int4 [E, N, K], got "
-                f"{self.qweight.dtype} {tuple(self.qweight.shape)}"
+                f"{name}: mgpu_int4 qweight must be int4 [E, N/64, K/64, 64, 64], got "
+                f"{q.dtype} {tuple(q.shape)}"
             )
         e, n, k = self.shape
         if self.group_size != -1 and (self.group_size <= 0 or k % self.group_size):

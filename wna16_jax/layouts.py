@@ -6,8 +6,10 @@
     layout = wj.layouts.preferred_layout(w13, w2, dtype=jnp.bfloat16)  # what runs fastest here
 
 "mgpu_int4" (pallas_kernels/mgpu_wna16_gemm.py's operands; int4 only):
-  qweight  int4 [E, N, K]: the canonical nibbles minus 8 (xor 8), so the signed int4 -> bf16
-           conversion applies; otherwise the canonical bytes (low nibble first).
+  qweight  int4 [E, N/64, K/64, 64, 64]: the canonical nibbles minus 8 (xor 8), so the
+           signed int4 -> bf16 conversion applies, in 64x64 tiles (rows of the tile: features,
+           low nibble first along K), the k-tiles of each row of tiles consecutive: a k-step of
+           the GEMM reads one contiguous run of memory. N and K must be multiples of 64.
   scales   [E, K//G, N]: a group's scales for consecutive features are one TMA row.
   zeros    None, or 8 - z as [E, K//G, N] in the scales' dtype (exact: small integers),
            so that w = (qweight + zeros) * scales is DESIGN.md's (q - z) * scale.
@@ -20,7 +22,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from wna16_jax._types import LAYOUTS, QuantizedExperts
+from wna16_jax._types import LAYOUTS, MGPU_TILE, QuantizedExperts
 
 # Kernel layouts (with their backend) that preferred_layout picks, in order, where the backend
 # can run the experts here. On the H200 the 'mgpu' layer (mgpu_int4) beat 'pallas'
@@ -45,7 +47,13 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     if qw.bits != 4:
         raise ValueError(f"the {layout} layout holds int4 weights, not int{qw.bits}")
     e, n, k = qw.shape
+    if n % MGPU_TILE or k % MGPU_TILE:
+        raise ValueError(
+            f"the {layout} layout holds {MGPU_TILE}x{MGPU_TILE} tiles: N={n} and K={k} must be "
+            f"multiples of {MGPU_TILE}"
+        )
     q = lax.bitcast_convert_type(qw.qweight ^ jnp.uint32(_XOR_8), jnp.int4).reshape(e, n, k)
+    q = tiled(q)
     offset = None
     if qw.zeros is not None:
         z = jnp.stack([qw.zeros & 0xF, qw.zeros >> 4], axis=2).reshape(e, n, -1)
@@ -66,7 +74,8 @@ def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
         return qw
     qw.validate("weights")
     e, n, k = qw.shape
-    words = lax.bitcast_convert_type(qw.qweight.reshape(e, n, k // 8, 8), jnp.uint32)
+    words = untiled(qw.qweight).reshape(e, n, k // 8, 8)
+    words = lax.bitcast_convert_type(words, jnp.uint32)
     zeros = None
     if qw.zeros is not None:
         z = (8 - jnp.swapaxes(qw.zeros, 1, 2).astype(jnp.int32)).astype(jnp.uint8)  # [E, N, g]
@@ -78,6 +87,19 @@ def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
         bits=4,
         group_size=qw.group_size,
     )
+
+
+def tiled(q):
+    """int4 [E, N, K] -> [E, N/64, K/64, 64, 64] (the mgpu_int4 qweight's tiles)."""
+    e, n, k = q.shape
+    t = MGPU_TILE
+    return q.reshape(e, n // t, t, k // t, t).transpose(0, 1, 3, 2, 4)
+
+
+def untiled(q):
+    """The inverse of `tiled`: [E, N/64, K/64, 64, 64] -> [E, N, K]."""
+    e, n_tiles, k_tiles, tn, tk = q.shape
+    return q.transpose(0, 1, 3, 2, 4).reshape(e, n_tiles * tn, k_tiles * tk)
 
 
 def preferred_layout(

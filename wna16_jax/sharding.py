@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from wna16_jax import _api
-from wna16_jax._types import BlockConfig, QuantizedExperts
+from wna16_jax._types import MGPU_TILE, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -219,6 +219,16 @@ def _check_tp(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
             f"{what}: I/n = {i}/{num_shards} = {per} is not a multiple of "
             f"group_size={qw.group_size}; each tensor shard must hold whole quantization groups"
         )
+    _check_whole_tiles(per, qw, what, f"I/n = {i}/{num_shards} = {per}")
+
+
+def _check_whole_tiles(per: int, qw: QuantizedExperts, what: str, said: str) -> None:
+    if qw.layout == "mgpu_int4" and per % MGPU_TILE:
+        raise ValueError(
+            f"{what}: {said} is not a multiple of {MGPU_TILE}: each tensor shard of the "
+            f"mgpu_int4 layout must hold whole {MGPU_TILE}x{MGPU_TILE} weight tiles (shard "
+            f"canonical weights, then convert each shard)"
+        )
 
 
 def _interleave_rows(a, num_shards: int, inverse: bool = False, axis: int = 1):
@@ -270,6 +280,7 @@ def _tp_reorder_w13(w13: QuantizedExperts, num_shards: int, *, inverse: bool):
             f"{num_shards} tensor shards"
         )
     canonical = w13.layout == "canonical"
+    _check_whole_tiles(i // num_shards, w13, "w13", f"I/n = {i}/{num_shards} = {i // num_shards}")
     if canonical and w13.has_zeros and w13.bits == 4 and (i // num_shards) % 2:
         raise ValueError(
             f"w13: I/n = {i // num_shards} is odd; int4 zero points pack two rows per byte"
