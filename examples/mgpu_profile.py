@@ -197,8 +197,8 @@ def main(argv=None) -> int:
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
             with fds_to(compile_log):
-                out = mgpu_wna16_gemm(rows, w, experts, **mgpu_fused_moe.gemm_options(cfg, splits),
-                                      interpret=args.interpret,
+                options = mgpu_fused_moe.gemm_options(cfg, splits)
+                out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
                                       profile_dir=None if args.interpret else trace_dir)  # fmt: skip
                 jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,

@@ -211,7 +211,7 @@ def mgpu_wna16_gemm(
                 wts = [dequantized_tile(q_smem, z_smem, j) for j in tiles]
 
                 def tile_product(part_ref, tiles=tiles, wts=wts):
-                    for j, wt in zip(tiles, wts):
+                    for j, wt in zip(tiles, wts, strict=True):
                         plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
                     return part_ref[...]
 
