@@ -198,8 +198,9 @@ def main(argv=None) -> int:
             os.makedirs(trace_dir, exist_ok=True)
             with fds_to(compile_log):
                 options = mgpu_fused_moe.gemm_options(cfg, splits)
+                profile_dir = None if args.interpret else trace_dir
                 out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
-                                      profile_dir=None if args.interpret else trace_dir)  # fmt: skip
+                                      profile_dir=profile_dir)  # fmt: skip
                 jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
                                                cfg.consumers, splits],

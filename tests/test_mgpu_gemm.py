@@ -92,8 +92,15 @@ def run_gemm_case(
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
     "block_m,block_k,group_size",
-    [(8, 128, 128), (16, 64, 128), (64, 128, -1), (32, 64, 64), (8, 256, 128), (16, 256, 64),
-     (8, 128, 64)],
+    [
+        (8, 128, 128),
+        (16, 64, 128),
+        (64, 128, -1),
+        (32, 64, 64),
+        (8, 256, 128),
+        (16, 256, 64),
+        (8, 128, 64),
+    ],
     ids=lambda v: str(v),
 )
 def test_gemm_matches_numpy(rng, has_zp, block_m, block_k, group_size):
