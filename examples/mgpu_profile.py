@@ -189,7 +189,8 @@ def main(argv=None) -> int:
         for what, w in weights.items():
             tiles = w.shape[1] // (BLOCK_N * max(cfg.consumers, 1))
             # The splits the layer would take on all its blocks; then at most --max-programs.
-            splits = mgpu_fused_moe.gemm_splits(cfg, w, used.shape[0])
+            this = mgpu_fused_moe.gemm_config(cfg, w)
+            splits = mgpu_fused_moe.gemm_splits(this, w, used.shape[0])
             blocks = min(used.shape[0], max(1, args.max_programs // (tiles * splits)))
             experts = used[:blocks]
             rows = x_rows if what == "GEMM1" else jax.random.normal(key, x_rows.shape[:1] + (i,))
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
             with fds_to(compile_log):
-                options = mgpu_fused_moe.gemm_options(cfg, splits)
+                options = mgpu_fused_moe.gemm_options(this, splits)
                 profile_dir = None if args.interpret else trace_dir
                 out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
                                       profile_dir=profile_dir)  # fmt: skip

@@ -36,17 +36,21 @@ class MgpuConfig:
 
 
 def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
-    """block_m near the mean rows per expert, from the H200 figures of sessions 4 and 5 (8 rows
-    won at M=1 and 16, 16 rows at M=256, 64 rows at M=4096; block_k 128 beat 64 everywhere).
-    Two consumer warpgroups with 64-row blocks (M=4096: 12.5 vs 16.7 ms); no warp
-    specialization or K split for smaller blocks (each lost at M=1, 16 and 256)."""
+    """block_m near the mean rows per expert, from the H200 figures of sessions 4-6 (8 rows
+    won at M=1 and 16, 16 rows at M=256, 64 rows at M=4096). Two consumer warpgroups with
+    64-row blocks (M=4096: 12.4 vs 17.5 ms); no warp specialization or K split for smaller
+    blocks (each lost at M=1, 16 and 256). k-steps of two groups of 128 (block_k 256) with 8-
+    and 64-row blocks (M=16: 963 vs 994 us, M=4096: 11.69 vs 12.41 ms, M=1: a tie), else of
+    one group (block_k 128 beat 64 everywhere in session 4; at M=256 256 was not faster)."""
     rows = num_slots / num_experts
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
-    return MgpuConfig(
-        block_m=block_m,
-        block_k=128 if group % 128 == 0 else 64,
-        consumers=2 if block_m == 64 else 0,
-    )
+    block_k = 128 if group % 128 == 0 else 64
+    if group == 128 and block_m in (8, 64):
+        block_k = 256
+    consumers = 2 if block_m == 64 else 0
+    # Three stages of 64 x 256 rows and 128 x 256 weights fit in shared memory, four do not.
+    stages = 3 if consumers and block_k == 256 else 4
+    return MgpuConfig(block_m=block_m, block_k=block_k, stages=stages, consumers=consumers)
 
 
 def from_block_config(config: BlockConfig) -> MgpuConfig:
@@ -87,6 +91,16 @@ def _num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+def gemm_config(cfg: MgpuConfig, w: QuantizedExperts) -> MgpuConfig:
+    """cfg for a GEMM on `w`: a k-step of several groups (block_k > G) that does not tile the
+    GEMM's K becomes one group (e.g. DeepSeek-V2-Lite's GEMM2, K = I = 1408: 11 groups of 128
+    but no whole steps of 256)."""
+    k, group = w.shape[2], w.group
+    if cfg.block_k > group and k % cfg.block_k and group % 64 == 0:
+        return dataclasses.replace(cfg, block_k=group)
+    return cfg
+
+
 def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
     """The K splits a GEMM of `num_blocks` blocks on `w` takes at cfg: the largest divisor of
     its k-step count up to cfg.splits (None: auto_splits for its programs)."""
@@ -117,8 +131,9 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     partial products summed."""
 
     def gemm(rows, w, block_experts):
-        splits = gemm_splits(cfg, w, block_experts.shape[0])
-        options = gemm_options(cfg, splits)
+        this = gemm_config(cfg, w)
+        splits = gemm_splits(this, w, block_experts.shape[0])
+        options = gemm_options(this, splits)
         out = mgpu_wna16_gemm(rows, w, block_experts, **options, interpret=interpret)
         return out.sum(axis=0) if splits > 1 else out
 

@@ -191,7 +191,7 @@ def mgpu_wna16_gemm(
             # This warpgroup's j-th 64x64 weight tile of the k-step in bf16: q - 8 (and
             # + 8 - z) are small integers, exact in bf16.
             g = j // tiles_per_part  # the tile's group in the step
-            q_tile = q_smem.at[wg if consumers > 1 else 0, j]
+            q_tile = q_smem.at[wg if consumers > 1 else 0, pl.ds(j * TILE, TILE)]
             wt = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA_UPCAST_4X)
             wt = plgpu.layout_cast(wt, wgmma).astype(dtype)
             if z_smem:
@@ -224,9 +224,9 @@ def mgpu_wna16_gemm(
 
         group_rows = lambda kk: ((first_step + kk) // steps_per_group, ni)  # noqa: E731
         in_specs = [
-            plgpu.BlockSpec(  # [consumers or 1, bk/64, 64, 64]: contiguous in memory
-                (wgs, bk // TILE, TILE, TILE),
-                lambda kk: (ni, first_step + kk, 0, 0),
+            plgpu.BlockSpec(  # [consumers or 1, bk/64 tiles of 64 rows, 64]: contiguous
+                (wgs, bk, TILE),
+                lambda kk: (ni, first_step + kk, 0),
                 transforms=_swizzled((TILE, TILE), jnp.int4, "w"),
             ),
             plgpu.BlockSpec(
@@ -272,7 +272,10 @@ def mgpu_wna16_gemm(
         def _zeros():
             store(plgpu.layout_cast(jnp.full((bn, bm), 0, out_dtype), wgmma))
 
-    operands = [block_experts.astype(jnp.int32), x_rows, w.qweight, w.scales]
+    # [E, N/64, K/64, 64, 64] -> [E, N/64, K, 64] (a free reshape): a TMA copy strides over at
+    # most 5 dimensions, the smem tile's (8, 64) tiling included.
+    q_rows = w.qweight.reshape(w.num_experts, n // TILE, k, TILE)
+    operands = [block_experts.astype(jnp.int32), x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
     out_shape = (splits, p, n) if splits > 1 else (p, n)

@@ -488,13 +488,25 @@ def test_gemm_refuses_the_canonical_layout(rng):
 
 
 @pytest.mark.parametrize(
-    "m,block_m,consumers", [(1, 8, 0), (16, 8, 0), (256, 16, 0), (4096, 64, 2)], ids=str
+    "m,block_m,block_k,stages,consumers",
+    [(1, 8, 256, 4, 0), (16, 8, 256, 4, 0), (256, 16, 128, 4, 0), (4096, 64, 256, 3, 2)],
+    ids=str,
 )
-def test_default_config_follows_the_h200_figures(m, block_m, consumers):
-    """DeepSeek-V3 (top-8 of 256): the block_m and warp specialization that won at each M in
-    the probe (sessions 4 and 5)."""
-    assert default_config(m * 8, 256, 128) == MgpuConfig(block_m, 128, 4, consumers)
+def test_default_config_follows_the_h200_figures(m, block_m, block_k, stages, consumers):
+    """DeepSeek-V3 (top-8 of 256): the block_m, k-step and warp specialization that won at each
+    M in the probe (sessions 4-6); other groups take one group per k-step (at most 128)."""
+    want = MgpuConfig(block_m, block_k, stages, consumers)
+    assert default_config(m * 8, 256, 128) == want
     assert default_config(m * 8, 256, 64).block_k == 64
+    assert default_config(m * 8, 256, 7168).block_k == 128
+
+
+def test_gemm_config_keeps_whole_steps(rng):
+    """A 256-wide k-step on K = 1408 (11 groups of 128) becomes one group; on K = 2048 it stays."""
+    cfg = MgpuConfig(block_m=8, block_k=256)
+    for k, want in ((1408, 128), (2048, 256)):
+        w = prepare_weights(helpers.random_quantized_experts(rng, 1, 64, k, 4, 128, False, BF16))
+        assert mgpu_fused_moe.gemm_config(cfg, w).block_k == want
 
 
 @pytest.mark.parametrize(
