@@ -93,6 +93,14 @@ def weight_bytes(qw: wj.QuantizedExperts, experts_touched: int) -> int:
     return per_expert * experts_touched
 
 
+def default_iters(m: int) -> int:
+    """Calls per timed loop at M on a GPU: a loop has a fixed cost (launch, the final reduction)
+    that its calls share, so short calls need many. Session 6 measured the same M=1 layer at
+    128.9 us with 20 calls per loop and 115.1 us with 100 (different GPUs and routing draws of
+    one call, so part of the gap may be those)."""
+    return 100 if m <= 256 else 20
+
+
 def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True):
     """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs.
 
@@ -241,13 +249,14 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
         wbytes = weight_bytes(w13, 1) * touched + weight_bytes(w2, 1) * touched
         flops = 2.0 * m * k * (2 * i * h + h * i)
         sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
+        m_iters = iters or default_iters(m)
         for impl in implementations:
             fn = functools.partial(
                 _moe, implementation=impl, config=config, activation_quant=problem.activation_quant
             )
             try:
                 consts = weights.for_backend(impl)
-                t, t_host = time_loop(fn, sets, iters=iters, repeats=repeats, consts=consts)
+                t, t_host = time_loop(fn, sets, iters=m_iters, repeats=repeats, consts=consts)
             except Exception as err:  # a backend that cannot run this size: report, go on
                 logging.warning("%s M=%d failed: %s", impl, m, str(err).splitlines()[0])
                 continue
@@ -263,7 +272,7 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
             )
             if stages and impl.startswith("pallas") and problem.activation_quant is None:
                 row["stages"] = bench_stages(
-                    problem, impl, config, w13, w2, sets, iters=iters, repeats=repeats
+                    problem, impl, config, w13, w2, sets, iters=m_iters, repeats=repeats
                 )
             rows.append(row)
             print(f"  {impl:>16} M={m:<6} {t * 1e6:10.1f} us", file=sys.stderr, flush=True)
@@ -422,7 +431,13 @@ def main(argv=None):
         default=64,
         help="skip the slow xla reference above this many tokens",
     )
-    p.add_argument("--iters", type=int, default=None, help="calls per timed loop")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="calls per timed loop (default on a GPU: 100 for M <= 256, 20 above, as "
+        "mgpu_probe.py; each loop has a fixed cost that the calls share)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed loops (median taken)")
     p.add_argument("--sets", type=int, default=4, help="input sets rotated through the loop")
     p.add_argument(
@@ -458,7 +473,7 @@ def main(argv=None):
         problem = Problem(e, k, h, i, -1, 8, False, activation_quant=args.activation_quant)
     ms = args.m or ([1, 4, 16, 64, 256, 1024, 4096] if on_gpu else [1, 8])
     impls = args.implementations or (["pallas", "xla"] if on_gpu else ["pallas_interpret", "xla"])
-    iters = args.iters or (20 if on_gpu else 2)
+    iters = args.iters or (None if on_gpu else 2)  # None: per M, default_iters
     config = wj.BlockConfig(**json.loads(args.block_config)) if args.block_config else None
     copy_bps, mm_flops = measure_ceilings(on_gpu, args.repeats)
     print(

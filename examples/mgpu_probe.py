@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         touched = float(np.mean([len(np.unique(np.asarray(idss[s]))) for s in range(4)]))
         bytes1, bytes2 = (benchmark.weight_bytes(w, 1) * touched for w in (w13, w2))
         flops1, flops2 = 2.0 * m * top_k * 2 * i * h, 2.0 * m * top_k * h * i
-        iters = args.iters or (100 if m <= 256 else 20)
+        iters = args.iters or benchmark.default_iters(m)
         timing = dict(iters=iters, repeats=args.repeats, host=False)
 
         keys = dict(preset=args.preset, zp=has_zp, M=m, routing=args.routing)
