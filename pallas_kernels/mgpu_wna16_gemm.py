@@ -137,7 +137,8 @@ def mgpu_wna16_gemm(
     (`plgpu.emit_pipeline_warp_specialized`), a producer warpgroup issues the copies and each
     consumer warpgroup does the math on its own 64 features of the program's tile, sharing the
     rows' tile. splits > 1: each program takes one of `splits` equal runs of k-steps (more
-    programs for few rows).
+    programs for few rows). block_k: inputs per k-step, a multiple of 64 that divides the
+    group or spans whole groups (256 = two groups of 128: fewer, larger copies).
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
