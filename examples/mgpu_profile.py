@@ -197,9 +197,9 @@ def main(argv=None) -> int:
             rows = rows[: blocks * cfg.block_m].astype(jnp.bfloat16)
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
+            options = mgpu_fused_moe.gemm_options(this, splits)
+            profile_dir = None if args.interpret else trace_dir
             with fds_to(compile_log):
-                options = mgpu_fused_moe.gemm_options(this, splits)
-                profile_dir = None if args.interpret else trace_dir
                 out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
                                       profile_dir=profile_dir)  # fmt: skip
                 jax.block_until_ready(out)

@@ -219,13 +219,17 @@ def _check_tp(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
             f"{what}: I/n = {i}/{num_shards} = {per} is not a multiple of "
             f"group_size={qw.group_size}; each tensor shard must hold whole quantization groups"
         )
-    _check_whole_tiles(per, qw, what, f"I/n = {i}/{num_shards} = {per}")
+    _check_whole_tiles(i, num_shards, qw, what)
 
 
-def _check_whole_tiles(per: int, qw: QuantizedExperts, what: str, said: str) -> None:
+def _check_whole_tiles(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
+    """A tensor shard of the mgpu_int4 layout (I/n rows of w13's gate and up, or I/n of w2's
+    K) must hold whole tiles."""
+    per = i // num_shards
     if qw.layout == "mgpu_int4" and per % MGPU_TILE:
         raise ValueError(
-            f"{what}: {said} is not a multiple of {MGPU_TILE}: each tensor shard of the "
+            f"{what}: I/n = {i}/{num_shards} = {per} is not a multiple of {MGPU_TILE}: each "
+            f"tensor shard of the "
             f"mgpu_int4 layout must hold whole {MGPU_TILE}x{MGPU_TILE} weight tiles (shard "
             f"canonical weights, then convert each shard)"
         )
@@ -280,7 +284,7 @@ def _tp_reorder_w13(w13: QuantizedExperts, num_shards: int, *, inverse: bool):
             f"{num_shards} tensor shards"
         )
     canonical = w13.layout == "canonical"
-    _check_whole_tiles(i // num_shards, w13, "w13", f"I/n = {i}/{num_shards} = {i // num_shards}")
+    _check_whole_tiles(i, num_shards, w13, "w13")
     if canonical and w13.has_zeros and w13.bits == 4 and (i // num_shards) % 2:
         raise ValueError(
             f"w13: I/n = {i // num_shards} is odd; int4 zero points pack two rows per byte"
@@ -342,7 +346,7 @@ def shard_w2_for_tp(
     qweight [E, H, I//pf] and the scales / zeros [E, *, I//G] are split on their K dim
     (replicated when group_size=-1: one group spans the row), so I/n must be a multiple of
     the packing (8 for int4, 4 for int8) and of group_size. Any layout: the shard specs follow
-    it (mgpu_int4: qweight [E, H, I], per-group arrays [E, I//G, H]).
+    it (mgpu_int4: qweight tiles [E, H/64, I/64, 64, 64], per-group arrays [E, I//G, H]).
 
     Args:
         w2: QuantizedExperts [E, H, I].
