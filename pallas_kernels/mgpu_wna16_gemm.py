@@ -4,13 +4,16 @@
 Swap-AB: each program computes out[rows of one block, block_n features] as the transpose of
 W[e][features, :] @ x[rows, :]^T. The dequantized weight tile is the wgmma's A operand, taken
 from registers: int4 is loaded from shared memory, converted to bf16 and shifted by the zero
-point in registers, never written back to shared memory. (q - z) is a small integer, exact in
-bf16, so the products of a group's k-tiles are exact in their f32 sum; that sum is then
-scaled by the group's scale (block_k divides the group, or a k-step spans whole groups, each
-scaled on its own). The block's token rows are the
-B operand (shared memory, K-major), so a block needs 8..256 rows rather than a 64-row tile: the
-path for decode (one row per expert) and prefill alike. TMA copies of the weight, scale and row
-tiles run `max_concurrent_steps` k-steps ahead.
+point in registers, never written back to shared memory. The layout stores each 64x64 tile in
+the order of the A operand's registers, so a thread loads its 32 weights with one 16-byte
+shared-memory load and makes each bf16 pair with one shift and one lop3 (128 + q), and one
+subtraction of 128 + z (`_biased_tile`): no shuffles or permutes. (q - z) is a small integer,
+exact in bf16, so the products of a group's k-tiles are exact in their f32 sum; that sum is
+then scaled by the group's scale (block_k divides the group, or a k-step spans whole groups,
+each scaled on its own). The block's token rows are the B operand (shared memory, K-major),
+so a block needs 8..256 rows rather than a 64-row tile: the path for decode (one row per
+expert) and prefill alike. TMA copies of the weight, scale and row tiles run
+`max_concurrent_steps` k-steps ahead.
 
 Two ways to run a program, both measured on the H200 (docs/PERFORMANCE.md, session 5):
 - consumers=0: one warpgroup issues the copies and does the math on 64 features
@@ -24,9 +27,10 @@ splits > 1 gives each program one of `splits` runs of k-steps and writes partial
 slice at M=1).
 
 It reads QuantizedExperts in the "mgpu_int4" layout (wna16_jax/layouts.py, made once):
-qweight int4 [E, N/64, K/64, 64, 64] holding q - 8 in 64x64 tiles, k-tiles of a row of tiles
-consecutive, so that each k-step's block_n x block_k weights are one contiguous run of memory
-(3-14% faster than rows [E, N, K] at M = 1..256 on the H200, docs/PERFORMANCE.md session 6);
+qweight int4 [E, N/64, K/64, 64, 64] holding q - 8 in 64x64 tiles (their nibbles in register
+order, layouts.TILE_ORDER), k-tiles of a row of tiles consecutive, so that each k-step's
+block_n x block_k weights are one contiguous run of memory (3-14% faster than rows [E, N, K]
+at M = 1..256 on the H200, docs/PERFORMANCE.md session 6);
 scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 8 - z as
 [E, K//G, N], so that w = (qweight + zeros) * scales.
 
@@ -43,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from wna16_jax import layouts
 from wna16_jax._types import MGPU_TILE, QuantizedExperts
 
 # Output features per program: one warpgroup's wgmma M (64 rows of W).
@@ -91,6 +96,61 @@ def check_config(
         )
     if splits < 1 or (k // block_k) % splits:
         raise ValueError(f"splits={splits} must divide the {k // block_k} k-steps")
+
+
+# bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
+# the mantissa counts units); the xor also flips the stored nibble's bit 3: (q - 8) ^ 8 = q.
+_BF16_128_XOR_8 = 0x43084308
+# lop3's truth table for (a & b) ^ c.
+_AND_XOR = (0xF0 & 0xCC) ^ 0xAA
+
+
+def _biased_tile(q_tile):
+    """128 + q (bf16, exact) for the stored 64x64 int4 tile q_tile (shared memory, nibbles in
+    register order: layouts.TILE_ORDER) in the wgmma A operand's register layout (Mosaic GPU's
+    WGMMA_LAYOUT). Thread t of the warpgroup loads its 16 bytes at 16 t; nibbles s and s + 4 of
+    its word i become the bf16 pair of register 4 i + s. Compiled code only (inline Mosaic GPU).
+    """
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bf16 = jnp.bfloat16
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), bf16, layout=plgpu.Layout.WGMMA),
+    )
+    def convert(_, ref):
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+        byte = arith.muli(thread, mgpu_utils.c(16, i32))  # thread t's 16 bytes
+        offset = arith.extui(ir.IntegerType.get_signless(64), byte)
+        ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+        words = llvm.load(ir.VectorType.get((4,), i32), ptr, alignment=16)
+        layout = mgpu.WGMMA_LAYOUT
+        registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        for i in range(4):
+            word = vector.extract(
+                words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
+            )
+            for s in range(4):
+                shifted = arith.shrui(word, mgpu_utils.c(4 * s, i32)) if s else word
+                bits = llvm.inline_asm(
+                    i32,
+                    [shifted],
+                    f"lop3.b32 $0, $1, 0x000F000F, {_BF16_128_XOR_8:#x}, {_AND_XOR:#x};",
+                    "=r,r",
+                )
+                ct, rh = divmod(4 * i + s, 2)  # register (column tile, row half)
+                registers[0, ct, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, pair)
+        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
+
+    return convert(q_tile)
 
 
 def _swizzled(shape, dtype, what: str):
@@ -188,20 +248,22 @@ def mgpu_wna16_gemm(
             plgpu.wait_smem_to_gmem(0)
 
         @jax.named_scope("convert")
-        def dequantized_tile(q_smem, z_smem, j):
-            # This warpgroup's j-th 64x64 weight tile of the k-step in bf16: q - 8 (and
-            # + 8 - z) are small integers, exact in bf16.
-            g = j // tiles_per_part  # the tile's group in the step
+        def dequantized_tile(q_smem, zeros, j):
+            # This warpgroup's j-th 64x64 weight tile of the k-step in bf16: q - z (q - 8
+            # without zero points), small integers, exact in bf16. zeros: 8 - z of the tile's
+            # features, or None.
             q_tile = q_smem.at[wg if consumers > 1 else 0, pl.ds(j * TILE, TILE)]
-            wt = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA_UPCAST_4X)
-            wt = plgpu.layout_cast(wt, wgmma).astype(dtype)
-            if z_smem:
-                z = plgpu.load(z_smem[0].at[g, features], layout=row)
-                wt = wt + lax.broadcast_in_dim(z, wt.shape, [0])
             if interpret:  # the interpreter's wgmma takes A from shared memory only
+                wt = layouts.from_tile_order(q_tile[...].astype(jnp.int32)).astype(dtype)
+                if zeros is not None:
+                    wt = wt + lax.broadcast_in_dim(zeros, wt.shape, [0])
                 a_smem.at[wg, j][...] = wt
                 return a_smem.at[wg, j]
-            return wt
+            biased = _biased_tile(q_tile)  # 128 + q
+            if zeros is None:
+                return biased - 136
+            # (128 + q) - (128 + z); 136 - (8 - z) is exact in bf16 (at most 143)
+            return biased - lax.broadcast_in_dim(136 - zeros, biased.shape, [0])
 
         def step(_, q_smem, x_smem, s_smem, *rest):
             # The products of a group's k-tiles are exact in their f32 sum; the group scale
@@ -209,7 +271,10 @@ def mgpu_wna16_gemm(
             *z_smem, acc = rest
             for g in range(groups_per_step):
                 tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
-                wts = [dequantized_tile(q_smem, z_smem, j) for j in tiles]
+                zeros = None
+                if z_smem:  # once per group of the step
+                    zeros = plgpu.load(z_smem[0].at[g, features], layout=row)
+                wts = [dequantized_tile(q_smem, zeros, j) for j in tiles]
 
                 def tile_product(part_ref, tiles=tiles, wts=wts):
                     for j, wt in zip(tiles, wts, strict=True):
@@ -225,10 +290,10 @@ def mgpu_wna16_gemm(
 
         group_rows = lambda kk: ((first_step + kk) // steps_per_group, ni)  # noqa: E731
         in_specs = [
-            plgpu.BlockSpec(  # [consumers or 1, bk/64 tiles of 64 rows, 64]: contiguous
+            plgpu.BlockSpec(  # [consumers or 1, bk/64 tiles of 64 rows, 64]: contiguous, and
+                # unswizzled: a warp's 16-byte loads read 512 consecutive bytes, no conflicts
                 (wgs, bk, TILE),
                 lambda kk: (ni, first_step + kk, 0),
-                transforms=_swizzled((TILE, TILE), jnp.int4, "w"),
             ),
             plgpu.BlockSpec(
                 (bm, bk),

@@ -434,6 +434,30 @@ def test_layout_round_trip_is_lossless(rng, has_zp):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
 
 
+def test_tile_order_is_the_wgmma_register_order(rng):
+    """A stored tile decoded as the kernel's threads do (thread t: the 16 bytes at 16 t; nibbles
+    s and s + 4 of word i: the bf16 pair of register 4 i + s) gives each thread the elements of
+    the wgmma A operand's register layout (PTX ISA, "Register fragment" of wgmma .m64nNk16:
+    thread 32 w + 4 lr + lc, register 2 ct + rh holds row 16 w + 8 rh + lr, columns
+    8 ct + 2 lc + {0, 1})."""
+    tile = rng.integers(-8, 8, size=(64, 64)).astype(np.int8)
+    stored = np.asarray(wj.layouts.to_tile_order(jnp.asarray(tile, jnp.int4)))
+    packed = np.asarray(
+        jax.lax.bitcast_convert_type(jnp.asarray(stored, jnp.int4).reshape(512, 8), jnp.uint32)
+    ).reshape(128, 4)
+    decoded = np.full((64, 64), 99, np.int8)
+    for t in range(128):
+        w, lr, lc = t // 32, t % 32 // 4, t % 4
+        for i in range(4):
+            for s in range(4):
+                ct, rh = divmod(4 * i + s, 2)
+                for v in range(2):
+                    nibble = int(packed[t, i] >> (4 * (s + 4 * v))) & 0xF
+                    decoded[16 * w + 8 * rh + lr, 8 * ct + 2 * lc + v] = nibble - 16 * (nibble > 7)
+    np.testing.assert_array_equal(decoded, tile)
+    np.testing.assert_array_equal(np.asarray(wj.layouts.from_tile_order(stored)), tile)
+
+
 def test_layout_dequantizes_to_the_canonical_weights(rng):
     """The kernel's int4 values, scales and zero offsets dequantize to the canonical weights."""
     qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, jnp.float32)
@@ -442,8 +466,10 @@ def test_layout_dequantizes_to_the_canonical_weights(rng):
     assert w.shape == qw.shape
     assert w.qweight.shape == (2, 1, 4, 64, 64)  # [E, N/64, K/64, 64, 64] tiles
     q = np.asarray(wj.layouts.untiled(w.qweight).astype(jnp.int32), np.float64)  # nibble - 8
-    # Tile (i, j) holds rows 64i.. and inputs 64j.. of the [E, N, K] matrix.
-    np.testing.assert_array_equal(q[:, :64, 128:192], np.asarray(w.qweight[:, 0, 2], np.float64))
+    # Tile (i, j) holds rows 64i.. and inputs 64j.. of the [E, N, K] matrix, in TILE_ORDER.
+    tile = np.asarray(w.qweight[:, 0, 2], np.float64).reshape(2, -1)
+    want = q[:, :64, 128:192].reshape(2, -1)[:, wj.layouts.TILE_ORDER]
+    np.testing.assert_array_equal(tile, want)
     g = 128
     scales = np.repeat(np.swapaxes(np.asarray(w.scales, np.float64), 1, 2), g, axis=2)
     offset = np.repeat(np.swapaxes(np.asarray(w.zeros, np.float64), 1, 2), g, axis=2)
