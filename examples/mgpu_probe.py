@@ -47,15 +47,18 @@ def candidates(rows: float, group: int) -> list[MgpuConfig]:
     # (block_k, stages, consumers, splits) per block_m; splits None: auto_splits
     if rows <= 1:
         bms = [8]
-        variants = [(bk, 4, 0, None), (bk, 4, 0, 8), (2 * group, 4, 0, None), (bk, 8, 2, 1)]
+        variants = [(bk, 4, 0, None), (bk, 4, 0, 8), (2 * group, 4, 0, None), (bk, 8, 2, 1),
+                    (4 * group, 4, 0, None), (4 * group, 2, 0, None)]  # fmt: skip
     elif rows <= 4:
         bms, variants = [8, 16], [(bk, 4, 0, None), (bk, 4, 0, 2), (2 * group, 4, 0, None)]
     elif rows <= 64:
         bms, variants = [16, 32, 64], [(bk, 4, 0, None), (bk, 4, 2, None), (2 * group, 3, 2, None)]
     else:
-        bms, variants = [64, 128], [(bk, 4, 2, None), (bk, 4, 1, None), (2 * group, 3, 2, None)]
+        bms, variants = [64, 128], [(bk, 4, 2, None), (bk, 4, 1, None), (2 * group, 3, 2, None),
+                                    (2 * group, 2, 2, None), (2 * group, 3, 1, None),
+                                    (4 * group, 2, 2, None)]  # fmt: skip
     configs = (
-        MgpuConfig(bm, k, 3 if bm * k > 64 * 128 and c == 2 else st, c, s)
+        MgpuConfig(bm, k, min(st, 3) if bm * k > 64 * 128 and c == 2 else st, c, s)
         for bm in bms
         for k, st, c, s in variants
     )

@@ -5,9 +5,10 @@ For each M it aligns random routing like the layer (pallas_kernels/mgpu_fused_mo
 blocks, as many as fit in --max-programs programs, so that the trace stays small), runs GEMM1
 (x rows @ w13) and GEMM2 (activation rows @ w2) once with the profiler on, and summarizes each
 warpgroup's trace (one per program, one per consumer with warp specialization):
-  - time per k-step (the warpgroup's span / its wgmma regions) and the span itself;
+  - time per group of a k-step (the warpgroup's span / its wgmma regions) and the span itself;
   - the share of the span in each named region: "convert" (int4 -> bf16 and the zero point),
-    "wgmma" (issue, wait and read the k-tile product), "scale" (group scale, accumulate),
+    "wgmma" (issue a group's k-tile products), "wait" (for them, while the next group's are
+    issued: read the group's sum), "scale" (group scale, accumulate),
     "store" (output tile); "outside" is the rest: waiting for the k-tile's copies, loop control;
   - warpgroups resident on an SM at once (max, and mean over the time any is resident).
 With MOSAIC_GPU_DUMP_PTXAS set (this script sets it) ptxas reports each kernel's registers and
@@ -37,7 +38,7 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-REGIONS = ("convert", "wgmma", "scale", "store")
+REGIONS = ("convert", "wgmma", "wait", "scale", "store")
 
 
 def summarize_trace(events: list[dict]) -> dict:

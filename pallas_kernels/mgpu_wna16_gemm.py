@@ -41,6 +41,7 @@ p // block_m), one expert id per block (-1: the block's output rows are zeros).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -202,7 +203,7 @@ def mgpu_wna16_gemm(
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
-    ("convert", "wgmma", "scale", "store") with Mosaic GPU's in-kernel profiler and write a
+    ("convert", "wgmma" (issue), "wait", "scale", "store") with Mosaic GPU's in-kernel profiler and write a
     Chrome trace there per call (examples/mgpu_profile.py reads it).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -219,6 +220,7 @@ def mgpu_wna16_gemm(
     steps_per_group = max(w.group // bk, 1)
     groups_per_step = max(bk // w.group, 1)
     tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
+    box_rows = math.gcd(bk, 256)  # k-rows of weight tiles per TMA box
     has_offset = w.zeros is not None
     steps = k // bk // splits
     wgmma = plgpu.Layout.WGMMA
@@ -252,7 +254,8 @@ def mgpu_wna16_gemm(
             # This warpgroup's j-th 64x64 weight tile of the k-step in bf16: q - z (q - 8
             # without zero points), small integers, exact in bf16. zeros: 8 - z of the tile's
             # features, or None.
-            q_tile = q_smem.at[wg if consumers > 1 else 0, pl.ds(j * TILE, TILE)]
+            box, first = divmod(j * TILE, box_rows)
+            q_tile = q_smem.at[wg if consumers > 1 else 0, box, pl.ds(first, TILE)]
             if interpret:  # the interpreter's wgmma takes A from shared memory only
                 wt = layouts.from_tile_order(q_tile[...].astype(jnp.int32)).astype(dtype)
                 if zeros is not None:
@@ -266,34 +269,47 @@ def mgpu_wna16_gemm(
             return biased - lax.broadcast_in_dim(136 - zeros, biased.shape, [0])
 
         def step(_, q_smem, x_smem, s_smem, *rest):
-            # The products of a group's k-tiles are exact in their f32 sum; the group scale
-            # multiplies the sum.
+            # The products of a group's k-tiles are exact in their f32 sum (its own
+            # accumulator); the group scale multiplies the sum. Group g's tiles are converted
+            # while group g-1's wgmmas run, and g-1's sum is scaled while g's run.
             *z_smem, acc = rest
-            for g in range(groups_per_step):
+
+            def issue(part_ref, g):
                 tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                 zeros = None
                 if z_smem:  # once per group of the step
                     zeros = plgpu.load(z_smem[0].at[g, features], layout=row)
                 wts = [dequantized_tile(q_smem, zeros, j) for j in tiles]
-
-                def tile_product(part_ref, tiles=tiles, wts=wts):
+                with jax.named_scope("wgmma"):
                     for j, wt in zip(tiles, wts, strict=True):
                         plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
-                    return part_ref[...]
 
-                with jax.named_scope("wgmma"):  # issue, wait, read out
-                    part = pl.run_scoped(tile_product, plgpu.ACC((bn, bm), jnp.float32))
+            def add_scaled(acc, part_ref, g, in_flight):
+                # wait until at most in_flight wgmmas (the next group's) are running
+                with jax.named_scope("wait"):
+                    part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
                 with jax.named_scope("scale"):
                     scale = plgpu.load(s_smem.at[g, features], layout=row).astype(jnp.float32)
-                    acc = acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
-            return acc
+                    return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+
+            def group_products(*part_refs):
+                out = acc
+                for g, part_ref in enumerate(part_refs):
+                    issue(part_ref, g)
+                    if g:
+                        out = add_scaled(out, part_refs[g - 1], g - 1, tiles_per_part)
+                return add_scaled(out, part_refs[-1], groups_per_step - 1, 0)
+
+            accs = [plgpu.ACC((bn, bm), jnp.float32)] * groups_per_step
+            return pl.run_scoped(group_products, *accs)
 
         group_rows = lambda kk: ((first_step + kk) // steps_per_group, ni)  # noqa: E731
         in_specs = [
-            plgpu.BlockSpec(  # [consumers or 1, bk/64 tiles of 64 rows, 64]: contiguous, and
-                # unswizzled: a warp's 16-byte loads read 512 consecutive bytes, no conflicts
-                (wgs, bk, TILE),
-                lambda kk: (ni, first_step + kk, 0),
+            plgpu.BlockSpec(  # [consumers or 1, boxes of box_rows/64 tiles of 64 rows, 64]:
+                # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive
+                # bytes, no bank conflicts
+                (wgs, bk // box_rows, box_rows, TILE),
+                lambda kk: (ni, first_step + kk, 0, 0),
             ),
             plgpu.BlockSpec(
                 (bm, bk),
@@ -338,9 +354,9 @@ def mgpu_wna16_gemm(
         def _zeros():
             store(plgpu.layout_cast(jnp.full((bn, bm), 0, out_dtype), wgmma))
 
-    # [E, N/64, K/64, 64, 64] -> [E, N/64, K, 64] (a free reshape): a TMA copy strides over at
-    # most 5 dimensions, the smem tile's (8, 64) tiling included.
-    q_rows = w.qweight.reshape(w.num_experts, n // TILE, k, TILE)
+    # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
+    # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
+    q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
     operands = [block_experts.astype(jnp.int32), x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
@@ -353,9 +369,9 @@ def mgpu_wna16_gemm(
         grid, names = grid + (splits,), names + ("s",)
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     profile = {}
-    if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma and a scale
-        # per group (twice that, to spare), and the store
-        regions = bk // TILE + 2 * groups_per_step
+    if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
+        # a scale per group (twice that, to spare), and the store
+        regions = bk // TILE + 3 * groups_per_step
         profile = dict(profile_space=2 * regions * steps + 8, profile_dir=profile_dir)
     call = plgpu.kernel(
         kernel,

@@ -127,12 +127,24 @@ def test_gemm_warp_specialized_and_split_k(rng, has_zp, consumers, splits, block
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize("consumers,splits", [(0, 1), (2, 2)], ids=str)
+def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
+    """512-wide k-steps (four groups of 128): each step's weights arrive as two copies of 256
+    k-rows (a TMA box holds at most 256 along a dimension); each group has its own sum."""
+    run_gemm_case(
+        rng, e=3, n=128, k=2048, group_size=128, has_zp=has_zp, block_m=8, block_k=512,
+        blocks=[1, -1, 0, 2], consumers=consumers, splits=splits,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
     "block_m,consumers,splits,block_k",
     [(8, 0, 1, 128), (64, 0, 1, 128), (128, 0, 1, 128), (8, 2, 8, 128), (64, 2, 1, 128),
-     (128, 2, 1, 128), (16, 1, 7, 128), (8, 0, 1, 256), (16, 0, 4, 256), (64, 2, 1, 256)],
+     (128, 2, 1, 128), (16, 1, 7, 128), (8, 0, 1, 256), (16, 0, 4, 256), (64, 2, 1, 256),
+     (8, 0, 1, 512)],
     ids=str,
 )  # fmt: skip
 def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits, block_k):
