@@ -203,8 +203,8 @@ def mgpu_wna16_gemm(
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
-    ("convert", "wgmma" (issue), "wait", "scale", "store") with Mosaic GPU's in-kernel profiler and write a
-    Chrome trace there per call (examples/mgpu_profile.py reads it).
+    ("convert", "wgmma" (issue), "wait", "scale", "store") with Mosaic GPU's in-kernel
+    profiler and write a Chrome trace there per call (examples/mgpu_profile.py reads it).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
