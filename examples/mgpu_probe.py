@@ -1,12 +1,14 @@
 """Times the 'mgpu' backend (pallas_kernels/mgpu_fused_moe.py, the Mosaic GPU int4 GEMM)
 against the 'pallas' backend on the benchmark's workload, in one run on one GPU.
 
-For each M it times `fused_moe(..., implementation="pallas")` (the package's configs) and
-`implementation="mgpu"` (its default config) on the same weights, the latter converted once to
-the mgpu_int4 layout (not timed); with --search also every candidate (block_m, block_k,
-stages, consumer warpgroups, K splits); then GEMM1 and GEMM2 alone at the best config. Same
-timing method as benchmark.py (jitted loop over 4 rotated input sets, median of repeats). A
-candidate that fails to compile is reported with its error and skipped.
+For each M it times `fused_moe(..., implementation="pallas")` (the package's configs),
+`implementation="mgpu"` (its block size picked per routing at run time; the row names the
+block_m picked for each input set) and the mgpu layer at its default config, on the same
+weights, converted once to the mgpu_int4 layout for mgpu (not timed); with --search also
+every candidate (block_m, block_k, stages, consumer warpgroups, K splits); then GEMM1 and
+GEMM2 alone at the best config. Same timing method as benchmark.py (jitted loop over 4 rotated
+input sets, median of repeats). A candidate that fails to compile is reported with its error
+and skipped.
 
     python examples/mgpu_probe.py --m 1 16 256 4096 --json out/mgpu.json
     python examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 --no-zp
@@ -138,8 +140,14 @@ def main(argv=None) -> int:
             x, a, b, tw, ids, implementation="mgpu_interpret" if interpret else "mgpu"
         )
         t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), **timing)
+        configs = mgpu_fused_moe.routed_configs(m, top_k, e, h if g == -1 else g)
+        picked = [configs[int(mgpu_fused_moe.pick_config(s[2], e, configs))] for s in sets]
+        record("mgpu backend", "/".join(str(c.block_m) for c in picked) + " rows", t, **layer)
+        # The default config alone (no choice at run time), as the search's rows run.
         chosen = default_config(m * top_k, e, h if g == -1 else g)
-        record("mgpu backend", astuple(chosen), t, **layer)
+        fn = functools.partial(_layer, config=chosen, interpret=interpret)
+        t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), **timing)
+        record("mgpu layer", astuple(chosen), t, **layer)
         best = (t, chosen)
         rows_per_expert = m if args.routing == "identical" else m * top_k / e
         for cfg in candidates(rows_per_expert, h if g == -1 else g) if args.search else ():

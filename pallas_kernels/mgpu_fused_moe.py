@@ -53,6 +53,42 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     return MgpuConfig(block_m=block_m, block_k=block_k, stages=stages, consumers=consumers)
 
 
+# A block's relative cost by its rows (the layer's time per used block, less ~60 us fixed),
+# measured for DeepSeek-V3 TP=1 on the H200 with every token routed like the first (M=64,
+# session 6: block_m 8, 16, 32 at 667.0, 470.2, 453.7 us for 64, 32, 16 blocks). A block costs
+# about its expert's weight reads until its rows make the wgmmas count.
+BLOCK_COST = {8: 1.0, 16: 1.35, 32: 2.6}
+
+
+def routed_configs(num_tokens: int, top_k: int, num_experts: int, group: int):
+    """The configs the layer picks from at run time by the routing: the default (block_m by the
+    mean rows per expert, `default_config`) and, where a token count allows an expert more rows
+    than its blocks hold, larger non-specialized blocks (16, 32 rows: BLOCK_COST). A batch
+    decoding one prompt routes every token to the same k experts: at M=64 the default 8-row
+    blocks read each expert's weights 8 times (667 us), 32-row blocks twice (454 us)."""
+    base = default_config(num_tokens * top_k, num_experts, group)
+    configs = [base]
+    for bm in BLOCK_COST:
+        if bm > base.block_m and num_tokens > bm // 2 and base.block_m in BLOCK_COST:
+            block_k = 128 if group % 128 == 0 else 64
+            configs.append(MgpuConfig(block_m=bm, block_k=block_k))
+    return tuple(configs)
+
+
+def pick_config(topk_ids, num_experts: int, configs) -> jax.Array:
+    """Index into configs (by block_m) of the least cost for this routing: each expert's rows in
+    blocks of block_m, each block at BLOCK_COST (ties: the first)."""
+    if len(configs) == 1:
+        return jnp.int32(0)
+    ids = topk_ids.reshape(-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    rows = jnp.zeros(num_experts, jnp.int32).at[jnp.where(valid, ids, 0)].add(valid)
+    costs = [
+        jnp.sum(-(-rows // c.block_m)).astype(jnp.float32) * BLOCK_COST[c.block_m] for c in configs
+    ]
+    return jnp.argmin(jnp.stack(costs)).astype(jnp.int32)
+
+
 def from_block_config(config: BlockConfig) -> MgpuConfig:
     """A BlockConfig's block_m, block_k, num_stages and split_k (its other fields do not
     apply)."""
@@ -196,21 +232,38 @@ def fused_moe(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     interpret: bool = False,
 ) -> jax.Array:
-    """The 'mgpu' backend's fused_moe (silu only; weights in the mgpu_int4 layout), [T, H]."""
+    """The 'mgpu' backend's fused_moe (silu only; weights in the mgpu_int4 layout), [T, H].
+
+    config None: the block size is picked per chunk at run time from the routing
+    (`routed_configs`, `pick_config`), e.g. larger blocks for a batch of one prompt."""
     if activation != "silu":
         raise NotImplementedError(f"the mgpu backend runs silu only, not {activation!r}")
     t, k = topk_ids.shape
-    if config is None:
-        num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
-        group = math.gcd(w13.group, w2.group)
-        cfg = default_config(min(t, chunk_tokens) * k, num_experts, group)
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+    if config is None:  # by the routing, at run time
+        configs = routed_configs(
+            min(t, chunk_tokens), k, num_experts, math.gcd(w13.group, w2.group)
+        )
     elif isinstance(config, BlockConfig):
-        cfg = from_block_config(config)
+        configs = (from_block_config(config),)
     else:
-        cfg = config
-    run = functools.partial(
-        _chunk, w13=w13, w2=w2, expert_map=expert_map, cfg=cfg, interpret=interpret
-    )
+        configs = (config,)
+    runs = [
+        functools.partial(
+            _chunk, w13=w13, w2=w2, expert_map=expert_map, cfg=cfg, interpret=interpret
+        )
+        for cfg in configs
+    ]
+
+    def run(x, *, topk_weights, topk_ids):
+        if len(runs) == 1:
+            return runs[0](x, topk_weights=topk_weights, topk_ids=topk_ids)
+        return jax.lax.switch(
+            pick_config(topk_ids, num_experts, configs),
+            [lambda a, b, c, r=r: r(a, topk_weights=b, topk_ids=c) for r in runs],
+            x, topk_weights, topk_ids,
+        )  # fmt: skip
+
     return _reference.map_token_chunks(
         run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
     )

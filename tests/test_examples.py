@@ -104,9 +104,9 @@ def test_mgpu_probe_candidates_follow_the_rows_per_expert():
     assert {c.block_m for c in probe.candidates(0.03, 128)} == {8}  # M=1 of 256 experts, top-8
     assert {c.block_m for c in probe.candidates(64, 128)} == {16, 32, 64}  # 64 rows on 8 experts
     assert {c.block_m for c in probe.candidates(128, 128)} == {64, 128}
-    # block_k divides the group, or a k-step spans two groups
+    # block_k divides the group, or a k-step spans two or four groups
     assert {c.block_k for c in probe.candidates(8, 64)} == {64, 128}
-    assert {c.block_k for c in probe.candidates(0.03, 128)} == {128, 256}
+    assert {c.block_k for c in probe.candidates(0.03, 128)} == {128, 256, 512}
 
 
 def test_tune_tiny(tmp_path, capsys):

@@ -199,6 +199,50 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
     helpers.assert_close(out, ref, BF16, "fused_moe")
 
 
+@pytest.mark.parametrize("routing", ["uniform", "one_prompt"])
+def test_fused_moe_picks_blocks_by_routing(rng, routing):
+    """Without a config the layer picks its block size from the routing at run time: 8-row
+    blocks for spread rows, 32-row blocks when every token picks the same experts (a batch of
+    one prompt); both match numpy."""
+    e, top_k, t, h, i = 16, 2, 24, 128, 64
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    topk_weights, topk_ids = helpers.random_routing(rng, t, top_k, e)
+    if routing == "one_prompt":
+        topk_ids = np.ascontiguousarray(np.broadcast_to(topk_ids[:1], topk_ids.shape))
+    configs = mgpu_fused_moe.routed_configs(t, top_k, e, 64)
+    assert [c.block_m for c in configs] == [8, 16, 32]
+    picked = configs[int(mgpu_fused_moe.pick_config(jnp.asarray(topk_ids), e, configs))]
+    assert picked.block_m == (8 if routing == "uniform" else 32)
+    out = wj.fused_moe(
+        x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
+        jnp.asarray(topk_ids), implementation=IMPLEMENTATION,
+    )  # fmt: skip
+    ref = helpers.numpy_fused_moe(
+        np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
+        np.asarray(topk_weights, np.float64), topk_ids, activation_dtype=BF16,
+    )  # fmt: skip
+    helpers.assert_close(out, ref, BF16, f"fused_moe, {routing} routing")
+
+
+@pytest.mark.parametrize(
+    "m,routing,block_m",
+    [(1, "uniform", 8), (16, "uniform", 8), (16, "one_prompt", 16), (64, "uniform", 8),
+     (64, "one_prompt", 32), (256, "uniform", 16), (256, "one_prompt", 32),
+     (4096, "uniform", 64)],
+)  # fmt: skip
+def test_routed_block_m_on_deepseek_v3(rng, m, routing, block_m):
+    """DeepSeek-V3 (E=256, top-8, G=128): the block size picked per routing."""
+    _, ids = helpers.random_routing(rng, m, 8, 256)
+    if routing == "one_prompt":
+        ids = np.broadcast_to(ids[:1], ids.shape)
+    configs = mgpu_fused_moe.routed_configs(m, 8, 256, 128)
+    assert configs[0] == default_config(m * 8, 256, 128)
+    picked = configs[int(mgpu_fused_moe.pick_config(jnp.asarray(ids), 256, configs))]
+    assert picked.block_m == block_m
+
+
 def test_fused_moe_chunks_match_one_chunk(rng):
     """Token chunks (the last one padded with dropped slots) give the one-chunk output: each
     row's sums do not depend on which other rows share its chunk."""
