@@ -58,21 +58,25 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
 # session 6: block_m 8, 16, 32 at 667.0, 470.2, 453.7 us for 64, 32, 16 blocks). A block costs
 # about its expert's weight reads until its rows make the wgmmas count.
 BLOCK_COST = {8: 1.0, 16: 1.35, 32: 2.6}
+# Chunks of fewer tokens keep the default config: the choice at run time (an XLA conditional)
+# cost 25-37 us per layer under uniform routing at M = 16-256 (session 7), and at M=16 one
+# prompt's 8-row blocks were already the faster (206.6 vs 221.1 us with the choice).
+MIN_ROUTED_TOKENS = 64
 
 
 def routed_configs(num_tokens: int, top_k: int, num_experts: int, group: int):
     """The configs the layer picks from at run time by the routing: the default (block_m by the
-    mean rows per expert, `default_config`) and, where a token count allows an expert more rows
-    than its blocks hold, larger non-specialized blocks (16, 32 rows: BLOCK_COST). A batch
-    decoding one prompt routes every token to the same k experts: at M=64 the default 8-row
-    blocks read each expert's weights 8 times (667 us), 32-row blocks twice (454 us)."""
+    mean rows per expert, `default_config`) and, for chunks of MIN_ROUTED_TOKENS tokens or more,
+    larger non-specialized blocks (up to 32 rows: BLOCK_COST). A batch decoding one prompt
+    routes every token to the same k experts: at M=64 and 256 the default blocks read each
+    expert's weights 8 and 16 times; 32-row blocks took 460.3 vs 537.9 us and 930.4 vs
+    1127.8 us (H200, session 7)."""
     base = default_config(num_tokens * top_k, num_experts, group)
-    configs = [base]
-    for bm in BLOCK_COST:
-        if bm > base.block_m and num_tokens > bm // 2 and base.block_m in BLOCK_COST:
-            block_k = 128 if group % 128 == 0 else 64
-            configs.append(MgpuConfig(block_m=bm, block_k=block_k))
-    return tuple(configs)
+    if num_tokens < MIN_ROUTED_TOKENS or base.block_m not in BLOCK_COST:
+        return (base,)
+    block_k = 128 if group % 128 == 0 else 64
+    larger = [MgpuConfig(block_m=bm, block_k=block_k) for bm in BLOCK_COST if bm > base.block_m]
+    return (base, *larger)
 
 
 def pick_config(topk_ids, num_experts: int, configs) -> jax.Array:

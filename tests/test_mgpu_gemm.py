@@ -201,10 +201,10 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
 
 @pytest.mark.parametrize("routing", ["uniform", "one_prompt"])
 def test_fused_moe_picks_blocks_by_routing(rng, routing):
-    """Without a config the layer picks its block size from the routing at run time: 8-row
+    """Without a config the layer picks its block size from the routing at run time: 16-row
     blocks for spread rows, 32-row blocks when every token picks the same experts (a batch of
     one prompt); both match numpy."""
-    e, top_k, t, h, i = 16, 2, 24, 128, 64
+    e, top_k, t, h, i = 16, 2, 64, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
     x = jnp.asarray(rng.standard_normal((t, h)), BF16)
@@ -212,9 +212,9 @@ def test_fused_moe_picks_blocks_by_routing(rng, routing):
     if routing == "one_prompt":
         topk_ids = np.ascontiguousarray(np.broadcast_to(topk_ids[:1], topk_ids.shape))
     configs = mgpu_fused_moe.routed_configs(t, top_k, e, 64)
-    assert [c.block_m for c in configs] == [8, 16, 32]
+    assert [c.block_m for c in configs] == [16, 32]
     picked = configs[int(mgpu_fused_moe.pick_config(jnp.asarray(topk_ids), e, configs))]
-    assert picked.block_m == (8 if routing == "uniform" else 32)
+    assert picked.block_m == (16 if routing == "uniform" else 32)
     out = wj.fused_moe(
         x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
         jnp.asarray(topk_ids), implementation=IMPLEMENTATION,
@@ -228,7 +228,7 @@ def test_fused_moe_picks_blocks_by_routing(rng, routing):
 
 @pytest.mark.parametrize(
     "m,routing,block_m",
-    [(1, "uniform", 8), (16, "uniform", 8), (16, "one_prompt", 16), (64, "uniform", 8),
+    [(1, "uniform", 8), (16, "uniform", 8), (16, "one_prompt", 8), (64, "uniform", 8),
      (64, "one_prompt", 32), (256, "uniform", 16), (256, "one_prompt", 32),
      (4096, "uniform", 64)],
 )  # fmt: skip
