@@ -563,6 +563,34 @@ def test_int8_is_refused(rng):
         prepare_weights(qw)
 
 
+@pytest.mark.parametrize(
+    "has_zp,block_m,block_k,consumers,splits",
+    [(True, 8, 256, 0, 1), (False, 16, 128, 0, 1), (True, 64, 256, 2, 1), (True, 8, 512, 0, 2)],
+    ids=str,
+)
+def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits):
+    """The compiled path (the register-order conversion through inline Mosaic GPU, which the
+    interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
+    the inline code's types and the copies' shapes are checked here; ptxas and the run only on
+    a GPU."""
+    e, n, k, g = 4, 256, 1024, 128
+    w = QuantizedExperts(
+        jax.ShapeDtypeStruct((e, n // 64, k // 64, 64, 64), jnp.int4),
+        jax.ShapeDtypeStruct((e, k // g, n), BF16),
+        jax.ShapeDtypeStruct((e, k // g, n), BF16) if has_zp else None,
+        bits=4,
+        group_size=g,
+        layout="mgpu_int4",
+    )
+    x = jax.ShapeDtypeStruct((3 * block_m, k), BF16)
+    experts = jax.ShapeDtypeStruct((3,), jnp.int32)
+    gemm = functools.partial(
+        mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits
+    )
+    lowered = jax.jit(gemm).trace(x, w, experts).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 def test_gemm_refuses_the_canonical_layout(rng):
     qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, False, BF16)
     with pytest.raises(NotImplementedError, match="mgpu_int4 layout"):
