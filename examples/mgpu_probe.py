@@ -36,7 +36,7 @@ import benchmark  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
 from pallas_kernels import mgpu_fused_moe  # noqa: E402
-from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
+from pallas_kernels.mgpu_fused_moe import MgpuConfig  # noqa: E402
 
 
 def candidates(rows: float, group: int) -> list[MgpuConfig]:
@@ -45,7 +45,7 @@ def candidates(rows: float, group: int) -> list[MgpuConfig]:
     of one group (block_k 128 where it divides the group: 64 lost to 128 at every M in session
     4) or of two (256: fewer, larger copies per step); 4 stages (2 and 6-8 changed nothing)
     except where 4 would not fit in shared memory."""
-    bk = 128 if group % 128 == 0 else 64
+    bk = mgpu_fused_moe.one_group_block_k(group)
     # (block_k, stages, consumers, splits) per block_m; splits None: auto_splits
     if rows <= 1:
         bms = [8]
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         picked = [configs[int(mgpu_fused_moe.pick_config(s[2], e, configs))] for s in sets]
         record("mgpu backend", "/".join(str(c.block_m) for c in picked) + " rows", t, **layer)
         # The default config alone (no choice at run time), as the search's rows run.
-        chosen = default_config(m * top_k, e, h if g == -1 else g)
+        chosen = configs[0]
         fn = functools.partial(_layer, config=chosen, interpret=interpret)
         t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), **timing)
         record("mgpu layer", astuple(chosen), t, **layer)

@@ -35,6 +35,12 @@ class MgpuConfig:
     splits: int | None = None
 
 
+def one_group_block_k(group: int) -> int:
+    """The k-step of one group: 128 where it divides the group (64 lost to 128 at every M in
+    session 4), else 64."""
+    return 128 if group % 128 == 0 else 64
+
+
 def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     """block_m near the mean rows per expert, from the H200 figures of sessions 4-6 (8 rows
     won at M=1 and 16, 16 rows at M=256, 64 rows at M=4096). Two consumer warpgroups with
@@ -44,7 +50,7 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     one group (block_k 128 beat 64 everywhere in session 4; at M=256 256 was not faster)."""
     rows = num_slots / num_experts
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
-    block_k = 128 if group % 128 == 0 else 64
+    block_k = one_group_block_k(group)
     if group == 128 and block_m in (8, 64):
         block_k = 256
     consumers = 2 if block_m == 64 else 0
@@ -74,7 +80,7 @@ def routed_configs(num_tokens: int, top_k: int, num_experts: int, group: int):
     base = default_config(num_tokens * top_k, num_experts, group)
     if num_tokens < MIN_ROUTED_TOKENS or base.block_m not in BLOCK_COST:
         return (base,)
-    block_k = 128 if group % 128 == 0 else 64
+    block_k = one_group_block_k(group)
     larger = [MgpuConfig(block_m=bm, block_k=block_k) for bm in BLOCK_COST if bm > base.block_m]
     return (base, *larger)
 

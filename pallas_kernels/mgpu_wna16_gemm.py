@@ -250,23 +250,25 @@ def mgpu_wna16_gemm(
             plgpu.wait_smem_to_gmem(0)
 
         @jax.named_scope("convert")
-        def dequantized_tile(q_smem, zeros, j):
-            # This warpgroup's j-th 64x64 weight tile of the k-step in bf16: q - z (q - 8
-            # without zero points), small integers, exact in bf16. zeros: 8 - z of the tile's
-            # features, or None.
+        def dequantized_tile(q_smem, offset, j):
+            # This warpgroup's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
+            # offset = 128 + z of the tile's features (136 without zero points): q - z, a
+            # small integer, exact in bf16.
             box, first = divmod(j * TILE, box_rows)
             q_tile = q_smem.at[wg if consumers > 1 else 0, box, pl.ds(first, TILE)]
             if interpret:  # the interpreter's wgmma takes A from shared memory only
-                wt = layouts.from_tile_order(q_tile[...].astype(jnp.int32)).astype(dtype)
-                if zeros is not None:
-                    wt = wt + lax.broadcast_in_dim(zeros, wt.shape, [0])
+                q = layouts.from_tile_order(q_tile[...].astype(jnp.int32))  # q - 8
+                biased = q.astype(dtype) + 136
+            else:
+                biased = _biased_tile(q_tile)
+            if offset is None:
+                wt = biased - 136
+            else:
+                wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
+            if interpret:
                 a_smem.at[wg, j][...] = wt
                 return a_smem.at[wg, j]
-            biased = _biased_tile(q_tile)  # 128 + q
-            if zeros is None:
-                return biased - 136
-            # (128 + q) - (128 + z); 136 - (8 - z) is exact in bf16 (at most 143)
-            return biased - lax.broadcast_in_dim(136 - zeros, biased.shape, [0])
+            return wt
 
         def step(_, q_smem, x_smem, s_smem, *rest):
             # The products of a group's k-tiles are exact in their f32 sum (its own
@@ -276,10 +278,10 @@ def mgpu_wna16_gemm(
 
             def issue(part_ref, g):
                 tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
-                zeros = None
-                if z_smem:  # once per group of the step
-                    zeros = plgpu.load(z_smem[0].at[g, features], layout=row)
-                wts = [dequantized_tile(q_smem, zeros, j) for j in tiles]
+                offset = None
+                if z_smem:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
+                    offset = 136 - plgpu.load(z_smem[0].at[g, features], layout=row)
+                wts = [dequantized_tile(q_smem, offset, j) for j in tiles]
                 with jax.named_scope("wgmma"):
                     for j, wt in zip(tiles, wts, strict=True):
                         plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
