@@ -67,6 +67,14 @@ def candidates(rows: float, group: int) -> list[MgpuConfig]:
     return list(dict.fromkeys(configs))
 
 
+def parse_config(text: str) -> MgpuConfig:
+    """ "8,256,4,0,-,2" -> MgpuConfig(8, 256, 4, 0, None, 2): fields in order, '-' for None."""
+    try:
+        return MgpuConfig(*(None if v == "-" else int(v) for v in text.split(",")))
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3")
@@ -86,6 +94,15 @@ def main(argv=None) -> int:
         action="store_true",
         help="also time candidate configs (block_m, block_k, stages, consumers, splits) besides "
         "the default",
+    )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        type=parse_config,
+        default=[],
+        metavar="BM,BK,STAGES,CONSUMERS,SPLITS,PROGRAMS_PER_SM",
+        help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
+        "fields may be left out), e.g. 8,256,8,0,-,2: a persistent grid of 2 programs per SM",
     )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")
@@ -150,7 +167,8 @@ def main(argv=None) -> int:
         record("mgpu layer", astuple(chosen), t, **layer)
         best = (t, chosen)
         rows_per_expert = m if args.routing == "identical" else m * top_k / e
-        for cfg in candidates(rows_per_expert, h if g == -1 else g) if args.search else ():
+        searched = candidates(rows_per_expert, h if g == -1 else g) if args.search else []
+        for cfg in dict.fromkeys(searched + args.configs):
             fn = functools.partial(_layer, config=cfg, interpret=interpret)
             t0 = time.perf_counter()
             try:

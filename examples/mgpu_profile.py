@@ -18,7 +18,7 @@ ptxas' resource lines. On the H200 (session 6): 72 registers per thread, so regi
 cap the 4-7 resident programs per SM.
 
     python examples/mgpu_profile.py --m 1 16 4096 --out out/profile
-    python examples/mgpu_profile.py --preset deepseek-v3-tp8 --m 1 --config 8,128,4,0,4,0
+    python examples/mgpu_profile.py --preset deepseek-v3-tp8 --m 1 --config 8,128,4,0,4
 
 --interpret runs the same flow in the Mosaic GPU interpreter (no profiler there: a CPU check of
 this script only).
@@ -128,8 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument(
         "--config",
-        help="block_m,block_k,stages,consumers[,splits] as integers (splits omitted: "
-        "auto_splits; default: the layer's default_config)",
+        help="block_m,block_k,stages,consumers[,splits[,programs_per_sm]] ('-' or omitted: "
+        "None, i.e. auto_splits / one program per output tile; default: the layer's "
+        "default_config)",
     )
     p.add_argument(
         "--max-programs",
@@ -155,10 +156,11 @@ def main(argv=None) -> int:
     import benchmark
     import jax
     import jax.numpy as jnp
+    import mgpu_probe
 
     import wna16_jax as wj
     from pallas_kernels import mgpu_fused_moe
-    from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config
+    from pallas_kernels.mgpu_fused_moe import default_config
     from pallas_kernels.mgpu_wna16_gemm import BLOCK_N, mgpu_wna16_gemm
 
     if jax.default_backend() != "gpu" and not args.interpret:
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
     summary = []
     for m in args.m:
         if args.config:
-            cfg = MgpuConfig(*(int(v) for v in args.config.split(",")))
+            cfg = mgpu_probe.parse_config(args.config)
         else:
             cfg = default_config(m * top_k, e, group)
         tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 1)
@@ -198,14 +200,15 @@ def main(argv=None) -> int:
             rows = rows[: blocks * cfg.block_m].astype(jnp.bfloat16)
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
-            options = mgpu_fused_moe.gemm_options(this, splits)
+            tiles_each = mgpu_fused_moe.tiles_per_program(this, w, blocks, splits)
+            options = mgpu_fused_moe.gemm_options(this, splits, tiles_each)
             profile_dir = None if args.interpret else trace_dir
             with fds_to(compile_log):
                 out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
                                       profile_dir=profile_dir)  # fmt: skip
                 jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
-                                               cfg.consumers, splits],
+                                               cfg.consumers, splits, tiles_each],
                        blocks=blocks)  # fmt: skip
             traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
             if traces:

@@ -24,15 +24,18 @@ from wna16_jax._types import BlockConfig, QuantizedExperts
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
     """Rows per block (wgmma N, 8..256), k-tile (divides the group), pipelined k-steps,
-    consumer warpgroups (0: no warp specialization; 1 or 2 with a producer warpgroup) and the
+    consumer warpgroups (0: no warp specialization; 1 or 2 with a producer warpgroup), the
     most K splits (each GEMM takes the largest divisor of its k-step count up to it; None:
-    `auto_splits` per GEMM)."""
+    `auto_splits` per GEMM) and programs per SM (None: one program per output tile; n: a
+    persistent grid of about n programs per SM, each computing its share of the output tiles
+    in one pipeline, `tiles_per_program`)."""
 
     block_m: int
     block_k: int = 128
     stages: int = 4
     consumers: int = 0
     splits: int | None = None
+    programs_per_sm: int | None = None
 
 
 def one_group_block_k(group: int) -> int:
@@ -160,14 +163,26 @@ def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
     return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
 
 
-def gemm_options(cfg: MgpuConfig, splits: int) -> dict:
-    """mgpu_wna16_gemm's keyword arguments at cfg with `splits`, f32 outputs (the layer's)."""
+def tiles_per_program(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, splits: int) -> int:
+    """Output tiles per program for a GEMM of `num_blocks` blocks on `w` at cfg with `splits`:
+    1 (one program per tile) unless cfg.programs_per_sm is set, then the tiles spread evenly
+    over programs_per_sm * the SMs."""
+    if cfg.programs_per_sm is None:
+        return 1
+    tiles = splits * num_blocks * (w.shape[1] // (BLOCK_N * max(cfg.consumers, 1)))
+    return max(1, -(-tiles // (cfg.programs_per_sm * _num_sms())))
+
+
+def gemm_options(cfg: MgpuConfig, splits: int, tiles: int = 1) -> dict:
+    """mgpu_wna16_gemm's keyword arguments at cfg with `splits` and `tiles` output tiles per
+    program, f32 outputs (the layer's)."""
     return dict(
         block_m=cfg.block_m,
         block_k=cfg.block_k,
         max_concurrent_steps=cfg.stages,
         consumers=cfg.consumers,
         splits=splits,
+        tiles_per_program=tiles,
         out_dtype=jnp.float32,
     )
 
@@ -179,7 +194,8 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     def gemm(rows, w, block_experts):
         this = gemm_config(cfg, w)
         splits = gemm_splits(this, w, block_experts.shape[0])
-        options = gemm_options(this, splits)
+        tiles = tiles_per_program(this, w, block_experts.shape[0], splits)
+        options = gemm_options(this, splits, tiles)
         out = mgpu_wna16_gemm(rows, w, block_experts, **options, interpret=interpret)
         return out.sum(axis=0) if splits > 1 else out
 

@@ -65,6 +65,7 @@ def check_config(
     block_k: int,
     consumers: int = 0,
     splits: int = 1,
+    tiles_per_program: int = 1,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -97,6 +98,8 @@ def check_config(
         )
     if splits < 1 or (k // block_k) % splits:
         raise ValueError(f"splits={splits} must divide the {k // block_k} k-steps")
+    if tiles_per_program < 1:
+        raise ValueError(f"tiles_per_program={tiles_per_program} must be >= 1")
 
 
 # bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
@@ -171,6 +174,7 @@ def _swizzled(shape, dtype, what: str):
         "max_concurrent_steps",
         "consumers",
         "splits",
+        "tiles_per_program",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -186,6 +190,7 @@ def mgpu_wna16_gemm(
     max_concurrent_steps: int = 4,
     consumers: int = 0,
     splits: int = 1,
+    tiles_per_program: int = 1,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -201,6 +206,11 @@ def mgpu_wna16_gemm(
     programs for few rows). block_k: inputs per k-step, a multiple of 64 that divides the
     group or spans whole groups (256 = two groups of 128: fewer, larger copies).
 
+    tiles_per_program > 1: each program computes that many output tiles (a block's rows x
+    64 * max(consumers, 1) features x one split's k-steps, consecutive features first) in one
+    pipeline, so the copies of a tile's first k-steps run while the previous tile's last ones
+    are multiplied and stored (a persistent grid: fewer programs, no pipeline fill per tile).
+
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
     ("convert", "wgmma" (issue), "wait", "scale", "store") with Mosaic GPU's in-kernel
@@ -208,7 +218,10 @@ def mgpu_wna16_gemm(
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    check_config(w, x_rows, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits)
+    check_config(
+        w, x_rows, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
+        tiles_per_program=tiles_per_program,
+    )  # fmt: skip
     _, n, k = w.shape
     p = x_rows.shape[0]
     dtype = x_rows.dtype
@@ -223,6 +236,11 @@ def mgpu_wna16_gemm(
     box_rows = math.gcd(bk, 256)  # k-rows of weight tiles per TMA box
     has_offset = w.zeros is not None
     steps = k // bk // splits
+    n_tiles, blocks = n // tile_n, p // bm
+    out_tiles = splits * blocks * n_tiles
+    per_program = min(tiles_per_program, out_tiles)
+    programs = -(-out_tiles // per_program)
+    persistent = per_program > 1
     wgmma = plgpu.Layout.WGMMA
     row = plgpu.Layout.WGMMA.reduce(1)
 
@@ -232,18 +250,30 @@ def mgpu_wna16_gemm(
         else:
             (o_gmem, o_smem, *a_smem), z_gmem = rest, None
         a_smem = a_smem[0] if a_smem else None
-        ni = lax.axis_index("n")
-        bi = lax.axis_index("b")
-        first_step = lax.axis_index("s") * steps if splits > 1 else 0
         wg = lax.axis_index("wg") if consumers else 0
-        expert = experts_gmem[bi]
         features = pl.ds(wg * bn, bn) if consumers > 1 else slice(None)
-        out_tile = o_gmem.at[lax.axis_index("s")] if splits > 1 else o_gmem
-        out_tile = out_tile.at[pl.ds(bi * bm, bm), pl.ds(ni * tile_n + wg * bn, bn)]
+
+        def output_tile(j):
+            """(block, N tile, split, its expert, whether it exists) of the program's j-th
+            output tile; tiles past the last repeat the last one."""
+            flat = lax.axis_index("p") * per_program + j
+            exists = flat < out_tiles
+            flat = jnp.minimum(flat, out_tiles - 1)
+            si, bi, ni = flat // (blocks * n_tiles), flat // n_tiles % blocks, flat % n_tiles
+            return bi, ni, si, experts_gmem[bi], exists
+
+        if persistent:
+            tile_at = output_tile
+        else:  # one tile: its coordinates once, outside the pipeline
+            only_tile = output_tile(0)
+            tile_at = lambda j: only_tile  # noqa: E731
 
         @jax.named_scope("store")
-        def store(value):
-            # This warpgroup's [bm, bn] output tile.
+        def store(value, j):
+            # This warpgroup's [bm, bn] part of the j-th output tile.
+            bi, ni, si, _, _ = tile_at(j)
+            out_tile = o_gmem.at[si] if splits > 1 else o_gmem
+            out_tile = out_tile.at[pl.ds(bi * bm, bm), pl.ds(ni * tile_n + wg * bn, bn)]
             o_smem.at[wg].T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[wg], out_tile)
@@ -270,12 +300,13 @@ def mgpu_wna16_gemm(
                 return a_smem.at[wg, j]
             return wt
 
-        def step(_, q_smem, x_smem, s_smem, *rest):
+        def zero_acc():
+            return plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
+
+        def products(acc, q_smem, x_smem, s_smem, z_smem):
             # The products of a group's k-tiles are exact in their f32 sum (its own
             # accumulator); the group scale multiplies the sum. Group g's tiles are converted
             # while group g-1's wgmmas run, and g-1's sum is scaled while g's run.
-            *z_smem, acc = rest
-
             def issue(part_ref, g):
                 tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                 offset = None
@@ -305,56 +336,102 @@ def mgpu_wna16_gemm(
             accs = [plgpu.ACC((bn, bm), jnp.float32)] * groups_per_step
             return pl.run_scoped(group_products, *accs)
 
-        group_rows = lambda kk: ((first_step + kk) // steps_per_group, ni)  # noqa: E731
+        def step(idx, q_smem, x_smem, s_smem, *rest):
+            *z_smem, acc = rest
+            if not persistent:
+                return products(acc, q_smem, x_smem, s_smem, z_smem)
+            j, kk = idx
+            _, _, _, expert, exists = tile_at(j)
+            acc = lax.cond(kk == 0, zero_acc, lambda: acc)  # a new output tile
+            acc = lax.cond(
+                exists & (expert >= 0),
+                lambda: products(acc, q_smem, x_smem, s_smem, z_smem),
+                lambda: acc,
+            )
+
+            @pl.when(exists & (kk == steps - 1))
+            def _():
+                pl.when(expert >= 0)(lambda: store(acc.astype(out_dtype), j))
+                pl.when(expert < 0)(lambda: store(zero_acc().astype(out_dtype), j))
+
+            return acc
+
+        # The inputs of the j-th output tile's kk-th k-step. A tile of expert -1 reads expert
+        # 0's weights (not multiplied) in a persistent program; a program of one such tile
+        # runs no pipeline.
+        def weight_tile(j, kk):
+            _, ni, si, expert, _ = tile_at(j)
+            return jnp.maximum(expert, 0), ni, si * steps + kk, 0, 0
+
+        def rows_tile(j, kk):
+            bi, _, si, _, _ = tile_at(j)
+            return bi, si * steps + kk
+
+        def group_rows(j, kk):
+            _, ni, si, expert, _ = tile_at(j)
+            return jnp.maximum(expert, 0), (si * steps + kk) // steps_per_group, ni
+
         in_specs = [
             plgpu.BlockSpec(  # [consumers or 1, boxes of box_rows/64 tiles of 64 rows, 64]:
                 # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive
                 # bytes, no bank conflicts
-                (wgs, bk // box_rows, box_rows, TILE),
-                lambda kk: (ni, first_step + kk, 0, 0),
+                (None, wgs, bk // box_rows, box_rows, TILE),
+                weight_tile,
             ),
-            plgpu.BlockSpec(
-                (bm, bk),
-                lambda kk: (bi, first_step + kk),
-                transforms=_swizzled((bm, bk), dtype, "x"),
-            ),
-            plgpu.BlockSpec((groups_per_step, tile_n), group_rows),
+            plgpu.BlockSpec((bm, bk), rows_tile, transforms=_swizzled((bm, bk), dtype, "x")),
+            plgpu.BlockSpec((None, groups_per_step, tile_n), group_rows),
         ]
         if has_offset:
-            in_specs.append(plgpu.BlockSpec((groups_per_step, tile_n), group_rows))
-        stages = min(max_concurrent_steps, steps)
+            in_specs.append(plgpu.BlockSpec((None, groups_per_step, tile_n), group_rows))
+        stages = min(max_concurrent_steps, per_program * steps)
+        operands = [q_gmem, x_gmem, s_gmem] + ([z_gmem] if has_offset else [])
+        pipeline_grid = (per_program, steps)
 
-        def operands():
-            ops = [q_gmem.at[expert], x_gmem, s_gmem.at[expert]]
-            return ops + [z_gmem.at[expert]] if has_offset else ops
+        if persistent:
+            if not consumers:
+                plgpu.emit_pipeline(
+                    step, grid=pipeline_grid, in_specs=in_specs, max_concurrent_steps=stages,
+                    init_carry=zero_acc(),
+                )(*operands)  # fmt: skip
+                return
+            plgpu.emit_pipeline_warp_specialized(
+                step,
+                grid=pipeline_grid,
+                memory_registers=40,
+                in_specs=in_specs,
+                max_concurrent_steps=stages,
+                wg_axis="wg",
+                num_compute_wgs=consumers,
+                compute_context=lambda run: run(zero_acc()),  # stores in the steps
+            )(*operands)
+            return
 
-        def zero_acc():
-            return plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
+        _, _, _, expert, _ = only_tile
 
         @pl.when(expert >= 0)
         def _matmul():  # the carry is the f32 accumulator value
             if not consumers:
                 acc = plgpu.emit_pipeline(
-                    step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages,
+                    step, grid=pipeline_grid, in_specs=in_specs, max_concurrent_steps=stages,
                     init_carry=zero_acc(),
-                )(*operands())  # fmt: skip
-                store(acc.astype(out_dtype))
+                )(*operands)  # fmt: skip
+                store(acc.astype(out_dtype), 0)
                 return
             plgpu.emit_pipeline_warp_specialized(
                 step,
-                grid=(steps,),
+                grid=pipeline_grid,
                 memory_registers=40,
                 in_specs=in_specs,
                 max_concurrent_steps=stages,
                 wg_axis="wg",
                 num_compute_wgs=consumers,
                 # The consumer warpgroups' prologue and epilogue.
-                compute_context=lambda run: store(run(zero_acc()).astype(out_dtype)),
-            )(*operands())
+                compute_context=lambda run: store(run(zero_acc()).astype(out_dtype), 0),
+            )(*operands)
 
         @pl.when((expert < 0) & (wg < wgs))
         def _zeros():
-            store(plgpu.layout_cast(jnp.full((bn, bm), 0, out_dtype), wgmma))
+            store(plgpu.layout_cast(jnp.full((bn, bm), 0, out_dtype), wgmma), 0)
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
@@ -366,21 +443,21 @@ def mgpu_wna16_gemm(
     scratch = [plgpu.SMEM((wgs, bm, bn), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, bk // TILE, bn, TILE), dtype))
-    grid, names = (n // tile_n, p // bm), ("n", "b")
-    if splits > 1:
-        grid, names = grid + (splits,), names + ("s",)
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     profile = {}
     if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
         # a scale per group (twice that, to spare), and the store
         regions = bk // TILE + 3 * groups_per_step
-        profile = dict(profile_space=2 * regions * steps + 8, profile_dir=profile_dir)
+        profile = dict(
+            profile_space=2 * regions * steps * per_program + 8 * per_program,
+            profile_dir=profile_dir,
+        )
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=scratch,
-        grid=grid,
-        grid_names=names,
+        grid=(programs,),
+        grid_names=("p",),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile
         ),

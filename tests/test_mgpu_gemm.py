@@ -60,6 +60,7 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
 
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
+    tiles_per_program=1,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
@@ -72,6 +73,7 @@ def run_gemm_case(
         block_k=block_k,
         consumers=consumers,
         splits=splits,
+        tiles_per_program=tiles_per_program,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
         interpret=INTERPRET,
@@ -138,6 +140,23 @@ def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "consumers,splits,block_k,tiles_per_program",
+    [(0, 1, 128, 2), (0, 2, 256, 3), (0, 1, 128, 64), (2, 1, 128, 2), (1, 2, 256, 4)],
+    ids=str,
+)
+def test_gemm_persistent_programs(rng, has_zp, consumers, splits, block_k, tiles_per_program):
+    """Programs of several output tiles in one pipeline: a tile's first copies before the last
+    tile's products; tiles of expert -1 (zeros) among them; the last program's missing tiles
+    (11-88 tiles in programs of 2-4; 64: one program of all) neither computed nor stored."""
+    run_gemm_case(
+        rng, e=3, n=128 * (1 + (consumers == 1)), k=512, group_size=128, has_zp=has_zp,
+        block_m=8, block_k=block_k, blocks=[1, -1, 0, 2, 1, 2, 0, 1, -1, 2, 0],
+        consumers=consumers, splits=splits, tiles_per_program=tiles_per_program,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
@@ -152,6 +171,23 @@ def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits, block_
     run_gemm_case(
         rng, e=16, n=4096, k=7168, group_size=128, has_zp=has_zp, block_m=block_m,
         block_k=block_k, blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "has_zp,block_m,consumers,splits,block_k,tiles_per_program",
+    [(True, 8, 0, 1, 256, 3), (False, 8, 0, 1, 256, 3), (True, 16, 0, 2, 128, 5),
+     (True, 64, 2, 1, 256, 2)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_deepseek_v3_persistent(rng, has_zp, block_m, consumers, splits, block_k,
+                                     tiles_per_program):  # fmt: skip
+    """GEMM1 of DeepSeek-V3 TP=1 in persistent programs of several output tiles, compiled."""
+    run_gemm_case(
+        rng, e=16, n=4096, k=7168, group_size=128, has_zp=has_zp, block_m=block_m,
+        block_k=block_k, blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits,
+        tiles_per_program=tiles_per_program,
     )  # fmt: skip
 
 
@@ -172,6 +208,32 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
     ids=str,
 )
 def test_fused_moe_matches_numpy(rng, has_zp, t, config):
+    run_layer_case(rng, has_zp, t, config)
+
+
+@pytest.mark.parametrize(
+    "t,config",
+    [(9, MgpuConfig(block_m=8, block_k=64, programs_per_sm=1)),
+     (13, MgpuConfig(block_m=16, block_k=128, consumers=2, splits=2, programs_per_sm=2))],
+    ids=str,
+)  # fmt: skip
+def test_fused_moe_persistent_grid(rng, monkeypatch, t, config):
+    """programs_per_sm on a GPU of 2 SMs: each GEMM's output tiles spread over 2-4 programs."""
+    monkeypatch.setattr(mgpu_fused_moe, "_num_sms", lambda: 2)
+    run_layer_case(rng, True, t, config)
+
+
+def test_tiles_per_program(rng, monkeypatch):
+    monkeypatch.setattr(mgpu_fused_moe, "_num_sms", lambda: 132)
+    w = prepare_weights(helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, True, BF16))
+    cfg = MgpuConfig(block_m=8, programs_per_sm=2)
+    assert mgpu_fused_moe.tiles_per_program(MgpuConfig(block_m=8), w, 1000, 1) == 1
+    # 4 N tiles x 33 blocks x 2 splits over 2 x 132 programs: 1; 1000 blocks: 31
+    assert mgpu_fused_moe.tiles_per_program(cfg, w, 33, 2) == 1
+    assert mgpu_fused_moe.tiles_per_program(cfg, w, 1000, 2) == -(-8000 // 264)
+
+
+def run_layer_case(rng, has_zp, t, config):
     e, top_k, h, i = 8, 2, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
@@ -564,11 +626,12 @@ def test_int8_is_refused(rng):
 
 
 @pytest.mark.parametrize(
-    "has_zp,block_m,block_k,consumers,splits",
-    [(True, 8, 256, 0, 1), (False, 16, 128, 0, 1), (True, 64, 256, 2, 1), (True, 8, 512, 0, 2)],
+    "has_zp,block_m,block_k,consumers,splits,tiles_per_program",
+    [(True, 8, 256, 0, 1, 1), (False, 16, 128, 0, 1, 1), (True, 64, 256, 2, 1, 1),
+     (True, 8, 512, 0, 2, 1), (True, 8, 256, 0, 1, 3), (False, 64, 256, 2, 2, 2)],
     ids=str,
-)
-def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits):
+)  # fmt: skip
+def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, tiles_per_program):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types and the copies' shapes are checked here; ptxas and the run only on
@@ -585,8 +648,9 @@ def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits):
     x = jax.ShapeDtypeStruct((3 * block_m, k), BF16)
     experts = jax.ShapeDtypeStruct((3,), jnp.int32)
     gemm = functools.partial(
-        mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits
-    )
+        mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
+        tiles_per_program=tiles_per_program,
+    )  # fmt: skip
     lowered = jax.jit(gemm).trace(x, w, experts).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
