@@ -248,24 +248,31 @@ def mgpu_wna16_gemm(
     row = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(experts_gmem, x_gmem, q_gmem, s_gmem, *rest):
-        if has_offset:
-            z_gmem, o_gmem, o_smem, *a_smem = rest
-        else:
-            (o_gmem, o_smem, *a_smem), z_gmem = rest, None
-        a_smem = a_smem[0] if a_smem else None
+        # experts_gmem: each block's expert, or with persistent programs each program's tiles'
+        # experts ([programs, tiles_padded], `_tile_experts`)
+        z_gmem, rest = (rest[0], rest[1:]) if has_offset else (None, rest)
+        o_gmem, o_smem, *rest = rest
+        a_smem = rest.pop(0) if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
         features = pl.ds(wg * bn, bn) if consumers > 1 else slice(None)
+        if persistent:
+            # This program's tile experts, copied once into shared memory: looked up as each
+            # k-step's copies are issued (a global load there stalls the issuing warpgroup).
+            experts_smem, arrived = rest
+            plgpu.copy_gmem_to_smem(experts_gmem.at[lax.axis_index("p")], experts_smem, arrived)
+            plgpu.barrier_wait(arrived)
 
         def output_tile(j):
             """(block, N tile, split, its expert, whether it exists) of the program's j-th
             output tile; tiles past the last repeat the last one."""
             # Strided: the programs running at once work on consecutive tiles, a block's N
             # tiles together (its rows read once from L2, as with one tile per program).
-            flat = j * programs + lax.axis_index("p")
-            exists = flat < out_tiles
-            flat = jnp.minimum(flat, out_tiles - 1)
+            flat = jnp.minimum(j * programs + lax.axis_index("p"), out_tiles - 1)
             si, bi, ni = flat // (blocks * n_tiles), flat // n_tiles % blocks, flat % n_tiles
-            return bi, ni, si, experts_gmem[bi], exists
+            if not persistent:
+                return bi, ni, si, experts_gmem[bi], True
+            expert = experts_smem[j]  # -2: past the last tile
+            return bi, ni, si, expert, expert >= -1
 
         if persistent:
             tile_at = output_tile
@@ -439,13 +446,19 @@ def mgpu_wna16_gemm(
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
     q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
-    operands = [block_experts.astype(jnp.int32), x_rows, q_rows, w.scales]
+    experts = block_experts.astype(jnp.int32)
+    if persistent:
+        experts = _tile_experts(experts, programs, per_program, out_tiles, n_tiles)
+    operands = [experts, x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
     out_shape = (splits, p, n) if splits > 1 else (p, n)
     scratch = [plgpu.SMEM((wgs, bm, bn), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, bk // TILE, bn, TILE), dtype))
+    if persistent:  # each warpgroup copies the table (one arrival each)
+        scratch.append(plgpu.SMEM(experts.shape[1:], jnp.int32))
+        scratch.append(plgpu.Barrier(num_arrivals=consumers + 1))
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     profile = {}
     if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
@@ -468,3 +481,14 @@ def mgpu_wna16_gemm(
         **threads,
     )
     return call(*operands)
+
+
+def _tile_experts(block_experts, programs: int, per_program: int, out_tiles: int, n_tiles: int):
+    """[programs, per_program rounded up to 4 (16-byte rows for the copy)] int32: the expert of
+    program p's j-th output tile (tile j * programs + p, numbered as in mgpu_wna16_gemm), -2
+    where that tile does not exist."""
+    width = -(-per_program // 4) * 4
+    flat = jnp.arange(width)[None, :] * programs + jnp.arange(programs)[:, None]
+    blocks = block_experts.shape[0]
+    experts = block_experts[jnp.minimum(flat, out_tiles - 1) // n_tiles % blocks]
+    return jnp.where(flat < out_tiles, experts, -2).astype(jnp.int32)
