@@ -249,7 +249,7 @@ def mgpu_wna16_gemm(
 
     def kernel(experts_gmem, x_gmem, q_gmem, s_gmem, *rest):
         # experts_gmem: each block's expert, or with persistent programs each program's tiles'
-        # experts ([programs, tiles_padded], `_tile_experts`)
+        # experts ([programs, rows, 256 or fewer], `_tile_experts`)
         z_gmem, rest = (rest[0], rest[1:]) if has_offset else (None, rest)
         o_gmem, o_smem, *rest = rest
         a_smem = rest.pop(0) if interpret else None
@@ -271,7 +271,7 @@ def mgpu_wna16_gemm(
             si, bi, ni = flat // (blocks * n_tiles), flat // n_tiles % blocks, flat % n_tiles
             if not persistent:
                 return bi, ni, si, experts_gmem[bi], True
-            expert = experts_smem[j]  # -2: past the last tile
+            expert = experts_smem[j // 256, j % 256]  # -2: past the last tile
             return bi, ni, si, expert, expert >= -1
 
         if persistent:
@@ -484,11 +484,13 @@ def mgpu_wna16_gemm(
 
 
 def _tile_experts(block_experts, programs: int, per_program: int, out_tiles: int, n_tiles: int):
-    """[programs, per_program rounded up to 4 (16-byte rows for the copy)] int32: the expert of
-    program p's j-th output tile (tile j * programs + p, numbered as in mgpu_wna16_gemm), -2
-    where that tile does not exist."""
-    width = -(-per_program // 4) * 4
+    """[programs, rows, 256 or fewer] int32: the expert of program p's j-th output tile (tile
+    j * programs + p, numbered as in mgpu_wna16_gemm) at [p, j // 256, j % 256], -2 where that
+    tile does not exist. Rows of 256 (a copy takes at most 256 along a dimension), or of
+    per_program rounded up to 4 when fewer (16-byte rows)."""
+    width = -(-per_program // 4) * 4 if per_program <= 256 else -(-per_program // 256) * 256
     flat = jnp.arange(width)[None, :] * programs + jnp.arange(programs)[:, None]
     blocks = block_experts.shape[0]
     experts = block_experts[jnp.minimum(flat, out_tiles - 1) // n_tiles % blocks]
-    return jnp.where(flat < out_tiles, experts, -2).astype(jnp.int32)
+    table = jnp.where(flat < out_tiles, experts, -2).astype(jnp.int32)
+    return table.reshape(programs, -1, min(width, 256))

@@ -174,6 +174,15 @@ def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits, block_
     )  # fmt: skip
 
 
+def test_gemm_persistent_program_of_many_tiles(rng):
+    """352 output tiles (16 N tiles x 11 blocks x 2 splits) in programs of 300 and 52: the tile
+    experts of the first in two rows of 256 (a copy's limit along a dimension)."""
+    run_gemm_case(
+        rng, e=3, n=1024, k=256, group_size=128, has_zp=True, block_m=8, block_k=128,
+        blocks=[1, -1, 0, 2, 1, 2, 0, 1, -1, 2, 0], splits=2, tiles_per_program=300,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "has_zp,block_m,consumers,splits,block_k,tiles_per_program",
@@ -628,7 +637,8 @@ def test_int8_is_refused(rng):
 @pytest.mark.parametrize(
     "has_zp,block_m,block_k,consumers,splits,tiles_per_program",
     [(True, 8, 256, 0, 1, 1), (False, 16, 128, 0, 1, 1), (True, 64, 256, 2, 1, 1),
-     (True, 8, 512, 0, 2, 1), (True, 8, 256, 0, 1, 3), (False, 64, 256, 2, 2, 2)],
+     (True, 8, 512, 0, 2, 1), (True, 8, 256, 0, 1, 3), (False, 64, 256, 2, 2, 2),
+     (True, 8, 256, 0, 1, 300)],
     ids=str,
 )  # fmt: skip
 def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, tiles_per_program):
@@ -645,8 +655,9 @@ def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, tiles
         group_size=g,
         layout="mgpu_int4",
     )
-    x = jax.ShapeDtypeStruct((3 * block_m, k), BF16)
-    experts = jax.ShapeDtypeStruct((3,), jnp.int32)
+    blocks = 100 if tiles_per_program > 256 else 3  # 400 tiles: tile experts in rows of 256
+    x = jax.ShapeDtypeStruct((blocks * block_m, k), BF16)
+    experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         tiles_per_program=tiles_per_program,
