@@ -282,14 +282,20 @@ def mgpu_wna16_gemm(
 
         @jax.named_scope("store")
         def store(value, j):
-            # This warpgroup's [bm, bn] part of the j-th output tile.
+            # This warpgroup's [bm, bn] part of the j-th output tile. A persistent program
+            # alternates two buffers and does not wait for the copy out (only for the one that
+            # last read this buffer), so the next tile's products start at once.
             bi, ni, si, _, _ = tile_at(j)
             out_tile = o_gmem.at[si] if splits > 1 else o_gmem
             out_tile = out_tile.at[pl.ds(bi * bm, bm), pl.ds(ni * tile_n + wg * bn, bn)]
-            o_smem.at[wg].T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
+            buffer = o_smem.at[j % 2 if persistent else 0, wg]
+            if persistent:
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            buffer.T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_tile)
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.copy_smem_to_gmem(buffer, out_tile)
+            if not persistent:
+                plgpu.wait_smem_to_gmem(0)
 
         @jax.named_scope("convert")
         def dequantized_tile(q_smem, offset, j):
@@ -403,17 +409,18 @@ def mgpu_wna16_gemm(
                     step, grid=pipeline_grid, in_specs=in_specs, max_concurrent_steps=stages,
                     init_carry=zero_acc(),
                 )(*operands)  # fmt: skip
-                return
-            plgpu.emit_pipeline_warp_specialized(
-                step,
-                grid=pipeline_grid,
-                memory_registers=40,
-                in_specs=in_specs,
-                max_concurrent_steps=stages,
-                wg_axis="wg",
-                num_compute_wgs=consumers,
-                compute_context=lambda run: run(zero_acc()),  # stores in the steps
-            )(*operands)
+            else:
+                plgpu.emit_pipeline_warp_specialized(
+                    step,
+                    grid=pipeline_grid,
+                    memory_registers=40,
+                    in_specs=in_specs,
+                    max_concurrent_steps=stages,
+                    wg_axis="wg",
+                    num_compute_wgs=consumers,
+                    compute_context=lambda run: run(zero_acc()),  # stores in the steps
+                )(*operands)
+            plgpu.wait_smem_to_gmem(0)  # the last tiles' copies out
             return
 
         _, _, _, expert, _ = only_tile
@@ -453,7 +460,7 @@ def mgpu_wna16_gemm(
     if has_offset:
         operands.append(w.zeros)
     out_shape = (splits, p, n) if splits > 1 else (p, n)
-    scratch = [plgpu.SMEM((wgs, bm, bn), out_dtype)]
+    scratch = [plgpu.SMEM((2 if persistent else 1, wgs, bm, bn), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, bk // TILE, bn, TILE), dtype))
     if persistent:  # each warpgroup copies the table (one arrival each)
