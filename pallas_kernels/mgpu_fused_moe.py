@@ -28,7 +28,8 @@ class MgpuConfig:
     most K splits (each GEMM takes the largest divisor of its k-step count up to it; None:
     `auto_splits` per GEMM) and programs per SM (None: one program per output tile; n: a
     persistent grid of about n programs per SM, each computing its share of the output tiles
-    in one pipeline, `tiles_per_program`)."""
+    in one pipeline, `tiles_per_program`; slower than one program per tile at every M measured
+    on the H200 in session 8, so no default uses it)."""
 
     block_m: int
     block_k: int = 128
@@ -79,7 +80,8 @@ def routed_configs(num_tokens: int, top_k: int, num_experts: int, group: int):
     larger non-specialized blocks (up to 32 rows: BLOCK_COST). A batch decoding one prompt
     routes every token to the same k experts: at M=64 and 256 the default blocks read each
     expert's weights 8 and 16 times; 32-row blocks took 460.3 vs 537.9 us and 930.4 vs
-    1127.8 us (H200, session 7)."""
+    1127.8 us (H200, session 7); on the flat grid of session 8 447.4 vs 518.5 and 924.6 vs
+    1119.9 us."""
     base = default_config(num_tokens * top_k, num_experts, group)
     if num_tokens < MIN_ROUTED_TOKENS or base.block_m not in BLOCK_COST:
         return (base,)
