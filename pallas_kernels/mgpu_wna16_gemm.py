@@ -208,11 +208,12 @@ def mgpu_wna16_gemm(
 
     Output tiles (a block's rows x 64 * max(consumers, 1) features x one split's k-steps) are
     numbered split-major, then block, then N tile; programs take them in that order, so the
-    programs running at once share a block's rows in L2 (this order against block-fastest:
-    M=4096 layer 8.9 vs 10.9 ms on the H200, session 8). tiles_per_program > 1: each program
-    computes that many tiles (program p: tiles p, p + programs, ...) in one pipeline, so the
-    copies of a tile's first k-steps run while the previous tile's last ones are multiplied and
-    stored (a persistent grid: fewer programs, no pipeline fill per tile).
+    programs running at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the
+    H200 in session 8, 10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
+    tiles_per_program > 1: each program computes that many tiles (program p: tiles p,
+    p + programs, ...) in one pipeline, so the copies of a tile's first k-steps run while the
+    previous tile's last ones are multiplied and stored (a persistent grid: fewer programs, no
+    pipeline fill per tile; slower than one tile per program at every M measured, session 8).
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
@@ -361,9 +362,9 @@ def mgpu_wna16_gemm(
             j, kk = idx
             _, _, _, expert, exists = tile_at(j)
             acc = lax.cond(kk == 0, zero_acc, lambda: acc)  # a new output tile
-            # Unconditional: ptxas serializes wgmmas under a branch (a layer 1.3-2x slower at
-            # M = 16-256 on the H200, session 8). A missing tile or one of expert -1 multiplies
-            # what it read (not stored).
+            # Unconditional, no wgmmas under a branch: a missing tile or one of expert -1
+            # multiplies what it read (not stored). (Under a branch skipping those tiles the
+            # times were within 5% on the H200, session 8.)
             acc = products(acc, q_smem, x_smem, s_smem, z_smem)
 
             @pl.when(exists & (kk == steps - 1))
