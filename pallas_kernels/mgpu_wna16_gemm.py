@@ -404,37 +404,15 @@ def mgpu_wna16_gemm(
         operands = [q_gmem, x_gmem, s_gmem] + ([z_gmem] if has_offset else [])
         pipeline_grid = (per_program, steps)
 
-        if persistent:
+        def pipeline(compute_context=None):
+            """Runs the k-steps: without warp specialization, returns the final f32
+            accumulator; with it, compute_context(run) is the consumer warpgroups' prologue and
+            epilogue around run(init_carry)."""
             if not consumers:
-                plgpu.emit_pipeline(
+                return plgpu.emit_pipeline(
                     step, grid=pipeline_grid, in_specs=in_specs, max_concurrent_steps=stages,
                     init_carry=zero_acc(),
                 )(*operands)  # fmt: skip
-            else:
-                plgpu.emit_pipeline_warp_specialized(
-                    step,
-                    grid=pipeline_grid,
-                    memory_registers=40,
-                    in_specs=in_specs,
-                    max_concurrent_steps=stages,
-                    wg_axis="wg",
-                    num_compute_wgs=consumers,
-                    compute_context=lambda run: run(zero_acc()),  # stores in the steps
-                )(*operands)
-            plgpu.wait_smem_to_gmem(0)  # the last tiles' copies out
-            return
-
-        _, _, _, expert, _ = only_tile
-
-        @pl.when(expert >= 0)
-        def _matmul():  # the carry is the f32 accumulator value
-            if not consumers:
-                acc = plgpu.emit_pipeline(
-                    step, grid=pipeline_grid, in_specs=in_specs, max_concurrent_steps=stages,
-                    init_carry=zero_acc(),
-                )(*operands)  # fmt: skip
-                store(acc.astype(out_dtype), 0)
-                return
             plgpu.emit_pipeline_warp_specialized(
                 step,
                 grid=pipeline_grid,
@@ -443,9 +421,22 @@ def mgpu_wna16_gemm(
                 max_concurrent_steps=stages,
                 wg_axis="wg",
                 num_compute_wgs=consumers,
-                # The consumer warpgroups' prologue and epilogue.
-                compute_context=lambda run: store(run(zero_acc()).astype(out_dtype), 0),
+                compute_context=compute_context,
             )(*operands)
+
+        if persistent:
+            pipeline(lambda run: run(zero_acc()))  # the steps store each tile
+            plgpu.wait_smem_to_gmem(0)  # the last tiles' copies out
+            return
+
+        _, _, _, expert, _ = only_tile
+
+        @pl.when(expert >= 0)
+        def _matmul():
+            if not consumers:
+                store(pipeline().astype(out_dtype), 0)
+            else:
+                pipeline(lambda run: store(run(zero_acc()).astype(out_dtype), 0))
 
         @pl.when((expert < 0) & (wg < wgs))
         def _zeros():
