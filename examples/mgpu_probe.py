@@ -100,9 +100,10 @@ def main(argv=None) -> int:
         nargs="+",
         type=parse_config,
         default=[],
-        metavar="BM,BK,STAGES,CONSUMERS,SPLITS,PROGRAMS_PER_SM",
+        metavar="BM,BK,STAGES,CONSUMERS,SPLITS,PROGRAMS_PER_SM,BLOCK_N",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
-        "fields may be left out), e.g. 8,256,8,0,-,2: a persistent grid of 2 programs per SM",
+        "fields may be left out), e.g. 8,256,8,0,-,2: a persistent grid of 2 programs per SM; "
+        "64,128,4,2,-,-,128: two consumer warpgroups of 128 features each",
     )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     import wna16_jax as wj
     from pallas_kernels import mgpu_fused_moe
     from pallas_kernels.mgpu_fused_moe import default_config
-    from pallas_kernels.mgpu_wna16_gemm import BLOCK_N, mgpu_wna16_gemm
+    from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm
 
     if jax.default_backend() != "gpu" and not args.interpret:
         raise SystemExit("mgpu_profile.py profiles compiled Mosaic GPU kernels: it needs an "
@@ -190,9 +190,9 @@ def main(argv=None) -> int:
             interpret=args.interpret,
         )  # fmt: skip
         for what, w in weights.items():
-            tiles = w.shape[1] // (BLOCK_N * max(cfg.consumers, 1))
             # The splits the layer would take on all its blocks; then at most --max-programs.
             this = mgpu_fused_moe.gemm_config(cfg, w)
+            tiles = w.shape[1] // this.tile_n()
             splits = mgpu_fused_moe.gemm_splits(this, w, used.shape[0])
             blocks = min(used.shape[0], max(1, args.max_programs // (tiles * splits)))
             experts = used[:blocks]
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                                       profile_dir=profile_dir)  # fmt: skip
                 jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
-                                               cfg.consumers, splits, tiles_each],
+                                               cfg.consumers, splits, tiles_each, this.block_n],
                        blocks=blocks)  # fmt: skip
             traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
             if traces:

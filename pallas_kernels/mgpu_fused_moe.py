@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fused_moe import DEFAULT_CHUNK_TOKENS, align
-from pallas_kernels.mgpu_wna16_gemm import BLOCK_N, mgpu_wna16_gemm
+from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
@@ -29,7 +29,9 @@ class MgpuConfig:
     `auto_splits` per GEMM) and programs per SM (None: one program per output tile; n: a
     persistent grid of about n programs per SM, each computing its share of the output tiles
     in one pipeline, `tiles_per_program`; slower than one program per tile at every M measured
-    on the H200 in session 8, so no default uses it)."""
+    on the H200 in session 8, so no default uses it) and features per math warpgroup (block_n:
+    64, one wgmma M, or up to 256 in sub-tiles of 64; `gemm_config` falls back to 64 where N
+    does not take it)."""
 
     block_m: int
     block_k: int = 128
@@ -37,6 +39,11 @@ class MgpuConfig:
     consumers: int = 0
     splits: int | None = None
     programs_per_sm: int | None = None
+    block_n: int = 64
+
+    def tile_n(self) -> int:
+        """Output features per program."""
+        return self.block_n * max(self.consumers, 1)
 
 
 def one_group_block_k(group: int) -> int:
@@ -145,10 +152,12 @@ def _num_sms() -> int:
 def gemm_config(cfg: MgpuConfig, w: QuantizedExperts) -> MgpuConfig:
     """cfg for a GEMM on `w`: a k-step of several groups (block_k > G) that does not tile the
     GEMM's K becomes one group (e.g. DeepSeek-V2-Lite's GEMM2, K = I = 1408: 11 groups of 128
-    but no whole steps of 256)."""
-    k, group = w.shape[2], w.group
+    but no whole steps of 256), and features per warpgroup that do not tile N become 64."""
+    n, k, group = w.shape[1], w.shape[2], w.group
     if cfg.block_k > group and k % cfg.block_k and group % 64 == 0:
-        return dataclasses.replace(cfg, block_k=group)
+        cfg = dataclasses.replace(cfg, block_k=group)
+    if n % cfg.tile_n():
+        cfg = dataclasses.replace(cfg, block_n=64)
     return cfg
 
 
@@ -160,7 +169,7 @@ def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
     steps = w.shape[2] // cfg.block_k
     most = cfg.splits
     if most is None:
-        tiles = w.shape[1] // (BLOCK_N * max(cfg.consumers, 1))
+        tiles = w.shape[1] // cfg.tile_n()
         most = auto_splits(tiles * num_blocks, _num_sms())
     return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
 
@@ -171,7 +180,7 @@ def tiles_per_program(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, spl
     over programs_per_sm * the SMs."""
     if cfg.programs_per_sm is None:
         return 1
-    tiles = splits * num_blocks * (w.shape[1] // (BLOCK_N * max(cfg.consumers, 1)))
+    tiles = splits * num_blocks * (w.shape[1] // cfg.tile_n())
     return max(1, -(-tiles // (cfg.programs_per_sm * _num_sms())))
 
 
@@ -181,6 +190,7 @@ def gemm_options(cfg: MgpuConfig, splits: int, tiles: int = 1) -> dict:
     return dict(
         block_m=cfg.block_m,
         block_k=cfg.block_k,
+        block_n=cfg.block_n,
         max_concurrent_steps=cfg.stages,
         consumers=cfg.consumers,
         splits=splits,

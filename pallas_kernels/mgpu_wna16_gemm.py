@@ -51,9 +51,7 @@ from jax.experimental import pallas as pl
 from wna16_jax import layouts
 from wna16_jax._types import MGPU_TILE, QuantizedExperts
 
-# Output features per program: one warpgroup's wgmma M (64 rows of W).
-BLOCK_N = 64
-# The mgpu_int4 layout's weight tiles are TILE x TILE.
+# The mgpu_int4 layout's weight tiles are TILE x TILE; TILE features are one wgmma's M.
 TILE = MGPU_TILE
 
 
@@ -63,6 +61,7 @@ def check_config(
     *,
     block_m: int,
     block_k: int,
+    block_n: int = 64,
     consumers: int = 0,
     splits: int = 1,
     tiles_per_program: int = 1,
@@ -87,8 +86,10 @@ def check_config(
         raise ValueError(f"{p} rows are not whole blocks of {block_m}")
     if consumers not in (0, 1, 2):
         raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
-    if n % (BLOCK_N * max(consumers, 1)):
-        raise ValueError(f"N={n} must be a multiple of {BLOCK_N * max(consumers, 1)}")
+    if block_n % TILE or not TILE <= block_n <= 4 * TILE:
+        raise ValueError(f"block_n={block_n} must be a multiple of {TILE} in [{TILE}, {4 * TILE}]")
+    if n % (block_n * max(consumers, 1)):
+        raise ValueError(f"N={n} must be a multiple of {block_n * max(consumers, 1)}")
     if block_k % 64 or k % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 64 dividing K={k}")
     if w.group % block_k and block_k % w.group:
@@ -171,6 +172,7 @@ def _swizzled(shape, dtype, what: str):
     static_argnames=(
         "block_m",
         "block_k",
+        "block_n",
         "max_concurrent_steps",
         "consumers",
         "splits",
@@ -187,6 +189,7 @@ def mgpu_wna16_gemm(
     *,
     block_m: int,
     block_k: int = 128,
+    block_n: int = 64,
     max_concurrent_steps: int = 4,
     consumers: int = 0,
     splits: int = 1,
@@ -198,16 +201,19 @@ def mgpu_wna16_gemm(
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
     [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed.
 
-    consumers=0: one warpgroup per program issues the copies and does the math on 64 features
-    (`plgpu.emit_pipeline`). consumers=1 or 2: warp specialization
+    consumers=0: one warpgroup per program issues the copies and does the math on block_n
+    features (`plgpu.emit_pipeline`). consumers=1 or 2: warp specialization
     (`plgpu.emit_pipeline_warp_specialized`), a producer warpgroup issues the copies and each
-    consumer warpgroup does the math on its own 64 features of the program's tile, sharing the
-    rows' tile. splits > 1: each program takes one of `splits` equal runs of k-steps (more
-    programs for few rows). block_k: inputs per k-step, a multiple of 64 that divides the
-    group or spans whole groups (256 = two groups of 128: fewer, larger copies).
+    consumer warpgroup does the math on its own block_n features of the program's tile, sharing
+    the rows' tile. block_n: 64 (one wgmma M) or a multiple up to 256, a warpgroup's sub-tiles
+    of 64 features, each with its own accumulator: the rows' tile, copied once per k-step,
+    serves more features (fewer bytes through L2 per weight byte). splits > 1: each program
+    takes one of `splits` equal runs of k-steps (more programs for few rows). block_k: inputs
+    per k-step, a multiple of 64 that divides the group or spans whole groups (256 = two groups
+    of 128: fewer, larger copies).
 
-    Output tiles (a block's rows x 64 * max(consumers, 1) features x one split's k-steps) are
-    numbered split-major, then block, then N tile; programs take them in that order, so the
+    Output tiles (a block's rows x block_n * max(consumers, 1) features x one split's k-steps)
+    are numbered split-major, then block, then N tile; programs take them in that order, so the
     programs running at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the
     H200 in session 8, 10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
     tiles_per_program > 1: each program computes that many tiles (program p: tiles p,
@@ -223,16 +229,17 @@ def mgpu_wna16_gemm(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     check_config(
-        w, x_rows, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
-        tiles_per_program=tiles_per_program,
+        w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
+        splits=splits, tiles_per_program=tiles_per_program,
     )  # fmt: skip
     _, n, k = w.shape
     p = x_rows.shape[0]
     dtype = x_rows.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
-    wgs = max(consumers, 1)  # warpgroups doing math, each on BLOCK_N features
-    bm, bn, bk = block_m, BLOCK_N, block_k
-    tile_n = bn * wgs  # features per program
+    wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
+    subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M), one accumulator each
+    bm, bk = block_m, block_k
+    tile_n = block_n * wgs  # features per program
     # A k-step spans part of one group (steps_per_group of them) or several whole groups.
     steps_per_group = max(w.group // bk, 1)
     groups_per_step = max(bk // w.group, 1)
@@ -255,7 +262,13 @@ def mgpu_wna16_gemm(
         o_gmem, o_smem, *rest = rest
         a_smem = rest.pop(0) if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
-        features = pl.ds(wg * bn, bn) if consumers > 1 else slice(None)
+
+        def sub_tile(s):  # the program's 64-feature tile of this warpgroup's sub-tile s
+            return wg * subs + s
+
+        def features(s):
+            return pl.ds(sub_tile(s) * TILE, TILE)
+
         if persistent:
             # This program's tile experts, copied once into shared memory: looked up as each
             # k-step's copies are issued (a global load there stalls the issuing warpgroup).
@@ -282,29 +295,35 @@ def mgpu_wna16_gemm(
             tile_at = lambda j: only_tile  # noqa: E731
 
         @jax.named_scope("store")
-        def store(value, j):
-            # This warpgroup's [bm, bn] part of the j-th output tile. A persistent program
-            # alternates two buffers and does not wait for the copy out (only for the one that
-            # last read this buffer), so the next tile's products start at once.
+        def store(values, j):
+            # This warpgroup's [bm, block_n] part of the j-th output tile (f32 values of its
+            # sub-tiles). A persistent program alternates two buffers and does not wait for the
+            # copy out (only for the ones that last read this buffer), so the next tile's
+            # products start at once.
             bi, ni, si, _, _ = tile_at(j)
             out_tile = o_gmem.at[si] if splits > 1 else o_gmem
-            out_tile = out_tile.at[pl.ds(bi * bm, bm), pl.ds(ni * tile_n + wg * bn, bn)]
-            buffer = o_smem.at[j % 2 if persistent else 0, wg]
             if persistent:
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            buffer.T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.wait_smem_to_gmem(subs, wait_read_only=True)
+            for s, value in enumerate(values):
+                buffer = o_smem.at[j % 2 if persistent else 0, sub_tile(s)]
+                buffer.T[...] = plgpu.layout_cast(
+                    value.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
+                )
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(buffer, out_tile)
+            for s in range(subs):
+                buffer = o_smem.at[j % 2 if persistent else 0, sub_tile(s)]
+                cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
+                plgpu.copy_smem_to_gmem(buffer, out_tile.at[pl.ds(bi * bm, bm), cols])
             if not persistent:
                 plgpu.wait_smem_to_gmem(0)
 
         @jax.named_scope("convert")
-        def dequantized_tile(q_smem, offset, j):
-            # This warpgroup's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
+        def dequantized_tile(q_smem, offset, s, j):
+            # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
             # offset = 128 + z of the tile's features (136 without zero points): q - z, a
             # small integer, exact in bf16.
             box, first = divmod(j * TILE, box_rows)
-            q_tile = q_smem.at[wg if consumers > 1 else 0, box, pl.ds(first, TILE)]
+            q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
             if interpret:  # the interpreter's wgmma takes A from shared memory only
                 q = layouts.from_tile_order(q_tile[...].astype(jnp.int32))  # q - 8
                 biased = q.astype(dtype) + 136
@@ -315,45 +334,52 @@ def mgpu_wna16_gemm(
             else:
                 wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
             if interpret:
-                a_smem.at[wg, j][...] = wt
-                return a_smem.at[wg, j]
+                a_smem.at[wg, s, j][...] = wt
+                return a_smem.at[wg, s, j]
             return wt
 
-        def zero_acc():
-            return plgpu.layout_cast(jnp.full((bn, bm), 0, jnp.float32), wgmma)
+        def zero_acc():  # one f32 [64 features, bm rows] accumulator per sub-tile
+            return tuple(
+                plgpu.layout_cast(jnp.full((TILE, bm), 0, jnp.float32), wgmma) for _ in range(subs)
+            )
 
-        def products(acc, q_smem, x_smem, s_smem, z_smem):
+        def products(accs, q_smem, x_smem, s_smem, z_smem):
             # The products of a group's k-tiles are exact in their f32 sum (its own
-            # accumulator); the group scale multiplies the sum. Group g's tiles are converted
-            # while group g-1's wgmmas run, and g-1's sum is scaled while g's run.
-            def issue(part_ref, g):
+            # accumulator); the group scale multiplies the sum. Units (group, sub-tile) run in
+            # order: unit u's tiles are converted while unit u-1's wgmmas run, and u-1's sum
+            # is scaled while u's run.
+            units = [(g, s) for g in range(groups_per_step) for s in range(subs)]
+
+            def issue(part_ref, g, s):
                 tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                 offset = None
                 if z_smem:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
-                    offset = 136 - plgpu.load(z_smem[0].at[g, features], layout=row)
-                wts = [dequantized_tile(q_smem, offset, j) for j in tiles]
+                    offset = 136 - plgpu.load(z_smem[0].at[g, features(s)], layout=row)
+                wts = [dequantized_tile(q_smem, offset, s, j) for j in tiles]
                 with jax.named_scope("wgmma"):
                     for j, wt in zip(tiles, wts, strict=True):
                         plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
 
-            def add_scaled(acc, part_ref, g, in_flight):
-                # wait until at most in_flight wgmmas (the next group's) are running
+            def add_scaled(accs, part_ref, g, s, in_flight):
+                # wait until at most in_flight wgmmas (the next unit's) are running
                 with jax.named_scope("wait"):
                     part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
                 with jax.named_scope("scale"):
-                    scale = plgpu.load(s_smem.at[g, features], layout=row).astype(jnp.float32)
-                    return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+                    scale = plgpu.load(s_smem.at[g, features(s)], layout=row)
+                    scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
+                    return accs[:s] + (accs[s] + part * scale,) + accs[s + 1 :]
 
-            def group_products(*part_refs):
-                out = acc
-                for g, part_ref in enumerate(part_refs):
-                    issue(part_ref, g)
-                    if g:
-                        out = add_scaled(out, part_refs[g - 1], g - 1, tiles_per_part)
-                return add_scaled(out, part_refs[-1], groups_per_step - 1, 0)
+            def unit_products(*part_refs):
+                out = accs
+                for u, part_ref in enumerate(part_refs):
+                    issue(part_ref, *units[u])
+                    if u:
+                        out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
+                return add_scaled(out, part_refs[-1], *units[-1], 0)
 
-            accs = [plgpu.ACC((bn, bm), jnp.float32)] * groups_per_step
-            return pl.run_scoped(group_products, *accs)
+            return pl.run_scoped(
+                unit_products, *[plgpu.ACC((TILE, bm), jnp.float32) for _ in units]
+            )
 
         def step(idx, q_smem, x_smem, s_smem, *rest):
             *z_smem, acc = rest
@@ -369,8 +395,8 @@ def mgpu_wna16_gemm(
 
             @pl.when(exists & (kk == steps - 1))
             def _():
-                pl.when(expert >= 0)(lambda: store(acc.astype(out_dtype), j))
-                pl.when(expert < 0)(lambda: store(zero_acc().astype(out_dtype), j))
+                pl.when(expert >= 0)(lambda: store(acc, j))
+                pl.when(expert < 0)(lambda: store(zero_acc(), j))
 
             return acc
 
@@ -389,10 +415,10 @@ def mgpu_wna16_gemm(
             return jnp.maximum(expert, 0), (si * steps + kk) // steps_per_group, ni
 
         in_specs = [
-            plgpu.BlockSpec(  # [consumers or 1, boxes of box_rows/64 tiles of 64 rows, 64]:
+            plgpu.BlockSpec(  # [64-feature tiles, boxes of box_rows/64 tiles of 64 rows, 64]:
                 # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive
                 # bytes, no bank conflicts
-                (None, wgs, bk // box_rows, box_rows, TILE),
+                (None, wgs * subs, bk // box_rows, box_rows, TILE),
                 weight_tile,
             ),
             plgpu.BlockSpec((bm, bk), rows_tile, transforms=_swizzled((bm, bk), dtype, "x")),
@@ -434,13 +460,13 @@ def mgpu_wna16_gemm(
         @pl.when(expert >= 0)
         def _matmul():
             if not consumers:
-                store(pipeline().astype(out_dtype), 0)
+                store(pipeline(), 0)
             else:
-                pipeline(lambda run: store(run(zero_acc()).astype(out_dtype), 0))
+                pipeline(lambda run: store(run(zero_acc()), 0))
 
         @pl.when((expert < 0) & (wg < wgs))
         def _zeros():
-            store(plgpu.layout_cast(jnp.full((bn, bm), 0, out_dtype), wgmma), 0)
+            store(zero_acc(), 0)
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
@@ -452,9 +478,9 @@ def mgpu_wna16_gemm(
     if has_offset:
         operands.append(w.zeros)
     out_shape = (splits, p, n) if splits > 1 else (p, n)
-    scratch = [plgpu.SMEM((2 if persistent else 1, wgs, bm, bn), out_dtype)]
+    scratch = [plgpu.SMEM((2 if persistent else 1, wgs * subs, bm, TILE), out_dtype)]
     if interpret:
-        scratch.append(plgpu.SMEM((wgs, bk // TILE, bn, TILE), dtype))
+        scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
     if persistent:  # each warpgroup copies the table (one arrival each)
         scratch.append(plgpu.SMEM(experts.shape[1:], jnp.int32))
         scratch.append(plgpu.Barrier(num_arrivals=consumers + 1))
@@ -462,7 +488,7 @@ def mgpu_wna16_gemm(
     profile = {}
     if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
         # a scale per group (twice that, to spare), and the store
-        regions = bk // TILE + 3 * groups_per_step
+        regions = subs * (bk // TILE + 3 * groups_per_step)
         profile = dict(
             profile_space=2 * regions * steps * per_program + 8 * per_program,
             profile_dir=profile_dir,

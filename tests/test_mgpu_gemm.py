@@ -60,7 +60,7 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
 
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
-    tiles_per_program=1, stages=4,
+    tiles_per_program=1, stages=4, block_n=64,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
@@ -71,6 +71,7 @@ def run_gemm_case(
         jnp.asarray(block_experts),
         block_m=block_m,
         block_k=block_k,
+        block_n=block_n,
         consumers=consumers,
         splits=splits,
         tiles_per_program=tiles_per_program,
@@ -131,6 +132,24 @@ def test_gemm_warp_specialized_and_split_k(rng, has_zp, consumers, splits, block
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "block_n,consumers,splits,block_k,tiles_per_program",
+    [(128, 0, 1, 128, 1), (256, 0, 2, 256, 1), (128, 2, 1, 256, 1), (128, 1, 2, 128, 1),
+     (192, 0, 1, 128, 1), (128, 0, 1, 256, 3), (128, 2, 2, 128, 2)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_wide_warpgroups(rng, has_zp, block_n, consumers, splits, block_k, tiles_per_program):
+    """A math warpgroup on block_n = 128-256 features: 2-4 sub-tiles of 64, each with its own
+    accumulator, scale and zero points, and its own 64 output columns; with 0-2 consumers, K
+    splits and persistent programs."""
+    run_gemm_case(
+        rng, e=3, n=block_n * max(consumers, 1) * 2, k=512, group_size=128, has_zp=has_zp,
+        block_m=8, block_k=block_k, blocks=[1, -1, 0, 2, 1], consumers=consumers,
+        splits=splits, tiles_per_program=tiles_per_program, block_n=block_n,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize("consumers,splits", [(0, 1), (2, 2)], ids=str)
 def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
     """512-wide k-steps (four groups of 128): each step's weights arrive as two copies of 256
@@ -175,6 +194,24 @@ def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits, block_
     )  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "block_m,block_n,consumers,block_k,stages",
+    [(8, 128, 0, 256, 4), (8, 256, 0, 256, 4), (16, 128, 0, 128, 4), (64, 128, 2, 128, 4),
+     (64, 128, 2, 256, 2), (128, 128, 2, 64, 3)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_deepseek_v3_wide_warpgroups(rng, has_zp, block_m, block_n, consumers, block_k,
+                                          stages):  # fmt: skip
+    """GEMM1 of DeepSeek-V3 TP=1 with 128-256 features per math warpgroup, compiled."""
+    run_gemm_case(
+        rng, e=16, n=4096, k=7168, group_size=128, has_zp=has_zp, block_m=block_m,
+        block_k=block_k, blocks=[3, 15, -1, 0, 7], consumers=consumers, stages=stages,
+        block_n=block_n,
+    )  # fmt: skip
+
+
 def test_gemm_persistent_program_of_many_tiles(rng):
     """352 output tiles (16 N tiles x 11 blocks x 2 splits) in programs of 300 and 52: the tile
     experts of the first in two rows of 256 (a copy's limit along a dimension)."""
@@ -216,6 +253,8 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (7, MgpuConfig(block_m=8, block_k=64, consumers=2, splits=2)),
         (3, MgpuConfig(block_m=16, block_k=64, stages=2, consumers=1, splits=4)),
         (6, MgpuConfig(block_m=8, block_k=64, consumers=2, stages=6)),
+        (11, MgpuConfig(block_m=8, block_k=64, block_n=128)),  # both GEMMs' N is 128
+        (4, MgpuConfig(block_m=8, block_k=128, consumers=2, block_n=128)),  # falls back to 64
     ],
     ids=str,
 )
@@ -638,13 +677,16 @@ def test_int8_is_refused(rng):
 
 
 @pytest.mark.parametrize(
-    "has_zp,block_m,block_k,consumers,splits,tiles_per_program",
-    [(True, 8, 256, 0, 1, 1), (False, 16, 128, 0, 1, 1), (True, 64, 256, 2, 1, 1),
-     (True, 8, 512, 0, 2, 1), (True, 8, 256, 0, 1, 3), (False, 32, 256, 2, 2, 2),
-     (True, 8, 256, 0, 1, 300)],
+    "has_zp,block_m,block_k,consumers,splits,tiles_per_program,block_n",
+    [(True, 8, 256, 0, 1, 1, 64), (False, 16, 128, 0, 1, 1, 64), (True, 64, 256, 2, 1, 1, 64),
+     (True, 8, 512, 0, 2, 1, 64), (True, 8, 256, 0, 1, 3, 64), (False, 32, 256, 2, 2, 2, 64),
+     (True, 8, 256, 0, 1, 300, 64), (True, 8, 256, 0, 1, 1, 128), (True, 64, 128, 2, 1, 1, 128),
+     (False, 16, 256, 0, 2, 3, 256)],
     ids=str,
 )  # fmt: skip
-def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, tiles_per_program):
+def test_gemm_lowers_for_cuda(
+    has_zp, block_m, block_k, consumers, splits, tiles_per_program, block_n
+):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types and the copies' shapes are checked here; ptxas and the run only on
@@ -663,7 +705,7 @@ def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, tiles
     experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
-        tiles_per_program=tiles_per_program,
+        tiles_per_program=tiles_per_program, block_n=block_n,
     )  # fmt: skip
     lowered = jax.jit(gemm).trace(x, w, experts).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
@@ -687,6 +729,15 @@ def test_default_config_follows_the_h200_figures(m, block_m, block_k, stages, co
     assert default_config(m * 8, 256, 128) == want
     assert default_config(m * 8, 256, 64).block_k == 64
     assert default_config(m * 8, 256, 7168).block_k == 128
+
+
+def test_gemm_config_keeps_whole_features(rng):
+    """block_n 128 with 2 consumers (256 features per program) on N = 384 falls back to 64; on
+    N = 512 it stays."""
+    cfg = MgpuConfig(block_m=8, consumers=2, block_n=128)
+    for n, want in ((384, 64), (512, 128)):
+        w = prepare_weights(helpers.random_quantized_experts(rng, 1, n, 256, 4, 128, False, BF16))
+        assert mgpu_fused_moe.gemm_config(cfg, w).block_n == want
 
 
 def test_gemm_config_keeps_whole_steps(rng):
