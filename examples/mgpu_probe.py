@@ -68,9 +68,13 @@ def candidates(rows: float, group: int) -> list[MgpuConfig]:
 
 
 def parse_config(text: str) -> MgpuConfig:
-    """ "8,256,4,0,-,2" -> MgpuConfig(8, 256, 4, 0, None, 2): fields in order, '-' for None."""
+    """ "8,256,4,0,-,128,0" -> MgpuConfig(8, 256, 4, 0, None, 128, False): fields in order,
+    '-' for None."""
     try:
-        return MgpuConfig(*(None if v == "-" else int(v) for v in text.split(",")))
+        fields = [None if v == "-" else int(v) for v in text.split(",")]
+        if len(fields) > 6:  # fuse_activation
+            fields[6] = bool(fields[6])
+        return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
 
@@ -100,10 +104,10 @@ def main(argv=None) -> int:
         nargs="+",
         type=parse_config,
         default=[],
-        metavar="BM,BK,STAGES,CONSUMERS,SPLITS,PROGRAMS_PER_SM,BLOCK_N",
+        metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
-        "fields may be left out), e.g. 8,256,8,0,-,2: a persistent grid of 2 programs per SM; "
-        "64,128,4,2,-,-,128: two consumer warpgroups of 128 features each",
+        "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
+        "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation",
     )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")
@@ -185,19 +189,20 @@ def main(argv=None) -> int:
             if t < best[0]:
                 best = (t, cfg)
         cfg = best[1]
-        # The two GEMMs alone (f32 outputs, as the layer runs them), on set 0's rows.
+        # The two GEMMs alone as the layer runs them (GEMM1 with the activation, fused where
+        # the config fuses it; GEMM2's f32 output), on set 0's rows.
         _, block_experts, x_rows = mgpu_fused_moe.block_rows(
             xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
             interpret=interpret,
         )  # fmt: skip
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
-        for what, w, a, work in (
-            ("mgpu GEMM1", w13p, x_rows, dict(weight_bytes=bytes1, flops=flops1)),
-            ("mgpu GEMM2", w2p, act_rows, dict(weight_bytes=bytes2, flops=flops2)),
+        for what, w, a, act, work in (
+            ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, dict(weight_bytes=bytes1, flops=flops1)),
+            ("mgpu GEMM2", w2p, act_rows, None, dict(weight_bytes=bytes2, flops=flops2)),
         ):
             t, _ = benchmark.time_loop(
-                lambda w, a, ex, gemm=gemm: gemm(a, w, ex),
+                lambda w, a, ex, gemm=gemm, act=act: gemm(a, w, ex, activation_dtype=act),
                 [(a, block_experts)],
                 consts=(w,),
                 **timing,

@@ -128,9 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument(
         "--config",
-        help="block_m,block_k,stages,consumers[,splits[,programs_per_sm]] ('-' or omitted: "
-        "None, i.e. auto_splits / one program per output tile; default: the layer's "
-        "default_config)",
+        help="block_m,block_k,stages,consumers[,splits[,block_n[,fuse_activation]]] ('-' or "
+        "omitted for splits: None, i.e. auto_splits; default: the layer's default_config)",
     )
     p.add_argument(
         "--max-programs",
@@ -200,15 +199,15 @@ def main(argv=None) -> int:
             rows = rows[: blocks * cfg.block_m].astype(jnp.bfloat16)
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
-            tiles_each = mgpu_fused_moe.tiles_per_program(this, w, blocks, splits)
-            options = mgpu_fused_moe.gemm_options(this, splits, tiles_each)
+            gated = what == "GEMM1" and mgpu_fused_moe.fuses_activation(this, w, splits)
+            options = mgpu_fused_moe.gemm_options(this, splits, gated=gated, out_dtype=jnp.bfloat16)
             profile_dir = None if args.interpret else trace_dir
             with fds_to(compile_log):
                 out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
                                       profile_dir=profile_dir)  # fmt: skip
                 jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
-                                               cfg.consumers, splits, tiles_each, this.block_n],
+                                               cfg.consumers, splits, this.block_n, gated],
                        blocks=blocks)  # fmt: skip
             traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
             if traces:

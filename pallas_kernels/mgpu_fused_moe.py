@@ -26,20 +26,18 @@ class MgpuConfig:
     """Rows per block (wgmma N, 8..256), k-tile (divides the group), pipelined k-steps,
     consumer warpgroups (0: no warp specialization; 1 or 2 with a producer warpgroup), the
     most K splits (each GEMM takes the largest divisor of its k-step count up to it; None:
-    `auto_splits` per GEMM) and programs per SM (None: one program per output tile; n: a
-    persistent grid of about n programs per SM, each computing its share of the output tiles
-    in one pipeline, `tiles_per_program`; slower than one program per tile at every M measured
-    on the H200 in session 8, so no default uses it) and features per math warpgroup (block_n:
-    64, one wgmma M, or up to 256 in sub-tiles of 64; `gemm_config` falls back to 64 where N
-    does not take it)."""
+    `auto_splits` per GEMM), features per math warpgroup (block_n: 64, one wgmma M, or up to
+    256 in sub-tiles of 64; `gemm_config` falls back to 64 where N does not take it) and
+    whether GEMM1 applies silu * up to its sums before storing them (fuse_activation: no f32
+    [P, 2I] output and no separate activation pass; where GEMM1 is not K-split)."""
 
     block_m: int
     block_k: int = 128
     stages: int = 4
     consumers: int = 0
     splits: int | None = None
-    programs_per_sm: int | None = None
     block_n: int = 64
+    fuse_activation: bool = True
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -174,19 +172,9 @@ def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
     return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
 
 
-def tiles_per_program(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, splits: int) -> int:
-    """Output tiles per program for a GEMM of `num_blocks` blocks on `w` at cfg with `splits`:
-    1 (one program per tile) unless cfg.programs_per_sm is set, then the tiles spread evenly
-    over programs_per_sm * the SMs."""
-    if cfg.programs_per_sm is None:
-        return 1
-    tiles = splits * num_blocks * (w.shape[1] // cfg.tile_n())
-    return max(1, -(-tiles // (cfg.programs_per_sm * _num_sms())))
-
-
-def gemm_options(cfg: MgpuConfig, splits: int, tiles: int = 1) -> dict:
-    """mgpu_wna16_gemm's keyword arguments at cfg with `splits` and `tiles` output tiles per
-    program, f32 outputs (the layer's)."""
+def gemm_options(cfg: MgpuConfig, splits: int, *, gated: bool = False, out_dtype=None) -> dict:
+    """mgpu_wna16_gemm's keyword arguments at cfg with `splits` (f32 outputs unless gated: the
+    activation in out_dtype)."""
     return dict(
         block_m=cfg.block_m,
         block_k=cfg.block_k,
@@ -194,22 +182,34 @@ def gemm_options(cfg: MgpuConfig, splits: int, tiles: int = 1) -> dict:
         max_concurrent_steps=cfg.stages,
         consumers=cfg.consumers,
         splits=splits,
-        tiles_per_program=tiles,
-        out_dtype=jnp.float32,
+        gated=gated,
+        out_dtype=out_dtype if gated else jnp.float32,
     )
+
+
+def fuses_activation(cfg: MgpuConfig, w13: QuantizedExperts, splits: int) -> bool:
+    """Whether GEMM1 at cfg (after gemm_config) with `splits` applies silu * up itself: asked
+    for, not K-split, and each half of w13 whole output tiles."""
+    return cfg.fuse_activation and splits == 1 and (w13.shape[1] // 2) % cfg.tile_n() == 0
 
 
 def block_gemm(cfg: MgpuConfig, interpret: bool):
     """gemm(rows, w, block_experts) -> [P, N] f32: the Mosaic GPU GEMM at cfg, K-split
-    partial products summed."""
+    partial products summed; with activation_dtype, w's rows are [gate; up] and the result is
+    silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue where `fuses_activation`)."""
 
-    def gemm(rows, w, block_experts):
+    def gemm(rows, w, block_experts, activation_dtype=None):
         this = gemm_config(cfg, w)
         splits = gemm_splits(this, w, block_experts.shape[0])
-        tiles = tiles_per_program(this, w, block_experts.shape[0], splits)
-        options = gemm_options(this, splits, tiles)
+        if activation_dtype is not None and fuses_activation(this, w, splits):
+            options = gemm_options(this, 1, gated=True, out_dtype=activation_dtype)
+            return mgpu_wna16_gemm(rows, w, block_experts, **options, interpret=interpret)
+        options = gemm_options(this, splits)
         out = mgpu_wna16_gemm(rows, w, block_experts, **options, interpret=interpret)
-        return out.sum(axis=0) if splits > 1 else out
+        out = out.sum(axis=0) if splits > 1 else out
+        if activation_dtype is None:
+            return out
+        return _reference.silu_and_mul(out).astype(activation_dtype)
 
     return gemm
 
@@ -236,11 +236,10 @@ def _chunk(x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, i
         interpret=interpret,
     )  # fmt: skip
     gemm = block_gemm(cfg, interpret)
-    # f32 GEMM outputs: the activation and the top-k sum see unrounded sums. The activation
-    # is rounded to x's dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla'
-    # reference keeps it in f32).
-    h = gemm(x_rows, w13, block_experts)  # [P, 2I]
-    act = _reference.silu_and_mul(h).astype(x.dtype)  # [P, I]
+    # The activation and the top-k sum see unrounded f32 sums. The activation is rounded to x's
+    # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it
+    # in f32).
+    act = gemm(x_rows, w13, block_experts, activation_dtype=x.dtype)  # [P, I]
     y = gemm(act, w2, block_experts)  # [P, H]; off-shard blocks (expert -1) are zeros
     # Each slot's row in block order (padding points past the end and is dropped; a slot the
     # alignment dropped, id out of range, keeps position 0 and is masked below).

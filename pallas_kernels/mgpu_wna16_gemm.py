@@ -16,15 +16,20 @@ expert) and prefill alike. TMA copies of the weight, scale and row tiles run
 `max_concurrent_steps` k-steps ahead.
 
 Two ways to run a program, both measured on the H200 (docs/PERFORMANCE.md, session 5):
-- consumers=0: one warpgroup issues the copies and does the math on 64 features
+- consumers=0: one warpgroup issues the copies and does the math on block_n features
   (`plgpu.emit_pipeline`); fastest for blocks of 8-16 rows (decode, M <= 256).
 - consumers=1 or 2: warp specialization (`plgpu.emit_pipeline_warp_specialized`): a producer
-  warpgroup issues the copies, and each consumer warpgroup does the math on its own 64 features
-  of the program's 64*consumers, sharing the rows' tile. While one consumer waits for its
-  wgmma the other converts its next tile: 12.4 vs 16.4 ms for the DeepSeek-V3 layer at M=4096.
-splits > 1 gives each program one of `splits` runs of k-steps and writes partial products
-[splits, P, N] (summed by the caller): programs for GEMMs with few N tiles and blocks (the TP=8
-slice at M=1).
+  warpgroup issues the copies, and each consumer warpgroup does the math on its own block_n
+  features of the program's block_n*consumers, sharing the rows' tile. While one consumer waits
+  for its wgmma the other converts its next tile: 12.4 vs 16.4 ms for the DeepSeek-V3 layer at
+  M=4096.
+block_n (64..256): a warpgroup's features in sub-tiles of 64 (one wgmma M each, its own
+accumulator): a rows' tile serves more weights. splits > 1 gives each program one of `splits`
+runs of k-steps and writes partial products [splits, P, N] (summed by the caller): programs for
+GEMMs with few N tiles and blocks (the TP=8 slice at M=1). gated: W is a gated MLP's [gate; up]
+and the program stores silu(gate) * up: each sub-tile's gate and up sums sit in the same
+registers of two accumulators, so the activation costs no data movement, and the f32 [P, N]
+output and the activation's pass over it disappear.
 
 It reads QuantizedExperts in the "mgpu_int4" layout (wna16_jax/layouts.py, made once):
 qweight int4 [E, N/64, K/64, 64, 64] holding q - 8 in 64x64 tiles (their nibbles in register
@@ -64,7 +69,7 @@ def check_config(
     block_n: int = 64,
     consumers: int = 0,
     splits: int = 1,
-    tiles_per_program: int = 1,
+    gated: bool = False,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -88,8 +93,11 @@ def check_config(
         raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
     if block_n % TILE or not TILE <= block_n <= 4 * TILE:
         raise ValueError(f"block_n={block_n} must be a multiple of {TILE} in [{TILE}, {4 * TILE}]")
-    if n % (block_n * max(consumers, 1)):
-        raise ValueError(f"N={n} must be a multiple of {block_n * max(consumers, 1)}")
+    tile_n = block_n * max(consumers, 1) * (2 if gated else 1)
+    if n % tile_n:
+        raise ValueError(
+            f"N={n} must be a multiple of {tile_n} (block_n x consumers, x 2 halves if gated)"
+        )
     if block_k % 64 or k % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 64 dividing K={k}")
     if w.group % block_k and block_k % w.group:
@@ -99,8 +107,8 @@ def check_config(
         )
     if splits < 1 or (k // block_k) % splits:
         raise ValueError(f"splits={splits} must divide the {k // block_k} k-steps")
-    if tiles_per_program < 1:
-        raise ValueError(f"tiles_per_program={tiles_per_program} must be >= 1")
+    if gated and splits > 1:
+        raise ValueError("gated needs whole sums (splits=1): silu of a partial sum is not a part")
 
 
 # bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
@@ -176,7 +184,7 @@ def _swizzled(shape, dtype, what: str):
         "max_concurrent_steps",
         "consumers",
         "splits",
-        "tiles_per_program",
+        "gated",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -193,13 +201,15 @@ def mgpu_wna16_gemm(
     max_concurrent_steps: int = 4,
     consumers: int = 0,
     splits: int = 1,
-    tiles_per_program: int = 1,
+    gated: bool = False,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
-    [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed.
+    [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed; gated:
+    W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and out[p] =
+    silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to out_dtype.
 
     consumers=0: one warpgroup per program issues the copies and does the math on block_n
     features (`plgpu.emit_pipeline`). consumers=1 or 2: warp specialization
@@ -210,16 +220,14 @@ def mgpu_wna16_gemm(
     serves more features (fewer bytes through L2 per weight byte). splits > 1: each program
     takes one of `splits` equal runs of k-steps (more programs for few rows). block_k: inputs
     per k-step, a multiple of 64 that divides the group or spans whole groups (256 = two groups
-    of 128: fewer, larger copies).
+    of 128: fewer, larger copies). gated: a warpgroup's block_n output features take a gate
+    and an up accumulator each (the same register positions: silu * up in registers), their
+    weights copied from both halves of W.
 
     Output tiles (a block's rows x block_n * max(consumers, 1) features x one split's k-steps)
-    are numbered split-major, then block, then N tile; programs take them in that order, so the
-    programs running at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the
-    H200 in session 8, 10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
-    tiles_per_program > 1: each program computes that many tiles (program p: tiles p,
-    p + programs, ...) in one pipeline, so the copies of a tile's first k-steps run while the
-    previous tile's last ones are multiplied and stored (a persistent grid: fewer programs, no
-    pipeline fill per tile; slower than one tile per program at every M measured, session 8).
+    are numbered split-major, then block, then N tile, one program each; the programs running
+    at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the H200 in session 8,
+    10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
 
     Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
@@ -230,16 +238,18 @@ def mgpu_wna16_gemm(
 
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
-        splits=splits, tiles_per_program=tiles_per_program,
+        splits=splits, gated=gated,
     )  # fmt: skip
     _, n, k = w.shape
     p = x_rows.shape[0]
     dtype = x_rows.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
-    subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M), one accumulator each
+    subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
+    halves = 2 if gated else 1  # weight halves a program reads: (gate, up) or the one
     bm, bk = block_m, block_k
-    tile_n = block_n * wgs  # features per program
+    tile_n = block_n * wgs  # output features per program
+    out_n = n // halves
     # A k-step spans part of one group (steps_per_group of them) or several whole groups.
     steps_per_group = max(w.group // bk, 1)
     groups_per_step = max(bk // w.group, 1)
@@ -247,75 +257,49 @@ def mgpu_wna16_gemm(
     box_rows = math.gcd(bk, 256)  # k-rows of weight tiles per TMA box
     has_offset = w.zeros is not None
     steps = k // bk // splits
-    n_tiles, blocks = n // tile_n, p // bm
-    out_tiles = splits * blocks * n_tiles
-    per_program = min(tiles_per_program, out_tiles)
-    programs = -(-out_tiles // per_program)
-    persistent = per_program > 1
+    n_tiles, blocks = out_n // tile_n, p // bm
     wgmma = plgpu.Layout.WGMMA
     row = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(experts_gmem, x_gmem, q_gmem, s_gmem, *rest):
-        # experts_gmem: each block's expert, or with persistent programs each program's tiles'
-        # experts ([programs, rows, 256 or fewer], `_tile_experts`)
-        z_gmem, rest = (rest[0], rest[1:]) if has_offset else (None, rest)
+        z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
         o_gmem, o_smem, *rest = rest
-        a_smem = rest.pop(0) if interpret else None
+        a_smem = rest[0] if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
+        # This program's output tile: split, block, N tile (fastest).
+        flat = lax.axis_index("p")
+        si, bi, ni = flat // (blocks * n_tiles), flat // n_tiles % blocks, flat % n_tiles
+        expert = experts_gmem[bi]
 
-        def sub_tile(s):  # the program's 64-feature tile of this warpgroup's sub-tile s
+        def sub_tile(s):  # this warpgroup's sub-tile s among the program's 64-feature tiles
             return wg * subs + s
 
         def features(s):
             return pl.ds(sub_tile(s) * TILE, TILE)
 
-        if persistent:
-            # This program's tile experts, copied once into shared memory: looked up as each
-            # k-step's copies are issued (a global load there stalls the issuing warpgroup).
-            experts_smem, arrived = rest
-            plgpu.copy_gmem_to_smem(experts_gmem.at[lax.axis_index("p")], experts_smem, arrived)
-            plgpu.barrier_wait(arrived)
-
-        def output_tile(j):
-            """(block, N tile, split, its expert, whether it exists) of the program's j-th
-            output tile; tiles past the last repeat the last one."""
-            # Strided: the programs running at once work on consecutive tiles, a block's N
-            # tiles together (its rows read once from L2, as with one tile per program).
-            flat = jnp.minimum(j * programs + lax.axis_index("p"), out_tiles - 1)
-            si, bi, ni = flat // (blocks * n_tiles), flat // n_tiles % blocks, flat % n_tiles
-            if not persistent:
-                return bi, ni, si, experts_gmem[bi], True
-            expert = experts_smem[j // 256, j % 256]  # -2: past the last tile
-            return bi, ni, si, expert, expert >= -1
-
-        if persistent:
-            tile_at = output_tile
-        else:  # one tile: its coordinates once, outside the pipeline
-            only_tile = output_tile(0)
-            tile_at = lambda j: only_tile  # noqa: E731
-
         @jax.named_scope("store")
-        def store(values, j):
-            # This warpgroup's [bm, block_n] part of the j-th output tile (f32 values of its
-            # sub-tiles). A persistent program alternates two buffers and does not wait for the
-            # copy out (only for the ones that last read this buffer), so the next tile's
-            # products start at once.
-            bi, ni, si, _, _ = tile_at(j)
+        def store(values):
+            # This warpgroup's [bm, block_n] part of the output tile, one copy per sub-tile.
             out_tile = o_gmem.at[si] if splits > 1 else o_gmem
-            if persistent:
-                plgpu.wait_smem_to_gmem(subs, wait_read_only=True)
             for s, value in enumerate(values):
-                buffer = o_smem.at[j % 2 if persistent else 0, sub_tile(s)]
+                buffer = o_smem.at[sub_tile(s)]
                 buffer.T[...] = plgpu.layout_cast(
                     value.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
                 )
             plgpu.commit_smem()
             for s in range(subs):
-                buffer = o_smem.at[j % 2 if persistent else 0, sub_tile(s)]
                 cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
-                plgpu.copy_smem_to_gmem(buffer, out_tile.at[pl.ds(bi * bm, bm), cols])
-            if not persistent:
-                plgpu.wait_smem_to_gmem(0)
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[sub_tile(s)], out_tile.at[pl.ds(bi * bm, bm), cols]
+                )
+            plgpu.wait_smem_to_gmem(0)
+
+        def epilogue(accs):
+            """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
+            if not gated:
+                return accs
+            gates, ups = accs[:subs], accs[subs:]
+            return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
 
         @jax.named_scope("convert")
         def dequantized_tile(q_smem, offset, s, j):
@@ -338,36 +322,43 @@ def mgpu_wna16_gemm(
                 return a_smem.at[wg, s, j]
             return wt
 
-        def zero_acc():  # one f32 [64 features, bm rows] accumulator per sub-tile
+        def zero_acc():  # f32 [64 features, bm rows] accumulators: per half, per sub-tile
             return tuple(
-                plgpu.layout_cast(jnp.full((TILE, bm), 0, jnp.float32), wgmma) for _ in range(subs)
+                plgpu.layout_cast(jnp.full((TILE, bm), 0, jnp.float32), wgmma)
+                for _ in range(halves * subs)
             )
 
-        def products(accs, q_smem, x_smem, s_smem, z_smem):
+        def products(accs, q_refs, x_smem, s_refs, z_refs):
             # The products of a group's k-tiles are exact in their f32 sum (its own
-            # accumulator); the group scale multiplies the sum. Units (group, sub-tile) run in
-            # order: unit u's tiles are converted while unit u-1's wgmmas run, and u-1's sum
-            # is scaled while u's run.
-            units = [(g, s) for g in range(groups_per_step) for s in range(subs)]
+            # accumulator); the group scale multiplies the sum. Units (group, half, sub-tile)
+            # run in order: unit u's tiles are converted while unit u-1's wgmmas run, and
+            # u-1's sum is scaled while u's run.
+            units = [
+                (g, h, s)
+                for g in range(groups_per_step)
+                for h in range(halves)
+                for s in range(subs)
+            ]
 
-            def issue(part_ref, g, s):
+            def issue(part_ref, g, h, s):
                 tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                 offset = None
-                if z_smem:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
-                    offset = 136 - plgpu.load(z_smem[0].at[g, features(s)], layout=row)
-                wts = [dequantized_tile(q_smem, offset, s, j) for j in tiles]
+                if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
+                    offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                wts = [dequantized_tile(q_refs[h], offset, s, j) for j in tiles]
                 with jax.named_scope("wgmma"):
                     for j, wt in zip(tiles, wts, strict=True):
                         plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
 
-            def add_scaled(accs, part_ref, g, s, in_flight):
+            def add_scaled(accs, part_ref, g, h, s, in_flight):
                 # wait until at most in_flight wgmmas (the next unit's) are running
                 with jax.named_scope("wait"):
                     part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
                 with jax.named_scope("scale"):
-                    scale = plgpu.load(s_smem.at[g, features(s)], layout=row)
+                    scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                     scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
-                    return accs[:s] + (accs[s] + part * scale,) + accs[s + 1 :]
+                    a = h * subs + s
+                    return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]
 
             def unit_products(*part_refs):
                 out = accs
@@ -381,67 +372,54 @@ def mgpu_wna16_gemm(
                 unit_products, *[plgpu.ACC((TILE, bm), jnp.float32) for _ in units]
             )
 
-        def step(idx, q_smem, x_smem, s_smem, *rest):
-            *z_smem, acc = rest
-            if not persistent:
-                return products(acc, q_smem, x_smem, s_smem, z_smem)
-            j, kk = idx
-            _, _, _, expert, exists = tile_at(j)
-            acc = lax.cond(kk == 0, zero_acc, lambda: acc)  # a new output tile
-            # Unconditional, no wgmmas under a branch: a missing tile or one of expert -1
-            # multiplies what it read (not stored). (Under a branch skipping those tiles the
-            # times were within 5% on the H200, session 8.)
-            acc = products(acc, q_smem, x_smem, s_smem, z_smem)
+        def step(_, *refs):
+            # refs: the weight tiles of each half, the rows' tile, the scales of each half,
+            # the zero points of each half (with them), the carried sums
+            *refs, accs = refs
+            q_refs, x_smem = refs[:halves], refs[halves]
+            s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
+            return products(accs, q_refs, x_smem, s_refs, z_refs)
 
-            @pl.when(exists & (kk == steps - 1))
-            def _():
-                pl.when(expert >= 0)(lambda: store(acc, j))
-                pl.when(expert < 0)(lambda: store(zero_acc(), j))
+        # The inputs of the kk-th k-step; half h's tiles start at N tile h * n_tiles (the up
+        # half of a gated W). A block of expert -1 runs no pipeline.
+        e = jnp.maximum(expert, 0)
 
-            return acc
+        def weight_tile(h):
+            return lambda kk: (e, h * n_tiles + ni, si * steps + kk, 0, 0)
 
-        # The inputs of the j-th output tile's kk-th k-step. A tile of expert -1 reads expert
-        # 0's weights in a persistent program; a program of one such tile runs no pipeline.
-        def weight_tile(j, kk):
-            _, ni, si, expert, _ = tile_at(j)
-            return jnp.maximum(expert, 0), ni, si * steps + kk, 0, 0
+        def group_rows(h):
+            return lambda kk: (e, (si * steps + kk) // steps_per_group, h * n_tiles + ni)
 
-        def rows_tile(j, kk):
-            bi, _, si, _, _ = tile_at(j)
-            return bi, si * steps + kk
-
-        def group_rows(j, kk):
-            _, ni, si, expert, _ = tile_at(j)
-            return jnp.maximum(expert, 0), (si * steps + kk) // steps_per_group, ni
-
-        in_specs = [
-            plgpu.BlockSpec(  # [64-feature tiles, boxes of box_rows/64 tiles of 64 rows, 64]:
-                # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive
-                # bytes, no bank conflicts
-                (None, wgs * subs, bk // box_rows, box_rows, TILE),
-                weight_tile,
+        q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
+        g_spec = (None, groups_per_step, tile_n)
+        in_specs = [  # weight tiles [64-feature tiles, boxes of box_rows/64 tiles, 64, 64]:
+            # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
+            # no bank conflicts
+            *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
+            plgpu.BlockSpec(
+                (bm, bk),
+                lambda kk: (bi, si * steps + kk),
+                transforms=_swizzled((bm, bk), dtype, "x"),
             ),
-            plgpu.BlockSpec((bm, bk), rows_tile, transforms=_swizzled((bm, bk), dtype, "x")),
-            plgpu.BlockSpec((None, groups_per_step, tile_n), group_rows),
+            *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
         ]
         if has_offset:
-            in_specs.append(plgpu.BlockSpec((None, groups_per_step, tile_n), group_rows))
-        stages = min(max_concurrent_steps, per_program * steps)
-        operands = [q_gmem, x_gmem, s_gmem] + ([z_gmem] if has_offset else [])
-        pipeline_grid = (per_program, steps)
+            in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
+        operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
+        stages = min(max_concurrent_steps, steps)
 
         def pipeline(compute_context=None):
             """Runs the k-steps: without warp specialization, returns the final f32
-            accumulator; with it, compute_context(run) is the consumer warpgroups' prologue and
-            epilogue around run(init_carry)."""
+            accumulators; with it, compute_context(run) is the consumer warpgroups' prologue
+            and epilogue around run(init_carry)."""
             if not consumers:
                 return plgpu.emit_pipeline(
-                    step, grid=pipeline_grid, in_specs=in_specs, max_concurrent_steps=stages,
+                    step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages,
                     init_carry=zero_acc(),
                 )(*operands)  # fmt: skip
             plgpu.emit_pipeline_warp_specialized(
                 step,
-                grid=pipeline_grid,
+                grid=(steps,),
                 memory_registers=40,
                 in_specs=in_specs,
                 max_concurrent_steps=stages,
@@ -450,54 +428,38 @@ def mgpu_wna16_gemm(
                 compute_context=compute_context,
             )(*operands)
 
-        if persistent:
-            pipeline(lambda run: run(zero_acc()))  # the steps store each tile
-            plgpu.wait_smem_to_gmem(0)  # the last tiles' copies out
-            return
-
-        _, _, _, expert, _ = only_tile
-
         @pl.when(expert >= 0)
         def _matmul():
             if not consumers:
-                store(pipeline(), 0)
+                store(epilogue(pipeline()))
             else:
-                pipeline(lambda run: store(run(zero_acc()), 0))
+                pipeline(lambda run: store(epilogue(run(zero_acc()))))
 
         @pl.when((expert < 0) & (wg < wgs))
         def _zeros():
-            store(zero_acc(), 0)
+            store(zero_acc()[:subs])
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
     q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
-    experts = block_experts.astype(jnp.int32)
-    if persistent:
-        experts = _tile_experts(experts, programs, per_program, out_tiles, n_tiles)
-    operands = [experts, x_rows, q_rows, w.scales]
+    operands = [block_experts.astype(jnp.int32), x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
-    out_shape = (splits, p, n) if splits > 1 else (p, n)
-    scratch = [plgpu.SMEM((2 if persistent else 1, wgs * subs, bm, TILE), out_dtype)]
+    out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
+    scratch = [plgpu.SMEM((wgs * subs, bm, TILE), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
-    if persistent:  # each warpgroup copies the table (one arrival each)
-        scratch.append(plgpu.SMEM(experts.shape[1:], jnp.int32))
-        scratch.append(plgpu.Barrier(num_arrivals=consumers + 1))
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     profile = {}
     if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
         # a scale per group (twice that, to spare), and the store
-        regions = subs * (bk // TILE + 3 * groups_per_step)
-        profile = dict(
-            profile_space=2 * regions * steps * per_program + 8 * per_program,
-            profile_dir=profile_dir,
-        )
+        regions = halves * subs * (bk // TILE + 3 * groups_per_step)
+        profile = dict(profile_space=2 * regions * steps + 8, profile_dir=profile_dir)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=scratch,
-        grid=(programs,),
+        grid=(splits * blocks * n_tiles,),
         grid_names=("p",),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile
@@ -506,16 +468,3 @@ def mgpu_wna16_gemm(
         **threads,
     )
     return call(*operands)
-
-
-def _tile_experts(block_experts, programs: int, per_program: int, out_tiles: int, n_tiles: int):
-    """[programs, rows, 256 or fewer] int32: the expert of program p's j-th output tile (tile
-    j * programs + p, numbered as in mgpu_wna16_gemm) at [p, j // 256, j % 256], -2 where that
-    tile does not exist. Rows of 256 (a copy takes at most 256 along a dimension), or of
-    per_program rounded up to 4 when fewer (16-byte rows)."""
-    width = -(-per_program // 4) * 4 if per_program <= 256 else -(-per_program // 256) * 256
-    flat = jnp.arange(width)[None, :] * programs + jnp.arange(programs)[:, None]
-    blocks = block_experts.shape[0]
-    experts = block_experts[jnp.minimum(flat, out_tiles - 1) // n_tiles % blocks]
-    table = jnp.where(flat < out_tiles, experts, -2).astype(jnp.int32)
-    return table.reshape(programs, -1, min(width, 256))

@@ -60,7 +60,7 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
 
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
-    tiles_per_program=1, stages=4, block_n=64,
+    stages=4, block_n=64, gated=False,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
@@ -74,7 +74,7 @@ def run_gemm_case(
         block_n=block_n,
         consumers=consumers,
         splits=splits,
-        tiles_per_program=tiles_per_program,
+        gated=gated,
         max_concurrent_steps=stages,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
@@ -82,6 +82,9 @@ def run_gemm_case(
     )
     w_deq = helpers.numpy_dequantize(qw)
     ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
+    if gated:  # silu(gate) * up of the halves, in float64
+        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+        ref = gate / (1 + np.exp(-gate)) * up
     if splits > 1:
         assert out.shape == (splits, *ref.shape)
         out = out.sum(axis=0).astype(BF16)
@@ -133,19 +136,36 @@ def test_gemm_warp_specialized_and_split_k(rng, has_zp, consumers, splits, block
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
-    "block_n,consumers,splits,block_k,tiles_per_program",
-    [(128, 0, 1, 128, 1), (256, 0, 2, 256, 1), (128, 2, 1, 256, 1), (128, 1, 2, 128, 1),
-     (192, 0, 1, 128, 1), (128, 0, 1, 256, 3), (128, 2, 2, 128, 2)],
+    "block_n,consumers,splits,block_k",
+    [(128, 0, 1, 128), (256, 0, 2, 256), (128, 2, 1, 256), (128, 1, 2, 128), (192, 0, 1, 128),
+     (128, 2, 2, 128)],
     ids=str,
 )  # fmt: skip
-def test_gemm_wide_warpgroups(rng, has_zp, block_n, consumers, splits, block_k, tiles_per_program):
+def test_gemm_wide_warpgroups(rng, has_zp, block_n, consumers, splits, block_k):
     """A math warpgroup on block_n = 128-256 features: 2-4 sub-tiles of 64, each with its own
-    accumulator, scale and zero points, and its own 64 output columns; with 0-2 consumers, K
-    splits and persistent programs."""
+    accumulator, scale and zero points, and its own 64 output columns; with 0-2 consumers and
+    K splits."""
     run_gemm_case(
         rng, e=3, n=block_n * max(consumers, 1) * 2, k=512, group_size=128, has_zp=has_zp,
         block_m=8, block_k=block_k, blocks=[1, -1, 0, 2, 1], consumers=consumers,
-        splits=splits, tiles_per_program=tiles_per_program, block_n=block_n,
+        splits=splits, block_n=block_n,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "block_n,consumers,block_m,block_k,group_size",
+    [(64, 0, 8, 128, 128), (128, 0, 16, 256, 128), (64, 2, 8, 64, 64), (128, 2, 32, 128, -1),
+     (64, 1, 8, 128, 128)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_gated(rng, has_zp, block_n, consumers, block_m, block_k, group_size):
+    """gated: W's rows are [gate; up]; each program reads both halves' tiles for its features
+    and stores silu(gate) * up (two output tiles per half: the up half starts N/2 rows on)."""
+    run_gemm_case(
+        rng, e=3, n=block_n * max(consumers, 1) * 4, k=512, group_size=group_size,
+        has_zp=has_zp, block_m=block_m, block_k=block_k, blocks=[1, -1, 0, 2, 1],
+        consumers=consumers, block_n=block_n, gated=True,
     )  # fmt: skip
 
 
@@ -157,23 +177,6 @@ def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
     run_gemm_case(
         rng, e=3, n=128, k=2048, group_size=128, has_zp=has_zp, block_m=8, block_k=512,
         blocks=[1, -1, 0, 2], consumers=consumers, splits=splits,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-@pytest.mark.parametrize(
-    "consumers,splits,block_k,tiles_per_program",
-    [(0, 1, 128, 2), (0, 2, 256, 3), (0, 1, 128, 64), (2, 1, 128, 2), (1, 2, 256, 4)],
-    ids=str,
-)
-def test_gemm_persistent_programs(rng, has_zp, consumers, splits, block_k, tiles_per_program):
-    """Programs of several output tiles in one pipeline: a tile's first copies before the last
-    tile's products; tiles of expert -1 (zeros) among them; the last program's missing tiles
-    (11-88 tiles in programs of 2-4; 64: one program of all) neither computed nor stored."""
-    run_gemm_case(
-        rng, e=3, n=128 * (1 + (consumers == 1)), k=512, group_size=128, has_zp=has_zp,
-        block_m=8, block_k=block_k, blocks=[1, -1, 0, 2, 1, 2, 0, 1, -1, 2, 0],
-        consumers=consumers, splits=splits, tiles_per_program=tiles_per_program,
     )  # fmt: skip
 
 
@@ -197,46 +200,20 @@ def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits, block_
 @pytest.mark.gpu
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
-    "block_m,block_n,consumers,block_k,stages",
-    [(8, 128, 0, 256, 4), (8, 256, 0, 256, 4), (16, 128, 0, 128, 4), (64, 128, 2, 128, 4),
-     (64, 128, 2, 256, 2), (128, 128, 2, 64, 3)],
+    "block_m,block_n,consumers,block_k,stages,gated",
+    [(8, 128, 0, 256, 4, False), (8, 256, 0, 256, 4, False), (16, 128, 0, 128, 4, False),
+     (64, 128, 2, 128, 4, False), (64, 128, 2, 256, 2, False), (8, 64, 0, 256, 4, True),
+     (16, 64, 0, 128, 4, True), (64, 64, 2, 256, 3, True), (64, 128, 2, 256, 2, True)],
     ids=str,
 )  # fmt: skip
 def test_gemm_deepseek_v3_wide_warpgroups(rng, has_zp, block_m, block_n, consumers, block_k,
-                                          stages):  # fmt: skip
-    """GEMM1 of DeepSeek-V3 TP=1 with 128-256 features per math warpgroup, compiled."""
+                                          stages, gated):  # fmt: skip
+    """GEMM1 of DeepSeek-V3 TP=1 with 128-256 features per math warpgroup, or gated (silu *
+    up of the two halves in the epilogue), compiled."""
     run_gemm_case(
         rng, e=16, n=4096, k=7168, group_size=128, has_zp=has_zp, block_m=block_m,
         block_k=block_k, blocks=[3, 15, -1, 0, 7], consumers=consumers, stages=stages,
-        block_n=block_n,
-    )  # fmt: skip
-
-
-def test_gemm_persistent_program_of_many_tiles(rng):
-    """352 output tiles (16 N tiles x 11 blocks x 2 splits) in programs of 300 and 52: the tile
-    experts of the first in two rows of 256 (a copy's limit along a dimension)."""
-    run_gemm_case(
-        rng, e=3, n=1024, k=256, group_size=128, has_zp=True, block_m=8, block_k=128,
-        blocks=[1, -1, 0, 2, 1, 2, 0, 1, -1, 2, 0], splits=2, tiles_per_program=300,
-    )  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "has_zp,block_m,consumers,splits,block_k,tiles_per_program",
-    [(True, 8, 0, 1, 256, 3), (False, 8, 0, 1, 256, 3), (True, 16, 0, 2, 128, 5),
-     (True, 64, 2, 1, 256, 2)],
-    ids=str,
-)  # fmt: skip
-def test_gemm_deepseek_v3_persistent(rng, has_zp, block_m, consumers, splits, block_k,
-                                     tiles_per_program):  # fmt: skip
-    """GEMM1 of DeepSeek-V3 TP=1 in persistent programs of several output tiles, compiled
-    (3 stages with 64-row blocks and 2 consumers, as the layer's default: 4 and the two output
-    buffers exceed shared memory)."""
-    run_gemm_case(
-        rng, e=16, n=4096, k=7168, group_size=128, has_zp=has_zp, block_m=block_m,
-        block_k=block_k, blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits,
-        tiles_per_program=tiles_per_program, stages=3 if consumers == 2 else 4,
+        block_n=block_n, gated=gated,
     )  # fmt: skip
 
 
@@ -253,35 +230,14 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (7, MgpuConfig(block_m=8, block_k=64, consumers=2, splits=2)),
         (3, MgpuConfig(block_m=16, block_k=64, stages=2, consumers=1, splits=4)),
         (6, MgpuConfig(block_m=8, block_k=64, consumers=2, stages=6)),
-        (11, MgpuConfig(block_m=8, block_k=64, block_n=128)),  # both GEMMs' N is 128
+        (11, MgpuConfig(block_m=8, block_k=64, block_n=128)),  # GEMM2's N is 128: not fused
+        (5, MgpuConfig(block_m=16, block_k=64, fuse_activation=False)),
         (4, MgpuConfig(block_m=8, block_k=128, consumers=2, block_n=128)),  # falls back to 64
     ],
     ids=str,
 )
 def test_fused_moe_matches_numpy(rng, has_zp, t, config):
     run_layer_case(rng, has_zp, t, config)
-
-
-@pytest.mark.parametrize(
-    "t,config",
-    [(9, MgpuConfig(block_m=8, block_k=64, programs_per_sm=1)),
-     (13, MgpuConfig(block_m=16, block_k=128, consumers=2, splits=2, programs_per_sm=2))],
-    ids=str,
-)  # fmt: skip
-def test_fused_moe_persistent_grid(rng, monkeypatch, t, config):
-    """programs_per_sm on a GPU of 2 SMs: each GEMM's output tiles spread over 2-4 programs."""
-    monkeypatch.setattr(mgpu_fused_moe, "_num_sms", lambda: 2)
-    run_layer_case(rng, True, t, config)
-
-
-def test_tiles_per_program(rng, monkeypatch):
-    monkeypatch.setattr(mgpu_fused_moe, "_num_sms", lambda: 132)
-    w = prepare_weights(helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, True, BF16))
-    cfg = MgpuConfig(block_m=8, programs_per_sm=2)
-    assert mgpu_fused_moe.tiles_per_program(MgpuConfig(block_m=8), w, 1000, 1) == 1
-    # 4 N tiles x 33 blocks x 2 splits over 2 x 132 programs: 1; 1000 blocks: 31
-    assert mgpu_fused_moe.tiles_per_program(cfg, w, 33, 2) == 1
-    assert mgpu_fused_moe.tiles_per_program(cfg, w, 1000, 2) == -(-8000 // 264)
 
 
 def run_layer_case(rng, has_zp, t, config):
@@ -677,16 +633,16 @@ def test_int8_is_refused(rng):
 
 
 @pytest.mark.parametrize(
-    "has_zp,block_m,block_k,consumers,splits,tiles_per_program,block_n",
-    [(True, 8, 256, 0, 1, 1, 64), (False, 16, 128, 0, 1, 1, 64), (True, 64, 256, 2, 1, 1, 64),
-     (True, 8, 512, 0, 2, 1, 64), (True, 8, 256, 0, 1, 3, 64), (False, 32, 256, 2, 2, 2, 64),
-     (True, 8, 256, 0, 1, 300, 64), (True, 8, 256, 0, 1, 1, 128), (True, 64, 128, 2, 1, 1, 128),
-     (False, 16, 256, 0, 2, 3, 256)],
+    "has_zp,block_m,block_k,consumers,splits,block_n,gated",
+    [(True, 8, 256, 0, 1, 64, False), (False, 16, 128, 0, 1, 64, False),
+     (True, 64, 256, 2, 1, 64, False), (True, 8, 512, 0, 2, 64, False),
+     (False, 32, 256, 2, 2, 64, False), (True, 8, 256, 0, 1, 128, False),
+     (True, 64, 128, 2, 1, 128, False), (False, 16, 256, 0, 2, 256, False),
+     (True, 8, 256, 0, 1, 64, True), (True, 64, 128, 2, 1, 64, True),
+     (False, 16, 128, 0, 1, 128, True)],
     ids=str,
 )  # fmt: skip
-def test_gemm_lowers_for_cuda(
-    has_zp, block_m, block_k, consumers, splits, tiles_per_program, block_n
-):
+def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types and the copies' shapes are checked here; ptxas and the run only on
@@ -700,12 +656,12 @@ def test_gemm_lowers_for_cuda(
         group_size=g,
         layout="mgpu_int4",
     )
-    blocks = 100 if tiles_per_program > 256 else 3  # 400 tiles: tile experts in rows of 256
+    blocks = 3
     x = jax.ShapeDtypeStruct((blocks * block_m, k), BF16)
     experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
-        tiles_per_program=tiles_per_program, block_n=block_n,
+        block_n=block_n, gated=gated,
     )  # fmt: skip
     lowered = jax.jit(gemm).trace(x, w, experts).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
