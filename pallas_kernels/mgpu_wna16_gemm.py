@@ -279,19 +279,20 @@ def mgpu_wna16_gemm(
 
         @jax.named_scope("store")
         def store(values):
-            # This warpgroup's [bm, block_n] part of the output tile, one copy per sub-tile.
+            # This warpgroup's [bm, block_n] part of the output tile, one copy per sub-tile
+            # through one [bm, 64] buffer (2 stages of 256-wide gated k-steps with 128 features
+            # per consumer leave no room for more).
             out_tile = o_gmem.at[si] if splits > 1 else o_gmem
+            buffer = o_smem.at[wg]
             for s, value in enumerate(values):
-                buffer = o_smem.at[sub_tile(s)]
+                if s:  # until the last copy has read the buffer
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 buffer.T[...] = plgpu.layout_cast(
                     value.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
                 )
-            plgpu.commit_smem()
-            for s in range(subs):
+                plgpu.commit_smem()
                 cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[sub_tile(s)], out_tile.at[pl.ds(bi * bm, bm), cols]
-                )
+                plgpu.copy_smem_to_gmem(buffer, out_tile.at[pl.ds(bi * bm, bm), cols])
             plgpu.wait_smem_to_gmem(0)
 
         def epilogue(accs):
@@ -446,7 +447,7 @@ def mgpu_wna16_gemm(
     if has_offset:
         operands.append(w.zeros)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
-    scratch = [plgpu.SMEM((wgs * subs, bm, TILE), out_dtype)]
+    scratch = [plgpu.SMEM((wgs, bm, TILE), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}

@@ -203,7 +203,8 @@ def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits, block_
     "block_m,block_n,consumers,block_k,stages,gated",
     [(8, 128, 0, 256, 4, False), (8, 256, 0, 256, 4, False), (16, 128, 0, 128, 4, False),
      (64, 128, 2, 128, 4, False), (64, 128, 2, 256, 2, False), (8, 64, 0, 256, 4, True),
-     (16, 64, 0, 128, 4, True), (64, 64, 2, 256, 3, True), (64, 128, 2, 256, 2, True)],
+     (16, 64, 0, 128, 4, True), (64, 64, 2, 256, 3, True), (64, 128, 2, 256, 2, True),
+     (8, 64, 0, 256, 3, True), (16, 128, 0, 128, 4, True)],
     ids=str,
 )  # fmt: skip
 def test_gemm_deepseek_v3_wide_warpgroups(rng, has_zp, block_m, block_n, consumers, block_k,
