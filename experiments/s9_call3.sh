@@ -13,8 +13,8 @@ timeout 100 $P --m 256 --configs 16,128,4,0,-,128 16,128,3,0,-,128 16,256,3,0,-,
    --json $OUT/m256.json >> $OUT/probe.log 2>&1
 timeout 70 $P --preset deepseek-v3-tp8 --m 1 16 --configs 8,256,3,0 8,256,3,0,2 \
    --json $OUT/tp8.json >> $OUT/probe.log 2>&1
-timeout 130 python3 -m pytest -q -p no:cacheprovider tests/test_mgpu_gemm.py \
-    -k "(gated and not sym) or fused_moe or (wide_warpgroups and True)" --durations=5 > $OUT/tests.log 2>&1
+timeout 190 python3 -m pytest -q -p no:cacheprovider tests/test_mgpu_gemm.py \
+    -k "test_gemm_gated or fused_moe or (deepseek_v3_wide and zp)" --durations=5 > $OUT/tests.log 2>&1
 echo "tests rc=$?" >> $OUT/tests.log
 grep -v "^$" $OUT/tests.log | tail -12
 grep -E "layer|GEMM|copy|FAILED" $OUT/probe.log
