@@ -56,16 +56,19 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     64-row blocks (M=4096: 12.4 vs 17.5 ms); no warp specialization or K split for smaller
     blocks (each lost at M=1, 16 and 256). k-steps of two groups of 128 (block_k 256) with 8-
     and 64-row blocks (M=16: 963 vs 994 us, M=4096: 11.69 vs 12.41 ms, M=1: a tie), else of
-    one group (block_k 128 beat 64 everywhere in session 4; at M=256 256 was not faster)."""
+    one group (block_k 128 beat 64 everywhere in session 4; at M=256 256 was not faster).
+    With GEMM1's fused activation (session 9; its k-steps carry both halves' weights): 3
+    stages everywhere (M=1 92.5 vs 98.3 us with 4, M=16 777.9 vs 798.7, M=256 1940.8 vs
+    2036.5; at M=4096 4 do not fit) and 128 features per warpgroup with 16-row blocks (M=256
+    2036.5 vs 2041.9 at 4 stages; 128 lost at M=1 and 16, and at M=4096 with 2 consumers)."""
     rows = num_slots / num_experts
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)
     if group == 128 and block_m in (8, 64):
         block_k = 256
     consumers = 2 if block_m == 64 else 0
-    # Three stages of 64 x 256 rows and 128 x 256 weights fit in shared memory, four do not.
-    stages = 3 if consumers and block_k == 256 else 4
-    return MgpuConfig(block_m=block_m, block_k=block_k, stages=stages, consumers=consumers)
+    block_n = 128 if block_m == 16 else 64
+    return MgpuConfig(block_m, block_k, stages=3, consumers=consumers, block_n=block_n)
 
 
 # A block's relative cost by its rows (the layer's time per used block, less ~60 us fixed),

@@ -675,14 +675,15 @@ def test_gemm_refuses_the_canonical_layout(rng):
 
 
 @pytest.mark.parametrize(
-    "m,block_m,block_k,stages,consumers",
-    [(1, 8, 256, 4, 0), (16, 8, 256, 4, 0), (256, 16, 128, 4, 0), (4096, 64, 256, 3, 2)],
+    "m,block_m,block_k,consumers,block_n",
+    [(1, 8, 256, 0, 64), (16, 8, 256, 0, 64), (256, 16, 128, 0, 128), (4096, 64, 256, 2, 64)],
     ids=str,
 )
-def test_default_config_follows_the_h200_figures(m, block_m, block_k, stages, consumers):
-    """DeepSeek-V3 (top-8 of 256): the block_m, k-step and warp specialization that won at each
-    M in the probe (sessions 4-6); other groups take one group per k-step (at most 128)."""
-    want = MgpuConfig(block_m, block_k, stages, consumers)
+def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers, block_n):
+    """DeepSeek-V3 (top-8 of 256): the block_m, k-step, warp specialization and features per
+    warpgroup that won at each M in the probe (sessions 4-9: 3 stages, GEMM1's activation
+    fused); other groups take one group per k-step (at most 128)."""
+    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n)
     assert default_config(m * 8, 256, 128) == want
     assert default_config(m * 8, 256, 64).block_k == 64
     assert default_config(m * 8, 256, 7168).block_k == 128
