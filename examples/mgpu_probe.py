@@ -104,10 +104,11 @@ def main(argv=None) -> int:
         nargs="+",
         type=parse_config,
         default=[],
-        metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION",
+        metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES",  # noqa: E501
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
-        "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation",
+        "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
+        "64,256,3,2,-,64,1,128,2: GEMM2 at 128 features per consumer and 2 stages",
     )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")

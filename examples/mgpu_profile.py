@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument(
         "--config",
-        help="block_m,block_k,stages,consumers[,splits[,block_n[,fuse_activation]]] ('-' or "
-        "omitted for splits: None, i.e. auto_splits; default: the layer's default_config)",
+        help="MgpuConfig's fields in order as in mgpu_probe.py --configs, e.g. 8,256,3,0 or "
+        "64,256,3,2,-,64,1,128,2 ('-' for None; default: the layer's default_config)",
     )
     p.add_argument(
         "--max-programs",
@@ -190,7 +190,8 @@ def main(argv=None) -> int:
         )  # fmt: skip
         for what, w in weights.items():
             # The splits the layer would take on all its blocks; then at most --max-programs.
-            this = mgpu_fused_moe.gemm_config(cfg, w)
+            gemm_cfg = cfg if what == "GEMM1" else mgpu_fused_moe.down_config(cfg)
+            this = mgpu_fused_moe.gemm_config(gemm_cfg, w)
             tiles = w.shape[1] // this.tile_n()
             splits = mgpu_fused_moe.gemm_splits(this, w, used.shape[0])
             blocks = min(used.shape[0], max(1, args.max_programs // (tiles * splits)))
@@ -206,8 +207,8 @@ def main(argv=None) -> int:
                 out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
                                       profile_dir=profile_dir)  # fmt: skip
                 jax.block_until_ready(out)
-            row = dict(M=m, gemm=what, config=[cfg.block_m, cfg.block_k, cfg.stages,
-                                               cfg.consumers, splits, this.block_n, gated],
+            row = dict(M=m, gemm=what, config=[this.block_m, this.block_k, this.stages,
+                                               this.consumers, splits, this.block_n, gated],
                        blocks=blocks)  # fmt: skip
             traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
             if traces:

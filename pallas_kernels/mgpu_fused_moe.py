@@ -29,7 +29,11 @@ class MgpuConfig:
     `auto_splits` per GEMM), features per math warpgroup (block_n: 64, one wgmma M, or up to
     256 in sub-tiles of 64; `gemm_config` falls back to 64 where N does not take it) and
     whether GEMM1 applies silu * up to its sums before storing them (fuse_activation: no f32
-    [P, 2I] output and no separate activation pass; where GEMM1 is not K-split)."""
+    [P, 2I] output and no separate activation pass; where GEMM1 is not K-split). GEMM2 (the
+    down projection) may take its own block_n and stages (down_block_n, down_stages; None: the
+    same as GEMM1): e.g. 128 features per consumer, which leave room for only 2 stages of
+    256-wide steps (at M=4096, GEMM2 at 128 features and 2 stages took 2994.6 us, at 64 and 3
+    stages 3196.3-3268.6, session 9; the pair is unmeasured as a layer)."""
 
     block_m: int
     block_k: int = 128
@@ -38,6 +42,8 @@ class MgpuConfig:
     splits: int | None = None
     block_n: int = 64
     fuse_activation: bool = True
+    down_block_n: int | None = None
+    down_stages: int | None = None
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -150,6 +156,17 @@ def _num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+def down_config(cfg: MgpuConfig) -> MgpuConfig:
+    """cfg as GEMM2 takes it: its own block_n and stages where set."""
+    return dataclasses.replace(
+        cfg,
+        block_n=cfg.down_block_n or cfg.block_n,
+        stages=cfg.down_stages or cfg.stages,
+        down_block_n=None,
+        down_stages=None,
+    )
+
+
 def gemm_config(cfg: MgpuConfig, w: QuantizedExperts) -> MgpuConfig:
     """cfg for a GEMM on `w`: a k-step of several groups (block_k > G) that does not tile the
     GEMM's K becomes one group (e.g. DeepSeek-V2-Lite's GEMM2, K = I = 1408: 11 groups of 128
@@ -197,12 +214,13 @@ def fuses_activation(cfg: MgpuConfig, w13: QuantizedExperts, splits: int) -> boo
 
 
 def block_gemm(cfg: MgpuConfig, interpret: bool):
-    """gemm(rows, w, block_experts) -> [P, N] f32: the Mosaic GPU GEMM at cfg, K-split
-    partial products summed; with activation_dtype, w's rows are [gate; up] and the result is
-    silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue where `fuses_activation`)."""
+    """gemm(rows, w, block_experts) -> [P, N] f32: the Mosaic GPU GEMM at cfg (GEMM2's:
+    `down_config`), K-split partial products summed; with activation_dtype, w's rows are
+    [gate; up] and the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue
+    where `fuses_activation`)."""
 
     def gemm(rows, w, block_experts, activation_dtype=None):
-        this = gemm_config(cfg, w)
+        this = gemm_config(cfg if activation_dtype is not None else down_config(cfg), w)
         splits = gemm_splits(this, w, block_experts.shape[0])
         if activation_dtype is not None and fuses_activation(this, w, splits):
             options = gemm_options(this, 1, gated=True, out_dtype=activation_dtype)

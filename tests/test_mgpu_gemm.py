@@ -233,6 +233,7 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (6, MgpuConfig(block_m=8, block_k=64, consumers=2, stages=6)),
         (11, MgpuConfig(block_m=8, block_k=64, block_n=128)),  # GEMM2's N is 128: not fused
         (5, MgpuConfig(block_m=16, block_k=64, fuse_activation=False)),
+        (10, MgpuConfig(block_m=8, block_k=64, stages=3, down_block_n=128, down_stages=2)),
         (4, MgpuConfig(block_m=8, block_k=128, consumers=2, block_n=128)),  # falls back to 64
     ],
     ids=str,
@@ -687,6 +688,15 @@ def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers,
     assert default_config(m * 8, 256, 128) == want
     assert default_config(m * 8, 256, 64).block_k == 64
     assert default_config(m * 8, 256, 7168).block_k == 128
+
+
+def test_down_config_takes_its_own_block_n_and_stages():
+    cfg = MgpuConfig(
+        block_m=64, block_k=256, stages=3, consumers=2, down_block_n=128, down_stages=2
+    )
+    down = mgpu_fused_moe.down_config(cfg)
+    assert (down.block_n, down.stages, down.block_m, down.consumers) == (128, 2, 64, 2)
+    assert mgpu_fused_moe.down_config(MgpuConfig(block_m=8, stages=3)) == MgpuConfig(8, stages=3)
 
 
 def test_gemm_config_keeps_whole_features(rng):
