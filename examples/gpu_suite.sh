@@ -24,7 +24,7 @@
 #               "1 16 256 4096") and the TP=8 slice at M = MGPU_TP8_MS (default "1 16"; an empty
 #               list skips a preset); MGPU_SEARCH=1 adds the probe's config search;
 #               MGPU_ROUTING=identical routes every token like the first (one prompt, greedy);
-#               MGPU_CONFIGS="8,256,8,0,-,2 ..." also times these configs (mgpu_probe.py --configs)
+#               MGPU_CONFIGS="8,256,3,0,-,128 ..." also times these configs (mgpu_probe.py --configs)
 #   mgpu-profile  mgpu_profile.py: in-kernel profile (time per k-step, share per region, resident
 #               warpgroups per SM) and ptxas registers/smem of the mgpu GEMMs, DeepSeek-V3 TP=1 at
 #               M = PROFILE_MS (default "1 16 256 4096"), the TP=8 slice at M=1
