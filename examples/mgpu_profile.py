@@ -96,9 +96,11 @@ def summarize_trace(events: list[dict]) -> dict:
 
 
 def ptxas_report(log_path: str) -> list[str]:
-    """The resource lines (registers, barriers, shared memory) of ptxas' verbose output."""
+    """The resource lines of ptxas' verbose output: registers, barriers and shared memory
+    ("Used ..."), and the stack frame and spill stores and loads ("... bytes spill ...")."""
     with open(log_path, errors="replace") as f:
-        return [ln.strip() for ln in f if ln.startswith("ptxas info") and "Used" in ln]
+        lines = [ln.strip() for ln in f]
+    return [ln for ln in lines if ("ptxas info" in ln and "Used" in ln) or "bytes spill" in ln]
 
 
 @contextlib.contextmanager

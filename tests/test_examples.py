@@ -202,6 +202,22 @@ def test_mgpu_profile_summarizes_a_trace():
     assert summary["resident_mean"] == pytest.approx((5 + 10 + 5 + 10) / 25)
 
 
+def test_mgpu_profile_reads_registers_and_spills(tmp_path):
+    """ptxas -v's resource lines: the registers line and the indented spill line; not others."""
+    log = tmp_path / "ptxas.log"
+    log.write_text(
+        "ptxas info    : Compiling entry function 'mosaic_gpu_kernel' for 'sm_90a'\n"
+        "ptxas info    : Function properties for mosaic_gpu_kernel\n"
+        "    8 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads\n"
+        "ptxas info    : Used 232 registers, used 1 barriers, 16 bytes smem\n"
+    )
+    lines = _load("mgpu_profile").ptxas_report(str(log))
+    assert lines == [
+        "8 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads",
+        "ptxas info    : Used 232 registers, used 1 barriers, 16 bytes smem",
+    ]
+
+
 def test_mgpu_profile_runs_in_the_interpreter(tmp_path, capsys):
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     argv = ["--preset", "tiny", "--m", "1", "--interpret", "--out", str(tmp_path)]
