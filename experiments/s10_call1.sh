@@ -12,10 +12,10 @@ timeout 150 $P --m 4096 --configs 64,256,3,2,-,64,1,128,2 64,256,3,2,-,64,1,-,2 
 timeout 120 $P --m 1 16 256 --configs 8,256,3,0,-,64,1,128 8,256,3,0,-,64,1,-,2 \
    8,256,3,0,-,64,1,-,4 --json $OUT/decode.json >> $OUT/probe.log 2>&1
 for cfg in 64,256,3,2 64,256,2,2,-,128 128,128,3,2; do
-  timeout 60 python3 examples/mgpu_profile.py --m 4096 --config $cfg --max-programs 264 \
+  timeout 50 python3 examples/mgpu_profile.py --m 4096 --config $cfg --max-programs 264 \
      --out $OUT/profile_${cfg//,/_} >> $OUT/profile.log 2>&1
 done
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_mgpu_gemm.py \
+timeout 130 python3 -m pytest -q -p no:cacheprovider tests/test_mgpu_gemm.py \
     -k "deepseek_v3_shapes and zp" --durations=5 > $OUT/tests.log 2>&1
 echo "tests rc=$?" >> $OUT/tests.log
 grep -v "^$" $OUT/tests.log | tail -8
