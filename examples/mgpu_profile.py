@@ -141,6 +141,12 @@ def main(argv=None) -> int:
         "two waves of 4 per SM on an H200): the trace holds one event pair per region per "
         "k-step per warpgroup",
     )
+    p.add_argument(
+        "--no-trace",
+        action="store_true",
+        help="compile and run without the in-kernel profiler (its buffers take shared memory: "
+        "configs near the limit fail with it); ptxas' registers and spills only",
+    )
     p.add_argument("--out", default="out/profile", help="traces, ptxas dumps and summary.json")
     p.add_argument(
         "--interpret",
@@ -204,7 +210,7 @@ def main(argv=None) -> int:
             os.makedirs(trace_dir, exist_ok=True)
             gated = what == "GEMM1" and mgpu_fused_moe.fuses_activation(this, w, splits)
             options = mgpu_fused_moe.gemm_options(this, splits, gated=gated, out_dtype=jnp.bfloat16)
-            profile_dir = None if args.interpret else trace_dir
+            profile_dir = None if args.interpret or args.no_trace else trace_dir
             with fds_to(compile_log):
                 out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
                                       profile_dir=profile_dir)  # fmt: skip
@@ -223,7 +229,8 @@ def main(argv=None) -> int:
                       f"{row['resident_max']}, mean {row['resident_mean']:.1f}",
                       flush=True)  # fmt: skip
             else:
-                why = "interpreter" if args.interpret else "the profiler wrote none"
+                why = ("interpreter" if args.interpret else "--no-trace" if args.no_trace
+                       else "the profiler wrote none")  # fmt: skip
                 print(f"M={m:<5} {what} {row['config']} {blocks} blocks: ran, no trace ({why})")
             summary.append(row)
     resources = ptxas_report(compile_log) if os.path.exists(compile_log) else []

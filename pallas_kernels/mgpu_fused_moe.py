@@ -66,7 +66,9 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     With GEMM1's fused activation (session 9; its k-steps carry both halves' weights): 3
     stages everywhere (M=1 92.5 vs 98.3 us with 4, M=16 777.9 vs 798.7, M=256 1940.8 vs
     2036.5; at M=4096 4 do not fit) and 128 features per warpgroup with 16-row blocks (M=256
-    2036.5 vs 2041.9 at 4 stages; 128 lost at M=1 and 16, and at M=4096 with 2 consumers)."""
+    2036.5 vs 2041.9 at 4 stages; 128 lost at M=1 and 16, and at M=4096 with 2 consumers).
+    GEMM2 with 64-row blocks: 128 features per consumer and 2 stages (session 10, M=4096:
+    7685.1 vs 7929.7 us, GEMM2 2908.0 us; 2 stages alone 8026.7)."""
     rows = num_slots / num_experts
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)
@@ -74,7 +76,8 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
         block_k = 256
     consumers = 2 if block_m == 64 else 0
     block_n = 128 if block_m == 16 else 64
-    return MgpuConfig(block_m, block_k, stages=3, consumers=consumers, block_n=block_n)
+    down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
+    return MgpuConfig(block_m, block_k, stages=3, consumers=consumers, block_n=block_n, **down)
 
 
 # A block's relative cost by its rows (the layer's time per used block, less ~60 us fixed),
