@@ -32,8 +32,8 @@ class MgpuConfig:
     [P, 2I] output and no separate activation pass; where GEMM1 is not K-split). GEMM2 (the
     down projection) may take its own block_n and stages (down_block_n, down_stages; None: the
     same as GEMM1): e.g. 128 features per consumer, which leave room for only 2 stages of
-    256-wide steps (at M=4096, GEMM2 at 128 features and 2 stages took 2994.6 us, at 64 and 3
-    stages 3196.3-3268.6, session 9; the pair is unmeasured as a layer)."""
+    256-wide steps (the default with 64-row blocks: `default_config`), and its own k-step
+    (down_block_k)."""
 
     block_m: int
     block_k: int = 128
@@ -44,6 +44,7 @@ class MgpuConfig:
     fuse_activation: bool = True
     down_block_n: int | None = None
     down_stages: int | None = None
+    down_block_k: int | None = None
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -160,13 +161,15 @@ def _num_sms() -> int:
 
 
 def down_config(cfg: MgpuConfig) -> MgpuConfig:
-    """cfg as GEMM2 takes it: its own block_n and stages where set."""
+    """cfg as GEMM2 takes it: its own block_n, stages and block_k where set."""
     return dataclasses.replace(
         cfg,
         block_n=cfg.down_block_n or cfg.block_n,
         stages=cfg.down_stages or cfg.stages,
+        block_k=cfg.down_block_k or cfg.block_k,
         down_block_n=None,
         down_stages=None,
+        down_block_k=None,
     )
 
 
