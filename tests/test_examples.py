@@ -225,3 +225,15 @@ def test_mgpu_profile_runs_in_the_interpreter(tmp_path, capsys):
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
     assert [r["gemm"] for r in rows] == ["GEMM1", "GEMM2"]
     assert "no trace (interpreter)" in capsys.readouterr().out
+
+
+def test_stream_probe_runs_in_the_interpreter(capsys):
+    """experiments/stream_probe.py (session 10's empty-pipeline measurement): its kernel copies
+    each program's last box out, checked in the Mosaic GPU interpreter."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    path = EXAMPLES.parent / "experiments" / "stream_probe.py"
+    spec = importlib.util.spec_from_file_location("experiment_stream_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--interpret"]) == 0
+    assert "interpret: ok" in capsys.readouterr().out
