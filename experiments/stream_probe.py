@@ -90,7 +90,10 @@ def main(argv=None) -> int:
         if rows > 256 or stages * box_kb > 200:
             continue
         shape = (programs, steps, rows, 128)
-        sets = [(jax.random.randint(jax.random.key(s), shape, -128, 127, jnp.int8),) for s in (1, 2)]
+        sets = [
+            (jax.random.randint(jax.random.key(seed), shape, -128, 127, jnp.int8),)
+            for seed in (1, 2)
+        ]
         data = sets[0][0]
         fn = jax.jit(lambda d, stages=stages: stream(d, stages=stages))
         try:
