@@ -198,18 +198,15 @@ def main(argv=None) -> int:
         )  # fmt: skip
         for what, w in weights.items():
             # The splits the layer would take on all its blocks; then at most --max-programs.
-            gemm_cfg = cfg if what == "GEMM1" else mgpu_fused_moe.down_config(cfg)
-            this = mgpu_fused_moe.gemm_config(gemm_cfg, w)
+            act = jnp.bfloat16 if what == "GEMM1" else None
+            this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w, used.shape[0], act)
             tiles = w.shape[1] // this.tile_n()
-            splits = mgpu_fused_moe.gemm_splits(this, w, used.shape[0])
             blocks = min(used.shape[0], max(1, args.max_programs // (tiles * splits)))
             experts = used[:blocks]
             rows = x_rows if what == "GEMM1" else jax.random.normal(key, x_rows.shape[:1] + (i,))
             rows = rows[: blocks * cfg.block_m].astype(jnp.bfloat16)
             trace_dir = os.path.join(args.out, f"M{m}_{what}")
             os.makedirs(trace_dir, exist_ok=True)
-            gated = what == "GEMM1" and mgpu_fused_moe.fuses_activation(this, w, splits)
-            options = mgpu_fused_moe.gemm_options(this, splits, gated=gated, out_dtype=jnp.bfloat16)
             profile_dir = None if args.interpret or args.no_trace else trace_dir
             with fds_to(compile_log):
                 out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,

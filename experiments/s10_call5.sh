@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Session 10, device call 5 (one H200, the session's last ~300 s): the empty pipeline's rate at
-# GEMM1's M=1 size (117 MB) and at 1 GB (steady state, ramp amortized), beside XLA reading the
-# same bytes (a max), two input sets per loop. Rerun (call 6): one input set, 1 GB only (two sets made the loop copy each set before the kernel).
+# Session 10, device calls 5-6 (one H200, the session's last ~300 s): the empty pipeline's
+# rate at 1 GB (steady state, ramp amortized), against call 2's 117 MB. Call 5 ran this at
+# 577b0cf with 117.4 and 1000 MB, two input sets per loop and an XLA max beside: the loop's
+# index into the stacked sets copied each set before the kernel (not kernel figures). As
+# committed, this is call 6: one input set, 1 GB.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p $OUT
 for mb in 1000; do

@@ -219,6 +219,16 @@ def fuses_activation(cfg: MgpuConfig, w13: QuantizedExperts, splits: int) -> boo
     return cfg.fuse_activation and splits == 1 and (w13.shape[1] // 2) % cfg.tile_n() == 0
 
 
+def gemm_plan(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, activation_dtype=None):
+    """(config, splits, gated, mgpu_wna16_gemm's options) of the layer's GEMM on `w` over
+    `num_blocks` blocks: GEMM1 with activation_dtype (gated where `fuses_activation`), else
+    GEMM2 (`down_config`)."""
+    this = gemm_config(cfg if activation_dtype is not None else down_config(cfg), w)
+    splits = gemm_splits(this, w, num_blocks)
+    gated = activation_dtype is not None and fuses_activation(this, w, splits)
+    return this, splits, gated, gemm_options(this, splits, gated=gated, out_dtype=activation_dtype)
+
+
 def block_gemm(cfg: MgpuConfig, interpret: bool):
     """gemm(rows, w, block_experts) -> [P, N] f32: the Mosaic GPU GEMM at cfg (GEMM2's:
     `down_config`), K-split partial products summed; with activation_dtype, w's rows are
@@ -226,13 +236,10 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     where `fuses_activation`)."""
 
     def gemm(rows, w, block_experts, activation_dtype=None):
-        this = gemm_config(cfg if activation_dtype is not None else down_config(cfg), w)
-        splits = gemm_splits(this, w, block_experts.shape[0])
-        if activation_dtype is not None and fuses_activation(this, w, splits):
-            options = gemm_options(this, 1, gated=True, out_dtype=activation_dtype)
-            return mgpu_wna16_gemm(rows, w, block_experts, **options, interpret=interpret)
-        options = gemm_options(this, splits)
+        _, splits, gated, options = gemm_plan(cfg, w, block_experts.shape[0], activation_dtype)
         out = mgpu_wna16_gemm(rows, w, block_experts, **options, interpret=interpret)
+        if gated:
+            return out
         out = out.sum(axis=0) if splits > 1 else out
         if activation_dtype is None:
             return out

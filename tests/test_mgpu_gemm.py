@@ -705,6 +705,25 @@ def test_down_config_takes_its_own_block_n_and_stages():
     assert (down.block_k, down.down_block_k) == (128, None)
 
 
+def test_gemm_plan_is_the_layers_gemms(rng):
+    """GEMM1 (an activation dtype): gated, whole sums, the activation's dtype out; GEMM2: the
+    down config's features and stages, f32 out."""
+    w13 = prepare_weights(helpers.random_quantized_experts(rng, 2, 512, 512, 4, 128, True, BF16))
+    w2 = prepare_weights(helpers.random_quantized_experts(rng, 2, 512, 256, 4, 128, True, BF16))
+    cfg = MgpuConfig(block_m=64, block_k=256, stages=3, consumers=2, down_block_n=128,
+                     down_stages=2, splits=1)  # fmt: skip
+    this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w13, 4, BF16)
+    assert (this.block_n, splits, gated) == (64, 1, True)
+    assert (options["gated"], options["out_dtype"], options["max_concurrent_steps"]) == (
+        True, BF16, 3
+    )  # fmt: skip
+    this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w2, 4)
+    assert (this.block_n, this.stages, gated, options["out_dtype"]) == (128, 2, False, jnp.float32)
+    unfused = dataclasses.replace(cfg, fuse_activation=False)
+    _, _, gated, options = mgpu_fused_moe.gemm_plan(unfused, w13, 4, BF16)
+    assert (gated, options["gated"], options["out_dtype"]) == (False, False, jnp.float32)
+
+
 def test_gemm_config_keeps_whole_features(rng):
     """block_n 128 with 2 consumers (256 features per program) on N = 384 falls back to 64; on
     N = 512 it stays."""
