@@ -29,7 +29,9 @@ def _load(name):
         sys.path.remove(str(EXAMPLES))
 
 
-@pytest.mark.parametrize("name", ["benchmark", "tune", "mgpu_probe", "mgpu_profile"])
+@pytest.mark.parametrize(
+    "name", ["benchmark", "tune", "mgpu_probe", "mgpu_profile", "kernel_timeline"]
+)
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         _load(name).main(["--help"])
@@ -237,3 +239,38 @@ def test_stream_probe_runs_in_the_interpreter(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--interpret"]) == 0
     assert "interpret: ok" in capsys.readouterr().out
+
+
+def _trace(*kernels, host=()):
+    """A Perfetto trace as JAX writes it: GPU kernels (name, ts, dur) on /device:GPU:0, host
+    events on /host:CPU."""
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+    ]
+    x = [{"ph": "X", "pid": 7, "tid": 3, "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    h = [{"ph": "X", "pid": 1, "tid": 2, "name": n, "ts": t, "dur": d} for n, t, d in host]
+    return {"traceEvents": meta + h[::-1] + x[::-1]}
+
+
+def test_kernel_timeline_summary():
+    """Two calls of [gemm 0-10, sum 12-13] and [gemm 20-30, sum 31-32, 31.5-33 overlapping]:
+    per call span 16.5, busy (the union) 10 + 1 + 10 + 2 = 23 / 2, host events ignored."""
+    timeline = _load("kernel_timeline")
+    trace = _trace(
+        ("gemm", 0.0, 10.0), ("sum", 12.0, 1.0), ("gemm", 20.0, 10.0), ("sum", 31.0, 1.0),
+        ("sum", 31.5, 1.5), host=[("PjitFunction", -5.0, 50.0)],
+    )  # fmt: skip
+    kernels = timeline.device_kernels(trace)
+    assert [k["name"] for k in kernels] == ["gemm", "sum", "gemm", "sum", "sum"]
+    s = timeline.summarize(kernels, calls=2)
+    assert s["span_us"] == pytest.approx(33.0 / 2)
+    assert s["busy_us"] == pytest.approx(23.0 / 2)
+    assert s["idle_us"] == pytest.approx(10.0 / 2)
+    assert s["kernels_per_call"] == 2.5
+    by_name = {r["name"]: r for r in s["kernels"]}
+    assert by_name["gemm"]["total_us_per_call"] == pytest.approx(10.0)
+    assert by_name["sum"]["per_call"] == 1.5
+    assert by_name["sum"]["median_us"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no GPU kernel"):
+        timeline.summarize(timeline.device_kernels(_trace(host=[("x", 0.0, 1.0)])), calls=1)
