@@ -101,37 +101,69 @@ def default_iters(m: int) -> int:
     return 100 if m <= 256 else 20
 
 
-def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True):
-    """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs.
+def make_loop(fn, args_sets, *, iters, consts=(), chain=False):
+    """A jitted run() of `iters` calls of fn(*consts, *args) over the rotated input sets, and
+    the calls it makes.
+
+    chain=False: one call per iteration of a fori_loop, on set i % len(args_sets); the loop adds
+    the sum of each call's output (its own kernels each call: the sum, the loop's counter).
+    chain=True: each iteration calls fn once per set, in turn, each call's first argument the
+    previous call's output (layers back to back, as in a model's step; the output must have
+    the first argument's shape and dtype), so nothing but the calls runs per call and the
+    loop's own work is spread over the sets. Calls: iters rounded up to whole iterations.
+    """
+    num_sets = len(args_sets)
+    if not chain:
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *args_sets)
+
+        @jax.jit
+        def loop(consts, stacked):
+            def body(i, acc):
+                args = jax.tree.map(lambda s: s[i % num_sets], stacked)
+                out = fn(*consts, *args)
+                return acc + jnp.sum(out.astype(jnp.float32)) * 1e-30
+
+            return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+
+        return (lambda: loop(consts, stacked)), iters
+
+    rounds = -(-iters // num_sets)
+
+    @jax.jit
+    def chained(consts, sets):
+        def body(_, x):
+            for args in sets:
+                x = fn(*consts, x, *args[1:])
+            return x
+
+        x = jax.lax.fori_loop(0, rounds, body, sets[0][0])
+        return jnp.sum(x.astype(jnp.float32))
+
+    sets = tuple(tuple(a) for a in args_sets)
+    return (lambda: chained(consts, sets)), rounds * num_sets
+
+
+def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False):
+    """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs
+    (`make_loop`; chain=True: each call's first argument the previous call's output).
 
     `consts` (e.g. the weights) are passed as jit arguments, never captured as constants.
     Returns (device_seconds_per_call, host_seconds_per_single_call); the host time is None
     with host=False (one compile fewer).
     """
-    num_sets = len(args_sets)
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *args_sets)
-
-    @jax.jit
-    def loop(consts, stacked):
-        def body(i, acc):
-            args = jax.tree.map(lambda s: s[i % num_sets], stacked)
-            out = fn(*consts, *args)
-            return acc + jnp.sum(out.astype(jnp.float32)) * 1e-30
-
-        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
-
+    run, calls = make_loop(fn, args_sets, iters=iters, consts=consts, chain=chain)
     single = jax.jit(fn)
-    jax.block_until_ready(loop(consts, stacked))
+    jax.block_until_ready(run())
     if host:
         jax.block_until_ready(single(*consts, *args_sets[0]))
     loop_times, single_times = [], []
     for r in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(consts, stacked))
-        loop_times.append((time.perf_counter() - t0) / iters)
+        jax.block_until_ready(run())
+        loop_times.append((time.perf_counter() - t0) / calls)
         if host:
             t0 = time.perf_counter()
-            jax.block_until_ready(single(*consts, *args_sets[r % num_sets]))
+            jax.block_until_ready(single(*consts, *args_sets[r % len(args_sets)]))
             single_times.append(time.perf_counter() - t0)
     host_time = statistics.median(single_times) if host else None
     return statistics.median(loop_times), host_time

@@ -1,10 +1,11 @@
 """The GPU kernels of one fused_moe call, from a device trace: what each kernel takes and how
 much of a call the GPU sits idle between kernels (launch gaps).
 
-The layer runs `--calls` times inside one jitted loop, the way benchmark.py and mgpu_probe.py
-time it (so the loop's own kernels, e.g. the sum of each call's output, are in the trace too),
-under `jax.profiler.trace`. The device's kernel events (CUPTI, in the Perfetto trace JAX
-writes) are summed per kernel name:
+The layer runs `--calls` times inside one jitted loop under `jax.profiler.trace`: by default
+chained, each call's input the previous call's output (layers back to back, as in a model's
+step), or with `--loop sum` the way benchmark.py and mgpu_probe.py time it (the sum of each
+call's output and the loop's counter are then kernels of every call). The device's kernel
+events (CUPTI, in the Perfetto trace JAX writes) are summed per kernel name:
 
     M=<m> <implementation> per call: span, kernels busy, idle (share), kernels per call
         <launches per call> / call  <us per call> (median <us per launch>)  <kernel name>
@@ -101,18 +102,20 @@ def summarize(kernels: list[dict], calls: int) -> dict:
     )
 
 
-def trace_loop(fn, args, *, consts, calls: int) -> dict:
-    """Runs fn(*consts, *args) `calls` times in one jitted loop (benchmark.time_loop's) under the
-    profiler; returns the Perfetto trace (dict)."""
-    benchmark.time_loop(fn, [args], consts=consts, iters=calls, repeats=1, host=False)  # compile
+def trace_loop(fn, args_sets, *, consts, calls: int, chain: bool) -> tuple[dict, int]:
+    """Runs fn(*consts, *args) about `calls` times in one jitted loop (benchmark.make_loop's,
+    compiled and run once before) under the profiler; returns the Perfetto trace (dict) and
+    the calls traced."""
+    run, calls = benchmark.make_loop(fn, args_sets, iters=calls, consts=consts, chain=chain)
+    jax.block_until_ready(run())
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            benchmark.time_loop(fn, [args], consts=consts, iters=calls, repeats=1, host=False)
+            jax.block_until_ready(run())
         paths = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
         if not paths:
             raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {log_dir}")
         with gzip.open(paths[0]) as f:
-            return json.load(f)
+            return json.load(f), calls
 
 
 def main(argv=None) -> int:
@@ -123,6 +126,15 @@ def main(argv=None) -> int:
                    choices=("mgpu", "pallas", "xla"))  # fmt: skip
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument("--calls", type=int, default=20, help="calls traced (one jitted loop)")
+    p.add_argument(
+        "--loop",
+        choices=("chain", "sum"),
+        default="chain",
+        help="chain: each call's input the previous call's output, 4 input sets in turn "
+        "(layers back to back; benchmark.make_loop(chain=True)); sum: one call per loop "
+        "iteration and the sum of its output, as mgpu_probe.py and benchmark.py time it (the "
+        "loop's own kernels then appear once per call)",
+    )
     p.add_argument("--top", type=int, default=12, help="kernel names listed per run")
     p.add_argument("--json", help="write the summaries here")
     args = p.parse_args(argv)
@@ -142,14 +154,17 @@ def main(argv=None) -> int:
             to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
             weights = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
         for m in args.m:
-            x = jax.random.normal(jax.random.fold_in(key, 3 + m), (m, h), jnp.bfloat16)
-            tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 1)
+            xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (4, m, h), jnp.bfloat16)
+            tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 4)
+            sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
             layer = lambda a, b, x, tw, ids, impl=impl: wj.fused_moe(  # noqa: E731
                 x, a, b, tw, ids, implementation=impl
             )
             t0 = time.perf_counter()
-            trace = trace_loop(layer, (x, tws[0], idss[0]), consts=weights, calls=args.calls)
-            s = summarize(device_kernels(trace), args.calls)
+            trace, calls = trace_loop(
+                layer, sets, consts=weights, calls=args.calls, chain=args.loop == "chain"
+            )
+            s = summarize(device_kernels(trace), calls)
             print(f"M={m:<5} {impl:<6} per call: span {s['span_us']:.1f} us, kernels busy "
                   f"{s['busy_us']:.1f} us, idle {s['idle_us']:.1f} us "
                   f"({s['idle_us'] / s['span_us']:.0%}), {s['kernels_per_call']:.1f} kernels "
@@ -158,7 +173,7 @@ def main(argv=None) -> int:
                 print(f"    {r['per_call']:5.2f} / call {r['total_us_per_call']:9.1f} us "
                       f"(median {r['median_us']:8.1f})  {r['name'][:90]}")  # fmt: skip
             out.append(dict(preset=args.preset, zp=not args.no_zp, M=m, implementation=impl,
-                            calls=args.calls, **s))  # fmt: skip
+                            loop=args.loop, calls=calls, **s))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,

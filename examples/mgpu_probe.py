@@ -111,6 +111,13 @@ def main(argv=None) -> int:
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
         "64,256,3,2,-,64,1,128,2: GEMM2 at 128 features per consumer and 2 stages",
     )
+    p.add_argument(
+        "--chain",
+        action="store_true",
+        help="also time the pallas layer and the mgpu layer at its default config chained: "
+        "each call's input the previous call's output, 4 input sets in turn (layers back to "
+        "back; no sum of each output and no loop counter per call: benchmark.make_loop)",
+    )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")
     p.add_argument(
@@ -173,6 +180,11 @@ def main(argv=None) -> int:
         t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), **timing)
         record("mgpu layer", astuple(chosen), t, **layer)
         best = (t, chosen)
+        if args.chain:
+            t, _ = benchmark.time_loop(pallas, sets, consts=(w13, w2), chain=True, **timing)
+            record("pallas chained", "package", t, **layer)
+            t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), chain=True, **timing)
+            record("mgpu chained", astuple(chosen), t, **layer)
         rows_per_expert = m if args.routing == "identical" else m * top_k / e
         searched = candidates(rows_per_expert, h if g == -1 else g) if args.search else []
         for cfg in dict.fromkeys(searched + args.configs):

@@ -261,24 +261,56 @@ def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, inter
     return slots, block_experts, rows_in_block_order(x, slots, k)
 
 
-def _chunk(x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret):
-    """One chunk of tokens: [t, H] f32."""
+def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
+    """For one token ([1, H], topk_ids [1, k]): the block experts [k] and rows [k * block_m, H]
+    of one block per slot, slot j's row first in block j (the rest zero), and each slot's row
+    position j * block_m. No alignment kernel: a token's k experts are distinct, so this is the
+    blocks the alignment gives (in slot order, not expert order), and their rows are the same
+    products. Slots the alignment drops (ids out of range, or off this shard through
+    expert_map) get expert -1 (zero rows, masked by the caller). Session 11's timeline: the
+    alignment kernel took ~7 us of the ~39 us TP=8 layer at M=1."""
+    ids = topk_ids.reshape(-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    safe = jnp.where(valid, ids, 0)
+    local = expert_map[safe] if expert_map is not None else safe
+    block_experts = jnp.where(valid, local, -1).astype(jnp.int32)
+    k, h = ids.shape[0], x.shape[1]
+    x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
+    return block_experts, x_rows, jnp.arange(k, dtype=jnp.int32) * block_m
+
+
+def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret):
+    """The block experts [B], rows in block order [B * block_m, H] (`block_rows`) and each slot's
+    row position [T*k] (a slot the alignment dropped keeps position 0; the caller masks it)."""
     t, k = topk_ids.shape
-    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     slots, block_experts, x_rows = block_rows(
-        x, topk_ids, num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map,
+        x, topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
         interpret=interpret,
     )  # fmt: skip
+    # Padding slots point past the end and are dropped.
+    position = jnp.zeros(t * k, jnp.int32)
+    position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
+    return block_experts, x_rows, position
+
+
+def _chunk(
+    x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret, one_token=True
+):
+    """One chunk of tokens: [t, H] f32. A chunk of one token takes `one_token_blocks` (unless
+    one_token=False), else `aligned_blocks`."""
+    t, k = topk_ids.shape
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+    blocks = dict(num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map)
+    if t == 1 and one_token:
+        block_experts, x_rows, position = one_token_blocks(x, topk_ids, **blocks)
+    else:
+        block_experts, x_rows, position = aligned_blocks(x, topk_ids, **blocks, interpret=interpret)
     gemm = block_gemm(cfg, interpret)
     # The activation and the top-k sum see unrounded f32 sums. The activation is rounded to x's
     # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it
     # in f32).
     act = gemm(x_rows, w13, block_experts, activation_dtype=x.dtype)  # [P, I]
     y = gemm(act, w2, block_experts)  # [P, H]; off-shard blocks (expert -1) are zeros
-    # Each slot's row in block order (padding points past the end and is dropped; a slot the
-    # alignment dropped, id out of range, keeps position 0 and is masked below).
-    position = jnp.zeros(t * k, jnp.int32)
-    position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
     flat = topk_ids.reshape(-1)
     kept = (flat >= 0) & (flat < num_experts)
     rows = jnp.where(kept[:, None], y[position], 0.0)

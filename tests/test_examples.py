@@ -274,3 +274,26 @@ def test_kernel_timeline_summary():
     assert by_name["sum"]["median_us"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="no GPU kernel"):
         timeline.summarize(timeline.device_kernels(_trace(host=[("x", 0.0, 1.0)])), calls=1)
+
+
+def test_make_loop_chain_feeds_each_output_to_the_next_call():
+    """benchmark.make_loop(chain=True): the sets in turn, each call's first argument the last
+    output; 5 calls asked of 2 sets run 3 rounds (6 calls), checked against numpy."""
+    import numpy as np
+
+    bench = _load("benchmark")
+    rng = np.random.default_rng(0)
+    sets = [(rng.normal(size=(3,)).astype(np.float32), np.float32(a)) for a in (0.5, -1.25)]
+    run, calls = bench.make_loop(
+        lambda c, x, a: x * a + c, sets, iters=5, consts=(0.75,), chain=True
+    )
+    assert calls == 6
+    x = sets[0][0].astype(np.float64)
+    for _ in range(3):
+        for _, a in sets:
+            x = x * a + 0.75
+    np.testing.assert_allclose(float(run()), x.sum(), rtol=1e-5)
+    run, calls = bench.make_loop(lambda c, x, a: x * a + c, sets, iters=5, consts=(0.75,))
+    assert calls == 5
+    want = sum((s[0].astype(np.float64) * s[1] + 0.75).sum() for s in (sets * 3)[:5]) * 1e-30
+    np.testing.assert_allclose(float(run()), want, rtol=1e-5)

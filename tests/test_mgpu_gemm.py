@@ -352,6 +352,41 @@ def test_fused_moe_expert_map_and_dropped_slots(rng):
     helpers.assert_close(out, ref, BF16, "fused_moe with expert_map")
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["all_experts", "expert_map"])
+def test_one_token_blocks_match_the_aligned_blocks(rng, sharded):
+    """A chunk of one token runs a block per slot without the alignment kernel
+    (`one_token_blocks`): the same output, bit for bit, as the aligned blocks, and numpy's, also
+    with an out-of-range id (dropped) and an expert shard (off-shard slots give nothing)."""
+    e_global, top_k, h, i = 8, 3, 128, 64
+    e_local = 4 if sharded else e_global
+    w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e_local, h, i, 4, 64, True, BF16)
+    x = jnp.asarray(rng.standard_normal((1, h)), BF16)
+    topk_weights, topk_ids = helpers.random_routing(rng, 1, top_k, e_global)
+    topk_ids[0, 1] = e_global + 3  # out of range: dropped
+    expert_map = None
+    if sharded:
+        # slot 0's expert on this shard, slot 2's off it
+        others = [v for v in range(e_global) if v not in (topk_ids[0, 0], topk_ids[0, 2])]
+        expert_map = np.full(e_global, -1, np.int32)
+        expert_map[[topk_ids[0, 0], *others[:3]]] = np.arange(e_local)
+    chunk = functools.partial(
+        mgpu_fused_moe._chunk, x, topk_weights=jnp.asarray(topk_weights),
+        topk_ids=jnp.asarray(topk_ids), w13=prepare_weights(w13), w2=prepare_weights(w2),
+        expert_map=None if expert_map is None else jnp.asarray(expert_map),
+        cfg=default_config(top_k, e_global, 64), interpret=INTERPRET,
+    )  # fmt: skip
+    direct, aligned = chunk(), chunk(one_token=False)
+    np.testing.assert_array_equal(np.asarray(direct), np.asarray(aligned))
+    ref = helpers.numpy_fused_moe(
+        np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
+        np.asarray(topk_weights, np.float64), topk_ids, expert_map=expert_map,
+        activation_dtype=BF16,
+    )  # fmt: skip
+    helpers.assert_close(direct.astype(BF16), ref, BF16, "one token's blocks")
+    assert np.abs(np.asarray(direct)).max() > 0
+
+
 @pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 256, 8), (16, 8, 256, 16), (40, 2, 4, 8)])
 def test_used_blocks_hold_every_slot(rng, t, k, e, block_m):
     """The layer runs only the leading min(blocks, T*k) blocks: the alignment packs every
