@@ -107,10 +107,14 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False):
 
     chain=False: one call per iteration of a fori_loop, on set i % len(args_sets); the loop adds
     the sum of each call's output (its own kernels each call: the sum, the loop's counter).
-    chain=True: each iteration calls fn once per set, in turn, each call's first argument the
-    previous call's output (layers back to back, as in a model's step; the output must have
-    the first argument's shape and dtype), so nothing but the calls runs per call and the
-    loop's own work is spread over the sets. Calls: iters rounded up to whole iterations.
+    chain=True: each iteration calls fn once per set, in turn, each call's first argument its
+    set's plus 1e-30 x the previous call's output (layers back to back, as in a model's step:
+    a call waits for the last; the output must have the first argument's shape and dtype), so
+    nothing but the calls runs per call (the add fuses into the call's first pass over it) and
+    the loop's own work is spread over the sets. The values stay the set's random ones: fed
+    back as is, a layer's outputs grow or vanish over the calls (zeros or infinities draw less
+    power and ran 8% faster at M=4096, session 11). Calls: iters rounded up to whole
+    iterations.
     """
     num_sets = len(args_sets)
     if not chain:
@@ -131,10 +135,11 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False):
 
     @jax.jit
     def chained(consts, sets):
-        def body(_, x):
+        def body(_, out):
             for args in sets:
-                x = fn(*consts, x, *args[1:])
-            return x
+                x = args[0] + (out * 1e-30).astype(args[0].dtype)
+                out = fn(*consts, x, *args[1:])
+            return out
 
         x = jax.lax.fori_loop(0, rounds, body, sets[0][0])
         return jnp.sum(x.astype(jnp.float32))

@@ -277,8 +277,9 @@ def test_kernel_timeline_summary():
 
 
 def test_make_loop_chain_feeds_each_output_to_the_next_call():
-    """benchmark.make_loop(chain=True): the sets in turn, each call's first argument the last
-    output; 5 calls asked of 2 sets run 3 rounds (6 calls), checked against numpy."""
+    """benchmark.make_loop(chain=True): the sets in turn, each call's first argument its set's
+    plus 1e-30 x the last output; 5 calls asked of 2 sets run 3 rounds (6 calls), checked
+    against numpy (the last call's output summed)."""
     import numpy as np
 
     bench = _load("benchmark")
@@ -288,11 +289,11 @@ def test_make_loop_chain_feeds_each_output_to_the_next_call():
         lambda c, x, a: x * a + c, sets, iters=5, consts=(0.75,), chain=True
     )
     assert calls == 6
-    x = sets[0][0].astype(np.float64)
+    out = sets[0][0].astype(np.float64)
     for _ in range(3):
-        for _, a in sets:
-            x = x * a + 0.75
-    np.testing.assert_allclose(float(run()), x.sum(), rtol=1e-5)
+        for x, a in sets:
+            out = (x + 1e-30 * out) * a + 0.75
+    np.testing.assert_allclose(float(run()), out.sum(), rtol=1e-5)
     run, calls = bench.make_loop(lambda c, x, a: x * a + c, sets, iters=5, consts=(0.75,))
     assert calls == 5
     want = sum((s[0].astype(np.float64) * s[1] + 0.75).sum() for s in (sets * 3)[:5]) * 1e-30
