@@ -129,15 +129,15 @@ def from_block_config(config: BlockConfig) -> MgpuConfig:
     return MgpuConfig(config.block_m, config.block_k, config.num_stages, splits=config.split_k)
 
 
-def rows_in_block_order(x, slots, top_k: int, *, interpret: bool = False):
-    """x's row of each aligned slot ([P, H]; padding slots, ids >= T*k, get zero rows): the
-    gather_rows kernel where its tiles fit (XLA's gather and select took 441 us for the ~1 GB
-    of DeepSeek-V3's rows at M=4096 on the H200, session 11), else XLA's."""
+def rows_in_block_order(x, slots, top_k: int, *, fill: bool = True, interpret: bool = False):
+    """x's row of each aligned slot ([P, H]; padding slots, ids >= T*k, get zero rows, or with
+    fill=False none where the gather_rows kernel runs): that kernel where its tiles fit (XLA's
+    gather and select took 441 us for the ~1 GB of DeepSeek-V3's rows at M=4096 on the H200,
+    session 11), else XLA's."""
     placed = slots < x.shape[0] * top_k
     if gather_rows.tile_shape(slots.shape[0], x.shape[1]) is not None:
-        return gather_rows.gather_rows(
-            x, jnp.where(placed, slots // top_k, -1), interpret=interpret
-        )
+        ids = jnp.where(placed, slots // top_k, -1)
+        return gather_rows.gather_rows(x, ids, fill=fill, interpret=interpret)
     return jnp.where(placed[:, None], x[jnp.where(placed, slots // top_k, 0)], 0).astype(x.dtype)
 
 
@@ -216,6 +216,7 @@ def gemm_options(cfg: MgpuConfig, splits: int, *, gated: bool = False, out_dtype
         consumers=cfg.consumers,
         splits=splits,
         gated=gated,
+        zero_empty=False,  # the layer reads no row of a block of expert -1 (`_chunk`)
         out_dtype=out_dtype if gated else jnp.float32,
     )
 
@@ -255,9 +256,12 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     return gemm
 
 
-def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret: bool):
+def block_rows(
+    x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret: bool, fill=True
+):
     """The aligned slots, block experts and x's rows in block order of the used blocks
-    (align, used_blocks, rows_in_block_order): the GEMMs' inputs."""
+    (align, used_blocks, rows_in_block_order; fill=False: padding rows may be left
+    unwritten): the GEMMs' inputs."""
     t, k = topk_ids.shape
     routing = align(
         topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
@@ -265,7 +269,7 @@ def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, inter
     )  # fmt: skip
     # slots: t*k + j, or the sentinel t*k for padding
     slots, block_experts = used_blocks(routing, t * k, block_m)
-    return slots, block_experts, rows_in_block_order(x, slots, k, interpret=interpret)
+    return slots, block_experts, rows_in_block_order(x, slots, k, fill=fill, interpret=interpret)
 
 
 def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
@@ -292,7 +296,7 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
     t, k = topk_ids.shape
     slots, block_experts, x_rows = block_rows(
         x, topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
-        interpret=interpret,
+        interpret=interpret, fill=False,
     )  # fmt: skip
     # Padding slots point past the end and are dropped.
     position = jnp.zeros(t * k, jnp.int32)
@@ -317,9 +321,14 @@ def _chunk(
     # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it
     # in f32).
     act = gemm(x_rows, w13, block_experts, activation_dtype=x.dtype)  # [P, I]
-    y = gemm(act, w2, block_experts)  # [P, H]; off-shard blocks (expert -1) are zeros
+    y = gemm(act, w2, block_experts)  # [P, H]
+    # Rows of blocks of expert -1 (unused, or off this shard) and padding rows hold anything
+    # (the GEMMs write nothing there, gather_rows leaves padding rows unwritten; each row's
+    # products depend on that row alone): only the rows of slots on this shard are read.
     flat = topk_ids.reshape(-1)
     kept = (flat >= 0) & (flat < num_experts)
+    if expert_map is not None:
+        kept &= expert_map[jnp.where(kept, flat, 0)] >= 0
     rows = jnp.where(kept[:, None], y[position], 0.0)
     return (rows.reshape(t, k, -1) * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
 

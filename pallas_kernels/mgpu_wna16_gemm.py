@@ -40,7 +40,8 @@ scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 
 [E, K//G, N], so that w = (qweight + zeros) * scales.
 
 Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
-p // block_m), one expert id per block (-1: the block's output rows are zeros).
+p // block_m), one expert id per block (-1: the block's output rows are zeros, or with
+zero_empty=False left unwritten).
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ def _swizzled(shape, dtype, what: str):
         "consumers",
         "splits",
         "gated",
+        "zero_empty",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -207,6 +209,7 @@ def mgpu_wna16_gemm(
     consumers: int = 0,
     splits: int = 1,
     gated: bool = False,
+    zero_empty: bool = True,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -234,7 +237,10 @@ def mgpu_wna16_gemm(
     at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the H200 in session 8,
     10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
 
-    Blocks with expert -1 give zero rows. Compiles for sm_90 only (or runs in the Mosaic GPU
+    Blocks with expert -1 give zero rows; with zero_empty=False their programs write nothing
+    (their rows hold whatever the output buffer held: for callers that never read them, e.g.
+    the layer's trailing unused blocks, whose zeros were ~30% of GEMM2's programs at M=256 on
+    DeepSeek-V3). Compiles for sm_90 only (or runs in the Mosaic GPU
     interpreter with interpret=True). profile_dir: record each warpgroup's named regions
     ("convert", "wgmma" (issue), "wait", "scale", "store") with Mosaic GPU's in-kernel
     profiler and write a Chrome trace there per call (examples/mgpu_profile.py reads it).
@@ -442,9 +448,11 @@ def mgpu_wna16_gemm(
             else:
                 pipeline(lambda run: store(epilogue(run(zero_acc()))))
 
-        @pl.when((expert < 0) & (wg < wgs))
-        def _zeros():
-            store(zero_acc()[:subs])
+        if zero_empty:
+
+            @pl.when((expert < 0) & (wg < wgs))
+            def _zeros():
+                store(zero_acc()[:subs])
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
