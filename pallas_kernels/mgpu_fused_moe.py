@@ -216,7 +216,6 @@ def gemm_options(cfg: MgpuConfig, splits: int, *, gated: bool = False, out_dtype
         consumers=cfg.consumers,
         splits=splits,
         gated=gated,
-        zero_empty=False,  # the layer reads no row of a block of expert -1 (`_chunk`)
         out_dtype=out_dtype if gated else jnp.float32,
     )
 
@@ -296,7 +295,7 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
     t, k = topk_ids.shape
     slots, block_experts, x_rows = block_rows(
         x, topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
-        interpret=interpret, fill=False,
+        interpret=interpret,
     )  # fmt: skip
     # Padding slots point past the end and are dropped.
     position = jnp.zeros(t * k, jnp.int32)
@@ -322,9 +321,11 @@ def _chunk(
     # in f32).
     act = gemm(x_rows, w13, block_experts, activation_dtype=x.dtype)  # [P, I]
     y = gemm(act, w2, block_experts)  # [P, H]
-    # Rows of blocks of expert -1 (unused, or off this shard) and padding rows hold anything
-    # (the GEMMs write nothing there, gather_rows leaves padding rows unwritten; each row's
-    # products depend on that row alone): only the rows of slots on this shard are read.
+    # Only the rows of slots on this shard are read. The GEMMs and gather_rows could leave the
+    # other rows unwritten (zero_empty=False, fill=False; each row's products depend on that
+    # row alone), but with both the layer measured slower in session 11 (call 7: M=256 2102.1
+    # vs 1974.2 us, M=16 788.0 vs 772.9; pallas the same): zero padding rows may draw less
+    # power than whatever the buffers held. To be measured one at a time.
     flat = topk_ids.reshape(-1)
     kept = (flat >= 0) & (flat < num_experts)
     if expert_map is not None:

@@ -239,11 +239,12 @@ def mgpu_wna16_gemm(
 
     Blocks with expert -1 give zero rows; with zero_empty=False their programs write nothing
     (their rows hold whatever the output buffer held: for callers that never read them, e.g.
-    the layer's trailing unused blocks, whose zeros were ~30% of GEMM2's programs at M=256 on
-    DeepSeek-V3). Compiles for sm_90 only (or runs in the Mosaic GPU
-    interpreter with interpret=True). profile_dir: record each warpgroup's named regions
-    ("convert", "wgmma" (issue), "wait", "scale", "store") with Mosaic GPU's in-kernel
-    profiler and write a Chrome trace there per call (examples/mgpu_profile.py reads it).
+    the layer's trailing unused blocks, ~30% of GEMM2's programs at M=256 on DeepSeek-V3; not
+    the layer's default: with gather_rows' fill=False it measured slower, session 11).
+    Compiles for sm_90 only (or runs in the Mosaic GPU interpreter with interpret=True).
+    profile_dir: record each warpgroup's named regions ("convert", "wgmma" (issue), "wait",
+    "scale", "store") with Mosaic GPU's in-kernel profiler and write a Chrome trace there per
+    call (examples/mgpu_profile.py reads it).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 

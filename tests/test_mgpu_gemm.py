@@ -174,8 +174,8 @@ def test_gemm_gated(rng, has_zp, block_n, consumers, block_m, block_k, group_siz
 
 @pytest.mark.parametrize("consumers,splits,gated", [(0, 1, False), (2, 1, True), (0, 2, False)])
 def test_gemm_leaves_empty_blocks_unwritten(rng, consumers, splits, gated):
-    """zero_empty=False (the layer's): blocks of expert -1 write nothing, the others' rows are
-    the same products."""
+    """zero_empty=False: blocks of expert -1 write nothing (NaN in the interpreter's fresh
+    output), the others' rows are the same products."""
     run_gemm_case(
         rng, e=3, n=256, k=512, group_size=128, has_zp=True, block_m=8, block_k=128,
         blocks=[-1, 1, -1, 0, 2, -1], consumers=consumers, splits=splits, gated=gated,
