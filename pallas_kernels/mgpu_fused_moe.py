@@ -129,15 +129,14 @@ def from_block_config(config: BlockConfig) -> MgpuConfig:
     return MgpuConfig(config.block_m, config.block_k, config.num_stages, splits=config.split_k)
 
 
-def rows_in_block_order(x, slots, top_k: int, *, fill: bool = True, interpret: bool = False):
-    """x's row of each aligned slot ([P, H]; padding slots, ids >= T*k, get zero rows, or with
-    fill=False none where the gather_rows kernel runs): that kernel where its tiles fit (XLA's
-    gather and select took 441 us for the ~1 GB of DeepSeek-V3's rows at M=4096 on the H200,
-    session 11), else XLA's."""
+def rows_in_block_order(x, slots, top_k: int, *, interpret: bool = False):
+    """x's row of each aligned slot ([P, H]; padding slots, ids >= T*k, get zero rows): the
+    gather_rows kernel where its tiles fit (XLA's gather and select took 441 us for the ~1 GB
+    of DeepSeek-V3's rows at M=4096 on the H200, session 11), else XLA's."""
     placed = slots < x.shape[0] * top_k
     if gather_rows.tile_shape(slots.shape[0], x.shape[1]) is not None:
         ids = jnp.where(placed, slots // top_k, -1)
-        return gather_rows.gather_rows(x, ids, fill=fill, interpret=interpret)
+        return gather_rows.gather_rows(x, ids, interpret=interpret)
     return jnp.where(placed[:, None], x[jnp.where(placed, slots // top_k, 0)], 0).astype(x.dtype)
 
 
@@ -255,12 +254,9 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     return gemm
 
 
-def block_rows(
-    x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret: bool, fill=True
-):
+def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret: bool):
     """The aligned slots, block experts and x's rows in block order of the used blocks
-    (align, used_blocks, rows_in_block_order; fill=False: padding rows may be left
-    unwritten): the GEMMs' inputs."""
+    (align, used_blocks, rows_in_block_order): the GEMMs' inputs."""
     t, k = topk_ids.shape
     routing = align(
         topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
@@ -268,7 +264,7 @@ def block_rows(
     )  # fmt: skip
     # slots: t*k + j, or the sentinel t*k for padding
     slots, block_experts = used_blocks(routing, t * k, block_m)
-    return slots, block_experts, rows_in_block_order(x, slots, k, fill=fill, interpret=interpret)
+    return slots, block_experts, rows_in_block_order(x, slots, k, interpret=interpret)
 
 
 def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
@@ -322,10 +318,11 @@ def _chunk(
     act = gemm(x_rows, w13, block_experts, activation_dtype=x.dtype)  # [P, I]
     y = gemm(act, w2, block_experts)  # [P, H]
     # Only the rows of slots on this shard are read. The GEMMs and gather_rows could leave the
-    # other rows unwritten (zero_empty=False, fill=False; each row's products depend on that
-    # row alone), but with both the layer measured slower in session 11 (call 7: M=256 2102.1
-    # vs 1974.2 us, M=16 788.0 vs 772.9; pallas the same): zero padding rows may draw less
-    # power than whatever the buffers held. To be measured one at a time.
+    # other rows unwritten (mgpu_wna16_gemm's zero_empty=False, gather_rows' fill=False; each
+    # row's products depend on that row alone), but with both the layer measured slower in
+    # session 11 (call 7: M=256 2102.1 vs 1974.2 us, M=16 788.0 vs 772.9; pallas the same):
+    # zero padding rows may draw less power than whatever the buffers held. To be measured
+    # one at a time.
     flat = topk_ids.reshape(-1)
     kept = (flat >= 0) & (flat < num_experts)
     if expert_map is not None:
