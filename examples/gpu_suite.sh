@@ -128,7 +128,8 @@ for step in "${steps[@]}"; do
         ;;
     mgpu)
         if [ "${MGPU_TESTS:-1}" = 1 ]; then
-            python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_mgpu_gemm.py 2>&1 |
+            python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_mgpu_gemm.py \
+                tests/test_gather_rows.py 2>&1 |
                 tee "$OUT/mgpu_tests.log" | tail -30
         fi
         search="${MGPU_SEARCH:+--search} ${MGPU_ROUTING:+--routing $MGPU_ROUTING}"
