@@ -21,17 +21,7 @@ sys.path.insert(
 import benchmark  # noqa: E402
 import kernel_timeline  # noqa: E402
 
-from pallas_kernels import gather_rows, mgpu_fused_moe  # noqa: E402
-
-
-def xla_rows(x, slots, top_k):
-    placed = slots < x.shape[0] * top_k
-    return jnp.where(placed[:, None], x[jnp.where(placed, slots // top_k, 0)], 0).astype(x.dtype)
-
-
-def kernel_rows(x, slots, top_k):
-    placed = slots < x.shape[0] * top_k
-    return gather_rows.gather_rows(x, jnp.where(placed, slots // top_k, -1))
+from pallas_kernels import mgpu_fused_moe  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -47,6 +37,8 @@ def main(argv=None) -> int:
         routing = mgpu_fused_moe.align(ids[0], num_experts=e, block_m=cfg.block_m,
                                        expert_map=None, interpret=False)  # fmt: skip
         slots, _ = mgpu_fused_moe.used_blocks(routing, m * top_k, cfg.block_m)
+        xla_rows = mgpu_fused_moe.xla_rows_in_block_order
+        kernel_rows = mgpu_fused_moe.rows_in_block_order  # gather_rows at these shapes
         assert (xla_rows(x, slots, top_k) == kernel_rows(x, slots, top_k)).all()
         for name, fn in (("xla", xla_rows), ("kernel", kernel_rows)):
             trace, calls = kernel_timeline.trace_loop(

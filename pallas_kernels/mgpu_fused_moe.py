@@ -132,11 +132,16 @@ def from_block_config(config: BlockConfig) -> MgpuConfig:
 def rows_in_block_order(x, slots, top_k: int, *, interpret: bool = False):
     """x's row of each aligned slot ([P, H]; padding slots, ids >= T*k, get zero rows): the
     gather_rows kernel where its tiles fit (XLA's gather and select took 441 us for the ~1 GB
-    of DeepSeek-V3's rows at M=4096 on the H200, session 11), else XLA's."""
+    of DeepSeek-V3's rows at M=4096 on the H200, session 11), else `xla_rows_in_block_order`."""
+    if gather_rows.tile_shape(slots.shape[0], x.shape[1]) is None:
+        return xla_rows_in_block_order(x, slots, top_k)
+    ids = jnp.where(slots < x.shape[0] * top_k, slots // top_k, -1)
+    return gather_rows.gather_rows(x, ids, interpret=interpret)
+
+
+def xla_rows_in_block_order(x, slots, top_k: int):
+    """rows_in_block_order by XLA's gather and select."""
     placed = slots < x.shape[0] * top_k
-    if gather_rows.tile_shape(slots.shape[0], x.shape[1]) is not None:
-        ids = jnp.where(placed, slots // top_k, -1)
-        return gather_rows.gather_rows(x, ids, interpret=interpret)
     return jnp.where(placed[:, None], x[jnp.where(placed, slots // top_k, 0)], 0).astype(x.dtype)
 
 
@@ -275,12 +280,10 @@ def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map)
     products. Slots the alignment drops (ids out of range, or off this shard through
     expert_map) get expert -1 (zero rows, masked by the caller). Session 11's timeline: the
     alignment kernel took ~7 us of the ~39 us TP=8 layer at M=1."""
-    ids = topk_ids.reshape(-1)
-    valid = (ids >= 0) & (ids < num_experts)
-    safe = jnp.where(valid, ids, 0)
-    local = expert_map[safe] if expert_map is not None else safe
-    block_experts = jnp.where(valid, local, -1).astype(jnp.int32)
-    k, h = ids.shape[0], x.shape[1]
+    block_experts, _ = _reference.local_expert_of(
+        topk_ids, num_experts=num_experts, expert_map=expert_map
+    )
+    k, h = block_experts.shape[0], x.shape[1]
     x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
     return block_experts, x_rows, jnp.arange(k, dtype=jnp.int32) * block_m
 
@@ -323,11 +326,8 @@ def _chunk(
     # session 11 (call 7: M=256 2102.1 vs 1974.2 us, M=16 788.0 vs 772.9; pallas the same):
     # zero padding rows may draw less power than whatever the buffers held. To be measured
     # one at a time.
-    flat = topk_ids.reshape(-1)
-    kept = (flat >= 0) & (flat < num_experts)
-    if expert_map is not None:
-        kept &= expert_map[jnp.where(kept, flat, 0)] >= 0
-    rows = jnp.where(kept[:, None], y[position], 0.0)
+    local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
+    rows = jnp.where(local[:, None] >= 0, y[position], 0.0)
     return (rows.reshape(t, k, -1) * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
 
 
