@@ -86,6 +86,24 @@ def random_routing(key, m, e, k, num_sets):
     return w, ids.astype(jnp.int32)
 
 
+def probe_experts(key, preset: str, *, has_zp: bool):
+    """w13 [E, 2I, H] and w2 [E, H, I]: the probes' random int4 bf16 experts of a PRESETS
+    entry (keys fold_in 1 and 2 of `key`), in the canonical layout."""
+    e, _, h, i, g = PRESETS[preset]
+    make = functools.partial(_random_experts, bits=4, group_size=g, has_zp=has_zp,
+                             dtype=jnp.bfloat16)  # fmt: skip
+    return make(jax.random.fold_in(key, 1), e, 2 * i, h), make(jax.random.fold_in(key, 2), e, h, i)
+
+
+def probe_inputs(key, preset: str, m: int, num_sets: int = 4):
+    """The probes' num_sets input sets at M=m: x [S, m, H] bf16 (key fold_in 3 + m) and the
+    routing weights and ids [S, m, k] (`random_routing`, key fold_in 4 + m)."""
+    e, top_k, h, _, _ = PRESETS[preset]
+    xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (num_sets, m, h), jnp.bfloat16)
+    tws, idss = random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, num_sets)
+    return xs, tws, idss
+
+
 def weight_bytes(qw: wj.QuantizedExperts, experts_touched: int) -> int:
     per_expert = sum(
         a.nbytes // a.shape[0] for a in (qw.qweight, qw.scales, qw.zeros) if a is not None

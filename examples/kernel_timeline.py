@@ -33,7 +33,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -141,12 +140,8 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         raise SystemExit("kernel_timeline.py reads a GPU's kernel trace: it needs a GPU")
 
-    e, top_k, h, i, g = benchmark.PRESETS[args.preset]
     key = jax.random.key(0)
-    make = functools.partial(benchmark._random_experts, bits=4, group_size=g,
-                             has_zp=not args.no_zp, dtype=jnp.bfloat16)  # fmt: skip
-    w13 = make(jax.random.fold_in(key, 1), e, 2 * i, h)
-    w2 = make(jax.random.fold_in(key, 2), e, h, i)
+    w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=not args.no_zp)
     out = []
     for impl in args.implementation:
         weights = (w13, w2)
@@ -154,8 +149,7 @@ def main(argv=None) -> int:
             to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
             weights = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
         for m in args.m:
-            xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (4, m, h), jnp.bfloat16)
-            tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 4)
+            xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
             sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
             layer = lambda a, b, x, tw, ids, impl=impl: wj.fused_moe(  # noqa: E731
                 x, a, b, tw, ids, implementation=impl

@@ -136,10 +136,7 @@ def main(argv=None) -> int:
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
     has_zp = not args.no_zp
     key = jax.random.key(0)
-    make = functools.partial(benchmark._random_experts, bits=4, group_size=g, has_zp=has_zp,
-                             dtype=jnp.bfloat16)  # fmt: skip
-    w13 = make(jax.random.fold_in(key, 1), e, 2 * i, h)
-    w2 = make(jax.random.fold_in(key, 2), e, h, i)
+    w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=has_zp)
     to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
     w13p, w2p = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
     copy_bps, mm_flops = benchmark.measure_ceilings(not interpret, args.repeats)
@@ -147,8 +144,7 @@ def main(argv=None) -> int:
           f"matmul {mm_flops / 1e12:.1f} TFLOP/s", flush=True)  # fmt: skip
     rows = []
     for m in args.m:
-        xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (4, m, h), jnp.bfloat16)
-        tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 4)
+        xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
         if args.routing == "identical":
             idss = jnp.broadcast_to(idss[:, :1], idss.shape)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]

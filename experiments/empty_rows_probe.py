@@ -16,7 +16,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(
@@ -33,24 +32,18 @@ from pallas_kernels import gather_rows, mgpu_fused_moe  # noqa: E402
 def unwritten(zero_empty: bool, fill: bool):
     """The layer's GEMMs with zero_empty and its rows gathered with fill, for the duration
     (jax's caches cleared on entry, so the layer is traced again)."""
-    options, rows = mgpu_fused_moe.gemm_options, mgpu_fused_moe.rows_in_block_order
+    options, gather = mgpu_fused_moe.gemm_options, gather_rows.gather_rows
 
     def patched_options(*args, **kwargs):
         return dict(options(*args, **kwargs), zero_empty=zero_empty)
 
-    def patched_rows(x, slots, top_k, *, interpret=False):
-        placed = slots < x.shape[0] * top_k
-        if gather_rows.tile_shape(slots.shape[0], x.shape[1]) is None:
-            return rows(x, slots, top_k, interpret=interpret)
-        ids = jnp.where(placed, slots // top_k, -1)
-        return gather_rows.gather_rows(x, ids, fill=fill, interpret=interpret)
-
     jax.clear_caches()
-    mgpu_fused_moe.gemm_options, mgpu_fused_moe.rows_in_block_order = patched_options, patched_rows
+    mgpu_fused_moe.gemm_options = patched_options
+    gather_rows.gather_rows = functools.partial(gather, fill=fill)
     try:
         yield
     finally:
-        mgpu_fused_moe.gemm_options, mgpu_fused_moe.rows_in_block_order = options, rows
+        mgpu_fused_moe.gemm_options, gather_rows.gather_rows = options, gather
 
 
 def main(argv=None) -> int:
@@ -60,17 +53,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--interpret", action="store_true", help="a CPU check (times mean nothing)")
     args = p.parse_args(argv)
-    e, top_k, h, i, g = benchmark.PRESETS[args.preset]
+    e, top_k, _, _, g = benchmark.PRESETS[args.preset]
     key = jax.random.key(0)
-    make = functools.partial(benchmark._random_experts, bits=4, group_size=g, has_zp=True,
-                             dtype=jnp.bfloat16)  # fmt: skip
     to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
-    w13 = to_mgpu(make(jax.random.fold_in(key, 1), e, 2 * i, h))
-    w2 = to_mgpu(make(jax.random.fold_in(key, 2), e, h, i))
+    w13, w2 = map(to_mgpu, benchmark.probe_experts(key, args.preset, has_zp=True))
     variants = [(True, True), (False, True), (True, False), (False, False), (True, True)]
     for m in args.m:
-        xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (4, m, h), jnp.bfloat16)
-        tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 4)
+        xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
         cfg = mgpu_fused_moe.default_config(m * top_k, e, g)
         layer = lambda a, b, x, tw, ids, cfg=cfg: mgpu_fused_moe.fused_moe(  # noqa: E731
