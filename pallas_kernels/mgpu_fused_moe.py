@@ -34,7 +34,10 @@ class MgpuConfig:
     down projection) may take its own block_n and stages (down_block_n, down_stages; None: the
     same as GEMM1): e.g. 128 features per consumer, which leave room for only 2 stages of
     256-wide steps (the default with 64-row blocks: `default_config`), and its own k-step
-    (down_block_k)."""
+    (down_block_k). tiles_per_program (down_tiles_per_program for GEMM2; None: the same): the
+    most output tiles of a block one program computes in one pipeline (`tiles_per_program`
+    takes the largest divisor of the GEMM's tile count up to it; 1 with warp
+    specialization)."""
 
     block_m: int
     block_k: int = 128
@@ -46,6 +49,8 @@ class MgpuConfig:
     down_block_n: int | None = None
     down_stages: int | None = None
     down_block_k: int | None = None
+    tiles_per_program: int = 1
+    down_tiles_per_program: int | None = None
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -178,9 +183,11 @@ def down_config(cfg: MgpuConfig) -> MgpuConfig:
         block_n=cfg.down_block_n or cfg.block_n,
         stages=cfg.down_stages or cfg.stages,
         block_k=cfg.down_block_k or cfg.block_k,
+        tiles_per_program=cfg.down_tiles_per_program or cfg.tiles_per_program,
         down_block_n=None,
         down_stages=None,
         down_block_k=None,
+        down_tiles_per_program=None,
     )
 
 
@@ -196,6 +203,14 @@ def gemm_config(cfg: MgpuConfig, w: QuantizedExperts) -> MgpuConfig:
     return cfg
 
 
+def tiles_per_program(cfg: MgpuConfig, n_tiles: int) -> int:
+    """The largest divisor of n_tiles (a GEMM's output tiles per block) up to
+    cfg.tiles_per_program; 1 with warp specialization."""
+    if cfg.consumers:
+        return 1
+    return max(d for d in range(1, min(cfg.tiles_per_program, n_tiles) + 1) if n_tiles % d == 0)
+
+
 def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
     """The K splits a GEMM of `num_blocks` blocks on `w` takes at cfg: the largest divisor of
     its k-step count up to cfg.splits (None: auto_splits for its programs)."""
@@ -209,10 +224,13 @@ def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
     return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
 
 
-def gemm_options(cfg: MgpuConfig, splits: int, *, gated: bool = False, out_dtype=None) -> dict:
-    """mgpu_wna16_gemm's keyword arguments at cfg with `splits` (f32 outputs unless gated: the
-    activation in out_dtype)."""
+def gemm_options(
+    cfg: MgpuConfig, splits: int, *, n_tiles: int, gated: bool = False, out_dtype=None
+) -> dict:
+    """mgpu_wna16_gemm's keyword arguments at cfg with `splits` for a GEMM of n_tiles output
+    tiles per block (f32 outputs unless gated: the activation in out_dtype)."""
     return dict(
+        tiles_per_program=tiles_per_program(cfg, n_tiles),
         block_m=cfg.block_m,
         block_k=cfg.block_k,
         block_n=cfg.block_n,
@@ -237,7 +255,9 @@ def gemm_plan(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, activation_
     this = gemm_config(cfg if activation_dtype is not None else down_config(cfg), w)
     splits = gemm_splits(this, w, num_blocks)
     gated = activation_dtype is not None and fuses_activation(this, w, splits)
-    return this, splits, gated, gemm_options(this, splits, gated=gated, out_dtype=activation_dtype)
+    n_tiles = w.shape[1] // (2 if gated else 1) // this.tile_n()
+    options = gemm_options(this, splits, n_tiles=n_tiles, gated=gated, out_dtype=activation_dtype)
+    return this, splits, gated, options
 
 
 def block_gemm(cfg: MgpuConfig, interpret: bool):
@@ -320,12 +340,8 @@ def _chunk(
     # in f32).
     act = gemm(x_rows, w13, block_experts, activation_dtype=x.dtype)  # [P, I]
     y = gemm(act, w2, block_experts)  # [P, H]
-    # Only the rows of slots on this shard are read. The GEMMs and gather_rows could leave the
-    # other rows unwritten (mgpu_wna16_gemm's zero_empty=False, gather_rows' fill=False; each
-    # row's products depend on that row alone), but with both the layer measured slower in
-    # session 11 (call 7: M=256 2102.1 vs 1974.2 us, M=16 788.0 vs 772.9; pallas the same):
-    # zero padding rows may draw less power than whatever the buffers held. To be measured
-    # one at a time.
+    # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
+    # and the rows' gather measured no faster, session 12).
     local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
     rows = jnp.where(local[:, None] >= 0, y[position], 0.0)
     return (rows.reshape(t, k, -1) * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)

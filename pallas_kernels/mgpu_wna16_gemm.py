@@ -40,8 +40,7 @@ scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 
 [E, K//G, N], so that w = (qweight + zeros) * scales.
 
 Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
-p // block_m), one expert id per block (-1: the block's output rows are zeros, or with
-zero_empty=False left unwritten).
+p // block_m), one expert id per block (-1: the block's output rows are zeros).
 """
 
 from __future__ import annotations
@@ -71,6 +70,7 @@ def check_config(
     consumers: int = 0,
     splits: int = 1,
     gated: bool = False,
+    tiles_per_program: int = 1,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -115,6 +115,16 @@ def check_config(
         raise ValueError(f"splits={splits} must divide the {k // block_k} k-steps")
     if gated and splits > 1:
         raise ValueError("gated needs whole sums (splits=1): silu of a partial sum is not a part")
+    n_tiles = n // tile_n
+    if tiles_per_program < 1 or n_tiles % tiles_per_program:
+        raise ValueError(
+            f"tiles_per_program={tiles_per_program} must divide the {n_tiles} output tiles of "
+            f"{tile_n} features"
+        )
+    if tiles_per_program > 1 and consumers:
+        raise NotImplementedError(
+            "tiles_per_program > 1 runs without warp specialization (consumers=0) only"
+        )
 
 
 # bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
@@ -191,7 +201,7 @@ def _swizzled(shape, dtype, what: str):
         "consumers",
         "splits",
         "gated",
-        "zero_empty",
+        "tiles_per_program",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -209,7 +219,7 @@ def mgpu_wna16_gemm(
     consumers: int = 0,
     splits: int = 1,
     gated: bool = False,
-    zero_empty: bool = True,
+    tiles_per_program: int = 1,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -237,10 +247,15 @@ def mgpu_wna16_gemm(
     at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the H200 in session 8,
     10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
 
-    Blocks with expert -1 give zero rows; with zero_empty=False their programs write nothing
-    (their rows hold whatever the output buffer held: for callers that never read them, e.g.
-    the layer's trailing unused blocks, ~30% of GEMM2's programs at M=256 on DeepSeek-V3; not
-    the layer's default: with gather_rows' fill=False it measured slower, session 11).
+    tiles_per_program > 1 (consumers=0 only): a program computes that many consecutive output
+    tiles of its block, one after the other in one pipeline (grid (tiles, k-steps)): the copies
+    of the next tile's first k-steps are in flight while the last tile's sums are stored, and
+    the pipeline's start and drain are paid once per program instead of once per tile (GEMM2
+    of DeepSeek-V3 has 8 k-steps of 256 per tile at TP=1 and 1 at TP=8).
+
+    Blocks with expert -1 give zero rows (leaving them unwritten for the layer's trailing
+    unused blocks measured no faster on the H200, session 12: M=16 784.2 vs 782.6 us,
+    M=256 2004.1 vs 2009.0, M=4096 7718.7 vs 7676.1).
     Compiles for sm_90 only (or runs in the Mosaic GPU interpreter with interpret=True).
     profile_dir: record each warpgroup's named regions ("convert", "wgmma" (issue), "wait",
     "scale", "store") with Mosaic GPU's in-kernel profiler and write a Chrome trace there per
@@ -260,7 +275,8 @@ def mgpu_wna16_gemm(
     subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
     halves = 2 if gated else 1  # weight halves a program reads: (gate, up) or the one
     bm, bk = block_m, block_k
-    tile_n = block_n * wgs  # output features per program
+    tile_n = block_n * wgs  # output features per output tile
+    tiles = tiles_per_program
     out_n = n // halves
     # A k-step spans part of one group (steps_per_group of them) or several whole groups.
     steps_per_group = max(w.group // bk, 1)
@@ -270,6 +286,7 @@ def mgpu_wna16_gemm(
     has_offset = w.zeros is not None
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
+    n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
     wgmma = plgpu.Layout.WGMMA
     row = plgpu.Layout.WGMMA.reduce(1)
 
@@ -278,9 +295,9 @@ def mgpu_wna16_gemm(
         o_gmem, o_smem, *rest = rest
         a_smem = rest[0] if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
-        # This program's output tile: split, block, N tile (fastest).
+        # This program's output tiles: split, block, run of N tiles (fastest).
         flat = lax.axis_index("p")
-        si, bi, ni = flat // (blocks * n_tiles), flat // n_tiles % blocks, flat % n_tiles
+        si, bi, n_run = flat // (blocks * n_runs), flat // n_runs % blocks, flat % n_runs
         expert = experts_gmem[bi]
 
         def sub_tile(s):  # this warpgroup's sub-tile s among the program's 64-feature tiles
@@ -290,22 +307,26 @@ def mgpu_wna16_gemm(
             return pl.ds(sub_tile(s) * TILE, TILE)
 
         @jax.named_scope("store")
-        def store(values):
-            # This warpgroup's [bm, block_n] part of the output tile, one copy per sub-tile
+        def store(values, ni):
+            # This warpgroup's [bm, block_n] part of output tile ni, one copy per sub-tile
             # through one [bm, 64] buffer (2 stages of 256-wide gated k-steps with 128 features
             # per consumer leave no room for more; a buffer per sub-tile where they fit measured
-            # the same, session 10: M=4096 7848.9 vs 7866.9 us).
+            # the same, session 10: M=4096 7848.9 vs 7866.9 us). The copies are waited for at
+            # the program's end (`store_all`); a copy waits only until the last has read the
+            # buffer.
             out_tile = o_gmem.at[si] if splits > 1 else o_gmem
             buffer = o_smem.at[wg]
             for s, value in enumerate(values):
-                if s:  # until the last copy has read the buffer
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 buffer.T[...] = plgpu.layout_cast(
                     value.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
                 )
                 plgpu.commit_smem()
                 cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
                 plgpu.copy_smem_to_gmem(buffer, out_tile.at[pl.ds(bi * bm, bm), cols])
+
+        def store_all(values, ni):
+            store(values, ni)
             plgpu.wait_smem_to_gmem(0)
 
         def epilogue(accs):
@@ -355,13 +376,13 @@ def mgpu_wna16_gemm(
             ]
 
             def issue(part_ref, g, h, s):
-                tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
+                k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                 offset = None
                 if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
                     offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
-                wts = [dequantized_tile(q_refs[h], offset, s, j) for j in tiles]
+                wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
                 with jax.named_scope("wgmma"):
-                    for j, wt in zip(tiles, wts, strict=True):
+                    for j, wt in zip(k_tiles, wts, strict=True):
                         plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
 
             def add_scaled(accs, part_ref, g, h, s, in_flight):
@@ -386,23 +407,54 @@ def mgpu_wna16_gemm(
                 unit_products, *[plgpu.ACC((TILE, bm), jnp.float32) for _ in units]
             )
 
-        def step(_, *refs):
+        def tile_and_step(idx):
+            # The pipeline's step idx: (k-step,), or (tile of the run, k-step) with
+            # tiles_per_program > 1; returns (N tile, k-step within this split).
+            if tiles == 1:
+                return n_run, idx[0]
+            return n_run * tiles + idx[0], idx[1]
+
+        def step(idx, *refs):
             # refs: the weight tiles of each half, the rows' tile, the scales of each half,
             # the zero points of each half (with them), the carried sums
             *refs, accs = refs
             q_refs, x_smem = refs[:halves], refs[halves]
             s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
-            return products(accs, q_refs, x_smem, s_refs, z_refs)
+            if tiles == 1:
+                return products(accs, q_refs, x_smem, s_refs, z_refs)
+            # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
+            # them (the next tile's copies are already in flight).
+            ni, kk = tile_and_step(idx)
+            keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, bm), ())
+            accs = tuple(a * plgpu.layout_cast(keep, wgmma) for a in accs)
+            accs = products(accs, q_refs, x_smem, s_refs, z_refs)
 
-        # The inputs of the kk-th k-step; half h's tiles start at N tile h * n_tiles (the up
+            @pl.when(kk == steps - 1)
+            def _store():
+                store(epilogue(accs), ni)
+
+            return accs
+
+        # The inputs of pipeline step idx; half h's tiles start at N tile h * n_tiles (the up
         # half of a gated W). A block of expert -1 runs no pipeline.
         e = jnp.maximum(expert, 0)
 
         def weight_tile(h):
-            return lambda kk: (e, h * n_tiles + ni, si * steps + kk, 0, 0)
+            def index(*idx):
+                ni, kk = tile_and_step(idx)
+                return e, h * n_tiles + ni, si * steps + kk, 0, 0
+
+            return index
 
         def group_rows(h):
-            return lambda kk: (e, (si * steps + kk) // steps_per_group, h * n_tiles + ni)
+            def index(*idx):
+                ni, kk = tile_and_step(idx)
+                return e, (si * steps + kk) // steps_per_group, h * n_tiles + ni
+
+            return index
+
+        def row_tile(*idx):
+            return bi, si * steps + tile_and_step(idx)[1]
 
         q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
         g_spec = (None, groups_per_step, tile_n)
@@ -412,7 +464,7 @@ def mgpu_wna16_gemm(
             *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
             plgpu.BlockSpec(
                 (bm, bk),
-                lambda kk: (bi, si * steps + kk),
+                row_tile,
                 transforms=_swizzled((bm, bk), dtype, "x"),
             ),
             *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
@@ -428,7 +480,8 @@ def mgpu_wna16_gemm(
             and epilogue around run(init_carry)."""
             if not consumers:
                 return plgpu.emit_pipeline(
-                    step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages,
+                    step, grid=(steps,) if tiles == 1 else (tiles, steps), in_specs=in_specs,
+                    max_concurrent_steps=min(max_concurrent_steps, tiles * steps),
                     init_carry=zero_acc(),
                 )(*operands)  # fmt: skip
             plgpu.emit_pipeline_warp_specialized(
@@ -444,16 +497,19 @@ def mgpu_wna16_gemm(
 
         @pl.when(expert >= 0)
         def _matmul():
-            if not consumers:
-                store(epilogue(pipeline()))
+            if tiles > 1:  # each tile stored at its last k-step
+                pipeline()
+                plgpu.wait_smem_to_gmem(0)
+            elif not consumers:
+                store_all(epilogue(pipeline()), n_run)
             else:
-                pipeline(lambda run: store(epilogue(run(zero_acc()))))
+                pipeline(lambda run: store_all(epilogue(run(zero_acc())), n_run))
 
-        if zero_empty:
-
-            @pl.when((expert < 0) & (wg < wgs))
-            def _zeros():
-                store(zero_acc()[:subs])
+        @pl.when((expert < 0) & (wg < wgs))
+        def _zeros():
+            for j in range(tiles):
+                store(zero_acc()[:subs], n_run * tiles + j)
+            plgpu.wait_smem_to_gmem(0)
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
@@ -475,7 +531,7 @@ def mgpu_wna16_gemm(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=scratch,
-        grid=(splits * blocks * n_tiles,),
+        grid=(splits * blocks * n_runs,),
         grid_names=("p",),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile

@@ -35,20 +35,6 @@ def test_rows_match_numpy(rng, t, h, p, dtype):
     np.testing.assert_array_equal(np.asarray(out, np.float32), numpy_gather(x, rows))
 
 
-def test_rows_without_fill_match_numpy(rng):
-    """fill=False: the rows of valid ids are x's (the others are not written: the layer reads
-    none of them)."""
-    t, h, p = 7, 512, 48
-    x = jnp.asarray(rng.standard_normal((t, h)) + 3.0, jnp.bfloat16)
-    rows = rng.integers(0, t, size=p).astype(np.int32)
-    rows[::3] = t  # padding, as the layer's sentinel slots give
-    rows[1::5] = -1
-    out = gr.gather_rows(x, jnp.asarray(rows), fill=False, interpret=INTERPRET)
-    valid = (rows >= 0) & (rows < t)
-    got = np.asarray(out, np.float32)[valid]
-    np.testing.assert_array_equal(got, numpy_gather(x, rows)[valid])
-
-
 def test_tile_shape():
     assert gr.tile_shape(4096, 7168) == (16, 1024)
     assert gr.tile_shape(24, 384) == (8, 128)

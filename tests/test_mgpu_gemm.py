@@ -61,7 +61,7 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
 
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
-    stages=4, block_n=64, gated=False, zero_empty=True,
+    stages=4, block_n=64, gated=False, tiles_per_program=1,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
@@ -76,7 +76,7 @@ def run_gemm_case(
         consumers=consumers,
         splits=splits,
         gated=gated,
-        zero_empty=zero_empty,
+        tiles_per_program=tiles_per_program,
         max_concurrent_steps=stages,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
@@ -92,8 +92,7 @@ def run_gemm_case(
         out = out.sum(axis=0).astype(BF16)
     out = np.asarray(out, np.float64)
     empty = np.repeat(block_experts < 0, block_m)
-    if zero_empty:
-        assert np.all(out[empty] == 0), "rows of expert -1 blocks must be zeros"
+    assert np.all(out[empty] == 0), "rows of expert -1 blocks must be zeros"
     helpers.assert_finite_and_close(
         out[~empty], ref[~empty], TOL, "GEMM rows", slack=ELEMENT_SLACK, require_signal=True
     )
@@ -172,14 +171,22 @@ def test_gemm_gated(rng, has_zp, block_n, consumers, block_m, block_k, group_siz
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("consumers,splits,gated", [(0, 1, False), (2, 1, True), (0, 2, False)])
-def test_gemm_leaves_empty_blocks_unwritten(rng, consumers, splits, gated):
-    """zero_empty=False: blocks of expert -1 write nothing (NaN in the interpreter's fresh
-    output), the others' rows are the same products."""
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "tiles,block_n,splits,gated,block_k,stages",
+    [(2, 64, 1, False, 128, 4), (4, 64, 2, False, 128, 3), (2, 128, 1, True, 256, 3),
+     (4, 64, 1, False, 256, 8), (2, 64, 4, False, 128, 2)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_runs_of_tiles(rng, has_zp, tiles, block_n, splits, gated, block_k, stages):
+    """tiles_per_program > 1: a program's pipeline walks several output tiles (each tile's
+    sums restart from zero at its first k-step and are stored at its last); with K splits
+    (down to one k-step per tile), the gated epilogue and more stages than one tile's
+    k-steps."""
     run_gemm_case(
-        rng, e=3, n=256, k=512, group_size=128, has_zp=True, block_m=8, block_k=128,
-        blocks=[-1, 1, -1, 0, 2, -1], consumers=consumers, splits=splits, gated=gated,
-        zero_empty=False,
+        rng, e=3, n=block_n * tiles * 2 * (2 if gated else 1), k=512, group_size=128,
+        has_zp=has_zp, block_m=8, block_k=block_k, blocks=[1, -1, 0, 2, 1], splits=splits,
+        block_n=block_n, gated=gated, stages=stages, tiles_per_program=tiles,
     )  # fmt: skip
 
 
@@ -249,6 +256,7 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (5, MgpuConfig(block_m=16, block_k=64, fuse_activation=False)),
         (10, MgpuConfig(block_m=8, block_k=64, stages=3, down_block_n=128, down_stages=2)),
         (4, MgpuConfig(block_m=8, block_k=128, consumers=2, block_n=128)),  # falls back to 64
+        (9, MgpuConfig(block_m=8, block_k=64, stages=3, down_tiles_per_program=4)),  # GEMM2: 2
     ],
     ids=str,
 )
@@ -662,6 +670,8 @@ def test_layout_dequantizes_to_the_canonical_weights(rng):
         (dict(block_m=16, block_k=64, consumers=2), "multiple of 128"),
         (dict(block_m=16, block_k=64, splits=5), "splits=5"),
         (dict(block_m=16, block_k=64, consumers=2, block_n=256), "at most 256"),
+        (dict(block_m=16, block_k=64, tiles_per_program=3), "tiles_per_program=3"),
+        (dict(block_m=16, block_k=64, tiles_per_program=0), "tiles_per_program=0"),
     ],
 )
 def test_bad_configs_are_refused(rng, kwargs, match):
@@ -695,6 +705,21 @@ def test_int8_is_refused(rng):
     ids=str,
 )  # fmt: skip
 def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated):
+    lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated)
+
+
+@pytest.mark.parametrize(
+    "has_zp,block_m,block_k,splits,block_n,gated,tiles",
+    [(True, 8, 256, 1, 64, False, 2), (False, 16, 128, 2, 64, False, 4),
+     (True, 8, 256, 1, 64, True, 2), (True, 8, 256, 4, 128, False, 2)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_runs_of_tiles_lower_for_cuda(has_zp, block_m, block_k, splits, block_n, gated,
+                                           tiles):  # fmt: skip
+    lowers_for_cuda(has_zp, block_m, block_k, 0, splits, block_n, gated, tiles)
+
+
+def lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated, tiles=1):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types and the copies' shapes are checked here; ptxas and the run only on
@@ -713,7 +738,7 @@ def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block
     experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
-        block_n=block_n, gated=gated,
+        block_n=block_n, gated=gated, tiles_per_program=tiles,
     )  # fmt: skip
     lowered = jax.jit(gemm).trace(x, w, experts).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
@@ -809,3 +834,30 @@ def test_export_serializes_the_layout(rng, layout):
     back = jax.export.deserialize(exported.serialize())
     assert back.out_tree.unflatten([0, 1, 2]).layout == layout
     assert _types._deserialize_auxdata(b"[4, 128]") == (4, 128, "canonical")
+
+
+def test_runs_of_tiles_need_no_warp_specialization(rng):
+    qw = helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, False, BF16)
+    with pytest.raises(NotImplementedError, match="consumers=0"):
+        check_config(
+            prepare_weights(qw), jnp.zeros((16, 256), BF16), block_m=16, block_k=128,
+            consumers=1, tiles_per_program=2,
+        )  # fmt: skip
+
+
+def test_tiles_per_program_divide_the_tiles(rng):
+    """A config's tiles_per_program is the most: each GEMM takes the largest divisor of its
+    output tiles up to it (none with warp specialization); GEMM2 its own where set."""
+    assert mgpu_fused_moe.tiles_per_program(MgpuConfig(8, tiles_per_program=8), 112) == 8
+    assert mgpu_fused_moe.tiles_per_program(MgpuConfig(8, tiles_per_program=6), 112) == 4
+    assert mgpu_fused_moe.tiles_per_program(MgpuConfig(8, tiles_per_program=9), 7) == 7
+    assert (
+        mgpu_fused_moe.tiles_per_program(MgpuConfig(64, consumers=2, tiles_per_program=4), 8) == 1
+    )
+    qw = helpers.random_quantized_experts(rng, 4, 512, 256, 4, 128, True, BF16)
+    w13, w2 = prepare_weights(qw), prepare_weights(qw)
+    cfg = MgpuConfig(8, stages=3, splits=1, tiles_per_program=2, down_tiles_per_program=8)
+    *_, gemm1 = mgpu_fused_moe.gemm_plan(cfg, w13, 4, activation_dtype=BF16)
+    *_, gemm2 = mgpu_fused_moe.gemm_plan(cfg, w2, 4)
+    assert gemm1["gated"] and gemm1["tiles_per_program"] == 2  # 4 tiles of the 256 outputs
+    assert gemm2["tiles_per_program"] == 8  # 8 tiles of 512
