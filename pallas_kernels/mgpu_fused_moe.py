@@ -34,10 +34,10 @@ class MgpuConfig:
     down projection) may take its own block_n and stages (down_block_n, down_stages; None: the
     same as GEMM1): e.g. 128 features per consumer, which leave room for only 2 stages of
     256-wide steps (the default with 64-row blocks: `default_config`), and its own k-step
-    (down_block_k). tiles_per_program (down_tiles_per_program for GEMM2; None: the same): the
-    most output tiles of a block one program computes in one pipeline (`tiles_per_program`
-    takes the largest divisor of the GEMM's tile count up to it; 1 with warp
-    specialization)."""
+    (down_block_k). tiles_per_program (down_tiles_per_program for GEMM2): the most output
+    tiles of a block one program computes in one pipeline (`tiles_per_program` takes the
+    largest divisor of the GEMM's tile count up to it; 1 with warp specialization); None:
+    enough tiles for MIN_STEPS_PER_PROGRAM k-steps."""
 
     block_m: int
     block_k: int = 128
@@ -49,7 +49,7 @@ class MgpuConfig:
     down_block_n: int | None = None
     down_stages: int | None = None
     down_block_k: int | None = None
-    tiles_per_program: int = 1
+    tiles_per_program: int | None = None
     down_tiles_per_program: int | None = None
 
     def tile_n(self) -> int:
@@ -183,7 +183,7 @@ def down_config(cfg: MgpuConfig) -> MgpuConfig:
         block_n=cfg.down_block_n or cfg.block_n,
         stages=cfg.down_stages or cfg.stages,
         block_k=cfg.down_block_k or cfg.block_k,
-        tiles_per_program=cfg.down_tiles_per_program or cfg.tiles_per_program,
+        tiles_per_program=cfg.down_tiles_per_program,
         down_block_n=None,
         down_stages=None,
         down_block_k=None,
@@ -203,12 +203,22 @@ def gemm_config(cfg: MgpuConfig, w: QuantizedExperts) -> MgpuConfig:
     return cfg
 
 
-def tiles_per_program(cfg: MgpuConfig, n_tiles: int) -> int:
-    """The largest divisor of n_tiles (a GEMM's output tiles per block) up to
-    cfg.tiles_per_program; 1 with warp specialization."""
+# k-steps a program's pipeline should run at least, where a tile has fewer (tiles_per_program
+# None). H200, session 12, DeepSeek-V3 TP=8 (GEMM2: one k-step of 256 per tile): runs of 4
+# tiles took the layer to 25.2 vs 29.4 us at M=1 and 176.1 vs 191.3 at M=16 (8 tiles: 27.5,
+# 177.2). At TP=1 (GEMM2: 8 k-steps per tile) runs were slower: M=1 85.0 vs 79.4 us with 4,
+# M=16 792.0 vs 777.1, M=256 2008.6 vs 1985.6.
+MIN_STEPS_PER_PROGRAM = 4
+
+
+def tiles_per_program(cfg: MgpuConfig, n_tiles: int, steps: int) -> int:
+    """The tiles of a program's run for a GEMM of n_tiles output tiles per block and `steps`
+    k-steps per tile (per split): the largest divisor of n_tiles up to cfg.tiles_per_program
+    (None: ceil(MIN_STEPS_PER_PROGRAM / steps)); 1 with warp specialization."""
     if cfg.consumers:
         return 1
-    return max(d for d in range(1, min(cfg.tiles_per_program, n_tiles) + 1) if n_tiles % d == 0)
+    most = cfg.tiles_per_program or -(-MIN_STEPS_PER_PROGRAM // steps)
+    return max(d for d in range(1, min(most, n_tiles) + 1) if n_tiles % d == 0)
 
 
 def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
@@ -225,12 +235,14 @@ def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
 
 
 def gemm_options(
-    cfg: MgpuConfig, splits: int, *, n_tiles: int, gated: bool = False, out_dtype=None
-) -> dict:
+    cfg: MgpuConfig, splits: int, *, n_tiles: int, steps: int, gated: bool = False,
+    out_dtype=None,
+) -> dict:  # fmt: skip
     """mgpu_wna16_gemm's keyword arguments at cfg with `splits` for a GEMM of n_tiles output
-    tiles per block (f32 outputs unless gated: the activation in out_dtype)."""
+    tiles per block and `steps` k-steps (f32 outputs unless gated: the activation in
+    out_dtype)."""
     return dict(
-        tiles_per_program=tiles_per_program(cfg, n_tiles),
+        tiles_per_program=tiles_per_program(cfg, n_tiles, steps // splits),
         block_m=cfg.block_m,
         block_k=cfg.block_k,
         block_n=cfg.block_n,
@@ -256,7 +268,10 @@ def gemm_plan(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, activation_
     splits = gemm_splits(this, w, num_blocks)
     gated = activation_dtype is not None and fuses_activation(this, w, splits)
     n_tiles = w.shape[1] // (2 if gated else 1) // this.tile_n()
-    options = gemm_options(this, splits, n_tiles=n_tiles, gated=gated, out_dtype=activation_dtype)
+    steps = w.shape[2] // this.block_k
+    options = gemm_options(
+        this, splits, n_tiles=n_tiles, steps=steps, gated=gated, out_dtype=activation_dtype
+    )
     return this, splits, gated, options
 
 

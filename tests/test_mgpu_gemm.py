@@ -847,13 +847,17 @@ def test_runs_of_tiles_need_no_warp_specialization(rng):
 
 def test_tiles_per_program_divide_the_tiles(rng):
     """A config's tiles_per_program is the most: each GEMM takes the largest divisor of its
-    output tiles up to it (none with warp specialization); GEMM2 its own where set."""
-    assert mgpu_fused_moe.tiles_per_program(MgpuConfig(8, tiles_per_program=8), 112) == 8
-    assert mgpu_fused_moe.tiles_per_program(MgpuConfig(8, tiles_per_program=6), 112) == 4
-    assert mgpu_fused_moe.tiles_per_program(MgpuConfig(8, tiles_per_program=9), 7) == 7
-    assert (
-        mgpu_fused_moe.tiles_per_program(MgpuConfig(64, consumers=2, tiles_per_program=4), 8) == 1
-    )
+    output tiles up to it (none with warp specialization); None: enough tiles for
+    MIN_STEPS_PER_PROGRAM (4) k-steps per program; GEMM2 its own."""
+    tiles = mgpu_fused_moe.tiles_per_program
+    assert tiles(MgpuConfig(8, tiles_per_program=8), 112, 8) == 8
+    assert tiles(MgpuConfig(8, tiles_per_program=6), 112, 1) == 4
+    assert tiles(MgpuConfig(8, tiles_per_program=9), 7, 1) == 7
+    assert tiles(MgpuConfig(64, consumers=2, tiles_per_program=4), 8, 1) == 1
+    assert tiles(MgpuConfig(8), 112, 1) == 4  # DeepSeek-V3 TP=8 GEMM2
+    assert tiles(MgpuConfig(8), 112, 8) == 1  # TP=1 GEMM2
+    assert tiles(MgpuConfig(8), 112, 3) == 2
+    assert tiles(MgpuConfig(8), 7, 1) == 1  # no divisor of 7 in 2..4
     qw = helpers.random_quantized_experts(rng, 4, 512, 256, 4, 128, True, BF16)
     w13, w2 = prepare_weights(qw), prepare_weights(qw)
     cfg = MgpuConfig(8, stages=3, splits=1, tiles_per_program=2, down_tiles_per_program=8)
