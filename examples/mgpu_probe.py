@@ -72,8 +72,9 @@ def parse_config(text: str) -> MgpuConfig:
     '-' for None."""
     try:
         fields = [None if v == "-" else int(v) for v in text.split(",")]
-        if len(fields) > 6:  # fuse_activation
-            fields[6] = bool(fields[6])
+        for i in (6, 12):  # fuse_activation, half_blocks
+            if len(fields) > i:
+                fields[i] = bool(fields[i])
         return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
@@ -105,11 +106,12 @@ def main(argv=None) -> int:
         type=parse_config,
         default=[],
         metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES,"
-        "DOWN_BLOCK_K",
+        "DOWN_BLOCK_K,TILES,DOWN_TILES,HALF_BLOCKS",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
-        "64,256,3,2,-,64,1,128,2: GEMM2 at 128 features per consumer and 2 stages",
+        "64,256,3,2,-,64,1,128,2: GEMM2 at 128 features per consumer and 2 stages; "
+        "64,256,3,2,-,64,1,128,2,-,-,-,1: and half blocks",
     )
     p.add_argument(
         "--chain",

@@ -37,7 +37,9 @@ class MgpuConfig:
     (down_block_k). tiles_per_program (down_tiles_per_program for GEMM2): the most output
     tiles of a block one program computes in one pipeline (`tiles_per_program` takes the
     largest divisor of the GEMM's tile count up to it; 1 with warp specialization); None:
-    enough tiles for MIN_STEPS_PER_PROGRAM k-steps."""
+    enough tiles for MIN_STEPS_PER_PROGRAM k-steps. half_blocks: blocks using at most half
+    their rows run both GEMMs on that half only (mgpu_wna16_gemm's block_rows; block_m a
+    multiple of 16)."""
 
     block_m: int
     block_k: int = 128
@@ -51,6 +53,7 @@ class MgpuConfig:
     down_block_k: int | None = None
     tiles_per_program: int | None = None
     down_tiles_per_program: int | None = None
+    half_blocks: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -276,14 +279,15 @@ def gemm_plan(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, activation_
 
 
 def block_gemm(cfg: MgpuConfig, interpret: bool):
-    """gemm(rows, w, block_experts) -> [P, N] f32: the Mosaic GPU GEMM at cfg (GEMM2's:
+    """gemm(rows, w, block_experts, rows_in_use) -> [P, N] f32: the Mosaic GPU GEMM at cfg
+    (rows_in_use: mgpu_wna16_gemm's block_rows, or None; GEMM2's:
     `down_config`), K-split partial products summed; with activation_dtype, w's rows are
     [gate; up] and the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue
     where `fuses_activation`)."""
 
-    def gemm(rows, w, block_experts, activation_dtype=None):
+    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None):
         _, splits, gated, options = gemm_plan(cfg, w, block_experts.shape[0], activation_dtype)
-        out = mgpu_wna16_gemm(rows, w, block_experts, **options, interpret=interpret)
+        out = mgpu_wna16_gemm(rows, w, block_experts, rows_in_use, **options, interpret=interpret)
         if gated:
             return out
         out = out.sum(axis=0) if splits > 1 else out
@@ -308,24 +312,26 @@ def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, inter
 
 
 def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
-    """For one token ([1, H], topk_ids [1, k]): the block experts [k] and rows [k * block_m, H]
-    of one block per slot, slot j's row first in block j (the rest zero), and each slot's row
-    position j * block_m. No alignment kernel: a token's k experts are distinct, so this is the
-    blocks the alignment gives (in slot order, not expert order), and their rows are the same
-    products. Slots the alignment drops (ids out of range, or off this shard through
-    expert_map) get expert -1 (zero rows, masked by the caller). Session 11's timeline: the
-    alignment kernel took ~7 us of the ~39 us TP=8 layer at M=1."""
+    """For one token ([1, H], topk_ids [1, k]): the block experts [k], rows [k * block_m, H]
+    of one block per slot, slot j's row first in block j (the rest zero), each slot's row
+    position j * block_m and the rows in use per block (ones). No alignment kernel: a token's
+    k experts are distinct, so this is the blocks the alignment gives (in slot order, not
+    expert order), and their rows are the same products. Slots the alignment drops (ids out of
+    range, or off this shard through expert_map) get expert -1 (zero rows, masked by the
+    caller). Session 11's timeline: the alignment kernel took ~7 us of the ~39 us TP=8 layer
+    at M=1."""
     block_experts, _ = _reference.local_expert_of(
         topk_ids, num_experts=num_experts, expert_map=expert_map
     )
     k, h = block_experts.shape[0], x.shape[1]
     x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
-    return block_experts, x_rows, jnp.arange(k, dtype=jnp.int32) * block_m
+    return block_experts, x_rows, jnp.arange(k, dtype=jnp.int32) * block_m, jnp.ones(k, jnp.int32)
 
 
 def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret):
-    """The block experts [B], rows in block order [B * block_m, H] (`block_rows`) and each slot's
-    row position [T*k] (a slot the alignment dropped keeps position 0; the caller masks it)."""
+    """The block experts [B], rows in block order [B * block_m, H] (`block_rows`), each slot's
+    row position [T*k] (a slot the alignment dropped keeps position 0; the caller masks it) and
+    the rows in use per block [B] (its first ones: each expert's run is padded at its end)."""
     t, k = topk_ids.shape
     slots, block_experts, x_rows = block_rows(
         x, topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
@@ -334,7 +340,8 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
     # Padding slots point past the end and are dropped.
     position = jnp.zeros(t * k, jnp.int32)
     position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
-    return block_experts, x_rows, position
+    in_use = (slots < t * k).reshape(-1, block_m).sum(axis=1, dtype=jnp.int32)
+    return block_experts, x_rows, position, in_use
 
 
 def _chunk(
@@ -346,15 +353,20 @@ def _chunk(
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     blocks = dict(num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map)
     if t == 1 and one_token:
-        block_experts, x_rows, position = one_token_blocks(x, topk_ids, **blocks)
+        block_experts, x_rows, position, in_use = one_token_blocks(x, topk_ids, **blocks)
     else:
-        block_experts, x_rows, position = aligned_blocks(x, topk_ids, **blocks, interpret=interpret)
+        block_experts, x_rows, position, in_use = aligned_blocks(
+            x, topk_ids, **blocks, interpret=interpret
+        )
+    if not (cfg.half_blocks and cfg.block_m % 16 == 0):
+        in_use = None
     gemm = block_gemm(cfg, interpret)
     # The activation and the top-k sum see unrounded f32 sums. The activation is rounded to x's
     # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it
     # in f32).
-    act = gemm(x_rows, w13, block_experts, activation_dtype=x.dtype)  # [P, I]
-    y = gemm(act, w2, block_experts)  # [P, H]
+    # With half_blocks, a block's unused half of `act` is unwritten and GEMM2 reads none of it.
+    act = gemm(x_rows, w13, block_experts, in_use, activation_dtype=x.dtype)  # [P, I]
+    y = gemm(act, w2, block_experts, in_use)  # [P, H]
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).
     local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)

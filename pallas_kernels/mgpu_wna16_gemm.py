@@ -211,6 +211,7 @@ def mgpu_wna16_gemm(
     x_rows: jax.Array,
     w: QuantizedExperts,
     block_experts: jax.Array,
+    block_rows: jax.Array | None = None,
     *,
     block_m: int,
     block_k: int = 128,
@@ -253,6 +254,12 @@ def mgpu_wna16_gemm(
     the pipeline's start and drain are paid once per program instead of once per tile (GEMM2
     of DeepSeek-V3 has 8 k-steps of 256 per tile at TP=1 and 1 at TP=8).
 
+    block_rows: the rows of each block in use, its first ones (the aligned layout pads each
+    expert's run at its end). A block using at most block_m // 2 rows runs its products on the
+    first block_m // 2 only (wgmmas of half the width: about half the tensor-core work, the
+    same weight bytes and dequantization) and leaves its other output rows unwritten: for the
+    layer's prefill blocks of 64 rows, where an expert's last block holds 1..64 rows.
+
     Blocks with expert -1 give zero rows (leaving them unwritten for the layer's trailing
     unused blocks measured no faster on the H200, session 12: M=16 784.2 vs 782.6 us,
     M=256 2004.1 vs 2009.0, M=4096 7718.7 vs 7676.1).
@@ -265,8 +272,15 @@ def mgpu_wna16_gemm(
 
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
-        splits=splits, gated=gated,
+        splits=splits, gated=gated, tiles_per_program=tiles_per_program,
     )  # fmt: skip
+    half_rows = block_rows is not None
+    if half_rows and (block_m % 16 or block_rows.shape != block_experts.shape):
+        raise ValueError(
+            f"block_rows needs block_m a multiple of 16 (half a block is a wgmma's 8..128 "
+            f"rows), got {block_m}, and one count per block: {block_rows.shape} for "
+            f"{block_experts.shape} blocks"
+        )
     _, n, k = w.shape
     p = x_rows.shape[0]
     dtype = x_rows.dtype
@@ -290,7 +304,9 @@ def mgpu_wna16_gemm(
     wgmma = plgpu.Layout.WGMMA
     row = plgpu.Layout.WGMMA.reduce(1)
 
-    def kernel(experts_gmem, x_gmem, q_gmem, s_gmem, *rest):
+    def kernel(experts_gmem, *rest):
+        rows_gmem, rest = (rest[0], rest[1:]) if half_rows else (None, rest)
+        x_gmem, q_gmem, s_gmem, *rest = rest
         z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
         o_gmem, o_smem, *rest = rest
         a_smem = rest[0] if interpret else None
@@ -306,204 +322,218 @@ def mgpu_wna16_gemm(
         def features(s):
             return pl.ds(sub_tile(s) * TILE, TILE)
 
-        @jax.named_scope("store")
-        def store(values, ni):
-            # This warpgroup's [bm, block_n] part of output tile ni, one copy per sub-tile
-            # through one [bm, 64] buffer (2 stages of 256-wide gated k-steps with 128 features
-            # per consumer leave no room for more; a buffer per sub-tile where they fit measured
-            # the same, session 10: M=4096 7848.9 vs 7866.9 us). The copies are waited for at
-            # the program's end (`store_all`); a copy waits only until the last has read the
-            # buffer.
-            out_tile = o_gmem.at[si] if splits > 1 else o_gmem
-            buffer = o_smem.at[wg]
-            for s, value in enumerate(values):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                buffer.T[...] = plgpu.layout_cast(
-                    value.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
-                )
-                plgpu.commit_smem()
-                cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
-                plgpu.copy_smem_to_gmem(buffer, out_tile.at[pl.ds(bi * bm, bm), cols])
+        def block_products(rows):
+            """(store, zero_acc, run) of this program's products on the block's first `rows`
+            rows (block_m, or block_m // 2 for a block using at most that many): run() runs
+            the pipeline and stores the output tiles' rows."""
 
-        def store_all(values, ni):
-            store(values, ni)
-            plgpu.wait_smem_to_gmem(0)
+            @jax.named_scope("store")
+            def store(values, ni):
+                # This warpgroup's [rows, block_n] part of output tile ni, one copy per sub-tile
+                # through one [bm, 64] buffer (2 stages of 256-wide gated k-steps with 128 features
+                # per consumer leave no room for more; a buffer per sub-tile where they fit measured
+                # the same, session 10: M=4096 7848.9 vs 7866.9 us). The copies are waited for at
+                # the program's end (`store_all`); a copy waits only until the last has read the
+                # buffer.
+                out_tile = o_gmem.at[si] if splits > 1 else o_gmem
+                buffer = o_smem.at[wg] if rows == bm else o_smem.at[wg, pl.ds(0, rows)]
+                for s, value in enumerate(values):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    buffer.T[...] = plgpu.layout_cast(
+                        value.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
+                    )
+                    plgpu.commit_smem()
+                    cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
+                    plgpu.copy_smem_to_gmem(buffer, out_tile.at[pl.ds(bi * bm, rows), cols])
 
-        def epilogue(accs):
-            """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
-            if not gated:
-                return accs
-            gates, ups = accs[:subs], accs[subs:]
-            return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
-
-        @jax.named_scope("convert")
-        def dequantized_tile(q_smem, offset, s, j):
-            # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
-            # offset = 128 + z of the tile's features (136 without zero points): q - z, a
-            # small integer, exact in bf16.
-            box, first = divmod(j * TILE, box_rows)
-            q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
-            if interpret:  # the interpreter's wgmma takes A from shared memory only
-                q = layouts.from_tile_order(q_tile[...].astype(jnp.int32))  # q - 8
-                biased = q.astype(dtype) + 136
-            else:
-                biased = _biased_tile(q_tile)
-            if offset is None:
-                wt = biased - 136
-            else:
-                wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
-            if interpret:
-                a_smem.at[wg, s, j][...] = wt
-                return a_smem.at[wg, s, j]
-            return wt
-
-        def zero_acc():  # f32 [64 features, bm rows] accumulators: per half, per sub-tile
-            return tuple(
-                plgpu.layout_cast(jnp.full((TILE, bm), 0, jnp.float32), wgmma)
-                for _ in range(halves * subs)
-            )
-
-        def products(accs, q_refs, x_smem, s_refs, z_refs):
-            # The products of a group's k-tiles are exact in their f32 sum (its own
-            # accumulator); the group scale multiplies the sum. Units (group, half, sub-tile)
-            # run in order: unit u's tiles are converted while unit u-1's wgmmas run, and
-            # u-1's sum is scaled while u's run.
-            units = [
-                (g, h, s)
-                for g in range(groups_per_step)
-                for h in range(halves)
-                for s in range(subs)
-            ]
-
-            def issue(part_ref, g, h, s):
-                k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
-                offset = None
-                if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
-                    offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
-                wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
-                with jax.named_scope("wgmma"):
-                    for j, wt in zip(k_tiles, wts, strict=True):
-                        plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
-
-            def add_scaled(accs, part_ref, g, h, s, in_flight):
-                # wait until at most in_flight wgmmas (the next unit's) are running
-                with jax.named_scope("wait"):
-                    part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
-                with jax.named_scope("scale"):
-                    scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
-                    scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
-                    a = h * subs + s
-                    return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]
-
-            def unit_products(*part_refs):
-                out = accs
-                for u, part_ref in enumerate(part_refs):
-                    issue(part_ref, *units[u])
-                    if u:
-                        out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
-                return add_scaled(out, part_refs[-1], *units[-1], 0)
-
-            return pl.run_scoped(
-                unit_products, *[plgpu.ACC((TILE, bm), jnp.float32) for _ in units]
-            )
-
-        def tile_and_step(idx):
-            # The pipeline's step idx: (k-step,), or (tile of the run, k-step) with
-            # tiles_per_program > 1; returns (N tile, k-step within this split).
-            if tiles == 1:
-                return n_run, idx[0]
-            return n_run * tiles + idx[0], idx[1]
-
-        def step(idx, *refs):
-            # refs: the weight tiles of each half, the rows' tile, the scales of each half,
-            # the zero points of each half (with them), the carried sums
-            *refs, accs = refs
-            q_refs, x_smem = refs[:halves], refs[halves]
-            s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
-            if tiles == 1:
-                return products(accs, q_refs, x_smem, s_refs, z_refs)
-            # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
-            # them (the next tile's copies are already in flight).
-            ni, kk = tile_and_step(idx)
-            keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, bm), ())
-            accs = tuple(a * plgpu.layout_cast(keep, wgmma) for a in accs)
-            accs = products(accs, q_refs, x_smem, s_refs, z_refs)
-
-            @pl.when(kk == steps - 1)
-            def _store():
-                store(epilogue(accs), ni)
-
-            return accs
-
-        # The inputs of pipeline step idx; half h's tiles start at N tile h * n_tiles (the up
-        # half of a gated W). A block of expert -1 runs no pipeline.
-        e = jnp.maximum(expert, 0)
-
-        def weight_tile(h):
-            def index(*idx):
-                ni, kk = tile_and_step(idx)
-                return e, h * n_tiles + ni, si * steps + kk, 0, 0
-
-            return index
-
-        def group_rows(h):
-            def index(*idx):
-                ni, kk = tile_and_step(idx)
-                return e, (si * steps + kk) // steps_per_group, h * n_tiles + ni
-
-            return index
-
-        def row_tile(*idx):
-            return bi, si * steps + tile_and_step(idx)[1]
-
-        q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
-        g_spec = (None, groups_per_step, tile_n)
-        in_specs = [  # weight tiles [64-feature tiles, boxes of box_rows/64 tiles, 64, 64]:
-            # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
-            # no bank conflicts
-            *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
-            plgpu.BlockSpec(
-                (bm, bk),
-                row_tile,
-                transforms=_swizzled((bm, bk), dtype, "x"),
-            ),
-            *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
-        ]
-        if has_offset:
-            in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
-        operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
-        stages = min(max_concurrent_steps, steps)
-
-        def pipeline(compute_context=None):
-            """Runs the k-steps: without warp specialization, returns the final f32
-            accumulators; with it, compute_context(run) is the consumer warpgroups' prologue
-            and epilogue around run(init_carry)."""
-            if not consumers:
-                return plgpu.emit_pipeline(
-                    step, grid=(steps,) if tiles == 1 else (tiles, steps), in_specs=in_specs,
-                    max_concurrent_steps=min(max_concurrent_steps, tiles * steps),
-                    init_carry=zero_acc(),
-                )(*operands)  # fmt: skip
-            plgpu.emit_pipeline_warp_specialized(
-                step,
-                grid=(steps,),
-                memory_registers=40,
-                in_specs=in_specs,
-                max_concurrent_steps=stages,
-                wg_axis="wg",
-                num_compute_wgs=consumers,
-                compute_context=compute_context,
-            )(*operands)
-
-        @pl.when(expert >= 0)
-        def _matmul():
-            if tiles > 1:  # each tile stored at its last k-step
-                pipeline()
+            def store_all(values, ni):
+                store(values, ni)
                 plgpu.wait_smem_to_gmem(0)
-            elif not consumers:
-                store_all(epilogue(pipeline()), n_run)
-            else:
-                pipeline(lambda run: store_all(epilogue(run(zero_acc())), n_run))
+
+            def epilogue(accs):
+                """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
+                if not gated:
+                    return accs
+                gates, ups = accs[:subs], accs[subs:]
+                return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
+
+            @jax.named_scope("convert")
+            def dequantized_tile(q_smem, offset, s, j):
+                # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
+                # offset = 128 + z of the tile's features (136 without zero points): q - z, a
+                # small integer, exact in bf16.
+                box, first = divmod(j * TILE, box_rows)
+                q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
+                if interpret:  # the interpreter's wgmma takes A from shared memory only
+                    q = layouts.from_tile_order(q_tile[...].astype(jnp.int32))  # q - 8
+                    biased = q.astype(dtype) + 136
+                else:
+                    biased = _biased_tile(q_tile)
+                if offset is None:
+                    wt = biased - 136
+                else:
+                    wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
+                if interpret:
+                    a_smem.at[wg, s, j][...] = wt
+                    return a_smem.at[wg, s, j]
+                return wt
+
+            def zero_acc():  # f32 [64 features, rows] accumulators: per half, per sub-tile
+                return tuple(
+                    plgpu.layout_cast(jnp.full((TILE, rows), 0, jnp.float32), wgmma)
+                    for _ in range(halves * subs)
+                )
+
+            def products(accs, q_refs, x_smem, s_refs, z_refs):
+                # The products of a group's k-tiles are exact in their f32 sum (its own
+                # accumulator); the group scale multiplies the sum. Units (group, half, sub-tile)
+                # run in order: unit u's tiles are converted while unit u-1's wgmmas run, and
+                # u-1's sum is scaled while u's run.
+                units = [
+                    (g, h, s)
+                    for g in range(groups_per_step)
+                    for h in range(halves)
+                    for s in range(subs)
+                ]
+
+                def issue(part_ref, g, h, s):
+                    k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
+                    offset = None
+                    if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
+                        offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                    wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
+                    with jax.named_scope("wgmma"):
+                        for j, wt in zip(k_tiles, wts, strict=True):
+                            plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
+
+                def add_scaled(accs, part_ref, g, h, s, in_flight):
+                    # wait until at most in_flight wgmmas (the next unit's) are running
+                    with jax.named_scope("wait"):
+                        part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
+                    with jax.named_scope("scale"):
+                        scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
+                        scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
+                        a = h * subs + s
+                        return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]
+
+                def unit_products(*part_refs):
+                    out = accs
+                    for u, part_ref in enumerate(part_refs):
+                        issue(part_ref, *units[u])
+                        if u:
+                            out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
+                    return add_scaled(out, part_refs[-1], *units[-1], 0)
+
+                return pl.run_scoped(
+                    unit_products, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in units]
+                )
+
+            def tile_and_step(idx):
+                # The pipeline's step idx: (k-step,), or (tile of the run, k-step) with
+                # tiles_per_program > 1; returns (N tile, k-step within this split).
+                if tiles == 1:
+                    return n_run, idx[0]
+                return n_run * tiles + idx[0], idx[1]
+
+            def step(idx, *refs):
+                # refs: the weight tiles of each half, the rows' tile, the scales of each half,
+                # the zero points of each half (with them), the carried sums
+                *refs, accs = refs
+                q_refs, x_smem = refs[:halves], refs[halves]
+                s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
+                if tiles == 1:
+                    return products(accs, q_refs, x_smem, s_refs, z_refs)
+                # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
+                # them (the next tile's copies are already in flight).
+                ni, kk = tile_and_step(idx)
+                keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, rows), ())
+                accs = tuple(a * plgpu.layout_cast(keep, wgmma) for a in accs)
+                accs = products(accs, q_refs, x_smem, s_refs, z_refs)
+
+                @pl.when(kk == steps - 1)
+                def _store():
+                    store(epilogue(accs), ni)
+
+                return accs
+
+            # The inputs of pipeline step idx; half h's tiles start at N tile h * n_tiles (the up
+            # half of a gated W). A block of expert -1 runs no pipeline.
+            e = jnp.maximum(expert, 0)
+
+            def weight_tile(h):
+                def index(*idx):
+                    ni, kk = tile_and_step(idx)
+                    return e, h * n_tiles + ni, si * steps + kk, 0, 0
+
+                return index
+
+            def group_rows(h):
+                def index(*idx):
+                    ni, kk = tile_and_step(idx)
+                    return e, (si * steps + kk) // steps_per_group, h * n_tiles + ni
+
+                return index
+
+            def row_tile(*idx):
+                return bi * (bm // rows), si * steps + tile_and_step(idx)[1]
+
+            q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
+            g_spec = (None, groups_per_step, tile_n)
+            in_specs = [  # weight tiles [64-feature tiles, boxes of box_rows/64 tiles, 64, 64]:
+                # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
+                # no bank conflicts
+                *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
+                plgpu.BlockSpec(
+                    (rows, bk),
+                    row_tile,
+                    transforms=_swizzled((rows, bk), dtype, "x"),
+                ),
+                *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
+            ]
+            if has_offset:
+                in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
+            operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
+            stages = min(max_concurrent_steps, steps)
+
+            def pipeline(compute_context=None):
+                """Runs the k-steps: without warp specialization, returns the final f32
+                accumulators; with it, compute_context(run) is the consumer warpgroups' prologue
+                and epilogue around run(init_carry)."""
+                if not consumers:
+                    return plgpu.emit_pipeline(
+                        step, grid=(steps,) if tiles == 1 else (tiles, steps), in_specs=in_specs,
+                        max_concurrent_steps=min(max_concurrent_steps, tiles * steps),
+                        init_carry=zero_acc(),
+                    )(*operands)  # fmt: skip
+                plgpu.emit_pipeline_warp_specialized(
+                    step,
+                    grid=(steps,),
+                    memory_registers=40,
+                    in_specs=in_specs,
+                    max_concurrent_steps=stages,
+                    wg_axis="wg",
+                    num_compute_wgs=consumers,
+                    compute_context=compute_context,
+                )(*operands)
+
+            def run():
+                if tiles > 1:  # each tile stored at its last k-step
+                    pipeline()
+                    plgpu.wait_smem_to_gmem(0)
+                elif not consumers:
+                    store_all(epilogue(pipeline()), n_run)
+                else:
+                    pipeline(lambda run: store_all(epilogue(run(zero_acc())), n_run))
+
+            return store, zero_acc, run
+
+        store, zero_acc, run = block_products(bm)
+        if half_rows:  # a block using at most bm // 2 rows computes and stores only those
+            used = rows_gmem[bi]
+            pl.when((expert >= 0) & (used > bm // 2))(run)
+            pl.when((expert >= 0) & (used <= bm // 2))(block_products(bm // 2)[2])
+        else:
+            pl.when(expert >= 0)(run)
 
         @pl.when((expert < 0) & (wg < wgs))
         def _zeros():
@@ -514,7 +544,10 @@ def mgpu_wna16_gemm(
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
     q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
-    operands = [block_experts.astype(jnp.int32), x_rows, q_rows, w.scales]
+    operands = [block_experts.astype(jnp.int32)]
+    if half_rows:
+        operands.append(block_rows.astype(jnp.int32))
+    operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)

@@ -257,6 +257,8 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (10, MgpuConfig(block_m=8, block_k=64, stages=3, down_block_n=128, down_stages=2)),
         (4, MgpuConfig(block_m=8, block_k=128, consumers=2, block_n=128)),  # falls back to 64
         (9, MgpuConfig(block_m=8, block_k=64, stages=3, down_tiles_per_program=4)),  # GEMM2: 2
+        (40, MgpuConfig(block_m=16, block_k=64, half_blocks=True)),  # ~10 rows per expert
+        (13, MgpuConfig(block_m=32, block_k=64, consumers=2, half_blocks=True)),
     ],
     ids=str,
 )
@@ -719,7 +721,33 @@ def test_gemm_runs_of_tiles_lower_for_cuda(has_zp, block_m, block_k, splits, blo
     lowers_for_cuda(has_zp, block_m, block_k, 0, splits, block_n, gated, tiles)
 
 
-def lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated, tiles=1):
+@pytest.mark.parametrize(
+    "has_zp,block_m,block_k,consumers,block_n,gated,stages",
+    [(True, 64, 256, 2, 64, True, 3), (True, 64, 256, 2, 128, False, 2),
+     (False, 16, 128, 0, 128, True, 3)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_half_blocks_lower_for_cuda(has_zp, block_m, block_k, consumers, block_n, gated,
+                                         stages):  # fmt: skip
+    """The layer's M=4096 GEMMs with half blocks (two pipelines in one kernel) lower, and fit
+    in shared memory (the two share it: scoped allocations)."""
+    lowers_for_cuda(
+        has_zp, block_m, block_k, consumers, 1, block_n, gated, half_rows=True, stages=stages
+    )
+
+
+def lowers_for_cuda(
+    has_zp,
+    block_m,
+    block_k,
+    consumers,
+    splits,
+    block_n,
+    gated,
+    tiles=1,
+    half_rows=False,
+    stages=4,
+):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types and the copies' shapes are checked here; ptxas and the run only on
@@ -738,9 +766,10 @@ def lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated,
     experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
-        block_n=block_n, gated=gated, tiles_per_program=tiles,
+        block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
     )  # fmt: skip
-    lowered = jax.jit(gemm).trace(x, w, experts).lower(lowering_platforms=("cuda",))
+    args = (x, w, experts, experts) if half_rows else (x, w, experts)
+    lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -865,3 +894,60 @@ def test_tiles_per_program_divide_the_tiles(rng):
     *_, gemm2 = mgpu_fused_moe.gemm_plan(cfg, w2, 4)
     assert gemm1["gated"] and gemm1["tiles_per_program"] == 2  # 4 tiles of the 256 outputs
     assert gemm2["tiles_per_program"] == 8  # 8 tiles of 512
+
+
+@pytest.mark.parametrize(
+    "consumers,block_m,block_n,gated,splits,tiles",
+    [(0, 16, 64, False, 1, 1), (2, 32, 64, True, 1, 1), (1, 16, 128, False, 2, 1),
+     (0, 32, 64, False, 1, 2)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_half_blocks(rng, consumers, block_m, block_n, gated, splits, tiles):
+    """block_rows: blocks using at most block_m // 2 rows compute those rows alone (the rest
+    of their output rows unwritten: NaN in the interpreter), the others all; the rows in use
+    match numpy either way."""
+    e, k, g = 3, 512, 128
+    n = block_n * max(consumers, 1) * tiles * 2 * (2 if gated else 1)
+    qw = helpers.random_quantized_experts(rng, e, n, k, 4, g, True, BF16)
+    block_experts = np.asarray([1, 0, -1, 2, 1, 0], np.int32)
+    half = block_m // 2
+    used = np.asarray([block_m, half, 0, 1, half + 1, 3], np.int32)
+    x_rows = jnp.asarray(rng.standard_normal((len(used) * block_m, k)), BF16)
+    out = mgpu_wna16_gemm(
+        x_rows, prepare_weights(qw), jnp.asarray(block_experts), jnp.asarray(used),
+        block_m=block_m, block_k=128, block_n=block_n, consumers=consumers, splits=splits,
+        gated=gated, tiles_per_program=tiles, out_dtype=jnp.float32, interpret=INTERPRET,
+    )  # fmt: skip
+    if splits > 1:
+        out = out.sum(axis=0)
+    out = np.asarray(out, np.float64)
+    ref = numpy_block_gemm(x_rows, helpers.numpy_dequantize(qw), block_experts, block_m)
+    if gated:
+        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+        ref = gate / (1 + np.exp(-gate)) * up
+    in_use = (np.arange(block_m)[None, :] < used[:, None]).reshape(-1)
+    computed = np.repeat(np.where(used <= half, half, block_m), block_m) > np.tile(
+        np.arange(block_m), len(used)
+    )
+    empty = np.repeat(block_experts < 0, block_m)
+    assert np.all(out[empty] == 0), "rows of expert -1 blocks must be zeros"
+    rows = in_use & ~empty
+    helpers.assert_finite_and_close(
+        out[rows], ref[rows], TOL, "rows in use", slack=ELEMENT_SLACK, require_signal=True
+    )
+    # Rows computed but not in use are the products of whatever x_rows holds there.
+    extra = computed & ~in_use & ~empty
+    helpers.assert_finite_and_close(
+        out[extra], ref[extra], TOL, "padding rows", slack=ELEMENT_SLACK
+    )
+    if INTERPRET:  # the interpreter's outputs start as NaN: the half blocks wrote no more
+        assert np.all(np.isnan(out[~computed & ~empty]))
+
+
+def test_half_blocks_need_whole_halves(rng):
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        mgpu_wna16_gemm(
+            jnp.zeros((24, 256), BF16), prepare_weights(qw), jnp.zeros(3, jnp.int32),
+            jnp.zeros(3, jnp.int32), block_m=8, interpret=True,
+        )  # fmt: skip
