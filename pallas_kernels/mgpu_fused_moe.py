@@ -36,7 +36,7 @@ class MgpuConfig:
     256-wide steps (the default with 64-row blocks: `default_config`), and its own k-step
     (down_block_k). tiles_per_program (down_tiles_per_program for GEMM2): the most output
     tiles of a block one program computes in one pipeline (`tiles_per_program` takes the
-    largest divisor of the GEMM's tile count up to it; 1 with warp specialization); None:
+    largest divisor of the GEMM's tile count up to it); None:
     enough tiles for MIN_STEPS_PER_PROGRAM k-steps. half_blocks: blocks using at most half
     their rows run both GEMMs on that half only (mgpu_wna16_gemm's block_rows; block_m a
     multiple of 16)."""
@@ -78,7 +78,9 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     2036.5; at M=4096 4 do not fit) and 128 features per warpgroup with 16-row blocks (M=256
     2036.5 vs 2041.9 at 4 stages; 128 lost at M=1 and 16, and at M=4096 with 2 consumers).
     GEMM2 with 64-row blocks: 128 features per consumer and 2 stages (session 10, M=4096:
-    7685.1 vs 7929.7 us, GEMM2 2908.0 us; 2 stages alone 8026.7)."""
+    7685.1 vs 7929.7 us, GEMM2 2908.0 us; 2 stages alone 8026.7). Half blocks wherever a
+    half is a wgmma's width (block_m 16 and 64; session 12, one run each: M=4096 7471.3 vs
+    7690.5 and 7663.0 us, M=256 1966.1 vs 2025.9)."""
     rows = num_slots / num_experts
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)
@@ -87,7 +89,10 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     consumers = 2 if block_m == 64 else 0
     block_n = 128 if block_m == 16 else 64
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
-    return MgpuConfig(block_m, block_k, stages=3, consumers=consumers, block_n=block_n, **down)
+    return MgpuConfig(
+        block_m, block_k, stages=3, consumers=consumers, block_n=block_n, **down,
+        half_blocks=block_m % 16 == 0,
+    )  # fmt: skip
 
 
 # A block's relative cost by its rows (the layer's time per used block, less ~60 us fixed),
@@ -113,7 +118,11 @@ def routed_configs(num_tokens: int, top_k: int, num_experts: int, group: int):
     if num_tokens < MIN_ROUTED_TOKENS or base.block_m not in BLOCK_COST:
         return (base,)
     block_k = one_group_block_k(group)
-    larger = [MgpuConfig(block_m=bm, block_k=block_k) for bm in BLOCK_COST if bm > base.block_m]
+    larger = [
+        MgpuConfig(block_m=bm, block_k=block_k, half_blocks=True)
+        for bm in BLOCK_COST
+        if bm > base.block_m
+    ]
     return (base, *larger)
 
 
@@ -217,9 +226,7 @@ MIN_STEPS_PER_PROGRAM = 4
 def tiles_per_program(cfg: MgpuConfig, n_tiles: int, steps: int) -> int:
     """The tiles of a program's run for a GEMM of n_tiles output tiles per block and `steps`
     k-steps per tile (per split): the largest divisor of n_tiles up to cfg.tiles_per_program
-    (None: ceil(MIN_STEPS_PER_PROGRAM / steps)); 1 with warp specialization."""
-    if cfg.consumers:
-        return 1
+    (None: ceil(MIN_STEPS_PER_PROGRAM / steps))."""
     most = cfg.tiles_per_program or -(-MIN_STEPS_PER_PROGRAM // steps)
     return max(d for d in range(1, min(most, n_tiles) + 1) if n_tiles % d == 0)
 

@@ -121,10 +121,6 @@ def check_config(
             f"tiles_per_program={tiles_per_program} must divide the {n_tiles} output tiles of "
             f"{tile_n} features"
         )
-    if tiles_per_program > 1 and consumers:
-        raise NotImplementedError(
-            "tiles_per_program > 1 runs without warp specialization (consumers=0) only"
-        )
 
 
 # bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
@@ -248,7 +244,7 @@ def mgpu_wna16_gemm(
     at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the H200 in session 8,
     10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
 
-    tiles_per_program > 1 (consumers=0 only): a program computes that many consecutive output
+    tiles_per_program > 1: a program computes that many consecutive output
     tiles of its block, one after the other in one pipeline (grid (tiles, k-steps)): the copies
     of the next tile's first k-steps are in flight while the last tile's sums are stored, and
     the pipeline's start and drain are paid once per program instead of once per tile (GEMM2
@@ -493,7 +489,8 @@ def mgpu_wna16_gemm(
             if has_offset:
                 in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
             operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
-            stages = min(max_concurrent_steps, steps)
+            stages = min(max_concurrent_steps, tiles * steps)
+            grid = (steps,) if tiles == 1 else (tiles, steps)
 
             def pipeline(compute_context=None):
                 """Runs the k-steps: without warp specialization, returns the final f32
@@ -501,13 +498,12 @@ def mgpu_wna16_gemm(
                 and epilogue around run(init_carry)."""
                 if not consumers:
                     return plgpu.emit_pipeline(
-                        step, grid=(steps,) if tiles == 1 else (tiles, steps), in_specs=in_specs,
-                        max_concurrent_steps=min(max_concurrent_steps, tiles * steps),
+                        step, grid=grid, in_specs=in_specs, max_concurrent_steps=stages,
                         init_carry=zero_acc(),
                     )(*operands)  # fmt: skip
                 plgpu.emit_pipeline_warp_specialized(
                     step,
-                    grid=(steps,),
+                    grid=grid,
                     memory_registers=40,
                     in_specs=in_specs,
                     max_concurrent_steps=stages,
@@ -518,7 +514,7 @@ def mgpu_wna16_gemm(
 
             def run():
                 if tiles > 1:  # each tile stored at its last k-step
-                    pipeline()
+                    pipeline(lambda run: run(zero_acc()))
                     plgpu.wait_smem_to_gmem(0)
                 elif not consumers:
                     store_all(epilogue(pipeline()), n_run)

@@ -173,20 +173,23 @@ def test_gemm_gated(rng, has_zp, block_n, consumers, block_m, block_k, group_siz
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
-    "tiles,block_n,splits,gated,block_k,stages",
-    [(2, 64, 1, False, 128, 4), (4, 64, 2, False, 128, 3), (2, 128, 1, True, 256, 3),
-     (4, 64, 1, False, 256, 8), (2, 64, 4, False, 128, 2)],
+    "tiles,block_n,splits,gated,block_k,stages,consumers",
+    [(2, 64, 1, False, 128, 4, 0), (4, 64, 2, False, 128, 3, 0), (2, 128, 1, True, 256, 3, 0),
+     (4, 64, 1, False, 256, 8, 0), (2, 64, 4, False, 128, 2, 0), (2, 128, 1, False, 256, 2, 2),
+     (2, 64, 1, True, 128, 3, 2), (4, 64, 2, False, 128, 2, 1)],
     ids=str,
 )  # fmt: skip
-def test_gemm_runs_of_tiles(rng, has_zp, tiles, block_n, splits, gated, block_k, stages):
+def test_gemm_runs_of_tiles(rng, has_zp, tiles, block_n, splits, gated, block_k, stages,
+                            consumers):  # fmt: skip
     """tiles_per_program > 1: a program's pipeline walks several output tiles (each tile's
     sums restart from zero at its first k-step and are stored at its last); with K splits
-    (down to one k-step per tile), the gated epilogue and more stages than one tile's
-    k-steps."""
+    (down to one k-step per tile), the gated epilogue, more stages than one tile's k-steps
+    and warp specialization (the producer copies on across tiles)."""
     run_gemm_case(
-        rng, e=3, n=block_n * tiles * 2 * (2 if gated else 1), k=512, group_size=128,
-        has_zp=has_zp, block_m=8, block_k=block_k, blocks=[1, -1, 0, 2, 1], splits=splits,
-        block_n=block_n, gated=gated, stages=stages, tiles_per_program=tiles,
+        rng, e=3, n=block_n * max(consumers, 1) * tiles * 2 * (2 if gated else 1), k=512,
+        group_size=128, has_zp=has_zp, block_m=8, block_k=block_k, blocks=[1, -1, 0, 2, 1],
+        splits=splits, block_n=block_n, gated=gated, stages=stages, tiles_per_program=tiles,
+        consumers=consumers,
     )  # fmt: skip
 
 
@@ -711,14 +714,16 @@ def test_gemm_lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block
 
 
 @pytest.mark.parametrize(
-    "has_zp,block_m,block_k,splits,block_n,gated,tiles",
-    [(True, 8, 256, 1, 64, False, 2), (False, 16, 128, 2, 64, False, 4),
-     (True, 8, 256, 1, 64, True, 2), (True, 8, 256, 4, 128, False, 2)],
+    "has_zp,block_m,block_k,splits,block_n,gated,tiles,consumers",
+    [(True, 8, 256, 1, 64, False, 2, 0), (False, 16, 128, 2, 64, False, 4, 0),
+     (True, 8, 256, 1, 64, True, 2, 0), (True, 8, 256, 4, 128, False, 2, 0),
+     (True, 64, 256, 1, 64, False, 2, 2), (True, 64, 256, 1, 64, True, 2, 1)],
     ids=str,
 )  # fmt: skip
 def test_gemm_runs_of_tiles_lower_for_cuda(has_zp, block_m, block_k, splits, block_n, gated,
-                                           tiles):  # fmt: skip
-    lowers_for_cuda(has_zp, block_m, block_k, 0, splits, block_n, gated, tiles)
+                                           tiles, consumers):  # fmt: skip
+    lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated, tiles,
+                    stages=2 if consumers else 4)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -787,10 +792,12 @@ def test_gemm_refuses_the_canonical_layout(rng):
 def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers, block_n):
     """DeepSeek-V3 (top-8 of 256): the block_m, k-step, warp specialization and features per
     warpgroup that won at each M in the probe (sessions 4-9: 3 stages, GEMM1's activation
-    fused; session 10: GEMM2 of 64-row blocks with 128 features per consumer, 2 stages); other
-    groups take one group per k-step (at most 128)."""
+    fused; session 10: GEMM2 of 64-row blocks with 128 features per consumer, 2 stages;
+    session 12: half blocks for 16 and 64 rows); other groups take one group per k-step (at
+    most 128)."""
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
-    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n, **down)
+    half = block_m in (16, 64)
+    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n, **down, half_blocks=half)
     assert default_config(m * 8, 256, 128) == want
     assert default_config(m * 8, 256, 64).block_k == 64
     assert default_config(m * 8, 256, 7168).block_k == 128
@@ -865,24 +872,15 @@ def test_export_serializes_the_layout(rng, layout):
     assert _types._deserialize_auxdata(b"[4, 128]") == (4, 128, "canonical")
 
 
-def test_runs_of_tiles_need_no_warp_specialization(rng):
-    qw = helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, False, BF16)
-    with pytest.raises(NotImplementedError, match="consumers=0"):
-        check_config(
-            prepare_weights(qw), jnp.zeros((16, 256), BF16), block_m=16, block_k=128,
-            consumers=1, tiles_per_program=2,
-        )  # fmt: skip
-
-
 def test_tiles_per_program_divide_the_tiles(rng):
     """A config's tiles_per_program is the most: each GEMM takes the largest divisor of its
-    output tiles up to it (none with warp specialization); None: enough tiles for
+    output tiles up to it; None: enough tiles for
     MIN_STEPS_PER_PROGRAM (4) k-steps per program; GEMM2 its own."""
     tiles = mgpu_fused_moe.tiles_per_program
     assert tiles(MgpuConfig(8, tiles_per_program=8), 112, 8) == 8
     assert tiles(MgpuConfig(8, tiles_per_program=6), 112, 1) == 4
     assert tiles(MgpuConfig(8, tiles_per_program=9), 7, 1) == 7
-    assert tiles(MgpuConfig(64, consumers=2, tiles_per_program=4), 8, 1) == 1
+    assert tiles(MgpuConfig(64, consumers=2, tiles_per_program=4), 8, 1) == 4
     assert tiles(MgpuConfig(8), 112, 1) == 4  # DeepSeek-V3 TP=8 GEMM2
     assert tiles(MgpuConfig(8), 112, 8) == 1  # TP=1 GEMM2
     assert tiles(MgpuConfig(8), 112, 3) == 2
