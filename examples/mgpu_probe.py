@@ -202,11 +202,13 @@ def main(argv=None) -> int:
                 best = (t, cfg)
         cfg = best[1]
         # The two GEMMs alone as the layer runs them (GEMM1 with the activation, fused where
-        # the config fuses it; GEMM2's f32 output), on set 0's rows.
-        _, block_experts, x_rows = mgpu_fused_moe.block_rows(
+        # the config fuses it; GEMM2's f32 output; the rows in use with half blocks), on set
+        # 0's rows.
+        block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
             xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
             interpret=interpret,
         )  # fmt: skip
+        in_use = in_use if cfg.runs_half_blocks() else None
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
         for what, w, a, act, work in (
@@ -214,8 +216,10 @@ def main(argv=None) -> int:
             ("mgpu GEMM2", w2p, act_rows, None, dict(weight_bytes=bytes2, flops=flops2)),
         ):
             t, _ = benchmark.time_loop(
-                lambda w, a, ex, gemm=gemm, act=act: gemm(a, w, ex, activation_dtype=act),
-                [(a, block_experts)],
+                lambda w, a, ex, used, gemm=gemm, act=act: gemm(
+                    a, w, ex, used, activation_dtype=act
+                ),
+                [(a, block_experts, in_use)],
                 consts=(w,),
                 **timing,
             )

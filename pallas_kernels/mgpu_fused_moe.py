@@ -59,6 +59,11 @@ class MgpuConfig:
         """Output features per program."""
         return self.block_n * max(self.consumers, 1)
 
+    def runs_half_blocks(self) -> bool:
+        """Whether the GEMMs take the blocks' rows in use: half_blocks, where half a block is
+        a wgmma's width (block_m a multiple of 16)."""
+        return self.half_blocks and self.block_m % 16 == 0
+
 
 def one_group_block_k(group: int) -> int:
     """The k-step of one group: 128 where it divides the group (64 lost to 128 at every M in
@@ -365,7 +370,7 @@ def _chunk(
         block_experts, x_rows, position, in_use = aligned_blocks(
             x, topk_ids, **blocks, interpret=interpret
         )
-    if not (cfg.half_blocks and cfg.block_m % 16 == 0):
+    if not cfg.runs_half_blocks():
         in_use = None
     gemm = block_gemm(cfg, interpret)
     # The activation and the top-k sum see unrounded f32 sums. The activation is rounded to x's
