@@ -72,9 +72,10 @@ def parse_config(text: str) -> MgpuConfig:
     '-' for None."""
     try:
         fields = [None if v == "-" else int(v) for v in text.split(",")]
-        for i in (6, 12):  # fuse_activation, half_blocks
-            if len(fields) > i:
-                fields[i] = bool(fields[i])
+        if len(fields) > 6:  # fuse_activation
+            fields[6] = bool(fields[6])
+        if len(fields) > 12 and fields[12] is None:  # narrow_blocks
+            fields[12] = 0
         return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
@@ -106,12 +107,13 @@ def main(argv=None) -> int:
         type=parse_config,
         default=[],
         metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES,"
-        "DOWN_BLOCK_K,TILES,DOWN_TILES,HALF_BLOCKS",
+        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
         "64,256,3,2,-,64,1,128,2: GEMM2 at 128 features per consumer and 2 stages; "
-        "64,256,3,2,-,64,1,128,2,-,-,-,1: and half blocks",
+        "64,256,3,2,-,64,1,128,2,-,-,-,2: and blocks narrowed to half or a quarter of their "
+        "rows where they use no more",
     )
     p.add_argument(
         "--chain",
@@ -202,13 +204,13 @@ def main(argv=None) -> int:
                 best = (t, cfg)
         cfg = best[1]
         # The two GEMMs alone as the layer runs them (GEMM1 with the activation, fused where
-        # the config fuses it; GEMM2's f32 output; the rows in use with half blocks), on set
+        # the config fuses it; GEMM2's f32 output; the rows in use with narrow blocks), on set
         # 0's rows.
         block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
             xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
             interpret=interpret,
         )  # fmt: skip
-        in_use = in_use if cfg.runs_half_blocks() else None
+        in_use = in_use if cfg.narrow_steps() else None
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
         for what, w, a, act, work in (

@@ -37,9 +37,9 @@ class MgpuConfig:
     (down_block_k). tiles_per_program (down_tiles_per_program for GEMM2): the most output
     tiles of a block one program computes in one pipeline (`tiles_per_program` takes the
     largest divisor of the GEMM's tile count up to it); None:
-    enough tiles for MIN_STEPS_PER_PROGRAM k-steps. half_blocks: blocks using at most half
-    their rows run both GEMMs on that half only (mgpu_wna16_gemm's block_rows; block_m a
-    multiple of 16)."""
+    enough tiles for MIN_STEPS_PER_PROGRAM k-steps. narrow_blocks: how many times both GEMMs
+    may halve a block that uses at most that many of its rows (mgpu_wna16_gemm's block_rows
+    and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8)."""
 
     block_m: int
     block_k: int = 128
@@ -53,16 +53,19 @@ class MgpuConfig:
     down_block_k: int | None = None
     tiles_per_program: int | None = None
     down_tiles_per_program: int | None = None
-    half_blocks: bool = False
+    narrow_blocks: int = 0
 
     def tile_n(self) -> int:
         """Output features per program."""
         return self.block_n * max(self.consumers, 1)
 
-    def runs_half_blocks(self) -> bool:
-        """Whether the GEMMs take the blocks' rows in use: half_blocks, where half a block is
-        a wgmma's width (block_m a multiple of 16)."""
-        return self.half_blocks and self.block_m % 16 == 0
+    def narrow_steps(self) -> int:
+        """The halvings the GEMMs run: up to narrow_blocks, while the width stays a multiple
+        of 8 (a wgmma's least rows); 0: the GEMMs take no rows in use."""
+        steps = 0
+        while steps < self.narrow_blocks and self.block_m % (16 << steps) == 0:
+            steps += 1
+        return steps
 
 
 def one_group_block_k(group: int) -> int:
@@ -83,9 +86,9 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     2036.5; at M=4096 4 do not fit) and 128 features per warpgroup with 16-row blocks (M=256
     2036.5 vs 2041.9 at 4 stages; 128 lost at M=1 and 16, and at M=4096 with 2 consumers).
     GEMM2 with 64-row blocks: 128 features per consumer and 2 stages (session 10, M=4096:
-    7685.1 vs 7929.7 us, GEMM2 2908.0 us; 2 stages alone 8026.7). Half blocks wherever a
-    half is a wgmma's width (block_m 16 and 64; session 12, one run each: M=4096 7471.3 vs
-    7690.5 and 7663.0 us, M=256 1966.1 vs 2025.9)."""
+    7685.1 vs 7929.7 us, GEMM2 2908.0 us; 2 stages alone 8026.7). Half blocks (narrow_blocks=1)
+    wherever a half is a wgmma's width (block_m 16 and 64; session 12, one run each: M=4096
+    7471.3 vs 7690.5 and 7663.0 us, M=256 1966.1 vs 2025.9)."""
     rows = num_slots / num_experts
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)
@@ -96,7 +99,7 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
     return MgpuConfig(
         block_m, block_k, stages=3, consumers=consumers, block_n=block_n, **down,
-        half_blocks=block_m % 16 == 0,
+        narrow_blocks=1,
     )  # fmt: skip
 
 
@@ -124,7 +127,7 @@ def routed_configs(num_tokens: int, top_k: int, num_experts: int, group: int):
         return (base,)
     block_k = one_group_block_k(group)
     larger = [
-        MgpuConfig(block_m=bm, block_k=block_k, half_blocks=True)
+        MgpuConfig(block_m=bm, block_k=block_k, narrow_blocks=1)
         for bm in BLOCK_COST
         if bm > base.block_m
     ]
@@ -258,6 +261,7 @@ def gemm_options(
     out_dtype)."""
     return dict(
         tiles_per_program=tiles_per_program(cfg, n_tiles, steps // splits),
+        narrow_steps=cfg.narrow_steps() or 1,  # with the rows in use (`_chunk`)
         block_m=cfg.block_m,
         block_k=cfg.block_k,
         block_n=cfg.block_n,
@@ -370,13 +374,13 @@ def _chunk(
         block_experts, x_rows, position, in_use = aligned_blocks(
             x, topk_ids, **blocks, interpret=interpret
         )
-    if not cfg.runs_half_blocks():
+    if not cfg.narrow_steps():
         in_use = None
     gemm = block_gemm(cfg, interpret)
     # The activation and the top-k sum see unrounded f32 sums. The activation is rounded to x's
     # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it
     # in f32).
-    # With half_blocks, a block's unused half of `act` is unwritten and GEMM2 reads none of it.
+    # With narrow blocks, a block's unused rows of `act` may be unwritten; GEMM2 reads none.
     act = gemm(x_rows, w13, block_experts, in_use, activation_dtype=x.dtype)  # [P, I]
     y = gemm(act, w2, block_experts, in_use)  # [P, H]
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs

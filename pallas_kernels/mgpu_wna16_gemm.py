@@ -198,6 +198,7 @@ def _swizzled(shape, dtype, what: str):
         "splits",
         "gated",
         "tiles_per_program",
+        "narrow_steps",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -217,6 +218,7 @@ def mgpu_wna16_gemm(
     splits: int = 1,
     gated: bool = False,
     tiles_per_program: int = 1,
+    narrow_steps: int = 1,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -255,6 +257,10 @@ def mgpu_wna16_gemm(
     first block_m // 2 only (wgmmas of half the width: about half the tensor-core work, the
     same weight bytes and dequantization) and leaves its other output rows unwritten: for the
     layer's prefill blocks of 64 rows, where an expert's last block holds 1..64 rows.
+    narrow_steps (with block_rows): how many times a block may be halved: with 2, a block
+    using at most block_m // 4 rows runs at a quarter of the width (each width a multiple of
+    8, a wgmma's least). Each width is its own pipeline in the kernel (sibling scoped
+    allocations: they share shared memory).
 
     Blocks with expert -1 give zero rows (leaving them unwritten for the layer's trailing
     unused blocks measured no faster on the H200, session 12: M=16 784.2 vs 782.6 us,
@@ -270,12 +276,14 @@ def mgpu_wna16_gemm(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
     )  # fmt: skip
-    half_rows = block_rows is not None
-    if half_rows and (block_m % 16 or block_rows.shape != block_experts.shape):
+    narrow = block_rows is not None
+    if narrow and (
+        narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
+    ):
         raise ValueError(
-            f"block_rows needs block_m a multiple of 16 (half a block is a wgmma's 8..128 "
-            f"rows), got {block_m}, and one count per block: {block_rows.shape} for "
-            f"{block_experts.shape} blocks"
+            f"block_rows needs narrow_steps >= 1 halvings of block_m to a multiple of 8 (a "
+            f"wgmma's least rows), got block_m={block_m}, narrow_steps={narrow_steps}, and one "
+            f"count per block: {block_rows.shape} for {block_experts.shape} blocks"
         )
     _, n, k = w.shape
     p = x_rows.shape[0]
@@ -301,7 +309,7 @@ def mgpu_wna16_gemm(
     row = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(experts_gmem, *rest):
-        rows_gmem, rest = (rest[0], rest[1:]) if half_rows else (None, rest)
+        rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
         x_gmem, q_gmem, s_gmem, *rest = rest
         z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
         o_gmem, o_smem, *rest = rest
@@ -524,10 +532,13 @@ def mgpu_wna16_gemm(
             return store, zero_acc, run
 
         store, zero_acc, run = block_products(bm)
-        if half_rows:  # a block using at most bm // 2 rows computes and stores only those
+        if narrow:  # a block computes and stores the fewest rows (of the widths) it uses
             used = rows_gmem[bi]
-            pl.when((expert >= 0) & (used > bm // 2))(run)
-            pl.when((expert >= 0) & (used <= bm // 2))(block_products(bm // 2)[2])
+            widths = [bm >> j for j in range(narrow_steps + 1)]
+            for j, width in enumerate(widths):
+                narrower = widths[j + 1] if j < narrow_steps else -1
+                fits = (used > narrower) & ((used <= width) if j else True)
+                pl.when((expert >= 0) & fits)(run if j == 0 else block_products(width)[2])
         else:
             pl.when(expert >= 0)(run)
 
@@ -541,7 +552,7 @@ def mgpu_wna16_gemm(
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
     q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
     operands = [block_experts.astype(jnp.int32)]
-    if half_rows:
+    if narrow:
         operands.append(block_rows.astype(jnp.int32))
     operands += [x_rows, q_rows, w.scales]
     if has_offset:

@@ -260,8 +260,9 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (10, MgpuConfig(block_m=8, block_k=64, stages=3, down_block_n=128, down_stages=2)),
         (4, MgpuConfig(block_m=8, block_k=128, consumers=2, block_n=128)),  # falls back to 64
         (9, MgpuConfig(block_m=8, block_k=64, stages=3, down_tiles_per_program=4)),  # GEMM2: 2
-        (40, MgpuConfig(block_m=16, block_k=64, half_blocks=True)),  # ~10 rows per expert
-        (13, MgpuConfig(block_m=32, block_k=64, consumers=2, half_blocks=True)),
+        (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1)),  # ~10 rows per expert
+        (13, MgpuConfig(block_m=32, block_k=64, consumers=2, narrow_blocks=1)),
+        (30, MgpuConfig(block_m=32, block_k=64, narrow_blocks=3)),  # 32, 16 or 8 rows
     ],
     ids=str,
 )
@@ -727,17 +728,18 @@ def test_gemm_runs_of_tiles_lower_for_cuda(has_zp, block_m, block_k, splits, blo
 
 
 @pytest.mark.parametrize(
-    "has_zp,block_m,block_k,consumers,block_n,gated,stages",
-    [(True, 64, 256, 2, 64, True, 3), (True, 64, 256, 2, 128, False, 2),
-     (False, 16, 128, 0, 128, True, 3)],
+    "has_zp,block_m,block_k,consumers,block_n,gated,stages,narrow",
+    [(True, 64, 256, 2, 64, True, 3, 1), (True, 64, 256, 2, 128, False, 2, 1),
+     (False, 16, 128, 0, 128, True, 3, 1), (True, 64, 256, 2, 64, True, 3, 3),
+     (True, 32, 128, 0, 128, False, 3, 2)],
     ids=str,
 )  # fmt: skip
-def test_gemm_half_blocks_lower_for_cuda(has_zp, block_m, block_k, consumers, block_n, gated,
-                                         stages):  # fmt: skip
-    """The layer's M=4096 GEMMs with half blocks (two pipelines in one kernel) lower, and fit
-    in shared memory (the two share it: scoped allocations)."""
+def test_gemm_narrow_blocks_lower_for_cuda(has_zp, block_m, block_k, consumers, block_n, gated,
+                                           stages, narrow):  # fmt: skip
+    """The layer's M=4096 GEMMs with narrow blocks (a pipeline per width in one kernel) lower,
+    and fit in shared memory (the pipelines share it: scoped allocations)."""
     lowers_for_cuda(
-        has_zp, block_m, block_k, consumers, 1, block_n, gated, half_rows=True, stages=stages
+        has_zp, block_m, block_k, consumers, 1, block_n, gated, narrow=narrow, stages=stages
     )
 
 
@@ -750,7 +752,7 @@ def lowers_for_cuda(
     block_n,
     gated,
     tiles=1,
-    half_rows=False,
+    narrow=0,
     stages=4,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
@@ -773,7 +775,7 @@ def lowers_for_cuda(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
     )  # fmt: skip
-    args = (x, w, experts, experts) if half_rows else (x, w, experts)
+    args = (x, w, experts, experts) if narrow else (x, w, experts)
     lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
@@ -793,11 +795,10 @@ def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers,
     """DeepSeek-V3 (top-8 of 256): the block_m, k-step, warp specialization and features per
     warpgroup that won at each M in the probe (sessions 4-9: 3 stages, GEMM1's activation
     fused; session 10: GEMM2 of 64-row blocks with 128 features per consumer, 2 stages;
-    session 12: half blocks for 16 and 64 rows); other groups take one group per k-step (at
-    most 128)."""
+    session 12: half blocks, where they are whole wgmmas); other groups take one group per
+    k-step (at most 128)."""
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
-    half = block_m in (16, 64)
-    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n, **down, half_blocks=half)
+    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n, **down, narrow_blocks=1)
     assert default_config(m * 8, 256, 128) == want
     assert default_config(m * 8, 256, 64).block_k == 64
     assert default_config(m * 8, 256, 7168).block_k == 128
@@ -895,26 +896,27 @@ def test_tiles_per_program_divide_the_tiles(rng):
 
 
 @pytest.mark.parametrize(
-    "consumers,block_m,block_n,gated,splits,tiles",
-    [(0, 16, 64, False, 1, 1), (2, 32, 64, True, 1, 1), (1, 16, 128, False, 2, 1),
-     (0, 32, 64, False, 1, 2)],
+    "consumers,block_m,block_n,gated,splits,tiles,narrow",
+    [(0, 16, 64, False, 1, 1, 1), (2, 32, 64, True, 1, 1, 1), (1, 16, 128, False, 2, 1, 1),
+     (0, 32, 64, False, 1, 2, 1), (0, 32, 64, False, 1, 1, 2), (2, 64, 64, True, 1, 1, 3)],
     ids=str,
 )  # fmt: skip
-def test_gemm_half_blocks(rng, consumers, block_m, block_n, gated, splits, tiles):
-    """block_rows: blocks using at most block_m // 2 rows compute those rows alone (the rest
-    of their output rows unwritten: NaN in the interpreter), the others all; the rows in use
-    match numpy either way."""
+def test_gemm_narrow_blocks(rng, consumers, block_m, block_n, gated, splits, tiles, narrow):
+    """block_rows: a block using at most block_m / 2^j rows (j <= narrow_steps) computes the
+    first block_m / 2^j rows alone, for the largest such j (the rest of its output rows
+    unwritten: NaN in the interpreter); the rows in use match numpy."""
     e, k, g = 3, 512, 128
     n = block_n * max(consumers, 1) * tiles * 2 * (2 if gated else 1)
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, g, True, BF16)
     block_experts = np.asarray([1, 0, -1, 2, 1, 0], np.int32)
     half = block_m // 2
-    used = np.asarray([block_m, half, 0, 1, half + 1, 3], np.int32)
+    used = np.asarray([block_m, half, 0, 1, half + 1, block_m >> narrow], np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(used) * block_m, k)), BF16)
     out = mgpu_wna16_gemm(
         x_rows, prepare_weights(qw), jnp.asarray(block_experts), jnp.asarray(used),
         block_m=block_m, block_k=128, block_n=block_n, consumers=consumers, splits=splits,
-        gated=gated, tiles_per_program=tiles, out_dtype=jnp.float32, interpret=INTERPRET,
+        gated=gated, tiles_per_program=tiles, narrow_steps=narrow, out_dtype=jnp.float32,
+        interpret=INTERPRET,
     )  # fmt: skip
     if splits > 1:
         out = out.sum(axis=0)
@@ -924,9 +926,9 @@ def test_gemm_half_blocks(rng, consumers, block_m, block_n, gated, splits, tiles
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
         ref = gate / (1 + np.exp(-gate)) * up
     in_use = (np.arange(block_m)[None, :] < used[:, None]).reshape(-1)
-    computed = np.repeat(np.where(used <= half, half, block_m), block_m) > np.tile(
-        np.arange(block_m), len(used)
-    )
+    widths = [block_m >> j for j in range(narrow + 1)]
+    width = [min(w for w in widths if w >= max(u, 1)) for u in used]  # the narrowest that fits
+    computed = np.repeat(width, block_m) > np.tile(np.arange(block_m), len(used))
     empty = np.repeat(block_experts < 0, block_m)
     assert np.all(out[empty] == 0), "rows of expert -1 blocks must be zeros"
     rows = in_use & ~empty
@@ -938,14 +940,23 @@ def test_gemm_half_blocks(rng, consumers, block_m, block_n, gated, splits, tiles
     helpers.assert_finite_and_close(
         out[extra], ref[extra], TOL, "padding rows", slack=ELEMENT_SLACK
     )
-    if INTERPRET:  # the interpreter's outputs start as NaN: the half blocks wrote no more
+    if INTERPRET:  # the interpreter's outputs start as NaN: the narrow blocks wrote no more
         assert np.all(np.isnan(out[~computed & ~empty]))
 
 
-def test_half_blocks_need_whole_halves(rng):
+@pytest.mark.parametrize("block_m,narrow", [(8, 1), (16, 2), (32, 0)])
+def test_narrow_blocks_stay_whole_wgmmas(rng, block_m, narrow):
     qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16)
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="narrow_steps"):
         mgpu_wna16_gemm(
-            jnp.zeros((24, 256), BF16), prepare_weights(qw), jnp.zeros(3, jnp.int32),
-            jnp.zeros(3, jnp.int32), block_m=8, interpret=True,
+            jnp.zeros((3 * block_m, 256), BF16), prepare_weights(qw), jnp.zeros(3, jnp.int32),
+            jnp.zeros(3, jnp.int32), block_m=block_m, narrow_steps=narrow, interpret=True,
         )  # fmt: skip
+
+
+def test_narrow_steps_keep_whole_wgmmas():
+    assert MgpuConfig(8, narrow_blocks=1).narrow_steps() == 0
+    assert MgpuConfig(16, narrow_blocks=2).narrow_steps() == 1
+    assert MgpuConfig(64, narrow_blocks=2).narrow_steps() == 2
+    assert MgpuConfig(64, narrow_blocks=5).narrow_steps() == 3  # 64, 32, 16, 8
+    assert MgpuConfig(64).narrow_steps() == 0
