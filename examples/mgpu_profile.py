@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -178,30 +179,29 @@ def main(argv=None) -> int:
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
     group = h if g == -1 else g
     key = jax.random.key(0)
-    make = dict(bits=4, group_size=g, has_zp=not args.no_zp, dtype=jnp.bfloat16)
-    to_mgpu = lambda w: wj.layouts.to_kernel_layout(w, "mgpu_int4")  # noqa: E731
-    make_experts = lambda seed, n, k: to_mgpu(  # noqa: E731
-        benchmark._random_experts(jax.random.fold_in(key, seed), e, n, k, **make)
-    )
-    weights = {"GEMM1": make_experts(1, 2 * i, h), "GEMM2": make_experts(2, h, i)}
+    w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=not args.no_zp)
+    to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
+    weights = {"GEMM1": to_mgpu(w13), "GEMM2": to_mgpu(w2)}
     summary = []
     for m in args.m:
         if args.config:
             cfg = mgpu_probe.parse_config(args.config)
         else:
             cfg = default_config(m * top_k, e, group)
-        tws, idss = benchmark.random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, 1)
-        x = jax.random.normal(jax.random.fold_in(key, 3 + m), (m, h), jnp.bfloat16)
+        xs, _, idss = benchmark.probe_inputs(key, args.preset, m, num_sets=1)
         _, used, x_rows = mgpu_fused_moe.block_rows(
-            x, idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
+            xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
             interpret=args.interpret,
         )  # fmt: skip
         for what, w in weights.items():
             # The splits the layer would take on all its blocks; then at most --max-programs.
             act = jnp.bfloat16 if what == "GEMM1" else None
             this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w, used.shape[0], act)
-            tiles = w.shape[1] // this.tile_n()
-            blocks = min(used.shape[0], max(1, args.max_programs // (tiles * splits)))
+            # programs per block: its runs of output tiles, per split
+            runs = (
+                w.shape[1] // (2 if gated else 1) // this.tile_n() // options["tiles_per_program"]
+            )
+            blocks = min(used.shape[0], max(1, args.max_programs // (runs * splits)))
             experts = used[:blocks]
             rows = x_rows if what == "GEMM1" else jax.random.normal(key, x_rows.shape[:1] + (i,))
             rows = rows[: blocks * cfg.block_m].astype(jnp.bfloat16)
