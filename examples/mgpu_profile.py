@@ -198,9 +198,7 @@ def main(argv=None) -> int:
             act = jnp.bfloat16 if what == "GEMM1" else None
             this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w, used.shape[0], act)
             # programs per block: its runs of output tiles, per split
-            runs = (
-                w.shape[1] // (2 if gated else 1) // this.tile_n() // options["tiles_per_program"]
-            )
+            runs = mgpu_fused_moe.output_tiles(this, w, gated) // options["tiles_per_program"]
             blocks = min(used.shape[0], max(1, args.max_programs // (runs * splits)))
             experts = used[:blocks]
             rows = x_rows if what == "GEMM1" else jax.random.normal(key, x_rows.shape[:1] + (i,))

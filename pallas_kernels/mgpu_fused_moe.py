@@ -36,8 +36,8 @@ class MgpuConfig:
     256-wide steps (the default with 64-row blocks: `default_config`), and its own k-step
     (down_block_k). tiles_per_program (down_tiles_per_program for GEMM2): the most output
     tiles of a block one program computes in one pipeline (`tiles_per_program` takes the
-    largest divisor of the GEMM's tile count up to it); None:
-    enough tiles for MIN_STEPS_PER_PROGRAM k-steps. narrow_blocks: how many times both GEMMs
+    largest divisor of the GEMM's tile count up to it); None: enough tiles for
+    MIN_STEPS_PER_PROGRAM k-steps. narrow_blocks: how many times both GEMMs
     may halve a block that uses at most that many of its rows (mgpu_wna16_gemm's block_rows
     and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8)."""
 
@@ -286,12 +286,18 @@ def gemm_plan(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, activation_
     this = gemm_config(cfg if activation_dtype is not None else down_config(cfg), w)
     splits = gemm_splits(this, w, num_blocks)
     gated = activation_dtype is not None and fuses_activation(this, w, splits)
-    n_tiles = w.shape[1] // (2 if gated else 1) // this.tile_n()
     steps = w.shape[2] // this.block_k
     options = gemm_options(
-        this, splits, n_tiles=n_tiles, steps=steps, gated=gated, out_dtype=activation_dtype
-    )
+        this, splits, n_tiles=output_tiles(this, w, gated), steps=steps, gated=gated,
+        out_dtype=activation_dtype,
+    )  # fmt: skip
     return this, splits, gated, options
+
+
+def output_tiles(cfg: MgpuConfig, w: QuantizedExperts, gated: bool) -> int:
+    """A block's output tiles in a GEMM on `w` at cfg (gated: of the activation, half w's
+    rows)."""
+    return w.shape[1] // (2 if gated else 1) // cfg.tile_n()
 
 
 def block_gemm(cfg: MgpuConfig, interpret: bool):

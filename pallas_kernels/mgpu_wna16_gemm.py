@@ -451,7 +451,8 @@ def mgpu_wna16_gemm(
                 # them (the next tile's copies are already in flight).
                 ni, kk = tile_and_step(idx)
                 keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, rows), ())
-                accs = tuple(a * plgpu.layout_cast(keep, wgmma) for a in accs)
+                keep = plgpu.layout_cast(keep, wgmma)
+                accs = tuple(a * keep for a in accs)
                 accs = products(accs, q_refs, x_smem, s_refs, z_refs)
 
                 @pl.when(kk == steps - 1)
