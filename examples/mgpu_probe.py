@@ -76,10 +76,6 @@ def parse_config(text: str) -> MgpuConfig:
             fields[6] = bool(fields[6])
         if len(fields) > 12 and fields[12] is None:  # narrow_blocks
             fields[12] = 0
-        for bool_field, default in ((13, False), (14, True)):  # fuse_topk_sum, await_writes
-            if len(fields) > bool_field:
-                value = fields[bool_field]
-                fields[bool_field] = default if value is None else bool(value)
         return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
@@ -111,15 +107,13 @@ def main(argv=None) -> int:
         type=parse_config,
         default=[],
         metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES,"
-        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,FUSE_TOPK_SUM,AWAIT_WRITES",
+        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
         "64,256,3,2,-,64,1,128,2: GEMM2 at 128 features per consumer and 2 stages; "
         "64,256,3,2,-,64,1,128,2,-,-,-,2: and blocks narrowed to half or a quarter of their "
-        "rows where they use no more; ...,2,1: and GEMM2 adding each row into its token's "
-        "output (the top-k sum fused); ...,2,-,0: programs not waiting for their output's "
-        "writes at their end",
+        "rows where they use no more",
     )
     p.add_argument(
         "--chain",
@@ -212,29 +206,22 @@ def main(argv=None) -> int:
         # The two GEMMs alone as the layer runs them (GEMM1 with the activation, fused where
         # the config fuses it; GEMM2's f32 output; the rows in use with narrow blocks), on set
         # 0's rows.
-        blocks = mgpu_fused_moe.aligned_blocks(
+        block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
             xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
             interpret=interpret,
         )  # fmt: skip
-        in_use = blocks.in_use if cfg.narrow_steps() or cfg.fuse_topk_sum else None
-        x_rows = blocks.x_rows
+        in_use = in_use if cfg.narrow_steps() else None
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
-        # GEMM2 with the top-k sum fused: each row added into its token's row (f32 [m, H])
-        targets = (
-            dict(targets=mgpu_fused_moe.row_targets(blocks.slots, tws[0]), out_rows=m)
-            if cfg.fuse_topk_sum
-            else {}
-        )
-        for what, w, a, act, extra, work in (
-            ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, {}, dict(weight_bytes=bytes1, flops=flops1)),
-            ("mgpu GEMM2", w2p, act_rows, None, targets, dict(weight_bytes=bytes2, flops=flops2)),
+        for what, w, a, act, work in (
+            ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, dict(weight_bytes=bytes1, flops=flops1)),
+            ("mgpu GEMM2", w2p, act_rows, None, dict(weight_bytes=bytes2, flops=flops2)),
         ):
             t, _ = benchmark.time_loop(
-                lambda w, a, ex, used, gemm=gemm, act=act, extra=extra: gemm(
-                    a, w, ex, used, activation_dtype=act, **extra
+                lambda w, a, ex, used, gemm=gemm, act=act: gemm(
+                    a, w, ex, used, activation_dtype=act
                 ),
-                [(a, blocks.experts, in_use)],
+                [(a, block_experts, in_use)],
                 consts=(w,),
                 **timing,
             )

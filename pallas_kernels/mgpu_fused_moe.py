@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +39,7 @@ class MgpuConfig:
     largest divisor of the GEMM's tile count up to it); None: enough tiles for
     MIN_STEPS_PER_PROGRAM k-steps. narrow_blocks: how many times both GEMMs
     may halve a block that uses at most that many of its rows (mgpu_wna16_gemm's block_rows
-    and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8). fuse_topk_sum:
-    GEMM2 adds each row's weighted product into its token's output row (mgpu_wna16_gemm's
-    row_targets): no f32 [P, H] output and no gather and sum over the k slots after it.
-    await_writes: a GEMM program's end waits for its output copies to be written (True) or
-    only to have read shared memory (False)."""
+    and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8)."""
 
     block_m: int
     block_k: int = 128
@@ -59,8 +54,6 @@ class MgpuConfig:
     tiles_per_program: int | None = None
     down_tiles_per_program: int | None = None
     narrow_blocks: int = 0
-    fuse_topk_sum: bool = False
-    await_writes: bool = True
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -268,8 +261,7 @@ def gemm_options(
     out_dtype)."""
     return dict(
         tiles_per_program=tiles_per_program(cfg, n_tiles, steps // splits),
-        narrow_steps=cfg.narrow_steps(),  # with the rows in use (`_chunk`)
-        await_writes=cfg.await_writes,
+        narrow_steps=cfg.narrow_steps() or 1,  # with the rows in use (`_chunk`)
         block_m=cfg.block_m,
         block_k=cfg.block_k,
         block_n=cfg.block_n,
@@ -313,19 +305,12 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     (rows_in_use: mgpu_wna16_gemm's block_rows, or None; GEMM2's:
     `down_config`), K-split partial products summed; with activation_dtype, w's rows are
     [gate; up] and the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue
-    where `fuses_activation`); with targets (a token and a weight per row) and out_rows, the
-    weighted rows summed per token, [out_rows, N] f32 (mgpu_wna16_gemm's row_targets)."""
+    where `fuses_activation`)."""
 
-    def gemm(
-        rows, w, block_experts, rows_in_use=None, activation_dtype=None, targets=None,
-        out_rows=None,
-    ):  # fmt: skip
+    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None):
         _, splits, gated, options = gemm_plan(cfg, w, block_experts.shape[0], activation_dtype)
-        out = mgpu_wna16_gemm(
-            rows, w, block_experts, rows_in_use, targets, **options, out_rows=out_rows,
-            interpret=interpret,
-        )  # fmt: skip
-        if gated or targets is not None:
+        out = mgpu_wna16_gemm(rows, w, block_experts, rows_in_use, **options, interpret=interpret)
+        if gated:
             return out
         out = out.sum(axis=0) if splits > 1 else out
         if activation_dtype is None:
@@ -348,21 +333,10 @@ def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, inter
     return slots, block_experts, rows_in_block_order(x, slots, k, interpret=interpret)
 
 
-class Blocks(NamedTuple):
-    """The GEMMs' blocks for a chunk of T tokens (`one_token_blocks`, `aligned_blocks`)."""
-
-    experts: jax.Array  # [B] each block's expert (-1: none)
-    x_rows: jax.Array  # [B * block_m, H] x's rows in block order
-    position: jax.Array  # [T*k] each slot's row (a slot the blocks do not hold: 0, masked)
-    in_use: jax.Array  # [B] the rows in use per block, its first ones
-    slots: jax.Array  # [B * block_m] each row's slot (T*k: padding)
-
-
-def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map) -> Blocks:
+def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
     """For one token ([1, H], topk_ids [1, k]): the block experts [k], rows [k * block_m, H]
     of one block per slot, slot j's row first in block j (the rest zero), each slot's row
-    position j * block_m, the rows in use per block (ones) and each row's slot. No alignment
-    kernel: a token's
+    position j * block_m and the rows in use per block (ones). No alignment kernel: a token's
     k experts are distinct, so this is the blocks the alignment gives (in slot order, not
     expert order), and their rows are the same products. Slots the alignment drops (ids out of
     range, or off this shard through expert_map) get expert -1 (zero rows, masked by the
@@ -373,16 +347,13 @@ def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map)
     )
     k, h = block_experts.shape[0], x.shape[1]
     x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
-    slots = jnp.full((k, block_m), k, jnp.int32).at[:, 0].set(jnp.arange(k, dtype=jnp.int32))
-    position = jnp.arange(k, dtype=jnp.int32) * block_m
-    return Blocks(block_experts, x_rows, position, jnp.ones(k, jnp.int32), slots.reshape(-1))
+    return block_experts, x_rows, jnp.arange(k, dtype=jnp.int32) * block_m, jnp.ones(k, jnp.int32)
 
 
-def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret) -> Blocks:
+def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret):
     """The block experts [B], rows in block order [B * block_m, H] (`block_rows`), each slot's
-    row position [T*k] (a slot the alignment dropped keeps position 0; the caller masks it),
-    the rows in use per block [B] (its first ones: each expert's run is padded at its end) and
-    each row's slot."""
+    row position [T*k] (a slot the alignment dropped keeps position 0; the caller masks it) and
+    the rows in use per block [B] (its first ones: each expert's run is padded at its end)."""
     t, k = topk_ids.shape
     slots, block_experts, x_rows = block_rows(
         x, topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
@@ -392,17 +363,7 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
     position = jnp.zeros(t * k, jnp.int32)
     position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
     in_use = (slots < t * k).reshape(-1, block_m).sum(axis=1, dtype=jnp.int32)
-    return Blocks(block_experts, x_rows, position, in_use, slots)
-
-
-def row_targets(slots, topk_weights):
-    """Each row's token and routing weight (mgpu_wna16_gemm's row_targets) from its slot
-    (slots [P]; padding, T*k: token 0, weight 0) and topk_weights [T, k]."""
-    t, k = topk_weights.shape
-    placed = slots < t * k
-    slot = jnp.where(placed, slots, 0)
-    weight = jnp.where(placed, topk_weights.reshape(-1)[slot].astype(jnp.float32), 0.0)
-    return slot // k, weight
+    return block_experts, x_rows, position, in_use
 
 
 def _chunk(
@@ -414,25 +375,24 @@ def _chunk(
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     blocks = dict(num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map)
     if t == 1 and one_token:
-        b = one_token_blocks(x, topk_ids, **blocks)
+        block_experts, x_rows, position, in_use = one_token_blocks(x, topk_ids, **blocks)
     else:
-        b = aligned_blocks(x, topk_ids, **blocks, interpret=interpret)
-    # The GEMMs take the rows in use where they narrow blocks or GEMM2 sums over the slots.
-    in_use = b.in_use if cfg.narrow_steps() or cfg.fuse_topk_sum else None
+        block_experts, x_rows, position, in_use = aligned_blocks(
+            x, topk_ids, **blocks, interpret=interpret
+        )
+    if not cfg.narrow_steps():
+        in_use = None
     gemm = block_gemm(cfg, interpret)
     # The activation and the top-k sum see unrounded f32 sums. The activation is rounded to x's
     # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it
     # in f32).
     # With narrow blocks, a block's unused rows of `act` may be unwritten; GEMM2 reads none.
-    act = gemm(b.x_rows, w13, b.experts, in_use, activation_dtype=x.dtype)  # [P, I]
-    if cfg.fuse_topk_sum:  # each row's weighted product added into its token's row
-        targets = row_targets(b.slots, topk_weights)
-        return gemm(act, w2, b.experts, in_use, targets=targets, out_rows=t)
-    y = gemm(act, w2, b.experts, in_use)  # [P, H]
+    act = gemm(x_rows, w13, block_experts, in_use, activation_dtype=x.dtype)  # [P, I]
+    y = gemm(act, w2, block_experts, in_use)  # [P, H]
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).
     local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    rows = jnp.where(local[:, None] >= 0, y[b.position], 0.0)
+    rows = jnp.where(local[:, None] >= 0, y[position], 0.0)
     return (rows.reshape(t, k, -1) * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
 
 

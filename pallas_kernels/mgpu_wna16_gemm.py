@@ -123,6 +123,31 @@ def check_config(
         )
 
 
+# Shared memory a program may take on sm_90 (227 KB), less 2 KB for the pipeline's barriers and
+# alignment.
+SMEM_BYTES = 232448 - 2048
+
+
+def output_buffer_rows(
+    *, block_m: int, block_k: int, tile_n: int, halves: int, groups_per_step: int,
+    has_offset: bool, scale_bytes: int, stages: int, warpgroups: int, out_bytes: int,
+) -> int:  # fmt: skip
+    """Rows of each warpgroup's output buffer ([rows, 64]): the block's, or half of them (then a
+    quarter, ...; at least 8) where the pipeline's stages leave no room for the whole block's.
+    E.g. GEMM2 of 64-row blocks with 256 features per program and 3 stages of 256-wide k-steps:
+    198 KB of stages leave no room for two [64, 64] f32 buffers (32 KB), so they take 32 rows
+    and a sub-tile is stored in two copies."""
+    stage = (
+        halves * tile_n * block_k // 2  # int4 weights
+        + block_m * block_k * 2  # bf16 rows
+        + halves * groups_per_step * tile_n * scale_bytes * (2 if has_offset else 1)
+    )
+    rows = block_m
+    while rows % 16 == 0 and stages * stage + warpgroups * rows * TILE * out_bytes > SMEM_BYTES:
+        rows //= 2
+    return rows
+
+
 # bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
 # the mantissa counts units); the xor also flips the stored nibble's bit 3: (q - 8) ^ 8 = q.
 _BF16_128_XOR_8 = 0x43084308
@@ -178,57 +203,6 @@ def _biased_tile(q_tile):
     return convert(q_tile)
 
 
-def _add_rows(buffer, out, tokens, count):
-    """Adds row r of `buffer` (shared memory, [rows, 64] f32) into row tokens[r] of `out` (global
-    memory, [T, 64] f32: a column slice of the output) for each r < count[0]: thread r of the
-    warpgroup issues one bulk reduction (cp.reduce.async.bulk ... add.f32 of 256 bytes), so a
-    block's rows are added in parallel, each in L2. The copies are one bulk group per thread,
-    waited for by `plgpu.wait_smem_to_gmem`; the caller has fenced the buffer's stores
-    (`plgpu.commit_smem`). Compiled code only (inline Mosaic GPU)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, nvvm
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    rows, width = buffer.shape
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)
-    def add(_, buffer_ref, out_ref, tokens_ref, count_ref):
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        f32 = ir.F32Type.get()
-        row_stride = ir.MemRefType(out_ref.type).get_strides_and_offset()[0][0]
-        thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
-        count = llvm.load(i32, mgpu_utils.memref_ptr(count_ref))
-        tokens_ptr = mgpu_utils.memref_ptr(tokens_ref)
-        out_ptr = mgpu_utils.memref_ptr(out_ref)
-        buffer_ptr = mgpu_utils.memref_ptr(buffer_ref)
-        for first in range(0, rows, 128):
-            r = arith.addi(thread, mgpu_utils.c(first, i32)) if first else thread
-            active = arith.cmpi(arith.CmpIPredicate.slt, r, count)
-            active = arith.andi(
-                active, arith.cmpi(arith.CmpIPredicate.slt, r, mgpu_utils.c(rows, i32))
-            )
-            # a thread past the rows reads the last row's token (in bounds) and issues nothing
-            safe = arith.minui(r, mgpu_utils.c(rows - 1, i32))
-            token = llvm.load(i32, mgpu_utils.getelementptr(tokens_ptr, [safe], i32))
-            offset = arith.muli(arith.extui(i64, token), mgpu_utils.c(row_stride, i64))
-            dst = mgpu_utils.getelementptr(out_ptr, [offset], f32)
-            src = mgpu_utils.getelementptr(
-                buffer_ptr, [arith.muli(safe, mgpu_utils.c(width, i32))], f32
-            )
-            llvm.inline_asm(
-                ir.Type.parse("!llvm.void"),
-                [active, dst, src],
-                f"@$0 cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$1], [$2], "
-                f"{width * 4};",
-                "b,l,l",
-                has_side_effects=True,
-            )
-        nvvm.cp_async_bulk_commit_group()
-
-    add(buffer, out, tokens, count)
-
-
 def _swizzled(shape, dtype, what: str):
     """Tiling + swizzle transforms for an SMEM tile whose minor dimension is shape[-1]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -250,8 +224,7 @@ def _swizzled(shape, dtype, what: str):
         "gated",
         "tiles_per_program",
         "narrow_steps",
-        "out_rows",
-        "await_writes",
+        "buffer_rows",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -262,7 +235,6 @@ def mgpu_wna16_gemm(
     w: QuantizedExperts,
     block_experts: jax.Array,
     block_rows: jax.Array | None = None,
-    row_targets: tuple[jax.Array, jax.Array] | None = None,
     *,
     block_m: int,
     block_k: int = 128,
@@ -273,8 +245,7 @@ def mgpu_wna16_gemm(
     gated: bool = False,
     tiles_per_program: int = 1,
     narrow_steps: int = 1,
-    out_rows: int | None = None,
-    await_writes: bool = True,
+    buffer_rows: int | None = None,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -313,21 +284,14 @@ def mgpu_wna16_gemm(
     first block_m // 2 only (wgmmas of half the width: about half the tensor-core work, the
     same weight bytes and dequantization) and leaves its other output rows unwritten: for the
     layer's prefill blocks of 64 rows, where an expert's last block holds 1..64 rows.
-    narrow_steps (with block_rows): how many times a block may be halved (0: never): with 2, a block
+    narrow_steps (with block_rows): how many times a block may be halved: with 2, a block
     using at most block_m // 4 rows runs at a quarter of the width (each width a multiple of
     8, a wgmma's least). Each width is its own pipeline in the kernel (sibling scoped
     allocations: they share shared memory).
 
-    row_targets (token [P] int32, weight [P] f32; with block_rows, not gated): the top-k sum in
-    the epilogue. The output is [out_rows, N] f32, zeros plus, for each row p a block uses,
-    weight[p] * (x_rows[p] @ W.T) added into row token[p]: each row of a stored sub-tile is
-    one bulk reduction into L2 (`_add_rows`), issued by its own thread; K-split partial
-    products are added alike (no [splits, P, N] output). The order of a row's additions is
-    not fixed, so the f32 sums may differ between runs in their last bits. In place of the
-    layer's f32 [P, N] output and its gather and sum over the k slots.
-
-    await_writes=False: a program's end waits only until its output copies have read shared
-    memory, not until they are written (a kernel's writes are complete when it ends).
+    buffer_rows: rows of each warpgroup's output buffer in shared memory (a multiple of 8
+    dividing block_m); None: `output_buffer_rows`, the block's where they fit beside the
+    pipeline's stages. A sub-tile is stored in copies of that many rows.
 
     Blocks with expert -1 give zero rows (leaving them unwritten for the layer's trailing
     unused blocks measured no faster on the H200, session 12: M=16 784.2 vs 782.6 us,
@@ -344,23 +308,11 @@ def mgpu_wna16_gemm(
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
     )  # fmt: skip
     narrow = block_rows is not None
-    targets = row_targets is not None
-    if targets and (not narrow or gated or out_rows is None):
-        raise ValueError(
-            "row_targets (the top-k sum in the epilogue) needs block_rows (the rows in use), "
-            "out_rows and gated=False"
-        )
-    if targets and (row_targets[0].shape != (x_rows.shape[0],) or
-                    row_targets[1].shape != (x_rows.shape[0],)):  # fmt: skip
-        raise ValueError(
-            f"row_targets needs a token and a weight per row of x_rows ({x_rows.shape[0]}), got "
-            f"{row_targets[0].shape} and {row_targets[1].shape}"
-        )
     if narrow and (
-        narrow_steps < 0 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
+        narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
     ):
         raise ValueError(
-            f"block_rows needs narrow_steps >= 0 halvings of block_m to a multiple of 8 (a "
+            f"block_rows needs narrow_steps >= 1 halvings of block_m to a multiple of 8 (a "
             f"wgmma's least rows), got block_m={block_m}, narrow_steps={narrow_steps}, and one "
             f"count per block: {block_rows.shape} for {block_experts.shape} blocks"
         )
@@ -384,13 +336,20 @@ def mgpu_wna16_gemm(
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
     n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
+    if buffer_rows is None:
+        buffer_rows = output_buffer_rows(
+            block_m=bm, block_k=bk, tile_n=tile_n, halves=halves, groups_per_step=groups_per_step,
+            has_offset=has_offset, scale_bytes=w.scales.dtype.itemsize,
+            stages=min(max_concurrent_steps, tiles * steps), warpgroups=wgs,
+            out_bytes=out_dtype.itemsize,
+        )  # fmt: skip
+    elif buffer_rows % 8 or bm % buffer_rows:
+        raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
     wgmma = plgpu.Layout.WGMMA
-    row = plgpu.Layout.WGMMA.reduce(1)  # a value per feature (the accumulators' rows)
-    column = plgpu.Layout.WGMMA.reduce(0)  # a value per token row (their columns)
+    row = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(experts_gmem, *rest):
         rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
-        (tokens_gmem, weights_gmem), rest = (rest[:2], rest[2:]) if targets else ((None,) * 2, rest)
         x_gmem, q_gmem, s_gmem, *rest = rest
         z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
         o_gmem, o_smem, *rest = rest
@@ -415,50 +374,28 @@ def mgpu_wna16_gemm(
             @jax.named_scope("store")
             def store(values, ni):
                 # This warpgroup's [rows, block_n] part of output tile ni, one copy per sub-tile
-                # through one [bm, 64] buffer (2 stages of 256-wide gated k-steps with 128 features
-                # per consumer leave no room for more; a buffer per sub-tile where they fit measured
-                # the same, session 10: M=4096 7848.9 vs 7866.9 us). The copies are waited for at
-                # the program's end (`store_all`); a copy waits only until the last has read the
-                # buffer.
-                out_tile = o_gmem.at[si] if splits > 1 and not targets else o_gmem
-                buffer = o_smem.at[wg] if rows == bm else o_smem.at[wg, pl.ds(0, rows)]
-                if targets:
-                    values = weighted(values)
+                # and chunk of buffer_rows rows through one [buffer_rows, 64] buffer (a buffer
+                # per sub-tile where they fit measured the same, session 10: M=4096 7848.9 vs
+                # 7866.9 us). The copies are waited for at the program's end (`store_all`); a
+                # copy waits only until the last has read the buffer.
+                out_tile = o_gmem.at[si] if splits > 1 else o_gmem
+                chunk = min(rows, buffer_rows)
+                buffer = o_smem.at[wg] if chunk == buffer_rows else o_smem.at[wg, pl.ds(0, chunk)]
                 for s, value in enumerate(values):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    buffer.T[...] = plgpu.layout_cast(
-                        value.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
-                    )
-                    plgpu.commit_smem()
                     cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
-                    if targets:
-                        add_rows(buffer, out_tile.at[:, cols])
-                    else:
-                        plgpu.copy_smem_to_gmem(buffer, out_tile.at[pl.ds(bi * bm, rows), cols])
-
-            def weighted(values):
-                # each row's product times its slot's routing weight
-                w = plgpu.load(
-                    weights_gmem.at[pl.ds(bi * bm, rows)], layout=column, optimized=False
-                )
-                return tuple(v * lax.broadcast_in_dim(w, v.shape, [1]) for v in values)
-
-            def add_rows(buffer, out_cols):
-                tokens = tokens_gmem.at[pl.ds(bi * bm, rows)]
-                if not interpret:
-                    _add_rows(buffer, out_cols, tokens, rows_gmem.at[pl.ds(bi, 1)])
-                    return
-
-                def add_row(r, carry):  # the interpreter: one program at a time
-                    row = out_cols.at[pl.ds(tokens[r], 1)]
-                    row[...] = row[...] + buffer.at[pl.ds(r, 1)][...]
-                    return carry
-
-                lax.fori_loop(0, jnp.minimum(rows_gmem[bi], rows), add_row, 0)
+                    for first in range(0, rows, chunk):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        part = value if chunk == rows else value[:, first : first + chunk]
+                        buffer.T[...] = plgpu.layout_cast(
+                            part.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
+                        )
+                        plgpu.commit_smem()
+                        out_rows = pl.ds(bi * bm + first, chunk)
+                        plgpu.copy_smem_to_gmem(buffer, out_tile.at[out_rows, cols])
 
             def store_all(values, ni):
                 store(values, ni)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=not await_writes)
+                plgpu.wait_smem_to_gmem(0)
 
             def epilogue(accs):
                 """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
@@ -630,7 +567,7 @@ def mgpu_wna16_gemm(
             def run():
                 if tiles > 1:  # each tile stored at its last k-step
                     pipeline(lambda run: run(zero_acc()))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=not await_writes)
+                    plgpu.wait_smem_to_gmem(0)
                 elif not consumers:
                     store_all(epilogue(pipeline()), n_run)
                 else:
@@ -650,12 +587,10 @@ def mgpu_wna16_gemm(
             pl.when(expert >= 0)(run)
 
         @pl.when((expert < 0) & (wg < wgs))
-        def _zeros():  # (with row_targets such a block adds nothing)
-            if targets:
-                return
+        def _zeros():
             for j in range(tiles):
                 store(zero_acc()[:subs], n_run * tiles + j)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=not await_writes)
+            plgpu.wait_smem_to_gmem(0)
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
@@ -663,15 +598,11 @@ def mgpu_wna16_gemm(
     operands = [block_experts.astype(jnp.int32)]
     if narrow:
         operands.append(block_rows.astype(jnp.int32))
-    if targets:
-        operands += [row_targets[0].astype(jnp.int32), row_targets[1].astype(jnp.float32)]
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
-    if targets:
-        out_dtype = jnp.dtype(jnp.float32)
-    scratch = [plgpu.SMEM((wgs, bm, TILE), out_dtype)]
+    scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
@@ -682,7 +613,7 @@ def mgpu_wna16_gemm(
         profile = dict(profile_space=2 * regions * steps + 8, profile_dir=profile_dir)
     call = plgpu.kernel(
         kernel,
-        out_type=() if targets else jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=scratch,
         grid=(splits * blocks * n_runs,),
         grid_names=("p",),
@@ -692,9 +623,4 @@ def mgpu_wna16_gemm(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
     )
-    if not targets:
-        return call(*operands)
-    # The kernel adds into zeros (a mutable array: its buffer is the kernel's operand and result).
-    out = jax.new_ref(jnp.zeros((out_rows, out_n), jnp.float32))
-    call(*operands, out)
-    return out[...]
+    return call(*operands)

@@ -32,7 +32,11 @@ plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 import wna16_jax as wj  # noqa: E402
 from pallas_kernels import mgpu_fused_moe  # noqa: E402
 from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
-from pallas_kernels.mgpu_wna16_gemm import check_config, mgpu_wna16_gemm  # noqa: E402
+from pallas_kernels.mgpu_wna16_gemm import (  # noqa: E402
+    check_config,
+    mgpu_wna16_gemm,
+    output_buffer_rows,
+)
 
 
 def prepare_weights(qw):
@@ -263,32 +267,6 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1)),  # ~10 rows per expert
         (13, MgpuConfig(block_m=32, block_k=64, consumers=2, narrow_blocks=1)),
         (30, MgpuConfig(block_m=32, block_k=64, narrow_blocks=3)),  # 32, 16 or 8 rows
-        # GEMM2 adds each row into its token's output (the top-k sum fused)
-        (1, MgpuConfig(block_m=8, block_k=64, fuse_topk_sum=True)),
-        (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1, fuse_topk_sum=True)),
-        (7, MgpuConfig(block_m=8, block_k=64, consumers=2, splits=2, fuse_topk_sum=True)),
-        (
-            13,
-            MgpuConfig(
-                block_m=32,
-                block_k=64,
-                consumers=2,
-                narrow_blocks=1,
-                fuse_topk_sum=True,
-                await_writes=False,
-            ),
-        ),  # fmt: skip
-        (
-            9,
-            MgpuConfig(
-                block_m=8,
-                block_k=64,
-                stages=3,
-                down_tiles_per_program=4,
-                fuse_topk_sum=True,
-                await_writes=False,
-            ),
-        ),  # fmt: skip
     ],
     ids=str,
 )
@@ -382,12 +360,9 @@ def test_fused_moe_chunks_match_one_chunk(rng):
     np.testing.assert_array_equal(np.asarray(chunked, np.float32), np.asarray(whole, np.float32))
 
 
-@pytest.mark.parametrize(
-    "config", [None, MgpuConfig(block_m=8, block_k=64, fuse_topk_sum=True)], ids=str
-)
-def test_fused_moe_expert_map_and_dropped_slots(rng, config):
+def test_fused_moe_expert_map_and_dropped_slots(rng):
     """An expert shard (expert_map, off-shard blocks give zeros) and out-of-range ids (dropped)
-    match numpy, as the other backends do (also with the top-k sum in GEMM2)."""
+    match numpy, as the other backends do."""
     e_global, e_local, top_k, t, h, i = 8, 4, 3, 6, 128, 64
     w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e_local, h, i, 4, 64, True, BF16)
@@ -399,7 +374,6 @@ def test_fused_moe_expert_map_and_dropped_slots(rng, config):
     out = wj.fused_moe(
         x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
         jnp.asarray(topk_ids), expert_map=jnp.asarray(expert_map), implementation=IMPLEMENTATION,
-        config=config,
     )  # fmt: skip
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
@@ -409,14 +383,11 @@ def test_fused_moe_expert_map_and_dropped_slots(rng, config):
     helpers.assert_close(out, ref, BF16, "fused_moe with expert_map")
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["", "topk_sum_in_gemm2"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["all_experts", "expert_map"])
-def test_one_token_blocks_match_the_aligned_blocks(rng, sharded, fused):
+def test_one_token_blocks_match_the_aligned_blocks(rng, sharded):
     """A chunk of one token runs a block per slot without the alignment kernel
     (`one_token_blocks`): the same output, bit for bit, as the aligned blocks, and numpy's, also
-    with an out-of-range id (dropped) and an expert shard (off-shard slots give nothing). With
-    the top-k sum in GEMM2 the slots' f32 additions come in another order: equal to f32
-    rounding."""
+    with an out-of-range id (dropped) and an expert shard (off-shard slots give nothing)."""
     e_global, top_k, h, i = 8, 3, 128, 64
     e_local = 4 if sharded else e_global
     w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
@@ -434,14 +405,10 @@ def test_one_token_blocks_match_the_aligned_blocks(rng, sharded, fused):
         mgpu_fused_moe._chunk, x, topk_weights=jnp.asarray(topk_weights),
         topk_ids=jnp.asarray(topk_ids), w13=prepare_weights(w13), w2=prepare_weights(w2),
         expert_map=None if expert_map is None else jnp.asarray(expert_map),
-        cfg=dataclasses.replace(default_config(top_k, e_global, 64), fuse_topk_sum=fused),
-        interpret=INTERPRET,
+        cfg=default_config(top_k, e_global, 64), interpret=INTERPRET,
     )  # fmt: skip
     direct, aligned = chunk(), chunk(one_token=False)
-    if fused:
-        np.testing.assert_allclose(np.asarray(direct), np.asarray(aligned), rtol=1e-5, atol=1e-5)
-    else:
-        np.testing.assert_array_equal(np.asarray(direct), np.asarray(aligned))
+    np.testing.assert_array_equal(np.asarray(direct), np.asarray(aligned))
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
         np.asarray(topk_weights, np.float64), topk_ids, expert_map=expert_map,
@@ -768,7 +735,9 @@ def test_gemm_runs_of_tiles_lower_for_cuda(has_zp, block_m, block_k, splits, blo
     "has_zp,block_m,block_k,consumers,block_n,gated,stages,narrow",
     [(True, 64, 256, 2, 64, True, 3, 1), (True, 64, 256, 2, 128, False, 2, 1),
      (False, 16, 128, 0, 128, True, 3, 1), (True, 64, 256, 2, 64, True, 3, 3),
-     (True, 32, 128, 0, 128, False, 3, 2)],
+     (True, 32, 128, 0, 128, False, 3, 2),
+     # GEMM2 of M=4096 at 3 stages: its f32 output buffers take half the rows to fit
+     (True, 64, 256, 2, 128, False, 3, 2)],
     ids=str,
 )  # fmt: skip
 def test_gemm_narrow_blocks_lower_for_cuda(has_zp, block_m, block_k, consumers, block_n, gated,
@@ -791,7 +760,6 @@ def lowers_for_cuda(
     tiles=1,
     narrow=0,
     stages=4,
-    targets=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
@@ -812,12 +780,9 @@ def lowers_for_cuda(
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
-        narrow_steps=narrow, out_rows=11 if targets else None,
+        narrow_steps=max(narrow, 1),
     )  # fmt: skip
-    args = (x, w, experts, experts) if narrow or targets else (x, w, experts)
-    if targets:
-        rows = jax.ShapeDtypeStruct((blocks * block_m,), jnp.int32)
-        args += ((rows, jax.ShapeDtypeStruct((blocks * block_m,), jnp.float32)),)
+    args = (x, w, experts, experts) if narrow else (x, w, experts)
     lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
@@ -986,7 +951,7 @@ def test_gemm_narrow_blocks(rng, consumers, block_m, block_n, gated, splits, til
         assert np.all(np.isnan(out[~computed & ~empty]))
 
 
-@pytest.mark.parametrize("block_m,narrow", [(8, 1), (16, 2), (32, 3), (32, -1)])
+@pytest.mark.parametrize("block_m,narrow", [(8, 1), (16, 2), (32, 0)])
 def test_narrow_blocks_stay_whole_wgmmas(rng, block_m, narrow):
     qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16)
     with pytest.raises(ValueError, match="narrow_steps"):
@@ -1005,69 +970,49 @@ def test_narrow_steps_keep_whole_wgmmas():
 
 
 @pytest.mark.parametrize(
-    "consumers,block_m,block_n,splits,tiles,narrow",
-    [(0, 8, 64, 1, 1, 0), (0, 16, 128, 2, 1, 1), (2, 64, 64, 1, 2, 1), (1, 32, 64, 1, 1, 2),
-     (0, 8, 128, 4, 2, 0)],
+    "consumers,block_m,block_n,gated,buffer_rows,narrow",
+    [(2, 64, 128, False, 32, 0), (0, 32, 64, True, 8, 0), (2, 64, 64, False, 16, 2),
+     (0, 16, 64, False, 8, 1)],
     ids=str,
 )  # fmt: skip
-def test_gemm_adds_rows_into_their_tokens(rng, consumers, block_m, block_n, splits, tiles, narrow):
-    """row_targets: each row a block uses, times its weight, is added into its token's output
-    row (K-split partial products alike); rows not in use, blocks of expert -1 and tokens no
-    row targets add nothing (they stay zero)."""
-    e, k, g, t = 3, 512, 128, 9
-    n = block_n * max(consumers, 1) * tiles * 2
+def test_gemm_stores_through_a_smaller_buffer(rng, consumers, block_m, block_n, gated,
+                                              buffer_rows, narrow):  # fmt: skip
+    """buffer_rows < block_m: each sub-tile is stored in copies of buffer_rows rows through the
+    one buffer (also in narrowed blocks); every row matches numpy."""
+    e, k, g = 3, 512, 128
+    n = block_n * max(consumers, 1) * 2 * (2 if gated else 1)
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, g, True, BF16)
-    block_experts = np.asarray([1, 0, -1, 2, 1, 0], np.int32)
-    used = np.asarray([block_m, block_m // 2 or 1, 3, 1, block_m // 2 + 1, 2], np.int32)
-    p = len(used) * block_m
-    x_rows = jnp.asarray(rng.standard_normal((p, k)), BF16)
-    tokens = rng.integers(0, t - 1, p).astype(np.int32)  # token t - 1 gets no row
-    weights = rng.uniform(0.1, 1.0, p).astype(np.float32)
+    block_experts = np.asarray([1, 0, -1, 2], np.int32)
+    used = np.asarray([block_m, block_m // 4, 0, block_m // 2], np.int32)
+    x_rows = jnp.asarray(rng.standard_normal((len(used) * block_m, k)), BF16)
     out = mgpu_wna16_gemm(
-        x_rows, prepare_weights(qw), jnp.asarray(block_experts), jnp.asarray(used),
-        (jnp.asarray(tokens), jnp.asarray(weights)), block_m=block_m, block_k=128,
-        block_n=block_n, consumers=consumers, splits=splits, tiles_per_program=tiles,
-        narrow_steps=narrow, out_rows=t, await_writes=False, interpret=INTERPRET,
+        x_rows, prepare_weights(qw), jnp.asarray(block_experts),
+        jnp.asarray(used) if narrow else None, block_m=block_m, block_k=128, block_n=block_n,
+        consumers=consumers, gated=gated, narrow_steps=max(narrow, 1), buffer_rows=buffer_rows,
+        out_dtype=jnp.float32, interpret=INTERPRET,
     )  # fmt: skip
-    assert out.shape == (t, n) and out.dtype == jnp.float32
-    rows = numpy_block_gemm(x_rows, helpers.numpy_dequantize(qw), block_experts, block_m)
-    in_use = (np.arange(block_m)[None, :] < used[:, None]).reshape(-1)
-    in_use &= np.repeat(block_experts >= 0, block_m)
-    ref = np.zeros((t, n))
-    np.add.at(ref, tokens[in_use], rows[in_use] * weights[in_use, None])
     out = np.asarray(out, np.float64)
-    assert np.all(out[t - 1] == 0)
-    # f32 sums of a few weighted f32 rows: relative error ~1e-6 of the largest terms.
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    assert np.abs(ref[: t - 1]).min(axis=1).max() > 0
+    ref = numpy_block_gemm(x_rows, helpers.numpy_dequantize(qw), block_experts, block_m)
+    if gated:
+        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+        ref = gate / (1 + np.exp(-gate)) * up
+    rows = np.repeat(block_experts >= 0, block_m)
+    if narrow:
+        rows &= (np.arange(block_m)[None, :] < used[:, None]).reshape(-1)
+    assert np.all(out[np.repeat(block_experts < 0, block_m)] == 0)
+    helpers.assert_finite_and_close(
+        out[rows], ref[rows], TOL, "rows", slack=ELEMENT_SLACK, require_signal=True
+    )
 
 
-def test_row_targets_need_the_rows_in_use(rng):
-    qw = prepare_weights(helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16))
-    x, experts = jnp.zeros((16, 256), BF16), jnp.zeros(2, jnp.int32)
-    targets = (jnp.zeros(16, jnp.int32), jnp.ones(16, jnp.float32))
-    with pytest.raises(ValueError, match="row_targets"):
-        mgpu_wna16_gemm(x, qw, experts, None, targets, block_m=8, out_rows=4, interpret=True)
-    with pytest.raises(ValueError, match="row_targets"):
-        mgpu_wna16_gemm(x, qw, experts, experts, targets, block_m=8, interpret=True)
-    with pytest.raises(ValueError, match="a token and a weight per row"):
-        mgpu_wna16_gemm(
-            x, qw, experts, experts, (targets[0][:8], targets[1]), block_m=8, narrow_steps=0,
-            out_rows=4, interpret=True,
-        )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "block_m,block_k,consumers,block_n,splits,tiles,narrow,stages",
-    [(8, 256, 0, 64, 1, 1, 0, 3), (64, 256, 2, 128, 1, 1, 1, 2), (16, 128, 0, 128, 2, 1, 1, 3),
-     (8, 256, 0, 128, 4, 2, 0, 4), (64, 256, 2, 128, 1, 1, 2, 2), (64, 256, 2, 64, 1, 2, 1, 2)],
-    ids=str,
-)  # fmt: skip
-def test_gemm_row_targets_lower_for_cuda(block_m, block_k, consumers, block_n, splits, tiles,
-                                         narrow, stages):  # fmt: skip
-    """The top-k sum in the epilogue (one bulk reduction per row, inline Mosaic GPU) lowers for
-    CUDA, with the layer's GEMM2 configs (M=4096: 64-row blocks, 2 stages of 256)."""
-    lowers_for_cuda(
-        True, block_m, block_k, consumers, splits, block_n, False, tiles, narrow=narrow,
-        stages=stages, targets=True,
+def test_output_buffer_takes_the_rows_that_fit():
+    """The layer's M=4096 GEMMs on DeepSeek-V3 (scales and zero points bf16): GEMM1 (gated,
+    3 stages) and GEMM2 at 2 stages keep the block's 64 rows; GEMM2 at 3 stages halves them."""
+    rows = functools.partial(
+        output_buffer_rows, block_m=64, block_k=256,
+        tile_n=256, groups_per_step=2, has_offset=True, scale_bytes=2, warpgroups=2,
     )  # fmt: skip
+    assert rows(halves=2, stages=3, out_bytes=2, tile_n=128) == 64  # GEMM1
+    assert rows(halves=1, stages=2, out_bytes=4) == 64  # GEMM2 (the default)
+    assert rows(halves=1, stages=3, out_bytes=4) == 32
+    assert rows(halves=1, stages=4, out_bytes=4) == 8  # does not fit at all: the least
