@@ -88,7 +88,9 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     GEMM2 with 64-row blocks: 128 features per consumer and 2 stages (session 10, M=4096:
     7685.1 vs 7929.7 us, GEMM2 2908.0 us; 2 stages alone 8026.7). Half blocks (narrow_blocks=1)
     wherever a half is a wgmma's width (block_m 16 and 64; session 12, one run each: M=4096
-    7471.3 vs 7690.5 and 7663.0 us, M=256 1966.1 vs 2025.9)."""
+    7471.3 vs 7690.5 and 7663.0 us, M=256 1966.1 vs 2025.9); 64-row blocks also to a quarter
+    (narrow_blocks=2; session 13, M=4096: 7420.0 vs 7486.2 and 7485.7 us in call 2, 7487.9 vs
+    7576.6 and 7540.6 in call 3)."""
     rows = num_slots / num_experts
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)
@@ -99,7 +101,7 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
     return MgpuConfig(
         block_m, block_k, stages=3, consumers=consumers, block_n=block_n, **down,
-        narrow_blocks=1,
+        narrow_blocks=2 if block_m == 64 else 1,
     )  # fmt: skip
 
 

@@ -802,10 +802,11 @@ def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers,
     """DeepSeek-V3 (top-8 of 256): the block_m, k-step, warp specialization and features per
     warpgroup that won at each M in the probe (sessions 4-9: 3 stages, GEMM1's activation
     fused; session 10: GEMM2 of 64-row blocks with 128 features per consumer, 2 stages;
-    session 12: half blocks, where they are whole wgmmas); other groups take one group per
-    k-step (at most 128)."""
+    session 12: half blocks, where they are whole wgmmas; session 13: quarters of 64-row
+    blocks); other groups take one group per k-step (at most 128)."""
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
-    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n, **down, narrow_blocks=1)
+    narrow = 2 if block_m == 64 else 1
+    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n, **down, narrow_blocks=narrow)
     assert default_config(m * 8, 256, 128) == want
     assert default_config(m * 8, 256, 64).block_k == 64
     assert default_config(m * 8, 256, 7168).block_k == 128
