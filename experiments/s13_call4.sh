@@ -14,6 +14,6 @@ timeout 60 python3 examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 --js
    >> $OUT/probe.log 2>&1
 D=16,128,3,0,-,128,1
 timeout 100 python3 examples/mgpu_probe.py --m 256 --json $OUT/m256.json \
-   --configs $D,256,-,-,-,-,1 $D,-,-,-,-,-,1 >> $OUT/probe.log 2>   --configs $D,256 $D,-,-,-,-,-,1 >> $OUT/probe.log 2>&11
+   --configs $D,256,-,-,-,-,1 $D,-,-,-,-,-,1 >> $OUT/probe.log 2>&1
 timeout 120 python3 examples/mgpu_probe.py --m 4096 --json $OUT/m4096.json >> $OUT/probe.log 2>&1
 grep -E "layer|GEMM|backend|copy|FAILED|rror" $OUT/probe.log
