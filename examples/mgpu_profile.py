@@ -19,6 +19,7 @@ cap the 4-7 resident programs per SM.
 
     python examples/mgpu_profile.py --m 1 16 4096 --out out/profile
     python examples/mgpu_profile.py --preset deepseek-v3-tp8 --m 1 --config 8,128,4,0,4
+    python examples/mgpu_profile.py --m 4096 --gemms GEMM2
 
 --interpret runs the same flow in the Mosaic GPU interpreter (no profiler there: a CPU check of
 this script only).
@@ -135,6 +136,14 @@ def main(argv=None) -> int:
         "64,256,3,2,-,64,1,128,2 ('-' for None; default: the layer's default_config)",
     )
     p.add_argument(
+        "--gemms",
+        nargs="+",
+        choices=("GEMM1", "GEMM2"),
+        default=["GEMM1", "GEMM2"],
+        help="which of the layer's GEMMs to profile (e.g. GEMM2 alone where GEMM1's stages and "
+        "the profiler's buffers do not fit in shared memory together)",
+    )
+    p.add_argument(
         "--max-programs",
         type=int,
         default=1056,
@@ -182,6 +191,7 @@ def main(argv=None) -> int:
     w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=not args.no_zp)
     to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
     weights = {"GEMM1": to_mgpu(w13), "GEMM2": to_mgpu(w2)}
+    weights = {what: w for what, w in weights.items() if what in args.gemms}
     summary = []
     for m in args.m:
         if args.config:
