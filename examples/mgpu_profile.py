@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         else:
             cfg = default_config(m * top_k, e, group)
         xs, _, idss = benchmark.probe_inputs(key, args.preset, m, num_sets=1)
-        _, used, x_rows = mgpu_fused_moe.block_rows(
+        used, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
             xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
             interpret=args.interpret,
         )  # fmt: skip
@@ -217,8 +217,10 @@ def main(argv=None) -> int:
             os.makedirs(trace_dir, exist_ok=True)
             profile_dir = None if args.interpret or args.no_trace else trace_dir
             with fds_to(compile_log):
-                out = mgpu_wna16_gemm(rows, w, experts, **options, interpret=args.interpret,
-                                      profile_dir=profile_dir)  # fmt: skip
+                # the rows in use where the config narrows blocks (a pipeline per width)
+                rows_in_use = in_use[:blocks] if cfg.narrow_steps() else None
+                out = mgpu_wna16_gemm(rows, w, experts, rows_in_use, **options,
+                                      interpret=args.interpret, profile_dir=profile_dir)  # fmt: skip
                 jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[this.block_m, this.block_k, this.stages,
                                                this.consumers, splits, this.block_n, gated],

@@ -602,11 +602,7 @@ def mgpu_wna16_gemm(
     if has_offset:
         operands.append(w.zeros)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
-    import os
-    if os.environ.get("SWZ"):
-        scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype, transforms=_swizzled((buffer_rows, TILE), out_dtype, "out"))]
-    else:
-        scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
+    scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
