@@ -219,8 +219,10 @@ def main(argv=None) -> int:
             with fds_to(compile_log):
                 # the rows in use where the config narrows blocks (a pipeline per width)
                 rows_in_use = in_use[:blocks] if cfg.narrow_steps() else None
-                out = mgpu_wna16_gemm(rows, w, experts, rows_in_use, **options,
-                                      interpret=args.interpret, profile_dir=profile_dir)  # fmt: skip
+                out = mgpu_wna16_gemm(
+                    rows, w, experts, rows_in_use, **options, interpret=args.interpret,
+                    profile_dir=profile_dir,
+                )  # fmt: skip
                 jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[this.block_m, this.block_k, this.stages,
                                                this.consumers, splits, this.block_n, gated],
