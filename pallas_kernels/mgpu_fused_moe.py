@@ -39,11 +39,7 @@ class MgpuConfig:
     largest divisor of the GEMM's tile count up to it); None: enough tiles for
     MIN_STEPS_PER_PROGRAM k-steps. narrow_blocks: how many times both GEMMs
     may halve a block that uses at most that many of its rows (mgpu_wna16_gemm's block_rows
-    and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8). direct_token:
-    a chunk of one token gives GEMM1 the token's row itself (mgpu_wna16_gemm's one_row_tile:
-    no [k * block_m, H] rows built) and, without an expert_map, the router's ids as the block
-    experts (the GEMMs skip ids out of range): two XLA kernels fewer per decode step; not yet
-    measured on a GPU."""
+    and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8)."""
 
     block_m: int
     block_k: int = 128
@@ -58,7 +54,6 @@ class MgpuConfig:
     tiles_per_program: int | None = None
     down_tiles_per_program: int | None = None
     narrow_blocks: int = 0
-    direct_token: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -314,12 +309,9 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     [gate; up] and the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue
     where `fuses_activation`)."""
 
-    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None, one_row_tile=False):
+    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None):
         _, splits, gated, options = gemm_plan(cfg, w, block_experts.shape[0], activation_dtype)
-        out = mgpu_wna16_gemm(
-            rows, w, block_experts, rows_in_use, **options, one_row_tile=one_row_tile,
-            interpret=interpret,
-        )  # fmt: skip
+        out = mgpu_wna16_gemm(rows, w, block_experts, rows_in_use, **options, interpret=interpret)
         if gated:
             return out
         out = out.sum(axis=0) if splits > 1 else out
@@ -343,7 +335,7 @@ def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, inter
     return slots, block_experts, rows_in_block_order(x, slots, k, interpret=interpret)
 
 
-def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, direct=False):
+def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
     """For one token ([1, H], topk_ids [1, k]): the block experts [k], rows [k * block_m, H]
     of one block per slot, slot j's row first in block j (the rest zero), each slot's row
     position j * block_m and the rows in use per block (ones). No alignment kernel: a token's
@@ -351,22 +343,13 @@ def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map,
     expert order), and their rows are the same products. Slots the alignment drops (ids out of
     range, or off this shard through expert_map) get expert -1 (zero rows, masked by the
     caller). Session 11's timeline: the alignment kernel took ~7 us of the ~39 us TP=8 layer
-    at M=1. direct (`MgpuConfig.direct_token`): the rows are x itself ([1, H], for GEMM1's
-    one_row_tile) and, without an expert_map, the block experts are topk_ids' own (the GEMMs
-    give ids out of range zero rows)."""
-    k, h = topk_ids.shape[1], x.shape[1]
-    if direct and expert_map is None:
-        block_experts = topk_ids.reshape(k).astype(jnp.int32)
-    else:
-        block_experts, _ = _reference.local_expert_of(
-            topk_ids, num_experts=num_experts, expert_map=expert_map
-        )
-    if direct:
-        x_rows = x
-    else:
-        x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
-    position = jnp.arange(k, dtype=jnp.int32) * block_m
-    return block_experts, x_rows, position, jnp.ones(k, jnp.int32)
+    at M=1."""
+    block_experts, _ = _reference.local_expert_of(
+        topk_ids, num_experts=num_experts, expert_map=expert_map
+    )
+    k, h = block_experts.shape[0], x.shape[1]
+    x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
+    return block_experts, x_rows, jnp.arange(k, dtype=jnp.int32) * block_m, jnp.ones(k, jnp.int32)
 
 
 def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret):
@@ -393,11 +376,8 @@ def _chunk(
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     blocks = dict(num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map)
-    direct = t == 1 and one_token and cfg.direct_token
     if t == 1 and one_token:
-        block_experts, x_rows, position, in_use = one_token_blocks(
-            x, topk_ids, **blocks, direct=direct
-        )
+        block_experts, x_rows, position, in_use = one_token_blocks(x, topk_ids, **blocks)
     else:
         block_experts, x_rows, position, in_use = aligned_blocks(
             x, topk_ids, **blocks, interpret=interpret
@@ -409,9 +389,7 @@ def _chunk(
     # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it
     # in f32).
     # With narrow blocks, a block's unused rows of `act` may be unwritten; GEMM2 reads none.
-    act = gemm(  # [P, I]
-        x_rows, w13, block_experts, in_use, activation_dtype=x.dtype, one_row_tile=direct
-    )
+    act = gemm(x_rows, w13, block_experts, in_use, activation_dtype=x.dtype)  # [P, I]
     y = gemm(act, w2, block_experts, in_use)  # [P, H]
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).
