@@ -210,7 +210,7 @@ def main(argv=None) -> int:
             xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
             interpret=interpret,
         )  # fmt: skip
-        in_use = in_use if cfg.narrow_steps() else None
+        in_use = cfg.gemm_rows_in_use(in_use)
         act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
         gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
         for what, w, a, act, work in (

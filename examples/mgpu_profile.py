@@ -218,7 +218,7 @@ def main(argv=None) -> int:
             profile_dir = None if args.interpret or args.no_trace else trace_dir
             with fds_to(compile_log):
                 # the rows in use where the config narrows blocks (a pipeline per width)
-                rows_in_use = in_use[:blocks] if cfg.narrow_steps() else None
+                rows_in_use = cfg.gemm_rows_in_use(in_use[:blocks])
                 out = mgpu_wna16_gemm(
                     rows, w, experts, rows_in_use, **options, interpret=args.interpret,
                     profile_dir=profile_dir,

@@ -67,6 +67,11 @@ class MgpuConfig:
             steps += 1
         return steps
 
+    def gemm_rows_in_use(self, in_use):
+        """What the GEMMs take as each block's rows in use (mgpu_wna16_gemm's block_rows):
+        in_use where they narrow blocks, else None."""
+        return in_use if self.narrow_steps() else None
+
 
 def one_group_block_k(group: int) -> int:
     """The k-step of one group: 128 where it divides the group (64 lost to 128 at every M in
@@ -382,8 +387,7 @@ def _chunk(
         block_experts, x_rows, position, in_use = aligned_blocks(
             x, topk_ids, **blocks, interpret=interpret
         )
-    if not cfg.narrow_steps():
-        in_use = None
+    in_use = cfg.gemm_rows_in_use(in_use)
     gemm = block_gemm(cfg, interpret)
     # The activation and the top-k sum see unrounded f32 sums. The activation is rounded to x's
     # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it

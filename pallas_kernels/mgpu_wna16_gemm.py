@@ -336,11 +336,12 @@ def mgpu_wna16_gemm(
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
     n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
+    stages = min(max_concurrent_steps, tiles * steps)  # k-steps in flight in a pipeline
     if buffer_rows is None:
         buffer_rows = output_buffer_rows(
             block_m=bm, block_k=bk, tile_n=tile_n, halves=halves, groups_per_step=groups_per_step,
             has_offset=has_offset, scale_bytes=w.scales.dtype.itemsize,
-            stages=min(max_concurrent_steps, tiles * steps), warpgroups=wgs,
+            stages=stages, warpgroups=wgs,
             out_bytes=out_dtype.itemsize,
         )  # fmt: skip
     elif buffer_rows % 8 or bm % buffer_rows:
@@ -541,7 +542,6 @@ def mgpu_wna16_gemm(
             if has_offset:
                 in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
             operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
-            stages = min(max_concurrent_steps, tiles * steps)
             grid = (steps,) if tiles == 1 else (tiles, steps)
 
             def pipeline(compute_context=None):
