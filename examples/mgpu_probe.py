@@ -17,6 +17,7 @@ and skipped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -76,6 +77,8 @@ def parse_config(text: str) -> MgpuConfig:
             fields[6] = bool(fields[6])
         if len(fields) > 12 and fields[12] is None:  # narrow_blocks
             fields[12] = 0
+        if len(fields) > 13:  # bf16_down_rows
+            fields[13] = bool(fields[13])
         return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
@@ -86,6 +89,12 @@ def main(argv=None) -> int:
     p.add_argument("--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3")
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096])
     p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
+    p.add_argument(
+        "--zp8",
+        action="store_true",
+        help="--no-zp's symmetric weights stored with zero points of 8: the zero-point path on "
+        "the same data (the same quantized values and scales as --no-zp and the default)",
+    )
     p.add_argument(
         "--routing",
         choices=("uniform", "identical"),
@@ -107,13 +116,14 @@ def main(argv=None) -> int:
         type=parse_config,
         default=[],
         metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES,"
-        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS",
+        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
         "64,256,3,2,-,64,1,128,2: GEMM2 at 128 features per consumer and 2 stages; "
         "64,256,3,2,-,64,1,128,2,-,-,-,2: and blocks narrowed to half or a quarter of their "
-        "rows where they use no more",
+        "rows where they use no more; 64,256,3,2,-,64,1,128,2,-,-,-,2,1: and GEMM2's rows "
+        "rounded to bf16",
     )
     p.add_argument(
         "--chain",
@@ -121,6 +131,12 @@ def main(argv=None) -> int:
         help="also time the pallas layer and the mgpu layer at its default config chained: "
         "each call's input the previous call's output, 4 input sets in turn (layers back to "
         "back; no sum of each output and no loop counter per call: benchmark.make_loop)",
+    )
+    p.add_argument(
+        "--all-gemms",
+        action="store_true",
+        help="time GEMM1 and GEMM2 alone at the default and every --configs / --search config "
+        "(default: at the fastest only)",
     )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")
@@ -138,13 +154,17 @@ def main(argv=None) -> int:
     interpret = args.interpret
 
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
+    if args.zp8 and args.no_zp:
+        p.error("--zp8 stores symmetric weights with zero points: leave out --no-zp")
     has_zp = not args.no_zp
     key = jax.random.key(0)
-    w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=has_zp)
+    w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=has_zp and not args.zp8)
+    if args.zp8:  # zero points of 8 (two nibbles a byte): w = (q - 8) * s, as without them
+        w13, w2 = (dataclasses.replace(w, zeros=_zeros_of_8(w)) for w in (w13, w2))
     to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
     w13p, w2p = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
     copy_bps, mm_flops = benchmark.measure_ceilings(not interpret, args.repeats)
-    print(f"{args.preset} zp={has_zp}: copy {copy_bps / 1e12:.2f} TB/s, "
+    print(f"{args.preset} zp={'8' if args.zp8 else has_zp}: copy {copy_bps / 1e12:.2f} TB/s, "
           f"matmul {mm_flops / 1e12:.1f} TFLOP/s", flush=True)  # fmt: skip
     rows = []
     for m in args.m:
@@ -158,7 +178,7 @@ def main(argv=None) -> int:
         iters = args.iters or benchmark.default_iters(m)
         timing = dict(iters=iters, repeats=args.repeats, host=False)
 
-        keys = dict(preset=args.preset, zp=has_zp, M=m, routing=args.routing)
+        keys = dict(preset=args.preset, zp="8" if args.zp8 else has_zp, M=m, routing=args.routing)
         record = functools.partial(_record, rows, keys, copy_bps, mm_flops)
         layer = dict(weight_bytes=bytes1 + bytes2, flops=flops1 + flops2)
 
@@ -202,36 +222,51 @@ def main(argv=None) -> int:
             record("mgpu layer", astuple(cfg), t, **layer)
             if t < best[0]:
                 best = (t, cfg)
-        cfg = best[1]
-        # The two GEMMs alone as the layer runs them (GEMM1 with the activation, fused where
-        # the config fuses it; GEMM2's f32 output; the rows in use with narrow blocks), on set
-        # 0's rows.
-        block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
-            xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,
-            interpret=interpret,
-        )  # fmt: skip
-        in_use = cfg.gemm_rows_in_use(in_use)
-        act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
-        gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
-        for what, w, a, act, work in (
-            ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, dict(weight_bytes=bytes1, flops=flops1)),
-            ("mgpu GEMM2", w2p, act_rows, None, dict(weight_bytes=bytes2, flops=flops2)),
-        ):
-            t, _ = benchmark.time_loop(
-                lambda w, a, ex, used, gemm=gemm, act=act: gemm(
-                    a, w, ex, used, activation_dtype=act
-                ),
-                [(a, block_experts, in_use)],
-                consts=(w,),
-                **timing,
-            )
-            record(what, astuple(cfg), t, **work)
+        # The two GEMMs alone as the layer runs them, at the best config (--all-gemms: at each).
+        timed = [chosen, *dict.fromkeys(searched + args.configs)] if args.all_gemms else [best[1]]
+        for cfg in timed:
+            _time_gemms(record, cfg, xs[0], idss[0], w13p, w2p, key=key, interpret=interpret,
+                        work=(bytes1, flops1, bytes2, flops2), timing=timing)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                            date=time.strftime("%Y-%m-%d"), copy_bps=copy_bps,
                            matmul_flops=mm_flops, rows=rows), f, indent=1)  # fmt: skip
     return 0
+
+
+def _zeros_of_8(w: wj.QuantizedExperts):
+    """uint8 [E, N/2, K/G] zero points, all 8 (int4 pairs: 0x88)."""
+    e, n, k = w.shape
+    return jnp.full((e, n // 2, k // w.group), 0x88, jnp.uint8)
+
+
+def _time_gemms(record, cfg, x, ids, w13p, w2p, *, key, interpret, work, timing):
+    """Times GEMM1 and GEMM2 alone as the layer runs them at cfg (GEMM1 with the activation,
+    fused where the config fuses it; GEMM2's rows in the layer's dtype for a bf16 output; the
+    rows in use with narrow blocks), on x's rows (GEMM2 on random activations)."""
+    e, i = w13p.num_experts, w2p.shape[2]
+    bytes1, flops1, bytes2, flops2 = work
+    block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
+        x, ids, num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
+    )
+    in_use = cfg.gemm_rows_in_use(in_use)
+    act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
+    gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
+    down_rows = mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None)
+    for what, w, a, act, out, weight_bytes, flops in (
+        ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, None, bytes1, flops1),
+        ("mgpu GEMM2", w2p, act_rows, None, down_rows, bytes2, flops2),
+    ):
+        t, _ = benchmark.time_loop(
+            lambda w, a, ex, used, act=act, out=out: gemm(
+                a, w, ex, used, activation_dtype=act, out_dtype=out
+            ),
+            [(a, block_experts, in_use)],
+            consts=(w,),
+            **timing,
+        )
+        record(what, astuple(cfg), t, weight_bytes=weight_bytes, flops=flops)
 
 
 def _record(rows, keys, copy_bps, mm_flops, what, config, seconds, *, weight_bytes, flops):

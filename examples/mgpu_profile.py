@@ -206,7 +206,10 @@ def main(argv=None) -> int:
         for what, w in weights.items():
             # The splits the layer would take on all its blocks; then at most --max-programs.
             act = jnp.bfloat16 if what == "GEMM1" else None
-            this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w, used.shape[0], act)
+            rows_dtype = mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None)
+            this, splits, gated, options = mgpu_fused_moe.gemm_plan(
+                cfg, w, used.shape[0], act, None if act else rows_dtype
+            )
             # programs per block: its runs of output tiles, per split
             runs = mgpu_fused_moe.output_tiles(this, w, gated) // options["tiles_per_program"]
             blocks = min(used.shape[0], max(1, args.max_programs // (runs * splits)))

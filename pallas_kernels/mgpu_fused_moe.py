@@ -39,7 +39,9 @@ class MgpuConfig:
     largest divisor of the GEMM's tile count up to it); None: enough tiles for
     MIN_STEPS_PER_PROGRAM k-steps. narrow_blocks: how many times both GEMMs
     may halve a block that uses at most that many of its rows (mgpu_wna16_gemm's block_rows
-    and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8)."""
+    and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8).
+    bf16_down_rows: GEMM2 rounds its rows ([P, H], one per slot) to x's dtype where the layer's
+    output is 16-bit (`down_rows_dtype`; by default they are f32)."""
 
     block_m: int
     block_k: int = 128
@@ -54,6 +56,7 @@ class MgpuConfig:
     tiles_per_program: int | None = None
     down_tiles_per_program: int | None = None
     narrow_blocks: int = 0
+    bf16_down_rows: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -264,8 +267,8 @@ def gemm_options(
     out_dtype=None,
 ) -> dict:  # fmt: skip
     """mgpu_wna16_gemm's keyword arguments at cfg with `splits` for a GEMM of n_tiles output
-    tiles per block and `steps` k-steps (f32 outputs unless gated: the activation in
-    out_dtype)."""
+    tiles per block and `steps` k-steps, its output in out_dtype (default f32; K-split partial
+    products always f32, rounded after their sum)."""
     return dict(
         tiles_per_program=tiles_per_program(cfg, n_tiles, steps // splits),
         narrow_steps=cfg.narrow_steps() or 1,  # with the rows in use (`_chunk`)
@@ -276,7 +279,7 @@ def gemm_options(
         consumers=cfg.consumers,
         splits=splits,
         gated=gated,
-        out_dtype=out_dtype if gated else jnp.float32,
+        out_dtype=out_dtype if out_dtype is not None and splits == 1 else jnp.float32,
     )
 
 
@@ -286,17 +289,21 @@ def fuses_activation(cfg: MgpuConfig, w13: QuantizedExperts, splits: int) -> boo
     return cfg.fuse_activation and splits == 1 and (w13.shape[1] // 2) % cfg.tile_n() == 0
 
 
-def gemm_plan(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, activation_dtype=None):
+def gemm_plan(
+    cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int, activation_dtype=None, out_dtype=None
+):
     """(config, splits, gated, mgpu_wna16_gemm's options) of the layer's GEMM on `w` over
-    `num_blocks` blocks: GEMM1 with activation_dtype (gated where `fuses_activation`), else
-    GEMM2 (`down_config`)."""
+    `num_blocks` blocks: GEMM1 with activation_dtype (gated where `fuses_activation`; else f32
+    sums), else GEMM2 (`down_config`) with its rows in out_dtype (default f32)."""
     this = gemm_config(cfg if activation_dtype is not None else down_config(cfg), w)
     splits = gemm_splits(this, w, num_blocks)
     gated = activation_dtype is not None and fuses_activation(this, w, splits)
+    if activation_dtype is not None:
+        out_dtype = activation_dtype if gated else None
     steps = w.shape[2] // this.block_k
     options = gemm_options(
         this, splits, n_tiles=output_tiles(this, w, gated), steps=steps, gated=gated,
-        out_dtype=activation_dtype,
+        out_dtype=out_dtype,
     )  # fmt: skip
     return this, splits, gated, options
 
@@ -308,23 +315,36 @@ def output_tiles(cfg: MgpuConfig, w: QuantizedExperts, gated: bool) -> int:
 
 
 def block_gemm(cfg: MgpuConfig, interpret: bool):
-    """gemm(rows, w, block_experts, rows_in_use) -> [P, N] f32: the Mosaic GPU GEMM at cfg
-    (rows_in_use: mgpu_wna16_gemm's block_rows, or None; GEMM2's:
-    `down_config`), K-split partial products summed; with activation_dtype, w's rows are
+    """gemm(rows, w, block_experts, rows_in_use) -> [P, N] in out_dtype (default f32): the
+    Mosaic GPU GEMM at cfg (rows_in_use: mgpu_wna16_gemm's block_rows, or None; GEMM2's:
+    `down_config`), K-split partial products summed in f32; with activation_dtype, w's rows are
     [gate; up] and the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue
     where `fuses_activation`)."""
 
-    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None):
-        _, splits, gated, options = gemm_plan(cfg, w, block_experts.shape[0], activation_dtype)
+    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None, out_dtype=None):
+        _, splits, gated, options = gemm_plan(
+            cfg, w, block_experts.shape[0], activation_dtype, out_dtype
+        )
         out = mgpu_wna16_gemm(rows, w, block_experts, rows_in_use, **options, interpret=interpret)
         if gated:
             return out
         out = out.sum(axis=0) if splits > 1 else out
         if activation_dtype is None:
-            return out
+            return out.astype(out_dtype or jnp.float32)
         return _reference.silu_and_mul(out).astype(activation_dtype)
 
     return gemm
+
+
+def down_rows_dtype(cfg: MgpuConfig, x_dtype, out_dtype):
+    """The dtype of GEMM2's rows (one per slot, read back by the top-k sum): f32, or with
+    cfg.bf16_down_rows x's (bf16) where the layer's output is 16-bit: half the bytes of the
+    [P, H] rows to write and read back (as vLLM's intermediate cache), at the cost of a third
+    rounding (after the activation's and the output's) that cancellation in the top-k sum can
+    amplify beyond the bf16 tolerance of tests/helpers.py (an element of a 40-token test did)."""
+    if cfg.bf16_down_rows and jnp.dtype(out_dtype or x_dtype).itemsize < 4:
+        return jnp.dtype(x_dtype)
+    return jnp.dtype(jnp.float32)
 
 
 def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret: bool):
@@ -374,10 +394,12 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
 
 
 def _chunk(
-    x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret, one_token=True
-):
-    """One chunk of tokens: [t, H] f32. A chunk of one token takes `one_token_blocks` (unless
-    one_token=False), else `aligned_blocks`."""
+    x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret, one_token=True,
+    out_dtype=None,
+):  # fmt: skip
+    """One chunk of tokens: [t, H] f32, for a layer output in out_dtype (default x's; it decides
+    `down_rows_dtype`). A chunk of one token takes `one_token_blocks` (unless one_token=False),
+    else `aligned_blocks`."""
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     blocks = dict(num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map)
@@ -389,17 +411,17 @@ def _chunk(
         )
     in_use = cfg.gemm_rows_in_use(in_use)
     gemm = block_gemm(cfg, interpret)
-    # The activation and the top-k sum see unrounded f32 sums. The activation is rounded to x's
-    # dtype for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it
-    # in f32).
+    # The activation sees unrounded f32 sums; it is rounded to x's dtype for GEMM2's tensor
+    # cores, as in the 'pallas' backend (the 'xla' reference keeps it in f32). GEMM2's rows are
+    # f32 (bf16 where the config asks: `down_rows_dtype`); the top-k sum is f32.
     # With narrow blocks, a block's unused rows of `act` may be unwritten; GEMM2 reads none.
     act = gemm(x_rows, w13, block_experts, in_use, activation_dtype=x.dtype)  # [P, I]
-    y = gemm(act, w2, block_experts, in_use)  # [P, H]
+    y = gemm(act, w2, block_experts, in_use, out_dtype=down_rows_dtype(cfg, x.dtype, out_dtype))
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).
     local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    rows = jnp.where(local[:, None] >= 0, y[position], 0.0)
-    return (rows.reshape(t, k, -1) * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
+    rows = jnp.where(local[:, None] >= 0, y[position].astype(jnp.float32), 0.0).reshape(t, k, -1)
+    return (rows * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
 
 
 @functools.partial(
@@ -438,8 +460,14 @@ def fused_moe(
         configs = (config,)
     runs = [
         functools.partial(
-            _chunk, w13=w13, w2=w2, expert_map=expert_map, cfg=cfg, interpret=interpret
-        )
+            _chunk,
+            w13=w13,
+            w2=w2,
+            expert_map=expert_map,
+            cfg=cfg,
+            interpret=interpret,
+            out_dtype=out_dtype,
+        )  # fmt: skip
         for cfg in configs
     ]
 

@@ -825,7 +825,8 @@ def test_down_config_takes_its_own_block_n_and_stages():
 
 def test_gemm_plan_is_the_layers_gemms(rng):
     """GEMM1 (an activation dtype): gated, whole sums, the activation's dtype out; GEMM2: the
-    down config's features and stages, f32 out."""
+    down config's features and stages, f32 out unless asked for another (K-split partial
+    products f32 in any case)."""
     w13 = prepare_weights(helpers.random_quantized_experts(rng, 2, 512, 512, 4, 128, True, BF16))
     w2 = prepare_weights(helpers.random_quantized_experts(rng, 2, 512, 256, 4, 128, True, BF16))
     cfg = MgpuConfig(block_m=64, block_k=256, stages=3, consumers=2, down_block_n=128,
@@ -837,6 +838,10 @@ def test_gemm_plan_is_the_layers_gemms(rng):
     )  # fmt: skip
     this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w2, 4)
     assert (this.block_n, this.stages, gated, options["out_dtype"]) == (128, 2, False, jnp.float32)
+    *_, options = mgpu_fused_moe.gemm_plan(cfg, w2, 4, out_dtype=BF16)
+    assert options["out_dtype"] == BF16
+    *_, options = mgpu_fused_moe.gemm_plan(dataclasses.replace(cfg, splits=2), w2, 4, None, BF16)
+    assert options["splits"] == 2 and options["out_dtype"] == jnp.float32  # partials in f32
     unfused = dataclasses.replace(cfg, fuse_activation=False)
     _, _, gated, options = mgpu_fused_moe.gemm_plan(unfused, w13, 4, BF16)
     assert (gated, options["gated"], options["out_dtype"]) == (False, False, jnp.float32)
