@@ -10,6 +10,10 @@ warpgroup's trace (one per program, one per consumer with warp specialization):
     "wgmma" (issue a group's k-tile products), "wait" (for them, while the next group's are
     issued: read the group's sum), "scale" (group scale, accumulate),
     "store" (output tile); "outside" is the rest: waiting for the k-tile's copies, loop control;
+    and each region's mean time per occurrence. --regions picks the regions to record (the
+    store's parts "store_smem", "store_reuse", "store_wait", and "program", a warpgroup's whole
+    run: pallas_kernels/mgpu_wna16_gemm.REGIONS); fewer regions, fewer registers for the
+    profiler (with all five defaults ptxas spilled in GEMM2 at M=4096);
   - warpgroups resident on an SM at once (max, and mean over the time any is resident).
 With MOSAIC_GPU_DUMP_PTXAS set (this script sets it) ptxas reports each kernel's registers and
 shared memory, which bound how many programs an SM holds: the script catches what the compiler
@@ -40,7 +44,10 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-REGIONS = ("convert", "wgmma", "wait", "scale", "store")
+# Disjoint regions (pallas_kernels/mgpu_wna16_gemm.REGIONS): "outside" is the span's rest.
+# "store_smem" and "store_reuse" are parts of "store"; they count where "store" is not profiled.
+REGIONS = ("convert", "wgmma", "wait", "scale", "store", "store_wait")
+STORE_PARTS = ("store_smem", "store_reuse")
 
 
 def summarize_trace(events: list[dict]) -> dict:
@@ -58,11 +65,13 @@ def summarize_trace(events: list[dict]) -> dict:
             begin = open_by_tid[tid].pop()
             intervals[tid].append((begin["name"], begin["ts"], ev["ts"]))
     spans, steps_of, region_time = {}, {}, defaultdict(float)
+    region_count = defaultdict(int)
     for tid, ivs in intervals.items():
         spans[tid] = (min(b for _, b, _ in ivs), max(e for _, _, e in ivs))
         steps_of[tid] = sum(name == "wgmma" for name, _, _ in ivs)
         for name, b, e in ivs:
             region_time[name] += e - b
+            region_count[name] += 1
     if not spans:
         raise ValueError("the trace has no complete region")
     total = sum(e - b for b, e in spans.values())
@@ -84,6 +93,7 @@ def summarize_trace(events: list[dict]) -> dict:
             last = t
             concurrent_max = max(concurrent_max, level)
     shares = {name: region_time[name] / total for name in sorted(region_time)}
+    disjoint = REGIONS + (() if "store" in shares else STORE_PARTS)
     return dict(
         warpgroups=len(spans),
         sms=len(by_sm),
@@ -91,7 +101,8 @@ def summarize_trace(events: list[dict]) -> dict:
         step_us_median=statistics.median(per_step) if per_step else None,
         steps_median=statistics.median(steps_of.values()),
         shares=shares,
-        outside_share=max(0.0, 1.0 - sum(v for k, v in shares.items() if k in REGIONS)),
+        outside_share=max(0.0, 1.0 - sum(v for k, v in shares.items() if k in disjoint)),
+        region_us_mean={name: region_time[name] / region_count[name] for name in shares},
         resident_max=concurrent_max,
         resident_mean=weighted / busy if busy else 0.0,
     )
@@ -157,6 +168,13 @@ def main(argv=None) -> int:
         help="compile and run without the in-kernel profiler (its buffers take shared memory: "
         "configs near the limit fail with it); ptxas' registers and spills only",
     )
+    p.add_argument(
+        "--regions",
+        nargs="+",
+        default=None,
+        help="named regions to record (default: convert wgmma wait scale store; also "
+        "store_smem store_reuse store_wait program)",
+    )
     p.add_argument("--out", default="out/profile", help="traces, ptxas dumps and summary.json")
     p.add_argument(
         "--interpret",
@@ -192,6 +210,7 @@ def main(argv=None) -> int:
     to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
     weights = {"GEMM1": to_mgpu(w13), "GEMM2": to_mgpu(w2)}
     weights = {what: w for what, w in weights.items() if what in args.gemms}
+    regions = {"profile_regions": tuple(args.regions)} if args.regions else {}
     summary = []
     for m in args.m:
         if args.config:
@@ -224,7 +243,7 @@ def main(argv=None) -> int:
                 rows_in_use = cfg.gemm_rows_in_use(in_use[:blocks])
                 out = mgpu_wna16_gemm(
                     rows, w, experts, rows_in_use, **options, interpret=args.interpret,
-                    profile_dir=profile_dir,
+                    profile_dir=profile_dir, **regions,
                 )  # fmt: skip
                 jax.block_until_ready(out)
             row = dict(M=m, gemm=what, config=[this.block_m, this.block_k, this.stages,
@@ -234,9 +253,13 @@ def main(argv=None) -> int:
             if traces:
                 with open(traces[-1]) as f:
                     row.update(summarize_trace(json.load(f)["traceEvents"]))
-                shares = " ".join(f"{k} {v:.0%}" for k, v in row["shares"].items())
+                shares = " ".join(
+                    f"{k} {v:.0%} ({row['region_us_mean'][k]:.2f} us)"
+                    for k, v in row["shares"].items()
+                )
+                step = row["step_us_median"]
                 print(f"M={m:<5} {what} {row['config']} {blocks} blocks: step "
-                      f"{row['step_us_median']:.2f} us, span {row['span_us_median']:.1f} us, "
+                      f"{f'{step:.2f} us' if step else '-'}, span {row['span_us_median']:.1f} us, "
                       f"{shares}, outside {row['outside_share']:.0%}; resident per SM max "
                       f"{row['resident_max']}, mean {row['resident_mean']:.1f}",
                       flush=True)  # fmt: skip

@@ -45,6 +45,7 @@ p // block_m), one expert id per block (-1: the block's output rows are zeros).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -121,6 +122,19 @@ def check_config(
             f"tiles_per_program={tiles_per_program} must divide the {n_tiles} output tiles of "
             f"{tile_n} features"
         )
+
+
+# The kernel's named regions (jax.named_scope: the in-kernel profiler's): "convert" (int4 ->
+# bf16 and the zero point), "wgmma" (issue a group's k-tile products), "wait" (for them), "scale"
+# (group scale, accumulate), "store" (the output tile's rows, all of it), its parts "store_smem"
+# (registers to the shared-memory buffer), "store_reuse" (wait until the last copy has read the
+# buffer) and "store_wait" (the program's final wait for its copies' writes), and "program" (a
+# warpgroup's whole block_products run: its span).
+REGIONS = (
+    "convert", "wgmma", "wait", "scale", "store", "store_smem", "store_reuse", "store_wait",
+    "program",
+)  # fmt: skip
+PROFILE_REGIONS = ("convert", "wgmma", "wait", "scale", "store")
 
 
 # Shared memory a program may take on sm_90 (227 KB), less 2 KB for the pipeline's barriers and
@@ -228,6 +242,7 @@ def _swizzled(shape, dtype, what: str):
         "out_dtype",
         "interpret",
         "profile_dir",
+        "profile_regions",
     ),  # fmt: skip
 )
 def mgpu_wna16_gemm(
@@ -249,6 +264,7 @@ def mgpu_wna16_gemm(
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
+    profile_regions: tuple[str, ...] = PROFILE_REGIONS,
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
     [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed; gated:
@@ -297,11 +313,19 @@ def mgpu_wna16_gemm(
     unused blocks measured no faster on the H200, session 12: M=16 784.2 vs 782.6 us,
     M=256 2004.1 vs 2009.0, M=4096 7718.7 vs 7676.1).
     Compiles for sm_90 only (or runs in the Mosaic GPU interpreter with interpret=True).
-    profile_dir: record each warpgroup's named regions ("convert", "wgmma" (issue), "wait",
-    "scale", "store") with Mosaic GPU's in-kernel profiler and write a Chrome trace there per
-    call (examples/mgpu_profile.py reads it).
+    profile_dir: record each warpgroup's named regions with Mosaic GPU's in-kernel profiler
+    and write a Chrome trace there per call (examples/mgpu_profile.py reads it): those of
+    profile_regions among REGIONS (fewer regions, fewer registers for the profiler: with all
+    five of PROFILE_REGIONS ptxas spilled 416 bytes in GEMM2 at M=4096, session 13).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if unknown := set(profile_regions) - set(REGIONS):
+        raise ValueError(f"profile_regions {sorted(unknown)} are not among {REGIONS}")
+
+    def region(name: str):
+        """The named scope `name` where it is profiled, else none (a region costs registers)."""
+        return jax.named_scope(name) if name in profile_regions else contextlib.nullcontext()
 
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
@@ -372,8 +396,11 @@ def mgpu_wna16_gemm(
             rows (block_m, or block_m // 2 for a block using at most that many): run() runs
             the pipeline and stores the output tiles' rows."""
 
-            @jax.named_scope("store")
             def store(values, ni):
+                with region("store"):
+                    store_rows(values, ni)
+
+            def store_rows(values, ni):
                 # This warpgroup's [rows, block_n] part of output tile ni, one copy per sub-tile
                 # and chunk of buffer_rows rows through one [buffer_rows, 64] buffer (a buffer
                 # per sub-tile where they fit measured the same, session 10: M=4096 7848.9 vs
@@ -385,18 +412,21 @@ def mgpu_wna16_gemm(
                 for s, value in enumerate(values):
                     cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
                     for first in range(0, rows, chunk):
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        with region("store_reuse"):
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         part = value if chunk == rows else value[:, first : first + chunk]
-                        buffer.T[...] = plgpu.layout_cast(
-                            part.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
-                        )
-                        plgpu.commit_smem()
+                        with region("store_smem"):
+                            buffer.T[...] = plgpu.layout_cast(
+                                part.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
+                            )
+                            plgpu.commit_smem()
                         out_rows = pl.ds(bi * bm + first, chunk)
                         plgpu.copy_smem_to_gmem(buffer, out_tile.at[out_rows, cols])
 
             def store_all(values, ni):
                 store(values, ni)
-                plgpu.wait_smem_to_gmem(0)
+                with region("store_wait"):
+                    plgpu.wait_smem_to_gmem(0)
 
             def epilogue(accs):
                 """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
@@ -405,8 +435,11 @@ def mgpu_wna16_gemm(
                 gates, ups = accs[:subs], accs[subs:]
                 return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
 
-            @jax.named_scope("convert")
             def dequantized_tile(q_smem, offset, s, j):
+                with region("convert"):
+                    return dequantized(q_smem, offset, s, j)
+
+            def dequantized(q_smem, offset, s, j):
                 # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
                 # offset = 128 + z of the tile's features (136 without zero points): q - z, a
                 # small integer, exact in bf16.
@@ -450,15 +483,15 @@ def mgpu_wna16_gemm(
                     if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
                         offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
                     wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
-                    with jax.named_scope("wgmma"):
+                    with region("wgmma"):
                         for j, wt in zip(k_tiles, wts, strict=True):
                             plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
 
                 def add_scaled(accs, part_ref, g, h, s, in_flight):
                     # wait until at most in_flight wgmmas (the next unit's) are running
-                    with jax.named_scope("wait"):
+                    with region("wait"):
                         part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
-                    with jax.named_scope("scale"):
+                    with region("scale"):
                         scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                         scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
                         a = h * subs + s
@@ -564,14 +597,20 @@ def mgpu_wna16_gemm(
                     compute_context=compute_context,
                 )(*operands)
 
+            def program(body):  # the math warpgroups' part of run()
+                with region("program"):
+                    body()
+
             def run():
                 if tiles > 1:  # each tile stored at its last k-step
-                    pipeline(lambda run: run(zero_acc()))
+                    pipeline(lambda run: program(lambda: run(zero_acc())))
                     plgpu.wait_smem_to_gmem(0)
                 elif not consumers:
-                    store_all(epilogue(pipeline()), n_run)
+                    program(lambda: store_all(epilogue(pipeline()), n_run))
                 else:
-                    pipeline(lambda run: store_all(epilogue(run(zero_acc())), n_run))
+                    pipeline(
+                        lambda run: program(lambda: store_all(epilogue(run(zero_acc())), n_run))
+                    )
 
             return store, zero_acc, run
 
@@ -608,9 +647,14 @@ def mgpu_wna16_gemm(
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     profile = {}
     if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
-        # a scale per group (twice that, to spare), and the store
+        # a scale per group (twice that, to spare); per tile the store and its parts (two per
+        # copy), and the program
         regions = halves * subs * (bk // TILE + 3 * groups_per_step)
-        profile = dict(profile_space=2 * regions * steps + 8, profile_dir=profile_dir)
+        copies = subs * (bm // buffer_rows)
+        profile = dict(
+            profile_space=2 * regions * steps + tiles * (2 * copies + 4) + 8,
+            profile_dir=profile_dir,
+        )
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),

@@ -204,6 +204,24 @@ def test_mgpu_profile_summarizes_a_trace():
     assert summary["resident_mean"] == pytest.approx((5 + 10 + 5 + 10) / 25)
 
 
+def test_mgpu_profile_summarizes_the_stores_parts():
+    """A warpgroup's "program" span (10 us) holding two store copies, each a 1 us "store_reuse"
+    and a 2 us "store_smem", then a 1 us "store_wait": without "store", its parts count as
+    regions (outside: 10 - 7 = 3 us) and each region's mean time is per occurrence."""
+    regions = [("program", 0, 10), ("store_reuse", 2, 3), ("store_smem", 3, 5),
+               ("store_reuse", 5, 6), ("store_smem", 6, 8), ("store_wait", 8, 9)]  # fmt: skip
+    events = []
+    for name, b, e in regions:
+        events += [dict(name=name, ph="B", ts=b, pid=1, tid=1),
+                   dict(name=name, ph="E", ts=e, pid=1, tid=1)]  # fmt: skip
+    summary = _load("mgpu_profile").summarize_trace(events)
+    assert summary["span_us_median"] == 10.0 and summary["step_us_median"] is None
+    assert summary["outside_share"] == pytest.approx(0.3)
+    assert summary["region_us_mean"] == pytest.approx(
+        dict(program=10.0, store_reuse=1.0, store_smem=2.0, store_wait=1.0)
+    )
+
+
 def test_mgpu_profile_reads_registers_and_spills(tmp_path):
     """ptxas -v's resource lines: the registers line and the indented spill line; not others."""
     log = tmp_path / "ptxas.log"

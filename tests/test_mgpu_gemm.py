@@ -840,7 +840,8 @@ def test_gemm_plan_is_the_layers_gemms(rng):
     assert (this.block_n, this.stages, gated, options["out_dtype"]) == (128, 2, False, jnp.float32)
     *_, options = mgpu_fused_moe.gemm_plan(cfg, w2, 4, out_dtype=BF16)
     assert options["out_dtype"] == BF16
-    *_, options = mgpu_fused_moe.gemm_plan(dataclasses.replace(cfg, splits=2), w2, 4, None, BF16)
+    split = dataclasses.replace(cfg, splits=2)  # GEMM2 on w13's K = 512: two k-steps of 256
+    *_, options = mgpu_fused_moe.gemm_plan(split, w13, 4, None, BF16)
     assert options["splits"] == 2 and options["out_dtype"] == jnp.float32  # partials in f32
     unfused = dataclasses.replace(cfg, fuse_activation=False)
     _, _, gated, options = mgpu_fused_moe.gemm_plan(unfused, w13, 4, BF16)
