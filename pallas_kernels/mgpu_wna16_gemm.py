@@ -217,6 +217,32 @@ def _biased_tile(q_tile):
     return convert(q_tile)
 
 
+def _opaque_offset_row(dtype):
+    """136 (128 + 8, bf16) for each of a tile's 64 features in the WGMMA row layout, made by
+    inline PTX so that the compiler cannot fold it into the subtraction as a constant: symmetric
+    weights then take the zero-point path's code (a per-feature offset in a register). With the
+    constant folded, the symmetric DeepSeek-V3 layer ran slower than with zero points of 8 on
+    the same data (H200, session 14: M=4096 7403.8 vs 7231.0 us). Compiled code only."""
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    @plgpu.inline_mgpu(arg_types=(), return_type=plgpu.ShapeDtypeStruct((TILE,), dtype, layout=row))
+    def offsets(_):
+        bits = llvm.inline_asm(ir.IntegerType.get_signless(16), [], "mov.b16 $0, 0x4308;", "=h")
+        value = mgpu_utils.bitcast(bits, ir.VectorType.get((1,), ir.BF16Type.get()))
+        layout = mgpu.WGMMA_ROW_LAYOUT
+        registers = np.full(layout.registers_shape((TILE,)), value, dtype=object)
+        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
+
+    return offsets()
+
+
 def _swizzled(shape, dtype, what: str):
     """Tiling + swizzle transforms for an SMEM tile whose minor dimension is shape[-1]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -450,7 +476,7 @@ def mgpu_wna16_gemm(
                     biased = q.astype(dtype) + 136
                 else:
                     biased = _biased_tile(q_tile)
-                if offset is None:
+                if offset is None:  # the interpreter, symmetric
                     wt = biased - 136
                 else:
                     wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
@@ -482,6 +508,8 @@ def mgpu_wna16_gemm(
                     offset = None
                     if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
                         offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                    elif not interpret:  # symmetric: 136 per feature, as a zero point of 8 gives
+                        offset = _opaque_offset_row(dtype)
                     wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
                     with region("wgmma"):
                         for j, wt in zip(k_tiles, wts, strict=True):
