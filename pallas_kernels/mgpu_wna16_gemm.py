@@ -382,7 +382,13 @@ def mgpu_wna16_gemm(
     groups_per_step = max(bk // w.group, 1)
     tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
     box_rows = math.gcd(bk, 256)  # k-rows of weight tiles per TMA box
-    has_offset = w.zeros is not None
+    has_zeros = w.zeros is not None
+    # EXPERIMENT (session 14, call 4; removed after): symmetric weights copy their scales a
+    # second time in place of zero points (unused), to see whether the copies' count is what
+    # makes them slower than zero points of 8.
+    import os
+
+    has_offset = has_zeros or (os.environ.get("WNA16_SYM_COPY") == "1" and not interpret)
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
     n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
@@ -506,7 +512,9 @@ def mgpu_wna16_gemm(
                 def issue(part_ref, g, h, s):
                     k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                     offset = None
-                    if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
+                    if (
+                        z_refs and has_zeros
+                    ):  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
                         offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
                     elif not interpret:  # symmetric: 136 per feature, as a zero point of 8 gives
                         offset = _opaque_offset_row(dtype)
@@ -667,7 +675,7 @@ def mgpu_wna16_gemm(
         operands.append(block_rows.astype(jnp.int32))
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
-        operands.append(w.zeros)
+        operands.append(w.zeros if has_zeros else w.scales)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
