@@ -20,7 +20,9 @@ grep -E "layer|GEMM|copy|FAILED|rror" $OUT/sym.log
 timeout 80 python3 examples/mgpu_probe.py --m 1 16 --json $OUT/decode.json > $OUT/probe.log 2>&1
 timeout 60 python3 examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 --json $OUT/tp8.json \
    >> $OUT/probe.log 2>&1; echo "decode $SECONDS s"
-timeout 150 python3 examples/mgpu_probe.py --m 256 4096 --json $OUT/prefill.json --configs \
-   16,128,3,0,-,128,1,-,-,-,-,-,1,1 64,256,3,2,-,64,1,128,2,-,-,-,2,1 >> $OUT/probe.log 2>&1
+timeout 70 python3 examples/mgpu_probe.py --m 256 --json $OUT/m256.json --configs \
+   16,128,3,0,-,128,1,-,-,-,-,-,1,1 >> $OUT/probe.log 2>&1
+timeout 90 python3 examples/mgpu_probe.py --m 4096 --json $OUT/m4096.json --configs \
+   64,256,3,2,-,64,1,128,2,-,-,-,2,1 >> $OUT/probe.log 2>&1
 echo "prefill $SECONDS s"
 grep -E "layer|GEMM|backend|copy|FAILED|rror" $OUT/probe.log
