@@ -137,6 +137,15 @@ REGIONS = (
 PROFILE_REGIONS = ("convert", "wgmma", "wait", "scale", "store")
 
 
+# Symmetric weights subtract 136 (128 + 8) from each converted weight. Taken as a constant (folded
+# into the subtraction, or made by inline PTX) the symmetric DeepSeek-V3 layer ran 2.3-2.8% slower
+# than the same weights with zero points of 8 at M=4096 on the H200 (session 14, calls 2-4, one
+# process each on one GPU: 7403.8 vs 7231.0, 7604.6 vs 7440.2, 7570.8 vs 7365.9 us; copying the
+# scales a second time in place of zero points did not help: 7542.2), and 3-4 us slower at M=1.
+# So the offset is computed from a loaded row as a zero point's is: 136 - 0 * scale.
+SYMMETRIC_OFFSET = 136
+
+
 # Shared memory a program may take on sm_90 (227 KB), less 2 KB for the pipeline's barriers and
 # alignment.
 SMEM_BYTES = 232448 - 2048
@@ -215,32 +224,6 @@ def _biased_tile(q_tile):
         return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
 
     return convert(q_tile)
-
-
-def _opaque_offset_row(dtype):
-    """136 (128 + 8, bf16) for each of a tile's 64 features in the WGMMA row layout, made by
-    inline PTX so that the compiler cannot fold it into the subtraction as a constant: symmetric
-    weights then take the zero-point path's code (a per-feature offset in a register). With the
-    constant folded, the symmetric DeepSeek-V3 layer ran slower than with zero points of 8 on
-    the same data (H200, session 14: M=4096 7403.8 vs 7231.0 us). Compiled code only."""
-    import numpy as np
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    row = plgpu.Layout.WGMMA.reduce(1)
-
-    @plgpu.inline_mgpu(arg_types=(), return_type=plgpu.ShapeDtypeStruct((TILE,), dtype, layout=row))
-    def offsets(_):
-        bits = llvm.inline_asm(ir.IntegerType.get_signless(16), [], "mov.b16 $0, 0x4308;", "=h")
-        value = mgpu_utils.bitcast(bits, ir.VectorType.get((1,), ir.BF16Type.get()))
-        layout = mgpu.WGMMA_ROW_LAYOUT
-        registers = np.full(layout.registers_shape((TILE,)), value, dtype=object)
-        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
-
-    return offsets()
 
 
 def _swizzled(shape, dtype, what: str):
@@ -382,13 +365,7 @@ def mgpu_wna16_gemm(
     groups_per_step = max(bk // w.group, 1)
     tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
     box_rows = math.gcd(bk, 256)  # k-rows of weight tiles per TMA box
-    has_zeros = w.zeros is not None
-    # EXPERIMENT (session 14, call 4; removed after): symmetric weights copy their scales a
-    # second time in place of zero points (unused), to see whether the copies' count is what
-    # makes them slower than zero points of 8.
-    import os
-
-    has_offset = has_zeros or (os.environ.get("WNA16_SYM_COPY") == "1" and not interpret)
+    has_offset = w.zeros is not None
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
     n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
@@ -512,12 +489,13 @@ def mgpu_wna16_gemm(
                 def issue(part_ref, g, h, s):
                     k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                     offset = None
-                    if (
-                        z_refs and has_zeros
-                    ):  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
+                    if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
                         offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
-                    elif not interpret:  # symmetric: 136 per feature, as a zero point of 8 gives
-                        offset = _opaque_offset_row(dtype)
+                    elif not interpret:  # symmetric: 136 - 0 * scale = 136 per feature (exact
+                        # for finite scales), computed as a zero point's offset is (see
+                        # SYMMETRIC_OFFSET)
+                        scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
+                        offset = SYMMETRIC_OFFSET - 0 * scale
                     wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
                     with region("wgmma"):
                         for j, wt in zip(k_tiles, wts, strict=True):
@@ -675,7 +653,7 @@ def mgpu_wna16_gemm(
         operands.append(block_rows.astype(jnp.int32))
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
-        operands.append(w.zeros if has_zeros else w.scales)
+        operands.append(w.zeros)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
