@@ -142,7 +142,9 @@ PROFILE_REGIONS = ("convert", "wgmma", "wait", "scale", "store")
 # than the same weights with zero points of 8 at M=4096 on the H200 (session 14, calls 2-4, one
 # process each on one GPU: 7403.8 vs 7231.0, 7604.6 vs 7440.2, 7570.8 vs 7365.9 us; copying the
 # scales a second time in place of zero points did not help: 7542.2), and 3-4 us slower at M=1.
-# So the offset is computed from a loaded row as a zero point's is: 136 - 0 * scale.
+# So the offset is computed from a loaded row as a zero point's is: 136 - 0 * scale. Then
+# symmetric weights ran ahead of zero points of 8 (call 5: M=4096 7347.6 vs 7441.2 us, GEMM1
+# 4421.5 vs 4494.9; M=1 80.2 vs 82.3). Why the constant is slower was not found.
 SYMMETRIC_OFFSET = 136
 
 
