@@ -238,8 +238,9 @@ def _silu(v: np.ndarray) -> np.ndarray:
 
 
 def numpy_fused_moe(
-    x, w13_deq, w2_deq, topk_weights, topk_ids, expert_map=None, activation_dtype=None
-) -> np.ndarray:
+    x, w13_deq, w2_deq, topk_weights, topk_ids, expert_map=None, activation_dtype=None,
+    rows_dtype=None,
+) -> np.ndarray:  # fmt: skip
     """The MoE layer in float64: out[t] = sum_j w[t,j] * w2[e] @ silu_mul(w13[e] @ x[t]).
 
     Args:
@@ -252,6 +253,9 @@ def numpy_fused_moe(
             error can be amplified by cancellation in GEMM2's sums beyond the output tolerance
             (a bf16 case: 0.0052 on an element of 0.097), so such a backend is checked against
             its own contract.
+        rows_dtype: likewise, round each slot's GEMM2 row (before its routing weight) to this
+            dtype, for a backend that writes its rows so (the mgpu backend's opt-in
+            bf16_down_rows).
 
     Returns:
         float64 [T, H].
@@ -280,7 +284,10 @@ def numpy_fused_moe(
         act = _silu(hid[:, :i]) * hid[:, i:]  # [n, I]
         if activation_dtype is not None:
             act = np.asarray(jnp.asarray(act, activation_dtype), np.float64)
-        y = (act @ w2[e].T) * wts[rows, slots][:, None]  # [n, H]
+        y = act @ w2[e].T  # [n, H]
+        if rows_dtype is not None:
+            y = np.asarray(jnp.asarray(y, rows_dtype), np.float64)
+        y = y * wts[rows, slots][:, None]
         np.add.at(out, rows, y)
     return out
 

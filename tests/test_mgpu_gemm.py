@@ -274,7 +274,36 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
     run_layer_case(rng, has_zp, t, config)
 
 
-def run_layer_case(rng, has_zp, t, config):
+@pytest.mark.parametrize(
+    "t,config",
+    [(40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1, bf16_down_rows=True)),
+     (1, MgpuConfig(block_m=8, block_k=64, bf16_down_rows=True)),
+     (6, MgpuConfig(block_m=8, block_k=64, splits=2, bf16_down_rows=True))],
+    ids=str,
+)  # fmt: skip
+def test_bf16_down_rows_match_their_contract(rng, t, config):
+    """bf16_down_rows: GEMM2's rows rounded to bf16 before the top-k sum (the oracle rounds them
+    too: a third rounding, which cancellation can amplify beyond the tolerance of an oracle
+    without it), with blocks narrowed, one token's blocks, and an unfused K-split GEMM1 (a
+    K-split GEMM2's partials stay f32: test_gemm_plan_is_the_layers_gemms). With an f32 output
+    the rows stay f32: bitwise the layer without the option."""
+    run_layer_case(rng, True, t, config, rows_dtype=BF16)
+    assert mgpu_fused_moe.down_rows_dtype(config, BF16, None) == BF16
+    assert mgpu_fused_moe.down_rows_dtype(config, BF16, jnp.float32) == jnp.float32
+    plain = dataclasses.replace(config, bf16_down_rows=False)
+    assert mgpu_fused_moe.down_rows_dtype(plain, BF16, None) == jnp.float32
+    e, top_k, h, i = 8, 2, 128, 64
+    w13 = prepare_weights(helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16))
+    w2 = prepare_weights(helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16))
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
+    run = functools.partial(
+        mgpu_fused_moe.fused_moe, x, w13, w2, tw, ids, out_dtype=jnp.float32, interpret=INTERPRET
+    )
+    np.testing.assert_array_equal(np.asarray(run(config=config)), np.asarray(run(config=plain)))
+
+
+def run_layer_case(rng, has_zp, t, config, rows_dtype=None):
     e, top_k, h, i = 8, 2, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
@@ -297,6 +326,7 @@ def run_layer_case(rng, has_zp, t, config):
         np.asarray(topk_weights, np.float64),
         np.asarray(topk_ids),
         activation_dtype=BF16,  # the layer's contract: GEMM2 reads a bf16 activation
+        rows_dtype=rows_dtype,
     )
     # Two GEMMs, the bf16 activation between them and the bf16 output: the layer tolerance.
     helpers.assert_close(out, ref, BF16, "fused_moe")
