@@ -148,9 +148,11 @@ PROFILE_REGIONS = ("convert", "wgmma", "wait", "scale", "store")
 SYMMETRIC_OFFSET = 136
 
 
-# Shared memory a program may take on sm_90 (227 KB), less 2 KB for the pipeline's barriers and
-# alignment.
-SMEM_BYTES = 232448 - 2048
+# Shared memory a block may take on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin of the H100 /
+# H200: 227 KiB; the tests' compile checks use it too), and what a program's buffers may take:
+# that less 2 KB for the pipeline's barriers and alignment.
+SM90_SHARED_MEMORY_BYTES = 232448
+SMEM_BYTES = SM90_SHARED_MEMORY_BYTES - 2048
 
 
 def output_buffer_rows(

@@ -36,6 +36,7 @@ import pytest
 
 import wna16_jax as wj
 from jax_triton_kernels import backend as triton_backend
+from pallas_kernels.mgpu_wna16_gemm import SM90_SHARED_MEMORY_BYTES
 from wna16_jax import _configs, _dispatch, _reference
 from wna16_jax._configs import min_block_k
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
@@ -314,8 +315,6 @@ COMPILE_GEMMS = [
     (256, 512, 7168, 4, 128, True, BF16, 16, 8, BlockConfig(16, 64, 128, split_k=4), False,
      False),
 ]  # fmt: skip
-# Dynamic shared memory per block on an H100 / H200 (227 KiB).
-SM90_MAX_SHARED = 232448
 
 
 def _sm90():
@@ -350,7 +349,7 @@ def test_gemm_compiles_for_sm90(case):
     compiled = _launch.compile_for(launch, _sm90())
     assert len(compiled.asm["cubin"]) > 0
     assert ".target sm_90" in compiled.asm["ptx"]
-    assert compiled.metadata.shared <= SM90_MAX_SHARED, compiled.metadata.shared
+    assert compiled.metadata.shared <= SM90_SHARED_MEMORY_BYTES, compiled.metadata.shared
 
 
 @needs_triton
@@ -383,7 +382,10 @@ def test_deepseek_heuristic_configs_compile_for_sm90(m):
             rw,
         )
         compiled = _launch.compile_for(launch, _sm90())
-        assert compiled.metadata.shared <= SM90_MAX_SHARED, (config, compiled.metadata.shared)
+        assert compiled.metadata.shared <= SM90_SHARED_MEMORY_BYTES, (
+            config,
+            compiled.metadata.shared,
+        )
 
 
 @needs_triton
@@ -409,7 +411,7 @@ def test_align_compiles_for_sm90(e, t, k, block_m, with_map):
     for launch in _traced(launches, ids, emap):
         compiled = _launch.compile_for(launch, _sm90())
         assert len(compiled.asm["cubin"]) > 0
-        assert compiled.metadata.shared <= SM90_MAX_SHARED
+        assert compiled.metadata.shared <= SM90_SHARED_MEMORY_BYTES
 
 
 def test_launch_signature_checked():
