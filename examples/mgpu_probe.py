@@ -79,6 +79,8 @@ def parse_config(text: str) -> MgpuConfig:
             fields[12] = 0
         if len(fields) > 13:  # bf16_down_rows
             fields[13] = bool(fields[13])
+        if len(fields) > 14:  # direct_token
+            fields[14] = bool(fields[14])
         return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
@@ -116,14 +118,15 @@ def main(argv=None) -> int:
         type=parse_config,
         default=[],
         metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES,"
-        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS",
+        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS,DIRECT_TOKEN",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
         "64,256,3,2,-,64,1,128,2: GEMM2 at 128 features per consumer and 2 stages; "
         "64,256,3,2,-,64,1,128,2,-,-,-,2: and blocks narrowed to half or a quarter of their "
         "rows where they use no more; 64,256,3,2,-,64,1,128,2,-,-,-,2,1: and GEMM2's rows "
-        "rounded to bf16",
+        "rounded to bf16; 8,256,3,0,-,64,1,-,-,-,-,-,1,0,1: one token's GEMM1 on the token's "
+        "row itself and the router's ids as block experts",
     )
     p.add_argument(
         "--chain",

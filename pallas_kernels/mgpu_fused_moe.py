@@ -41,7 +41,11 @@ class MgpuConfig:
     may halve a block that uses at most that many of its rows (mgpu_wna16_gemm's block_rows
     and narrow_steps; 1: halves, 2: also quarters; each width a multiple of 8).
     bf16_down_rows: GEMM2 rounds its rows ([P, H], one per slot) to x's dtype where the layer's
-    output is 16-bit (`down_rows_dtype`; by default they are f32)."""
+    output is 16-bit (`down_rows_dtype`; by default they are f32). direct_token: a chunk of one
+    token gives GEMM1 the token's row itself (mgpu_wna16_gemm's one_row_tile: no
+    [k * block_m, H] rows built) and, without an expert_map, the router's ids as the block
+    experts (the GEMMs skip ids out of range): two XLA kernels fewer per decode step; not yet
+    run on a GPU (lowered for CUDA, tested in the interpreter)."""
 
     block_m: int
     block_k: int = 128
@@ -57,6 +61,7 @@ class MgpuConfig:
     down_tiles_per_program: int | None = None
     narrow_blocks: int = 0
     bf16_down_rows: bool = False
+    direct_token: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -321,11 +326,17 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     [gate; up] and the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue
     where `fuses_activation`)."""
 
-    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None, out_dtype=None):
+    def gemm(
+        rows, w, block_experts, rows_in_use=None, activation_dtype=None, out_dtype=None,
+        one_row_tile=False,
+    ):  # fmt: skip
         _, splits, gated, options = gemm_plan(
             cfg, w, block_experts.shape[0], activation_dtype, out_dtype
         )
-        out = mgpu_wna16_gemm(rows, w, block_experts, rows_in_use, **options, interpret=interpret)
+        out = mgpu_wna16_gemm(
+            rows, w, block_experts, rows_in_use, **options, one_row_tile=one_row_tile,
+            interpret=interpret,
+        )  # fmt: skip
         if gated:
             return out
         out = out.sum(axis=0) if splits > 1 else out
@@ -360,7 +371,7 @@ def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, inter
     return slots, block_experts, rows_in_block_order(x, slots, k, interpret=interpret)
 
 
-def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
+def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, direct=False):
     """For one token ([1, H], topk_ids [1, k]): the block experts [k], rows [k * block_m, H]
     of one block per slot, slot j's row first in block j (the rest zero), each slot's row
     position j * block_m and the rows in use per block (ones). No alignment kernel: a token's
@@ -368,13 +379,22 @@ def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map)
     expert order), and their rows are the same products. Slots the alignment drops (ids out of
     range, or off this shard through expert_map) get expert -1 (zero rows, masked by the
     caller). Session 11's timeline: the alignment kernel took ~7 us of the ~39 us TP=8 layer
-    at M=1."""
-    block_experts, _ = _reference.local_expert_of(
-        topk_ids, num_experts=num_experts, expert_map=expert_map
-    )
-    k, h = block_experts.shape[0], x.shape[1]
-    x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
-    return block_experts, x_rows, jnp.arange(k, dtype=jnp.int32) * block_m, jnp.ones(k, jnp.int32)
+    at M=1. direct (`MgpuConfig.direct_token`): the rows are x itself ([1, H], for GEMM1's
+    one_row_tile) and, without an expert_map, the block experts are topk_ids' own (the GEMMs
+    give ids out of range zero rows)."""
+    k, h = topk_ids.shape[1], x.shape[1]
+    if direct and expert_map is None:
+        block_experts = topk_ids.reshape(k).astype(jnp.int32)
+    else:
+        block_experts, _ = _reference.local_expert_of(
+            topk_ids, num_experts=num_experts, expert_map=expert_map
+        )
+    if direct:
+        x_rows = x
+    else:
+        x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
+    position = jnp.arange(k, dtype=jnp.int32) * block_m
+    return block_experts, x_rows, position, jnp.ones(k, jnp.int32)
 
 
 def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret):
@@ -403,8 +423,11 @@ def _chunk(
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     blocks = dict(num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map)
+    direct = t == 1 and one_token and cfg.direct_token
     if t == 1 and one_token:
-        block_experts, x_rows, position, in_use = one_token_blocks(x, topk_ids, **blocks)
+        block_experts, x_rows, position, in_use = one_token_blocks(
+            x, topk_ids, **blocks, direct=direct
+        )
     else:
         block_experts, x_rows, position, in_use = aligned_blocks(
             x, topk_ids, **blocks, interpret=interpret
@@ -415,7 +438,9 @@ def _chunk(
     # cores, as in the 'pallas' backend (the 'xla' reference keeps it in f32). GEMM2's rows are
     # f32 (bf16 where the config asks: `down_rows_dtype`); the top-k sum is f32.
     # With narrow blocks, a block's unused rows of `act` may be unwritten; GEMM2 reads none.
-    act = gemm(x_rows, w13, block_experts, in_use, activation_dtype=x.dtype)  # [P, I]
+    act = gemm(  # [P, I]
+        x_rows, w13, block_experts, in_use, activation_dtype=x.dtype, one_row_tile=direct
+    )
     y = gemm(act, w2, block_experts, in_use, out_dtype=down_rows_dtype(cfg, x.dtype, out_dtype))
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).

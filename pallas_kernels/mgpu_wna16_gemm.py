@@ -40,7 +40,8 @@ scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 
 [E, K//G, N], so that w = (qweight + zeros) * scales.
 
 Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
-p // block_m), one expert id per block (-1: the block's output rows are zeros).
+p // block_m), one expert id per block (-1 or an id past the experts: the block's output
+rows are zeros).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def check_config(
     splits: int = 1,
     gated: bool = False,
     tiles_per_program: int = 1,
+    one_row_tile: bool = False,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -89,7 +91,9 @@ def check_config(
         raise NotImplementedError(f"activations must be bfloat16, got {x_rows.dtype}")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
-    if p % block_m:
+    if one_row_tile and p > block_m:
+        raise ValueError(f"one_row_tile takes at most block_m={block_m} rows, got {p}")
+    if not one_row_tile and p % block_m:
         raise ValueError(f"{p} rows are not whole blocks of {block_m}")
     if consumers not in (0, 1, 2):
         raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
@@ -252,6 +256,7 @@ def _swizzled(shape, dtype, what: str):
         "tiles_per_program",
         "narrow_steps",
         "buffer_rows",
+        "one_row_tile",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -274,6 +279,7 @@ def mgpu_wna16_gemm(
     tiles_per_program: int = 1,
     narrow_steps: int = 1,
     buffer_rows: int | None = None,
+    one_row_tile: bool = False,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -322,9 +328,15 @@ def mgpu_wna16_gemm(
     dividing block_m); None: `output_buffer_rows`, the block's where they fit beside the
     pipeline's stages. A sub-tile is stored in copies of that many rows.
 
-    Blocks with expert -1 give zero rows (leaving them unwritten for the layer's trailing
-    unused blocks measured no faster on the H200, session 12: M=16 784.2 vs 782.6 us,
-    M=256 2004.1 vs 2009.0, M=4096 7718.7 vs 7676.1).
+    one_row_tile: x_rows is one tile of at most block_m rows that every block multiplies (its
+    copies read the rows past x_rows' end as zeros); the output still has block_m rows per
+    block, [B * block_m, N] for B block experts. For one token's blocks (a block per slot, the
+    token in each block's first row) without building [B * block_m, H] rows first.
+
+    Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
+    (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
+    H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
+    7676.1).
     Compiles for sm_90 only (or runs in the Mosaic GPU interpreter with interpret=True).
     profile_dir: record each warpgroup's named regions with Mosaic GPU's in-kernel profiler
     and write a Chrome trace there per call (examples/mgpu_profile.py reads it): those of
@@ -343,6 +355,7 @@ def mgpu_wna16_gemm(
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
+        one_row_tile=one_row_tile,
     )  # fmt: skip
     narrow = block_rows is not None
     if narrow and (
@@ -354,7 +367,7 @@ def mgpu_wna16_gemm(
             f"count per block: {block_rows.shape} for {block_experts.shape} blocks"
         )
     _, n, k = w.shape
-    p = x_rows.shape[0]
+    p = block_experts.shape[0] * block_m if one_row_tile else x_rows.shape[0]
     dtype = x_rows.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
@@ -397,6 +410,7 @@ def mgpu_wna16_gemm(
         flat = lax.axis_index("p")
         si, bi, n_run = flat // (blocks * n_runs), flat // n_runs % blocks, flat % n_runs
         expert = experts_gmem[bi]
+        has_expert = (expert >= 0) & (expert < w.num_experts)
 
         def sub_tile(s):  # this warpgroup's sub-tile s among the program's 64-feature tiles
             return wg * subs + s
@@ -557,8 +571,8 @@ def mgpu_wna16_gemm(
                 return accs
 
             # The inputs of pipeline step idx; half h's tiles start at N tile h * n_tiles (the up
-            # half of a gated W). A block of expert -1 runs no pipeline.
-            e = jnp.maximum(expert, 0)
+            # half of a gated W). A block without an expert (-1, or past E) runs no pipeline.
+            e = jnp.clip(expert, 0, w.num_experts - 1)
 
             def weight_tile(h):
                 def index(*idx):
@@ -575,7 +589,8 @@ def mgpu_wna16_gemm(
                 return index
 
             def row_tile(*idx):
-                return bi * (bm // rows), si * steps + tile_and_step(idx)[1]
+                first = 0 if one_row_tile else bi * (bm // rows)
+                return first, si * steps + tile_and_step(idx)[1]
 
             q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
             g_spec = (None, groups_per_step, tile_n)
@@ -639,11 +654,11 @@ def mgpu_wna16_gemm(
             for j, width in enumerate(widths):
                 narrower = widths[j + 1] if j < narrow_steps else -1
                 fits = (used > narrower) & ((used <= width) if j else True)
-                pl.when((expert >= 0) & fits)(run if j == 0 else block_products(width)[2])
+                pl.when(has_expert & fits)(run if j == 0 else block_products(width)[2])
         else:
-            pl.when(expert >= 0)(run)
+            pl.when(has_expert)(run)
 
-        @pl.when((expert < 0) & (wg < wgs))
+        @pl.when(~has_expert & (wg < wgs))
         def _zeros():
             for j in range(tiles):
                 store(zero_acc()[:subs], n_run * tiles + j)

@@ -86,6 +86,7 @@ def run_gemm_case(
         out_dtype=jnp.float32 if splits > 1 else None,
         interpret=INTERPRET,
     )
+    out = np.asarray(out)  # INTERPRETER_DISPATCH: the partials summed in numpy
     w_deq = helpers.numpy_dequantize(qw)
     ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
     if gated:  # silu(gate) * up of the halves, in float64
@@ -93,7 +94,7 @@ def run_gemm_case(
         ref = gate / (1 + np.exp(-gate)) * up
     if splits > 1:
         assert out.shape == (splits, *ref.shape)
-        out = out.sum(axis=0).astype(BF16)
+        out = out.sum(axis=0, dtype=np.float32).astype(BF16)
     out = np.asarray(out, np.float64)
     empty = np.repeat(block_experts < 0, block_m)
     assert np.all(out[empty] == 0), "rows of expert -1 blocks must be zeros"
@@ -420,11 +421,15 @@ def test_fused_moe_expert_map_and_dropped_slots(rng):
     helpers.assert_close(out, ref, BF16, "fused_moe with expert_map")
 
 
+@pytest.mark.parametrize("direct_token", [False, True], ids=["rows_built", "direct_token"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["all_experts", "expert_map"])
-def test_one_token_blocks_match_the_aligned_blocks(rng, sharded):
+def test_one_token_blocks_match_the_aligned_blocks(rng, sharded, direct_token):
     """A chunk of one token runs a block per slot without the alignment kernel
     (`one_token_blocks`): the same output, bit for bit, as the aligned blocks, and numpy's, also
-    with an out-of-range id (dropped) and an expert shard (off-shard slots give nothing)."""
+    with an out-of-range id (dropped) and an expert shard (off-shard slots give nothing). With
+    direct_token, GEMM1 multiplies the token's row itself in every block (one_row_tile) and,
+    without an expert_map, takes the router's ids (the out-of-range one included) as block
+    experts."""
     e_global, top_k, h, i = 8, 3, 128, 64
     e_local = 4 if sharded else e_global
     w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
@@ -442,7 +447,8 @@ def test_one_token_blocks_match_the_aligned_blocks(rng, sharded):
         mgpu_fused_moe._chunk, x, topk_weights=jnp.asarray(topk_weights),
         topk_ids=jnp.asarray(topk_ids), w13=prepare_weights(w13), w2=prepare_weights(w2),
         expert_map=None if expert_map is None else jnp.asarray(expert_map),
-        cfg=default_config(top_k, e_global, 64), interpret=INTERPRET,
+        cfg=dataclasses.replace(default_config(top_k, e_global, 64), direct_token=direct_token),
+        interpret=INTERPRET,
     )  # fmt: skip
     direct = jax.block_until_ready(chunk())  # INTERPRETER_DISPATCH
     aligned = chunk(one_token=False)
@@ -798,6 +804,7 @@ def lowers_for_cuda(
     tiles=1,
     narrow=0,
     stages=4,
+    one_row_tile=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
@@ -818,8 +825,10 @@ def lowers_for_cuda(
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
-        narrow_steps=max(narrow, 1),
+        narrow_steps=max(narrow, 1), one_row_tile=one_row_tile,
     )  # fmt: skip
+    if one_row_tile:  # one token's row: the copies read the block's other rows past its end
+        x = jax.ShapeDtypeStruct((1, k), BF16)
     args = (x, w, experts, experts) if narrow else (x, w, experts)
     lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
@@ -970,9 +979,9 @@ def test_gemm_narrow_blocks(rng, consumers, block_m, block_n, gated, splits, til
         gated=gated, tiles_per_program=tiles, narrow_steps=narrow, out_dtype=jnp.float32,
         interpret=INTERPRET,
     )  # fmt: skip
+    out = np.asarray(out, np.float64)  # INTERPRETER_DISPATCH: the partials summed in numpy
     if splits > 1:
         out = out.sum(axis=0)
-    out = np.asarray(out, np.float64)
     ref = numpy_block_gemm(x_rows, helpers.numpy_dequantize(qw), block_experts, block_m)
     if gated:
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
@@ -1061,3 +1070,63 @@ def test_output_buffer_takes_the_rows_that_fit():
     assert rows(halves=1, stages=2, out_bytes=4) == 64  # GEMM2 (the default)
     assert rows(halves=1, stages=3, out_bytes=4) == 32
     assert rows(halves=1, stages=4, out_bytes=4) == 8  # does not fit at all: the least
+
+
+@pytest.mark.parametrize(
+    "rows,block_m,consumers,block_k,splits,gated,tiles",
+    [(1, 8, 0, 256, 1, True, 1), (3, 16, 2, 128, 1, False, 1), (1, 8, 0, 128, 4, False, 2),
+     (16, 16, 1, 128, 2, False, 1)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_one_row_tile(rng, rows, block_m, consumers, block_k, splits, gated, tiles):
+    """one_row_tile: every block multiplies the same rows (fewer than block_m: the rest read as
+    zeros, so their outputs are zeros); blocks of expert -1 or an id past the experts give zero
+    rows."""
+    e, k, g = 3, 512, 128
+    n = 64 * max(consumers, 1) * tiles * 2 * (2 if gated else 1)
+    qw = helpers.random_quantized_experts(rng, e, n, k, 4, g, True, BF16)
+    block_experts = np.asarray([2, -1, 0, e + 1, 1], np.int32)
+    x_rows = jnp.asarray(rng.standard_normal((rows, k)), BF16)
+    out = mgpu_wna16_gemm(
+        x_rows, prepare_weights(qw), jnp.asarray(block_experts), block_m=block_m,
+        block_k=block_k, consumers=consumers, splits=splits, gated=gated,
+        tiles_per_program=tiles, one_row_tile=True, out_dtype=jnp.float32, interpret=INTERPRET,
+    )  # fmt: skip
+    out = np.asarray(out, np.float64)  # INTERPRETER_DISPATCH: the partials summed in numpy
+    if splits > 1:
+        out = out.sum(axis=0)
+    out = out.reshape(len(block_experts), block_m, -1)
+    w_deq = helpers.numpy_dequantize(qw)
+    x = np.asarray(x_rows, np.float64)
+    for b, expert in enumerate(block_experts):
+        if not 0 <= expert < e:
+            assert np.all(out[b] == 0), f"block {b} (expert {expert}) must be zeros"
+            continue
+        ref = x @ w_deq[expert].T
+        if gated:
+            gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+            ref = gate / (1 + np.exp(-gate)) * up
+        helpers.assert_finite_and_close(
+            out[b, :rows], ref, TOL, f"block {b}", slack=ELEMENT_SLACK, require_signal=True
+        )
+        assert np.all(out[b, rows:] == 0), "rows past x_rows' end multiply zeros"
+
+
+def test_one_row_tile_takes_at_most_a_block(rng):
+    qw = prepare_weights(helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16))
+    with pytest.raises(ValueError, match="one_row_tile"):
+        mgpu_wna16_gemm(
+            jnp.zeros((9, 256), BF16), qw, jnp.zeros(2, jnp.int32), block_m=8,
+            one_row_tile=True, interpret=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "block_m,block_k,gated,splits,tiles", [(8, 256, True, 1, 1), (8, 256, False, 4, 2)], ids=str
+)
+def test_gemm_one_row_tile_lowers_for_cuda(block_m, block_k, gated, splits, tiles):
+    """One token's row as the rows of every block (TMA copies of [block_m, k-step] boxes from a
+    [1, K] array: the rows past its end come as zeros) lowers for CUDA."""
+    lowers_for_cuda(
+        True, block_m, block_k, 0, splits, 64, gated, tiles, stages=3, one_row_tile=True
+    )
