@@ -210,6 +210,23 @@ def test_tp_interleave_w13(rng, bits, has_zp, num_shards):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
+@pytest.mark.parametrize("num_shards", [1, 2, 4])
+def test_interleave_w13_rows_of_float_weights(rng, num_shards):
+    """Float w13 [E, 2I, H] (the model's unquantized experts): shard s's block of rows is
+    [gate_s; up_s], on numpy and jax alike, and the inverse restores [gate; up]."""
+    i = 8
+    w13 = rng.standard_normal((3, 2 * i, 5)).astype(np.float32)
+    inter = sh.interleave_w13_rows(w13, num_shards)
+    r = i // num_shards
+    for s in range(num_shards):
+        want = np.concatenate([w13[:, r * s : r * (s + 1)], w13[:, i + r * s : i + r * (s + 1)]], 1)
+        np.testing.assert_array_equal(inter[:, 2 * r * s : 2 * r * (s + 1)], want, f"shard {s}")
+    np.testing.assert_array_equal(sh.interleave_w13_rows(inter, num_shards, inverse=True), w13)
+    np.testing.assert_array_equal(
+        np.asarray(sh.interleave_w13_rows(jnp.asarray(w13), num_shards)), inter
+    )
+
+
 def test_tp_interleave_rejects_bad_split(rng):
     w13 = helpers.random_quantized_experts(rng, 2, 2 * 12, H, 4, 16, True, jnp.float32)
     with pytest.raises(ValueError, match=r"I=12 \(N=24\) is not divisible by the 8 tensor"):

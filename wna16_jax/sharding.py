@@ -235,11 +235,13 @@ def _check_whole_tiles(i: int, num_shards: int, qw: QuantizedExperts, what: str)
         )
 
 
-def _interleave_rows(a, num_shards: int, inverse: bool = False, axis: int = 1):
+def interleave_w13_rows(a, num_shards: int, inverse: bool = False, axis: int = 1):
     """[E, 2R, ...] rows [gate; up] <-> [gate_0; up_0; gate_1; up_1; ...] (blocks of R/n), the
-    rows along `axis` (1, or 2 for the per-group arrays of a kernel layout: [E, K//G, N])."""
+    rows along `axis` (1, or 2 for the per-group arrays of a kernel layout: [E, K//G, N]): one
+    array of w13 (a field of QuantizedExperts, as `tp_interleave_w13` moves them, or float
+    weights [E, 2I, H]); numpy or jax. inverse: back to [gate; up]."""
     if axis != 1:
-        return _interleave_rows(a.swapaxes(1, axis), num_shards, inverse).swapaxes(1, axis)
+        return interleave_w13_rows(a.swapaxes(1, axis), num_shards, inverse).swapaxes(1, axis)
     e, rows = a.shape[:2]
     rest = tuple(a.shape[2:])
     blk = rows // (2 * num_shards)
@@ -290,7 +292,7 @@ def _tp_reorder_w13(w13: QuantizedExperts, num_shards: int, *, inverse: bool):
             f"w13: I/n = {i // num_shards} is odd; int4 zero points pack two rows per byte"
         )
     per_group_axis = 1 if canonical else 2  # [E, N, K//G] or [E, K//G, N]
-    reorder = functools.partial(_interleave_rows, num_shards=num_shards, inverse=inverse)
+    reorder = functools.partial(interleave_w13_rows, num_shards=num_shards, inverse=inverse)
     return dataclasses.replace(
         w13,
         qweight=reorder(w13.qweight),

@@ -637,16 +637,6 @@ def _experts_modules(model):
             yield m
 
 
-def _interleave_rows(a, num_shards: int, inverse: bool = False):
-    """Float [E, 2R, K] rows [gate; up] <-> [gate_0; up_0; gate_1; up_1; ...] (as
-    wna16_jax.sharding.tp_interleave_w13 does for quantized rows)."""
-    e, rows = a.shape[:2]
-    rest = tuple(a.shape[2:])
-    blk = rows // (2 * num_shards)
-    src = (e, 2, num_shards, blk) if not inverse else (e, num_shards, 2, blk)
-    return a.reshape(src + rest).swapaxes(1, 2).reshape((e, rows) + rest)
-
-
 def reorder_w13(w13, from_shards: int, to_shards: int):
     """w13 (QuantizedExperts or float [E, 2I, H], numpy or jax) with rows interleaved for
     `from_shards` tensor shards -> interleaved for `to_shards` (1 = canonical [gate; up])."""
@@ -657,8 +647,8 @@ def reorder_w13(w13, from_shards: int, to_shards: int):
             w13 = wj.sharding.tp_deinterleave_w13(w13, from_shards)
         return w13 if to_shards == 1 else wj.sharding.tp_interleave_w13(w13, to_shards)
     if from_shards != 1:
-        w13 = _interleave_rows(w13, from_shards, inverse=True)
-    return w13 if to_shards == 1 else _interleave_rows(w13, to_shards)
+        w13 = wj.sharding.interleave_w13_rows(w13, from_shards, inverse=True)
+    return w13 if to_shards == 1 else wj.sharding.interleave_w13_rows(w13, to_shards)
 
 
 def _set_w13(module, w13) -> None:
