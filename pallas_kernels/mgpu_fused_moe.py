@@ -45,10 +45,7 @@ class MgpuConfig:
     token gives GEMM1 the token's row itself (mgpu_wna16_gemm's one_row_tile: no
     [k * block_m, H] rows built) and, without an expert_map, the router's ids as the block
     experts (the GEMMs skip ids out of range): two XLA kernels fewer per decode step (H200,
-    session 15, one process: TP=1 M=1 80.8 vs 79.5 us, TP=8 26.5 vs 28.4; not the default).
-    down_stagger: GEMM2's two consumers store half a tile apart (mgpu_wna16_gemm's stagger;
-    with down_tiles_per_program tiles per run, each consumer idle for half a tile per run),
-    where GEMM2 takes it (2 consumers, not K-split, an even number of k-steps)."""
+    session 15, one process: TP=1 M=1 80.8 vs 79.5 us, TP=8 26.5 vs 28.4; not the default)."""
 
     block_m: int
     block_k: int = 128
@@ -65,7 +62,6 @@ class MgpuConfig:
     narrow_blocks: int = 0
     bf16_down_rows: bool = False
     direct_token: bool = False
-    down_stagger: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -314,14 +310,6 @@ def gemm_plan(
         this, splits, n_tiles=output_tiles(this, w, gated), steps=steps, gated=gated,
         out_dtype=out_dtype,
     )  # fmt: skip
-    # GEMM2 staggers where it can: two consumers, whole sums, an even number of k-steps.
-    options["stagger"] = (
-        activation_dtype is None
-        and cfg.down_stagger
-        and this.consumers == 2
-        and splits == 1
-        and steps % 2 == 0
-    )
     return this, splits, gated, options
 
 

@@ -74,7 +74,6 @@ def check_config(
     gated: bool = False,
     tiles_per_program: int = 1,
     one_row_tile: bool = False,
-    stagger: bool = False,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -122,12 +121,6 @@ def check_config(
     if gated and splits > 1:
         raise ValueError("gated needs whole sums (splits=1): silu of a partial sum is not a part")
     n_tiles = n // tile_n
-    if stagger and (consumers != 2 or splits > 1 or gated or one_row_tile or (k // block_k) % 2):
-        raise ValueError(
-            "stagger takes 2 consumers, whole sums (splits=1), no gated W or one_row_tile, and "
-            f"an even number of k-steps per tile (got consumers={consumers}, splits={splits}, "
-            f"gated={gated}, one_row_tile={one_row_tile}, {k // block_k} k-steps)"
-        )
     if tiles_per_program < 1 or n_tiles % tiles_per_program:
         raise ValueError(
             f"tiles_per_program={tiles_per_program} must divide the {n_tiles} output tiles of "
@@ -264,7 +257,6 @@ def _swizzled(shape, dtype, what: str):
         "narrow_steps",
         "buffer_rows",
         "one_row_tile",
-        "stagger",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -288,7 +280,6 @@ def mgpu_wna16_gemm(
     narrow_steps: int = 1,
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
-    stagger: bool = False,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -364,7 +355,7 @@ def mgpu_wna16_gemm(
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
-        one_row_tile=one_row_tile, stagger=stagger,
+        one_row_tile=one_row_tile,
     )  # fmt: skip
     narrow = block_rows is not None
     if narrow and (
@@ -395,9 +386,7 @@ def mgpu_wna16_gemm(
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
     n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
-    # The pipeline's steps: a run's k-steps, and with stagger half a tile's more (`staggered`).
-    positions = tiles * steps + (steps // 2 if stagger else 0)
-    stages = min(max_concurrent_steps, positions)  # k-steps in flight in a pipeline
+    stages = min(max_concurrent_steps, tiles * steps)  # k-steps in flight in a pipeline
     if buffer_rows is None:
         buffer_rows = output_buffer_rows(
             block_m=bm, block_k=bk, tile_n=tile_n, halves=halves, groups_per_step=groups_per_step,
@@ -423,29 +412,23 @@ def mgpu_wna16_gemm(
         expert = experts_gmem[bi]
         has_expert = (expert >= 0) & (expert < w.num_experts)
 
-        def sub_tile(s, slot=None):
-            # this warpgroup's sub-tile s among the 64-feature tiles of a step's weights: the
-            # warpgroup's own slot of block_n features, or with stagger the step's `slot`
-            return (wg if slot is None else slot) * subs + s
+        def sub_tile(s):  # this warpgroup's sub-tile s among the program's 64-feature tiles
+            return wg * subs + s
 
-        def features(s, slot=None):
-            return pl.ds(sub_tile(s, slot) * TILE, TILE)
-
-        def tile_col(ni):  # this warpgroup's first output column in output tile ni
-            return ni * tile_n + sub_tile(0) * TILE
+        def features(s):
+            return pl.ds(sub_tile(s) * TILE, TILE)
 
         def block_products(rows):
             """(store, zero_acc, run) of this program's products on the block's first `rows`
             rows (block_m, or block_m // 2 for a block using at most that many): run() runs
             the pipeline and stores the output tiles' rows."""
 
-            def store(values, col):
+            def store(values, ni):
                 with region("store"):
-                    store_rows(values, col)
+                    store_rows(values, ni)
 
-            def store_rows(values, col):
-                # This warpgroup's [rows, block_n] output features from column col (its part of
-                # an output tile: `tile_col`), one copy per sub-tile
+            def store_rows(values, ni):
+                # This warpgroup's [rows, block_n] part of output tile ni, one copy per sub-tile
                 # and chunk of buffer_rows rows through one [buffer_rows, 64] buffer (a buffer
                 # per sub-tile where they fit measured the same, session 10: M=4096 7848.9 vs
                 # 7866.9 us). The copies are waited for at the program's end (`store_all`); a
@@ -454,7 +437,7 @@ def mgpu_wna16_gemm(
                 chunk = min(rows, buffer_rows)
                 buffer = o_smem.at[wg] if chunk == buffer_rows else o_smem.at[wg, pl.ds(0, chunk)]
                 for s, value in enumerate(values):
-                    cols = pl.ds(col + s * TILE, TILE)
+                    cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
                     for first in range(0, rows, chunk):
                         with region("store_reuse"):
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -468,7 +451,7 @@ def mgpu_wna16_gemm(
                         plgpu.copy_smem_to_gmem(buffer, out_tile.at[out_rows, cols])
 
             def store_all(values, ni):
-                store(values, tile_col(ni))
+                store(values, ni)
                 with region("store_wait"):
                     plgpu.wait_smem_to_gmem(0)
 
@@ -479,16 +462,16 @@ def mgpu_wna16_gemm(
                 gates, ups = accs[:subs], accs[subs:]
                 return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
 
-            def dequantized_tile(q_smem, offset, s, j, slot):
+            def dequantized_tile(q_smem, offset, s, j):
                 with region("convert"):
-                    return dequantized(q_smem, offset, s, j, slot)
+                    return dequantized(q_smem, offset, s, j)
 
-            def dequantized(q_smem, offset, s, j, slot):
+            def dequantized(q_smem, offset, s, j):
                 # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
                 # offset = 128 + z of the tile's features (136 without zero points): q - z, a
                 # small integer, exact in bf16.
                 box, first = divmod(j * TILE, box_rows)
-                q_tile = q_smem.at[sub_tile(s, slot), box, pl.ds(first, TILE)]
+                q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
                 if interpret:  # the interpreter's wgmma takes A from shared memory only
                     q = layouts.from_tile_order(q_tile[...].astype(jnp.int32))  # q - 8
                     biased = q.astype(dtype) + 136
@@ -509,7 +492,7 @@ def mgpu_wna16_gemm(
                     for _ in range(halves * subs)
                 )
 
-            def products(accs, q_refs, x_smem, s_refs, z_refs, slot=None):
+            def products(accs, q_refs, x_smem, s_refs, z_refs):
                 # The products of a group's k-tiles are exact in their f32 sum (its own
                 # accumulator); the group scale multiplies the sum. Units (group, half, sub-tile)
                 # run in order: unit u's tiles are converted while unit u-1's wgmmas run, and
@@ -525,13 +508,13 @@ def mgpu_wna16_gemm(
                     k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                     offset = None
                     if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
-                        offset = 136 - plgpu.load(z_refs[h].at[g, features(s, slot)], layout=row)
+                        offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
                     elif not interpret:  # symmetric: 136 - 0 * scale = 136 per feature (exact
                         # for finite scales), computed as a zero point's offset is (see
                         # SYMMETRIC_OFFSET)
-                        scale = plgpu.load(s_refs[h].at[g, features(s, slot)], layout=row)
+                        scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                         offset = SYMMETRIC_OFFSET - 0 * scale
-                    wts = [dequantized_tile(q_refs[h], offset, s, j, slot) for j in k_tiles]
+                    wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
                     with region("wgmma"):
                         for j, wt in zip(k_tiles, wts, strict=True):
                             plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
@@ -541,7 +524,7 @@ def mgpu_wna16_gemm(
                     with region("wait"):
                         part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
                     with region("scale"):
-                        scale = plgpu.load(s_refs[h].at[g, features(s, slot)], layout=row)
+                        scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                         scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
                         a = h * subs + s
                         return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]
@@ -558,21 +541,6 @@ def mgpu_wna16_gemm(
                     unit_products, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in units]
                 )
 
-            def staggered(pos):
-                """stagger: (consumer 0's half tile, consumer 1's, the first of the two copied)
-                at step pos of a run, in half tiles (block_n features) from the run's first.
-                Consumer 0 takes the run's even half tiles, a tile's k-steps in order; consumer
-                1 the odd ones, half a tile later, its k-steps from the middle (steps/2, ...,
-                steps - 1, 0, ...): both take k-step pos % steps, one rows' tile, and their two
-                half tiles are adjacent, one weight box. So the two store their sums half a tile
-                apart: while one stores, the other's products run. Each is idle for half a tile
-                at one end of the run (consumer 1 at its start, 0 at its end)."""
-                half = steps // 2
-                a_half = 2 * (pos // steps)
-                b_half = 2 * (jnp.maximum(pos - half, 0) // steps) + 1
-                box = jnp.clip(jnp.minimum(a_half, b_half), 0, 2 * tiles - 2)
-                return a_half, b_half, box
-
             def tile_and_step(idx):
                 # The pipeline's step idx: (k-step,), or (tile of the run, k-step) with
                 # tiles_per_program > 1; returns (N tile, k-step within this split).
@@ -586,8 +554,6 @@ def mgpu_wna16_gemm(
                 *refs, accs = refs
                 q_refs, x_smem = refs[:halves], refs[halves]
                 s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
-                if stagger:
-                    return staggered_step(idx[0], accs, q_refs, x_smem, s_refs, z_refs)
                 if tiles == 1:
                     return products(accs, q_refs, x_smem, s_refs, z_refs)
                 # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
@@ -600,31 +566,7 @@ def mgpu_wna16_gemm(
 
                 @pl.when(kk == steps - 1)
                 def _store():
-                    store(epilogue(accs), tile_col(ni))
-
-                return accs
-
-            def staggered_step(pos, accs, *refs):
-                # Step pos of a staggered run: this consumer's half-tile and its place (slot)
-                # among the step's two (`staggered`); idle at its first or last half tile.
-                a_half, b_half, box = staggered(pos)
-                own = pos - wg * (steps // 2)  # the step of this consumer's own sequence
-                on = (own >= 0) & (own < tiles * steps)
-                half_tile = jnp.where(wg == 0, a_half, b_half)
-                kk = own % steps
-                keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, rows), ())
-                keep = plgpu.layout_cast(keep, wgmma)
-                accs = tuple(a * keep for a in accs)
-                accs = lax.cond(
-                    on,
-                    lambda a: products(a, *refs, slot=half_tile - box),
-                    lambda a: a,
-                    accs,
-                )
-
-                @pl.when(on & (kk == steps - 1))
-                def _store():
-                    store(epilogue(accs), (n_run * 2 * tiles + half_tile) * block_n)
+                    store(epilogue(accs), ni)
 
                 return accs
 
@@ -634,9 +576,6 @@ def mgpu_wna16_gemm(
 
             def weight_tile(h):
                 def index(*idx):
-                    if stagger:  # element offsets: a box may start at an odd half tile
-                        box = n_run * 2 * tiles + staggered(idx[0])[2]
-                        return e, box * subs, idx[0] % steps, 0, 0
                     ni, kk = tile_and_step(idx)
                     return e, h * n_tiles + ni, si * steps + kk, 0, 0
 
@@ -644,9 +583,6 @@ def mgpu_wna16_gemm(
 
             def group_rows(h):
                 def index(*idx):
-                    if stagger:
-                        box = n_run * 2 * tiles + staggered(idx[0])[2]
-                        return e, idx[0] % steps // steps_per_group, box * block_n
                     ni, kk = tile_and_step(idx)
                     return e, (si * steps + kk) // steps_per_group, h * n_tiles + ni
 
@@ -654,12 +590,10 @@ def mgpu_wna16_gemm(
 
             def row_tile(*idx):
                 first = 0 if one_row_tile else bi * (bm // rows)
-                kk = idx[0] % steps if stagger else si * steps + tile_and_step(idx)[1]
-                return first, kk
+                return first, si * steps + tile_and_step(idx)[1]
 
-            features_dim = pl.Element(wgs * subs) if stagger else wgs * subs
-            q_spec = (None, features_dim, bk // box_rows, box_rows, TILE)
-            g_spec = (None, groups_per_step, pl.Element(tile_n) if stagger else tile_n)
+            q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
+            g_spec = (None, groups_per_step, tile_n)
             in_specs = [  # weight tiles [64-feature tiles, boxes of box_rows/64 tiles, 64, 64]:
                 # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
                 # no bank conflicts
@@ -675,8 +609,6 @@ def mgpu_wna16_gemm(
                 in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
             operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
             grid = (steps,) if tiles == 1 else (tiles, steps)
-            if stagger:
-                grid = (positions,)
 
             def pipeline(compute_context=None):
                 """Runs the k-steps: without warp specialization, returns the final f32
@@ -703,7 +635,7 @@ def mgpu_wna16_gemm(
                     body()
 
             def run():
-                if tiles > 1 or stagger:  # each tile stored at its last k-step
+                if tiles > 1:  # each tile stored at its last k-step
                     pipeline(lambda run: program(lambda: run(zero_acc())))
                     plgpu.wait_smem_to_gmem(0)
                 elif not consumers:
@@ -729,7 +661,7 @@ def mgpu_wna16_gemm(
         @pl.when(~has_expert & (wg < wgs))
         def _zeros():
             for j in range(tiles):
-                store(zero_acc()[:subs], tile_col(n_run * tiles + j))
+                store(zero_acc()[:subs], n_run * tiles + j)
             plgpu.wait_smem_to_gmem(0)
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA

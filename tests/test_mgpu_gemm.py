@@ -65,7 +65,7 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
 
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
-    stages=4, block_n=64, gated=False, tiles_per_program=1, stagger=False,
+    stages=4, block_n=64, gated=False, tiles_per_program=1,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
@@ -81,7 +81,6 @@ def run_gemm_case(
         splits=splits,
         gated=gated,
         tiles_per_program=tiles_per_program,
-        stagger=stagger,
         max_concurrent_steps=stages,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
@@ -200,24 +199,6 @@ def test_gemm_runs_of_tiles(rng, has_zp, tiles, block_n, splits, gated, block_k,
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-@pytest.mark.parametrize(
-    "tiles,block_n,block_k,stages",
-    [(1, 64, 128, 2), (2, 128, 256, 2), (3, 64, 128, 3), (4, 64, 256, 4)],
-    ids=str,
-)  # fmt: skip
-def test_gemm_staggered_consumers(rng, has_zp, tiles, block_n, block_k, stages):
-    """stagger: the two consumers take alternate half tiles of a run, the second half a tile
-    later with its k-steps from the middle (adjacent half tiles in one weight box, at odd
-    offsets too); every output column written once (the interpreter's NaN-poisoned output),
-    empty blocks zeros, the rest as numpy."""
-    run_gemm_case(
-        rng, e=3, n=2 * block_n * tiles * 2, k=512, group_size=128, has_zp=has_zp, block_m=16,
-        block_k=block_k, blocks=[1, -1, 0, 2], block_n=block_n, stages=stages,
-        tiles_per_program=tiles, consumers=2, stagger=True,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize("consumers,splits", [(0, 1), (2, 2)], ids=str)
 def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
     """512-wide k-steps (four groups of 128): each step's weights arrive as two copies of 256
@@ -303,27 +284,6 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
 
 @pytest.mark.parametrize(
     "t,config",
-    [(20, MgpuConfig(block_m=16, block_k=64, stages=2, consumers=2, splits=1,
-                     down_tiles_per_program=2, down_stagger=True, narrow_blocks=1)),
-     (3, MgpuConfig(block_m=8, block_k=128, consumers=2, splits=1, down_tiles_per_program=1,
-                    down_stagger=True))],
-    ids=str,
-)  # fmt: skip
-def test_fused_moe_staggered_down_projection(rng, t, config):
-    """down_stagger: GEMM2's consumers half a tile apart (runs of 2 tiles, blocks narrowed;
-    one tile per run), GEMM1 as usual; the layer as numpy. H = I = 256: GEMM2 has 4 or 2
-    k-steps (an even count) and 2 tiles of 128 features."""
-    *_, gemm2 = mgpu_fused_moe.gemm_plan(
-        config,
-        prepare_weights(helpers.random_quantized_experts(rng, 8, 256, 256, 4, 64, True, BF16)),
-        4,
-    )
-    assert gemm2["stagger"] and gemm2["consumers"] == 2
-    run_layer_case(rng, True, t, config, h=256, i=256)
-
-
-@pytest.mark.parametrize(
-    "t,config",
     [(40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1, bf16_down_rows=True)),
      (1, MgpuConfig(block_m=8, block_k=64, bf16_down_rows=True)),
      (6, MgpuConfig(block_m=8, block_k=64, splits=2, bf16_down_rows=True))],
@@ -351,8 +311,8 @@ def test_bf16_down_rows_match_their_contract(rng, t, config):
     np.testing.assert_array_equal(np.asarray(run(config=config)), np.asarray(run(config=plain)))
 
 
-def run_layer_case(rng, has_zp, t, config, rows_dtype=None, h=128, i=64):
-    e, top_k = 8, 2
+def run_layer_case(rng, has_zp, t, config, rows_dtype=None):
+    e, top_k, h, i = 8, 2, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
     x = jnp.asarray(rng.standard_normal((t, h)), BF16)
@@ -833,20 +793,6 @@ def test_gemm_narrow_blocks_lower_for_cuda(has_zp, block_m, block_k, consumers, 
     )
 
 
-@pytest.mark.parametrize(
-    "has_zp,block_k,block_n,tiles,narrow,stages",
-    [(True, 256, 128, 2, 2, 2), (False, 256, 128, 1, 0, 2), (True, 128, 64, 2, 1, 3)],
-    ids=str,
-)  # fmt: skip
-def test_gemm_stagger_lowers_for_cuda(has_zp, block_k, block_n, tiles, narrow, stages):
-    """stagger (GEMM2 of M=4096: 64-row blocks, 128 features per consumer, 2 stages of 256,
-    narrowed blocks): the element-offset weight boxes and the idle consumer's conditional lower."""
-    lowers_for_cuda(
-        has_zp, 64, block_k, 2, 1, block_n, False, tiles, narrow=narrow, stages=stages,
-        stagger=True,
-    )  # fmt: skip
-
-
 def lowers_for_cuda(
     has_zp,
     block_m,
@@ -859,13 +805,12 @@ def lowers_for_cuda(
     narrow=0,
     stages=4,
     one_row_tile=False,
-    stagger=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types and the copies' shapes are checked here; ptxas and the run only on
     a GPU."""
-    e, n, k, g = 4, 512 if stagger else 256, 1024, 128
+    e, n, k, g = 4, 256, 1024, 128
     w = QuantizedExperts(
         jax.ShapeDtypeStruct((e, n // 64, k // 64, 64, 64), jnp.int4),
         jax.ShapeDtypeStruct((e, k // g, n), BF16),
@@ -880,7 +825,7 @@ def lowers_for_cuda(
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
-        narrow_steps=max(narrow, 1), one_row_tile=one_row_tile, stagger=stagger,
+        narrow_steps=max(narrow, 1), one_row_tile=one_row_tile,
     )  # fmt: skip
     if one_row_tile:  # one token's row: the copies read the block's other rows past its end
         x = jax.ShapeDtypeStruct((1, k), BF16)
