@@ -81,6 +81,8 @@ def parse_config(text: str) -> MgpuConfig:
             fields[13] = bool(fields[13])
         if len(fields) > 14:  # direct_token
             fields[14] = bool(fields[14])
+        if len(fields) > 15:  # bf16_weights
+            fields[15] = bool(fields[15])
         return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
         type=parse_config,
         default=[],
         metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES,"
-        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS,DIRECT_TOKEN",
+        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS,DIRECT_TOKEN,BF16_WEIGHTS",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
@@ -126,7 +128,8 @@ def main(argv=None) -> int:
         "64,256,3,2,-,64,1,128,2,-,-,-,2: and blocks narrowed to half or a quarter of their "
         "rows where they use no more; 64,256,3,2,-,64,1,128,2,-,-,-,2,1: and GEMM2's rows "
         "rounded to bf16; 8,256,3,0,-,64,1,-,-,-,-,-,1,0,1: one token's GEMM1 on the token's "
-        "row itself and the router's ids as block experts",
+        "row itself and the router's ids as block experts; 128,128,3,2,-,64,1,128,2,-,-,-,3,0,0,1: "
+        "128-row blocks on weights rounded to bf16",
     )
     p.add_argument(
         "--chain",

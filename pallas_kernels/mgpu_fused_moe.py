@@ -45,7 +45,11 @@ class MgpuConfig:
     token gives GEMM1 the token's row itself (mgpu_wna16_gemm's one_row_tile: no
     [k * block_m, H] rows built) and, without an expert_map, the router's ids as the block
     experts (the GEMMs skip ids out of range): two XLA kernels fewer per decode step (H200,
-    session 15, one process: TP=1 M=1 80.8 vs 79.5 us, TP=8 26.5 vs 28.4; not the default)."""
+    session 15, one process: TP=1 M=1 80.8 vs 79.5 us, TP=8 26.5 vs 28.4; not the default).
+    bf16_weights: the warp-specialized GEMMs (consumers >= 1, one output tile per program)
+    multiply weights rounded to bf16 ((q - z) * s, as a bf16 model's dequantized weights) straight
+    into their sums, in place of exact integer products summed per group and scaled: no f32 sum
+    per group in registers (room for 128-row blocks) and no wait per group; one more rounding."""
 
     block_m: int
     block_k: int = 128
@@ -62,6 +66,7 @@ class MgpuConfig:
     narrow_blocks: int = 0
     bf16_down_rows: bool = False
     direct_token: bool = False
+    bf16_weights: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -274,8 +279,10 @@ def gemm_options(
     """mgpu_wna16_gemm's keyword arguments at cfg with `splits` for a GEMM of n_tiles output
     tiles per block and `steps` k-steps, its output in out_dtype (default f32; K-split partial
     products always f32, rounded after their sum)."""
+    tiles = tiles_per_program(cfg, n_tiles, steps // splits)
     return dict(
-        tiles_per_program=tiles_per_program(cfg, n_tiles, steps // splits),
+        tiles_per_program=tiles,
+        bf16_weights=cfg.bf16_weights and cfg.consumers > 0 and tiles == 1,
         narrow_steps=cfg.narrow_steps() or 1,  # with the rows in use (`_chunk`)
         block_m=cfg.block_m,
         block_k=cfg.block_k,

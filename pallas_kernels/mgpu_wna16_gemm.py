@@ -74,6 +74,7 @@ def check_config(
     gated: bool = False,
     tiles_per_program: int = 1,
     one_row_tile: bool = False,
+    bf16_weights: bool = False,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -97,6 +98,11 @@ def check_config(
         raise ValueError(f"{p} rows are not whole blocks of {block_m}")
     if consumers not in (0, 1, 2):
         raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
+    if bf16_weights and (not consumers or tiles_per_program > 1):
+        raise ValueError(
+            "bf16_weights takes warp specialization (consumers 1 or 2) and one output tile per "
+            "program (a wgmma cannot restart its accumulator; the interpreter cannot store one)"
+        )
     if block_n % TILE or not TILE <= block_n <= 4 * TILE:
         raise ValueError(f"block_n={block_n} must be a multiple of {TILE} in [{TILE}, {4 * TILE}]")
     if block_n * max(consumers, 1) > 256:
@@ -257,6 +263,7 @@ def _swizzled(shape, dtype, what: str):
         "narrow_steps",
         "buffer_rows",
         "one_row_tile",
+        "bf16_weights",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -280,6 +287,7 @@ def mgpu_wna16_gemm(
     narrow_steps: int = 1,
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
+    bf16_weights: bool = False,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -355,7 +363,7 @@ def mgpu_wna16_gemm(
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
-        one_row_tile=one_row_tile,
+        one_row_tile=one_row_tile, bf16_weights=bf16_weights,
     )  # fmt: skip
     narrow = block_rows is not None
     if narrow and (
@@ -462,11 +470,11 @@ def mgpu_wna16_gemm(
                 gates, ups = accs[:subs], accs[subs:]
                 return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
 
-            def dequantized_tile(q_smem, offset, s, j):
+            def dequantized_tile(q_smem, offset, s, j, scale=None):
                 with region("convert"):
-                    return dequantized(q_smem, offset, s, j)
+                    return dequantized(q_smem, offset, s, j, scale)
 
-            def dequantized(q_smem, offset, s, j):
+            def dequantized(q_smem, offset, s, j, scale):
                 # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
                 # offset = 128 + z of the tile's features (136 without zero points): q - z, a
                 # small integer, exact in bf16.
@@ -481,6 +489,8 @@ def mgpu_wna16_gemm(
                     wt = biased - 136
                 else:
                     wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
+                if scale is not None:  # bf16_weights: (q - z) * s, rounded once
+                    wt = wt * lax.broadcast_in_dim(scale.astype(dtype), wt.shape, [0])
                 if interpret:
                     a_smem.at[wg, s, j][...] = wt
                     return a_smem.at[wg, s, j]
@@ -548,12 +558,39 @@ def mgpu_wna16_gemm(
                     return n_run, idx[0]
                 return n_run * tiles + idx[0], idx[1]
 
+            def rounded_products(acc_refs, q_refs, x_smem, s_refs, z_refs):
+                # bf16_weights: each weight's (q - z) * s rounded to bf16 once (as a bf16 model's
+                # dequantized weights), multiplied straight into the sums (acc_refs): no f32 sum
+                # per group to hold, wait for and scale.
+                for g in range(groups_per_step):
+                    for h in range(halves):
+                        for s in range(subs):
+                            scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
+                            if z_refs:
+                                z = plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                                offset = 136 - z
+                            else:
+                                offset = None if interpret else SYMMETRIC_OFFSET - 0 * scale
+                            for j in range(g * tiles_per_part, (g + 1) * tiles_per_part):
+                                wt = dequantized_tile(q_refs[h], offset, s, j, scale)
+                                with region("wgmma"):
+                                    plgpu.wgmma(
+                                        acc_refs[h * subs + s],
+                                        wt,
+                                        x_smem.at[:, pl.ds(j * TILE, TILE)].T,
+                                    )
+                with region("wait"):
+                    plgpu.wgmma_wait(0)
+                return acc_refs
+
             def step(idx, *refs):
                 # refs: the weight tiles of each half, the rows' tile, the scales of each half,
                 # the zero points of each half (with them), the carried sums
                 *refs, accs = refs
                 q_refs, x_smem = refs[:halves], refs[halves]
                 s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
+                if bf16_weights:  # accs: the sums' accumulator refs
+                    return rounded_products(accs, q_refs, x_smem, s_refs, z_refs)
                 if tiles == 1:
                     return products(accs, q_refs, x_smem, s_refs, z_refs)
                 # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
@@ -635,7 +672,18 @@ def mgpu_wna16_gemm(
                     body()
 
             def run():
-                if tiles > 1:  # each tile stored at its last k-step
+                if bf16_weights:  # the sums in accumulator refs, the pipeline's carry
+
+                    def rounded(run):
+                        def scope(*acc_refs):
+                            run(acc_refs)
+                            store_all(epilogue(tuple(acc[...] for acc in acc_refs)), n_run)
+
+                        accs = [plgpu.ACC((TILE, rows), jnp.float32) for _ in range(halves * subs)]
+                        program(lambda: pl.run_scoped(scope, *accs))
+
+                    pipeline(rounded)
+                elif tiles > 1:  # each tile stored at its last k-step
                     pipeline(lambda run: program(lambda: run(zero_acc())))
                     plgpu.wait_smem_to_gmem(0)
                 elif not consumers:

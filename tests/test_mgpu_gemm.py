@@ -63,9 +63,15 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
     return out
 
 
+def bf16_rounded(w_deq):
+    """float64 weights rounded to bf16 once: (q - z) * s has at most 12 significant bits (a
+    4-bit integer times a bf16 scale), exact in f32, so f64 -> f32 does not round."""
+    return np.asarray(jnp.asarray(w_deq.astype(np.float32)).astype(BF16), np.float64)
+
+
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
-    stages=4, block_n=64, gated=False, tiles_per_program=1,
+    stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
@@ -81,6 +87,7 @@ def run_gemm_case(
         splits=splits,
         gated=gated,
         tiles_per_program=tiles_per_program,
+        bf16_weights=bf16_weights,
         max_concurrent_steps=stages,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
@@ -88,6 +95,8 @@ def run_gemm_case(
     )
     out = np.asarray(out)  # INTERPRETER_DISPATCH: the partials summed in numpy
     w_deq = helpers.numpy_dequantize(qw)
+    if bf16_weights:  # the oracle takes the kernel's weights: (q - z) * s rounded to bf16 once
+        w_deq = bf16_rounded(w_deq)
     ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
     if gated:  # silu(gate) * up of the halves, in float64
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
@@ -199,6 +208,26 @@ def test_gemm_runs_of_tiles(rng, has_zp, tiles, block_n, splits, gated, block_k,
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "block_m,block_k,block_n,consumers,gated,tiles,splits",
+    [(16, 128, 64, 2, False, 1, 1), (8, 256, 128, 1, True, 1, 1), (16, 128, 64, 2, True, 1, 1),
+     (8, 64, 64, 2, False, 1, 2)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_bf16_weights(rng, has_zp, block_m, block_k, block_n, consumers, gated, tiles,
+                           splits):  # fmt: skip
+    """bf16_weights: the weights (q - z) * s rounded to bf16 once and multiplied straight into
+    the sums (no f32 sum per group): as numpy on the rounded weights; gated, K splits, a k-step
+    of two groups."""
+    run_gemm_case(
+        rng, e=3, n=block_n * consumers * tiles * 2 * (2 if gated else 1), k=512,
+        group_size=128, has_zp=has_zp, block_m=block_m, block_k=block_k, blocks=[1, -1, 0, 2],
+        consumers=consumers, block_n=block_n, gated=gated, tiles_per_program=tiles,
+        splits=splits, stages=3, bf16_weights=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize("consumers,splits", [(0, 1), (2, 2)], ids=str)
 def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
     """512-wide k-steps (four groups of 128): each step's weights arrive as two copies of 256
@@ -284,6 +313,25 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
 
 @pytest.mark.parametrize(
     "t,config",
+    [(40, MgpuConfig(block_m=16, block_k=64, consumers=2, narrow_blocks=1,
+                     down_tiles_per_program=1, bf16_weights=True)),
+     (7, MgpuConfig(block_m=8, block_k=64, consumers=1, splits=1, down_tiles_per_program=1,
+                    bf16_weights=True)),
+     (9, MgpuConfig(block_m=16, block_k=64, consumers=2, splits=2, down_tiles_per_program=1,
+                    bf16_weights=True))],
+    ids=str,
+)  # fmt: skip
+def test_fused_moe_on_bf16_weights(rng, t, config):
+    """bf16_weights: both GEMMs on weights rounded to bf16 (the oracle's too), with narrowed
+    blocks, one consumer, K splits (GEMM1 unfused)."""
+    for n, k, act in ((128, 128, BF16), (128, 64, None)):  # run_layer_case's w13, w2
+        w = prepare_weights(helpers.random_quantized_experts(rng, 8, n, k, 4, 64, True, BF16))
+        assert mgpu_fused_moe.gemm_plan(config, w, 4, act)[3]["bf16_weights"]
+    run_layer_case(rng, True, t, config, bf16_weights=True)
+
+
+@pytest.mark.parametrize(
+    "t,config",
     [(40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1, bf16_down_rows=True)),
      (1, MgpuConfig(block_m=8, block_k=64, bf16_down_rows=True)),
      (6, MgpuConfig(block_m=8, block_k=64, splits=2, bf16_down_rows=True))],
@@ -311,7 +359,7 @@ def test_bf16_down_rows_match_their_contract(rng, t, config):
     np.testing.assert_array_equal(np.asarray(run(config=config)), np.asarray(run(config=plain)))
 
 
-def run_layer_case(rng, has_zp, t, config, rows_dtype=None):
+def run_layer_case(rng, has_zp, t, config, rows_dtype=None, bf16_weights=False):
     e, top_k, h, i = 8, 2, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
@@ -327,6 +375,11 @@ def run_layer_case(rng, has_zp, t, config, rows_dtype=None):
         config=config,
     )
     deq = helpers.numpy_dequantize
+    if bf16_weights:  # the oracle takes the GEMMs' weights, rounded to bf16
+
+        def deq(qw):
+            return bf16_rounded(helpers.numpy_dequantize(qw))
+
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64),
         deq(w13),
@@ -793,6 +846,22 @@ def test_gemm_narrow_blocks_lower_for_cuda(has_zp, block_m, block_k, consumers, 
     )
 
 
+@pytest.mark.parametrize(
+    "has_zp,block_m,block_k,block_n,gated,stages,narrow",
+    [(True, 64, 256, 64, True, 3, 2), (False, 128, 128, 64, True, 3, 3),
+     (True, 128, 128, 128, False, 2, 3), (True, 128, 256, 128, False, 2, 3)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_bf16_weights_lower_for_cuda(has_zp, block_m, block_k, block_n, gated, stages,
+                                          narrow):  # fmt: skip
+    """bf16_weights at M=4096's shapes: 64- and 128-row blocks (narrowed to 16), GEMM1 gated,
+    GEMM2 at 128 features per consumer (its f32 output buffers take the rows that fit)."""
+    lowers_for_cuda(
+        has_zp, block_m, block_k, 2, 1, block_n, gated, narrow=narrow, stages=stages,
+        bf16_weights=True,
+    )  # fmt: skip
+
+
 def lowers_for_cuda(
     has_zp,
     block_m,
@@ -805,6 +874,7 @@ def lowers_for_cuda(
     narrow=0,
     stages=4,
     one_row_tile=False,
+    bf16_weights=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
@@ -825,7 +895,7 @@ def lowers_for_cuda(
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
-        narrow_steps=max(narrow, 1), one_row_tile=one_row_tile,
+        narrow_steps=max(narrow, 1), one_row_tile=one_row_tile, bf16_weights=bf16_weights,
     )  # fmt: skip
     if one_row_tile:  # one token's row: the copies read the block's other rows past its end
         x = jax.ShapeDtypeStruct((1, k), BF16)
