@@ -92,6 +92,11 @@ def one_group_block_k(group: int) -> int:
     return 128 if group % 128 == 0 else 64
 
 
+# Rows per expert from which the default takes 128-row blocks on bf16 weights (DeepSeek-V3 at
+# M=4096 has 128; measured there only, so 64-row blocks stay below 96 rows).
+ROWS_FOR_128 = 96
+
+
 def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     """block_m near the mean rows per expert, from the H200 figures of sessions 4-6 (8 rows
     won at M=1 and 16, 16 rows at M=256, 64 rows at M=4096). Two consumer warpgroups with
@@ -108,8 +113,17 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     wherever a half is a wgmma's width (block_m 16 and 64; session 12, one run each: M=4096
     7471.3 vs 7690.5 and 7663.0 us, M=256 1966.1 vs 2025.9); 64-row blocks also to a quarter
     (narrow_blocks=2; session 13, M=4096: 7420.0 vs 7486.2 and 7485.7 us in call 2, 7487.9 vs
-    7576.6 and 7540.6 in call 3)."""
+    7576.6 and 7540.6 in call 3). From ROWS_FOR_128 rows per expert: 128-row blocks on weights
+    rounded to bf16 (bf16_weights: the exact group sums of 128 rows do not fit in registers),
+    k-steps of one group, narrowed down to 16 rows (session 15, M=4096, one process: 6403.0 vs
+    7358.2 us; GEMM1 3782.0 vs 4412.5, GEMM2 2582.2 vs 2790.3; k-steps of 256 for GEMM2 6541.2;
+    the exact sums at 128 rows spill registers: 13645.8)."""
     rows = num_slots / num_experts
+    if rows >= ROWS_FOR_128:
+        return MgpuConfig(
+            128, one_group_block_k(group), stages=3, consumers=2, block_n=64, down_block_n=128,
+            down_stages=2, narrow_blocks=3, bf16_weights=True,
+        )  # fmt: skip
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)
     if group == 128 and block_m in (8, 64):
