@@ -211,7 +211,9 @@ def test_gemm_runs_of_tiles(rng, has_zp, tiles, block_n, splits, gated, block_k,
 @pytest.mark.parametrize(
     "block_m,block_k,block_n,consumers,gated,tiles,splits",
     [(16, 128, 64, 2, False, 1, 1), (8, 256, 128, 1, True, 1, 1), (16, 128, 64, 2, True, 1, 1),
-     (8, 64, 64, 2, False, 1, 2)],
+     (8, 64, 64, 2, False, 1, 2),
+     # the M=4096 default's GEMMs: 128-row blocks, GEMM1 gated, GEMM2 at 128 per consumer
+     (128, 128, 64, 2, True, 1, 1), (128, 128, 128, 2, False, 1, 1)],
     ids=str,
 )  # fmt: skip
 def test_gemm_bf16_weights(rng, has_zp, block_m, block_k, block_n, consumers, gated, tiles,
@@ -318,7 +320,9 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
      (7, MgpuConfig(block_m=8, block_k=64, consumers=1, splits=1, down_tiles_per_program=1,
                     bf16_weights=True)),
      (9, MgpuConfig(block_m=16, block_k=64, consumers=2, splits=2, down_tiles_per_program=1,
-                    bf16_weights=True))],
+                    bf16_weights=True)),
+     # the M=4096 default (128-row blocks narrowed to 16; GEMM2 falls back to 64 features)
+     (40, default_config(4096 * 8, 256, 128))],
     ids=str,
 )  # fmt: skip
 def test_fused_moe_on_bf16_weights(rng, t, config):
