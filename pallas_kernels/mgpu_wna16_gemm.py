@@ -505,6 +505,20 @@ def mgpu_wna16_gemm(
                     return a_smem.at[wg, s, j]
                 return wt
 
+            def group_offset(s_refs, z_refs, g, h, s, scale=None):
+                # What the conversion subtracts from sub-tile s's features in group g, once per
+                # group of the step: 136 - (8 - z) = 128 + z <= 143, exact; symmetric: 136 -
+                # 0 * scale = 136 (exact for finite scales), computed as a zero point's offset
+                # is (see SYMMETRIC_OFFSET; scale: the group's row where already loaded); None
+                # in the interpreter without zero points.
+                if z_refs:
+                    return 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                if interpret:
+                    return None
+                if scale is None:
+                    scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
+                return SYMMETRIC_OFFSET - 0 * scale
+
             def zero_acc():  # f32 [64 features, rows] accumulators: per half, per sub-tile
                 return tuple(
                     plgpu.layout_cast(jnp.full((TILE, rows), 0, jnp.float32), wgmma)
@@ -525,14 +539,7 @@ def mgpu_wna16_gemm(
 
                 def issue(part_ref, g, h, s):
                     k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
-                    offset = None
-                    if z_refs:  # once per group of the step: 136 - (8 - z) = 128 + z <= 143, exact
-                        offset = 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
-                    elif not interpret:  # symmetric: 136 - 0 * scale = 136 per feature (exact
-                        # for finite scales), computed as a zero point's offset is (see
-                        # SYMMETRIC_OFFSET)
-                        scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
-                        offset = SYMMETRIC_OFFSET - 0 * scale
+                    offset = group_offset(s_refs, z_refs, g, h, s)
                     wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
                     with region("wgmma"):
                         for j, wt in zip(k_tiles, wts, strict=True):
@@ -575,11 +582,7 @@ def mgpu_wna16_gemm(
                     for h in range(halves):
                         for s in range(subs):
                             scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
-                            if z_refs:
-                                z = plgpu.load(z_refs[h].at[g, features(s)], layout=row)
-                                offset = 136 - z
-                            else:
-                                offset = None if interpret else SYMMETRIC_OFFSET - 0 * scale
+                            offset = group_offset(s_refs, z_refs, g, h, s, scale)
                             for j in range(g * tiles_per_part, (g + 1) * tiles_per_part):
                                 wt = dequantized_tile(q_refs[h], offset, s, j, scale)
                                 with region("wgmma"):
