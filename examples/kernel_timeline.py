@@ -8,7 +8,8 @@ call's output and the loop's counter are then kernels of every call). The device
 events (CUPTI, in the Perfetto trace JAX writes) are summed per kernel name:
 
     M=<m> <implementation> per call: span, kernels busy, idle (share), kernels per call
-        <launches per call> / call  <us per call> (median <us per launch>)  <kernel name>
+        <launches per call> / call  <us per call> (median <us per launch>, idle before <us
+        per call the GPU sat idle just before this kernel's launches>)  <kernel name>
 
     python examples/kernel_timeline.py --m 1 16 --implementation mgpu pallas
     python examples/kernel_timeline.py --preset deepseek-v3-tp8 --m 1 --json out/timeline.json
@@ -70,8 +71,10 @@ def summarize(kernels: list[dict], calls: int) -> dict:
     start = kernels[0]["ts"]
     end = max(k["ts"] + k["dur"] for k in kernels)
     busy, cover_end = 0.0, start
+    idle_before = collections.defaultdict(float)  # per name: the idle gaps its launches end
     for k in kernels:  # the union of intervals, in start order
         k_end = k["ts"] + k["dur"]
+        idle_before[k["name"]] += max(k["ts"] - cover_end, 0.0)
         if k_end > cover_end:
             busy += k_end - max(k["ts"], cover_end)
             cover_end = k_end
@@ -85,6 +88,7 @@ def summarize(kernels: list[dict], calls: int) -> dict:
                 per_call=len(durs) / calls,
                 total_us_per_call=sum(durs) / calls,
                 median_us=statistics.median(durs),
+                idle_before_us_per_call=idle_before[name] / calls,
             )
             for name, durs in by_name.items()
         ),
@@ -165,7 +169,8 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
             for r in s["kernels"][: args.top]:
                 print(f"    {r['per_call']:5.2f} / call {r['total_us_per_call']:9.1f} us "
-                      f"(median {r['median_us']:8.1f})  {r['name'][:90]}")  # fmt: skip
+                      f"(median {r['median_us']:8.1f}, idle before "
+                      f"{r['idle_before_us_per_call']:5.1f})  {r['name'][:90]}")  # fmt: skip
             out.append(dict(preset=args.preset, zp=not args.no_zp, M=m, implementation=impl,
                             loop=args.loop, calls=calls, **s))  # fmt: skip
     if args.json:

@@ -92,9 +92,11 @@ def one_group_block_k(group: int) -> int:
     return 128 if group % 128 == 0 else 64
 
 
-# Rows per expert from which the default takes 128-row blocks on bf16 weights (DeepSeek-V3 at
-# M=4096 has 128; measured there only, so 64-row blocks stay below 96 rows).
-ROWS_FOR_128 = 96
+# Rows per expert from which the default takes 128-row blocks on bf16 weights. DeepSeek-V3 on the
+# H200, one process each (sessions 15-16): 64 rows (M=2048) a tie, 4279.7 vs 4291.2 us for 64-row
+# blocks; 80 rows (M=2560) 4846.6 vs 5276.1; 96 rows (M=3072) 5116.6 vs 5871.8; 128 rows (M=4096)
+# 6403.0 vs 7358.2.
+ROWS_FOR_128 = 64
 
 
 def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
@@ -117,12 +119,14 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     rounded to bf16 (bf16_weights: the exact group sums of 128 rows do not fit in registers),
     k-steps of one group, narrowed down to 16 rows (session 15, M=4096, one process: 6403.0 vs
     7358.2 us; GEMM1 3782.0 vs 4412.5, GEMM2 2582.2 vs 2790.3; k-steps of 256 for GEMM2 6541.2;
-    the exact sums at 128 rows spill registers: 13645.8)."""
+    the exact sums at 128 rows spill registers: 13645.8); GEMM2 there at 3 stages (session 15
+    call 6 and session 16 call 1, one process each: GEMM2 alone 2562.8 vs 2597.9 and 2529.5 vs
+    2558.4 us, the layer 6410.2 vs 6445.9 and 6366.6 vs 6386.3)."""
     rows = num_slots / num_experts
     if rows >= ROWS_FOR_128:
         return MgpuConfig(
             128, one_group_block_k(group), stages=3, consumers=2, block_n=64, down_block_n=128,
-            down_stages=2, narrow_blocks=3, bf16_weights=True,
+            down_stages=3, narrow_blocks=3, bf16_weights=True,
         )  # fmt: skip
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)

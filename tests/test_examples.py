@@ -273,7 +273,8 @@ def _trace(*kernels, host=()):
 
 def test_kernel_timeline_summary():
     """Two calls of [gemm 0-10, sum 12-13] and [gemm 20-30, sum 31-32, 31.5-33 overlapping]:
-    per call span 16.5, busy (the union) 10 + 1 + 10 + 2 = 23 / 2, host events ignored."""
+    per call span 16.5, busy (the union) 10 + 1 + 10 + 2 = 23 / 2, the idle gaps by the kernel
+    that ends them, host events ignored."""
     timeline = _load("kernel_timeline")
     trace = _trace(
         ("gemm", 0.0, 10.0), ("sum", 12.0, 1.0), ("gemm", 20.0, 10.0), ("sum", 31.0, 1.0),
@@ -290,6 +291,10 @@ def test_kernel_timeline_summary():
     assert by_name["gemm"]["total_us_per_call"] == pytest.approx(10.0)
     assert by_name["sum"]["per_call"] == 1.5
     assert by_name["sum"]["median_us"] == pytest.approx(1.0)
+    # the idle gaps each name's launches end (13-20 before the second gemm; 10-12 and 30-31
+    # before sums): they add up to the idle time
+    assert by_name["gemm"]["idle_before_us_per_call"] == pytest.approx(7.0 / 2)
+    assert by_name["sum"]["idle_before_us_per_call"] == pytest.approx(3.0 / 2)
     with pytest.raises(ValueError, match="no GPU kernel"):
         timeline.summarize(timeline.device_kernels(_trace(host=[("x", 0.0, 1.0)])), calls=1)
 

@@ -428,7 +428,7 @@ def test_fused_moe_picks_blocks_by_routing(rng, routing):
     "m,routing,block_m",
     [(1, "uniform", 8), (16, "uniform", 8), (16, "one_prompt", 8), (64, "uniform", 8),
      (64, "one_prompt", 32), (256, "uniform", 16), (256, "one_prompt", 32),
-     (2048, "uniform", 64), (4096, "uniform", 128)],
+     (1536, "uniform", 64), (2048, "uniform", 128), (4096, "uniform", 128)],
 )  # fmt: skip
 def test_routed_block_m_on_deepseek_v3(rng, m, routing, block_m):
     """DeepSeek-V3 (E=256, top-8, G=128): the block size picked per routing."""
@@ -884,7 +884,7 @@ def test_gemm_narrow_blocks_lower_for_cuda(has_zp, block_m, block_k, consumers, 
 @pytest.mark.parametrize(
     "has_zp,block_m,block_k,block_n,gated,stages,narrow",
     [(True, 64, 256, 64, True, 3, 2), (False, 128, 128, 64, True, 3, 3),
-     (True, 128, 128, 128, False, 2, 3), (True, 128, 256, 128, False, 2, 3)],
+     (True, 128, 128, 128, False, 3, 3), (True, 128, 256, 128, False, 2, 3)],
     ids=str,
 )  # fmt: skip
 def test_gemm_bf16_weights_lower_for_cuda(has_zp, block_m, block_k, block_n, gated, stages,
@@ -947,7 +947,7 @@ def test_gemm_refuses_the_canonical_layout(rng):
 
 @pytest.mark.parametrize(
     "m,block_m,block_k,consumers,block_n",
-    [(1, 8, 256, 0, 64), (16, 8, 256, 0, 64), (256, 16, 128, 0, 128), (2048, 64, 256, 2, 64)],
+    [(1, 8, 256, 0, 64), (16, 8, 256, 0, 64), (256, 16, 128, 0, 128), (1536, 64, 256, 2, 64)],
     ids=str,
 )
 def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers, block_n):
@@ -965,10 +965,10 @@ def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers,
 
 
 def test_default_config_takes_128_rows_on_bf16_weights():
-    """From ROWS_FOR_128 rows per expert (DeepSeek-V3 at M=4096: 128): 128-row blocks on bf16
-    weights, one group per k-step, GEMM2 at 128 features per consumer and 2 stages, blocks
-    narrowed to 16 rows (session 15)."""
-    want = MgpuConfig(128, 128, 3, 2, block_n=64, down_block_n=128, down_stages=2,
+    """From ROWS_FOR_128 rows per expert (DeepSeek-V3 from M=2048: 64): 128-row blocks on bf16
+    weights, one group per k-step, GEMM2 at 128 features per consumer and 3 stages, blocks
+    narrowed to 16 rows (sessions 15-16)."""
+    want = MgpuConfig(128, 128, 3, 2, block_n=64, down_block_n=128, down_stages=3,
                       narrow_blocks=3, bf16_weights=True)  # fmt: skip
     assert default_config(4096 * 8, 256, 128) == want
     assert default_config(mgpu_fused_moe.ROWS_FOR_128 * 256, 256, 128) == want
