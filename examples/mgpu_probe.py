@@ -100,13 +100,6 @@ def main(argv=None) -> int:
         "the same data (the same quantized values and scales as --no-zp and the default)",
     )
     p.add_argument(
-        "--float-zeros",
-        action="store_true",
-        help="give the mgpu kernels their zero points in the older format, 8 - z in the "
-        "scales' dtype (bf16, 2 bytes each) instead of the layout's int8 (1 byte): for a "
-        "same-process A/B of the zero points' bytes (with zero points: the default or --zp8)",
-    )
-    p.add_argument(
         "--routing",
         choices=("uniform", "identical"),
         default="uniform",
@@ -169,25 +162,16 @@ def main(argv=None) -> int:
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
     if args.zp8 and args.no_zp:
         p.error("--zp8 stores symmetric weights with zero points: leave out --no-zp")
-    if args.float_zeros and args.no_zp:
-        p.error("--float-zeros changes the zero points' format: --no-zp has none")
     has_zp = not args.no_zp
     key = jax.random.key(0)
     w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=has_zp and not args.zp8)
     if args.zp8:  # zero points of 8 (two nibbles a byte): w = (q - 8) * s, as without them
         w13, w2 = (dataclasses.replace(w, zeros=_zeros_of_8(w)) for w in (w13, w2))
     to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
-    w13p, w2p = to_mgpu(w13), to_mgpu(w2)
-    if args.float_zeros:  # the older format the kernel still reads: 8 - z as bf16, not int8
-        w13p, w2p = (
-            dataclasses.replace(w, zeros=w.zeros.astype(w.scales.dtype)) for w in (w13p, w2p)
-        )
-    w13p, w2p = jax.block_until_ready((w13p, w2p))
-    zeros_dtype = None if w13p.zeros is None else str(w13p.zeros.dtype)
+    w13p, w2p = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
     copy_bps, mm_flops = benchmark.measure_ceilings(not interpret, args.repeats)
-    print(f"{args.preset} zp={'8' if args.zp8 else has_zp} (mgpu zeros {zeros_dtype}): copy "
-          f"{copy_bps / 1e12:.2f} TB/s, matmul {mm_flops / 1e12:.1f} TFLOP/s",
-          flush=True)  # fmt: skip
+    print(f"{args.preset} zp={'8' if args.zp8 else has_zp}: copy {copy_bps / 1e12:.2f} TB/s, "
+          f"matmul {mm_flops / 1e12:.1f} TFLOP/s", flush=True)  # fmt: skip
     rows = []
     for m in args.m:
         xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
@@ -200,8 +184,7 @@ def main(argv=None) -> int:
         iters = args.iters or benchmark.default_iters(m)
         timing = dict(iters=iters, repeats=args.repeats, host=False)
 
-        keys = dict(preset=args.preset, zp="8" if args.zp8 else has_zp, zeros=zeros_dtype, M=m,
-                    routing=args.routing)  # fmt: skip
+        keys = dict(preset=args.preset, zp="8" if args.zp8 else has_zp, M=m, routing=args.routing)
         record = functools.partial(_record, rows, keys, copy_bps, mm_flops)
         layer = dict(weight_bytes=bytes1 + bytes2, flops=flops1 + flops2)
 

@@ -41,8 +41,7 @@ order, layouts.TILE_ORDER), k-tiles of a row of tiles consecutive, so that each 
 block_n x block_k weights are one contiguous run of memory (3-14% faster than rows [E, N, K]
 at M = 1..256 on the H200, docs/PERFORMANCE.md session 6);
 scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 8 - z as
-int8 [E, K//G, N] (or, the older format, in the scales' dtype), so that
-w = (qweight + zeros) * scales.
+[E, K//G, N], so that w = (qweight + zeros) * scales.
 
 Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
 p // block_m), one expert id per block (-1 or an id past the experts: the block's output
@@ -172,18 +171,17 @@ SMEM_BYTES = SM90_SHARED_MEMORY_BYTES - 2048
 
 def output_buffer_rows(
     *, block_m: int, block_k: int, tile_n: int, halves: int, groups_per_step: int,
-    scale_bytes: int, zero_bytes: int, stages: int, warpgroups: int, out_bytes: int,
+    has_offset: bool, scale_bytes: int, stages: int, warpgroups: int, out_bytes: int,
 ) -> int:  # fmt: skip
     """Rows of each warpgroup's output buffer ([rows, 64]): the block's, or half of them (then a
     quarter, ...; at least 8) where the pipeline's stages leave no room for the whole block's.
     E.g. GEMM2 of 64-row blocks with 256 features per program and 3 stages of 256-wide k-steps:
     198 KB of stages leave no room for two [64, 64] f32 buffers (32 KB), so they take 32 rows
-    and a sub-tile is stored in two copies. zero_bytes: a zero point's bytes (1 for int8), 0
-    without zero points."""
+    and a sub-tile is stored in two copies."""
     stage = (
         halves * tile_n * block_k // 2  # int4 weights
         + block_m * block_k * 2  # bf16 rows
-        + halves * groups_per_step * tile_n * (scale_bytes + zero_bytes)
+        + halves * groups_per_step * tile_n * scale_bytes * (2 if has_offset else 1)
     )
     rows = block_m
     while rows % 16 == 0 and stages * stage + warpgroups * rows * TILE * out_bytes > SMEM_BYTES:
@@ -409,8 +407,7 @@ def mgpu_wna16_gemm(
     if buffer_rows is None:
         buffer_rows = output_buffer_rows(
             block_m=bm, block_k=bk, tile_n=tile_n, halves=halves, groups_per_step=groups_per_step,
-            scale_bytes=w.scales.dtype.itemsize,
-            zero_bytes=w.zeros.dtype.itemsize if has_offset else 0,
+            has_offset=has_offset, scale_bytes=w.scales.dtype.itemsize,
             stages=stages, warpgroups=wgs,
             out_bytes=out_dtype.itemsize,
         )  # fmt: skip
@@ -510,16 +507,12 @@ def mgpu_wna16_gemm(
 
             def group_offset(s_refs, z_refs, g, h, s, scale=None):
                 # What the conversion subtracts from sub-tile s's features in group g, once per
-                # group of the step: 136 - (8 - z) = 128 + z <= 143, exact in bf16, computed
-                # in the rows' dtype (bf16) as the subtraction from the tile needs it: int8
-                # zero points cannot hold it, and convert exactly, as do the older format's
-                # float ones; symmetric: 136 - 0 * scale = 136 (exact for finite scales),
-                # computed as a zero point's offset is (see SYMMETRIC_OFFSET; scale: the
-                # group's row where already loaded); None in the interpreter without zero
-                # points.
+                # group of the step: 136 - (8 - z) = 128 + z <= 143, exact; symmetric: 136 -
+                # 0 * scale = 136 (exact for finite scales), computed as a zero point's offset
+                # is (see SYMMETRIC_OFFSET; scale: the group's row where already loaded); None
+                # in the interpreter without zero points.
                 if z_refs:
-                    zeros = plgpu.load(z_refs[h].at[g, features(s)], layout=row)
-                    return 136 - zeros.astype(dtype)
+                    return 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
                 if interpret:
                     return None
                 if scale is None:

@@ -74,13 +74,11 @@ def run_gemm_case(
     stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
-    w = prepare_weights(qw)
-    assert w.zeros is None or w.zeros.dtype == jnp.int8  # the layout's zero points
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
     out = mgpu_wna16_gemm(
         x_rows,
-        w,
+        prepare_weights(qw),
         jnp.asarray(block_experts),
         block_m=block_m,
         block_k=block_k,
@@ -229,33 +227,6 @@ def test_gemm_bf16_weights(rng, has_zp, block_m, block_k, block_n, consumers, ga
         consumers=consumers, block_n=block_n, gated=gated, tiles_per_program=tiles,
         splits=splits, stages=3, bf16_weights=True,
     )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "block_m,block_k,block_n,consumers,gated,bf16_weights",
-    [(8, 256, 64, 0, False, False), (16, 128, 128, 2, True, False),
-     (16, 128, 64, 2, False, True), (8, 256, 64, 1, True, True)],
-    ids=str,
-)  # fmt: skip
-def test_float_zeros_give_the_same_output(rng, block_m, block_k, block_n, consumers, gated,
-                                          bf16_weights):  # fmt: skip
-    """Zero points in the older format (8 - z in the scales' dtype, 2 bytes each) give the
-    bit-identical output of the layout's int8 ones: both are converted to the exact bf16
-    offset 128 + z, on the exact path and on bf16_weights'."""
-    n = block_n * max(consumers, 1) * (2 if gated else 1)
-    qw = helpers.random_quantized_experts(rng, 3, n, 512, 4, 128, True, BF16)
-    w = prepare_weights(qw)
-    float_zeros = dataclasses.replace(w, zeros=w.zeros.astype(w.scales.dtype))
-    blocks = jnp.asarray([1, -1, 0, 2], jnp.int32)
-    x_rows = jnp.asarray(rng.standard_normal((4 * block_m, 512)), BF16)
-    gemm = functools.partial(
-        mgpu_wna16_gemm, x_rows, block_experts=blocks, block_m=block_m, block_k=block_k,
-        block_n=block_n, consumers=consumers, gated=gated, bf16_weights=bf16_weights,
-        max_concurrent_steps=3, interpret=INTERPRET,
-    )  # fmt: skip
-    out, out_float = np.asarray(gemm(w=w)), np.asarray(gemm(w=float_zeros))
-    assert np.any(out != 0)
-    np.testing.assert_array_equal(out_float, out)
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
@@ -777,65 +748,16 @@ def test_preferred_layout_on_this_gpu(rng):
     assert wj.layouts.preferred_layout(w13, w2, dtype=BF16) == want
 
 
-def assert_same_experts(got: QuantizedExperts, want: QuantizedExperts):
-    assert (got.layout, got.bits, got.group_size) == (want.layout, want.bits, want.group_size)
-    for field in ("qweight", "scales", "zeros"):
-        a, b = getattr(got, field), getattr(want, field)
-        assert (a is None) == (b is None), field
-        if a is not None:
-            assert a.dtype == b.dtype, field
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
-
-
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 def test_layout_round_trip_is_lossless(rng, has_zp):
     qw = helpers.random_quantized_experts(rng, 3, 64, 256, 4, 64, has_zp, BF16)
-    w = prepare_weights(qw)
-    if has_zp:  # 8 - z, int8 [E, K//G, N]
-        assert w.zeros.dtype == jnp.int8 and w.zeros.shape == (3, 4, 64)
-        z = helpers.numpy_unpack_zeros(qw.zeros, 4).astype(np.int32)  # [E, N, K//G]
-        np.testing.assert_array_equal(np.asarray(w.zeros), np.swapaxes(8 - z, 1, 2))
-    assert_same_experts(wj.layouts.to_canonical_layout(w), qw)
-
-
-@pytest.mark.parametrize("dtype", [BF16, jnp.float32], ids=str)
-def test_layout_reads_back_the_older_float_zeros(rng, dtype):
-    """mgpu_int4 weights stored with the older zero points (8 - z in the scales' dtype) are
-    still valid and convert back to the same canonical weights as the int8 ones."""
-    qw = helpers.random_quantized_experts(rng, 2, 128, 256, 4, 64, True, dtype)
-    w = prepare_weights(qw)
-    old = dataclasses.replace(w, zeros=w.zeros.astype(dtype))
-    old.validate("old")
-    assert_same_experts(wj.layouts.to_canonical_layout(old), qw)
-    assert_same_experts(wj.layouts.to_kernel_layout(old, "canonical"), qw)
-
-
-@pytest.mark.parametrize(
-    "zeros,ok",
-    [(("int8", (2, 4, 128)), True), (("bfloat16", (2, 4, 128)), True), (None, True),
-     (("int32", (2, 4, 128)), False), (("uint8", (2, 4, 128)), False),
-     (("float32", (2, 4, 128)), False),  # a float other than the scales' bf16
-     (("int8", (2, 128, 4)), False), (("int8", (2, 4, 64)), False)],
-    ids=str,
-)  # fmt: skip
-def test_layout_validates_the_zero_points(zeros, ok):
-    """mgpu_int4 zeros: 8 - z as int8 [E, K//G, N], or the older format in the scales' dtype;
-    anything else is refused, saying what is expected."""
-    w = QuantizedExperts(
-        jax.ShapeDtypeStruct((2, 2, 4, 64, 64), jnp.int4),  # E=2, N=128, K=256
-        jax.ShapeDtypeStruct((2, 4, 128), BF16),  # G=64
-        None if zeros is None else jax.ShapeDtypeStruct(zeros[1], jnp.dtype(zeros[0])),
-        bits=4,
-        group_size=64,
-        layout="mgpu_int4",
-    )
-    if ok:
-        w.validate("w")
-        return
-    with pytest.raises(
-        ValueError, match=r"w: mgpu_int4 zeros must be 8 - z as int8 \[E, K//G, N\]"
-    ):
-        w.validate("w")
+    back = wj.layouts.to_canonical_layout(prepare_weights(qw))
+    assert back.layout == "canonical"
+    for field in ("qweight", "scales", "zeros"):
+        a, b = getattr(back, field), getattr(qw, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
 
 
 def test_tile_order_is_the_wgmma_register_order(rng):
@@ -975,17 +897,6 @@ def test_gemm_bf16_weights_lower_for_cuda(has_zp, block_m, block_k, block_n, gat
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("bf16_weights", [False, True], ids=["exact", "bf16_weights"])
-@pytest.mark.parametrize("zeros_dtype", [jnp.int8, BF16], ids=["int8", "bf16"])
-def test_gemm_zero_points_lower_for_cuda(bf16_weights, zeros_dtype):
-    """Both products paths lower with the layout's int8 zero points (their row converted to
-    bf16 in registers) and with the older format's bf16 ones."""
-    lowers_for_cuda(
-        True, 64, 256, 2, 1, 64, True, stages=3, bf16_weights=bf16_weights,
-        zeros_dtype=zeros_dtype,
-    )  # fmt: skip
-
-
 def lowers_for_cuda(
     has_zp,
     block_m,
@@ -999,17 +910,16 @@ def lowers_for_cuda(
     stages=4,
     one_row_tile=False,
     bf16_weights=False,
-    zeros_dtype=jnp.int8,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types and the copies' shapes are checked here; ptxas and the run only on
-    a GPU. zeros_dtype: int8 (the layout's) or bf16 (its older format)."""
+    a GPU."""
     e, n, k, g = 4, 256, 1024, 128
     w = QuantizedExperts(
         jax.ShapeDtypeStruct((e, n // 64, k // 64, 64, 64), jnp.int4),
         jax.ShapeDtypeStruct((e, k // g, n), BF16),
-        jax.ShapeDtypeStruct((e, k // g, n), zeros_dtype) if has_zp else None,
+        jax.ShapeDtypeStruct((e, k // g, n), BF16) if has_zp else None,
         bits=4,
         group_size=g,
         layout="mgpu_int4",
@@ -1267,29 +1177,16 @@ def test_gemm_stores_through_a_smaller_buffer(rng, consumers, block_m, block_n, 
 
 
 def test_output_buffer_takes_the_rows_that_fit():
-    """The layer's M=4096 GEMMs on DeepSeek-V3 (scales bf16, zero points int8): GEMM1 (gated,
+    """The layer's M=4096 GEMMs on DeepSeek-V3 (scales and zero points bf16): GEMM1 (gated,
     3 stages) and GEMM2 at 2 stages keep the block's 64 rows; GEMM2 at 3 stages halves them."""
     rows = functools.partial(
         output_buffer_rows, block_m=64, block_k=256,
-        tile_n=256, groups_per_step=2, scale_bytes=2, zero_bytes=1, warpgroups=2,
+        tile_n=256, groups_per_step=2, has_offset=True, scale_bytes=2, warpgroups=2,
     )  # fmt: skip
     assert rows(halves=2, stages=3, out_bytes=2, tile_n=128) == 64  # GEMM1
     assert rows(halves=1, stages=2, out_bytes=4) == 64  # GEMM2 (the default)
     assert rows(halves=1, stages=3, out_bytes=4) == 32
     assert rows(halves=1, stages=4, out_bytes=4) == 8  # does not fit at all: the least
-
-
-def test_output_buffer_counts_the_zero_points_bytes():
-    """A stage holds each group's zero points at their own size: 32-row blocks, 512 features
-    of 2 halves, 5 stages of 128-wide k-steps and two [32, 64] f32 buffers fit in shared memory
-    (228864 bytes) with int8 zero points, but not with bf16 ones (231424)."""
-    rows = functools.partial(
-        output_buffer_rows, block_m=32, block_k=128, tile_n=256, halves=2, groups_per_step=1,
-        scale_bytes=2, stages=5, warpgroups=2, out_bytes=4,
-    )  # fmt: skip
-    assert rows(zero_bytes=0) == 32
-    assert rows(zero_bytes=1) == 32
-    assert rows(zero_bytes=2) == 16
 
 
 @pytest.mark.parametrize(

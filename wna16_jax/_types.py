@@ -43,7 +43,7 @@ class QuantizedExperts:
     Layout "mgpu_int4" (int4 only; read by the 'mgpu' backend, and by 'xla' through
     wna16_jax.layouts.to_canonical_layout): qweight int4 [E, N/64, K/64, 64, 64] holding q - 8
     in 64x64 tiles (N and K multiples of 64); scales [E, K//G, N]; zeros None or 8 - z as
-    int8 [E, K//G, N] (the older format, 8 - z in the scales' dtype, is still accepted).
+    [E, K//G, N] in the scales' dtype.
     """
 
     qweight: Any
@@ -161,19 +161,15 @@ class QuantizedExperts:
         if self.group_size != -1 and (self.group_size <= 0 or k % self.group_size):
             raise ValueError(f"{name}: K={k} is not a multiple of group_size={self.group_size}")
         want = (e, self.num_groups, n)
-        s = self.scales
-        if tuple(s.shape) != want or not jnp.issubdtype(s.dtype, jnp.floating):
-            raise ValueError(
-                f"{name}: mgpu_int4 scales must be float [E, K//G, N] = {want}, got "
-                f"{s.dtype} {tuple(s.shape)}"
-            )
-        z = self.zeros
-        # int8 (to_kernel_layout's), or the scales' dtype: the older format, still read
-        if z is not None and (tuple(z.shape) != want or z.dtype not in (jnp.int8, s.dtype)):
-            raise ValueError(
-                f"{name}: mgpu_int4 zeros must be 8 - z as int8 [E, K//G, N] = {want} (or, the "
-                f"older format, in the scales' dtype {s.dtype}), got {z.dtype} {tuple(z.shape)}"
-            )
+        for field in ("scales", "zeros"):
+            arr = getattr(self, field)
+            if arr is None and field == "zeros":
+                continue
+            if tuple(arr.shape) != want or not jnp.issubdtype(arr.dtype, jnp.floating):
+                raise ValueError(
+                    f"{name}: mgpu_int4 {field} must be float [E, K//G, N] = {want}, got "
+                    f"{arr.dtype} {tuple(arr.shape)}"
+                )
 
 
 jax.tree_util.register_dataclass(

@@ -15,12 +15,8 @@
            wgmma A operand (WGMMA_LAYOUT), so one shift and one lop3 make a bf16 pair: no
            shuffles, no permutes (pallas_kernels/mgpu_wna16_gemm.py).
   scales   [E, K//G, N]: a group's scales for consecutive features are one TMA row.
-  zeros    None, or 8 - z as int8 [E, K//G, N] (in [-7, 8]), so that
-           w = (qweight + zeros) * scales is DESIGN.md's (q - z) * scale. int8, not the scales'
-           dtype: decode streams the weights' bytes, and 2-byte zero points were ~2.9% of a
-           DeepSeek-V3 expert's. to_canonical_layout also takes the older float zeros (8 - z in
-           the scales' dtype, exact small integers), so arrays stored in that format convert
-           back.
+  zeros    None, or 8 - z as [E, K//G, N] in the scales' dtype (exact: small integers),
+           so that w = (qweight + zeros) * scales is DESIGN.md's (q - z) * scale.
 """
 
 from __future__ import annotations
@@ -66,7 +62,7 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     offset = None
     if qw.zeros is not None:
         z = jnp.stack([qw.zeros & 0xF, qw.zeros >> 4], axis=2).reshape(e, n, -1)
-        offset = jnp.swapaxes((8 - z.astype(jnp.int32)).astype(jnp.int8), 1, 2)
+        offset = jnp.swapaxes((8 - z.astype(jnp.int32)).astype(qw.scales.dtype), 1, 2)
     return QuantizedExperts(
         qweight=q,
         scales=jnp.swapaxes(qw.scales, 1, 2),
@@ -87,7 +83,6 @@ def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
     words = lax.bitcast_convert_type(words, jnp.uint32)
     zeros = None
     if qw.zeros is not None:
-        # int8, or the older float format: both hold the integers 8 - z exactly
         z = (8 - jnp.swapaxes(qw.zeros, 1, 2).astype(jnp.int32)).astype(jnp.uint8)  # [E, N, g]
         zeros = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(jnp.uint8)
     return QuantizedExperts(
