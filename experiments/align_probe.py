@@ -47,7 +47,7 @@ def main(argv=None) -> int:
             sets.append((jax.lax.top_k(scores, 8)[1].astype(jnp.int32),))
         for cfg in candidates(t * 8):
 
-            def fn(ids, cfg=cfg):
+            def fn(ids, cfg=cfg, block_m=block_m):
                 r = align.moe_align_block_size(ids, num_experts=256, block_m=block_m, config=cfg)
                 return r.sorted_token_ids
 
