@@ -51,8 +51,13 @@ class AlignConfig:
                 raise ValueError(f"AlignConfig.{f}={v!r} must be a power of two")
 
 
-# Up to this many slots (T*k) the fused single launch is the default.
-FUSED_MAX_SLOTS = 2048
+# Up to this many slots (T*k) the fused single launch is the default, its programs filling
+# FUSED_BLOCKS_PER_PROGRAM blocks each. H200, E=256, the mgpu layer's block sizes (session 16,
+# experiments/align_probe.py, the kernels' time in a device trace): T*k=128 (block_m 8) 7.0 us
+# at 32 blocks per program vs 8.5 at 64; 512 (block_m 8) 9.9 vs 11.5, two launches 11.8;
+# 2048 (block_m 16) two launches 11.8 vs 23.9 fused.
+FUSED_MAX_SLOTS = 512
+FUSED_BLOCKS_PER_PROGRAM = 32
 # Two-launch chunk sizes by T*k, the best of 128..2048 measured on an H200 (E=256, top-8).
 _CHUNK_SLOTS_BY_SIZE = ((8192, 128), (65536, 256), (262144, 512))
 
@@ -60,7 +65,7 @@ _CHUNK_SLOTS_BY_SIZE = ((8192, 128), (65536, 256), (262144, 512))
 def default_config(num_slots: int) -> AlignConfig:
     """The AlignConfig used for T*k = num_slots when none is given."""
     if num_slots <= FUSED_MAX_SLOTS:
-        return AlignConfig(fused=True, chunk_slots=64)
+        return AlignConfig(fused=True, chunk_slots=64, blocks_per_program=FUSED_BLOCKS_PER_PROGRAM)
     chunk = next((c for s, c in _CHUNK_SLOTS_BY_SIZE if num_slots <= s), 1024)
     return AlignConfig(fused=False, chunk_slots=chunk)
 
