@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import gather_rows
 from pallas_kernels.fused_moe import DEFAULT_CHUNK_TOKENS, align
-from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm
+from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm, takes_bf16_weights
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
@@ -300,7 +300,7 @@ def gemm_options(
     tiles = tiles_per_program(cfg, n_tiles, steps // splits)
     return dict(
         tiles_per_program=tiles,
-        bf16_weights=cfg.bf16_weights and cfg.consumers > 0 and tiles == 1,
+        bf16_weights=cfg.bf16_weights and takes_bf16_weights(cfg.consumers, tiles),
         narrow_steps=cfg.narrow_steps() or 1,  # with the rows in use (`_chunk`)
         block_m=cfg.block_m,
         block_k=cfg.block_k,

@@ -12,11 +12,11 @@ exact in bf16, so the products of a group's k-tiles are exact in their f32 sum; 
 then scaled by the group's scale (block_k divides the group, or a k-step spans whole groups,
 each scaled on its own). bf16_weights (warp-specialized GEMMs): the converted tile is scaled
 in registers instead, (q - z) * s rounded to bf16 once, and multiplied straight into the
-accumulators: no f32 sum per group, so 128-row blocks fit in registers (the default from 96
-rows per expert: DeepSeek-V3 at M=4096 6.40 vs 7.36 ms, session 15). The block's token rows are
-the B operand (shared memory, K-major),
-so a block needs 8..256 rows rather than a 64-row tile: the path for decode (one row per
-expert) and prefill alike. TMA copies of the weight, scale and row tiles run
+accumulators: no f32 sum per group, so 128-row blocks fit in registers (the layer's default
+from mgpu_fused_moe.ROWS_FOR_128 rows per expert: DeepSeek-V3 at M=4096 6.40 vs 7.36 ms,
+session 15). The block's token rows are the B operand (shared memory, K-major), so a block
+needs 8..256 rows rather than a 64-row tile: the path for decode (one row per expert) and
+prefill alike. TMA copies of the weight, scale and row tiles run
 `max_concurrent_steps` k-steps ahead.
 
 Two ways to run a program, both measured on the H200 (docs/PERFORMANCE.md, session 5):
@@ -66,6 +66,13 @@ from wna16_jax._types import MGPU_TILE, QuantizedExperts
 TILE = MGPU_TILE
 
 
+def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
+    """Whether a GEMM of this shape can run bf16_weights: warp specialization (consumers 1 or 2)
+    and one output tile per program (a wgmma cannot restart its accumulator; the interpreter
+    cannot store one)."""
+    return consumers > 0 and tiles_per_program == 1
+
+
 def check_config(
     w: QuantizedExperts,
     x_rows,
@@ -102,7 +109,7 @@ def check_config(
         raise ValueError(f"{p} rows are not whole blocks of {block_m}")
     if consumers not in (0, 1, 2):
         raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
-    if bf16_weights and (not consumers or tiles_per_program > 1):
+    if bf16_weights and not takes_bf16_weights(consumers, tiles_per_program):
         raise ValueError(
             "bf16_weights takes warp specialization (consumers 1 or 2) and one output tile per "
             "program (a wgmma cannot restart its accumulator; the interpreter cannot store one)"
