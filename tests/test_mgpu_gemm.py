@@ -945,6 +945,20 @@ def test_gemm_refuses_the_canonical_layout(rng):
         check_config(qw, jnp.zeros((16, 256), BF16), block_m=16, block_k=128)
 
 
+@pytest.mark.parametrize("consumers,tiles", [(0, 1), (2, 2)], ids=str)
+def test_bf16_weights_refuses_what_it_cannot_run(rng, consumers, tiles):
+    """bf16_weights needs warp specialization and one output tile per program; the layer's
+    gemm_options falls back to exact products by the same rule (`takes_bf16_weights`)."""
+    qw = prepare_weights(helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, True, BF16))
+    with pytest.raises(ValueError, match="bf16_weights takes warp specialization"):
+        check_config(qw, jnp.zeros((16, 256), BF16), block_m=16, block_k=128,
+                     consumers=consumers, tiles_per_program=tiles, bf16_weights=True)  # fmt: skip
+    cfg = MgpuConfig(block_m=16, consumers=consumers, tiles_per_program=tiles, bf16_weights=True)
+    options = mgpu_fused_moe.gemm_options(cfg, 1, n_tiles=2 * tiles, steps=2)
+    assert options["tiles_per_program"] == tiles
+    assert not options["bf16_weights"]
+
+
 @pytest.mark.parametrize(
     "m,block_m,block_k,consumers,block_n",
     [(1, 8, 256, 0, 64), (16, 8, 256, 0, 64), (256, 16, 128, 0, 128), (1536, 64, 256, 2, 64)],
