@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 16, device call 1 (one H200): session 15's pending checks of the 128-row default
-# (session 15's experiments/pending_s16.sh, removed once run here, without its test run: GEMM2 at 3 stages at M=4096, each GEMM alone
-# too; the 64/128-row threshold at M=2560 and 3072), then where a call's time goes at M=16 and
-# M=256 (kernel_timeline.py, chained).
+# (its experiments/pending_s16.sh, removed once run here, without the test run): GEMM2 at 3
+# stages at M=4096, each GEMM alone too; the 64/128-row threshold at M=2560 and 3072; then where
+# a call's time goes at M=16 and M=256 (kernel_timeline.py, chained).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p $OUT
 SECONDS=0
