@@ -68,9 +68,38 @@ def candidates(rows: float, group: int) -> list[MgpuConfig]:
     return list(dict.fromkeys(configs))
 
 
-def parse_config(text: str) -> MgpuConfig:
+@dataclasses.dataclass(frozen=True)
+class DefaultWith:
+    """A --configs entry "default:field=value,...": the default config of each M with these
+    fields replaced."""
+
+    changes: tuple[tuple[str, object], ...]
+
+    def at(self, default: MgpuConfig) -> MgpuConfig:
+        return dataclasses.replace(default, **dict(self.changes))
+
+
+def parse_default_with(text: str) -> DefaultWith:
+    """ "default:fused_topk_sum=1,down_stages=2" -> DefaultWith: ints, '-' for None, 0/1 for
+    the bool fields."""
+    fields = {f.name: f for f in dataclasses.fields(MgpuConfig)}
+    changes = []
+    for item in filter(None, text.partition(":")[2].split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise argparse.ArgumentTypeError(f"bad config {text!r}: no MgpuConfig field {name!r}")
+        parsed = None if value == "-" else int(value)
+        if fields[name].type in (bool, "bool"):
+            parsed = bool(parsed)
+        changes.append((name, parsed))
+    return DefaultWith(tuple(changes))
+
+
+def parse_config(text: str) -> MgpuConfig | DefaultWith:
     """ "8,256,4,0,-,128,0" -> MgpuConfig(8, 256, 4, 0, None, 128, False): fields in order,
-    '-' for None."""
+    '-' for None; "default:name=value,..." -> DefaultWith."""
+    if text == "default" or text.startswith("default:"):
+        return parse_default_with(text)
     try:
         fields = [None if v == "-" else int(v) for v in text.split(",")]
         if len(fields) > 6:  # fuse_activation
@@ -83,6 +112,8 @@ def parse_config(text: str) -> MgpuConfig:
             fields[14] = bool(fields[14])
         if len(fields) > 15:  # bf16_weights
             fields[15] = bool(fields[15])
+        if len(fields) > 16:  # fused_topk_sum
+            fields[16] = bool(fields[16])
         return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
@@ -120,7 +151,8 @@ def main(argv=None) -> int:
         type=parse_config,
         default=[],
         metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES,"
-        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS,DIRECT_TOKEN,BF16_WEIGHTS",
+        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS,DIRECT_TOKEN,BF16_WEIGHTS,"
+        "FUSED_TOPK_SUM | default:FIELD=VALUE,...",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
@@ -129,7 +161,8 @@ def main(argv=None) -> int:
         "rows where they use no more; 64,256,3,2,-,64,1,128,2,-,-,-,2,1: and GEMM2's rows "
         "rounded to bf16; 8,256,3,0,-,64,1,-,-,-,-,-,1,0,1: one token's GEMM1 on the token's "
         "row itself and the router's ids as block experts; 128,128,3,2,-,64,1,128,2,-,-,-,3,0,0,1: "
-        "128-row blocks on weights rounded to bf16",
+        "128-row blocks on weights rounded to bf16; default:fused_topk_sum=1: each M's default "
+        "config with GEMM2 adding its rows into the tokens' rows (MgpuConfig field names)",
     )
     p.add_argument(
         "--chain",
@@ -213,7 +246,8 @@ def main(argv=None) -> int:
             record("mgpu chained", astuple(chosen), t, **layer)
         rows_per_expert = m if args.routing == "identical" else m * top_k / e
         searched = candidates(rows_per_expert, h if g == -1 else g) if args.search else []
-        for cfg in dict.fromkeys(searched + args.configs):
+        given = [c.at(chosen) if isinstance(c, DefaultWith) else c for c in args.configs]
+        for cfg in dict.fromkeys(searched + given):
             fn = functools.partial(_layer, config=cfg, interpret=interpret)
             t0 = time.perf_counter()
             try:
@@ -229,7 +263,7 @@ def main(argv=None) -> int:
             if t < best[0]:
                 best = (t, cfg)
         # The two GEMMs alone as the layer runs them, at the best config (--all-gemms: at each).
-        timed = [chosen, *dict.fromkeys(searched + args.configs)] if args.all_gemms else [best[1]]
+        timed = [chosen, *dict.fromkeys(searched + given)] if args.all_gemms else [best[1]]
         for cfg in timed:
             _time_gemms(record, cfg, xs[0], idss[0], w13p, w2p, key=key, interpret=interpret,
                         work=(bytes1, flops1, bytes2, flops2), timing=timing)  # fmt: skip
@@ -250,24 +284,27 @@ def _zeros_of_8(w: wj.QuantizedExperts):
 def _time_gemms(record, cfg, x, ids, w13p, w2p, *, key, interpret, work, timing):
     """Times GEMM1 and GEMM2 alone as the layer runs them at cfg (GEMM1 with the activation,
     fused where the config fuses it; GEMM2's rows in the layer's dtype for a bf16 output; the
-    rows in use with narrow blocks), on x's rows (GEMM2 on random activations)."""
+    rows in use with narrow blocks; with fused_topk_sum GEMM2 adding its rows into the tokens'
+    rows, at router weights of 1/k), on x's rows (GEMM2 on random activations)."""
     e, i = w13p.num_experts, w2p.shape[2]
     bytes1, flops1, bytes2, flops2 = work
-    block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
+    block_experts, x_rows, position, in_use = mgpu_fused_moe.aligned_blocks(
         x, ids, num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
     )
     in_use = cfg.gemm_rows_in_use(in_use)
     act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
     gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
-    down_rows = mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None)
-    for what, w, a, act, out, weight_bytes, flops in (
-        ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, None, bytes1, flops1),
-        ("mgpu GEMM2", w2p, act_rows, None, down_rows, bytes2, flops2),
+    down = dict(out_dtype=mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None))
+    if cfg.fused_topk_sum:
+        tw = jnp.full(ids.shape, 1 / ids.shape[1], jnp.float32)
+        targets, weights = mgpu_fused_moe.slot_targets(position, ids, tw, x_rows.shape[0])
+        down = dict(add_into=(targets, weights, ids.shape[0]))
+    for what, w, a, options, weight_bytes, flops in (
+        ("mgpu GEMM1", w13p, x_rows, dict(activation_dtype=jnp.bfloat16), bytes1, flops1),
+        ("mgpu GEMM2", w2p, act_rows, down, bytes2, flops2),
     ):
         t, _ = benchmark.time_loop(
-            lambda w, a, ex, used, act=act, out=out: gemm(
-                a, w, ex, used, activation_dtype=act, out_dtype=out
-            ),
+            lambda w, a, ex, used, options=options: gemm(a, w, ex, used, **options),
             [(a, block_experts, in_use)],
             consts=(w,),
             **timing,
