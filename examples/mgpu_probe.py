@@ -80,7 +80,7 @@ class DefaultWith:
 
 
 def parse_default_with(text: str) -> DefaultWith:
-    """ "default:fused_topk_sum=1,down_stages=2" -> DefaultWith: ints, '-' for None, 0/1 for
+    """ "default:down_stages=2,narrow_blocks=0" -> DefaultWith: ints, '-' for None, 0/1 for
     the bool fields."""
     fields = {f.name: f for f in dataclasses.fields(MgpuConfig)}
     changes = []
@@ -112,8 +112,6 @@ def parse_config(text: str) -> MgpuConfig | DefaultWith:
             fields[14] = bool(fields[14])
         if len(fields) > 15:  # bf16_weights
             fields[15] = bool(fields[15])
-        if len(fields) > 16:  # fused_topk_sum
-            fields[16] = bool(fields[16])
         return MgpuConfig(*fields)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad config {text!r}: {err}") from None
@@ -151,8 +149,8 @@ def main(argv=None) -> int:
         type=parse_config,
         default=[],
         metavar="BM,BK,STAGES,CONSUMERS,SPLITS,BLOCK_N,FUSE_ACTIVATION,DOWN_BLOCK_N,DOWN_STAGES,"
-        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS,DIRECT_TOKEN,BF16_WEIGHTS,"
-        "FUSED_TOPK_SUM | default:FIELD=VALUE,...",
+        "DOWN_BLOCK_K,TILES,DOWN_TILES,NARROW_BLOCKS,BF16_DOWN_ROWS,DIRECT_TOKEN,BF16_WEIGHTS "
+        "| default:FIELD=VALUE,...",
         help="also time these configs (MgpuConfig's fields in order, '-' for None; trailing "
         "fields may be left out), e.g. 64,128,4,2,-,128: two consumer warpgroups of 128 "
         "features each; 8,256,4,0,-,64,0: GEMM1 without the fused activation; "
@@ -161,8 +159,8 @@ def main(argv=None) -> int:
         "rows where they use no more; 64,256,3,2,-,64,1,128,2,-,-,-,2,1: and GEMM2's rows "
         "rounded to bf16; 8,256,3,0,-,64,1,-,-,-,-,-,1,0,1: one token's GEMM1 on the token's "
         "row itself and the router's ids as block experts; 128,128,3,2,-,64,1,128,2,-,-,-,3,0,0,1: "
-        "128-row blocks on weights rounded to bf16; default:fused_topk_sum=1: each M's default "
-        "config with GEMM2 adding its rows into the tokens' rows (MgpuConfig field names)",
+        "128-row blocks on weights rounded to bf16; default:down_stages=4: each M's default "
+        "config with these fields replaced (MgpuConfig's field names)",
     )
     p.add_argument(
         "--chain",
@@ -284,21 +282,16 @@ def _zeros_of_8(w: wj.QuantizedExperts):
 def _time_gemms(record, cfg, x, ids, w13p, w2p, *, key, interpret, work, timing):
     """Times GEMM1 and GEMM2 alone as the layer runs them at cfg (GEMM1 with the activation,
     fused where the config fuses it; GEMM2's rows in the layer's dtype for a bf16 output; the
-    rows in use with narrow blocks; with fused_topk_sum GEMM2 adding its rows into the tokens'
-    rows, at router weights of 1/k), on x's rows (GEMM2 on random activations)."""
+    rows in use with narrow blocks), on x's rows (GEMM2 on random activations)."""
     e, i = w13p.num_experts, w2p.shape[2]
     bytes1, flops1, bytes2, flops2 = work
-    block_experts, x_rows, position, in_use = mgpu_fused_moe.aligned_blocks(
+    block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
         x, ids, num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
     )
     in_use = cfg.gemm_rows_in_use(in_use)
     act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
     gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
     down = dict(out_dtype=mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None))
-    if cfg.fused_topk_sum:
-        tw = jnp.full(ids.shape, 1 / ids.shape[1], jnp.float32)
-        targets, weights = mgpu_fused_moe.slot_targets(position, ids, tw, x_rows.shape[0])
-        down = dict(add_into=(targets, weights, ids.shape[0]))
     for what, w, a, options, weight_bytes, flops in (
         ("mgpu GEMM1", w13p, x_rows, dict(activation_dtype=jnp.bfloat16), bytes1, flops1),
         ("mgpu GEMM2", w2p, act_rows, down, bytes2, flops2),

@@ -8,3 +8,7 @@ compiled_tests 240 "adds_weighted or fused_topk_sum_matches or deepseek_v3_tp1_g
 timeout 250 python3 examples/mgpu_probe.py --m 1 16 256 4096 --configs default:fused_topk_sum=1 \
    --all-gemms --json $OUT/fused_sum.json > $OUT/probe.log 2>&1; echo "probe $SECONDS s"
 grep -E "layer|GEMM|backend|copy|FAILED|rror" $OUT/probe.log
+# Result (docs/logs/*_s17_call1*): 26 compiled tests passed, but the layer was slower with the
+# fused top-k sum at every M (81.5 -> 86.6, 770.0 -> 776.7, 1898.5 -> 1917.3, 6398.6 -> 7127.3
+# us): session 13 had measured the same idea (per-row bulk reductions) with the same outcome.
+# Reverted; the probe keeps its "default:field=value" configs.

@@ -49,12 +49,7 @@ class MgpuConfig:
     bf16_weights: the warp-specialized GEMMs (consumers >= 1, one output tile per program)
     multiply weights rounded to bf16 ((q - z) * s, as a bf16 model's dequantized weights) straight
     into their sums, in place of exact integer products summed per group and scaled: no f32 sum
-    per group in registers (room for 128-row blocks) and no wait per group; one more rounding.
-    fused_topk_sum: GEMM2 adds each slot's row times its router weight straight into its
-    token's f32 output row (mgpu_wna16_gemm's row_targets: a TMA reduce-add per row): no [P, H]
-    rows written (padding rows included) and read back by the top-k sum; the order of the adds
-    is the GPU's, so the sums may differ between runs in their last bits (bf16_down_rows does
-    not apply: there are no rows)."""
+    per group in registers (room for 128-row blocks) and no wait per group; one more rounding."""
 
     block_m: int
     block_k: int = 128
@@ -72,7 +67,6 @@ class MgpuConfig:
     bf16_down_rows: bool = False
     direct_token: bool = False
     bf16_weights: bool = False
-    fused_topk_sum: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -355,24 +349,15 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     Mosaic GPU GEMM at cfg (rows_in_use: mgpu_wna16_gemm's block_rows, or None; GEMM2's:
     `down_config`), K-split partial products summed in f32; with activation_dtype, w's rows are
     [gate; up] and the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue
-    where `fuses_activation`); with add_into = (row targets, row weights, T) the rows times
-    their weights added into their targets, f32 [T, N] (mgpu_wna16_gemm's row_targets)."""
+    where `fuses_activation`)."""
 
     def gemm(
         rows, w, block_experts, rows_in_use=None, activation_dtype=None, out_dtype=None,
-        one_row_tile=False, add_into=None,
+        one_row_tile=False,
     ):  # fmt: skip
-        if add_into is not None:  # (row targets, row weights, output rows): GEMM2 only
-            out_dtype = jnp.float32
         _, splits, gated, options = gemm_plan(
             cfg, w, block_experts.shape[0], activation_dtype, out_dtype
         )
-        if add_into is not None:
-            targets, weights, num_out_rows = add_into
-            return mgpu_wna16_gemm(
-                rows, w, block_experts, rows_in_use, targets, weights, **options,
-                num_out_rows=num_out_rows, interpret=interpret,
-            )  # fmt: skip
         out = mgpu_wna16_gemm(
             rows, w, block_experts, rows_in_use, **options, one_row_tile=one_row_tile,
             interpret=interpret,
@@ -453,19 +438,6 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
     return block_experts, x_rows, position, in_use
 
 
-def slot_targets(position, local, topk_weights, num_rows: int):
-    """For fused_topk_sum: each GEMM row's token ([num_rows] int32, -1 for rows without a slot:
-    padding, or slots off this shard) and router weight (f32, 0 without a slot), from each
-    slot's row position [T*k] and local expert [T, k] (-1: dropped)."""
-    t, k = topk_weights.shape
-    kept = local.reshape(-1) >= 0
-    row_of_slot = jnp.where(kept, position, num_rows)  # dropped slots: past the end
-    tokens = jnp.arange(t * k, dtype=jnp.int32) // k
-    targets = jnp.full(num_rows, -1, jnp.int32).at[row_of_slot].set(tokens, mode="drop")
-    weights = topk_weights.reshape(-1).astype(jnp.float32)
-    return targets, jnp.zeros(num_rows, jnp.float32).at[row_of_slot].set(weights, mode="drop")
-
-
 def _chunk(
     x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret, one_token=True,
     out_dtype=None,
@@ -494,13 +466,10 @@ def _chunk(
     act = gemm(  # [P, I]
         x_rows, w13, block_experts, in_use, activation_dtype=x.dtype, one_row_tile=direct
     )
-    local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    if cfg.fused_topk_sum:  # GEMM2 adds each slot's weighted row into its token's row
-        targets, weights = slot_targets(position, local, topk_weights, act.shape[0])
-        return gemm(act, w2, block_experts, in_use, add_into=(targets, weights, t))
     y = gemm(act, w2, block_experts, in_use, out_dtype=down_rows_dtype(cfg, x.dtype, out_dtype))
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).
+    local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
     rows = jnp.where(local[:, None] >= 0, y[position].astype(jnp.float32), 0.0).reshape(t, k, -1)
     return (rows * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
 

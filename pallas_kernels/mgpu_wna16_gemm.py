@@ -86,7 +86,6 @@ def check_config(
     tiles_per_program: int = 1,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
-    adds_rows: bool = False,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -138,11 +137,6 @@ def check_config(
         raise ValueError(f"splits={splits} must divide the {k // block_k} k-steps")
     if gated and splits > 1:
         raise ValueError("gated needs whole sums (splits=1): silu of a partial sum is not a part")
-    if adds_rows and (gated or one_row_tile):
-        raise ValueError(
-            "row_targets (adding weighted rows into output rows) takes a plain GEMM: not gated "
-            "(its rows are the activation's) and not one_row_tile"
-        )
     n_tiles = n // tile_n
     if tiles_per_program < 1 or n_tiles % tiles_per_program:
         raise ValueError(
@@ -281,7 +275,6 @@ def _swizzled(shape, dtype, what: str):
         "buffer_rows",
         "one_row_tile",
         "bf16_weights",
-        "num_out_rows",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -293,8 +286,6 @@ def mgpu_wna16_gemm(
     w: QuantizedExperts,
     block_experts: jax.Array,
     block_rows: jax.Array | None = None,
-    row_targets: jax.Array | None = None,
-    row_weights: jax.Array | None = None,
     *,
     block_m: int,
     block_k: int = 128,
@@ -308,7 +299,6 @@ def mgpu_wna16_gemm(
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
-    num_out_rows: int | None = None,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -318,9 +308,6 @@ def mgpu_wna16_gemm(
     [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed; gated:
     W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and out[p] =
     silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to out_dtype.
-    With row_targets (int32 [P]) and row_weights (f32 [P]): out[r] = sum over the rows p with
-    row_targets[p] == r of row_weights[p] * (x_rows[p] @ W[e].T), f32 [num_out_rows, N]; rows
-    whose target is outside [0, num_out_rows) add nothing (`adds_rows` below).
 
     consumers=0: one warpgroup per program issues the copies and does the math on block_n
     features (`plgpu.emit_pipeline`). consumers=1 or 2: warp specialization
@@ -370,17 +357,6 @@ def mgpu_wna16_gemm(
     block, [B * block_m, N] for B block experts. For one token's blocks (a block per slot, the
     token in each block's first row) without building [B * block_m, H] rows first.
 
-    row_targets / row_weights (adds_rows; GEMM2 of the layer: its rows are slots, the targets
-    their tokens, the weights the router's): each output row is scaled by its weight in
-    registers and added into its target row with a TMA reduce-add (cp.reduce.async.bulk, one
-    row of 64 f32 per copy, predicated off for rows without a target), into an output that
-    starts at zeros (a closed-over ref). No [P, N] rows are written and read back for the
-    top-k sum, and no padding rows are written; the order of the adds is the GPU's, so the
-    sums may differ between runs in their last bits. K splits add their partial products the
-    same way. The interpreter has no TMA reduction: there each row is written to its own row
-    of a [splits, P, N] buffer and XLA adds them into their targets (the same weights and
-    predicates).
-
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
     H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
@@ -403,22 +379,8 @@ def mgpu_wna16_gemm(
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
-        one_row_tile=one_row_tile, bf16_weights=bf16_weights, adds_rows=row_targets is not None,
+        one_row_tile=one_row_tile, bf16_weights=bf16_weights,
     )  # fmt: skip
-    adds = row_targets is not None
-    if adds and (
-        row_weights is None
-        or num_out_rows is None
-        or row_targets.shape != (x_rows.shape[0],)
-        or row_weights.shape != row_targets.shape
-    ):
-        raise ValueError(
-            f"row_targets needs row_weights of the same shape, one per row of x_rows "
-            f"({x_rows.shape[0]}), and num_out_rows; got {row_targets.shape}, "
-            f"{None if row_weights is None else row_weights.shape}, {num_out_rows}"
-        )
-    if adds and out_dtype is not None and jnp.dtype(out_dtype) != jnp.float32:
-        raise ValueError(f"row_targets adds into an f32 output, got out_dtype={out_dtype}")
     narrow = block_rows is not None
     if narrow and (
         narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
@@ -431,7 +393,7 @@ def mgpu_wna16_gemm(
     _, n, k = w.shape
     p = block_experts.shape[0] * block_m if one_row_tile else x_rows.shape[0]
     dtype = x_rows.dtype
-    out_dtype = jnp.dtype(jnp.float32 if adds else out_dtype or dtype)
+    out_dtype = jnp.dtype(out_dtype or dtype)
     wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
     subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
     halves = 2 if gated else 1  # weight halves a program reads: (gate, up) or the one
@@ -459,25 +421,14 @@ def mgpu_wna16_gemm(
     elif buffer_rows % 8 or bm % buffer_rows:
         raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
     wgmma = plgpu.Layout.WGMMA
-    row = plgpu.Layout.WGMMA.reduce(1)  # a value per feature (accumulator row)
-    column = plgpu.Layout.WGMMA.reduce(0)  # a value per block row (accumulator column)
-    # adds_rows: the output starts at zeros; compiled, the rows add into their targets' rows
-    # [num_out_rows, N], interpreted each is written to its own row of [splits, P, N] (no TMA
-    # reduce).
-    sums = None
-    if adds:
-        shape = (splits, p, out_n) if interpret else (num_out_rows, out_n)
-        sums = jax.new_ref(jnp.zeros(shape, jnp.float32))
+    row = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(experts_gmem, *rest):
         rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
-        targets_gmem, weights_gmem, rest = (*rest[:2], rest[2:]) if adds else (None, None, rest)
         x_gmem, q_gmem, s_gmem, *rest = rest
         z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
-        o_gmem, rest = (sums, rest) if adds else (rest[0], rest[1:])
-        o_smem, *rest = rest
-        a_smem = rest.pop(0) if interpret else None
-        weights_smem, weights_barrier = rest if adds else (None, None)
+        o_gmem, o_smem, *rest = rest
+        a_smem = rest[0] if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
         # This program's output tiles: split, block, run of N tiles (fastest).
         flat = lax.axis_index("p")
@@ -506,14 +457,9 @@ def mgpu_wna16_gemm(
                 # per sub-tile where they fit measured the same, session 10: M=4096 7848.9 vs
                 # 7866.9 us). The copies are waited for at the program's end (`store_all`); a
                 # copy waits only until the last has read the buffer.
-                out_tile = o_gmem.at[si] if splits > 1 and not adds else o_gmem
+                out_tile = o_gmem.at[si] if splits > 1 else o_gmem
                 chunk = min(rows, buffer_rows)
                 buffer = o_smem.at[wg] if chunk == buffer_rows else o_smem.at[wg, pl.ds(0, chunk)]
-                if adds:  # each row times its weight (the block's weights: `start_weights`)
-                    if tiles == 1:  # the program's one store
-                        plgpu.barrier_wait(weights_barrier)
-                    weights = plgpu.load(weights_smem.at[pl.ds(0, rows)], layout=column)
-                    values = tuple(v * lax.broadcast_in_dim(weights, v.shape, [1]) for v in values)
                 for s, value in enumerate(values):
                     cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
                     for first in range(0, rows, chunk):
@@ -525,49 +471,8 @@ def mgpu_wna16_gemm(
                                 part.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
                             )
                             plgpu.commit_smem()
-                        if adds:
-                            add_rows(buffer, first, chunk, cols)
-                            continue
                         out_rows = pl.ds(bi * bm + first, chunk)
                         plgpu.copy_smem_to_gmem(buffer, out_tile.at[out_rows, cols])
-
-            def add_rows(buffer, first, chunk, cols):
-                # The buffer's rows (block rows first .. first + chunk) into their targets' rows,
-                # one copy each, predicated off for rows without a target.
-                for r in range(chunk):
-                    p_row = bi * bm + first + r
-                    target = targets_gmem[p_row]
-                    has_target = (target >= 0) & (target < num_out_rows)
-                    if interpret:  # no TMA reduction or predicate: the row's own row
-                        copy = functools.partial(
-                            plgpu.copy_smem_to_gmem,
-                            buffer.at[pl.ds(r, 1)],
-                            o_gmem.at[si, pl.ds(p_row, 1), cols],
-                        )
-                        pl.when(has_target)(copy)
-                        continue
-                    plgpu.copy_smem_to_gmem(
-                        buffer.at[pl.ds(r, 1)],
-                        o_gmem.at[pl.ds(jnp.clip(target, 0, num_out_rows - 1), 1), cols],
-                        predicate=has_target,
-                        reduction_op="add",
-                    )
-
-            def start_weights():
-                # adds_rows: the block's row weights into shared memory, waited for once (a
-                # barrier wait flips the phase it waits for next): at the store of a program
-                # of one tile, here before a run of tiles; one warpgroup issues the copy.
-                if not adds:
-                    return
-
-                @pl.when(wg == 0)
-                def _copy():
-                    plgpu.copy_gmem_to_smem(
-                        weights_gmem.at[pl.ds(bi * bm, bm)], weights_smem, weights_barrier
-                    )
-
-                if tiles > 1:
-                    plgpu.barrier_wait(weights_barrier)
 
             def store_all(values, ni):
                 store(values, ni)
@@ -786,7 +691,6 @@ def mgpu_wna16_gemm(
                     body()
 
             def run():
-                start_weights()
                 if bf16_weights:  # the sums in accumulator refs, the pipeline's carry
 
                     def rounded(run):
@@ -821,13 +725,11 @@ def mgpu_wna16_gemm(
         else:
             pl.when(has_expert)(run)
 
+        @pl.when(~has_expert & (wg < wgs))
         def _zeros():
             for j in range(tiles):
                 store(zero_acc()[:subs], n_run * tiles + j)
             plgpu.wait_smem_to_gmem(0)
-
-        if not adds:  # adds_rows: such a block adds nothing
-            pl.when(~has_expert & (wg < wgs))(_zeros)
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
@@ -835,8 +737,6 @@ def mgpu_wna16_gemm(
     operands = [block_experts.astype(jnp.int32)]
     if narrow:
         operands.append(block_rows.astype(jnp.int32))
-    if adds:
-        operands += [row_targets.astype(jnp.int32), row_weights.astype(jnp.float32)]
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
@@ -844,8 +744,6 @@ def mgpu_wna16_gemm(
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
-    if adds:  # the block's row weights and the barrier of their copy
-        scratch += [plgpu.SMEM((bm,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     profile = {}
     if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
@@ -859,7 +757,7 @@ def mgpu_wna16_gemm(
         )
     call = plgpu.kernel(
         kernel,
-        out_type=() if adds else jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=scratch,
         grid=(splits * blocks * n_runs,),
         grid_names=("p",),
@@ -869,13 +767,4 @@ def mgpu_wna16_gemm(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
     )
-    out = call(*operands)
-    if not adds:
-        return out
-    out = jax.freeze(sums)
-    if interpret:  # each row in its own row of [splits, P, N]: added into its target here
-        out = out.sum(axis=0)
-        has_target = (row_targets >= 0) & (row_targets < num_out_rows)
-        targets = jnp.where(has_target, row_targets, num_out_rows)  # past the end: dropped
-        out = jnp.zeros((num_out_rows, out_n), jnp.float32).at[targets].add(out, mode="drop")
-    return out
+    return call(*operands)
