@@ -119,7 +119,7 @@ def default_iters(m: int) -> int:
     return 100 if m <= 256 else 20
 
 
-def make_loop(fn, args_sets, *, iters, consts=(), chain=False):
+def make_loop(fn, args_sets, *, iters, consts=(), chain=False, unroll=1):
     """A jitted run() of `iters` calls of fn(*consts, *args) over the rotated input sets, and
     the calls it makes.
 
@@ -131,8 +131,11 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False):
     nothing but the calls runs per call (the add fuses into the call's first pass over it) and
     the loop's own work is spread over the sets. The values stay the set's random ones: fed
     back as is, a layer's outputs grow or vanish over the calls (zeros or infinities draw less
-    power and ran 8% faster at M=4096, session 11). Calls: iters rounded up to whole
-    iterations.
+    power and ran 8% faster at M=4096, session 11). unroll (chain=True): each iteration goes
+    through the sets that many times. An XLA while loop waits on the host for its condition
+    once per iteration, and the GPU then idles until the host has launched the next
+    iteration's first kernels: more calls per iteration spread that wait over more calls.
+    Calls: iters rounded up to whole iterations.
     """
     num_sets = len(args_sets)
     if not chain:
@@ -149,12 +152,12 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False):
 
         return (lambda: loop(consts, stacked)), iters
 
-    rounds = -(-iters // num_sets)
+    rounds = -(-iters // (num_sets * unroll))
 
     @jax.jit
     def chained(consts, sets):
         def body(_, out):
-            for args in sets:
+            for args in sets * unroll:
                 x = args[0] + (out * 1e-30).astype(args[0].dtype)
                 out = fn(*consts, x, *args[1:])
             return out
@@ -163,10 +166,10 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False):
         return jnp.sum(x.astype(jnp.float32))
 
     sets = tuple(tuple(a) for a in args_sets)
-    return (lambda: chained(consts, sets)), rounds * num_sets
+    return (lambda: chained(consts, sets)), rounds * num_sets * unroll
 
 
-def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False):
+def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False, unroll=1):
     """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs
     (`make_loop`; chain=True: each call's first argument the previous call's output).
 
@@ -174,7 +177,7 @@ def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True, chain=Fals
     Returns (device_seconds_per_call, host_seconds_per_single_call); the host time is None
     with host=False (one compile fewer).
     """
-    run, calls = make_loop(fn, args_sets, iters=iters, consts=consts, chain=chain)
+    run, calls = make_loop(fn, args_sets, iters=iters, consts=consts, chain=chain, unroll=unroll)
     single = jax.jit(fn)
     jax.block_until_ready(run())
     if host:

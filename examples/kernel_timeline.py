@@ -105,11 +105,13 @@ def summarize(kernels: list[dict], calls: int) -> dict:
     )
 
 
-def trace_loop(fn, args_sets, *, consts, calls: int, chain: bool) -> tuple[dict, int]:
+def trace_loop(fn, args_sets, *, consts, calls: int, chain: bool, unroll: int = 1):
     """Runs fn(*consts, *args) about `calls` times in one jitted loop (benchmark.make_loop's,
     compiled and run once before) under the profiler; returns the Perfetto trace (dict) and
-    the calls traced."""
-    run, calls = benchmark.make_loop(fn, args_sets, iters=calls, consts=consts, chain=chain)
+    the calls traced (unroll: benchmark.make_loop's passes over the sets per iteration)."""
+    run, calls = benchmark.make_loop(
+        fn, args_sets, iters=calls, consts=consts, chain=chain, unroll=unroll
+    )
     jax.block_until_ready(run())
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -138,6 +140,13 @@ def main(argv=None) -> int:
         "iteration and the sum of its output, as mgpu_probe.py and benchmark.py time it (the "
         "loop's own kernels then appear once per call)",
     )
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=1,
+        help="chain: passes over the 4 input sets per loop iteration (the loop waits on the "
+        "host for its condition once per iteration)",
+    )
     p.add_argument("--top", type=int, default=12, help="kernel names listed per run")
     p.add_argument("--json", help="write the summaries here")
     args = p.parse_args(argv)
@@ -160,8 +169,9 @@ def main(argv=None) -> int:
             )
             t0 = time.perf_counter()
             trace, calls = trace_loop(
-                layer, sets, consts=weights, calls=args.calls, chain=args.loop == "chain"
-            )
+                layer, sets, consts=weights, calls=args.calls, chain=args.loop == "chain",
+                unroll=args.unroll,
+            )  # fmt: skip
             s = summarize(device_kernels(trace), calls)
             print(f"M={m:<5} {impl:<6} per call: span {s['span_us']:.1f} us, kernels busy "
                   f"{s['busy_us']:.1f} us, idle {s['idle_us']:.1f} us "

@@ -170,6 +170,15 @@ def main(argv=None) -> int:
         "back; no sum of each output and no loop counter per call: benchmark.make_loop)",
     )
     p.add_argument(
+        "--chain-unroll",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --chain, also time the mgpu layer chained with N passes over the input sets "
+        "per loop iteration (4 N calls): the loop's wait on the host for its condition, once "
+        "per iteration, spread over more calls",
+    )
+    p.add_argument(
         "--all-gemms",
         action="store_true",
         help="time GEMM1 and GEMM2 alone at the default and every --configs / --search config "
@@ -242,6 +251,11 @@ def main(argv=None) -> int:
             record("pallas chained", "package", t, **layer)
             t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), chain=True, **timing)
             record("mgpu chained", astuple(chosen), t, **layer)
+            if args.chain_unroll > 1:
+                t, _ = benchmark.time_loop(
+                    fn, sets, consts=(w13p, w2p), chain=True, unroll=args.chain_unroll, **timing
+                )
+                record(f"mgpu chained x{args.chain_unroll}", astuple(chosen), t, **layer)
         rows_per_expert = m if args.routing == "identical" else m * top_k / e
         searched = candidates(rows_per_expert, h if g == -1 else g) if args.search else []
         given = [c.at(chosen) if isinstance(c, DefaultWith) else c for c in args.configs]
