@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 17, device call 2 (one H200): (1) how much of each decode figure is the timing loop's
+# Planned in session 17, not run: no device was lent after call 1. For the next session's first
+# device call (one H200): (1) how much of each decode figure is the timing loop's
 # wait on the host (an XLA while loop reads its condition on the host once per iteration): the
 # layer chained with 4 calls per iteration and with 32 (--chain-unroll 8), and the kernel
 # timeline of the 32; (2) the warp-specialized GEMMs at decode (one or two consumers, exact or
