@@ -184,6 +184,13 @@ def main(argv=None) -> int:
         help="time GEMM1 and GEMM2 alone at the default and every --configs / --search config "
         "(default: at the fastest only)",
     )
+    p.add_argument(
+        "--lower-only",
+        action="store_true",
+        help="run nothing: lower both GEMMs of each M's default and --configs / --search config "
+        "for sm_90 at the preset's shapes (no GPU needed) and say which lower and which fail, "
+        "e.g. to check a device script's configs before a call",
+    )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--iters", type=int, help="calls per timed loop (default: 100, 20 for M > 256)")
     p.add_argument(
@@ -194,6 +201,8 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.lower_only:
+        return 0 if _lower_only(args) else 1
     if jax.default_backend() != "gpu" and not args.interpret:
         raise SystemExit("mgpu_probe.py times compiled Mosaic GPU kernels: it needs an sm_90 GPU "
                          "(or --interpret)")  # fmt: skip
@@ -329,6 +338,73 @@ def _record(rows, keys, copy_bps, mm_flops, what, config, seconds, *, weight_byt
     print(f"M={keys['M']:<5} {what:<14} {config!s:<22} {seconds * 1e6:10.1f} us "
           f"({pct:5.1f}% of copy, {tflops:6.1f} TFLOP/s = {flops / seconds / mm_flops:5.1%} "
           f"of matmul)", flush=True)  # fmt: skip
+
+
+def _lower_only(args) -> bool:
+    """--lower-only: both GEMMs of each config as the layer runs them (mgpu_fused_moe.gemm_plan)
+    at the preset's DeepSeek-V3-sized shapes, lowered for the "cuda" platform from shapes alone
+    (no weights made, no GPU): what lowers, and each failure's first line. True if all lower.
+    The lowering checks the shared memory the kernel takes; ptxas (registers) and the run
+    are checked only on a GPU."""
+    e, top_k, h, i, g = benchmark.PRESETS[args.preset]
+    group = h if g == -1 else g
+
+    def experts(n, k):
+        scales = jax.ShapeDtypeStruct((e, k // group, n), jnp.bfloat16)
+        return wj.QuantizedExperts(
+            jax.ShapeDtypeStruct((e, n // 64, k // 64, 64, 64), jnp.int4), scales,
+            None if args.no_zp else scales, bits=4, group_size=g, layout="mgpu_int4",
+        )  # fmt: skip
+
+    w13, w2 = experts(2 * i, h), experts(h, i)
+    all_lower = True
+    for m in args.m:
+        chosen = mgpu_fused_moe.routed_configs(m, top_k, e, group)[0]
+        rows_per_expert = m if args.routing == "identical" else m * top_k / e
+        searched = candidates(rows_per_expert, group) if args.search else []
+        given = [c.at(chosen) if isinstance(c, DefaultWith) else c for c in args.configs]
+        for cfg in dict.fromkeys([chosen, *searched, *given]):
+            for what, verdict in _lowered_gemms(cfg, m, top_k, e, w13, w2):
+                all_lower &= not verdict.startswith("FAILED")
+                print(f"M={m:<5} {what} {astuple(cfg)!s:<22} {verdict}", flush=True)
+    return all_lower
+
+
+def _lowered_gemms(cfg, m, top_k, e, w13, w2):
+    """(GEMM name, verdict) of each GEMM the layer runs at cfg for m tokens, lowered for sm_90:
+    "lowers (...)" with its options, or "FAILED: <first line>" (from the plan or the GEMM)."""
+    from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm
+
+    h = w13.shape[2]
+    try:
+        blocks = jax.eval_shape(
+            functools.partial(
+                mgpu_fused_moe.aligned_blocks, num_experts=e, block_m=cfg.block_m,
+                expert_map=None, interpret=False,
+            ),
+            jax.ShapeDtypeStruct((m, h), jnp.bfloat16), jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+        )[0].shape[0]  # fmt: skip
+    except Exception as err:  # report, go on
+        yield "layer", f"FAILED: {str(err).strip().splitlines()[0][:160]}"
+        return
+    for what, w, act in (("GEMM1", w13, jnp.bfloat16), ("GEMM2", w2, None)):
+        try:
+            _, _, _, options = mgpu_fused_moe.gemm_plan(cfg, w, blocks, act)
+            rows = jax.ShapeDtypeStruct((blocks * cfg.block_m, w.shape[2]), jnp.bfloat16)
+            experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
+            in_use = experts if cfg.narrow_steps() else None
+            gemm = functools.partial(mgpu_wna16_gemm, **options)
+            jax.jit(gemm).trace(rows, w, experts, in_use).lower(lowering_platforms=("cuda",))
+        except Exception as err:  # report, go on
+            yield what, f"FAILED: {str(err).strip().splitlines()[0][:160]}"
+            continue
+        yield (
+            what,
+            (
+                f"lowers (tiles {options['tiles_per_program']}, block_n {options['block_n']}, "
+                f"stages {options['max_concurrent_steps']}, splits {options['splits']})"
+            ),
+        )
 
 
 def _layer(w13p, w2p, x, tw, ids, *, config, interpret):

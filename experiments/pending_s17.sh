@@ -5,6 +5,9 @@
 # layer chained with 4 calls per iteration and with 32 (--chain-unroll 8), and the kernel
 # timeline of the 32; (2) the warp-specialized GEMMs at decode (one or two consumers, exact or
 # on bf16 weights) and GEMM2 at 128-wide k-steps, each beside the default in one process.
+# Checked without a GPU (session 17): every config lowers for sm_90 at DeepSeek-V3's shapes
+# (`python3 examples/mgpu_probe.py --lower-only --m 1 16 256 --configs ...`, the same configs) and
+# runs in the Mosaic GPU interpreter at the tiny preset.
 source experiments/_preamble.sh
 timeout 330 python3 examples/mgpu_probe.py --m 1 16 256 --chain --chain-unroll 8 --configs \
    default:consumers=1 default:consumers=1,bf16_weights=1 \

@@ -101,6 +101,24 @@ def test_mgpu_probe_tiny_in_the_interpreter(tmp_path, capsys, routing):
     assert b1 == pytest.approx(2 * b2, rel=0.05)
 
 
+def test_mgpu_probe_lowers_configs_without_a_gpu(capsys):
+    """--lower-only: each GEMM of each config lowered for sm_90 from shapes alone; a config the
+    layer cannot run (blocks of 12 rows: not whole wgmmas) is reported as FAILED and the exit
+    code says so; "default:FIELD=VALUE" replaces fields of each M's default."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    probe = _load("mgpu_probe")
+    argv = ["--preset", "tiny", "--m", "1", "--lower-only", "--configs", "default:down_stages=2"]
+    assert probe.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count(" lowers (") == 4, out  # the default and the given config, both GEMMs
+    assert "stages 2" in out
+    assert probe.main([*argv, "default:block_m=12"]) == 1
+    failed = [line for line in capsys.readouterr().out.splitlines() if "FAILED" in line]
+    assert failed and all("12" in line for line in failed), failed
+    with pytest.raises(SystemExit):
+        probe.main(["--lower-only", "--configs", "default:no_such_field=1"])
+
+
 def test_mgpu_probe_candidates_follow_the_rows_per_expert():
     probe = _load("mgpu_probe")
     assert {c.block_m for c in probe.candidates(0.03, 128)} == {8}  # M=1 of 256 experts, top-8
