@@ -165,18 +165,19 @@ def main(argv=None) -> int:
     p.add_argument(
         "--chain",
         action="store_true",
-        help="also time the pallas layer and the mgpu layer at its default config chained: "
-        "each call's input the previous call's output, 4 input sets in turn (layers back to "
-        "back; no sum of each output and no loop counter per call: benchmark.make_loop)",
+        help="also time the pallas layer, the mgpu layer at its default config and the mgpu "
+        "backend (its run-time block choice included) chained: each call's input the previous "
+        "call's output, 4 input sets in turn (layers back to back; no sum of each output and no "
+        "loop counter per call: benchmark.make_loop)",
     )
     p.add_argument(
         "--chain-unroll",
         type=int,
         default=1,
         metavar="N",
-        help="with --chain, also time the mgpu layer chained with N passes over the input sets "
-        "per loop iteration (4 N calls): the loop's wait on the host for its condition, once "
-        "per iteration, spread over more calls",
+        help="with --chain, also time the mgpu layer and backend chained with N passes over the "
+        "input sets per loop iteration (4 N calls): the loop's wait on the host for its "
+        "condition, once per iteration, spread over more calls",
     )
     p.add_argument(
         "--all-gemms",
@@ -260,11 +261,21 @@ def main(argv=None) -> int:
             record("pallas chained", "package", t, **layer)
             t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), chain=True, **timing)
             record("mgpu chained", astuple(chosen), t, **layer)
+            # the backend back to back: where it chooses blocks at run time, an XLA conditional
+            # (a wait on the host) per layer
+            blocks = "/".join(str(c.block_m) for c in picked) + " rows"
+            t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), chain=True, **timing)
+            record("backend chained", blocks, t, **layer)
             if args.chain_unroll > 1:
-                t, _ = benchmark.time_loop(
-                    fn, sets, consts=(w13p, w2p), chain=True, unroll=args.chain_unroll, **timing
-                )
-                record(f"mgpu chained x{args.chain_unroll}", astuple(chosen), t, **layer)
+                x = args.chain_unroll
+                for what, f, config in (
+                    ("mgpu", fn, astuple(chosen)),
+                    ("backend", backend, blocks),
+                ):
+                    t, _ = benchmark.time_loop(
+                        f, sets, consts=(w13p, w2p), chain=True, unroll=x, **timing
+                    )
+                    record(f"{what} chained x{x}", config, t, **layer)
         rows_per_expert = m if args.routing == "identical" else m * top_k / e
         searched = candidates(rows_per_expert, h if g == -1 else g) if args.search else []
         given = [c.at(chosen) if isinstance(c, DefaultWith) else c for c in args.configs]
