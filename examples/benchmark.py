@@ -137,6 +137,8 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False, unroll=1):
     iteration's first kernels: more calls per iteration spread that wait over more calls.
     Calls: iters rounded up to whole iterations.
     """
+    if unroll < 1 or (unroll != 1 and not chain):
+        raise ValueError(f"unroll={unroll}: a whole number >= 1, and other than 1 only with chain")
     num_sets = len(args_sets)
     if not chain:
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *args_sets)

@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12, help="kernel names listed per run")
     p.add_argument("--json", help="write the summaries here")
     args = p.parse_args(argv)
+    if args.unroll < 1:
+        p.error(f"--unroll must be at least 1, got {args.unroll}")
     if jax.default_backend() != "gpu":
         raise SystemExit("kernel_timeline.py reads a GPU's kernel trace: it needs a GPU")
 

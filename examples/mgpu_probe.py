@@ -201,6 +201,8 @@ def main(argv=None) -> int:
         "times mean nothing)",
     )
     args = p.parse_args(argv)
+    if args.chain_unroll < 1:
+        p.error(f"--chain-unroll must be at least 1, got {args.chain_unroll}")
     logging.basicConfig(level=logging.WARNING)
     if args.lower_only:
         return 0 if _lower_only(args) else 1

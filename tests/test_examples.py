@@ -101,6 +101,29 @@ def test_mgpu_probe_tiny_in_the_interpreter(tmp_path, capsys, routing):
     assert b1 == pytest.approx(2 * b2, rel=0.05)
 
 
+def test_chained_loop_unrolls_whole_passes():
+    """make_loop(chain=True, unroll=N): N passes over the sets per iteration, the calls counted
+    in whole iterations, each call's input the last call's output; unroll is refused below 1
+    and without chain."""
+    import jax.numpy as jnp
+
+    bench = _load("benchmark")
+    calls = []
+
+    def fn(x, y):
+        calls.append(None)  # once per traced call
+        return x * 0.5 + y
+
+    sets = [(jnp.ones(3), jnp.full(3, float(s))) for s in range(2)]
+    run, n = bench.make_loop(fn, sets, iters=5, chain=True, unroll=3)
+    assert n == 6 and len(calls) == 0  # ceil(5 / (2 sets x 3)) = 1 iteration of 6 calls
+    assert float(run()) > 0 and len(calls) == 6  # traced once: 6 calls in the loop body
+    with pytest.raises(ValueError, match="unroll"):
+        bench.make_loop(fn, sets, iters=5, chain=True, unroll=0)
+    with pytest.raises(ValueError, match="unroll"):
+        bench.make_loop(fn, sets, iters=5, unroll=2)
+
+
 def test_mgpu_probe_lowers_configs_without_a_gpu(capsys):
     """--lower-only: each GEMM of each config lowered for sm_90 from shapes alone; a config the
     layer cannot run (blocks of 12 rows: not whole wgmmas) is reported as FAILED and the exit
