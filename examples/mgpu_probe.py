@@ -8,10 +8,14 @@ weights, converted once to the mgpu_int4 layout for mgpu (not timed); with --sea
 every candidate (block_m, block_k, stages, consumer warpgroups, K splits); then GEMM1 and
 GEMM2 alone at the best config. Same timing method as benchmark.py (jitted loop over 4 rotated
 input sets, median of repeats). A candidate that fails to compile is reported with its error
-and skipped.
+and skipped. --chain adds the layers back to back (pallas, the mgpu layer and the mgpu
+backend); --lower-only runs nothing and checks on any machine that each config's GEMMs lower
+for sm_90.
 
     python examples/mgpu_probe.py --m 1 16 256 4096 --json out/mgpu.json
     python examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 --no-zp
+    python examples/mgpu_probe.py --m 1 16 --chain --chain-unroll 8
+    python examples/mgpu_probe.py --lower-only --m 1 --configs default:down_stages=6
 """
 
 from __future__ import annotations
