@@ -255,7 +255,8 @@ def main(argv=None) -> int:
         t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), **timing)
         configs = mgpu_fused_moe.routed_configs(m, top_k, e, h if g == -1 else g)
         picked = [configs[int(mgpu_fused_moe.pick_config(s[2], e, configs))] for s in sets]
-        record("mgpu backend", "/".join(str(c.block_m) for c in picked) + " rows", t, **layer)
+        blocks = "/".join(str(c.block_m) for c in picked) + " rows"
+        record("mgpu backend", blocks, t, **layer)
         # The default config alone (no choice at run time), as the search's rows run.
         chosen = configs[0]
         fn = functools.partial(_layer, config=chosen, interpret=interpret)
@@ -269,7 +270,6 @@ def main(argv=None) -> int:
             record("mgpu chained", astuple(chosen), t, **layer)
             # the backend back to back: where it chooses blocks at run time, an XLA conditional
             # (a wait on the host) per layer
-            blocks = "/".join(str(c.block_m) for c in picked) + " rows"
             t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), chain=True, **timing)
             record("backend chained", blocks, t, **layer)
             if args.chain_unroll > 1:
@@ -282,9 +282,7 @@ def main(argv=None) -> int:
                         f, sets, consts=(w13p, w2p), chain=True, unroll=x, **timing
                     )
                     record(f"{what} chained x{x}", config, t, **layer)
-        rows_per_expert = m if args.routing == "identical" else m * top_k / e
-        searched = candidates(rows_per_expert, h if g == -1 else g) if args.search else []
-        given = [c.at(chosen) if isinstance(c, DefaultWith) else c for c in args.configs]
+        searched, given = _asked_configs(args, m, chosen)
         for cfg in dict.fromkeys(searched + given):
             fn = functools.partial(_layer, config=cfg, interpret=interpret)
             t0 = time.perf_counter()
@@ -331,13 +329,15 @@ def _time_gemms(record, cfg, x, ids, w13p, w2p, *, key, interpret, work, timing)
     in_use = cfg.gemm_rows_in_use(in_use)
     act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
     gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
-    down = dict(out_dtype=mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None))
-    for what, w, a, options, weight_bytes, flops in (
-        ("mgpu GEMM1", w13p, x_rows, dict(activation_dtype=jnp.bfloat16), bytes1, flops1),
-        ("mgpu GEMM2", w2p, act_rows, down, bytes2, flops2),
+    down_rows = mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None)
+    for what, w, a, act, out, weight_bytes, flops in (
+        ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, None, bytes1, flops1),
+        ("mgpu GEMM2", w2p, act_rows, None, down_rows, bytes2, flops2),
     ):
         t, _ = benchmark.time_loop(
-            lambda w, a, ex, used, options=options: gemm(a, w, ex, used, **options),
+            lambda w, a, ex, used, act=act, out=out: gemm(
+                a, w, ex, used, activation_dtype=act, out_dtype=out
+            ),
             [(a, block_experts, in_use)],
             consts=(w,),
             **timing,
@@ -355,6 +355,16 @@ def _record(rows, keys, copy_bps, mm_flops, what, config, seconds, *, weight_byt
     print(f"M={keys['M']:<5} {what:<14} {config!s:<22} {seconds * 1e6:10.1f} us "
           f"({pct:5.1f}% of copy, {tflops:6.1f} TFLOP/s = {flops / seconds / mm_flops:5.1%} "
           f"of matmul)", flush=True)  # fmt: skip
+
+
+def _asked_configs(args, m: int, default: MgpuConfig):
+    """(--search's candidates, the --configs) at M=m, "default:..." entries resolved against
+    m's default config."""
+    e, top_k, h, _, g = benchmark.PRESETS[args.preset]
+    rows_per_expert = m if args.routing == "identical" else m * top_k / e
+    searched = candidates(rows_per_expert, h if g == -1 else g) if args.search else []
+    given = [c.at(default) if isinstance(c, DefaultWith) else c for c in args.configs]
+    return searched, given
 
 
 def _lower_only(args) -> bool:
@@ -377,9 +387,7 @@ def _lower_only(args) -> bool:
     all_lower = True
     for m in args.m:
         chosen = mgpu_fused_moe.routed_configs(m, top_k, e, group)[0]
-        rows_per_expert = m if args.routing == "identical" else m * top_k / e
-        searched = candidates(rows_per_expert, group) if args.search else []
-        given = [c.at(chosen) if isinstance(c, DefaultWith) else c for c in args.configs]
+        searched, given = _asked_configs(args, m, chosen)
         for cfg in dict.fromkeys([chosen, *searched, *given]):
             for what, verdict in _lowered_gemms(cfg, m, top_k, e, w13, w2):
                 all_lower &= not verdict.startswith("FAILED")
