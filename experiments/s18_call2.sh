@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Planned in session 17, not run (no device was lent after call 1). For a device call after
-# pending_s17.sh (one H200):
+# Planned in session 17 (no device was lent after its call 1); run as session 18 call 2. For a
+# device call after s18_call1.sh (one H200):
 # (1) the warp-specialized GEMMs at decode (one or two consumers, exact or on bf16 weights) and
 #     GEMM2 at 128-wide k-steps, each beside the default in one process, at M=1, 16, 256;
 # (2) GEMM2's program shape at one token (DeepSeek-V3 TP=1 M=1), where it streams at ~45% of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Planned in session 17, not run: no device was lent after call 1. For the next session's first
+# Planned in session 17 (no device was lent after its call 1); run as session 18 call 1. For one
 # device call (one H200): (1) how much of each decode figure is the timing loop's wait on the
 # host (an XLA while loop reads its condition on the host once per iteration): the layer and
 # the backend chained with 4 calls per iteration and with 32 (--chain-unroll 8), and the kernel
