@@ -334,19 +334,12 @@ def _time_gemms(record, cfg, x, ids, w13p, w2p, *, key, interpret, work, timing)
         ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, None, bytes1, flops1),
         ("mgpu GEMM2", w2p, act_rows, None, down_rows, bytes2, flops2),
     ):
-        # GEMM1 with its prefetch of GEMM2's weights (cfg.prefetch_down), as in the layer
         t, _ = benchmark.time_loop(
-            lambda w, w2, a, ex, used, act=act, out=out: gemm(
-                a,
-                w,
-                ex,
-                used,
-                activation_dtype=act,
-                out_dtype=out,
-                prefetch=None if act is None else mgpu_fused_moe.down_prefetch(cfg, w2, len(ex)),
-            ),  # fmt: skip
+            lambda w, a, ex, used, act=act, out=out: gemm(
+                a, w, ex, used, activation_dtype=act, out_dtype=out
+            ),
             [(a, block_experts, in_use)],
-            consts=(w, w2p),
+            consts=(w,),
             **timing,
         )
         record(what, astuple(cfg), t, weight_bytes=weight_bytes, flops=flops)
@@ -426,9 +419,7 @@ def _lowered_gemms(cfg, m, top_k, e, w13, w2):
             experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
             in_use = experts if cfg.narrow_steps() else None
             gemm = functools.partial(mgpu_wna16_gemm, **options)
-            pre = mgpu_fused_moe.down_prefetch(cfg, w2, blocks) if act is not None else None
-            traced = jax.jit(gemm).trace(rows, w, experts, in_use, prefetch=pre)
-            traced.lower(lowering_platforms=("cuda",))
+            jax.jit(gemm).trace(rows, w, experts, in_use).lower(lowering_platforms=("cuda",))
         except Exception as err:  # report, go on
             yield what, f"FAILED: {str(err).strip().splitlines()[0][:160]}"
             continue

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Session 18, call 3 (one H200): GEMM1 prefetching GEMM2's first weights into L2 as its programs
-# finish (MgpuConfig.prefetch_down, MiB; L2Prefetch in mgpu_wna16_gemm), beside the default in
-# one process at M=1, 16 and 256 (the layer, and at M=1 each GEMM alone: GEMM1's cost of
+# Session 18, call 3 (one H200; at commit 84505f5, where the option lived, reverted after this
+# call): GEMM1 prefetching GEMM2's first weights into L2 as its programs finish
+# (MgpuConfig.prefetch_down, MiB; L2Prefetch in mgpu_wna16_gemm), beside the default in one
+# process at M=1, 16 and 256 (the layer, and at M=1 each GEMM alone: GEMM1's cost of
 # issuing the prefetches); the compiled tests of the option first (the layer with it against
 # numpy, the lowering).
 source experiments/_preamble.sh

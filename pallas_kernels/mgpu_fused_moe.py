@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import gather_rows
 from pallas_kernels.fused_moe import DEFAULT_CHUNK_TOKENS, align
-from pallas_kernels.mgpu_wna16_gemm import L2Prefetch, mgpu_wna16_gemm, takes_bf16_weights
+from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm, takes_bf16_weights
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
@@ -49,10 +49,7 @@ class MgpuConfig:
     bf16_weights: the warp-specialized GEMMs (consumers >= 1, one output tile per program)
     multiply weights rounded to bf16 ((q - z) * s, as a bf16 model's dequantized weights) straight
     into their sums, in place of exact integer products summed per group and scaled: no f32 sum
-    per group in registers (room for 128-row blocks) and no wait per group; one more rounding.
-    prefetch_down: MiB of GEMM2's weights (its first output tiles, with their scales and zero
-    points) that GEMM1's last programs prefetch into L2 as they finish (`down_prefetch`); 0:
-    none."""
+    per group in registers (room for 128-row blocks) and no wait per group; one more rounding."""
 
     block_m: int
     block_k: int = 128
@@ -70,7 +67,6 @@ class MgpuConfig:
     bf16_down_rows: bool = False
     direct_token: bool = False
     bf16_weights: bool = False
-    prefetch_down: int = 0
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -348,19 +344,6 @@ def output_tiles(cfg: MgpuConfig, w: QuantizedExperts, gated: bool) -> int:
     return w.shape[1] // (2 if gated else 1) // cfg.tile_n()
 
 
-def down_prefetch(cfg: MgpuConfig, w2: QuantizedExperts, num_blocks: int) -> L2Prefetch | None:
-    """What GEMM1 prefetches of GEMM2 at cfg over num_blocks blocks: GEMM2's first output tiles
-    (at its own tile_n) whose weights fit in cfg.prefetch_down MiB; None for none."""
-    if cfg.prefetch_down <= 0:
-        return None
-    down, _, _, _ = gemm_plan(cfg, w2, num_blocks)
-    whole = L2Prefetch(w2, down.tile_n(), 1)
-    tiles = min(
-        num_blocks * w2.shape[1] // whole.tile_n, (cfg.prefetch_down << 20) // whole.tile_bytes()
-    )
-    return dataclasses.replace(whole, tiles=tiles) if tiles >= 1 else None
-
-
 def block_gemm(cfg: MgpuConfig, interpret: bool):
     """gemm(rows, w, block_experts, rows_in_use) -> [P, N] in out_dtype (default f32): the
     Mosaic GPU GEMM at cfg (rows_in_use: mgpu_wna16_gemm's block_rows, or None; GEMM2's:
@@ -370,14 +353,14 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
 
     def gemm(
         rows, w, block_experts, rows_in_use=None, activation_dtype=None, out_dtype=None,
-        one_row_tile=False, prefetch=None,
+        one_row_tile=False,
     ):  # fmt: skip
         _, splits, gated, options = gemm_plan(
             cfg, w, block_experts.shape[0], activation_dtype, out_dtype
         )
         out = mgpu_wna16_gemm(
             rows, w, block_experts, rows_in_use, **options, one_row_tile=one_row_tile,
-            prefetch=prefetch, interpret=interpret,
+            interpret=interpret,
         )  # fmt: skip
         if gated:
             return out
@@ -481,9 +464,8 @@ def _chunk(
     # f32 (bf16 where the config asks: `down_rows_dtype`); the top-k sum is f32.
     # With narrow blocks, a block's unused rows of `act` may be unwritten; GEMM2 reads none.
     act = gemm(  # [P, I]
-        x_rows, w13, block_experts, in_use, activation_dtype=x.dtype, one_row_tile=direct,
-        prefetch=down_prefetch(cfg, w2, block_experts.shape[0]),
-    )  # fmt: skip
+        x_rows, w13, block_experts, in_use, activation_dtype=x.dtype, one_row_tile=direct
+    )
     y = gemm(act, w2, block_experts, in_use, out_dtype=down_rows_dtype(cfg, x.dtype, out_dtype))
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).

@@ -51,7 +51,6 @@ rows are zeros).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 
@@ -65,56 +64,6 @@ from wna16_jax._types import MGPU_TILE, QuantizedExperts
 
 # The mgpu_int4 layout's weight tiles are TILE x TILE; TILE features are one wgmma's M.
 TILE = MGPU_TILE
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["tile_n", "tiles"]
-)
-@dataclasses.dataclass(frozen=True)
-class L2Prefetch:
-    """The next GEMM's weights (the layer's GEMM2 on the same blocks) that this GEMM's last
-    programs prefetch into L2 as they finish (`cp.async.bulk.prefetch`): its first `tiles`
-    output tiles, numbered as its programs are (block, then N tile of tile_n features), each
-    one expert's weights, scales and zero points for tile_n features over all of K. The
-    prefetches use the memory bandwidth this GEMM's tail and the launch between the kernels
-    leave idle, and the next GEMM's first copies find their bytes in L2 (or on the way)."""
-
-    w: QuantizedExperts
-    tile_n: int
-    tiles: int
-
-    def tile_bytes(self) -> int:
-        """Bytes of one output tile's weights, scales and zero points."""
-        _, _, k = self.w.shape
-        groups = k // self.w.group
-        per_feature = k * self.w.bits // 8 + groups * self.w.scales.dtype.itemsize
-        if self.w.zeros is not None:
-            per_feature += groups * self.w.zeros.dtype.itemsize
-        return self.tile_n * per_feature
-
-    def check(self, num_blocks: int) -> None:
-        """Raises ValueError where the next GEMM's tiles or a prefetch's box do not fit."""
-        if self.w.layout != "mgpu_int4":
-            raise NotImplementedError(
-                f"L2Prefetch reads the mgpu_int4 layout, not {self.w.layout!r}"
-            )
-        _, n, k = self.w.shape
-        if self.tile_n % TILE or n % self.tile_n or self.tile_n > 256:
-            raise ValueError(
-                f"L2Prefetch.tile_n={self.tile_n}: a multiple of {TILE} up to 256 dividing N={n}"
-            )
-        if not 1 <= self.tiles <= num_blocks * (n // self.tile_n):
-            raise ValueError(
-                f"L2Prefetch.tiles={self.tiles}: 1 to the next GEMM's "
-                f"{num_blocks * (n // self.tile_n)} output tiles"
-            )
-        if k // self.w.group > 256 or k // _box_rows(k) > 256:
-            raise ValueError(f"L2Prefetch: K={k} needs more than 256 boxes or groups per copy")
-
-
-def _box_rows(block_k: int) -> int:
-    """k-rows of the weight tiles per TMA box (a copy takes at most 256 along a dimension)."""
-    return math.gcd(block_k, 256)
 
 
 def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
@@ -350,7 +299,6 @@ def mgpu_wna16_gemm(
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
-    prefetch: L2Prefetch | None = None,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -409,10 +357,6 @@ def mgpu_wna16_gemm(
     block, [B * block_m, N] for B block experts. For one token's blocks (a block per slot, the
     token in each block's first row) without building [B * block_m, H] rows first.
 
-    prefetch: the next GEMM's first output tiles (`L2Prefetch`, on the same block experts) that
-    this GEMM's last programs prefetch into L2 as they finish, the same number each (the last
-    program the last tiles), after their own products and stores.
-
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
     H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
@@ -461,7 +405,7 @@ def mgpu_wna16_gemm(
     steps_per_group = max(w.group // bk, 1)
     groups_per_step = max(bk // w.group, 1)
     tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
-    box_rows = _box_rows(bk)
+    box_rows = math.gcd(bk, 256)  # k-rows of weight tiles per TMA box
     has_offset = w.zeros is not None
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
@@ -483,7 +427,6 @@ def mgpu_wna16_gemm(
         rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
         x_gmem, q_gmem, s_gmem, *rest = rest
         z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
-        next_gmem, rest = (rest[:prefetch_operands], rest[prefetch_operands:])
         o_gmem, o_smem, *rest = rest
         a_smem = rest[0] if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
@@ -788,26 +731,6 @@ def mgpu_wna16_gemm(
                 store(zero_acc()[:subs], n_run * tiles + j)
             plgpu.wait_smem_to_gmem(0)
 
-        if prefetch is not None:
-            prefetch_next_tiles(flat, experts_gmem, wg == 0, *next_gmem)
-
-    def prefetch_next_tiles(flat, experts_gmem, issuer, q_next, s_next, *z_next):
-        """Program flat's share of `prefetch`: the next GEMM's tiles [first, first + per) of
-        its first prefetch.tiles, first = tiles - (programs - flat) * per (the last program
-        takes the last ones; earlier programs' shares start below 0 and are skipped)."""
-        first = prefetch.tiles - (programs - flat) * per_program
-        tn = prefetch.tile_n
-        for j in range(per_program):
-            tile = first + j
-            b = jnp.maximum(tile, 0) // next_runs
-            e = experts_gmem[b]
-            ok = issuer & (tile >= 0) & (e >= 0) & (e < prefetch.w.num_experts)
-            e = jnp.clip(e, 0, prefetch.w.num_experts - 1)
-            ni = jnp.maximum(tile, 0) % next_runs
-            plgpu.async_prefetch(q_next.at[e, pl.ds(ni * (tn // TILE), tn // TILE)], predicate=ok)
-            for g_next in (s_next, *z_next):
-                plgpu.async_prefetch(g_next.at[e, :, pl.ds(ni * tn, tn)], predicate=ok)
-
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
     q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
@@ -817,22 +740,6 @@ def mgpu_wna16_gemm(
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
-    programs = splits * blocks * n_runs
-    prefetch_operands = 0
-    if prefetch is not None:
-        prefetch.check(blocks)
-        w_next = prefetch.w
-        e_next, n_next, k_next = w_next.shape
-        next_box = _box_rows(k_next)
-        next_runs = n_next // prefetch.tile_n
-        per_program = -(-prefetch.tiles // programs)
-        next_ops = [
-            w_next.qweight.reshape(e_next, n_next // TILE, k_next // next_box, next_box, TILE),
-            w_next.scales,
-            *([] if w_next.zeros is None else [w_next.zeros]),
-        ]
-        operands += next_ops
-        prefetch_operands = len(next_ops)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
@@ -852,7 +759,7 @@ def mgpu_wna16_gemm(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=scratch,
-        grid=(programs,),
+        grid=(splits * blocks * n_runs,),
         grid_names=("p",),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile

@@ -33,7 +33,6 @@ import wna16_jax as wj  # noqa: E402
 from pallas_kernels import mgpu_fused_moe  # noqa: E402
 from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
 from pallas_kernels.mgpu_wna16_gemm import (  # noqa: E402
-    L2Prefetch,
     check_config,
     mgpu_wna16_gemm,
     output_buffer_rows,
@@ -307,10 +306,6 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1)),  # ~10 rows per expert
         (13, MgpuConfig(block_m=32, block_k=64, consumers=2, narrow_blocks=1)),
         (30, MgpuConfig(block_m=32, block_k=64, narrow_blocks=3)),  # 32, 16 or 8 rows
-        # GEMM1 prefetching GEMM2's weights into L2 (all of them at 1 MiB; a no-op in the
-        # interpreter: the operands' order and the kernel's other work are checked)
-        (1, MgpuConfig(block_m=8, block_k=64, prefetch_down=1)),
-        (9, MgpuConfig(block_m=8, block_k=64, consumers=2, splits=2, prefetch_down=1)),
     ],
     ids=str,
 )
@@ -915,7 +910,6 @@ def lowers_for_cuda(
     stages=4,
     one_row_tile=False,
     bf16_weights=False,
-    prefetch_tiles=0,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
@@ -940,55 +934,9 @@ def lowers_for_cuda(
     )  # fmt: skip
     if one_row_tile:  # one token's row: the copies read the block's other rows past its end
         x = jax.ShapeDtypeStruct((1, k), BF16)
-    if prefetch_tiles:  # the next GEMM (w2 of a layer with I = n / 2) on the same blocks
-        w_next = QuantizedExperts(
-            jax.ShapeDtypeStruct((e, k // 64, n // 128, 64, 64), jnp.int4),
-            jax.ShapeDtypeStruct((e, n // 2 // g, k), BF16),
-            jax.ShapeDtypeStruct((e, n // 2 // g, k), BF16) if has_zp else None,
-            bits=4,
-            group_size=g,
-            layout="mgpu_int4",
-        )
-    kwargs = {"prefetch": L2Prefetch(w_next, 64, prefetch_tiles)} if prefetch_tiles else {}
     args = (x, w, experts, experts) if narrow else (x, w, experts)
-    lowered = jax.jit(gemm).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-
-
-@pytest.mark.parametrize(
-    "has_zp,block_m,consumers,splits,gated,tiles",
-    [(True, 8, 0, 1, True, 48), (False, 8, 0, 1, True, 5), (True, 16, 2, 2, False, 48)],
-    ids=str,
-)  # fmt: skip
-def test_gemm_prefetching_the_next_lowers_for_cuda(has_zp, block_m, consumers, splits, gated,
-                                                   tiles):  # fmt: skip
-    """The L2 prefetches of the next GEMM's tiles (5D weight boxes, scale and zero rows) lower:
-    all 48 of its tiles over 3 blocks, or 5 (the last programs only)."""
-    lowers_for_cuda(has_zp, block_m, 256, consumers, splits, 64, gated, prefetch_tiles=tiles)
-
-
-@pytest.mark.parametrize(
-    "tile_n,tiles,match",
-    [(96, 4, "tile_n=96"), (512, 1, "tile_n=512"), (64, 0, "tiles=0"), (64, 7, "tiles=7")],
-    ids=str,
-)  # fmt: skip
-def test_l2_prefetch_refuses_what_it_cannot_copy(rng, tile_n, tiles, match):
-    qw = prepare_weights(helpers.random_quantized_experts(rng, 2, 128, 256, 4, 128, True, BF16))
-    with pytest.raises(ValueError, match=match):
-        L2Prefetch(qw, tile_n, tiles).check(num_blocks=3)  # 3 blocks x 2 tiles of 64
-
-
-def test_down_prefetch_takes_the_tiles_that_fit(rng):
-    """GEMM2's first tiles whose weights, scales and zero points fit in prefetch_down MiB, at
-    GEMM2's own tile_n; none at 0."""
-    w2 = prepare_weights(helpers.random_quantized_experts(rng, 4, 1024, 512, 4, 128, True, BF16))
-    cfg = MgpuConfig(block_m=8, block_k=128, down_block_n=128, prefetch_down=1)
-    pre = mgpu_fused_moe.down_prefetch(cfg, w2, num_blocks=40)
-    per_tile = 128 * (512 // 2 + 4 * 2 + 4 * 2)  # int4 weights, bf16 scales and zero points
-    assert (pre.tile_n, pre.tile_bytes()) == (128, per_tile)
-    assert pre.tiles == (1 << 20) // per_tile < 40 * 8
-    assert mgpu_fused_moe.down_prefetch(cfg, w2, num_blocks=2).tiles == 2 * 8  # all of them
-    assert mgpu_fused_moe.down_prefetch(dataclasses.replace(cfg, prefetch_down=0), w2, 2) is None
 
 
 def test_gemm_refuses_the_canonical_layout(rng):
