@@ -2,15 +2,16 @@
 against the 'pallas' backend on the benchmark's workload, in one run on one GPU.
 
 For each M it times `fused_moe(..., implementation="pallas")` (the package's configs),
-`implementation="mgpu"` (its block size picked per routing at run time; the row names the
-block_m picked for each input set) and the mgpu layer at its default config, on the same
+`implementation="mgpu"` (its default config for M), the same with the opt-in block choice at run
+time (`config=ByRouting()`; the row names the block_m picked for each input set) and the mgpu
+layer at its default config through the kernels' entry, on the same
 weights, converted once to the mgpu_int4 layout for mgpu (not timed); with --search also
 every candidate (block_m, block_k, stages, consumer warpgroups, K splits); then GEMM1 and
 GEMM2 alone at the best config. Same timing method as benchmark.py (jitted loop over 4 rotated
 input sets, median of repeats). A candidate that fails to compile is reported with its error
-and skipped. --chain adds the layers back to back (pallas, the mgpu layer and the mgpu
-backend); --lower-only runs nothing and checks on any machine that each config's GEMMs lower
-for sm_90.
+and skipped. --chain adds the layers back to back (pallas, the mgpu layer and the block
+choice by routing); --lower-only runs nothing and checks on any machine that each config's
+GEMMs lower for sm_90.
 
     python examples/mgpu_probe.py --m 1 16 256 4096 --json out/mgpu.json
     python examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 --no-zp
@@ -170,18 +171,18 @@ def main(argv=None) -> int:
         "--chain",
         action="store_true",
         help="also time the pallas layer, the mgpu layer at its default config and the mgpu "
-        "backend (its run-time block choice included) chained: each call's input the previous "
-        "call's output, 4 input sets in turn (layers back to back; no sum of each output and no "
-        "loop counter per call: benchmark.make_loop)",
+        "backend with its block choice by routing (ByRouting) chained: each call's input the "
+        "previous call's output, 4 input sets in turn (layers back to back; no sum of each "
+        "output and no loop counter per call: benchmark.make_loop)",
     )
     p.add_argument(
         "--chain-unroll",
         type=int,
         default=1,
         metavar="N",
-        help="with --chain, also time the mgpu layer and backend chained with N passes over the "
-        "input sets per loop iteration (4 N calls): the loop's wait on the host for its "
-        "condition, once per iteration, spread over more calls",
+        help="with --chain, also time the mgpu layer and the choice by routing chained with N "
+        "passes over the input sets per loop iteration (4 N calls): the loop's wait on the "
+        "host for its condition, once per iteration, spread over more calls",
     )
     p.add_argument(
         "--all-gemms",
@@ -214,6 +215,7 @@ def main(argv=None) -> int:
         raise SystemExit("mgpu_probe.py times compiled Mosaic GPU kernels: it needs an sm_90 GPU "
                          "(or --interpret)")  # fmt: skip
     interpret = args.interpret
+    mgpu = "mgpu_interpret" if interpret else "mgpu"
 
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
     if args.zp8 and args.no_zp:
@@ -249,16 +251,22 @@ def main(argv=None) -> int:
         )
         t, _ = benchmark.time_loop(pallas, sets, consts=(w13, w2), **timing)
         record("pallas layer", "package", t, **layer)
-        backend = lambda a, b, x, tw, ids: wj.fused_moe(  # noqa: E731
-            x, a, b, tw, ids, implementation="mgpu_interpret" if interpret else "mgpu"
+        backend = lambda a, b, x, tw, ids, mgpu=mgpu: wj.fused_moe(  # noqa: E731
+            x, a, b, tw, ids, implementation=mgpu
         )
-        t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), **timing)
         configs = mgpu_fused_moe.routed_configs(m, top_k, e, h if g == -1 else g)
+        chosen = configs[0]  # the default: the backend's config for m tokens
+        t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), **timing)
+        record("mgpu backend", f"{chosen.block_m} rows", t, **layer)
+        # The opt-in block choice at run time (an XLA conditional where there is a choice)
+        by_routing = lambda a, b, x, tw, ids, mgpu=mgpu: wj.fused_moe(  # noqa: E731
+            x, a, b, tw, ids, implementation=mgpu, config=mgpu_fused_moe.ByRouting()
+        )
+        t, _ = benchmark.time_loop(by_routing, sets, consts=(w13p, w2p), **timing)
         picked = [configs[int(mgpu_fused_moe.pick_config(s[2], e, configs))] for s in sets]
         blocks = "/".join(str(c.block_m) for c in picked) + " rows"
-        record("mgpu backend", blocks, t, **layer)
-        # The default config alone (no choice at run time), as the search's rows run.
-        chosen = configs[0]
+        record("backend by routing", blocks, t, **layer)
+        # The default config through the kernels' entry, as the search's rows run.
         fn = functools.partial(_layer, config=chosen, interpret=interpret)
         t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), **timing)
         record("mgpu layer", astuple(chosen), t, **layer)
@@ -268,15 +276,15 @@ def main(argv=None) -> int:
             record("pallas chained", "package", t, **layer)
             t, _ = benchmark.time_loop(fn, sets, consts=(w13p, w2p), chain=True, **timing)
             record("mgpu chained", astuple(chosen), t, **layer)
-            # the backend back to back: where it chooses blocks at run time, an XLA conditional
-            # (a wait on the host) per layer
-            t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), chain=True, **timing)
-            record("backend chained", blocks, t, **layer)
+            # the opt-in choice back to back: where there is a choice, an XLA conditional (a
+            # wait on the host) per layer
+            t, _ = benchmark.time_loop(by_routing, sets, consts=(w13p, w2p), chain=True, **timing)
+            record("by routing chained", blocks, t, **layer)
             if args.chain_unroll > 1:
                 x = args.chain_unroll
                 for what, f, config in (
                     ("mgpu", fn, astuple(chosen)),
-                    ("backend", backend, blocks),
+                    ("by routing", by_routing, blocks),
                 ):
                     t, _ = benchmark.time_loop(
                         f, sets, consts=(w13p, w2p), chain=True, unroll=x, **timing

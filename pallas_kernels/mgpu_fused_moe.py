@@ -146,20 +146,31 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
 # session 6: block_m 8, 16, 32 at 667.0, 470.2, 453.7 us for 64, 32, 16 blocks). A block costs
 # about its expert's weight reads until its rows make the wgmmas count.
 BLOCK_COST = {8: 1.0, 16: 1.35, 32: 2.6}
-# Chunks of fewer tokens keep the default config: the choice at run time (an XLA conditional)
-# cost 25-37 us per layer under uniform routing at M = 16-256 (session 7), and at M=16 one
-# prompt's 8-row blocks were already the faster (206.6 vs 221.1 us with the choice).
+# Chunks of fewer tokens keep the default config even under ByRouting: at M=16 one prompt's
+# 8-row blocks were already the faster (206.6 vs 221.1 us with the choice, session 7).
 MIN_ROUTED_TOKENS = 64
 
 
+@dataclasses.dataclass(frozen=True)
+class ByRouting:
+    """config=ByRouting() (opt-in): the block size picked per chunk at run time from the routing
+    (`routed_configs`, `pick_config`): larger blocks where a chunk's tokens share experts (a
+    batch decoding one prompt: at DeepSeek-V3 M=64 460.3 vs 537.9 us, M=256 930.4 vs 1127.8,
+    H200 session 7). The choice is an XLA conditional: the host waits for the routing once per
+    layer and chunk, and under spread routing it costs the layer 15-30 us (H200, session 18,
+    one process: M=64 1626.1 vs 1596.5 us, M=256 1981.2 vs 1962.4; back to back 1623.1 vs
+    1593.0 and 1982.7 vs 1968.0), so the default (config None) picks by the token count
+    alone, as vLLM's fused_moe does."""
+
+
 def routed_configs(num_tokens: int, top_k: int, num_experts: int, group: int):
-    """The configs the layer picks from at run time by the routing: the default (block_m by the
-    mean rows per expert, `default_config`) and, for chunks of MIN_ROUTED_TOKENS tokens or more,
-    larger non-specialized blocks (up to 32 rows: BLOCK_COST). A batch decoding one prompt
-    routes every token to the same k experts: at M=64 and 256 the default blocks read each
-    expert's weights 8 and 16 times; 32-row blocks took 460.3 vs 537.9 us and 930.4 vs
-    1127.8 us (H200, session 7); on the flat grid of session 8 447.4 vs 518.5 and 924.6 vs
-    1119.9 us."""
+    """The configs the layer picks from at run time by the routing (`ByRouting`): the default
+    (block_m by the mean rows per expert, `default_config`) and, for chunks of
+    MIN_ROUTED_TOKENS tokens or more, larger non-specialized blocks (up to 32 rows:
+    BLOCK_COST). A batch decoding one prompt routes every token to the same k experts: at M=64
+    and 256 the default blocks read each expert's weights 8 and 16 times; 32-row blocks took
+    460.3 vs 537.9 us and 930.4 vs 1127.8 us (H200, session 7); on the flat grid of session 8
+    447.4 vs 518.5 and 924.6 vs 1119.9 us."""
     base = default_config(num_tokens * top_k, num_experts, group)
     if num_tokens < MIN_ROUTED_TOKENS or base.block_m not in BLOCK_COST:
         return (base,)
@@ -487,23 +498,24 @@ def fused_moe(
     *,
     expert_map=None,
     activation: str = "silu",
-    config: BlockConfig | MgpuConfig | None = None,
+    config: BlockConfig | MgpuConfig | ByRouting | None = None,
     out_dtype=None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     interpret: bool = False,
 ) -> jax.Array:
     """The 'mgpu' backend's fused_moe (silu only; weights in the mgpu_int4 layout), [T, H].
 
-    config None: the block size is picked per chunk at run time from the routing
-    (`routed_configs`, `pick_config`), e.g. larger blocks for a batch of one prompt."""
+    config None: `default_config` for the chunk's token count (no choice at run time);
+    ByRouting(): the block size picked per chunk at run time from the routing."""
     if activation != "silu":
         raise NotImplementedError(f"the mgpu backend runs silu only, not {activation!r}")
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
-    if config is None:  # by the routing, at run time
-        configs = routed_configs(
-            min(t, chunk_tokens), k, num_experts, math.gcd(w13.group, w2.group)
-        )
+    group = math.gcd(w13.group, w2.group)
+    if config is None:  # by the token count
+        configs = (default_config(min(t, chunk_tokens) * k, num_experts, group),)
+    elif isinstance(config, ByRouting):  # by the routing, at run time
+        configs = routed_configs(min(t, chunk_tokens), k, num_experts, group)
     elif isinstance(config, BlockConfig):
         configs = (from_block_config(config),)
     else:

@@ -91,13 +91,13 @@ def test_mgpu_probe_tiny_in_the_interpreter(tmp_path, capsys, routing):
     rows = json.loads(out_json.read_text())["rows"]
     assert all(r["routing"] == routing for r in rows)
     whats = [r["what"] for r in rows]
-    assert whats[0] == "pallas layer" and "mgpu backend" in whats, whats
+    assert whats[0] == "pallas layer" and {"mgpu backend", "backend by routing"} <= set(whats)
     assert {"mgpu GEMM1", "mgpu GEMM2"} <= set(whats), whats
     assert all(r["seconds"] > 0 for r in rows if "seconds" in r)
     # Each row's work is what it timed: GEMM1 (2I x H) has twice GEMM2's (H x I), the layer both.
     work = {r["what"]: (r["weight_bytes"], r["flops"]) for r in rows}
     (b1, f1), (b2, f2) = work["mgpu GEMM1"], work["mgpu GEMM2"]
-    assert f1 == 2 * f2 and work["mgpu backend"] == (b1 + b2, f1 + f2)
+    assert f1 == 2 * f2 and work["mgpu backend"] == work["backend by routing"] == (b1 + b2, f1 + f2)
     assert b1 == pytest.approx(2 * b2, rel=0.05)
 
 

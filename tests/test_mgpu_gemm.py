@@ -398,10 +398,11 @@ def run_layer_case(rng, has_zp, t, config, rows_dtype=None, bf16_weights=False):
 
 
 @pytest.mark.parametrize("routing", ["uniform", "one_prompt"])
-def test_fused_moe_picks_blocks_by_routing(rng, routing):
-    """Without a config the layer picks its block size from the routing at run time: 16-row
-    blocks for spread rows, 32-row blocks when every token picks the same experts (a batch of
-    one prompt); both match numpy."""
+def test_fused_moe_picks_blocks_by_routing(rng, monkeypatch, routing):
+    """With config=ByRouting() the layer picks its block size from the routing at run time
+    (an XLA conditional): 16-row blocks for spread rows, 32-row blocks when every token picks
+    the same experts (a batch of one prompt); both match numpy. Without a config it runs the
+    default for the token count and has no conditional."""
     e, top_k, t, h, i = 16, 2, 64, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
@@ -413,10 +414,19 @@ def test_fused_moe_picks_blocks_by_routing(rng, routing):
     assert [c.block_m for c in configs] == [16, 32]
     picked = configs[int(mgpu_fused_moe.pick_config(jnp.asarray(topk_ids), e, configs))]
     assert picked.block_m == (16 if routing == "uniform" else 32)
-    out = wj.fused_moe(
-        x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
-        jnp.asarray(topk_ids), implementation=IMPLEMENTATION,
-    )  # fmt: skip
+    args = (x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
+            jnp.asarray(topk_ids))  # fmt: skip
+    by_routing = functools.partial(
+        wj.fused_moe, implementation=IMPLEMENTATION, config=mgpu_fused_moe.ByRouting()
+    )
+    default = functools.partial(wj.fused_moe, implementation=IMPLEMENTATION)
+    choices = []  # the choices at run time each trace makes
+    pick = mgpu_fused_moe.pick_config
+    monkeypatch.setattr(mgpu_fused_moe, "pick_config", lambda *a: choices.append(a) or pick(*a))
+    jax.eval_shape(default, *args)
+    assert not choices
+    out = by_routing(*args)
+    assert len(choices) == 1
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
         np.asarray(topk_weights, np.float64), topk_ids, activation_dtype=BF16,

@@ -254,7 +254,7 @@ def _xla_fused_moe(
         expert_map=expert_map,
         activation=activation,
         activation_quant=activation_quant,
-        block_m=config.block_m if config is not None else 16,
+        block_m=getattr(config, "block_m", None) or 16,  # a backend's own config may have none
         out_dtype=out_dtype,
     )
 
