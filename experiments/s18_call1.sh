@@ -6,7 +6,7 @@
 # timeline of the 32; (2) what the backend's run-time block choice (an XLA conditional, a wait
 # on the host per layer) costs layers back to back at M=64 and 256 ("backend chained" against
 # "mgpu chained"): the data for making the choice opt-in. The decode configs are in
-# pending_s17_configs.sh (a second call).
+# s18_call2.sh (a second call).
 source experiments/_preamble.sh
 timeout 330 python3 examples/mgpu_probe.py --m 1 16 64 256 --chain --chain-unroll 8 \
    --json $OUT/decode.json > $OUT/probe.log 2>&1; echo "probe $SECONDS s"
