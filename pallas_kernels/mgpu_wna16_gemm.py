@@ -352,10 +352,11 @@ def mgpu_wna16_gemm(
     pipeline) instead of exact integer products summed per group in f32 and then scaled: no
     group sums in registers or waits for them, at the cost of one rounding.
 
-    one_row_tile: x_rows is one tile of at most block_m rows that every block multiplies (its
-    copies read the rows past x_rows' end as zeros); the output still has block_m rows per
-    block, [B * block_m, N] for B block experts. For one token's blocks (a block per slot, the
-    token in each block's first row) without building [B * block_m, H] rows first.
+    one_row_tile: x_rows is one tile of at most block_m rows that every block multiplies (padded
+    with zero rows to block_m first: jax 0.12 refuses a copy past an array's end, where 0.11's
+    TMA read zeros); the output still has block_m rows per block, [B * block_m, N] for B block
+    experts. For one token's blocks (a block per slot, the token in each block's first row)
+    without building [B * block_m, H] rows first.
 
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
@@ -390,6 +391,8 @@ def mgpu_wna16_gemm(
             f"wgmma's least rows), got block_m={block_m}, narrow_steps={narrow_steps}, and one "
             f"count per block: {block_rows.shape} for {block_experts.shape} blocks"
         )
+    if one_row_tile and x_rows.shape[0] < block_m:
+        x_rows = jnp.pad(x_rows, ((0, block_m - x_rows.shape[0]), (0, 0)))
     _, n, k = w.shape
     p = block_experts.shape[0] * block_m if one_row_tile else x_rows.shape[0]
     dtype = x_rows.dtype
