@@ -435,6 +435,21 @@ def test_fused_moe_picks_blocks_by_routing(rng, monkeypatch, routing):
     helpers.assert_close(out, ref, BF16, f"fused_moe, {routing} routing")
 
 
+def test_xla_backend_takes_by_routing(rng):
+    """ByRouting() reaching the 'xla' backend (e.g. after 'mgpu' in an implementation list) is
+    the mgpu backend's own config: xla runs as without a config, bit for bit."""
+    e, top_k, t, h, i = 8, 2, 5, 128, 64
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
+    run = functools.partial(wj.fused_moe, x, w13, w2, tw, ids, implementation="xla")
+    np.testing.assert_array_equal(
+        np.asarray(run(config=mgpu_fused_moe.ByRouting()), np.float32),
+        np.asarray(run(), np.float32),
+    )
+
+
 @pytest.mark.parametrize(
     "m,routing,block_m",
     [(1, "uniform", 8), (16, "uniform", 8), (16, "one_prompt", 8), (64, "uniform", 8),
