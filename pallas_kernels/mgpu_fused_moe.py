@@ -49,11 +49,7 @@ class MgpuConfig:
     bf16_weights: the warp-specialized GEMMs (consumers >= 1, one output tile per program)
     multiply weights rounded to bf16 ((q - z) * s, as a bf16 model's dequantized weights) straight
     into their sums, in place of exact integer products summed per group and scaled: no f32 sum
-    per group in registers (room for 128-row blocks) and no wait per group; one more rounding.
-    pdl: programmatic dependent launch of both GEMMs (mgpu_wna16_gemm's pdl: 1, the next kernel
-    may start once every program has run its products; 2, once every program has begun);
-    pdl_prefetch / down_pdl_prefetch: the k-steps of weights GEMM1 / GEMM2 prefetch into L2
-    before waiting for the previous kernel."""
+    per group in registers (room for 128-row blocks) and no wait per group; one more rounding."""
 
     block_m: int
     block_k: int = 128
@@ -71,9 +67,6 @@ class MgpuConfig:
     bf16_down_rows: bool = False
     direct_token: bool = False
     bf16_weights: bool = False
-    pdl: int = 0
-    pdl_prefetch: int = 0
-    down_pdl_prefetch: int = 0
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -264,8 +257,6 @@ def down_config(cfg: MgpuConfig) -> MgpuConfig:
         down_stages=None,
         down_block_k=None,
         down_tiles_per_program=None,
-        pdl_prefetch=cfg.down_pdl_prefetch,
-        down_pdl_prefetch=0,
     )
 
 
@@ -329,8 +320,6 @@ def gemm_options(
         consumers=cfg.consumers,
         splits=splits,
         gated=gated,
-        pdl=cfg.pdl,
-        pdl_prefetch=cfg.pdl_prefetch,
         out_dtype=out_dtype if out_dtype is not None and splits == 1 else jnp.float32,
     )
 

@@ -275,8 +275,6 @@ def _swizzled(shape, dtype, what: str):
         "buffer_rows",
         "one_row_tile",
         "bf16_weights",
-        "pdl",
-        "pdl_prefetch",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -301,8 +299,6 @@ def mgpu_wna16_gemm(
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
-    pdl: int = 0,
-    pdl_prefetch: int = 0,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -362,15 +358,6 @@ def mgpu_wna16_gemm(
     experts. For one token's blocks (a block per slot, the token in each block's first row)
     without building [B * block_m, H] rows first.
 
-    pdl (programmatic dependent launch, compiled code only): 0, off; 1, the kernel may start
-    before the previous kernel on the stream has finished (its programs wait for that kernel's
-    results, `griddepcontrol.wait`, before reading or writing anything), and lets the next
-    kernel start once each program has run its products (before its stores); 2, the same but
-    lets the next kernel start as soon as each program has begun. pdl_prefetch: k-steps of the
-    program's weights (none of its scales) prefetched into L2 before that wait, so a GEMM
-    launched during the previous kernel's tail streams its first weights meanwhile (read with
-    the block's expert id as it stands before the wait: a hint, never used for a result).
-
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
     H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
@@ -395,8 +382,6 @@ def mgpu_wna16_gemm(
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
         one_row_tile=one_row_tile, bf16_weights=bf16_weights,
     )  # fmt: skip
-    if pdl not in (0, 1, 2) or pdl_prefetch < 0:
-        raise ValueError(f"pdl={pdl} must be 0, 1 or 2 and pdl_prefetch={pdl_prefetch} >= 0")
     narrow = block_rows is not None
     if narrow and (
         narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
@@ -440,23 +425,6 @@ def mgpu_wna16_gemm(
         raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
     wgmma = plgpu.Layout.WGMMA
     row = plgpu.Layout.WGMMA.reduce(1)
-    dependent = pdl and not interpret  # the interpreter runs one kernel at a time
-    prefetch_steps = min(pdl_prefetch, steps)
-
-    def launch_dependents():
-        """pdl=1: the next kernel may start once every program got here (its products run)."""
-        if dependent and pdl == 1:
-            plgpu.griddepcontrol_launch_dependents()
-
-    def prefetch_weights(q_gmem, expert_hint, si, n_run, issuer):
-        """L2 prefetch of the weights of the program's first prefetch_steps k-steps (its first
-        output tile's), for the expert the block seems to have before the wait."""
-        e = jnp.clip(expert_hint, 0, w.num_experts - 1)
-        first = n_run * tiles * wgs * subs  # 64-feature tiles
-        boxes = pl.ds(si * steps * (bk // box_rows), prefetch_steps * (bk // box_rows))
-        for h in range(halves):
-            features = pl.ds(h * n_tiles * wgs * subs + first, wgs * subs)
-            plgpu.async_prefetch(q_gmem.at[e, features, boxes], predicate=issuer)
 
     def kernel(experts_gmem, *rest):
         rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
@@ -468,12 +436,6 @@ def mgpu_wna16_gemm(
         # This program's output tiles: split, block, run of N tiles (fastest).
         flat = lax.axis_index("p")
         si, bi, n_run = flat // (blocks * n_runs), flat // n_runs % blocks, flat % n_runs
-        if dependent:
-            if prefetch_steps:
-                prefetch_weights(q_gmem, experts_gmem[bi], si, n_run, wg == 0)
-            plgpu.griddepcontrol_wait()  # the previous kernel's results are complete
-            if pdl == 2:
-                plgpu.griddepcontrol_launch_dependents()
         expert = experts_gmem[bi]
         has_expert = (expert >= 0) & (expert < w.num_experts)
 
@@ -516,7 +478,6 @@ def mgpu_wna16_gemm(
                         plgpu.copy_smem_to_gmem(buffer, out_tile.at[out_rows, cols])
 
             def store_all(values, ni):
-                launch_dependents()
                 store(values, ni)
                 with region("store_wait"):
                     plgpu.wait_smem_to_gmem(0)
@@ -746,7 +707,6 @@ def mgpu_wna16_gemm(
                     pipeline(rounded)
                 elif tiles > 1:  # each tile stored at its last k-step
                     pipeline(lambda run: program(lambda: run(zero_acc())))
-                    launch_dependents()
                     plgpu.wait_smem_to_gmem(0)
                 elif not consumers:
                     program(lambda: store_all(epilogue(pipeline()), n_run))
@@ -770,7 +730,6 @@ def mgpu_wna16_gemm(
 
         @pl.when(~has_expert & (wg < wgs))
         def _zeros():
-            launch_dependents()
             for j in range(tiles):
                 store(zero_acc()[:subs], n_run * tiles + j)
             plgpu.wait_smem_to_gmem(0)
