@@ -5,9 +5,10 @@ and 24-28 us at M=256, against 7.0 and 11.8 us in experiments/align_probe.py, wh
 alone. This probe times the same kernels (the default AlignConfig, DeepSeek-V3's E=256, top-8)
 three ways in one process, from the device trace (kernel_timeline.trace_loop):
 - alone: one alignment per loop iteration (align_probe.py's loop);
-- after a pass: each call first streams `--pass-mb` MB of f32 through an XLA elementwise pass
-  (read + write, as a GEMM streams weights) and the alignment's ids depend on that pass's
-  result, so the alignment starts as the pass ends;
+- after a pass: each call first reads `--pass-mb` MB of f32 (an XLA sum: memory-bound, as a
+  GEMM streaming weights) and the alignment's ids depend on that sum, so the alignment starts
+  as the pass ends (session 19 call 3 ran an elementwise pass of which only two elements were
+  used: XLA computed just those, so its "after a pass" rows were not after a pass);
 - the pass alone, for its own time.
 
 Usage (H200): PYTHONPATH=$PWD python3 experiments/align_context_probe.py [--calls 50]
@@ -38,7 +39,7 @@ def busy_us(fn, sets, consts, calls):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=50)
-    p.add_argument("--pass-mb", type=int, default=128, help="MB of f32 the pass reads (and writes)")
+    p.add_argument("--pass-mb", type=int, default=128, help="MB of f32 the pass reads")
     args = p.parse_args(argv)
     key = jax.random.key(0)
     big = jax.random.uniform(key, (args.pass_mb * 2**18,), jnp.float32)
@@ -53,13 +54,12 @@ def main(argv=None) -> int:
             return r.sorted_token_ids
 
         def after_pass(big, ids):
-            y = big * 1.0001
-            late = (y[0] > 3e38).astype(jnp.int32)  # never true; the ids wait for the pass
-            return jnp.sum(aligned(ids + late).astype(jnp.float32)) + y[1]
+            total = jnp.sum(big)
+            late = (total > 3e38).astype(jnp.int32)  # never true; the ids wait for the pass
+            return jnp.sum(aligned(ids + late).astype(jnp.float32))
 
         def pass_only(big, ids):
-            y = big * 1.0001
-            return y[0] + ids[0, 0].astype(jnp.float32)
+            return jnp.sum(big) + ids[0, 0].astype(jnp.float32)
 
         cases = (("alone", aligned, ()), ("after a pass", after_pass, (big,)),
                  ("pass only", pass_only, (big,)))  # fmt: skip
