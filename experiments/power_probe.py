@@ -1,0 +1,100 @@
+"""Is the mgpu layer power- or clock-limited on the H200? The GPU's clocks, power and throttle
+reasons (nvidia-smi, sampled every 50 ms) while the DeepSeek-V3 TP=1 layer (zero points, the
+default config) runs back to back for `--seconds` at each M, beside the time per call.
+
+Why: the layer's time has varied by up to 4.5% between H200s at one code (M=256: 1887-1975 us
+over sessions 16-19), and session 11 saw degenerate values (zeros, infinities) run 8% faster at
+M=4096, which points at power. If the SM clock sits below its maximum with a power or thermal
+reason while the layer runs, the spread between machines is theirs, not the kernels'.
+
+Usage (H200): PYTHONPATH=$PWD python3 experiments/power_probe.py [--m 1 16 256 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import io
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import benchmark  # noqa: E402
+
+import wna16_jax as wj  # noqa: E402
+
+FIELDS = (
+    "clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu",
+    "clocks_throttle_reasons.active",
+)  # fmt: skip
+
+
+def sample(seconds: float, run) -> tuple[list[dict], int]:
+    """nvidia-smi's FIELDS every 50 ms while run() is called for `seconds`; (samples, calls)."""
+    smi = subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
+         "-lms", "50"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        jax.block_until_ready(run())
+        calls += 1
+    smi.terminate()
+    out, _ = smi.communicate()
+    rows = [dict(zip(FIELDS, (v.strip() for v in r), strict=True))
+            for r in csv.reader(io.StringIO(out)) if len(r) == len(FIELDS)]  # fmt: skip
+    return rows, calls
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096])
+    p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3")
+    p.add_argument("--implementation", default="mgpu", help="fused_moe's (xla: a CPU dry run)")
+    args = p.parse_args(argv)
+    key = jax.random.key(0)
+    w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=True)
+    weights = (w13, w2)
+    if args.implementation == "mgpu":
+        to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
+        weights = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
+    idle, _ = sample(1.0, lambda: jax.numpy.zeros(()))
+    print("idle: " + ", ".join(f"{f} {idle[-1][f]}" for f in FIELDS), flush=True)
+    for m in args.m:
+        xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
+        sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
+
+        def layer(a, b, x, tw, ids):
+            return wj.fused_moe(x, a, b, tw, ids, implementation=args.implementation)
+
+        iters = 400 if m <= 256 else 40
+        run, per_run = benchmark.make_loop(layer, sets, iters=iters, consts=weights, chain=True)
+        jax.block_until_ready(run())  # compile
+        t0 = time.perf_counter()
+        rows, runs = sample(args.seconds, run)
+        us = (time.perf_counter() - t0) / (runs * per_run) * 1e6
+        busy = rows[len(rows) // 5 :]  # past the first second: the clocks settle
+
+        def med(field, rows=busy):
+            return statistics.median(float(r[field]) for r in rows)
+
+        reasons = sorted({r["clocks_throttle_reasons.active"] for r in busy})
+        lowest = min(float(r["clocks.sm"]) for r in busy)
+        print(f"M={m:<5} {us:8.1f} us/call (host-timed, chained)  SM clock median "
+              f"{med('clocks.sm'):.0f} MHz (min {lowest:.0f}, max {med('clocks.max.sm'):.0f}), "
+              f"memory {med('clocks.mem'):.0f} MHz, power {med('power.draw'):.0f} W of "
+              f"{med('power.limit'):.0f}, {med('temperature.gpu'):.0f} C, throttle reasons "
+              f"{reasons}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
