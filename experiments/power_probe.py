@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096])
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3")
+    p.add_argument("--copy", action="store_true", help="also the copy ceiling's pass (1 GiB f32)")
     p.add_argument("--implementation", default="mgpu", help="fused_moe's (xla: a CPU dry run)")
     args = p.parse_args(argv)
     key = jax.random.key(0)
@@ -68,6 +69,15 @@ def main(argv=None) -> int:
         weights = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
     idle, _ = sample(1.0, lambda: jax.numpy.zeros(()))
     print("idle: " + ", ".join(f"{f} {idle[-1][f]}" for f in FIELDS), flush=True)
+    if args.copy:  # the copy ceiling's pass (benchmark.measure_ceilings'), sustained
+        n, iters = 1 << 28, 20
+        x = jax.random.normal(key, (n,), jax.numpy.float32)
+        copy = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, y: y * 0.999 + 1e-3, x))
+        jax.block_until_ready(copy(x))
+        t0 = time.perf_counter()
+        rows, runs = sample(args.seconds, lambda: copy(x))
+        tbps = 2 * n * 4 * iters * runs / (time.perf_counter() - t0) / 1e12
+        report("copy", f"{tbps:.2f} TB/s (read + write, sustained)", rows)
     for m in args.m:
         xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
@@ -81,19 +91,24 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows, runs = sample(args.seconds, run)
         us = (time.perf_counter() - t0) / (runs * per_run) * 1e6
-        busy = rows[len(rows) // 5 :]  # past the first second: the clocks settle
-
-        def med(field, rows=busy):
-            return statistics.median(float(r[field]) for r in rows)
-
-        reasons = sorted({r["clocks_throttle_reasons.active"] for r in busy})
-        lowest = min(float(r["clocks.sm"]) for r in busy)
-        print(f"M={m:<5} {us:8.1f} us/call (host-timed, chained)  SM clock median "
-              f"{med('clocks.sm'):.0f} MHz (min {lowest:.0f}, max {med('clocks.max.sm'):.0f}), "
-              f"memory {med('clocks.mem'):.0f} MHz, power {med('power.draw'):.0f} W of "
-              f"{med('power.limit'):.0f}, {med('temperature.gpu'):.0f} C, throttle reasons "
-              f"{reasons}", flush=True)  # fmt: skip
+        report(f"M={m:<5}", f"{us:8.1f} us/call (host-timed, chained)", rows)
     return 0
+
+
+def report(what: str, speed: str, rows: list[dict]) -> None:
+    """One line: the speed, and the samples' clocks, power and throttle reasons past the first
+    fifth of the run (the clocks settle)."""
+    busy = rows[len(rows) // 5 :]
+
+    def med(field):
+        return statistics.median(float(r[field]) for r in busy)
+
+    reasons = sorted({r["clocks_throttle_reasons.active"] for r in busy})
+    lowest = min(float(r["clocks.sm"]) for r in busy)
+    print(f"{what} {speed}  SM clock median {med('clocks.sm'):.0f} MHz (min {lowest:.0f}, max "
+          f"{med('clocks.max.sm'):.0f}), memory {med('clocks.mem'):.0f} MHz, power "
+          f"{med('power.draw'):.0f} W of {med('power.limit'):.0f}, {med('temperature.gpu'):.0f} "
+          f"C, throttle reasons {reasons}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

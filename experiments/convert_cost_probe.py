@@ -1,0 +1,107 @@
+"""What do the GEMMs' in-register steps cost under the H200's power cap? A timing probe only: its
+variants compute WRONG results and exist nowhere but here.
+
+Session 19 found the decode layer at the 700 W power cap from M=16 (the SM clock 8-19% below its
+maximum, experiments/power_probe.py). If the dequantization's instructions are a large part of
+the energy per weight byte, removing some of them should raise the clock and shorten the layer.
+This probe times the DeepSeek-V3 TP=1 layer (zero points, default config) with copies of
+pallas_kernels/mgpu_wna16_gemm.py whose source has one step removed:
+- "no zero point": the converted tile 128 + q is multiplied as is (no subtraction of 128 + z:
+  16 of a thread's ~45 instructions per 64x64 tile). A correction by per-group row sums (sum
+  x over the group times 128 + z, outside the tensor cores) would give the right result at
+  about this cost;
+- "no group scale": each group's f32 sum is added unscaled;
+- "neither".
+Each variant: the probe's short timed loop (benchmark.time_loop, chained, median of 5) and a
+sustained run of `--seconds` with nvidia-smi's SM clock and power (power_probe.sample).
+
+Usage (H200): PYTHONPATH=$PWD python3 experiments/convert_cost_probe.py [--m 16 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+import benchmark  # noqa: E402
+import power_probe  # noqa: E402
+
+import wna16_jax as wj  # noqa: E402
+from pallas_kernels import mgpu_fused_moe, mgpu_wna16_gemm  # noqa: E402
+
+SUBTRACT = "wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])"
+SCALE = "return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]"
+VARIANTS = {
+    "default": {},
+    "no zero point": {SUBTRACT: "wt = biased"},
+    "no group scale": {SCALE: "return accs[:a] + (accs[a] + part,) + accs[a + 1 :]"},
+}
+VARIANTS["neither"] = {**VARIANTS["no zero point"], **VARIANTS["no group scale"]}
+
+
+def variant_gemm(name: str):
+    """mgpu_wna16_gemm from a copy of its module's source with VARIANTS[name]'s lines replaced
+    (each must occur exactly once)."""
+    with open(mgpu_wna16_gemm.__file__) as f:
+        source = f.read()
+    for old, new in VARIANTS[name].items():
+        if source.count(old) != 1:
+            raise SystemExit(f"{old!r} occurs {source.count(old)} times in the GEMM's source")
+        source = source.replace(old, new)
+    spec = importlib.util.spec_from_loader(f"convert_cost_{len(name)}", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = mgpu_wna16_gemm.__file__
+    exec(compile(source, mgpu_wna16_gemm.__file__, "exec"), module.__dict__)  # noqa: S102
+    return module.mgpu_wna16_gemm
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=int, nargs="+", default=[16, 256])
+    p.add_argument("--seconds", type=float, default=4.0)
+    args = p.parse_args(argv)
+    key = jax.random.key(0)
+    w13, w2 = benchmark.probe_experts(key, "deepseek-v3", has_zp=True)
+    to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
+    weights = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
+    original = mgpu_fused_moe.mgpu_wna16_gemm
+    for m in args.m:
+        xs, tws, idss = benchmark.probe_inputs(key, "deepseek-v3", m)
+        sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
+        for name in VARIANTS:
+            mgpu_fused_moe.mgpu_wna16_gemm = variant_gemm(name)
+            jax.clear_caches()  # the layer retraces with this variant's GEMM
+
+            def layer(a, b, x, tw, ids):
+                return wj.fused_moe(x, a, b, tw, ids, implementation="mgpu")
+
+            iters = 100 if m <= 256 else 20
+            short, _ = benchmark.time_loop(layer, sets, iters=iters, repeats=5, consts=weights,
+                                           host=False, chain=True)  # fmt: skip
+            run, per_run = benchmark.make_loop(layer, sets, iters=4 * iters, consts=weights,
+                                               chain=True)  # fmt: skip
+            jax.block_until_ready(run())
+            t0 = time.perf_counter()
+            rows, runs = power_probe.sample(args.seconds, run)
+            sustained = (time.perf_counter() - t0) / (runs * per_run)
+            busy = rows[len(rows) // 4 :]
+            clock = statistics.median(float(r["clocks.sm"]) for r in busy)
+            power = statistics.median(float(r["power.draw"]) for r in busy)
+            print(f"M={m:<5} {name:<15} short loop {short * 1e6:8.1f} us, sustained "
+                  f"{sustained * 1e6:8.1f} us, SM clock {clock:.0f} MHz, {power:.0f} W",
+                  flush=True)  # fmt: skip
+    mgpu_fused_moe.mgpu_wna16_gemm = original
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
