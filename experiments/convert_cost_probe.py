@@ -11,7 +11,9 @@ pallas_kernels/mgpu_wna16_gemm.py whose source has one step removed:
   x over the group times 128 + z, outside the tensor cores) would give the right result at
   about this cost;
 - "no group scale": each group's f32 sum is added unscaled;
-- "neither".
+- "neither";
+- "no conversion": a constant tile in place of each loaded one (the upper bound of any cheaper
+  conversion).
 Each variant: the probe's short timed loop (benchmark.time_loop, chained, median of 5) and a
 sustained run of `--seconds` with nvidia-smi's SM clock and power (power_probe.sample).
 
@@ -46,6 +48,13 @@ VARIANTS = {
     "no group scale": {SCALE: "return accs[:a] + (accs[a] + part,) + accs[a + 1 :]"},
 }
 VARIANTS["neither"] = {**VARIANTS["no zero point"], **VARIANTS["no group scale"]}
+# No conversion at all: a constant tile in place of the loaded one (the weights still stream into
+# shared memory, but no thread reads or converts them): what any cheaper conversion could win.
+VARIANTS["no conversion"] = {
+    "biased = _biased_tile(q_tile)": (
+        "biased = plgpu.layout_cast(jnp.full((TILE, TILE), 130, dtype), plgpu.Layout.WGMMA)"
+    ),
+}
 
 
 def variant_gemm(name: str):

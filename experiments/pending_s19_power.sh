@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Planned in session 19 for the next session's first call (one H200, ~300 s): how much of the
+# Planned in session 19 for the next session's first call (one H200, ~380 s): how much of the
 # energy that holds the clock down at M >= 16 is the dequantization's? (1) the copy ceiling's own
 # clocks and power, sustained (is "% of copy" itself power-capped?); (2) the layer at M = 16 and
 # 256 with copies of the GEMM missing the zero-point subtraction or the group scale (WRONG
@@ -9,5 +9,5 @@
 source experiments/_preamble.sh
 timeout 60 python3 experiments/power_probe.py --copy --m 16 --seconds 5 2>&1 \
    | grep -v "^WARNING" | tee $OUT/power.log; echo "power $SECONDS s"
-timeout 200 python3 experiments/convert_cost_probe.py --m 16 256 --seconds 4 2>&1 \
+timeout 270 python3 experiments/convert_cost_probe.py --m 16 256 --seconds 3 2>&1 \
    | grep -v "^WARNING" | tee $OUT/convert_cost.log; echo "convert cost $SECONDS s"
