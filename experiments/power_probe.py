@@ -7,13 +7,15 @@ over sessions 16-19), and session 11 saw degenerate values (zeros, infinities) r
 M=4096, which points at power. If the SM clock sits below its maximum with a power or thermal
 reason while the layer runs, the spread between machines is theirs, not the kernels'.
 
-Usage (H200): PYTHONPATH=$PWD python3 experiments/power_probe.py [--m 1 16 256 4096]
+Usage (H200): PYTHONPATH=$PWD python3 experiments/power_probe.py [--m 1 16 256 4096] [--copy]
+    [--configs default default:down_block_n=128]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import io
 import os
@@ -26,8 +28,10 @@ import jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import benchmark  # noqa: E402
+import mgpu_probe  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
+from pallas_kernels import mgpu_fused_moe  # noqa: E402
 
 FIELDS = (
     "clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu",
@@ -59,9 +63,15 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3")
     p.add_argument("--copy", action="store_true", help="also the copy ceiling's pass (1 GiB f32)")
+    p.add_argument(
+        "--configs", nargs="+", type=mgpu_probe.parse_config, default=[mgpu_probe.DefaultWith(())],
+        help="mgpu configs to run, as mgpu_probe.py --configs takes them (default: each M's "
+        "default config), e.g. default:down_block_n=128",
+    )  # fmt: skip
     p.add_argument("--implementation", default="mgpu", help="fused_moe's (xla: a CPU dry run)")
     args = p.parse_args(argv)
     key = jax.random.key(0)
+    e, top_k, _, _, group = benchmark.PRESETS[args.preset]
     w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=True)
     weights = (w13, w2)
     if args.implementation == "mgpu":
@@ -82,16 +92,24 @@ def main(argv=None) -> int:
         xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
 
-        def layer(a, b, x, tw, ids):
-            return wj.fused_moe(x, a, b, tw, ids, implementation=args.implementation)
+        default = mgpu_fused_moe.default_config(m * top_k, e, group)
+        for asked in args.configs:
+            cfg = asked.at(default) if isinstance(asked, mgpu_probe.DefaultWith) else asked
+            config = cfg if args.implementation == "mgpu" else None
 
-        iters = 400 if m <= 256 else 40
-        run, per_run = benchmark.make_loop(layer, sets, iters=iters, consts=weights, chain=True)
-        jax.block_until_ready(run())  # compile
-        t0 = time.perf_counter()
-        rows, runs = sample(args.seconds, run)
-        us = (time.perf_counter() - t0) / (runs * per_run) * 1e6
-        report(f"M={m:<5}", f"{us:8.1f} us/call (host-timed, chained)", rows)
+            def layer(a, b, x, tw, ids, config=config):
+                return wj.fused_moe(x, a, b, tw, ids, implementation=args.implementation,
+                                    config=config)  # fmt: skip
+
+            iters = 400 if m <= 256 else 40
+            run, per_run = benchmark.make_loop(layer, sets, iters=iters, consts=weights,
+                                               chain=True)  # fmt: skip
+            jax.block_until_ready(run())  # compile
+            t0 = time.perf_counter()
+            rows, runs = sample(args.seconds, run)
+            us = (time.perf_counter() - t0) / (runs * per_run) * 1e6
+            label = "" if cfg == default else f" {dataclasses.astuple(cfg)}"
+            report(f"M={m:<5}{label}", f"{us:8.1f} us/call (host-timed, chained)", rows)
     return 0
 
 
