@@ -174,17 +174,26 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False, unroll=1):
     return (lambda: chained(consts, sets)), rounds * num_sets * unroll
 
 
-def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False, unroll=1):
+def time_loop(
+    fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False, unroll=1, warmup_s=0.0
+):  # fmt: skip
     """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs
     (`make_loop`; chain=True: each call's first argument the previous call's output).
 
     `consts` (e.g. the weights) are passed as jit arguments, never captured as constants.
+    warmup_s: run the loop for that many seconds before timing it, so that the GPU's clock has
+    settled where a sustained run puts it (the H200 reaches its 700 W power cap in decode from
+    16 tokens and lowers its SM clock over the first ~second, session 19); 0, only one warm-up
+    run (the timings then come from the first moments of a burst).
     Returns (device_seconds_per_call, host_seconds_per_single_call); the host time is None
     with host=False (one compile fewer).
     """
     run, calls = make_loop(fn, args_sets, iters=iters, consts=consts, chain=chain, unroll=unroll)
     single = jax.jit(fn)
     jax.block_until_ready(run())
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        jax.block_until_ready(run())
     if host:
         jax.block_until_ready(single(*consts, *args_sets[0]))
     loop_times, single_times = [], []

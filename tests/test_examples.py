@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import pytest
 
@@ -338,6 +339,30 @@ def test_kernel_timeline_summary():
     assert by_name["sum"]["idle_before_us_per_call"] == pytest.approx(3.0 / 2)
     with pytest.raises(ValueError, match="no GPU kernel"):
         timeline.summarize(timeline.device_kernels(_trace(host=[("x", 0.0, 1.0)])), calls=1)
+
+
+def test_time_loop_warms_up_for_the_seconds_asked(monkeypatch):
+    """time_loop(warmup_s=S) runs the loop for S seconds before the timed repeats (the GPU's
+    clock settles under a sustained load), and times the same calls as without it."""
+    import jax.numpy as jnp
+
+    bench = _load("benchmark")
+    runs = []
+    make_loop = bench.make_loop
+
+    def counting_make_loop(*args, **kwargs):
+        run, calls = make_loop(*args, **kwargs)
+        return (lambda: runs.append(1) or run()), calls
+
+    monkeypatch.setattr(bench, "make_loop", counting_make_loop)
+    sets = [(jnp.arange(4.0),), (jnp.ones(4),)]
+    t, _ = bench.time_loop(lambda x: x * 2, sets, iters=3, repeats=2, host=False)
+    assert t > 0 and len(runs) == 1 + 2  # a warm-up run, then the repeats
+    runs.clear()
+    start = time.perf_counter()
+    t, _ = bench.time_loop(lambda x: x * 2, sets, iters=3, repeats=2, host=False, warmup_s=0.3)
+    assert time.perf_counter() - start >= 0.3
+    assert t > 0 and len(runs) > 1 + 2 + 1
 
 
 def test_make_loop_chain_feeds_each_output_to_the_next_call():
