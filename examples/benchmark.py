@@ -182,9 +182,9 @@ def time_loop(
 
     `consts` (e.g. the weights) are passed as jit arguments, never captured as constants.
     warmup_s: run the loop for that many seconds before timing it, so that the GPU's clock has
-    settled where a sustained run puts it (the H200 reaches its 700 W power cap in decode from
-    16 tokens and lowers its SM clock over the first ~second, session 19); 0, only one warm-up
-    run (the timings then come from the first moments of a burst).
+    settled where a sustained run puts it (in a 5 s run the H200 sat at its 700 W power cap in
+    decode from 16 tokens, its SM clock 8-19% below the maximum, session 19; how fast the clock
+    falls was not measured); 0, only one warm-up run (timings from the start of a burst).
     Returns (device_seconds_per_call, host_seconds_per_single_call); the host time is None
     with host=False (one compile fewer).
     """
