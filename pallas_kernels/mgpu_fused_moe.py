@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import gather_rows
 from pallas_kernels.fused_moe import DEFAULT_CHUNK_TOKENS, align
-from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm, takes_bf16_weights
+from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm, takes_bf16_weights, tile_row_sums
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
@@ -49,7 +49,11 @@ class MgpuConfig:
     bf16_weights: the warp-specialized GEMMs (consumers >= 1, one output tile per program)
     multiply weights rounded to bf16 ((q - z) * s, as a bf16 model's dequantized weights) straight
     into their sums, in place of exact integer products summed per group and scaled: no f32 sum
-    per group in registers (room for 128-row blocks) and no wait per group; one more rounding."""
+    per group in registers (room for 128-row blocks) and no wait per group; one more rounding.
+    offset_by_row_sums (opt-in, exact products only): the GEMMs convert weights without their
+    zero point and correct each group's sum by (128 + z) x the rows' sums (mgpu_wna16_gemm's
+    row_sums, computed here by XLA from each GEMM's rows): fewer instructions per weight, for
+    decode at the H200's power cap (session 19); not measured on a GPU yet."""
 
     block_m: int
     block_k: int = 128
@@ -67,6 +71,7 @@ class MgpuConfig:
     bf16_down_rows: bool = False
     direct_token: bool = False
     bf16_weights: bool = False
+    offset_by_row_sums: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -364,14 +369,18 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
 
     def gemm(
         rows, w, block_experts, rows_in_use=None, activation_dtype=None, out_dtype=None,
-        one_row_tile=False,
+        one_row_tile=False, row_sums=None,
     ):  # fmt: skip
         _, splits, gated, options = gemm_plan(
             cfg, w, block_experts.shape[0], activation_dtype, out_dtype
         )
+        if takes_row_sums(cfg, options, one_row_tile):
+            row_sums = tile_row_sums(rows) if row_sums is None else row_sums
+        else:
+            row_sums = None
         out = mgpu_wna16_gemm(
             rows, w, block_experts, rows_in_use, **options, one_row_tile=one_row_tile,
-            interpret=interpret,
+            row_sums=row_sums, interpret=interpret,
         )  # fmt: skip
         if gated:
             return out
@@ -381,6 +390,12 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
         return _reference.silu_and_mul(out).astype(activation_dtype)
 
     return gemm
+
+
+def takes_row_sums(cfg: MgpuConfig, options: dict, one_row_tile: bool = False) -> bool:
+    """Whether a GEMM with these mgpu_wna16_gemm options runs cfg.offset_by_row_sums: asked
+    for, on exact products (not bf16_weights) of whole blocks (not one_row_tile)."""
+    return cfg.offset_by_row_sums and not options["bf16_weights"] and not one_row_tile
 
 
 def down_rows_dtype(cfg: MgpuConfig, x_dtype, out_dtype):

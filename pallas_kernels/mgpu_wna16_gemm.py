@@ -251,6 +251,13 @@ def _biased_tile(q_tile):
     return convert(q_tile)
 
 
+def tile_row_sums(x_rows: jax.Array) -> jax.Array:
+    """f32 [K/64, P]: the sum of each 64-wide k-tile of each row of x_rows [P, K] (of its values
+    as the GEMM multiplies them), mgpu_wna16_gemm's row_sums."""
+    p, k = x_rows.shape
+    return x_rows.astype(jnp.float32).reshape(p, k // TILE, TILE).sum(axis=2).T
+
+
 def _swizzled(shape, dtype, what: str):
     """Tiling + swizzle transforms for an SMEM tile whose minor dimension is shape[-1]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -299,6 +306,7 @@ def mgpu_wna16_gemm(
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
+    row_sums: jax.Array | None = None,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -358,6 +366,15 @@ def mgpu_wna16_gemm(
     experts. For one token's blocks (a block per slot, the token in each block's first row)
     without building [B * block_m, H] rows first.
 
+    row_sums (exact products only: not with bf16_weights or one_row_tile): f32 [K/64, P], the
+    sum of each 64-wide k-tile of each row of x_rows (`tile_row_sums`). The conversion then
+    leaves the zero point in each weight, 128 + q, and each group's f32 sum is corrected after
+    its products instead: sum((128 + q) x) - (128 + z) sum(x), one multiply-add per output
+    element and group in place of a subtraction per weight pair (16 of a thread's ~45
+    instructions per 64x64 tile). The products stay exact (128 + q has 8 significant bits);
+    the f32 sums carry values near 136 x the rows' sums, so their rounding is ~2^-16 of the
+    result, far below bf16's.
+
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
     H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
@@ -382,6 +399,17 @@ def mgpu_wna16_gemm(
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
         one_row_tile=one_row_tile, bf16_weights=bf16_weights,
     )  # fmt: skip
+    summed = row_sums is not None
+    if summed and (bf16_weights or one_row_tile):
+        raise ValueError("row_sums takes exact products on whole blocks: not with bf16_weights "
+                         "or one_row_tile")  # fmt: skip
+    if summed and (
+        row_sums.shape != (w.shape[2] // TILE, x_rows.shape[0]) or row_sums.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"row_sums must be f32 [K/64, P] = {(w.shape[2] // TILE, x_rows.shape[0])}, got "
+            f"{row_sums.dtype} {row_sums.shape}"
+        )
     narrow = block_rows is not None
     if narrow and (
         narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
@@ -424,12 +452,14 @@ def mgpu_wna16_gemm(
     elif buffer_rows % 8 or bm % buffer_rows:
         raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
     wgmma = plgpu.Layout.WGMMA
-    row = plgpu.Layout.WGMMA.reduce(1)
+    row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector along the features (accumulator rows)
+    col = plgpu.Layout.WGMMA.reduce(0)  # a [rows] vector along the rows (accumulator columns)
 
     def kernel(experts_gmem, *rest):
         rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
         x_gmem, q_gmem, s_gmem, *rest = rest
         z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
+        sums_gmem, rest = (list(rest[:1]), rest[1:]) if summed else ([], rest)
         o_gmem, o_smem, *rest = rest
         a_smem = rest[0] if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
@@ -504,7 +534,9 @@ def mgpu_wna16_gemm(
                     biased = q.astype(dtype) + 136
                 else:
                     biased = _biased_tile(q_tile)
-                if offset is None:  # the interpreter, symmetric
+                if summed:  # 128 + q as is: the group's sum is corrected (`add_scaled`)
+                    wt = biased
+                elif offset is None:  # the interpreter, symmetric
                     wt = biased - 136
                 else:
                     wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
@@ -535,7 +567,7 @@ def mgpu_wna16_gemm(
                     for _ in range(halves * subs)
                 )
 
-            def products(accs, q_refs, x_smem, s_refs, z_refs):
+            def products(accs, q_refs, x_smem, s_refs, z_refs, sum_ref=None):
                 # The products of a group's k-tiles are exact in their f32 sum (its own
                 # accumulator); the group scale multiplies the sum. Units (group, half, sub-tile)
                 # run in order: unit u's tiles are converted while unit u-1's wgmmas run, and
@@ -554,24 +586,38 @@ def mgpu_wna16_gemm(
                     with region("wgmma"):
                         for j, wt in zip(k_tiles, wts, strict=True):
                             plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
+                    return offset
 
-                def add_scaled(accs, part_ref, g, h, s, in_flight):
+                def corrected(part, offset, g):
+                    # row_sums: sum((128 + q) x) - (128 + z) sum(x) over the group's k-tiles
+                    k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
+                    sums = sum(plgpu.load(sum_ref.at[j], layout=col) for j in k_tiles)
+                    if offset is None:  # the interpreter, symmetric
+                        offset = jnp.full((TILE,), 136, jnp.float32)
+                    offsets = lax.broadcast_in_dim(offset.astype(jnp.float32), part.shape, [0])
+                    return part - offsets * lax.broadcast_in_dim(sums, part.shape, [1])
+
+                def add_scaled(accs, part_ref, g, h, s, in_flight, offset):
                     # wait until at most in_flight wgmmas (the next unit's) are running
                     with region("wait"):
                         part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
                     with region("scale"):
+                        if summed:
+                            part = corrected(part, offset, g)
                         scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                         scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
                         a = h * subs + s
                         return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]
 
                 def unit_products(*part_refs):
-                    out = accs
+                    out, offsets = accs, []
                     for u, part_ref in enumerate(part_refs):
-                        issue(part_ref, *units[u])
+                        offsets.append(issue(part_ref, *units[u]))
                         if u:
-                            out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
-                    return add_scaled(out, part_refs[-1], *units[-1], 0)
+                            out = add_scaled(
+                                out, part_refs[u - 1], *units[u - 1], tiles_per_part, offsets[u - 1]
+                            )
+                    return add_scaled(out, part_refs[-1], *units[-1], 0, offsets[-1])
 
                 return pl.run_scoped(
                     unit_products, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in units]
@@ -609,19 +655,20 @@ def mgpu_wna16_gemm(
                 # refs: the weight tiles of each half, the rows' tile, the scales of each half,
                 # the zero points of each half (with them), the carried sums
                 *refs, accs = refs
+                sum_ref = refs.pop() if summed else None
                 q_refs, x_smem = refs[:halves], refs[halves]
                 s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
                 if bf16_weights:  # accs: the sums' accumulator refs
                     return rounded_products(accs, q_refs, x_smem, s_refs, z_refs)
                 if tiles == 1:
-                    return products(accs, q_refs, x_smem, s_refs, z_refs)
+                    return products(accs, q_refs, x_smem, s_refs, z_refs, sum_ref)
                 # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
                 # them (the next tile's copies are already in flight).
                 ni, kk = tile_and_step(idx)
                 keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, rows), ())
                 keep = plgpu.layout_cast(keep, wgmma)
                 accs = tuple(a * keep for a in accs)
-                accs = products(accs, q_refs, x_smem, s_refs, z_refs)
+                accs = products(accs, q_refs, x_smem, s_refs, z_refs, sum_ref)
 
                 @pl.when(kk == steps - 1)
                 def _store():
@@ -666,7 +713,15 @@ def mgpu_wna16_gemm(
             ]
             if has_offset:
                 in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
+            if summed:  # the rows' sums per k-tile, [k-tiles of the step, rows]
+
+                def sum_tile(*idx):
+                    first, kk = row_tile(*idx)
+                    return kk, first
+
+                in_specs.append(plgpu.BlockSpec((bk // TILE, rows), sum_tile))
             operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
+            operands += sums_gmem
             grid = (steps,) if tiles == 1 else (tiles, steps)
 
             def pipeline(compute_context=None):
@@ -743,6 +798,8 @@ def mgpu_wna16_gemm(
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
+    if summed:
+        operands.append(row_sums)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:

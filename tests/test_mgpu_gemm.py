@@ -36,6 +36,7 @@ from pallas_kernels.mgpu_wna16_gemm import (  # noqa: E402
     check_config,
     mgpu_wna16_gemm,
     output_buffer_rows,
+    tile_row_sums,
 )
 
 
@@ -71,11 +72,12 @@ def bf16_rounded(w_deq):
 
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
-    stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
+    stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False, row_sums=False,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
+    sums = tile_row_sums(x_rows) if row_sums else None
     out = mgpu_wna16_gemm(
         x_rows,
         prepare_weights(qw),
@@ -88,6 +90,7 @@ def run_gemm_case(
         gated=gated,
         tiles_per_program=tiles_per_program,
         bf16_weights=bf16_weights,
+        row_sums=sums,
         max_concurrent_steps=stages,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
@@ -132,6 +135,46 @@ def test_gemm_matches_numpy(rng, has_zp, block_m, block_k, group_size):
         rng, e=4, n=128, k=256, group_size=group_size, has_zp=has_zp, block_m=block_m,
         block_k=block_k, blocks=[2, -1, 0, 3, 2],
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "block_m,block_k,group_size,block_n,consumers,splits,gated,tiles",
+    [(8, 128, 128, 64, 0, 1, False, 1), (16, 64, 128, 64, 0, 1, False, 1),
+     (8, 256, 128, 128, 0, 2, False, 1), (8, 256, 128, 64, 0, 1, True, 1),
+     (16, 128, 64, 64, 2, 1, True, 1), (8, 128, 128, 64, 0, 1, False, 2),
+     (32, 128, -1, 128, 1, 1, False, 1)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_offset_by_row_sums(rng, has_zp, block_m, block_k, group_size, block_n, consumers,
+                                 splits, gated, tiles):  # fmt: skip
+    """row_sums: the weights converted without their zero point (128 + q) and each group's sum
+    corrected by (128 + z) x the rows' sums: as numpy, for k-steps within a group or over two,
+    K splits, the gated epilogue, warp specialization and runs of tiles."""
+    run_gemm_case(
+        rng, e=3, n=block_n * max(consumers, 1) * tiles * 2 * (2 if gated else 1), k=512,
+        group_size=group_size, has_zp=has_zp, block_m=block_m, block_k=block_k,
+        blocks=[1, -1, 0, 2, 1], consumers=consumers, splits=splits, block_n=block_n,
+        gated=gated, tiles_per_program=tiles, stages=3, row_sums=True,
+    )  # fmt: skip
+
+
+def test_row_sums_are_the_tiles_sums(rng):
+    """tile_row_sums: f32 [K/64, P], each 64-wide k-tile of each row summed."""
+    x = jnp.asarray(rng.standard_normal((24, 256)), BF16)
+    want = np.asarray(x, np.float64).reshape(24, 4, 64).sum(axis=2).T
+    np.testing.assert_allclose(np.asarray(tile_row_sums(x)), want, rtol=1e-6, atol=1e-5)
+
+
+def test_row_sums_refuse_what_they_cannot_take(rng):
+    qw = prepare_weights(helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, True, BF16))
+    x = jnp.zeros((16, 256), BF16)
+    gemm = functools.partial(mgpu_wna16_gemm, x, qw, jnp.zeros(2, jnp.int32), block_m=8,
+                             interpret=True)  # fmt: skip
+    with pytest.raises(ValueError, match="row_sums must be f32"):
+        gemm(row_sums=jnp.zeros((4, 8), jnp.float32))
+    with pytest.raises(ValueError, match="row_sums takes exact products"):
+        gemm(row_sums=tile_row_sums(x), consumers=1, bf16_weights=True)
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
@@ -306,6 +349,10 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1)),  # ~10 rows per expert
         (13, MgpuConfig(block_m=32, block_k=64, consumers=2, narrow_blocks=1)),
         (30, MgpuConfig(block_m=32, block_k=64, narrow_blocks=3)),  # 32, 16 or 8 rows
+        # zero points corrected by the rows' sums: one token, narrow blocks, K splits
+        (1, MgpuConfig(block_m=8, block_k=64, offset_by_row_sums=True)),
+        (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1, offset_by_row_sums=True)),
+        (6, MgpuConfig(block_m=8, block_k=64, splits=2, offset_by_row_sums=True)),
     ],
     ids=str,
 )
@@ -645,6 +692,30 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
     )  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 256])
+def test_fused_moe_row_sums_deepseek_v3_gpu(t):
+    """offset_by_row_sums compiled: the DeepSeek-V3 TP=1 layer (zero points) against 'xla' on
+    the same weights, as the default config is held (tests/helpers' bf16 tolerance)."""
+    key = jax.random.key(200 + t)
+    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
+                                           True, BF16)  # fmt: skip
+    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 2048, 4, 128,
+                                          True, BF16)  # fmt: skip
+    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
+    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
+    tw, ids = jax.lax.top_k(scores, 8)
+    ids = ids.astype(jnp.int32)
+    config = dataclasses.replace(default_config(8 * t, 256, 128), offset_by_row_sums=True)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
+    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
+                       implementation="mgpu", config=config)  # fmt: skip
+    helpers.assert_finite_and_close(
+        out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 layer, row sums",
+        require_signal=True,
+    )  # fmt: skip
+
+
 def layer_oracle(x, w13, w2, topk_weights, topk_ids, *, bf16_activation: bool):
     """float64 layer on canonical weights; with bf16_activation GEMM2 reads the activation
     rounded to bf16, as the mgpu layer's contract says ('xla' keeps it in f32)."""
@@ -936,6 +1007,7 @@ def lowers_for_cuda(
     stages=4,
     one_row_tile=False,
     bf16_weights=False,
+    row_sums=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
@@ -961,8 +1033,25 @@ def lowers_for_cuda(
     if one_row_tile:  # one token's row: the copies read the block's other rows past its end
         x = jax.ShapeDtypeStruct((1, k), BF16)
     args = (x, w, experts, experts) if narrow else (x, w, experts)
-    lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
+    sums = jax.ShapeDtypeStruct((k // 64, x.shape[0]), jnp.float32) if row_sums else None
+    lowered = jax.jit(lambda *a, sums: gemm(*a, row_sums=sums)).trace(*args, sums=sums)
+    lowered = lowered.lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize(
+    "has_zp,block_m,block_k,consumers,splits,block_n,gated,tiles,narrow",
+    [(True, 8, 256, 0, 1, 64, True, 1, 0), (True, 8, 256, 0, 1, 64, False, 1, 0),
+     (False, 16, 128, 0, 1, 128, True, 1, 1), (True, 16, 128, 0, 1, 128, False, 1, 1),
+     (True, 8, 256, 0, 2, 64, False, 2, 0), (True, 64, 256, 2, 1, 64, True, 1, 2)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_row_sums_lower_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n,
+                                      gated, tiles, narrow):  # fmt: skip
+    """row_sums on the compiled path: the rows' sums as a [k-tiles, rows] copy per step, loaded
+    along the accumulator's columns; with narrow blocks (each width its own pipeline)."""
+    lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated, tiles=tiles,
+                    narrow=narrow, stages=3, row_sums=True)  # fmt: skip
 
 
 def test_gemm_refuses_the_canonical_layout(rng):
