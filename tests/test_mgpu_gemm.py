@@ -528,9 +528,14 @@ def test_fused_moe_chunks_match_one_chunk(rng):
     np.testing.assert_array_equal(np.asarray(chunked, np.float32), np.asarray(whole, np.float32))
 
 
-def test_fused_moe_expert_map_and_dropped_slots(rng):
+@pytest.mark.parametrize(
+    "config", [None, MgpuConfig(block_m=8, block_k=64, offset_by_row_sums=True)],
+    ids=["default", "row_sums"],
+)  # fmt: skip
+def test_fused_moe_expert_map_and_dropped_slots(rng, config):
     """An expert shard (expert_map, off-shard blocks give zeros) and out-of-range ids (dropped)
-    match numpy, as the other backends do."""
+    match numpy, as the other backends do; also with the row-sum correction (the dropped slots
+    must not give a row their sums)."""
     e_global, e_local, top_k, t, h, i = 8, 4, 3, 6, 128, 64
     w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e_local, h, i, 4, 64, True, BF16)
@@ -542,6 +547,7 @@ def test_fused_moe_expert_map_and_dropped_slots(rng):
     out = wj.fused_moe(
         x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
         jnp.asarray(topk_ids), expert_map=jnp.asarray(expert_map), implementation=IMPLEMENTATION,
+        config=config,
     )  # fmt: skip
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
