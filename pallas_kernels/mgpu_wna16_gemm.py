@@ -653,7 +653,8 @@ def mgpu_wna16_gemm(
 
             def step(idx, *refs):
                 # refs: the weight tiles of each half, the rows' tile, the scales of each half,
-                # the zero points of each half (with them), the carried sums
+                # the zero points of each half (with them), the rows' sums (with row_sums), the
+                # carried sums
                 *refs, accs = refs
                 sum_ref = refs.pop() if summed else None
                 q_refs, x_smem = refs[:halves], refs[halves]
