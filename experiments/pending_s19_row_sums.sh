@@ -5,7 +5,7 @@
 # layer against 'xla'; (2) the layer and each GEMM alone (sums made outside the timed GEMM) at
 # M = 1, 16, 256 against the default, one process; (3) the same sustained, with clock and power.
 source experiments/_preamble.sh
-compiled_tests 150 "row_sums"
+compiled_tests 150 "test_gemm_offset_by_row_sums or row_sums_deepseek or dropped_slots"
 timeout 150 python3 examples/mgpu_probe.py --m 1 16 256 --configs default:offset_by_row_sums=1 \
    --all-gemms --json $OUT/row_sums.json > $OUT/probe.log 2>&1; echo "probe $SECONDS s"
 grep -hE "layer|GEMM|backend|copy|FAILED|rror" $OUT/probe.log | sed -E 's/\(([0-9]+, ){15}//'
