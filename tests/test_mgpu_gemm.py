@@ -673,14 +673,10 @@ def test_bf16_weights_meet_the_layer_contract(seed):
     )
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 64, 4096])
-def test_fused_moe_deepseek_v3_tp1_gpu(t):
-    """The whole layer at DeepSeek-V3 TP=1 (E=256, H=7168, I=2048, g128, zp): w13's int4 array
-    has 7.5e9 elements, past 2^31 (DESIGN.md's rule for the Triton lowering; the TMA addressing
-    of this kernel is checked here). Against 'xla' on the same weights; at t=4096 the default
-    runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK)."""
-    key = jax.random.key(t)
+def deepseek_v3_tp1_problem(key, t: int):
+    """(w13, w2, x, topk_weights, topk_ids) of DeepSeek-V3 TP=1 (E=256, H=7168, I=2048, int4 g128
+    with zero points, made on the device; keys fold_in 1 and 2 of `key`) and t tokens (x: fold_in
+    3; top-8 of uniform scores: fold_in 4)."""
     w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
                                            True, BF16)  # fmt: skip
     w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 2048, 4, 128,
@@ -688,8 +684,19 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
     x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
     scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
     tw, ids = jax.lax.top_k(scores, 8)
-    ref = wj.fused_moe(x, w13, w2, tw, ids.astype(jnp.int32), implementation="xla")
-    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids.astype(jnp.int32),
+    return w13, w2, x, tw, ids.astype(jnp.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 4096])
+def test_fused_moe_deepseek_v3_tp1_gpu(t):
+    """The whole layer at DeepSeek-V3 TP=1 (E=256, H=7168, I=2048, g128, zp): w13's int4 array
+    has 7.5e9 elements, past 2^31 (DESIGN.md's rule for the Triton lowering; the TMA addressing
+    of this kernel is checked here). Against 'xla' on the same weights; at t=4096 the default
+    runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK)."""
+    w13, w2, x, tw, ids = deepseek_v3_tp1_problem(jax.random.key(t), t)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
+    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
                        implementation="mgpu")  # fmt: skip
     slack = LAYER_SLACK if mgpu_fused_moe.default_config(8 * t, 256, 128).bf16_weights else 1.0
     helpers.assert_finite_and_close(
@@ -703,15 +710,7 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
 def test_fused_moe_row_sums_deepseek_v3_gpu(t):
     """offset_by_row_sums compiled: the DeepSeek-V3 TP=1 layer (zero points) against 'xla' on
     the same weights, as the default config is held (tests/helpers' bf16 tolerance)."""
-    key = jax.random.key(200 + t)
-    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
-                                           True, BF16)  # fmt: skip
-    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 2048, 4, 128,
-                                          True, BF16)  # fmt: skip
-    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
-    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
-    tw, ids = jax.lax.top_k(scores, 8)
-    ids = ids.astype(jnp.int32)
+    w13, w2, x, tw, ids = deepseek_v3_tp1_problem(jax.random.key(200 + t), t)
     config = dataclasses.replace(default_config(8 * t, 256, 128), offset_by_row_sums=True)
     ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
     out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
