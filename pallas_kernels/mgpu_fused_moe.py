@@ -464,7 +464,7 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
     return block_experts, x_rows, position, in_use
 
 
-def rows_sums_from_tokens(x, position, placed, num_rows: int, top_k: int):
+def row_sums_from_tokens(x, position, placed, num_rows: int, top_k: int):
     """tile_row_sums of the rows in block order ([K/64, P]) from x's own rows ([T, K]): slot s
     (placed) puts token s // top_k's sums at column position[s]; other rows (padding) get
     zeros, as their rows are. Reads x once instead of the P rows (at DeepSeek-V3 M=256 ~3.7
@@ -501,20 +501,15 @@ def _chunk(
     if cfg.offset_by_row_sums and not direct:  # GEMM1's row sums from the tokens' own rows
         local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts,
                                               expert_map=expert_map)  # fmt: skip
-        x_sums = rows_sums_from_tokens(x, position, local.reshape(-1) >= 0, x_rows.shape[0], k)
+        x_sums = row_sums_from_tokens(x, position, local.reshape(-1) >= 0, x_rows.shape[0], k)
     # The activation sees unrounded f32 sums; it is rounded to x's dtype for GEMM2's tensor
     # cores, as in the 'pallas' backend (the 'xla' reference keeps it in f32). GEMM2's rows are
     # f32 (bf16 where the config asks: `down_rows_dtype`); the top-k sum is f32.
     # With narrow blocks, a block's unused rows of `act` may be unwritten; GEMM2 reads none.
     act = gemm(  # [P, I]
-        x_rows,
-        w13,
-        block_experts,
-        in_use,
-        activation_dtype=x.dtype,
-        one_row_tile=direct,
+        x_rows, w13, block_experts, in_use, activation_dtype=x.dtype, one_row_tile=direct,
         row_sums=x_sums,
-    )
+    )  # fmt: skip
     y = gemm(act, w2, block_experts, in_use, out_dtype=down_rows_dtype(cfg, x.dtype, out_dtype))
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).
