@@ -497,10 +497,10 @@ def _chunk(
         )
     in_use = cfg.gemm_rows_in_use(in_use)
     gemm = block_gemm(cfg, interpret)
+    # each slot's local expert (-1: dropped or off this shard)
+    local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
     x_sums = None
     if cfg.offset_by_row_sums and not direct:  # GEMM1's row sums from the tokens' own rows
-        local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts,
-                                              expert_map=expert_map)  # fmt: skip
         x_sums = row_sums_from_tokens(x, position, local.reshape(-1) >= 0, x_rows.shape[0], k)
     # The activation sees unrounded f32 sums; it is rounded to x's dtype for GEMM2's tensor
     # cores, as in the 'pallas' backend (the 'xla' reference keeps it in f32). GEMM2's rows are
@@ -513,7 +513,6 @@ def _chunk(
     y = gemm(act, w2, block_experts, in_use, out_dtype=down_rows_dtype(cfg, x.dtype, out_dtype))
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).
-    local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
     rows = jnp.where(local[:, None] >= 0, y[position].astype(jnp.float32), 0.0).reshape(t, k, -1)
     return (rows * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
 
