@@ -209,14 +209,21 @@ def time_loop(
     return statistics.median(loop_times), host_time
 
 
-def time_copy(n, *, iters, repeats):
-    """Seconds per elementwise pass over n f32 values that is read and written (carried)."""
+def copy_loop(n, *, iters):
+    """(loop, x): the copy ceiling's jitted loop of `iters` elementwise passes over n f32 values
+    that are read and written (carried), and its random input."""
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
 
     @jax.jit
     def loop(x):
         return jax.lax.fori_loop(0, iters, lambda i, y: y * 0.999 + 1e-3, x)
 
+    return loop, x
+
+
+def time_copy(n, *, iters, repeats):
+    """Seconds per elementwise pass over n f32 values that is read and written (carried)."""
+    loop, x = copy_loop(n, iters=iters)
     jax.block_until_ready(loop(x))
     times = []
     for _ in range(repeats):

@@ -15,7 +15,7 @@ pallas_kernels/mgpu_wna16_gemm.py whose source has one step removed:
 - "no conversion": a constant tile in place of each loaded one (the upper bound of any cheaper
   conversion).
 Each variant: the probe's short timed loop (benchmark.time_loop, chained, median of 5) and a
-sustained run of `--seconds` with nvidia-smi's SM clock and power (power_probe.sample).
+sustained run of `--seconds` with nvidia-smi's clocks and power (power_probe.sustained, .report).
 
 Usage (H200): PYTHONPATH=$PWD python3 experiments/convert_cost_probe.py [--m 16 256]
 """
@@ -26,9 +26,7 @@ import argparse
 import functools
 import importlib.util
 import os
-import statistics
 import sys
-import time
 
 import jax
 
@@ -98,16 +96,12 @@ def main(argv=None) -> int:
                                            host=False, chain=True)  # fmt: skip
             run, per_run = benchmark.make_loop(layer, sets, iters=4 * iters, consts=weights,
                                                chain=True)  # fmt: skip
-            jax.block_until_ready(run())
-            t0 = time.perf_counter()
-            rows, runs = power_probe.sample(args.seconds, run)
-            sustained = (time.perf_counter() - t0) / (runs * per_run)
-            busy = rows[len(rows) // 4 :]
-            clock = statistics.median(float(r["clocks.sm"]) for r in busy)
-            power = statistics.median(float(r["power.draw"]) for r in busy)
-            print(f"M={m:<5} {name:<15} short loop {short * 1e6:8.1f} us, sustained "
-                  f"{sustained * 1e6:8.1f} us, SM clock {clock:.0f} MHz, {power:.0f} W",
-                  flush=True)  # fmt: skip
+            seconds, rows = power_probe.sustained(run, per_run, args.seconds)
+            power_probe.report(
+                f"M={m:<5} {name:<15}",
+                f"short loop {short * 1e6:8.1f} us, sustained {seconds * 1e6:8.1f} us",
+                rows,
+            )
     mgpu_fused_moe.mgpu_wna16_gemm = original
     return 0
 

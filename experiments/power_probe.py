@@ -81,13 +81,9 @@ def main(argv=None) -> int:
     print("idle: " + ", ".join(f"{f} {idle[-1][f]}" for f in FIELDS), flush=True)
     if args.copy:  # the copy ceiling's pass (benchmark.measure_ceilings'), sustained
         n, iters = 1 << 28, 20
-        x = jax.random.normal(key, (n,), jax.numpy.float32)
-        copy = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, y: y * 0.999 + 1e-3, x))
-        jax.block_until_ready(copy(x))
-        t0 = time.perf_counter()
-        rows, runs = sample(args.seconds, lambda: copy(x))
-        tbps = 2 * n * 4 * iters * runs / (time.perf_counter() - t0) / 1e12
-        report("copy", f"{tbps:.2f} TB/s (read + write, sustained)", rows)
+        copy, x = benchmark.copy_loop(n, iters=iters)
+        seconds, rows = sustained(lambda: copy(x), iters, args.seconds)
+        report("copy", f"{2 * n * 4 / seconds / 1e12:.2f} TB/s (read + write, sustained)", rows)
     for m in args.m:
         xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
@@ -101,16 +97,21 @@ def main(argv=None) -> int:
                 return wj.fused_moe(x, a, b, tw, ids, implementation=args.implementation,
                                     config=config)  # fmt: skip
 
-            iters = 400 if m <= 256 else 40
-            run, per_run = benchmark.make_loop(layer, sets, iters=iters, consts=weights,
-                                               chain=True)  # fmt: skip
-            jax.block_until_ready(run())  # compile
-            t0 = time.perf_counter()
-            rows, runs = sample(args.seconds, run)
-            us = (time.perf_counter() - t0) / (runs * per_run) * 1e6
+            run, per_run = benchmark.make_loop(layer, sets, iters=400 if m <= 256 else 40,
+                                               consts=weights, chain=True)  # fmt: skip
+            seconds, rows = sustained(run, per_run, args.seconds)
             label = "" if cfg == default else f" {dataclasses.astuple(cfg)}"
-            report(f"M={m:<5}{label}", f"{us:8.1f} us/call (host-timed, chained)", rows)
+            report(f"M={m:<5}{label}", f"{seconds * 1e6:8.1f} us/call (host-timed, chained)", rows)
     return 0
+
+
+def sustained(run, calls_per_run: int, seconds: float) -> tuple[float, list[dict]]:
+    """(seconds per call, nvidia-smi samples) of run() (calls_per_run calls each) repeated for
+    `seconds` after one run to compile it, timed on the host."""
+    jax.block_until_ready(run())
+    t0 = time.perf_counter()
+    rows, runs = sample(seconds, run)
+    return (time.perf_counter() - t0) / (runs * calls_per_run), rows
 
 
 def report(what: str, speed: str, rows: list[dict]) -> None:
