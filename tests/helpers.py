@@ -7,7 +7,10 @@ kernel tests and reference tests check against the same oracle.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -409,3 +412,19 @@ def run_file_with_cpu_devices(path, n: int, *extra_pytest_args: str) -> str:
     assert proc.returncode == 0, f"{n}-device run failed (rc {proc.returncode}):\n{out[-20000:]}"
     assert re.search(r"\d+ passed", out), out[-5000:]
     return out
+
+
+def load_script(path: pathlib.Path, name: str, search=()):
+    """The script at `path` (examples/, experiments/) imported as module `name`, registered in
+    sys.modules (dataclasses look their module up by name), with the folders in `search` on
+    sys.path while it loads (its own imports of sibling scripts)."""
+    folders = [str(f) for f in search]
+    sys.path[:0] = folders
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        del sys.path[: len(folders)]

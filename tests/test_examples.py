@@ -6,28 +6,20 @@ examples/generate.py has its own smoke test in test_deepseek_v3_example.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
 import sys
 import time
 
+import helpers
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def _load(name):
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    return helpers.load_script(EXAMPLES / f"{name}.py", f"example_{name}", [EXAMPLES])
 
 
 @pytest.mark.parametrize(
@@ -294,9 +286,7 @@ def test_stream_probe_runs_in_the_interpreter(capsys):
     each program's last box out, checked in the Mosaic GPU interpreter."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     path = EXAMPLES.parent / "experiments" / "stream_probe.py"
-    spec = importlib.util.spec_from_file_location("experiment_stream_probe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = helpers.load_script(path, "experiment_stream_probe")
     assert module.main(["--interpret"]) == 0
     assert "interpret: ok" in capsys.readouterr().out
 

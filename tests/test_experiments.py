@@ -3,10 +3,9 @@ does not fail on something a CPU could have caught."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 
+import helpers
 import pytest
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
@@ -14,17 +13,9 @@ EXAMPLES = EXPERIMENTS.parent / "examples"
 
 
 def _load(name):
-    sys.path[:0] = [str(EXPERIMENTS), str(EXAMPLES)]
-    try:
-        spec = importlib.util.spec_from_file_location(
-            f"experiment_{name}", EXPERIMENTS / f"{name}.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        del sys.path[:2]
+    return helpers.load_script(
+        EXPERIMENTS / f"{name}.py", f"experiment_{name}", [EXPERIMENTS, EXAMPLES]
+    )
 
 
 def test_convert_cost_variants_find_their_lines():
