@@ -17,7 +17,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import gather_rows
 from pallas_kernels.fused_moe import DEFAULT_CHUNK_TOKENS, align
-from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm, takes_bf16_weights, tile_row_sums
+from pallas_kernels.mgpu_wna16_gemm import (
+    mgpu_wna16_gemm,
+    row_sums_fit,
+    takes_bf16_weights,
+    tile_row_sums,
+)
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
@@ -394,8 +399,14 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
 
 def takes_row_sums(cfg: MgpuConfig, options: dict, one_row_tile: bool = False) -> bool:
     """Whether a GEMM with these mgpu_wna16_gemm options runs cfg.offset_by_row_sums: asked
-    for, on exact products (not bf16_weights) of whole blocks (not one_row_tile)."""
-    return cfg.offset_by_row_sums and not options["bf16_weights"] and not one_row_tile
+    for, on exact products (not bf16_weights) of whole blocks (not one_row_tile) whose k-step's
+    sums fill whole 128 bytes (`row_sums_fit`)."""
+    return (
+        cfg.offset_by_row_sums
+        and not options["bf16_weights"]
+        and not one_row_tile
+        and row_sums_fit(options["block_m"], options["block_k"])
+    )
 
 
 def down_rows_dtype(cfg: MgpuConfig, x_dtype, out_dtype):

@@ -258,6 +258,13 @@ def tile_row_sums(x_rows: jax.Array) -> jax.Array:
     return x_rows.astype(jnp.float32).reshape(p, k // TILE, TILE).sum(axis=2).T
 
 
+def row_sums_fit(block_m: int, block_k: int) -> bool:
+    """Whether a k-step's rows' sums, (block_k/64) x block_m f32, fill whole 128 bytes: each
+    pipeline stage's copy of them must start 128-byte aligned in shared memory (smaller copies
+    faulted with a misaligned address on the H200, session 20)."""
+    return block_k // TILE * block_m * 4 % 128 == 0
+
+
 def _swizzled(shape, dtype, what: str):
     """Tiling + swizzle transforms for an SMEM tile whose minor dimension is shape[-1]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -409,6 +416,12 @@ def mgpu_wna16_gemm(
         raise ValueError(
             f"row_sums must be f32 [K/64, P] = {(w.shape[2] // TILE, x_rows.shape[0])}, got "
             f"{row_sums.dtype} {row_sums.shape}"
+        )
+    if summed and not row_sums_fit(block_m, block_k):
+        raise ValueError(
+            f"row_sums copies (block_k/64) x block_m f32 sums per k-step, which must fill whole "
+            f"128 bytes (a TMA copy's shared-memory alignment): got block_k={block_k}, "
+            f"block_m={block_m}"
         )
     narrow = block_rows is not None
     if narrow and (
@@ -591,7 +604,9 @@ def mgpu_wna16_gemm(
                 def corrected(part, offset, g):
                     # row_sums: sum((128 + q) x) - (128 + z) sum(x) over the group's k-tiles
                     k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
-                    sums = sum(plgpu.load(sum_ref.at[j], layout=col) for j in k_tiles)
+                    sums = sum(
+                        plgpu.load(sum_ref.at[j, pl.ds(0, rows)], layout=col) for j in k_tiles
+                    )
                     if offset is None:  # the interpreter, symmetric
                         offset = jnp.full((TILE,), 136, jnp.float32)
                     offsets = lax.broadcast_in_dim(offset.astype(jnp.float32), part.shape, [0])
@@ -714,13 +729,14 @@ def mgpu_wna16_gemm(
             ]
             if has_offset:
                 in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
-            if summed:  # the rows' sums per k-tile, [k-tiles of the step, rows]
+            if summed:  # the sums of the block's rows per k-tile, [k-tiles of the step, bm]:
+                # all bm rows even where a narrowed pipeline uses its first `rows`, so that each
+                # stage's copy fills whole 128 bytes (a TMA copy's shared-memory alignment)
 
                 def sum_tile(*idx):
-                    first, kk = row_tile(*idx)
-                    return kk, first
+                    return tile_and_step(idx)[1] + si * steps, bi
 
-                in_specs.append(plgpu.BlockSpec((bk // TILE, rows), sum_tile))
+                in_specs.append(plgpu.BlockSpec((bk // TILE, bm), sum_tile))
             operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
             operands += sums_gmem
             grid = (steps,) if tiles == 1 else (tiles, steps)

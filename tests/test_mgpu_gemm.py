@@ -140,10 +140,10 @@ def test_gemm_matches_numpy(rng, has_zp, block_m, block_k, group_size):
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
     "block_m,block_k,group_size,block_n,consumers,splits,gated,tiles",
-    [(8, 128, 128, 64, 0, 1, False, 1), (16, 64, 128, 64, 0, 1, False, 1),
+    [(8, 256, 128, 64, 0, 1, False, 1), (16, 128, 256, 64, 0, 1, False, 1),
      (8, 256, 128, 128, 0, 2, False, 1), (8, 256, 128, 64, 0, 1, True, 1),
-     (16, 128, 64, 64, 2, 1, True, 1), (8, 128, 128, 64, 0, 1, False, 2),
-     (32, 128, -1, 128, 1, 1, False, 1)],
+     (16, 128, 64, 64, 2, 1, True, 1), (8, 256, 128, 64, 0, 1, False, 2),
+     (32, 64, -1, 128, 1, 1, False, 1)],
     ids=str,
 )  # fmt: skip
 def test_gemm_offset_by_row_sums(rng, has_zp, block_m, block_k, group_size, block_n, consumers,
@@ -175,6 +175,22 @@ def test_row_sums_refuse_what_they_cannot_take(rng):
         gemm(row_sums=jnp.zeros((4, 8), jnp.float32))
     with pytest.raises(ValueError, match="row_sums takes exact products"):
         gemm(row_sums=tile_row_sums(x), consumers=1, bf16_weights=True)
+    # (128/64) x 8 f32 sums per k-step: 64 bytes, not whole 128 (faulted on the H200)
+    with pytest.raises(ValueError, match="whole 128 bytes"):
+        gemm(row_sums=tile_row_sums(x), block_k=128)
+
+
+def test_layer_takes_row_sums_only_where_they_fit():
+    """The layer gives a GEMM row sums where asked, on exact products of whole blocks, and where
+    a k-step's sums fill 128 bytes (else the usual conversion runs)."""
+    cfg = MgpuConfig(block_m=8, block_k=256, offset_by_row_sums=True)
+    options = dict(bf16_weights=False, block_m=8, block_k=256)
+    assert mgpu_fused_moe.takes_row_sums(cfg, options)
+    assert not mgpu_fused_moe.takes_row_sums(cfg, {**options, "block_k": 128})
+    assert not mgpu_fused_moe.takes_row_sums(cfg, {**options, "bf16_weights": True})
+    assert not mgpu_fused_moe.takes_row_sums(cfg, options, one_row_tile=True)
+    no = dataclasses.replace(cfg, offset_by_row_sums=False)
+    assert not mgpu_fused_moe.takes_row_sums(no, options)
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
@@ -350,9 +366,10 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (13, MgpuConfig(block_m=32, block_k=64, consumers=2, narrow_blocks=1)),
         (30, MgpuConfig(block_m=32, block_k=64, narrow_blocks=3)),  # 32, 16 or 8 rows
         # zero points corrected by the rows' sums: one token, narrow blocks, K splits
-        (1, MgpuConfig(block_m=8, block_k=64, offset_by_row_sums=True)),
-        (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1, offset_by_row_sums=True)),
-        (6, MgpuConfig(block_m=8, block_k=64, splits=2, offset_by_row_sums=True)),
+        # (32 rows: a k-step's sums fill 128 bytes at the model's 64-wide GEMM2 steps)
+        (1, MgpuConfig(block_m=32, block_k=64, offset_by_row_sums=True)),
+        (40, MgpuConfig(block_m=32, block_k=64, narrow_blocks=1, offset_by_row_sums=True)),
+        (6, MgpuConfig(block_m=32, block_k=64, splits=2, offset_by_row_sums=True)),
     ],
     ids=str,
 )
@@ -529,7 +546,7 @@ def test_fused_moe_chunks_match_one_chunk(rng):
 
 
 @pytest.mark.parametrize(
-    "config", [None, MgpuConfig(block_m=8, block_k=64, offset_by_row_sums=True)],
+    "config", [None, MgpuConfig(block_m=32, block_k=64, offset_by_row_sums=True)],
     ids=["default", "row_sums"],
 )  # fmt: skip
 def test_fused_moe_expert_map_and_dropped_slots(rng, config):
