@@ -601,16 +601,23 @@ def mgpu_wna16_gemm(
                             plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
                     return offset
 
-                def corrected(part, offset, g):
-                    # row_sums: sum((128 + q) x) - (128 + z) sum(x) over the group's k-tiles
+                def group_sums(g):
+                    # row_sums: the rows' sums over group g's k-tiles, [64, rows] (each column
+                    # one row's), loaded once per group before its units' products
                     k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
                     sums = sum(
                         plgpu.load(sum_ref.at[j, pl.ds(0, rows)], layout=col) for j in k_tiles
                     )
+                    return lax.broadcast_in_dim(sums, (TILE, rows), [1])
+
+                sums = [group_sums(g) for g in range(groups_per_step)] if summed else None
+
+                def corrected(part, offset, g):
+                    # row_sums: sum((128 + q) x) - (128 + z) sum(x) over the group's k-tiles
                     if offset is None:  # the interpreter, symmetric
                         offset = jnp.full((TILE,), 136, jnp.float32)
                     offsets = lax.broadcast_in_dim(offset.astype(jnp.float32), part.shape, [0])
-                    return part - offsets * lax.broadcast_in_dim(sums, part.shape, [1])
+                    return part - offsets * sums[g]
 
                 def add_scaled(accs, part_ref, g, h, s, in_flight, offset):
                     # wait until at most in_flight wgmmas (the next unit's) are running
