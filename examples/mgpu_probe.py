@@ -349,14 +349,11 @@ def _time_gemms(record, cfg, x, ids, w13p, w2p, *, key, interpret, work, timing)
         ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, None, bytes1, flops1),
         ("mgpu GEMM2", w2p, act_rows, None, down_rows, bytes2, flops2),
     ):
-        # offset_by_row_sums: the rows' sums made once, outside the timed GEMM (the layer
-        # makes them with XLA)
-        sums = mgpu_fused_moe.tile_row_sums(a) if cfg.offset_by_row_sums else None
         t, _ = benchmark.time_loop(
-            lambda w, a, ex, used, sums, act=act, out=out: gemm(
-                a, w, ex, used, activation_dtype=act, out_dtype=out, row_sums=sums
+            lambda w, a, ex, used, act=act, out=out: gemm(
+                a, w, ex, used, activation_dtype=act, out_dtype=out
             ),
-            [(a, block_experts, in_use, sums)],
+            [(a, block_experts, in_use)],
             consts=(w,),
             **timing,
         )

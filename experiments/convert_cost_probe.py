@@ -7,9 +7,9 @@ the energy per weight byte, removing some of them should raise the clock and sho
 This probe times the DeepSeek-V3 TP=1 layer (zero points, default config) with copies of
 pallas_kernels/mgpu_wna16_gemm.py whose source has one step removed:
 - "no zero point": the converted tile 128 + q is multiplied as is (no subtraction of 128 + z:
-  16 of a thread's ~45 instructions per 64x64 tile). A correction by per-group row sums (sum
-  x over the group times 128 + z, outside the tensor cores) would give the right result at
-  about this cost;
+  16 of a thread's ~45 instructions per 64x64 tile). Session 20 measured it at 6.7% of the
+  M=256 layer; the correction by per-group row sums built to win that (commit 0018d1c, removed)
+  ran slower instead (GEMM1 at M=256 +4.0%) and was wrong on the GPU at 64-wide groups;
 - "no group scale": each group's f32 sum is added unscaled;
 - "neither";
 - "no conversion": a constant tile in place of each loaded one (the upper bound of any cheaper

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Needs the row-sum code, removed after session 20's call 4: run it on commit 0018d1c.
 # Planned in session 19 for the next session (one H200, ~330 s): the opt-in offset_by_row_sums
 # (weights converted without their zero point, each group's sum corrected by the rows' sums;
 # built in session 19 without a GPU). (1) compiled tests: the GEMM shapes and the DeepSeek-V3

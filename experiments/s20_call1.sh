@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Needs the row-sum code, removed after session 20's call 4: run it on commit 0018d1c.
 # Session 20, call 1 (one H200, ~420 s): session 19's pending row-sum run
 # (experiments/pending_s19_row_sums.sh: compiled tests, the probe at M = 1, 16, 256, sustained
 # clocks and power) and the copy ceiling's own sustained power (from pending_s19_power.sh).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Needs the row-sum code, removed after session 20's call 4: run it on commit 0018d1c.
 # Session 20, call 4 (one H200, ~220 s): the row-sum correction with each group's sums loaded
 # once per k-step before the products (call 3: GEMM1 at M=256 5.5% slower than the default
 # while "no zero point" ran 6.7% faster in call 2), and where call 3's GPU failure

@@ -17,12 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import gather_rows
 from pallas_kernels.fused_moe import DEFAULT_CHUNK_TOKENS, align
-from pallas_kernels.mgpu_wna16_gemm import (
-    mgpu_wna16_gemm,
-    row_sums_fit,
-    takes_bf16_weights,
-    tile_row_sums,
-)
+from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm, takes_bf16_weights
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
@@ -54,11 +49,7 @@ class MgpuConfig:
     bf16_weights: the warp-specialized GEMMs (consumers >= 1, one output tile per program)
     multiply weights rounded to bf16 ((q - z) * s, as a bf16 model's dequantized weights) straight
     into their sums, in place of exact integer products summed per group and scaled: no f32 sum
-    per group in registers (room for 128-row blocks) and no wait per group; one more rounding.
-    offset_by_row_sums (opt-in, exact products only): the GEMMs convert weights without their
-    zero point and correct each group's sum by (128 + z) x the rows' sums (mgpu_wna16_gemm's
-    row_sums, computed here by XLA from each GEMM's rows): fewer instructions per weight, for
-    decode at the H200's power cap (session 19); not measured on a GPU yet."""
+    per group in registers (room for 128-row blocks) and no wait per group; one more rounding."""
 
     block_m: int
     block_k: int = 128
@@ -76,7 +67,6 @@ class MgpuConfig:
     bf16_down_rows: bool = False
     direct_token: bool = False
     bf16_weights: bool = False
-    offset_by_row_sums: bool = False
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -374,18 +364,14 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
 
     def gemm(
         rows, w, block_experts, rows_in_use=None, activation_dtype=None, out_dtype=None,
-        one_row_tile=False, row_sums=None,
+        one_row_tile=False,
     ):  # fmt: skip
         _, splits, gated, options = gemm_plan(
             cfg, w, block_experts.shape[0], activation_dtype, out_dtype
         )
-        if takes_row_sums(cfg, options, one_row_tile):
-            row_sums = tile_row_sums(rows) if row_sums is None else row_sums
-        else:
-            row_sums = None
         out = mgpu_wna16_gemm(
             rows, w, block_experts, rows_in_use, **options, one_row_tile=one_row_tile,
-            row_sums=row_sums, interpret=interpret,
+            interpret=interpret,
         )  # fmt: skip
         if gated:
             return out
@@ -395,18 +381,6 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
         return _reference.silu_and_mul(out).astype(activation_dtype)
 
     return gemm
-
-
-def takes_row_sums(cfg: MgpuConfig, options: dict, one_row_tile: bool = False) -> bool:
-    """Whether a GEMM with these mgpu_wna16_gemm options runs cfg.offset_by_row_sums: asked
-    for, on exact products (not bf16_weights) of whole blocks (not one_row_tile) whose k-step's
-    sums fill whole 128 bytes (`row_sums_fit`)."""
-    return (
-        cfg.offset_by_row_sums
-        and not options["bf16_weights"]
-        and not one_row_tile
-        and row_sums_fit(options["block_m"], options["block_k"])
-    )
 
 
 def down_rows_dtype(cfg: MgpuConfig, x_dtype, out_dtype):
@@ -475,18 +449,6 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
     return block_experts, x_rows, position, in_use
 
 
-def row_sums_from_tokens(x, position, placed, num_rows: int, top_k: int):
-    """tile_row_sums of the rows in block order ([K/64, P]) from x's own rows ([T, K]): slot s
-    (placed) puts token s // top_k's sums at column position[s]; other rows (padding) get
-    zeros, as their rows are. Reads x once instead of the P rows (at DeepSeek-V3 M=256 ~3.7
-    against ~69 MB)."""
-    sums = tile_row_sums(x)  # [K/64, T]
-    slots = jnp.arange(position.shape[0], dtype=jnp.int32)
-    token = jnp.full(num_rows, -1, jnp.int32)
-    token = token.at[jnp.where(placed, position, num_rows)].set(slots // top_k, mode="drop")
-    return jnp.where(token >= 0, sums[:, jnp.maximum(token, 0)], 0.0)
-
-
 def _chunk(
     x, *, topk_weights, topk_ids, w13, w2, expert_map, cfg: MgpuConfig, interpret, one_token=True,
     out_dtype=None,
@@ -508,22 +470,17 @@ def _chunk(
         )
     in_use = cfg.gemm_rows_in_use(in_use)
     gemm = block_gemm(cfg, interpret)
-    # each slot's local expert (-1: dropped or off this shard)
-    local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    x_sums = None
-    if cfg.offset_by_row_sums and not direct:  # GEMM1's row sums from the tokens' own rows
-        x_sums = row_sums_from_tokens(x, position, local.reshape(-1) >= 0, x_rows.shape[0], k)
     # The activation sees unrounded f32 sums; it is rounded to x's dtype for GEMM2's tensor
     # cores, as in the 'pallas' backend (the 'xla' reference keeps it in f32). GEMM2's rows are
     # f32 (bf16 where the config asks: `down_rows_dtype`); the top-k sum is f32.
     # With narrow blocks, a block's unused rows of `act` may be unwritten; GEMM2 reads none.
     act = gemm(  # [P, I]
-        x_rows, w13, block_experts, in_use, activation_dtype=x.dtype, one_row_tile=direct,
-        row_sums=x_sums,
-    )  # fmt: skip
+        x_rows, w13, block_experts, in_use, activation_dtype=x.dtype, one_row_tile=direct
+    )
     y = gemm(act, w2, block_experts, in_use, out_dtype=down_rows_dtype(cfg, x.dtype, out_dtype))
     # Only the rows of slots on this shard are read (leaving the others unwritten in the GEMMs
     # and the rows' gather measured no faster, session 12).
+    local, _ = _reference.local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
     rows = jnp.where(local[:, None] >= 0, y[position].astype(jnp.float32), 0.0).reshape(t, k, -1)
     return (rows * topk_weights[..., None].astype(jnp.float32)).sum(axis=1)
 

@@ -251,20 +251,6 @@ def _biased_tile(q_tile):
     return convert(q_tile)
 
 
-def tile_row_sums(x_rows: jax.Array) -> jax.Array:
-    """f32 [K/64, P]: the sum of each 64-wide k-tile of each row of x_rows [P, K] (of its values
-    as the GEMM multiplies them), mgpu_wna16_gemm's row_sums."""
-    p, k = x_rows.shape
-    return x_rows.astype(jnp.float32).reshape(p, k // TILE, TILE).sum(axis=2).T
-
-
-def row_sums_fit(block_m: int, block_k: int) -> bool:
-    """Whether a k-step's rows' sums, (block_k/64) x block_m f32, fill whole 128 bytes: each
-    pipeline stage's copy of them must start 128-byte aligned in shared memory (smaller copies
-    faulted with a misaligned address on the H200, session 20)."""
-    return block_k // TILE * block_m * 4 % 128 == 0
-
-
 def _swizzled(shape, dtype, what: str):
     """Tiling + swizzle transforms for an SMEM tile whose minor dimension is shape[-1]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -313,7 +299,6 @@ def mgpu_wna16_gemm(
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
-    row_sums: jax.Array | None = None,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -373,15 +358,6 @@ def mgpu_wna16_gemm(
     experts. For one token's blocks (a block per slot, the token in each block's first row)
     without building [B * block_m, H] rows first.
 
-    row_sums (exact products only: not with bf16_weights or one_row_tile): f32 [K/64, P], the
-    sum of each 64-wide k-tile of each row of x_rows (`tile_row_sums`). The conversion then
-    leaves the zero point in each weight, 128 + q, and each group's f32 sum is corrected after
-    its products instead: sum((128 + q) x) - (128 + z) sum(x), one multiply-add per output
-    element and group in place of a subtraction per weight pair (16 of a thread's ~45
-    instructions per 64x64 tile). The products stay exact (128 + q has 8 significant bits);
-    the f32 sums carry values near 136 x the rows' sums, so their rounding is ~2^-16 of the
-    result, far below bf16's.
-
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
     H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
@@ -406,23 +382,6 @@ def mgpu_wna16_gemm(
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
         one_row_tile=one_row_tile, bf16_weights=bf16_weights,
     )  # fmt: skip
-    summed = row_sums is not None
-    if summed and (bf16_weights or one_row_tile):
-        raise ValueError("row_sums takes exact products on whole blocks: not with bf16_weights "
-                         "or one_row_tile")  # fmt: skip
-    if summed and (
-        row_sums.shape != (w.shape[2] // TILE, x_rows.shape[0]) or row_sums.dtype != jnp.float32
-    ):
-        raise ValueError(
-            f"row_sums must be f32 [K/64, P] = {(w.shape[2] // TILE, x_rows.shape[0])}, got "
-            f"{row_sums.dtype} {row_sums.shape}"
-        )
-    if summed and not row_sums_fit(block_m, block_k):
-        raise ValueError(
-            f"row_sums copies (block_k/64) x block_m f32 sums per k-step, which must fill whole "
-            f"128 bytes (a TMA copy's shared-memory alignment): got block_k={block_k}, "
-            f"block_m={block_m}"
-        )
     narrow = block_rows is not None
     if narrow and (
         narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
@@ -465,14 +424,12 @@ def mgpu_wna16_gemm(
     elif buffer_rows % 8 or bm % buffer_rows:
         raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
     wgmma = plgpu.Layout.WGMMA
-    row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector along the features (accumulator rows)
-    col = plgpu.Layout.WGMMA.reduce(0)  # a [rows] vector along the rows (accumulator columns)
+    row = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(experts_gmem, *rest):
         rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
         x_gmem, q_gmem, s_gmem, *rest = rest
         z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
-        sums_gmem, rest = (list(rest[:1]), rest[1:]) if summed else ([], rest)
         o_gmem, o_smem, *rest = rest
         a_smem = rest[0] if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
@@ -547,9 +504,7 @@ def mgpu_wna16_gemm(
                     biased = q.astype(dtype) + 136
                 else:
                     biased = _biased_tile(q_tile)
-                if summed:  # 128 + q as is: the group's sum is corrected (`add_scaled`)
-                    wt = biased
-                elif offset is None:  # the interpreter, symmetric
+                if offset is None:  # the interpreter, symmetric
                     wt = biased - 136
                 else:
                     wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
@@ -580,7 +535,7 @@ def mgpu_wna16_gemm(
                     for _ in range(halves * subs)
                 )
 
-            def products(accs, q_refs, x_smem, s_refs, z_refs, sum_ref=None):
+            def products(accs, q_refs, x_smem, s_refs, z_refs):
                 # The products of a group's k-tiles are exact in their f32 sum (its own
                 # accumulator); the group scale multiplies the sum. Units (group, half, sub-tile)
                 # run in order: unit u's tiles are converted while unit u-1's wgmmas run, and
@@ -599,47 +554,24 @@ def mgpu_wna16_gemm(
                     with region("wgmma"):
                         for j, wt in zip(k_tiles, wts, strict=True):
                             plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
-                    return offset
 
-                def group_sums(g):
-                    # row_sums: the rows' sums over group g's k-tiles, [64, rows] (each column
-                    # one row's), loaded once per group before its units' products
-                    k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
-                    sums = sum(
-                        plgpu.load(sum_ref.at[j, pl.ds(0, rows)], layout=col) for j in k_tiles
-                    )
-                    return lax.broadcast_in_dim(sums, (TILE, rows), [1])
-
-                sums = [group_sums(g) for g in range(groups_per_step)] if summed else None
-
-                def corrected(part, offset, g):
-                    # row_sums: sum((128 + q) x) - (128 + z) sum(x) over the group's k-tiles
-                    if offset is None:  # the interpreter, symmetric
-                        offset = jnp.full((TILE,), 136, jnp.float32)
-                    offsets = lax.broadcast_in_dim(offset.astype(jnp.float32), part.shape, [0])
-                    return part - offsets * sums[g]
-
-                def add_scaled(accs, part_ref, g, h, s, in_flight, offset):
+                def add_scaled(accs, part_ref, g, h, s, in_flight):
                     # wait until at most in_flight wgmmas (the next unit's) are running
                     with region("wait"):
                         part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
                     with region("scale"):
-                        if summed:
-                            part = corrected(part, offset, g)
                         scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                         scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
                         a = h * subs + s
                         return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]
 
                 def unit_products(*part_refs):
-                    out, offsets = accs, []
+                    out = accs
                     for u, part_ref in enumerate(part_refs):
-                        offsets.append(issue(part_ref, *units[u]))
+                        issue(part_ref, *units[u])
                         if u:
-                            out = add_scaled(
-                                out, part_refs[u - 1], *units[u - 1], tiles_per_part, offsets[u - 1]
-                            )
-                    return add_scaled(out, part_refs[-1], *units[-1], 0, offsets[-1])
+                            out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
+                    return add_scaled(out, part_refs[-1], *units[-1], 0)
 
                 return pl.run_scoped(
                     unit_products, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in units]
@@ -675,23 +607,21 @@ def mgpu_wna16_gemm(
 
             def step(idx, *refs):
                 # refs: the weight tiles of each half, the rows' tile, the scales of each half,
-                # the zero points of each half (with them), the rows' sums (with row_sums), the
-                # carried sums
+                # the zero points of each half (with them), the carried sums
                 *refs, accs = refs
-                sum_ref = refs.pop() if summed else None
                 q_refs, x_smem = refs[:halves], refs[halves]
                 s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
                 if bf16_weights:  # accs: the sums' accumulator refs
                     return rounded_products(accs, q_refs, x_smem, s_refs, z_refs)
                 if tiles == 1:
-                    return products(accs, q_refs, x_smem, s_refs, z_refs, sum_ref)
+                    return products(accs, q_refs, x_smem, s_refs, z_refs)
                 # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
                 # them (the next tile's copies are already in flight).
                 ni, kk = tile_and_step(idx)
                 keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, rows), ())
                 keep = plgpu.layout_cast(keep, wgmma)
                 accs = tuple(a * keep for a in accs)
-                accs = products(accs, q_refs, x_smem, s_refs, z_refs, sum_ref)
+                accs = products(accs, q_refs, x_smem, s_refs, z_refs)
 
                 @pl.when(kk == steps - 1)
                 def _store():
@@ -736,16 +666,7 @@ def mgpu_wna16_gemm(
             ]
             if has_offset:
                 in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
-            if summed:  # the sums of the block's rows per k-tile, [k-tiles of the step, bm]:
-                # all bm rows even where a narrowed pipeline uses its first `rows`, so that each
-                # stage's copy fills whole 128 bytes (a TMA copy's shared-memory alignment)
-
-                def sum_tile(*idx):
-                    return tile_and_step(idx)[1] + si * steps, bi
-
-                in_specs.append(plgpu.BlockSpec((bk // TILE, bm), sum_tile))
             operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
-            operands += sums_gmem
             grid = (steps,) if tiles == 1 else (tiles, steps)
 
             def pipeline(compute_context=None):
@@ -822,8 +743,6 @@ def mgpu_wna16_gemm(
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
-    if summed:
-        operands.append(row_sums)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:

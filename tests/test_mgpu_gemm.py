@@ -36,7 +36,6 @@ from pallas_kernels.mgpu_wna16_gemm import (  # noqa: E402
     check_config,
     mgpu_wna16_gemm,
     output_buffer_rows,
-    tile_row_sums,
 )
 
 
@@ -72,12 +71,11 @@ def bf16_rounded(w_deq):
 
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
-    stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False, row_sums=False,
+    stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
-    sums = tile_row_sums(x_rows) if row_sums else None
     out = mgpu_wna16_gemm(
         x_rows,
         prepare_weights(qw),
@@ -90,7 +88,6 @@ def run_gemm_case(
         gated=gated,
         tiles_per_program=tiles_per_program,
         bf16_weights=bf16_weights,
-        row_sums=sums,
         max_concurrent_steps=stages,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
@@ -135,62 +132,6 @@ def test_gemm_matches_numpy(rng, has_zp, block_m, block_k, group_size):
         rng, e=4, n=128, k=256, group_size=group_size, has_zp=has_zp, block_m=block_m,
         block_k=block_k, blocks=[2, -1, 0, 3, 2],
     )  # fmt: skip
-
-
-@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-@pytest.mark.parametrize(
-    "block_m,block_k,group_size,block_n,consumers,splits,gated,tiles",
-    [(8, 256, 128, 64, 0, 1, False, 1), (16, 128, 256, 64, 0, 1, False, 1),
-     (8, 256, 128, 128, 0, 2, False, 1), (8, 256, 128, 64, 0, 1, True, 1),
-     (16, 128, 64, 64, 2, 1, True, 1), (8, 256, 128, 64, 0, 1, False, 2),
-     (32, 64, -1, 128, 1, 1, False, 1)],
-    ids=str,
-)  # fmt: skip
-def test_gemm_offset_by_row_sums(rng, has_zp, block_m, block_k, group_size, block_n, consumers,
-                                 splits, gated, tiles):  # fmt: skip
-    """row_sums: the weights converted without their zero point (128 + q) and each group's sum
-    corrected by (128 + z) x the rows' sums: as numpy, for k-steps within a group or over two,
-    K splits, the gated epilogue, warp specialization and runs of tiles."""
-    run_gemm_case(
-        rng, e=3, n=block_n * max(consumers, 1) * tiles * 2 * (2 if gated else 1), k=512,
-        group_size=group_size, has_zp=has_zp, block_m=block_m, block_k=block_k,
-        blocks=[1, -1, 0, 2, 1], consumers=consumers, splits=splits, block_n=block_n,
-        gated=gated, tiles_per_program=tiles, stages=3, row_sums=True,
-    )  # fmt: skip
-
-
-def test_row_sums_are_the_tiles_sums(rng):
-    """tile_row_sums: f32 [K/64, P], each 64-wide k-tile of each row summed."""
-    x = jnp.asarray(rng.standard_normal((24, 256)), BF16)
-    want = np.asarray(x, np.float64).reshape(24, 4, 64).sum(axis=2).T
-    np.testing.assert_allclose(np.asarray(tile_row_sums(x)), want, rtol=1e-6, atol=1e-5)
-
-
-def test_row_sums_refuse_what_they_cannot_take(rng):
-    qw = prepare_weights(helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, True, BF16))
-    x = jnp.zeros((16, 256), BF16)
-    gemm = functools.partial(mgpu_wna16_gemm, x, qw, jnp.zeros(2, jnp.int32), block_m=8,
-                             interpret=True)  # fmt: skip
-    with pytest.raises(ValueError, match="row_sums must be f32"):
-        gemm(row_sums=jnp.zeros((4, 8), jnp.float32))
-    with pytest.raises(ValueError, match="row_sums takes exact products"):
-        gemm(row_sums=tile_row_sums(x), consumers=1, bf16_weights=True)
-    # (128/64) x 8 f32 sums per k-step: 64 bytes, not whole 128 (faulted on the H200)
-    with pytest.raises(ValueError, match="whole 128 bytes"):
-        gemm(row_sums=tile_row_sums(x), block_k=128)
-
-
-def test_layer_takes_row_sums_only_where_they_fit():
-    """The layer gives a GEMM row sums where asked, on exact products of whole blocks, and where
-    a k-step's sums fill 128 bytes (else the usual conversion runs)."""
-    cfg = MgpuConfig(block_m=8, block_k=256, offset_by_row_sums=True)
-    options = dict(bf16_weights=False, block_m=8, block_k=256)
-    assert mgpu_fused_moe.takes_row_sums(cfg, options)
-    assert not mgpu_fused_moe.takes_row_sums(cfg, {**options, "block_k": 128})
-    assert not mgpu_fused_moe.takes_row_sums(cfg, {**options, "bf16_weights": True})
-    assert not mgpu_fused_moe.takes_row_sums(cfg, options, one_row_tile=True)
-    no = dataclasses.replace(cfg, offset_by_row_sums=False)
-    assert not mgpu_fused_moe.takes_row_sums(no, options)
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
@@ -365,11 +306,6 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1)),  # ~10 rows per expert
         (13, MgpuConfig(block_m=32, block_k=64, consumers=2, narrow_blocks=1)),
         (30, MgpuConfig(block_m=32, block_k=64, narrow_blocks=3)),  # 32, 16 or 8 rows
-        # zero points corrected by the rows' sums: one token, narrow blocks, K splits
-        # (32 rows: a k-step's sums fill 128 bytes at the model's 64-wide GEMM2 steps)
-        (1, MgpuConfig(block_m=32, block_k=64, offset_by_row_sums=True)),
-        (40, MgpuConfig(block_m=32, block_k=64, narrow_blocks=1, offset_by_row_sums=True)),
-        (6, MgpuConfig(block_m=32, block_k=64, splits=2, offset_by_row_sums=True)),
     ],
     ids=str,
 )
@@ -545,14 +481,9 @@ def test_fused_moe_chunks_match_one_chunk(rng):
     np.testing.assert_array_equal(np.asarray(chunked, np.float32), np.asarray(whole, np.float32))
 
 
-@pytest.mark.parametrize(
-    "config", [None, MgpuConfig(block_m=32, block_k=64, offset_by_row_sums=True)],
-    ids=["default", "row_sums"],
-)  # fmt: skip
-def test_fused_moe_expert_map_and_dropped_slots(rng, config):
+def test_fused_moe_expert_map_and_dropped_slots(rng):
     """An expert shard (expert_map, off-shard blocks give zeros) and out-of-range ids (dropped)
-    match numpy, as the other backends do; also with the row-sum correction (the dropped slots
-    must not give a row their sums)."""
+    match numpy, as the other backends do."""
     e_global, e_local, top_k, t, h, i = 8, 4, 3, 6, 128, 64
     w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e_local, h, i, 4, 64, True, BF16)
@@ -564,7 +495,6 @@ def test_fused_moe_expert_map_and_dropped_slots(rng, config):
     out = wj.fused_moe(
         x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
         jnp.asarray(topk_ids), expert_map=jnp.asarray(expert_map), implementation=IMPLEMENTATION,
-        config=config,
     )  # fmt: skip
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
@@ -690,20 +620,6 @@ def test_bf16_weights_meet_the_layer_contract(seed):
     )
 
 
-def deepseek_v3_tp1_problem(key, t: int):
-    """(w13, w2, x, topk_weights, topk_ids) of DeepSeek-V3 TP=1 (E=256, H=7168, I=2048, int4 g128
-    with zero points, made on the device; keys fold_in 1 and 2 of `key`) and t tokens (x: fold_in
-    3; top-8 of uniform scores: fold_in 4)."""
-    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
-                                           True, BF16)  # fmt: skip
-    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 2048, 4, 128,
-                                          True, BF16)  # fmt: skip
-    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
-    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
-    tw, ids = jax.lax.top_k(scores, 8)
-    return w13, w2, x, tw, ids.astype(jnp.int32)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_fused_moe_deepseek_v3_tp1_gpu(t):
@@ -711,30 +627,21 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
     has 7.5e9 elements, past 2^31 (DESIGN.md's rule for the Triton lowering; the TMA addressing
     of this kernel is checked here). Against 'xla' on the same weights; at t=4096 the default
     runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK)."""
-    w13, w2, x, tw, ids = deepseek_v3_tp1_problem(jax.random.key(t), t)
-    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
-    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
+    key = jax.random.key(t)
+    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
+                                           True, BF16)  # fmt: skip
+    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 2048, 4, 128,
+                                          True, BF16)  # fmt: skip
+    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
+    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
+    tw, ids = jax.lax.top_k(scores, 8)
+    ref = wj.fused_moe(x, w13, w2, tw, ids.astype(jnp.int32), implementation="xla")
+    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids.astype(jnp.int32),
                        implementation="mgpu")  # fmt: skip
     slack = LAYER_SLACK if mgpu_fused_moe.default_config(8 * t, 256, 128).bf16_weights else 1.0
     helpers.assert_finite_and_close(
         out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 layer",
         slack=slack, require_signal=True,
-    )  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 256])
-def test_fused_moe_row_sums_deepseek_v3_gpu(t):
-    """offset_by_row_sums compiled: the DeepSeek-V3 TP=1 layer (zero points) against 'xla' on
-    the same weights, as the default config is held (tests/helpers' bf16 tolerance)."""
-    w13, w2, x, tw, ids = deepseek_v3_tp1_problem(jax.random.key(200 + t), t)
-    config = dataclasses.replace(default_config(8 * t, 256, 128), offset_by_row_sums=True)
-    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
-    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
-                       implementation="mgpu", config=config)  # fmt: skip
-    helpers.assert_finite_and_close(
-        out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 layer, row sums",
-        require_signal=True,
     )  # fmt: skip
 
 
@@ -1029,7 +936,6 @@ def lowers_for_cuda(
     stages=4,
     one_row_tile=False,
     bf16_weights=False,
-    row_sums=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
@@ -1055,25 +961,8 @@ def lowers_for_cuda(
     if one_row_tile:  # one token's row: the copies read the block's other rows past its end
         x = jax.ShapeDtypeStruct((1, k), BF16)
     args = (x, w, experts, experts) if narrow else (x, w, experts)
-    sums = jax.ShapeDtypeStruct((k // 64, x.shape[0]), jnp.float32) if row_sums else None
-    lowered = jax.jit(lambda *a, sums: gemm(*a, row_sums=sums)).trace(*args, sums=sums)
-    lowered = lowered.lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-
-
-@pytest.mark.parametrize(
-    "has_zp,block_m,block_k,consumers,splits,block_n,gated,tiles,narrow",
-    [(True, 8, 256, 0, 1, 64, True, 1, 0), (True, 8, 256, 0, 1, 64, False, 1, 0),
-     (False, 16, 128, 0, 1, 128, True, 1, 1), (True, 16, 128, 0, 1, 128, False, 1, 1),
-     (True, 8, 256, 0, 2, 64, False, 2, 0), (True, 64, 256, 2, 1, 64, True, 1, 2)],
-    ids=str,
-)  # fmt: skip
-def test_gemm_row_sums_lower_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n,
-                                      gated, tiles, narrow):  # fmt: skip
-    """row_sums on the compiled path: the rows' sums as a [k-tiles, rows] copy per step, loaded
-    along the accumulator's columns; with narrow blocks (each width its own pipeline)."""
-    lowers_for_cuda(has_zp, block_m, block_k, consumers, splits, block_n, gated, tiles=tiles,
-                    narrow=narrow, stages=3, row_sums=True)  # fmt: skip
 
 
 def test_gemm_refuses_the_canonical_layout(rng):
