@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 from test_deepseek_v3_common import assert_close, logits_of, random_ids, tiny_model
@@ -13,10 +13,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "generate.py"
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("example_generate", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_script(EXAMPLE, "example_generate", [EXAMPLE.parent])
 
 
 def test_example_help(capsys):

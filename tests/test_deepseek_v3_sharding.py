@@ -166,11 +166,7 @@ def test_maybe_initialize_distributed_plumbing():
 
 def test_example_flags_reach_the_distributed_helper(monkeypatch):
     """examples/generate.py passes --coordinator / --num-processes / --process-id through."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("example_generate", ROOT / "examples/generate.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = helpers.load_script(ROOT / "examples/generate.py", "example_generate")
     seen = []
 
     def fake(*args, **kw):

@@ -18,7 +18,6 @@ How to run:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import math
 import sys
@@ -681,10 +680,9 @@ def test_pipeline_logs_w8a8_configs(rng, caplog, monkeypatch):
 
 def test_benchmark_w8a8_smoke(tmp_path, monkeypatch):
     path = Path(__file__).resolve().parents[1] / "examples" / "benchmark.py"
-    spec = importlib.util.spec_from_file_location("example_benchmark", path)
-    benchmark = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, benchmark)  # its dataclass looks itself up
-    spec.loader.exec_module(benchmark)
+    # load_script registers the module (its dataclass looks itself up); put back afterwards
+    monkeypatch.delitem(sys.modules, "example_benchmark", raising=False)
+    benchmark = helpers.load_script(path, "example_benchmark", [path.parent])
     result = benchmark.main(
         [
             "--activation-quant",
