@@ -46,6 +46,20 @@ VARIANTS = {
     "no group scale": {SCALE: "return accs[:a] + (accs[a] + part,) + accs[a + 1 :]"},
 }
 VARIANTS["neither"] = {**VARIANTS["no zero point"], **VARIANTS["no group scale"]}
+# One more 64-wide wgmma per group and half/sub-tile (an existing tile's, into the group's sum):
+# what an augmented-K correction would add, the zero point as one more k-chunk of the weights
+# (-(128 + z) built in registers) against the rows' sums (extra columns of x). With the zero
+# point's subtraction removed too, "no zero point, extra wgmma" bounds what that design wins.
+WGMMA = "plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)"
+EXTRA_WGMMA = {
+    WGMMA: WGMMA
+    + "\n"
+    + " " * 24
+    + "plgpu.wgmma(part_ref, wts[0], x_smem.at[:, pl.ds(k_tiles[0] * TILE, TILE)].T)",
+    "*units[u - 1], tiles_per_part)": "*units[u - 1], tiles_per_part + 1)",  # the wait
+}
+VARIANTS["extra wgmma"] = EXTRA_WGMMA
+VARIANTS["no zero point, extra wgmma"] = {**VARIANTS["no zero point"], **EXTRA_WGMMA}
 # No conversion at all: a constant tile in place of the loaded one (the weights still stream into
 # shared memory, but no thread reads or converts them): what any cheaper conversion could win.
 VARIANTS["no conversion"] = {
@@ -75,6 +89,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--m", type=int, nargs="+", default=[16, 256])
     p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="the variants to time (default: all)")  # fmt: skip
     args = p.parse_args(argv)
     key = jax.random.key(0)
     w13, w2 = benchmark.probe_experts(key, "deepseek-v3", has_zp=True)
@@ -84,7 +100,7 @@ def main(argv=None) -> int:
     for m in args.m:
         xs, tws, idss = benchmark.probe_inputs(key, "deepseek-v3", m)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
-        for name in VARIANTS:
+        for name in args.variants:
             mgpu_fused_moe.mgpu_wna16_gemm = variant_gemm(name)
             jax.clear_caches()  # the layer retraces with this variant's GEMM
 
