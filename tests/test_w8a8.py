@@ -680,8 +680,9 @@ def test_pipeline_logs_w8a8_configs(rng, caplog, monkeypatch):
 
 def test_benchmark_w8a8_smoke(tmp_path, monkeypatch):
     path = Path(__file__).resolve().parents[1] / "examples" / "benchmark.py"
-    # load_script registers the module (its dataclass looks itself up); put back afterwards
-    monkeypatch.delitem(sys.modules, "example_benchmark", raising=False)
+    # load_script registers the module (its dataclass looks itself up); monkeypatch puts
+    # sys.modules back afterwards (setitem, unlike delitem, also undoes a name that was absent)
+    monkeypatch.setitem(sys.modules, "example_benchmark", None)
     benchmark = helpers.load_script(path, "example_benchmark", [path.parent])
     result = benchmark.main(
         [
