@@ -275,6 +275,7 @@ def _swizzled(shape, dtype, what: str):
         "buffer_rows",
         "one_row_tile",
         "bf16_weights",
+        "weight_row_words",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -299,6 +300,8 @@ def mgpu_wna16_gemm(
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
+    weight_words: jax.Array | None = None,
+    weight_row_words: int = 256,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -358,6 +361,11 @@ def mgpu_wna16_gemm(
     experts. For one token's blocks (a block per slot, the token in each block's first row)
     without building [B * block_m, H] rows first.
 
+    weight_words: w.qweight's tiles as uint32 words [E, N/64, K/64, 512] (the same bytes:
+    `layouts.tile_words`), copied in boxes of weight_row_words-word rows (a divisor of 512, at
+    most 256: a TMA box's row) instead of the int4 tiles' 32-byte rows; w.qweight itself is then
+    not read.
+
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
     H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
@@ -382,6 +390,19 @@ def mgpu_wna16_gemm(
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
         one_row_tile=one_row_tile, bf16_weights=bf16_weights,
     )  # fmt: skip
+    words = weight_words is not None
+    tile_words = TILE * TILE // 8  # uint32 words of a 64x64 int4 tile
+    if words and (
+        weight_words.dtype != jnp.uint32
+        or weight_words.shape != (*w.qweight.shape[:3], tile_words)
+        or tile_words % weight_row_words
+        or weight_row_words > 256
+    ):
+        raise ValueError(
+            f"weight_words must be uint32 {(*w.qweight.shape[:3], tile_words)} (the qweight's "
+            f"tiles as words) with weight_row_words dividing {tile_words}, at most 256; got "
+            f"{weight_words.dtype} {weight_words.shape}, weight_row_words={weight_row_words}"
+        )
     narrow = block_rows is not None
     if narrow and (
         narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
@@ -497,10 +518,18 @@ def mgpu_wna16_gemm(
                 # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
                 # offset = 128 + z of the tile's features (136 without zero points): q - z, a
                 # small integer, exact in bf16.
-                box, first = divmod(j * TILE, box_rows)
-                q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
+                if words:  # the tile's word rows
+                    per = tile_words // weight_row_words
+                    q_tile = q_smem.at[sub_tile(s), pl.ds(j * per, per)]
+                else:
+                    box, first = divmod(j * TILE, box_rows)
+                    q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
                 if interpret:  # the interpreter's wgmma takes A from shared memory only
-                    q = layouts.from_tile_order(q_tile[...].astype(jnp.int32))  # q - 8
+                    if words:
+                        q = layouts.tile_of_words(q_tile[...])
+                    else:
+                        q = q_tile[...].astype(jnp.int32)
+                    q = layouts.from_tile_order(q)  # q - 8
                     biased = q.astype(dtype) + 136
                 else:
                     biased = _biased_tile(q_tile)
@@ -636,7 +665,7 @@ def mgpu_wna16_gemm(
             def weight_tile(h):
                 def index(*idx):
                     ni, kk = tile_and_step(idx)
-                    return e, h * n_tiles + ni, si * steps + kk, 0, 0
+                    return e, h * n_tiles + ni, si * steps + kk, 0, *([] if words else [0])
 
                 return index
 
@@ -651,7 +680,11 @@ def mgpu_wna16_gemm(
                 first = 0 if one_row_tile else bi * (bm // rows)
                 return first, si * steps + tile_and_step(idx)[1]
 
-            q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
+            if words:  # a k-step's tiles of a 64-feature sub-tile: bk // 64 * 512 words
+                q_spec = (None, wgs * subs, bk // TILE * tile_words // weight_row_words,
+                          weight_row_words)  # fmt: skip
+            else:
+                q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
             g_spec = (None, groups_per_step, tile_n)
             in_specs = [  # weight tiles [64-feature tiles, boxes of box_rows/64 tiles, 64, 64]:
                 # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
@@ -736,7 +769,12 @@ def mgpu_wna16_gemm(
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
-    q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
+    if words:
+        q_rows = weight_words.reshape(
+            w.num_experts, n // TILE, k // TILE * tile_words // weight_row_words, weight_row_words
+        )
+    else:
+        q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
     operands = [block_experts.astype(jnp.int32)]
     if narrow:
         operands.append(block_rows.astype(jnp.int32))

@@ -72,13 +72,21 @@ def bf16_rounded(w_deq):
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
     stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
+    weight_row_words=None,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
+    w = prepare_weights(qw)
+    words = {}
+    if weight_row_words is not None:  # the tiles' words; poison the int4 tiles it must not read
+        words = dict(
+            weight_words=wj.layouts.tile_words(w.qweight), weight_row_words=weight_row_words
+        )
+        w = dataclasses.replace(w, qweight=jnp.full_like(w.qweight, 7))
     out = mgpu_wna16_gemm(
         x_rows,
-        prepare_weights(qw),
+        w,
         jnp.asarray(block_experts),
         block_m=block_m,
         block_k=block_k,
@@ -88,6 +96,7 @@ def run_gemm_case(
         gated=gated,
         tiles_per_program=tiles_per_program,
         bf16_weights=bf16_weights,
+        **words,
         max_concurrent_steps=stages,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
@@ -237,6 +246,25 @@ def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
     run_gemm_case(
         rng, e=3, n=128, k=2048, group_size=128, has_zp=has_zp, block_m=8, block_k=512,
         blocks=[1, -1, 0, 2], consumers=consumers, splits=splits,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize(
+    "row_words,block_k,block_n,consumers,gated,tiles",
+    [(8, 128, 64, 0, False, 1), (64, 256, 64, 0, True, 1), (256, 256, 128, 0, False, 2),
+     (128, 128, 64, 2, True, 1), (256, 512, 64, 0, False, 1)],
+    ids=str,
+)  # fmt: skip
+def test_gemm_reads_the_tiles_as_words(rng, has_zp, row_words, block_k, block_n, consumers,
+                                       gated, tiles):  # fmt: skip
+    """weight_words: the same tiles copied as uint32 word rows of row_words (the int4 qweight
+    poisoned: it must not be read), with k-steps of one to four groups, wide warpgroups, the
+    gated GEMM, warp specialization and runs of tiles."""
+    run_gemm_case(
+        rng, e=3, n=256, k=1024, group_size=128, has_zp=has_zp, block_m=8,
+        block_k=block_k, blocks=[1, -1, 0, 2], consumers=consumers, block_n=block_n,
+        gated=gated, tiles_per_program=tiles, stages=3, weight_row_words=row_words,
     )  # fmt: skip
 
 
