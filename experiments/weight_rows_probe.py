@@ -1,9 +1,9 @@
 """Whether the weight copies' 32-byte TMA rows hold the mgpu GEMM back: GEMM1 and GEMM2 of
-DeepSeek-V3 TP=1 timed alone, as the layer runs them at each M's default config, reading the
-int4 tiles (TMA rows of 64 nibbles = 32 bytes: 256 rows per 8 KB box) against the same tiles
-as uint32 words (mgpu_wna16_gemm's weight_words) in rows of 8 words (32 bytes, the same rows),
-64 (256 bytes) or 256 (1 KB). Each variant's output is checked bit for bit against the int4
-path's (the same products in the same order).
+DeepSeek-V3 TP=1 timed alone, as the layer runs them at each M's default config, copying the
+int4 tiles in TMA rows of 64 nibbles (32 bytes: 256 rows per 8 KB box), 128 or 256 nibbles
+(mgpu_wna16_gemm's weight_row_nibbles: 64 or 128 bytes), or the same tiles as uint32 words
+(weight_words) in rows of 8 to 256 words (32 bytes to 1 KB). Each variant's output is checked
+bit for bit against the first variant's (the same products in the same order).
 
 Usage (H200): PYTHONPATH=$PWD python3 experiments/weight_rows_probe.py --m 1 16 256
     --lower-only: lower every variant for sm_90 from shapes alone (no GPU; a CPU check).
@@ -39,10 +39,30 @@ def gemm_cases(cfg, w13p, w2p, blocks: int):
         yield what, w, options
 
 
+def variant_call(variant: str, options: dict):
+    """call(w, words, rows, block_experts, in_use) of the GEMM at options for a --variants
+    entry "nibbles:ROW" (the int4 tiles in TMA rows of ROW nibbles) or "words:ROW" (the tiles'
+    uint32 words in rows of ROW words)."""
+    kind, row = variant.split(":")
+    if kind == "words":
+        fn = functools.partial(mgpu_wna16_gemm, **options, weight_row_words=int(row))
+        return lambda w, words, r, ex, used: fn(r, w, ex, used, weight_words=words)
+    if kind != "nibbles":
+        raise ValueError(f"bad variant {variant!r}: nibbles:ROW or words:ROW")
+    fn = functools.partial(mgpu_wna16_gemm, **{**options, "weight_row_nibbles": int(row)})
+    return lambda w, words, r, ex, used: fn(r, w, ex, used)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256])
-    p.add_argument("--row-words", type=int, nargs="+", default=[8, 64, 256])
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["nibbles:64", "nibbles:128", "nibbles:256", "words:32", "words:64"],
+        help="nibbles:ROW (the int4 tiles in TMA rows of ROW nibbles) or words:ROW (the tiles as "
+        "uint32 words, rows of ROW words); the first is the bit-for-bit check's reference",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--lower-only", action="store_true")
     args = p.parse_args(argv)
@@ -69,27 +89,24 @@ def main(argv=None) -> int:
             rows = x_rows if what == "GEMM1" else act_rows
             nbytes = benchmark.weight_bytes(w13 if what == "GEMM1" else w2, 1) * touched
             reference = None
-            for row_words in [None, *args.row_words]:
-                extra = {}
-                if row_words is not None:
-                    extra = dict(weight_words=words[id(w)], weight_row_words=row_words)
-                fn = functools.partial(mgpu_wna16_gemm, **options, **extra)
-                out = jax.block_until_ready(fn(rows, w, block_experts, in_use))
+            for variant in args.variants:
+                call = variant_call(variant, options)
+                consts = (w, words[id(w)])
+                out = jax.block_until_ready(jax.jit(call)(*consts, rows, block_experts, in_use))
                 if reference is None:
                     reference, same = out, ""
                 else:
                     same = "bit-identical" if bool((out == reference).all()) else "DIFFERENT"
                 t, _ = benchmark.time_loop(
-                    lambda w, r, ex, used, fn=fn: fn(r, w, ex, used),
+                    call,
                     [(rows, block_experts, in_use)],
-                    consts=(w,),
+                    consts=consts,
                     iters=benchmark.default_iters(m),
                     repeats=args.repeats,
                     host=False,
                 )
-                name = "int4 tiles" if row_words is None else f"words x{row_words}"
                 print(
-                    f"M={m:<4} {what} {name:<12} {t * 1e6:8.1f} us "
+                    f"M={m:<4} {what} {variant:<12} {t * 1e6:8.1f} us "
                     f"{nbytes / t / copy_bps:6.1%} of copy {same}",
                     flush=True,
                 )
@@ -115,17 +132,16 @@ def lower_only(args) -> int:
             experts_ = jax.ShapeDtypeStruct((blocks,), jnp.int32)
             in_use = experts_ if cfg.narrow_steps() else None
             words = jax.ShapeDtypeStruct((*w.qweight.shape[:3], 512), jnp.uint32)
-            for row_words in args.row_words:
-                fn = functools.partial(mgpu_wna16_gemm, **options, weight_row_words=row_words)
+            for variant in args.variants:
                 try:
-                    jax.jit(fn).trace(rows, w, experts_, in_use, weight_words=words).lower(
-                        lowering_platforms=("cuda",)
-                    )
+                    jax.jit(variant_call(variant, options)).trace(
+                        w, words, rows, experts_, in_use
+                    ).lower(lowering_platforms=("cuda",))
                     verdict = "lowers"
                 except Exception as err:  # report, go on
                     failed += 1
                     verdict = f"FAILED: {str(err).strip().splitlines()[0][:160]}"
-                print(f"M={m:<4} {what} words x{row_words}: {verdict}", flush=True)
+                print(f"M={m:<4} {what} {variant}: {verdict}", flush=True)
     return 1 if failed else 0
 
 

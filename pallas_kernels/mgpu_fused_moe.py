@@ -49,7 +49,9 @@ class MgpuConfig:
     bf16_weights: the warp-specialized GEMMs (consumers >= 1, one output tile per program)
     multiply weights rounded to bf16 ((q - z) * s, as a bf16 model's dequantized weights) straight
     into their sums, in place of exact integer products summed per group and scaled: no f32 sum
-    per group in registers (room for 128-row blocks) and no wait per group; one more rounding."""
+    per group in registers (room for 128-row blocks) and no wait per group; one more rounding.
+    weight_row_nibbles: both GEMMs copy the int4 weight tiles in TMA rows of this many nibbles
+    (64: a tile's row of 32 bytes; 128 or 256: rows of 64 or 128 bytes, the same bytes)."""
 
     block_m: int
     block_k: int = 128
@@ -67,6 +69,7 @@ class MgpuConfig:
     bf16_down_rows: bool = False
     direct_token: bool = False
     bf16_weights: bool = False
+    weight_row_nibbles: int = 64
 
     def tile_n(self) -> int:
         """Output features per program."""
@@ -320,6 +323,7 @@ def gemm_options(
         consumers=cfg.consumers,
         splits=splits,
         gated=gated,
+        weight_row_nibbles=cfg.weight_row_nibbles,
         out_dtype=out_dtype if out_dtype is not None and splits == 1 else jnp.float32,
     )
 

@@ -276,6 +276,7 @@ def _swizzled(shape, dtype, what: str):
         "one_row_tile",
         "bf16_weights",
         "weight_row_words",
+        "weight_row_nibbles",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -302,6 +303,7 @@ def mgpu_wna16_gemm(
     bf16_weights: bool = False,
     weight_words: jax.Array | None = None,
     weight_row_words: int = 256,
+    weight_row_nibbles: int = TILE,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -366,6 +368,9 @@ def mgpu_wna16_gemm(
     most 256: a TMA box's row) instead of the int4 tiles' 32-byte rows; w.qweight itself is then
     not read.
 
+    weight_row_nibbles: the int4 tiles copied in TMA rows of this many nibbles (64: a tile's
+    row, 32 bytes; 128 or 256: the same bytes in rows of 64 or 128 bytes, a free reshape).
+
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
     H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
@@ -402,6 +407,22 @@ def mgpu_wna16_gemm(
             f"weight_words must be uint32 {(*w.qweight.shape[:3], tile_words)} (the qweight's "
             f"tiles as words) with weight_row_words dividing {tile_words}, at most 256; got "
             f"{weight_words.dtype} {weight_words.shape}, weight_row_words={weight_row_words}"
+        )
+    if weight_row_nibbles not in (TILE, 2 * TILE, 4 * TILE):
+        raise ValueError(f"weight_row_nibbles={weight_row_nibbles} must be 64, 128 or 256")
+    # flat_rows: each k-step's tiles of a 64-feature sub-tile copied as `step_rows` rows of
+    # `row_elems` elements of q_src (uint32 words, or int4 nibbles)
+    flat_rows = words or weight_row_nibbles > TILE
+    if words:
+        q_src, row_elems, tile_rows = weight_words, weight_row_words, tile_words // weight_row_words
+    else:
+        q_src, row_elems = w.qweight, weight_row_nibbles
+        tile_rows = TILE * TILE // weight_row_nibbles
+    step_rows = block_k // TILE * tile_rows
+    if flat_rows and step_rows > 256:
+        raise ValueError(
+            f"a k-step of {block_k} takes {step_rows} weight rows of {row_elems}: a TMA box holds "
+            f"at most 256 (take wider rows)"
         )
     narrow = block_rows is not None
     if narrow and (
@@ -518,9 +539,8 @@ def mgpu_wna16_gemm(
                 # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
                 # offset = 128 + z of the tile's features (136 without zero points): q - z, a
                 # small integer, exact in bf16.
-                if words:  # the tile's word rows
-                    per = tile_words // weight_row_words
-                    q_tile = q_smem.at[sub_tile(s), pl.ds(j * per, per)]
+                if flat_rows:  # the tile's rows
+                    q_tile = q_smem.at[sub_tile(s), pl.ds(j * tile_rows, tile_rows)]
                 else:
                     box, first = divmod(j * TILE, box_rows)
                     q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
@@ -528,7 +548,7 @@ def mgpu_wna16_gemm(
                     if words:
                         q = layouts.tile_of_words(q_tile[...])
                     else:
-                        q = q_tile[...].astype(jnp.int32)
+                        q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
                     q = layouts.from_tile_order(q)  # q - 8
                     biased = q.astype(dtype) + 136
                 else:
@@ -665,7 +685,7 @@ def mgpu_wna16_gemm(
             def weight_tile(h):
                 def index(*idx):
                     ni, kk = tile_and_step(idx)
-                    return e, h * n_tiles + ni, si * steps + kk, 0, *([] if words else [0])
+                    return e, h * n_tiles + ni, si * steps + kk, 0, *([] if flat_rows else [0])
 
                 return index
 
@@ -680,9 +700,8 @@ def mgpu_wna16_gemm(
                 first = 0 if one_row_tile else bi * (bm // rows)
                 return first, si * steps + tile_and_step(idx)[1]
 
-            if words:  # a k-step's tiles of a 64-feature sub-tile: bk // 64 * 512 words
-                q_spec = (None, wgs * subs, bk // TILE * tile_words // weight_row_words,
-                          weight_row_words)  # fmt: skip
+            if flat_rows:
+                q_spec = (None, wgs * subs, step_rows, row_elems)
             else:
                 q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
             g_spec = (None, groups_per_step, tile_n)
@@ -769,10 +788,8 @@ def mgpu_wna16_gemm(
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
-    if words:
-        q_rows = weight_words.reshape(
-            w.num_experts, n // TILE, k // TILE * tile_words // weight_row_words, weight_row_words
-        )
+    if flat_rows:
+        q_rows = q_src.reshape(w.num_experts, n // TILE, k // TILE * tile_rows, row_elems)
     else:
         q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
     operands = [block_experts.astype(jnp.int32)]
