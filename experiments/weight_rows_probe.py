@@ -1,9 +1,11 @@
 """Whether the weight copies' 32-byte TMA rows hold the mgpu GEMM back: GEMM1 and GEMM2 of
 DeepSeek-V3 TP=1 timed alone, as the layer runs them at each M's default config, copying the
 int4 tiles in TMA rows of 64 nibbles (32 bytes: 256 rows per 8 KB box), 128 or 256 nibbles
-(mgpu_wna16_gemm's weight_row_nibbles: 64 or 128 bytes), or the same tiles as uint32 words
-(weight_words) in rows of 8 to 256 words (32 bytes to 1 KB). Each variant's output is checked
-bit for bit against the first variant's (the same products in the same order).
+(mgpu_wna16_gemm's weight_row_nibbles: 64 or 128 bytes). Each variant's output is checked bit
+for bit against the first variant's (the same products in the same order; rows a narrowed block
+leaves unwritten differ from run to run, so at M=256 "DIFFERENT" is expected there).
+Session 21's calls 1-2 also timed the tiles as uint32 words in rows of 8 to 256 words (commit
+bd1d642 has that path, `words:ROW` variants, and layouts.tile_words; removed after).
 
 Usage (H200): PYTHONPATH=$PWD python3 experiments/weight_rows_probe.py --m 1 16 256
     --lower-only: lower every variant for sm_90 from shapes alone (no GPU; a CPU check).
@@ -40,17 +42,13 @@ def gemm_cases(cfg, w13p, w2p, blocks: int):
 
 
 def variant_call(variant: str, options: dict):
-    """call(w, words, rows, block_experts, in_use) of the GEMM at options for a --variants
-    entry "nibbles:ROW" (the int4 tiles in TMA rows of ROW nibbles) or "words:ROW" (the tiles'
-    uint32 words in rows of ROW words)."""
+    """call(w, rows, block_experts, in_use) of the GEMM at options for a --variants entry
+    "nibbles:ROW" (the int4 tiles in TMA rows of ROW nibbles)."""
     kind, row = variant.split(":")
-    if kind == "words":
-        fn = functools.partial(mgpu_wna16_gemm, **options, weight_row_words=int(row))
-        return lambda w, words, r, ex, used: fn(r, w, ex, used, weight_words=words)
     if kind != "nibbles":
-        raise ValueError(f"bad variant {variant!r}: nibbles:ROW or words:ROW")
+        raise ValueError(f"bad variant {variant!r}: nibbles:ROW")
     fn = functools.partial(mgpu_wna16_gemm, **{**options, "weight_row_nibbles": int(row)})
-    return lambda w, words, r, ex, used: fn(r, w, ex, used)
+    return lambda w, r, ex, used: fn(r, w, ex, used)
 
 
 def main(argv=None) -> int:
@@ -59,9 +57,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--variants",
         nargs="+",
-        default=["nibbles:64", "nibbles:128", "nibbles:256", "words:32", "words:64"],
-        help="nibbles:ROW (the int4 tiles in TMA rows of ROW nibbles) or words:ROW (the tiles as "
-        "uint32 words, rows of ROW words); the first is the bit-for-bit check's reference",
+        default=["nibbles:64", "nibbles:128", "nibbles:256"],
+        help="nibbles:ROW (the int4 tiles in TMA rows of ROW nibbles); the first is the "
+        "bit-for-bit check's reference",
     )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--lower-only", action="store_true")
@@ -73,7 +71,6 @@ def main(argv=None) -> int:
     w13, w2 = benchmark.probe_experts(key, PRESET, has_zp=True)
     to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
     w13p, w2p = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
-    words = {id(w): jax.block_until_ready(wj.layouts.tile_words(w.qweight)) for w in (w13p, w2p)}
     copy_bps, _ = benchmark.measure_ceilings(True, args.repeats)
     print(f"copy {copy_bps / 1e12:.2f} TB/s", flush=True)
     for m in args.m:
@@ -91,8 +88,7 @@ def main(argv=None) -> int:
             reference = None
             for variant in args.variants:
                 call = variant_call(variant, options)
-                consts = (w, words[id(w)])
-                out = jax.block_until_ready(jax.jit(call)(*consts, rows, block_experts, in_use))
+                out = jax.block_until_ready(jax.jit(call)(w, rows, block_experts, in_use))
                 if reference is None:
                     reference, same = out, ""
                 else:
@@ -100,7 +96,7 @@ def main(argv=None) -> int:
                 t, _ = benchmark.time_loop(
                     call,
                     [(rows, block_experts, in_use)],
-                    consts=consts,
+                    consts=(w,),
                     iters=benchmark.default_iters(m),
                     repeats=args.repeats,
                     host=False,
@@ -131,12 +127,11 @@ def lower_only(args) -> int:
             rows = jax.ShapeDtypeStruct((blocks * cfg.block_m, w.shape[2]), jnp.bfloat16)
             experts_ = jax.ShapeDtypeStruct((blocks,), jnp.int32)
             in_use = experts_ if cfg.narrow_steps() else None
-            words = jax.ShapeDtypeStruct((*w.qweight.shape[:3], 512), jnp.uint32)
             for variant in args.variants:
                 try:
-                    jax.jit(variant_call(variant, options)).trace(
-                        w, words, rows, experts_, in_use
-                    ).lower(lowering_platforms=("cuda",))
+                    jax.jit(variant_call(variant, options)).trace(w, rows, experts_, in_use).lower(
+                        lowering_platforms=("cuda",)
+                    )
                     verdict = "lowers"
                 except Exception as err:  # report, go on
                     failed += 1

@@ -86,6 +86,7 @@ def check_config(
     tiles_per_program: int = 1,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
+    weight_row_nibbles: int = 4 * TILE,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -142,6 +143,14 @@ def check_config(
         raise ValueError(
             f"tiles_per_program={tiles_per_program} must divide the {n_tiles} output tiles of "
             f"{tile_n} features"
+        )
+    if weight_row_nibbles not in (TILE, 2 * TILE, 4 * TILE):
+        raise ValueError(f"weight_row_nibbles={weight_row_nibbles} must be 64, 128 or 256")
+    step_rows = block_k // TILE * (TILE * TILE // weight_row_nibbles)
+    if weight_row_nibbles > TILE and step_rows > 256:
+        raise ValueError(
+            f"a k-step of {block_k} takes {step_rows} weight rows of {weight_row_nibbles} "
+            f"nibbles: a TMA box holds at most 256 (take wider rows)"
         )
 
 
@@ -275,7 +284,6 @@ def _swizzled(shape, dtype, what: str):
         "buffer_rows",
         "one_row_tile",
         "bf16_weights",
-        "weight_row_words",
         "weight_row_nibbles",
         "out_dtype",
         "interpret",
@@ -301,9 +309,7 @@ def mgpu_wna16_gemm(
     buffer_rows: int | None = None,
     one_row_tile: bool = False,
     bf16_weights: bool = False,
-    weight_words: jax.Array | None = None,
-    weight_row_words: int = 256,
-    weight_row_nibbles: int = TILE,
+    weight_row_nibbles: int = 4 * TILE,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -363,13 +369,13 @@ def mgpu_wna16_gemm(
     experts. For one token's blocks (a block per slot, the token in each block's first row)
     without building [B * block_m, H] rows first.
 
-    weight_words: w.qweight's tiles as uint32 words [E, N/64, K/64, 512] (the same bytes:
-    `layouts.tile_words`), copied in boxes of weight_row_words-word rows (a divisor of 512, at
-    most 256: a TMA box's row) instead of the int4 tiles' 32-byte rows; w.qweight itself is then
-    not read.
-
     weight_row_nibbles: the int4 tiles copied in TMA rows of this many nibbles (64: a tile's
-    row, 32 bytes; 128 or 256: the same bytes in rows of 64 or 128 bytes, a free reshape).
+    row, 32 bytes; 128 or 256: the same bytes in rows of 64 or 128 bytes, a free reshape of
+    the contiguous tiles; a TMA box row holds at most 256 elements). The TMA unit streams
+    narrow rows slower: on the H200 (session 21, call 2) 256-nibble rows took GEMM1 / GEMM2 of
+    DeepSeek-V3 at M=1 to 47.5 / 31.0 us from 52.0 / 34.5, at M=16 to 423.3 / 249.1 from
+    492.8 / 272.6, at M=256 to 1095.4 / 626.5 from 1215.6 / 675.2 (the empty pipeline of
+    experiments/stream_probe.py: 63.1% of copy with 32-byte rows, 76.6% with 128-byte rows).
 
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
@@ -394,36 +400,10 @@ def mgpu_wna16_gemm(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
         one_row_tile=one_row_tile, bf16_weights=bf16_weights,
+        weight_row_nibbles=weight_row_nibbles,
     )  # fmt: skip
-    words = weight_words is not None
-    tile_words = TILE * TILE // 8  # uint32 words of a 64x64 int4 tile
-    if words and (
-        weight_words.dtype != jnp.uint32
-        or weight_words.shape != (*w.qweight.shape[:3], tile_words)
-        or tile_words % weight_row_words
-        or weight_row_words > 256
-    ):
-        raise ValueError(
-            f"weight_words must be uint32 {(*w.qweight.shape[:3], tile_words)} (the qweight's "
-            f"tiles as words) with weight_row_words dividing {tile_words}, at most 256; got "
-            f"{weight_words.dtype} {weight_words.shape}, weight_row_words={weight_row_words}"
-        )
-    if weight_row_nibbles not in (TILE, 2 * TILE, 4 * TILE):
-        raise ValueError(f"weight_row_nibbles={weight_row_nibbles} must be 64, 128 or 256")
-    # flat_rows: each k-step's tiles of a 64-feature sub-tile copied as `step_rows` rows of
-    # `row_elems` elements of q_src (uint32 words, or int4 nibbles)
-    flat_rows = words or weight_row_nibbles > TILE
-    if words:
-        q_src, row_elems, tile_rows = weight_words, weight_row_words, tile_words // weight_row_words
-    else:
-        q_src, row_elems = w.qweight, weight_row_nibbles
-        tile_rows = TILE * TILE // weight_row_nibbles
-    step_rows = block_k // TILE * tile_rows
-    if flat_rows and step_rows > 256:
-        raise ValueError(
-            f"a k-step of {block_k} takes {step_rows} weight rows of {row_elems}: a TMA box holds "
-            f"at most 256 (take wider rows)"
-        )
+    flat_rows = weight_row_nibbles > TILE
+    tile_rows = TILE * TILE // weight_row_nibbles  # a tile's rows of weight_row_nibbles
     narrow = block_rows is not None
     if narrow and (
         narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
@@ -545,10 +525,7 @@ def mgpu_wna16_gemm(
                     box, first = divmod(j * TILE, box_rows)
                     q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
                 if interpret:  # the interpreter's wgmma takes A from shared memory only
-                    if words:
-                        q = layouts.tile_of_words(q_tile[...])
-                    else:
-                        q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
+                    q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
                     q = layouts.from_tile_order(q)  # q - 8
                     biased = q.astype(dtype) + 136
                 else:
@@ -701,7 +678,7 @@ def mgpu_wna16_gemm(
                 return first, si * steps + tile_and_step(idx)[1]
 
             if flat_rows:
-                q_spec = (None, wgs * subs, step_rows, row_elems)
+                q_spec = (None, wgs * subs, bk // TILE * tile_rows, weight_row_nibbles)
             else:
                 q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
             g_spec = (None, groups_per_step, tile_n)
@@ -788,8 +765,10 @@ def mgpu_wna16_gemm(
 
     # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
     # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
-    if flat_rows:
-        q_rows = q_src.reshape(w.num_experts, n // TILE, k // TILE * tile_rows, row_elems)
+    if flat_rows:  # [E, N/64, K/64 * tile_rows, weight_row_nibbles] (a free reshape)
+        q_rows = w.qweight.reshape(
+            w.num_experts, n // TILE, k // TILE * tile_rows, weight_row_nibbles
+        )
     else:
         q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
     operands = [block_experts.astype(jnp.int32)]

@@ -72,19 +72,13 @@ def bf16_rounded(w_deq):
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
     stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
-    weight_rows=None,
+    weight_row_nibbles=None,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
     w = prepare_weights(qw)
-    rows = {}
-    if weight_rows is not None and weight_rows[0] == "words":
-        # the tiles' words; the int4 tiles, which it must not read, poisoned
-        rows = dict(weight_words=wj.layouts.tile_words(w.qweight), weight_row_words=weight_rows[1])
-        w = dataclasses.replace(w, qweight=jnp.full_like(w.qweight, 7))
-    elif weight_rows is not None:
-        rows = dict(weight_row_nibbles=weight_rows[1])
+    rows = {} if weight_row_nibbles is None else dict(weight_row_nibbles=weight_row_nibbles)
     out = mgpu_wna16_gemm(
         x_rows,
         w,
@@ -252,24 +246,21 @@ def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
-    "rows,block_k,block_n,consumers,gated,tiles",
-    [(("words", 8), 128, 64, 0, False, 1), (("words", 64), 256, 64, 0, True, 1),
-     (("words", 256), 256, 128, 0, False, 2), (("words", 128), 128, 64, 2, True, 1),
-     (("words", 256), 512, 64, 0, False, 1), (("nibbles", 256), 256, 64, 0, True, 1),
-     (("nibbles", 128), 128, 128, 0, False, 2), (("nibbles", 256), 512, 64, 2, True, 1),
-     (("nibbles", 256), 64, 64, 0, False, 1)],
+    "row_nibbles,block_k,block_n,consumers,gated,tiles",
+    [(64, 128, 64, 0, False, 1), (64, 512, 64, 0, True, 1), (128, 256, 128, 0, False, 2),
+     (128, 128, 64, 2, True, 1), (256, 512, 64, 2, True, 1), (256, 64, 64, 0, False, 1)],
     ids=str,
 )  # fmt: skip
-def test_gemm_copies_wide_weight_rows(rng, has_zp, rows, block_k, block_n, consumers, gated,
-                                      tiles):  # fmt: skip
-    """The weight tiles copied in wider TMA rows: the tiles as uint32 words (weight_words, rows
-    of 8 to 256 words; the int4 qweight poisoned: it must not be read) or the int4 tiles in
-    rows of 128 or 256 nibbles (weight_row_nibbles), with k-steps of one to four groups, wide
-    warpgroups, the gated GEMM, warp specialization and runs of tiles."""
+def test_gemm_weight_row_widths(rng, has_zp, row_nibbles, block_k, block_n, consumers, gated,
+                                tiles):  # fmt: skip
+    """The int4 tiles copied in TMA rows of 64 nibbles (a tile's row; 512-wide k-steps in two
+    boxes of 256 rows), 128 or 256 (the default; here at k-steps of 512 and of 64), with
+    k-steps of one to four groups, wide warpgroups, the gated GEMM, warp specialization and
+    runs of tiles."""
     run_gemm_case(
-        rng, e=3, n=256, k=1024, group_size=128, has_zp=has_zp, block_m=8,
-        block_k=block_k, blocks=[1, -1, 0, 2], consumers=consumers, block_n=block_n,
-        gated=gated, tiles_per_program=tiles, stages=3, weight_rows=rows,
+        rng, e=3, n=256, k=1024, group_size=128, has_zp=has_zp, block_m=8, block_k=block_k,
+        blocks=[1, -1, 0, 2], consumers=consumers, block_n=block_n, gated=gated,
+        tiles_per_program=tiles, stages=3, weight_row_nibbles=row_nibbles,
     )  # fmt: skip
 
 
@@ -873,6 +864,8 @@ def test_layout_dequantizes_to_the_canonical_weights(rng):
         (dict(block_m=16, block_k=64, consumers=2, block_n=256), "at most 256"),
         (dict(block_m=16, block_k=64, tiles_per_program=3), "tiles_per_program=3"),
         (dict(block_m=16, block_k=64, tiles_per_program=0), "tiles_per_program=0"),
+        (dict(block_m=16, block_k=64, weight_row_nibbles=96), "weight_row_nibbles=96"),
+        (dict(block_m=16, block_k=768, weight_row_nibbles=128), "at most 256"),
     ],
 )
 def test_bad_configs_are_refused(rng, kwargs, match):

@@ -148,24 +148,6 @@ def untiled(q):
     return q.transpose(0, 1, 3, 2, 4).reshape(e, n_tiles * tn, k_tiles * tk)
 
 
-def tile_words(qweight):
-    """The mgpu_int4 qweight's tiles as uint32 words, [E, N/64, K/64, 512]: the same bytes
-    (nibble j of word i is the tile's stored value 8 i + j, the low nibble first, as XLA packs
-    int4), for mgpu_wna16_gemm's weight_words. A copy of the weights (made once, at load)."""
-    lead = qweight.shape[:-2]
-    nibbles = qweight.reshape(*lead, MGPU_TILE * MGPU_TILE // 8, 8)
-    return lax.bitcast_convert_type(nibbles, jnp.uint32)
-
-
-def tile_of_words(words):
-    """One tile's words (any shape holding its 512 uint32, in order) -> int32 [64, 64]: the
-    stored int4 values (q - 8) in stored (register) order, as `tile_words` packed them."""
-    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
-    nibbles = (words.reshape(-1, 1) >> shifts) & 0xF
-    signed = nibbles.astype(jnp.int32) - 16 * (nibbles >= 8).astype(jnp.int32)
-    return signed.reshape(MGPU_TILE, MGPU_TILE)
-
-
 def preferred_layout(
     w13: QuantizedExperts, w2: QuantizedExperts, *, dtype, activation: str = "silu"
 ) -> str:
