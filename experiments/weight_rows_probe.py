@@ -2,8 +2,9 @@
 DeepSeek-V3 TP=1 timed alone, as the layer runs them at each M's default config, copying the
 int4 tiles in TMA rows of 64 nibbles (32 bytes: 256 rows per 8 KB box), 128 or 256 nibbles
 (mgpu_wna16_gemm's weight_row_nibbles: 64 or 128 bytes). Each variant's output is checked bit
-for bit against the first variant's (the same products in the same order; rows a narrowed block
-leaves unwritten differ from run to run, so at M=256 "DIFFERENT" is expected there).
+for bit against the first variant's on the rows in use (the same products in the same order; a
+narrowed block leaves its other rows unwritten). Session 21's call 2 compared every row, so its
+M=256 "DIFFERENT" (16-row blocks narrowed to 8) says nothing either way.
 Session 21's calls 1-2 also timed the tiles as uint32 words in rows of 8 to 256 words (commit
 bd1d642 has that path, `words:ROW` variants, and layouts.tile_words; removed after).
 
@@ -85,14 +86,20 @@ def main(argv=None) -> int:
         for what, w, options in gemm_cases(cfg, w13p, w2p, block_experts.shape[0]):
             rows = x_rows if what == "GEMM1" else act_rows
             nbytes = benchmark.weight_bytes(w13 if what == "GEMM1" else w2, 1) * touched
+            # the rows in use: a block's first in_use rows (all of them without narrowing)
+            used_rows = np.ones(rows.shape[0], bool)
+            if in_use is not None:
+                used_rows = np.arange(rows.shape[0]) % cfg.block_m < np.repeat(
+                    np.asarray(in_use), cfg.block_m
+                )
             reference = None
             for variant in args.variants:
                 call = variant_call(variant, options)
-                out = jax.block_until_ready(jax.jit(call)(w, rows, block_experts, in_use))
+                out = np.asarray(jax.jit(call)(w, rows, block_experts, in_use))[used_rows]
                 if reference is None:
                     reference, same = out, ""
                 else:
-                    same = "bit-identical" if bool((out == reference).all()) else "DIFFERENT"
+                    same = "bit-identical" if np.array_equal(out, reference) else "DIFFERENT"
                 t, _ = benchmark.time_loop(
                     call,
                     [(rows, block_experts, in_use)],

@@ -8,7 +8,8 @@
 "mgpu_int4" (pallas_kernels/mgpu_wna16_gemm.py's operands; int4 only):
   qweight  int4 [E, N/64, K/64, 64, 64]: the canonical nibbles minus 8 (xor 8), in 64x64
            tiles (features x inputs), the k-tiles of each row of tiles consecutive: a k-step of
-           the GEMM reads one contiguous run of memory. N and K must be multiples of 64.
+           the GEMM reads one contiguous run of memory (copied in TMA rows of 256 nibbles, a
+           free reshape of the tiles). N and K must be multiples of 64.
            Within a tile the 4096 nibbles are in wgmma register order (`TILE_ORDER`): thread t
            of the converting warpgroup reads its 32 weights as the 16 bytes at 16 t, and
            nibbles p and p + 4 of its word i are the two bf16 of its register 4 i + p of the
