@@ -3,13 +3,13 @@
 # rows (session 21), the decode configs that lost with 32-byte rows, the symmetric weights and
 # the sustained (power-capped) figures, none re-measured since the change.
 # (1) M = 1, 16: GEMM2 in runs of 2 tiles, at 128 features, at 4 stages; GEMM1 at 4 stages;
-#     k-steps of 512; GEMM2 at k-steps of 128 (the layer and each GEMM alone);
+#     k-steps of 512 (both GEMMs, or GEMM1 only); GEMM2 at k-steps of 128 (the layer and each GEMM alone);
 # (2) symmetric weights at M = 1, 16, 256; (3) the defaults after a 3 s warm-up.
 source experiments/_preamble.sh
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
 timeout 260 python3 examples/mgpu_probe.py --m 1 16 --all-gemms --configs \
   default:down_tiles_per_program=2 default:down_block_n=128 default:down_stages=4 \
-  default:stages=4 default:block_k=512 default:down_block_k=128 \
+  default:stages=4 default:block_k=512 default:block_k=512,down_block_k=256 default:down_block_k=128 \
   --json $OUT/decode_configs.json > $OUT/decode_configs.log 2>&1
 echo "decode configs $SECONDS s"
 timeout 120 python3 examples/mgpu_probe.py --m 1 16 256 --no-zp --json $OUT/symmetric.json \
