@@ -682,9 +682,9 @@ def mgpu_wna16_gemm(
             else:
                 q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
             g_spec = (None, groups_per_step, tile_n)
-            in_specs = [  # weight tiles [64-feature tiles, boxes of box_rows/64 tiles, 64, 64]:
-                # contiguous, and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
-                # no bank conflicts
+            in_specs = [  # weight tiles [64-feature tiles, k-step rows of weight_row_nibbles]
+                # (at 64 nibbles [.., boxes of box_rows/64 tiles, 64, 64]): contiguous and
+                # unswizzled: a warp's 16-byte loads read 512 consecutive bytes, no bank conflicts
                 *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
                 plgpu.BlockSpec(
                     (rows, bk),
@@ -763,9 +763,10 @@ def mgpu_wna16_gemm(
                 store(zero_acc()[:subs], n_run * tiles + j)
             plgpu.wait_smem_to_gmem(0)
 
-    # [E, N/64, K/64, 64, 64] -> [E, N/64, K/box_rows, box_rows, 64] (a free reshape): a TMA
-    # copy takes at most 256 rows along a dimension and strides over at most 5 dimensions.
-    if flat_rows:  # [E, N/64, K/64 * tile_rows, weight_row_nibbles] (a free reshape)
+    # Free reshapes of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * tile_rows, weight_row_nibbles],
+    # or at 64 nibbles [E, N/64, K/box_rows, box_rows, 64] (a TMA copy takes at most 256 rows
+    # along a dimension and strides over at most 5 dimensions).
+    if flat_rows:
         q_rows = w.qweight.reshape(
             w.num_experts, n // TILE, k // TILE * tile_rows, weight_row_nibbles
         )
