@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Needs commit b4abac5 (weight_words and experiments/weight_rows_probe.py, both removed after).
 # Session 21, call 1 (one H200): do the weight copies' 32-byte TMA rows hold the mgpu GEMM back?
 # The words path's compiled tests; GEMM1 / GEMM2 alone at M = 1, 16, 256 reading the int4 tiles
 # or the same tiles as uint32 word rows of 32 B, 256 B, 1 KB (experiments/weight_rows_probe.py);

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Needs commit bd1d642 (weight_words and experiments/weight_rows_probe.py, both removed after;
+# at HEAD the GEMMs alone by row width: examples/mgpu_probe.py --all-gemms --configs
+# default:weight_row_nibbles=64 default:weight_row_nibbles=128).
 # Session 21, call 2 (one H200): call 1 found the empty pipeline 13-20% faster with 128-byte TMA
 # rows than with the int4 tiles' 32-byte rows. The int4 tiles in rows of 128 / 256 nibbles
 # (weight_row_nibbles: a free reshape) and as words of 256-byte rows: their compiled tests,

@@ -26,13 +26,3 @@ def test_convert_cost_variants_find_their_lines():
     assert set(probe.VARIANTS) >= {"default", "no zero point", "no group scale", "no conversion"}
     for name in probe.VARIANTS:
         assert callable(probe.variant_gemm(name))
-
-
-def test_weight_rows_probe_takes_nibble_rows_only():
-    """weight_rows_probe.py's variants: nibbles:ROW gives a GEMM call; the words path it once
-    timed is gone from the GEMM (commit bd1d642 has it), so words:ROW is refused by name."""
-    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    probe = _load("weight_rows_probe")
-    assert callable(probe.variant_call("nibbles:256", dict(block_m=8)))
-    with pytest.raises(ValueError, match="nibbles:ROW"):
-        probe.variant_call("words:64", dict(block_m=8))
