@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--blocks", type=int, default=8, help="blocks (experts at M=1)")
     p.add_argument("--programs", type=int, nargs=2, default=[256, 896],
-                   help="programs of phase 1 and 2 (GEMM1 / GEMM2 at M=1: 8 x 32 / 8 x 112)")  # fmt: skip
+                   help="programs of phase 1, 2 (GEMM1, GEMM2 at M=1: 8x32, 8x112)")  # fmt: skip
     p.add_argument("--mbytes", type=float, nargs=2, default=[117.4, 58.7],
                    help="MB streamed by phase 1 and 2 (the GEMMs' weights at M=1)")  # fmt: skip
     p.add_argument("--box-kb", type=int, nargs=2, default=[16, 8], help="KB per k-step")
