@@ -260,7 +260,7 @@ def main(argv=None) -> int:
         backend = lambda a, b, x, tw, ids, mgpu=mgpu: wj.fused_moe(  # noqa: E731
             x, a, b, tw, ids, implementation=mgpu
         )
-        configs = mgpu_fused_moe.routed_configs(m, top_k, e, h if g == -1 else g)
+        configs = mgpu_fused_moe.routed_configs(m, top_k, e, h if g == -1 else g, i)
         chosen = configs[0]  # the default: the backend's config for m tokens
         t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), **timing)
         record("mgpu backend", f"{chosen.block_m} rows", t, **layer)
@@ -401,7 +401,7 @@ def _lower_only(args) -> bool:
     w13, w2 = experts(2 * i, h), experts(h, i)
     all_lower = True
     for m in args.m:
-        chosen = mgpu_fused_moe.routed_configs(m, top_k, e, group)[0]
+        chosen = mgpu_fused_moe.routed_configs(m, top_k, e, group, i)[0]
         searched, given = _asked_configs(args, m, chosen)
         for cfg in dict.fromkeys([chosen, *searched, *given]):
             for what, verdict in _lowered_gemms(cfg, m, top_k, e, w13, w2):

@@ -216,7 +216,7 @@ def main(argv=None) -> int:
         if args.config:
             cfg = mgpu_probe.parse_config(args.config)
         else:
-            cfg = default_config(m * top_k, e, group)
+            cfg = default_config(m * top_k, e, group, i)
         xs, _, idss = benchmark.probe_inputs(key, args.preset, m, num_sets=1)
         used, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
             xs[0], idss[0], num_experts=e, block_m=cfg.block_m, expert_map=None,

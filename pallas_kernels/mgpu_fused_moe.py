@@ -104,7 +104,20 @@ def one_group_block_k(group: int) -> int:
 ROWS_FOR_128 = 64
 
 
-def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
+# GEMM2 of 8-row blocks at 128 features per program (down_block_n) from DOWN_128_SLOTS slots,
+# where a tile has at least DOWN_128_MIN_STEPS k-steps: a rows' tile serves twice the weights.
+# DeepSeek-V3 on the H200 (session 22, one process per row; the layer, 64 against 128 features):
+# TP=1 (GEMM2's K = 2048, 8 k-steps of 256) M=1 70.1 / 76.0 us, M=2 144.7 / 150.6, M=4 225.6 /
+# 224.8, M=8 390.4 / 383.4, M=16 695.8 / 676.6 (call 1: 666.3 / 649.8), M=32 1060.6 / 1030.3,
+# M=64 1453.9 / 1416.9, M=128 1709.3 / 1667.8; TP=8 (K = 256, one k-step) M=8 85.7 / 92.1,
+# M=16 149.9 / 151.2. Steps between 1 and 8 were not measured.
+DOWN_128_SLOTS = 64
+DOWN_128_MIN_STEPS = 8
+
+
+def default_config(
+    num_slots: int, num_experts: int, group: int, down_k: int | None = None
+) -> MgpuConfig:
     """block_m near the mean rows per expert, from the H200 figures of sessions 4-6 (8 rows
     won at M=1 and 16, 16 rows at M=256, 64 rows at M=4096). Two consumer warpgroups with
     64-row blocks (M=4096: 12.4 vs 17.5 ms); no warp specialization or K split for smaller
@@ -126,7 +139,9 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     7358.2 us; GEMM1 3782.0 vs 4412.5, GEMM2 2582.2 vs 2790.3; k-steps of 256 for GEMM2 6541.2;
     the exact sums at 128 rows spill registers: 13645.8); GEMM2 there at 3 stages (session 15
     call 6 and session 16 call 1, one process each: GEMM2 alone 2562.8 vs 2597.9 and 2529.5 vs
-    2558.4 us, the layer 6410.2 vs 6445.9 and 6366.6 vs 6386.3)."""
+    2558.4 us, the layer 6410.2 vs 6445.9 and 6366.6 vs 6386.3). down_k: GEMM2's K (the
+    experts' intermediate size; None: unknown): with 8-row blocks, GEMM2 takes 128 features per
+    program from DOWN_128_SLOTS slots where K has DOWN_128_MIN_STEPS k-steps."""
     rows = num_slots / num_experts
     if rows >= ROWS_FOR_128:
         return MgpuConfig(
@@ -140,6 +155,13 @@ def default_config(num_slots: int, num_experts: int, group: int) -> MgpuConfig:
     consumers = 2 if block_m == 64 else 0
     block_n = 128 if block_m == 16 else 64
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
+    if (
+        block_m == 8
+        and num_slots >= DOWN_128_SLOTS
+        and down_k is not None
+        and down_k // block_k >= DOWN_128_MIN_STEPS
+    ):
+        down = dict(down_block_n=128)
     return MgpuConfig(
         block_m, block_k, stages=3, consumers=consumers, block_n=block_n, **down,
         narrow_blocks=2 if block_m == 64 else 1,
@@ -168,15 +190,17 @@ class ByRouting:
     alone, as vLLM's fused_moe does."""
 
 
-def routed_configs(num_tokens: int, top_k: int, num_experts: int, group: int):
+def routed_configs(
+    num_tokens: int, top_k: int, num_experts: int, group: int, down_k: int | None = None
+):
     """The configs the layer picks from at run time by the routing (`ByRouting`): the default
     (block_m by the mean rows per expert, `default_config`) and, for chunks of
     MIN_ROUTED_TOKENS tokens or more, larger non-specialized blocks (up to 32 rows:
     BLOCK_COST). A batch decoding one prompt routes every token to the same k experts: at M=64
     and 256 the default blocks read each expert's weights 8 and 16 times; 32-row blocks took
     460.3 vs 537.9 us and 930.4 vs 1127.8 us (H200, session 7); on the flat grid of session 8
-    447.4 vs 518.5 and 924.6 vs 1119.9 us."""
-    base = default_config(num_tokens * top_k, num_experts, group)
+    447.4 vs 518.5 and 924.6 vs 1119.9 us. down_k: GEMM2's K, as default_config takes it."""
+    base = default_config(num_tokens * top_k, num_experts, group, down_k)
     if num_tokens < MIN_ROUTED_TOKENS or base.block_m not in BLOCK_COST:
         return (base,)
     block_k = one_group_block_k(group)
@@ -519,9 +543,9 @@ def fused_moe(
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     group = math.gcd(w13.group, w2.group)
     if config is None:  # by the token count
-        configs = (default_config(min(t, chunk_tokens) * k, num_experts, group),)
+        configs = (default_config(min(t, chunk_tokens) * k, num_experts, group, w2.shape[2]),)
     elif isinstance(config, ByRouting):  # by the routing, at run time
-        configs = routed_configs(min(t, chunk_tokens), k, num_experts, group)
+        configs = routed_configs(min(t, chunk_tokens), k, num_experts, group, w2.shape[2])
     elif isinstance(config, BlockConfig):
         configs = (from_block_config(config),)
     else:

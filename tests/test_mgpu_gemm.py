@@ -1030,6 +1030,20 @@ def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers,
     assert default_config(m * 8, 256, 7168).block_k == 128
 
 
+@pytest.mark.parametrize(
+    "m,down_k,down_block_n",
+    [(1, 2048, None), (4, 2048, None), (8, 2048, 128), (16, 2048, 128), (128, 2048, 128),
+     (16, 256, None), (16, 1792, None), (16, None, None), (256, 2048, None)],
+    ids=str,
+)  # fmt: skip
+def test_default_config_takes_128_down_features_from_64_slots(m, down_k, down_block_n):
+    """8-row blocks: GEMM2 at 128 features per program from DOWN_128_SLOTS slots (DeepSeek-V3
+    from M=8) where its K has DOWN_128_MIN_STEPS k-steps (TP=1: 8 of 256; TP=8's one step
+    keeps 64), session 22; other blocks (16 rows at M=256) are unchanged by down_k."""
+    cfg = default_config(m * 8, 256, 128, down_k)
+    assert cfg == dataclasses.replace(default_config(m * 8, 256, 128), down_block_n=down_block_n)
+
+
 def test_default_config_takes_128_rows_on_bf16_weights():
     """From ROWS_FOR_128 rows per expert (DeepSeek-V3 from M=2048: 64): 128-row blocks on bf16
     weights, one group per k-step, GEMM2 at 128 features per consumer and 3 stages, blocks
