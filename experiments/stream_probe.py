@@ -73,8 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 6, 8])
     p.add_argument("--programs", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument("--row-bytes", type=int, nargs="+", default=[128],
-                   help="bytes per TMA row of a box (at most 256); the mgpu GEMM's int4 weight "
-                   "tiles copy rows of 32 bytes")  # fmt: skip
+                   help="bytes per TMA row of a box (at most 256); the mgpu GEMM copies its "
+                   "int4 weight tiles in rows of 128 bytes (32 before session 21)")  # fmt: skip
     p.add_argument("--halves", type=int, nargs="+", default=[1],
                    help="copies a step's box is split into (GEMM1 at M=1: its gate and up "
                    "halves, 2 x 8 KB)")  # fmt: skip
