@@ -28,12 +28,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", type=int, nargs="+", default=[16, 256, 4096])
     args = p.parse_args(argv)
-    e, top_k, h, _, g = benchmark.PRESETS["deepseek-v3"]
+    e, top_k, h, i, g = benchmark.PRESETS["deepseek-v3"]
     key = jax.random.key(0)
     for m in args.m:
         x = jax.random.normal(jax.random.fold_in(key, m), (m, h), jnp.bfloat16)
         _, ids = benchmark.random_routing(jax.random.fold_in(key, 1 + m), m, e, top_k, 1)
-        cfg = mgpu_fused_moe.default_config(m * top_k, e, g)
+        cfg = mgpu_fused_moe.default_config(m * top_k, e, g, i)
         routing = mgpu_fused_moe.align(ids[0], num_experts=e, block_m=cfg.block_m,
                                        expert_map=None, interpret=False)  # fmt: skip
         slots, _ = mgpu_fused_moe.used_blocks(routing, m * top_k, cfg.block_m)

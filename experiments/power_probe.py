@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--implementation", default="mgpu", help="fused_moe's (xla: a CPU dry run)")
     args = p.parse_args(argv)
     key = jax.random.key(0)
-    e, top_k, _, _, group = benchmark.PRESETS[args.preset]
+    e, top_k, _, i, group = benchmark.PRESETS[args.preset]
     w13, w2 = benchmark.probe_experts(key, args.preset, has_zp=True)
     weights = (w13, w2)
     if args.implementation == "mgpu":
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
 
-        default = mgpu_fused_moe.default_config(m * top_k, e, group)
+        default = mgpu_fused_moe.default_config(m * top_k, e, group, i)
         for asked in args.configs:
             cfg = asked.at(default) if isinstance(asked, mgpu_probe.DefaultWith) else asked
             config = cfg if args.implementation == "mgpu" else None
