@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Pending after session 21 (one H200, ~400 s): with the weight tiles now copied in 128-byte TMA
-# rows (session 21), the decode configs that lost with 32-byte rows, the symmetric weights and
-# the sustained (power-capped) figures, none re-measured since the change.
+# Session 22, call 1 (session 21's pending_s21_decode.sh, renamed; one H200, ~400 s): with
+# the weight tiles now copied in 128-byte TMA rows (session 21), the decode configs that lost
+# with 32-byte rows, the symmetric weights and the sustained (power-capped) figures, none
+# re-measured since the change.
 # (1) M = 1, 16: GEMM2 in runs of 2 tiles, at 128 features, at 4 stages; GEMM1 at 4 stages;
 #     k-steps of 512 (both GEMMs, or GEMM1 only); GEMM2 at k-steps of 128 (the layer and each GEMM alone);
 # (2) symmetric weights at M = 1, 16, 256; (3) the defaults after a 3 s warm-up; (4) the empty
