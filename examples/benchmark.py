@@ -174,8 +174,36 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False, unroll=1):
     return (lambda: chained(consts, sets)), rounds * num_sets * unroll
 
 
+def make_straight(fn, args_sets, *, consts=()):
+    """A jitted run() that calls fn(*consts, *args) once per input set, in turn, written out with
+    no loop, and the calls it makes (len(args_sets)): a model step's layers as the model runs
+    them (a Python loop over its layers inside one jit). Each call's first argument is its set's
+    plus 1e-30 x the previous call's output, as make_loop(chain=True) has it.
+
+    An XLA while loop (make_loop) waits on the host once per iteration for its condition, and
+    what the GPU idles then is counted in every call it times; here one jitted call runs all the
+    calls, so the host's dispatch is shared by them and nothing else runs between them. Give one
+    set per call: a set used twice lets XLA compute the work that depends only on that set's
+    unchanged inputs (the routing's alignment) once, and the figure would flatter.
+    """
+    if len(args_sets) < 2:
+        raise ValueError(f"make_straight needs at least 2 input sets, got {len(args_sets)}")
+
+    @jax.jit
+    def straight(consts, sets):
+        out = sets[0][0]
+        for args in sets:
+            x = args[0] + (out * 1e-30).astype(args[0].dtype)
+            out = fn(*consts, x, *args[1:])
+        return jnp.sum(out.astype(jnp.float32))
+
+    sets = tuple(tuple(a) for a in args_sets)
+    return (lambda: straight(consts, sets)), len(sets)
+
+
 def time_loop(
-    fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False, unroll=1, warmup_s=0.0
+    fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False, unroll=1, warmup_s=0.0,
+    straight=False,
 ):  # fmt: skip
     """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs
     (`make_loop`; chain=True: each call's first argument the previous call's output).
@@ -185,10 +213,17 @@ def time_loop(
     settled where a sustained run puts it (in a 5 s run the H200 sat at its 700 W power cap in
     decode from 16 tokens, its SM clock 8-19% below the maximum, session 19; how fast the clock
     falls was not measured); 0, only one warm-up run (timings from the start of a burst).
+    straight=True: no loop, one call per input set written out in one jit (`make_straight`;
+    iters, chain and unroll are then unused).
     Returns (device_seconds_per_call, host_seconds_per_single_call); the host time is None
     with host=False (one compile fewer).
     """
-    run, calls = make_loop(fn, args_sets, iters=iters, consts=consts, chain=chain, unroll=unroll)
+    if straight:
+        run, calls = make_straight(fn, args_sets, consts=consts)
+    else:
+        run, calls = make_loop(
+            fn, args_sets, iters=iters, consts=consts, chain=chain, unroll=unroll
+        )
     single = jax.jit(fn)
     jax.block_until_ready(run())
     start = time.perf_counter()

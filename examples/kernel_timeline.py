@@ -105,13 +105,20 @@ def summarize(kernels: list[dict], calls: int) -> dict:
     )
 
 
-def trace_loop(fn, args_sets, *, consts, calls: int, chain: bool, unroll: int = 1):
+def trace_loop(
+    fn, args_sets, *, consts, calls: int, chain: bool, unroll: int = 1, straight: bool = False
+):  # fmt: skip
     """Runs fn(*consts, *args) about `calls` times in one jitted loop (benchmark.make_loop's,
     compiled and run once before) under the profiler; returns the Perfetto trace (dict) and
-    the calls traced (unroll: benchmark.make_loop's passes over the sets per iteration)."""
-    run, calls = benchmark.make_loop(
-        fn, args_sets, iters=calls, consts=consts, chain=chain, unroll=unroll
-    )
+    the calls traced (unroll: benchmark.make_loop's passes over the sets per iteration).
+    straight=True: no loop, one call per set written out (benchmark.make_straight; `calls`,
+    chain and unroll unused)."""
+    if straight:
+        run, calls = benchmark.make_straight(fn, args_sets, consts=consts)
+    else:
+        run, calls = benchmark.make_loop(
+            fn, args_sets, iters=calls, consts=consts, chain=chain, unroll=unroll
+        )
     jax.block_until_ready(run())
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -133,10 +140,12 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20, help="calls traced (one jitted loop)")
     p.add_argument(
         "--loop",
-        choices=("chain", "sum"),
+        choices=("chain", "sum", "straight"),
         default="chain",
         help="chain: each call's input the previous call's output, 4 input sets in turn "
-        "(layers back to back; benchmark.make_loop(chain=True)); sum: one call per loop "
+        "(layers back to back; benchmark.make_loop(chain=True)); straight: as chain, with no "
+        "loop: --calls calls written out in one jit, one input set each "
+        "(benchmark.make_straight, a model step's layers); sum: one call per loop "
         "iteration and the sum of its output, as mgpu_probe.py and benchmark.py time it (the "
         "loop's own kernels then appear once per call)",
     )
@@ -164,15 +173,16 @@ def main(argv=None) -> int:
             to_mgpu = functools.partial(wj.layouts.to_kernel_layout, layout="mgpu_int4")
             weights = jax.block_until_ready((to_mgpu(w13), to_mgpu(w2)))
         for m in args.m:
-            xs, tws, idss = benchmark.probe_inputs(key, args.preset, m)
-            sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
+            num_sets = args.calls if args.loop == "straight" else 4
+            xs, tws, idss = benchmark.probe_inputs(key, args.preset, m, num_sets)
+            sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
             layer = lambda a, b, x, tw, ids, impl=impl: wj.fused_moe(  # noqa: E731
                 x, a, b, tw, ids, implementation=impl
             )
             t0 = time.perf_counter()
             trace, calls = trace_loop(
                 layer, sets, consts=weights, calls=args.calls, chain=args.loop == "chain",
-                unroll=args.unroll,
+                unroll=args.unroll, straight=args.loop == "straight",
             )  # fmt: skip
             s = summarize(device_kernels(trace), calls)
             print(f"M={m:<5} {impl:<6} per call: span {s['span_us']:.1f} us, kernels busy "

@@ -176,6 +176,16 @@ def main(argv=None) -> int:
         "output and no loop counter per call: benchmark.make_loop)",
     )
     p.add_argument(
+        "--straight",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the mgpu backend (fused_moe at its defaults) and the mgpu layer at its "
+        "default config with N calls written out in one jit, no loop, one input set per call, "
+        "each call's input the previous call's output (benchmark.make_straight: a model step's "
+        "layers as the model runs them; N >= 2)",
+    )
+    p.add_argument(
         "--chain-unroll",
         type=int,
         default=1,
@@ -214,6 +224,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.chain_unroll < 1:
         p.error(f"--chain-unroll must be at least 1, got {args.chain_unroll}")
+    if args.straight == 1 or args.straight < 0:
+        p.error(f"--straight must be 0 (off) or at least 2, got {args.straight}")
     logging.basicConfig(level=logging.WARNING)
     if args.lower_only:
         return 0 if _lower_only(args) else 1
@@ -296,6 +308,18 @@ def main(argv=None) -> int:
                         f, sets, consts=(w13p, w2p), chain=True, unroll=x, **timing
                     )
                     record(f"{what} chained x{x}", config, t, **layer)
+        if args.straight:
+            n = args.straight
+            sxs, stws, sidss = benchmark.probe_inputs(jax.random.fold_in(key, 5), args.preset, m, n)
+            ssets = [(sxs[s], stws[s], sidss[s]) for s in range(n)]
+            stouched = float(np.mean([len(np.unique(np.asarray(ids))) for ids in sidss]))
+            swork = dict(weight_bytes=(bytes1 + bytes2) / touched * stouched, flops=layer["flops"])
+            for what, f, config in (
+                ("backend", backend, f"{chosen.block_m} rows"),
+                ("mgpu", fn, astuple(chosen)),
+            ):
+                t, _ = benchmark.time_loop(f, ssets, consts=(w13p, w2p), straight=True, **timing)
+                record(f"{what} straight x{n}", config, t, **swork)
         searched, given = _asked_configs(args, m, chosen)
         for cfg in dict.fromkeys(searched + given):
             fn = functools.partial(_layer, config=cfg, interpret=interpret)

@@ -13,6 +13,7 @@ import sys
 import time
 
 import helpers
+import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -115,6 +116,49 @@ def test_chained_loop_unrolls_whole_passes():
         bench.make_loop(fn, sets, iters=5, chain=True, unroll=0)
     with pytest.raises(ValueError, match="unroll"):
         bench.make_loop(fn, sets, iters=5, unroll=2)
+
+
+def test_straight_run_calls_once_per_set_each_on_the_last_output():
+    """make_straight: one call per set, written out (traced once, no loop), each call's first
+    argument its set's plus 1e-30 x the previous output; fewer than 2 sets are refused."""
+    import jax.numpy as jnp
+
+    bench = _load("benchmark")
+    calls = []
+
+    def fn(w, x, y):
+        calls.append(None)  # once per traced call
+        return x * w + y
+
+    rng = np.random.default_rng(0)
+    sets = [tuple(rng.normal(size=(2, 3)).astype(np.float32)) for _ in range(3)]
+    run, n = bench.make_straight(fn, sets, consts=(jnp.float32(0.5),))
+    assert n == 3 and not calls
+    got = float(run())
+    assert len(calls) == 3
+    out = sets[0][0].astype(np.float64)
+    for x, y in sets:
+        out = (x + out * 1e-30) * 0.5 + y
+    np.testing.assert_allclose(got, out.sum(), rtol=1e-6)
+    with pytest.raises(ValueError, match="at least 2"):
+        bench.make_straight(fn, sets[:1])
+
+
+def test_mgpu_probe_times_the_straight_run_in_the_interpreter(tmp_path):
+    """--straight N: the backend and the default layer with N calls written out, work per call
+    as the layer's."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    out_json = tmp_path / "mgpu.json"
+    argv = ["--preset", "tiny", "--m", "2", "--interpret", "--iters", "1", "--repeats", "1",
+            "--straight", "2", "--json", str(out_json)]  # fmt: skip
+    assert _load("mgpu_probe").main(argv) == 0
+    rows = {r["what"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert {"backend straight x2", "mgpu straight x2"} <= set(rows)
+    for what in ("backend straight x2", "mgpu straight x2"):
+        assert rows[what]["seconds"] > 0
+        assert rows[what]["flops"] == rows["mgpu backend"]["flops"]
+    with pytest.raises(SystemExit):
+        _load("mgpu_probe").main([*argv[:-2], "--straight", "1"])
 
 
 def test_mgpu_probe_lowers_configs_without_a_gpu(capsys):
