@@ -17,3 +17,7 @@ timeout 120 python3 examples/kernel_timeline.py --m 1 16 --loop straight --calls
   --json $OUT/timeline.json > $OUT/timeline.log 2>&1
 echo "timeline $SECONDS s"
 cat $OUT/timeline.log | grep -v "^\s*$" | head -40
+timeout 100 python3 examples/mgpu_probe.py --m 1 --configs default:bf16_weights=1 \
+  > $OUT/bf16_weights.log 2>&1
+echo "bf16 weights $SECONDS s"
+grep -hE "layer|GEMM|copy|FAILED|rror" $OUT/bf16_weights.log | sed -E 's/\(([0-9A-Za-z]+, ){12}//'
