@@ -201,9 +201,39 @@ def make_straight(fn, args_sets, *, consts=()):
     return (lambda: straight(consts, sets)), len(sets)
 
 
+def time_straight(fn, args_sets, *, repeats, consts=(), runs=5, warmup_s=0.0):
+    """Seconds per call of fn(*consts, *args) in a model step (`make_straight`: one call per
+    input set, written out in one jit), steps queued back to back as a decoding loop queues them.
+
+    One jitted call of many kernels costs the host time before its first kernel starts (its
+    launches; on the H200 about 0.8 ms for 32 layer calls at M=1, session 23), and a run timed
+    alone counts that time against its calls. Queued behind another run, that host work overlaps
+    the GPU's: the figure is the marginal time of a queued run, (T(runs) - T(1)) /
+    ((runs - 1) x calls), T(r) the wall time of r runs queued at once and awaited together;
+    the median over `repeats`. warmup_s: as time_loop's.
+    """
+    if runs < 2:
+        raise ValueError(f"time_straight needs runs >= 2 (a marginal run), got {runs}")
+    run, calls = make_straight(fn, args_sets, consts=consts)
+    jax.block_until_ready(run())
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        jax.block_until_ready([run() for _ in range(runs)])
+
+    def queued(r):
+        t0 = time.perf_counter()
+        jax.block_until_ready([run() for _ in range(r)])
+        return time.perf_counter() - t0
+
+    times = []
+    for _ in range(repeats):
+        one = queued(1)
+        times.append((queued(runs) - one) / ((runs - 1) * calls))
+    return statistics.median(times)
+
+
 def time_loop(
-    fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False, unroll=1, warmup_s=0.0,
-    straight=False,
+    fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False, unroll=1, warmup_s=0.0
 ):  # fmt: skip
     """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs
     (`make_loop`; chain=True: each call's first argument the previous call's output).
@@ -213,17 +243,10 @@ def time_loop(
     settled where a sustained run puts it (in a 5 s run the H200 sat at its 700 W power cap in
     decode from 16 tokens, its SM clock 8-19% below the maximum, session 19; how fast the clock
     falls was not measured); 0, only one warm-up run (timings from the start of a burst).
-    straight=True: no loop, one call per input set written out in one jit (`make_straight`;
-    iters, chain and unroll are then unused).
     Returns (device_seconds_per_call, host_seconds_per_single_call); the host time is None
     with host=False (one compile fewer).
     """
-    if straight:
-        run, calls = make_straight(fn, args_sets, consts=consts)
-    else:
-        run, calls = make_loop(
-            fn, args_sets, iters=iters, consts=consts, chain=chain, unroll=unroll
-        )
+    run, calls = make_loop(fn, args_sets, iters=iters, consts=consts, chain=chain, unroll=unroll)
     single = jax.jit(fn)
     jax.block_until_ready(run())
     start = time.perf_counter()
@@ -330,7 +353,11 @@ def stage_fns(problem: Problem, implementation: str, config):
     return align, gemm1, gemm2, configs
 
 
-def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, stages, config):
+def bench_problem(
+    problem, ms, implementations, *, iters, repeats, num_sets, stages, config, straight=0
+):  # fmt: skip
+    """Rows of the timings per implementation and M; straight=N (>= 2): each row also times N
+    calls as a model step runs them (`time_straight`, N input sets of their own)."""
     key = jax.random.key(0)
     dtype = jnp.dtype(problem.dtype)
     e, k, h, i = problem.num_experts, problem.top_k, problem.hidden, problem.intermediate
@@ -364,6 +391,11 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
         flops = 2.0 * m * k * (2 * i * h + h * i)
         sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
         m_iters = iters or default_iters(m)
+        if straight:
+            sxs = jax.random.normal(jax.random.fold_in(key, 5 + m), (straight, m, h), dtype)
+            stws, sidss = random_routing(jax.random.fold_in(key, 6 + m), m, e, k, straight)
+            ssets = [(sxs[s], stws[s], sidss[s]) for s in range(straight)]
+            stouched = float(np.mean([len(np.unique(np.asarray(ids))) for ids in sidss]))
         for impl in implementations:
             fn = functools.partial(
                 _moe, implementation=impl, config=config, activation_quant=problem.activation_quant
@@ -371,6 +403,9 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
             try:
                 consts = weights.for_backend(impl)
                 t, t_host = time_loop(fn, sets, iters=m_iters, repeats=repeats, consts=consts)
+                t_step = (
+                    time_straight(fn, ssets, repeats=repeats, consts=consts) if straight else None
+                )
             except Exception as err:  # a backend that cannot run this size: report, go on
                 logging.warning("%s M=%d failed: %s", impl, m, str(err).splitlines()[0])
                 continue
@@ -384,12 +419,19 @@ def bench_problem(problem, ms, implementations, *, iters, repeats, num_sets, sta
                 experts_touched=touched,
                 activation_quant=problem.activation_quant,
             )
+            if straight:
+                row.update(
+                    straight_calls=straight,
+                    straight_seconds=t_step,
+                    straight_weight_bytes=(weight_bytes(w13, 1) + weight_bytes(w2, 1)) * stouched,
+                )
             if stages and impl.startswith("pallas") and problem.activation_quant is None:
                 row["stages"] = bench_stages(
                     problem, impl, config, w13, w2, sets, iters=m_iters, repeats=repeats
                 )
             rows.append(row)
-            print(f"  {impl:>16} M={m:<6} {t * 1e6:10.1f} us", file=sys.stderr, flush=True)
+            step = f", in a step {t_step * 1e6:.1f} us" if straight else ""
+            print(f"  {impl:>16} M={m:<6} {t * 1e6:10.1f} us{step}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -484,6 +526,14 @@ def print_table(rows, copy_bps, mm_flops):
             f"{r['host_call_seconds'] * 1e6:>9.1f} {bw / 1e9:>12.1f} {100 * bw / copy_bps:>6.1f} "
             f"{fl / 1e12:>8.2f} {100 * fl / mm_flops:>6.1f}"
         )
+        if "straight_seconds" in r:
+            t = r["straight_seconds"]
+            sbw = r["straight_weight_bytes"] / t
+            print(
+                f"{'':>16} in a step of {r['straight_calls']} calls (queued steps): "
+                f"{t * 1e6:.1f} us, {100 * sbw / copy_bps:.1f}% of copy, "
+                f"{100 * r['flops'] / t / mm_flops:.1f}% of matmul"
+            )
         if "stages" in r:
             st = "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in r["stages"].items())
             print(f"{'':>16} stages: {st}")
@@ -555,6 +605,17 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed loops (median taken)")
     p.add_argument("--sets", type=int, default=4, help="input sets rotated through the loop")
     p.add_argument(
+        "--straight",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time each M as a model step runs its layers: N calls written out in one jit "
+        "(no loop), one input set each, each call's input the previous call's output, steps "
+        "queued back to back; the marginal time of a queued step per call (time_straight). "
+        "The loop's figure counts the host's wait per loop iteration; this one does not. "
+        "0: off; else N >= 2",
+    )
+    p.add_argument(
         "--stages", action="store_true", help="also time each stage (pallas, WNA16 only)"
     )
     p.add_argument(
@@ -578,6 +639,8 @@ def main(argv=None):
     p.add_argument("--json", type=str, default=None, help="write results here")
     p.add_argument("--plot", type=str, default=None, help="write a roofline PNG here")
     args = p.parse_args(argv)
+    if args.straight == 1 or args.straight < 0:
+        p.error(f"--straight must be 0 (off) or at least 2, got {args.straight}")
     logging.basicConfig(level=logging.WARNING)
     e, k, h, i, g = PRESETS[args.preset]
     if args.group_size is not None:
@@ -609,6 +672,7 @@ def main(argv=None):
             num_sets=args.sets,
             stages=args.stages,
             config=config,
+            straight=args.straight,
         )
     print_table(rows, copy_bps, mm_flops)
     result = dict(

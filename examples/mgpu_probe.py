@@ -182,8 +182,9 @@ def main(argv=None) -> int:
         metavar="N",
         help="also time the mgpu backend (fused_moe at its defaults) and the mgpu layer at its "
         "default config with N calls written out in one jit, no loop, one input set per call, "
-        "each call's input the previous call's output (benchmark.make_straight: a model step's "
-        "layers as the model runs them; N >= 2)",
+        "each call's input the previous call's output (a model step's layers as the model runs "
+        "them), steps queued back to back: the marginal time of a queued step per call "
+        "(benchmark.time_straight; N >= 2)",
     )
     p.add_argument(
         "--chain-unroll",
@@ -318,7 +319,9 @@ def main(argv=None) -> int:
                 ("backend", backend, f"{chosen.block_m} rows"),
                 ("mgpu", fn, astuple(chosen)),
             ):
-                t, _ = benchmark.time_loop(f, ssets, consts=(w13p, w2p), straight=True, **timing)
+                t = benchmark.time_straight(
+                    f, ssets, consts=(w13p, w2p), repeats=args.repeats, warmup_s=args.warmup_s
+                )
                 record(f"{what} straight x{n}", config, t, **swork)
         searched, given = _asked_configs(args, m, chosen)
         for cfg in dict.fromkeys(searched + given):

@@ -144,6 +144,42 @@ def test_straight_run_calls_once_per_set_each_on_the_last_output():
         bench.make_straight(fn, sets[:1])
 
 
+def test_time_straight_is_the_marginal_queued_step(monkeypatch):
+    """time_straight: a positive time per call from runs queued at once (5 queued runs and one
+    alone per repeat, after one warm-up run); fewer than 2 runs are refused."""
+    import jax.numpy as jnp
+
+    bench = _load("benchmark")
+    runs = []
+    make_straight = bench.make_straight
+
+    def counting(*args, **kwargs):
+        run, calls = make_straight(*args, **kwargs)
+        return (lambda: runs.append(None) or run()), calls
+
+    monkeypatch.setattr(bench, "make_straight", counting)
+    sets = [(jnp.full(4, float(s)),) for s in range(3)]
+    t = bench.time_straight(lambda x: x * 2.0, sets, repeats=2, runs=5)
+    assert t > 0 and len(runs) == 1 + 2 * (1 + 5)
+    with pytest.raises(ValueError, match="runs >= 2"):
+        bench.time_straight(lambda x: x, sets, repeats=1, runs=1)
+
+
+def test_benchmark_times_a_model_step(tmp_path, capsys):
+    """benchmark.py --straight N: each row also has the step's time per call, and the table
+    prints it."""
+    out_json = tmp_path / "bench.json"
+    argv = ["--m", "2", "--implementations", "xla", "--iters", "1", "--repeats", "1",
+            "--straight", "3", "--json", str(out_json)]  # fmt: skip
+    _load("benchmark").main(argv)
+    assert "in a step of 3 calls" in capsys.readouterr().out
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["straight_calls"] == 3 and row["straight_seconds"] > 0
+    assert row["straight_weight_bytes"] > 0
+    with pytest.raises(SystemExit):
+        _load("benchmark").main([*argv[:-2], "--straight", "1"])
+
+
 def test_mgpu_probe_times_the_straight_run_in_the_interpreter(tmp_path):
     """--straight N: the backend and the default layer with N calls written out, work per call
     as the layer's."""
