@@ -4,13 +4,16 @@ On a GPU the default problem is DeepSeek-V3's MoE layer (E=256, top-8, H=7168, I
 g128); on a CPU it is a tiny problem so the script doubles as a smoke test. Each timing is the
 median over repeats of a jitted loop that calls the op `--iters` times on rotated input sets, so
 host dispatch is excluded; the per-call time of one jitted call from the host (dispatch
-included) is reported beside it.
+included) is reported beside it. An XLA loop waits on the host once per iteration, and that
+wait is in the loop's figure; --straight N also times each M as a model step runs its layers
+(N calls written out in one jit, steps queued back to back: `time_straight`), which it is not.
 
 With --activation-quant int8_per_token the rows are W8A8 (int8 per-token activations, int8
 per-channel symmetric weights; --bits and --no-zp are ignored then).
 
 Example:
     python examples/benchmark.py --m 1 16 256 4096 --json out/bench.json --plot out/roofline.png
+    python examples/benchmark.py --implementations mgpu --m 1 16 256 4096 --straight 32
     python examples/benchmark.py --activation-quant int8_per_token --m 256 4096
 """
 
