@@ -4,6 +4,7 @@ traced in a jitted loop (kernel_timeline.trace_loop) and its kernels' busy time 
 from the device trace, so the loop's own kernels and launch gaps are left out.
 
 Usage (H200): PYTHONPATH=$PWD python3 experiments/align_probe.py [--calls 50]
+    [--sizes 16:8 64:8 16384:64] [--default-only]
 Prints per (T, block_m): each config's kernel time per call (us), the default first.
 """
 
@@ -38,14 +39,25 @@ def candidates(num_slots: int):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument(
+        "--sizes", nargs="+", default=["16:8", "64:8", "256:16"], metavar="T:BLOCK_M",
+        help="tokens and block size per run (default: 16:8 64:8 256:16)",
+    )  # fmt: skip
+    p.add_argument("--default-only", action="store_true", help="time only the default config")
     args = p.parse_args(argv)
+    try:
+        sizes = [tuple(int(v) for v in s.split(":")) for s in args.sizes]
+        if any(len(s) != 2 or min(s) < 1 for s in sizes):
+            raise ValueError
+    except ValueError:
+        p.error(f"--sizes takes T:BLOCK_M pairs of positive integers, got {args.sizes}")
     key = jax.random.key(0)
-    for t, block_m in ((16, 8), (64, 8), (256, 16)):
+    for t, block_m in sizes:
         sets = []
         for s in range(4):  # k distinct experts per token, as the router gives
             scores = jax.random.uniform(jax.random.fold_in(key, 16 * t + s), (t, 256))
             sets.append((jax.lax.top_k(scores, 8)[1].astype(jnp.int32),))
-        for cfg in candidates(t * 8):
+        for cfg in candidates(t * 8)[: 1 if args.default_only else None]:
 
             def fn(ids, cfg=cfg, block_m=block_m):
                 r = align.moe_align_block_size(ids, num_experts=256, block_m=block_m, config=cfg)
