@@ -9,7 +9,8 @@
 #   tune-large  tune.py at M = 256, 4096 (merged into the same table)
 #   tune-tp8    tune.py on the TP=8 slice (I=256) at M = 1, 16 (merged into the same table)
 #   bench       benchmark.py, pallas and mgpu: DeepSeek-V3 TP=1 with and without zero points
-#               (pallas' stages, JSON, roofline), the TP=8 slice
+#               (pallas' stages, JSON, roofline), the TP=8 slice; each row also in a model step
+#               of STRAIGHT (default 32; 0: off) calls (benchmark.py --straight)
 #   int8        benchmark.py: W8A8 vs W8A16 (per-channel int8) at M = 1, 256, 4096
 #   w8a16       benchmark.py: W8A16 (per-channel int8) at M = 1, 256, 4096 (int8 runs it too)
 #   model       generate.py --full-width-layers 8 at batch 1, 8, 64 (EXPERTS, default pallas), the
@@ -82,11 +83,11 @@ for step in "${steps[@]}"; do
         ;;
     bench)
         python3 examples/benchmark.py --m 1 16 256 4096 --stages --implementations pallas mgpu \
-            --json "$OUT/bench_zp.json" --plot "$OUT/roofline.png" 2>&1 | tee "$OUT/bench_zp.log"
+            --straight "${STRAIGHT:-32}" --json "$OUT/bench_zp.json" --plot "$OUT/roofline.png" 2>&1 | tee "$OUT/bench_zp.log"
         python3 examples/benchmark.py --m 1 16 256 4096 --no-zp --implementations pallas mgpu \
-            --json "$OUT/bench_sym.json" 2>&1 | tee "$OUT/bench_sym.log"
+            --straight "${STRAIGHT:-32}" --json "$OUT/bench_sym.json" 2>&1 | tee "$OUT/bench_sym.log"
         python3 examples/benchmark.py --preset deepseek-v3-tp8 --m 1 16 --stages \
-            --implementations pallas mgpu --json "$OUT/bench_tp8.json" 2>&1 | tee "$OUT/bench_tp8.log"
+            --implementations pallas mgpu --straight "${STRAIGHT:-32}" --json "$OUT/bench_tp8.json" 2>&1 | tee "$OUT/bench_tp8.log"
         ;;
     int8)
         python3 examples/benchmark.py --activation-quant int8_per_token --m 1 256 4096 \
