@@ -288,7 +288,8 @@ def test_gemm_deepseek_v3_shapes(rng, has_zp, block_m, consumers, splits, block_
     [(8, 128, 0, 256, 4, False), (8, 256, 0, 256, 4, False), (16, 128, 0, 128, 4, False),
      (64, 128, 2, 128, 4, False), (64, 128, 2, 256, 2, False), (8, 64, 0, 256, 4, True),
      (16, 64, 0, 128, 4, True), (64, 64, 2, 256, 3, True), (64, 128, 2, 256, 2, True),
-     (8, 64, 0, 256, 3, True), (16, 128, 0, 128, 4, True)],
+     (8, 64, 0, 256, 3, True), (16, 128, 0, 128, 4, True), (8, 64, 0, 256, 2, True),
+     (8, 128, 0, 256, 2, False)],
     ids=str,
 )  # fmt: skip
 def test_gemm_deepseek_v3_wide_warpgroups(rng, has_zp, block_m, block_n, consumers, block_k,
@@ -325,6 +326,7 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (11, MgpuConfig(block_m=8, block_k=64, block_n=128)),  # GEMM2's N is 128: not fused
         (5, MgpuConfig(block_m=16, block_k=64, fuse_activation=False)),
         (10, MgpuConfig(block_m=8, block_k=64, stages=3, down_block_n=128, down_stages=2)),
+        (12, MgpuConfig(block_m=8, block_k=64, stages=2, down_block_n=128)),  # session 23's lead
         (4, MgpuConfig(block_m=8, block_k=128, consumers=2, block_n=128)),  # falls back to 64
         (9, MgpuConfig(block_m=8, block_k=64, stages=3, down_tiles_per_program=4)),  # GEMM2: 2
         (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1)),  # ~10 rows per expert
@@ -645,12 +647,13 @@ def test_bf16_weights_meet_the_layer_contract(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 64, 4096])
-def test_fused_moe_deepseek_v3_tp1_gpu(t):
+@pytest.mark.parametrize("t,stages", [(1, None), (64, None), (4096, None), (16, 2), (64, 2)])
+def test_fused_moe_deepseek_v3_tp1_gpu(t, stages):
     """The whole layer at DeepSeek-V3 TP=1 (E=256, H=7168, I=2048, g128, zp): w13's int4 array
     has 7.5e9 elements, past 2^31 (DESIGN.md's rule for the Triton lowering; the TMA addressing
     of this kernel is checked here). Against 'xla' on the same weights; at t=4096 the default
-    runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK)."""
+    runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK). stages: the
+    default with both GEMMs at that many stages (None: as is; 2: session 23's lead at decode)."""
     key = jax.random.key(t)
     w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
                                            True, BF16)  # fmt: skip
@@ -660,9 +663,11 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t):
     scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
     tw, ids = jax.lax.top_k(scores, 8)
     ref = wj.fused_moe(x, w13, w2, tw, ids.astype(jnp.int32), implementation="xla")
+    default = mgpu_fused_moe.default_config(8 * t, 256, 128, 2048)
+    config = None if stages is None else dataclasses.replace(default, stages=stages)
     out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids.astype(jnp.int32),
-                       implementation="mgpu")  # fmt: skip
-    slack = LAYER_SLACK if mgpu_fused_moe.default_config(8 * t, 256, 128).bf16_weights else 1.0
+                       implementation="mgpu", config=config)  # fmt: skip
+    slack = LAYER_SLACK if default.bf16_weights else 1.0
     helpers.assert_finite_and_close(
         out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 layer",
         slack=slack, require_signal=True,
