@@ -66,6 +66,12 @@ from wna16_jax._types import MGPU_TILE, QuantizedExperts
 TILE = MGPU_TILE
 
 
+def tile_rows(weight_row_nibbles: int) -> int:
+    """A 64x64 int4 weight tile's rows when its nibbles are copied in rows of weight_row_nibbles
+    (64: 64 rows; 256, the default: 16)."""
+    return TILE * TILE // weight_row_nibbles
+
+
 def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
     """Whether a GEMM of this shape can run bf16_weights: warp specialization (consumers 1 or 2)
     and one output tile per program (a wgmma cannot restart its accumulator; the interpreter
@@ -146,7 +152,7 @@ def check_config(
         )
     if weight_row_nibbles not in (TILE, 2 * TILE, 4 * TILE):
         raise ValueError(f"weight_row_nibbles={weight_row_nibbles} must be 64, 128 or 256")
-    step_rows = block_k // TILE * (TILE * TILE // weight_row_nibbles)
+    step_rows = block_k // TILE * tile_rows(weight_row_nibbles)
     if weight_row_nibbles > TILE and step_rows > 256:
         raise ValueError(
             f"a k-step of {block_k} takes {step_rows} weight rows of {weight_row_nibbles} "
@@ -403,7 +409,7 @@ def mgpu_wna16_gemm(
         weight_row_nibbles=weight_row_nibbles,
     )  # fmt: skip
     flat_rows = weight_row_nibbles > TILE
-    tile_rows = TILE * TILE // weight_row_nibbles  # a tile's rows of weight_row_nibbles
+    rows_per_tile = tile_rows(weight_row_nibbles)
     narrow = block_rows is not None
     if narrow and (
         narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
@@ -520,7 +526,7 @@ def mgpu_wna16_gemm(
                 # offset = 128 + z of the tile's features (136 without zero points): q - z, a
                 # small integer, exact in bf16.
                 if flat_rows:  # the tile's rows
-                    q_tile = q_smem.at[sub_tile(s), pl.ds(j * tile_rows, tile_rows)]
+                    q_tile = q_smem.at[sub_tile(s), pl.ds(j * rows_per_tile, rows_per_tile)]
                 else:
                     box, first = divmod(j * TILE, box_rows)
                     q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
@@ -678,7 +684,7 @@ def mgpu_wna16_gemm(
                 return first, si * steps + tile_and_step(idx)[1]
 
             if flat_rows:
-                q_spec = (None, wgs * subs, bk // TILE * tile_rows, weight_row_nibbles)
+                q_spec = (None, wgs * subs, bk // TILE * rows_per_tile, weight_row_nibbles)
             else:
                 q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
             g_spec = (None, groups_per_step, tile_n)
@@ -763,12 +769,12 @@ def mgpu_wna16_gemm(
                 store(zero_acc()[:subs], n_run * tiles + j)
             plgpu.wait_smem_to_gmem(0)
 
-    # Free reshapes of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * tile_rows, weight_row_nibbles],
+    # Free reshapes of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * rows_per_tile, weight_row_nibbles],
     # or at 64 nibbles [E, N/64, K/box_rows, box_rows, 64] (a TMA copy takes at most 256 rows
     # along a dimension and strides over at most 5 dimensions).
     if flat_rows:
         q_rows = w.qweight.reshape(
-            w.num_experts, n // TILE, k // TILE * tile_rows, weight_row_nibbles
+            w.num_experts, n // TILE, k // TILE * rows_per_tile, weight_row_nibbles
         )
     else:
         q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
