@@ -98,13 +98,23 @@ def probe_experts(key, preset: str, *, has_zp: bool):
     return make(jax.random.fold_in(key, 1), e, 2 * i, h), make(jax.random.fold_in(key, 2), e, h, i)
 
 
-def probe_inputs(key, preset: str, m: int, num_sets: int = 4):
-    """The probes' num_sets input sets at M=m: x [S, m, H] bf16 (key fold_in 3 + m) and the
-    routing weights and ids [S, m, k] (`random_routing`, key fold_in 4 + m)."""
-    e, top_k, h, _, _ = PRESETS[preset]
-    xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (num_sets, m, h), jnp.bfloat16)
-    tws, idss = random_routing(jax.random.fold_in(key, 4 + m), m, e, top_k, num_sets)
+def random_inputs(key, m: int, num_experts: int, top_k: int, hidden: int, num_sets: int, dtype):
+    """num_sets input sets at M=m: x [S, m, H] in dtype (key fold_in 3 + m) and the routing
+    weights and ids [S, m, k] (`random_routing`, key fold_in 4 + m)."""
+    xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (num_sets, m, hidden), dtype)
+    tws, idss = random_routing(jax.random.fold_in(key, 4 + m), m, num_experts, top_k, num_sets)
     return xs, tws, idss
+
+
+def probe_inputs(key, preset: str, m: int, num_sets: int = 4):
+    """The probes' num_sets input sets at M=m of a PRESETS entry, bf16 (`random_inputs`)."""
+    e, top_k, h, _, _ = PRESETS[preset]
+    return random_inputs(key, m, e, top_k, h, num_sets, jnp.bfloat16)
+
+
+def experts_touched(idss) -> float:
+    """The mean count of distinct experts an input set's routing ids [S, m, k] use."""
+    return float(np.mean([len(np.unique(np.asarray(ids))) for ids in idss]))
 
 
 def weight_bytes(qw: wj.QuantizedExperts, experts_touched: int) -> int:
@@ -387,18 +397,18 @@ def bench_problem(
     weights = _WeightsByLayout(w13, w2)
     rows = []
     for m in ms:
-        xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (num_sets, m, h), dtype)
-        tws, idss = random_routing(jax.random.fold_in(key, 4 + m), m, e, k, num_sets)
-        touched = float(np.mean([len(np.unique(np.asarray(idss[s]))) for s in range(num_sets)]))
+        xs, tws, idss = random_inputs(key, m, e, k, h, num_sets, dtype)
+        touched = experts_touched(idss)
         wbytes = weight_bytes(w13, 1) * touched + weight_bytes(w2, 1) * touched
         flops = 2.0 * m * k * (2 * i * h + h * i)
         sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
         m_iters = iters or default_iters(m)
         if straight:
-            sxs = jax.random.normal(jax.random.fold_in(key, 5 + m), (straight, m, h), dtype)
-            stws, sidss = random_routing(jax.random.fold_in(key, 6 + m), m, e, k, straight)
+            sxs, stws, sidss = random_inputs(
+                jax.random.fold_in(key, 5), m, e, k, h, straight, dtype
+            )
             ssets = [(sxs[s], stws[s], sidss[s]) for s in range(straight)]
-            stouched = float(np.mean([len(np.unique(np.asarray(ids))) for ids in sidss]))
+            stouched = experts_touched(sidss)
         for impl in implementations:
             fn = functools.partial(
                 _moe, implementation=impl, config=config, activation_quant=problem.activation_quant

@@ -33,7 +33,6 @@ from dataclasses import astuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -255,7 +254,7 @@ def main(argv=None) -> int:
         if args.routing == "identical":
             idss = jnp.broadcast_to(idss[:, :1], idss.shape)
         sets = [(xs[s], tws[s], idss[s]) for s in range(4)]
-        touched = float(np.mean([len(np.unique(np.asarray(idss[s]))) for s in range(4)]))
+        touched = benchmark.experts_touched(idss)
         bytes1, bytes2 = (benchmark.weight_bytes(w, 1) * touched for w in (w13, w2))
         flops1, flops2 = 2.0 * m * top_k * 2 * i * h, 2.0 * m * top_k * h * i
         iters = args.iters or benchmark.default_iters(m)
@@ -313,7 +312,7 @@ def main(argv=None) -> int:
             n = args.straight
             sxs, stws, sidss = benchmark.probe_inputs(jax.random.fold_in(key, 5), args.preset, m, n)
             ssets = [(sxs[s], stws[s], sidss[s]) for s in range(n)]
-            stouched = float(np.mean([len(np.unique(np.asarray(ids))) for ids in sidss]))
+            stouched = benchmark.experts_touched(sidss)
             swork = dict(weight_bytes=(bytes1 + bytes2) / touched * stouched, flops=layer["flops"])
             for what, f, config in (
                 ("backend", backend, f"{chosen.block_m} rows"),
