@@ -183,7 +183,8 @@ def main(argv=None) -> int:
         "default config with N calls written out in one jit, no loop, one input set per call, "
         "each call's input the previous call's output (a model step's layers as the model runs "
         "them), steps queued back to back: the marginal time of a queued step per call "
-        "(benchmark.time_straight; N >= 2)",
+        "(benchmark.time_straight; N >= 2); the GEMMs timed alone likewise, N calls on N "
+        "routings (each GEMM on its own set: its output does not feed its input)",
     )
     p.add_argument(
         "--chain-unroll",
@@ -199,6 +200,16 @@ def main(argv=None) -> int:
         action="store_true",
         help="time GEMM1 and GEMM2 alone at the default and every --configs / --search config "
         "(default: at the fastest only)",
+    )
+    p.add_argument(
+        "--gemms-only",
+        nargs="*",
+        type=int,
+        choices=(1, 2),
+        metavar="GEMM",
+        help="time no layer: only the GEMMs alone (these: 1, 2; none named: both) at the "
+        "default and every --configs / --search config, e.g. a K-split sweep of GEMM1 "
+        "(--gemms-only 1)",
     )
     p.add_argument(
         "--lower-only",
@@ -263,6 +274,24 @@ def main(argv=None) -> int:
         keys = dict(preset=args.preset, zp="8" if args.zp8 else has_zp, M=m, routing=args.routing)
         record = functools.partial(_record, rows, keys, copy_bps, mm_flops)
         layer = dict(weight_bytes=bytes1 + bytes2, flops=flops1 + flops2)
+        configs = mgpu_fused_moe.routed_configs(m, top_k, e, h if g == -1 else g, i)
+        chosen = configs[0]  # the default: the backend's config for m tokens
+        searched, given = _asked_configs(args, m, chosen)
+        straight_sets = None
+        if args.straight:  # one set per call, never repeated (benchmark.make_straight)
+            n = args.straight
+            sxs, stws, sidss = benchmark.probe_inputs(jax.random.fold_in(key, 5), args.preset, m, n)
+            straight_sets = [(sxs[s], stws[s], sidss[s]) for s in range(n)]
+            straight_work = (bytes1 + bytes2) / touched * benchmark.experts_touched(sidss)
+        gemms = functools.partial(
+            _time_gemms, record, xs[0], idss[0], w13p, w2p, key=key, interpret=interpret,
+            work=(bytes1, flops1, bytes2, flops2), timing=timing, straight_sets=straight_sets,
+            repeats=args.repeats, warmup_s=args.warmup_s, which=args.gemms_only or (1, 2),
+        )  # fmt: skip
+        if args.gemms_only is not None:
+            for cfg in dict.fromkeys([chosen, *searched, *given]):
+                gemms(cfg)
+            continue
 
         pallas = lambda a, b, x, tw, ids: wj.fused_moe(  # noqa: E731
             x, a, b, tw, ids, implementation="xla" if interpret else "pallas"
@@ -272,8 +301,6 @@ def main(argv=None) -> int:
         backend = lambda a, b, x, tw, ids, mgpu=mgpu: wj.fused_moe(  # noqa: E731
             x, a, b, tw, ids, implementation=mgpu
         )
-        configs = mgpu_fused_moe.routed_configs(m, top_k, e, h if g == -1 else g, i)
-        chosen = configs[0]  # the default: the backend's config for m tokens
         t, _ = benchmark.time_loop(backend, sets, consts=(w13p, w2p), **timing)
         record("mgpu backend", f"{chosen.block_m} rows", t, **layer)
         # The opt-in block choice at run time (an XLA conditional where there is a choice)
@@ -308,21 +335,17 @@ def main(argv=None) -> int:
                         f, sets, consts=(w13p, w2p), chain=True, unroll=x, **timing
                     )
                     record(f"{what} chained x{x}", config, t, **layer)
-        if args.straight:
-            n = args.straight
-            sxs, stws, sidss = benchmark.probe_inputs(jax.random.fold_in(key, 5), args.preset, m, n)
-            ssets = [(sxs[s], stws[s], sidss[s]) for s in range(n)]
-            stouched = benchmark.experts_touched(sidss)
-            swork = dict(weight_bytes=(bytes1 + bytes2) / touched * stouched, flops=layer["flops"])
+        if straight_sets:
+            swork = dict(weight_bytes=straight_work, flops=layer["flops"])
             for what, f, config in (
                 ("backend", backend, f"{chosen.block_m} rows"),
                 ("mgpu", fn, astuple(chosen)),
             ):
                 t = benchmark.time_straight(
-                    f, ssets, consts=(w13p, w2p), repeats=args.repeats, warmup_s=args.warmup_s
-                )
-                record(f"{what} straight x{n}", config, t, **swork)
-        searched, given = _asked_configs(args, m, chosen)
+                    f, straight_sets, consts=(w13p, w2p), repeats=args.repeats,
+                    warmup_s=args.warmup_s,
+                )  # fmt: skip
+                record(f"{what} straight x{len(straight_sets)}", config, t, **swork)
         for cfg in dict.fromkeys(searched + given):
             fn = functools.partial(_layer, config=cfg, interpret=interpret)
             t0 = time.perf_counter()
@@ -341,8 +364,7 @@ def main(argv=None) -> int:
         # The two GEMMs alone as the layer runs them, at the best config (--all-gemms: at each).
         timed = [chosen, *dict.fromkeys(searched + given)] if args.all_gemms else [best[1]]
         for cfg in timed:
-            _time_gemms(record, cfg, xs[0], idss[0], w13p, w2p, key=key, interpret=interpret,
-                        work=(bytes1, flops1, bytes2, flops2), timing=timing)  # fmt: skip
+            gemms(cfg)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
@@ -358,32 +380,57 @@ def _zeros_of_8(w: wj.QuantizedExperts):
     return jnp.full((e, n // 2, k // w.group), 0x88, jnp.uint8)
 
 
-def _time_gemms(record, cfg, x, ids, w13p, w2p, *, key, interpret, work, timing):
+def _gemm_inputs(cfg, x, ids, num_experts: int, i: int, key, interpret):
+    """(GEMM1's rows, GEMM2's rows, block experts, rows in use) as the layer gives them at cfg
+    for x routed by ids (GEMM2's rows random activations)."""
+    block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
+        x, ids, num_experts=num_experts, block_m=cfg.block_m, expert_map=None,
+        interpret=interpret,
+    )  # fmt: skip
+    act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
+    return x_rows, act_rows, block_experts, cfg.gemm_rows_in_use(in_use)
+
+
+def _time_gemms(
+    record, x, ids, w13p, w2p, cfg, *, key, interpret, work, timing, straight_sets, repeats,
+    warmup_s, which=(1, 2),
+):  # fmt: skip
     """Times GEMM1 and GEMM2 alone as the layer runs them at cfg (GEMM1 with the activation,
     fused where the config fuses it; GEMM2's rows in the layer's dtype for a bf16 output; the
-    rows in use with narrow blocks), on x's rows (GEMM2 on random activations)."""
+    rows in use with narrow blocks), on x's rows (GEMM2 on random activations), in a loop; with
+    straight_sets (one (x, weights, ids) per call) also one call per set written out in one jit
+    (benchmark.time_straight, unchained). A straight figure's bytes are those of the loop's set
+    (the same M; the routings differ). which: the GEMMs to time (1, 2)."""
     e, i = w13p.num_experts, w2p.shape[2]
     bytes1, flops1, bytes2, flops2 = work
-    block_experts, x_rows, _, in_use = mgpu_fused_moe.aligned_blocks(
-        x, ids, num_experts=e, block_m=cfg.block_m, expert_map=None, interpret=interpret
-    )
-    in_use = cfg.gemm_rows_in_use(in_use)
-    act_rows = jax.random.normal(key, (x_rows.shape[0], i), jnp.bfloat16)
+    x_rows, act_rows, block_experts, in_use = _gemm_inputs(cfg, x, ids, e, i, key, interpret)
+    straight = [
+        _gemm_inputs(cfg, sx, sids, e, i, jax.random.fold_in(key, n), interpret)
+        for n, (sx, _, sids) in enumerate(straight_sets or [])
+    ]
     gemm = mgpu_fused_moe.block_gemm(cfg, interpret)
     down_rows = mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None)
-    for what, w, a, act, out, weight_bytes, flops in (
-        ("mgpu GEMM1", w13p, x_rows, jnp.bfloat16, None, bytes1, flops1),
-        ("mgpu GEMM2", w2p, act_rows, None, down_rows, bytes2, flops2),
+    for number, w, act, out, weight_bytes, flops in (
+        (1, w13p, jnp.bfloat16, None, bytes1, flops1),
+        (2, w2p, None, down_rows, bytes2, flops2),
     ):
-        t, _ = benchmark.time_loop(
-            lambda w, a, ex, used, act=act, out=out: gemm(
-                a, w, ex, used, activation_dtype=act, out_dtype=out
-            ),
-            [(a, block_experts, in_use)],
-            consts=(w,),
-            **timing,
-        )
+        if number not in which:
+            continue
+        what, rows = f"mgpu GEMM{number}", number - 1
+
+        def fn(w, a, ex, used, act=act, out=out):
+            return gemm(a, w, ex, used, activation_dtype=act, out_dtype=out)
+
+        a = (x_rows, act_rows)[rows]
+        t, _ = benchmark.time_loop(fn, [(a, block_experts, in_use)], consts=(w,), **timing)
         record(what, astuple(cfg), t, weight_bytes=weight_bytes, flops=flops)
+        if straight:
+            sets = [(s[rows], s[2], s[3]) for s in straight]
+            t = benchmark.time_straight(
+                fn, sets, consts=(w,), chain=False, repeats=repeats, warmup_s=warmup_s
+            )
+            record(f"{what} straight x{len(sets)}", astuple(cfg), t, weight_bytes=weight_bytes,
+                   flops=flops)  # fmt: skip
 
 
 def _record(rows, keys, copy_bps, mm_flops, what, config, seconds, *, weight_bytes, flops):

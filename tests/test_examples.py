@@ -144,6 +144,21 @@ def test_straight_run_calls_once_per_set_each_on_the_last_output():
         bench.make_straight(fn, sets[:1])
 
 
+def test_straight_run_unchained_returns_each_call_on_its_own_set():
+    """make_straight(chain=False): each call on its set unchanged, every output returned."""
+    import jax.numpy as jnp
+
+    bench = _load("benchmark")
+    rng = np.random.default_rng(1)
+    sets = [(rng.normal(size=(2, 3)).astype(np.float32), rng.normal(size=3)) for _ in range(3)]
+    run, n = bench.make_straight(lambda w, x, y: x * w + y, sets, consts=(jnp.float32(0.5),),
+                                 chain=False)  # fmt: skip
+    outs = run()
+    assert n == 3 and len(outs) == 3
+    for out, (x, y) in zip(outs, sets, strict=True):
+        np.testing.assert_allclose(out, x * 0.5 + y.astype(np.float32), rtol=1e-6)
+
+
 def test_time_straight_is_the_marginal_queued_step(monkeypatch):
     """time_straight: a positive time per call from runs queued at once (5 queued runs and one
     alone per repeat, after one warm-up run); fewer than 2 runs are refused."""
@@ -181,8 +196,8 @@ def test_benchmark_times_a_model_step(tmp_path, capsys):
 
 
 def test_mgpu_probe_times_the_straight_run_in_the_interpreter(tmp_path):
-    """--straight N: the backend and the default layer with N calls written out, work per call
-    as the layer's."""
+    """--straight N: the backend, the default layer and its GEMMs alone with N calls written
+    out, work per call as the loop's rows."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     out_json = tmp_path / "mgpu.json"
     argv = ["--preset", "tiny", "--m", "2", "--interpret", "--iters", "1", "--repeats", "1",
@@ -193,8 +208,29 @@ def test_mgpu_probe_times_the_straight_run_in_the_interpreter(tmp_path):
     for what in ("backend straight x2", "mgpu straight x2"):
         assert rows[what]["seconds"] > 0
         assert rows[what]["flops"] == rows["mgpu backend"]["flops"]
+    for what in ("mgpu GEMM1", "mgpu GEMM2"):
+        assert rows[f"{what} straight x2"]["seconds"] > 0
+        assert rows[f"{what} straight x2"]["flops"] == rows[what]["flops"]
     with pytest.raises(SystemExit):
         _load("mgpu_probe").main([*argv[:-2], "--straight", "1"])
+
+
+def test_mgpu_probe_times_only_the_gemms(tmp_path):
+    """--gemms-only: no layer row; GEMM1 and GEMM2 alone at the default and each --configs
+    (--gemms-only 1: GEMM1 only)."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    out_json = tmp_path / "mgpu.json"
+    argv = ["--preset", "tiny", "--m", "2", "--interpret", "--iters", "1", "--repeats", "1",
+            "--gemms-only", "--configs", "default:splits=2", "--json", str(out_json)]  # fmt: skip
+    assert _load("mgpu_probe").main(argv) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert sorted(r["what"] for r in rows) == ["mgpu GEMM1"] * 2 + ["mgpu GEMM2"] * 2
+    assert len({tuple(r["config"]) for r in rows}) == 2
+    assert all(r["seconds"] > 0 for r in rows)
+    argv[argv.index("--gemms-only") + 1 : argv.index("--gemms-only") + 1] = ["1"]
+    assert _load("mgpu_probe").main(argv) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["what"] for r in rows] == ["mgpu GEMM1"] * 2
 
 
 def test_mgpu_probe_lowers_configs_without_a_gpu(capsys):
