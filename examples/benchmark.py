@@ -187,14 +187,24 @@ def make_loop(fn, args_sets, *, iters, consts=(), chain=False, unroll=1):
     return (lambda: chained(consts, sets)), rounds * num_sets * unroll
 
 
-def make_straight(fn, args_sets, *, consts=(), chain=True):
+def add_to_first(args, out):
+    """make_straight's default link: the call's first argument plus 1e-30 x the previous call's
+    output (fn's output fits its first input: a layer's)."""
+    return (args[0] + (out * 1e-30).astype(args[0].dtype), *args[1:])
+
+
+def make_straight(fn, args_sets, *, consts=(), link=add_to_first):
     """A jitted run() that calls fn(*consts, *args) once per input set, in turn, written out with
     no loop, and the calls it makes (len(args_sets)): a model step's layers as the model runs
-    them (a Python loop over its layers inside one jit). Each call's first argument is its set's
-    plus 1e-30 x the previous call's output, as make_loop(chain=True) has it; run() returns the
-    sum of the last output. chain=False, for an fn whose output cannot feed its input (one GEMM
-    of the layer): each call takes its set as it is and run() returns every call's output (no
-    kernel added per call); the calls still run one after another on the GPU's one stream.
+    them (a Python loop over its layers inside one jit). Each call takes link(its set, the
+    previous call's output) (the first call: its set's first array as the previous output), by
+    default its first argument plus 1e-30 x that output, as make_loop(chain=True) has it; run()
+    returns the sum of the last output.
+
+    Each call must depend on the last: XLA may run calls that do not (their kernels in one CUDA
+    graph) at the same time, which no model step's layers do. For an fn whose output does not
+    fit its input (one GEMM of the layer), give a link that makes the dependence through a
+    small argument.
 
     An XLA while loop (make_loop) waits on the host once per iteration for its condition, and
     what the GPU idles then is counted in every call it times; here one jitted call runs all the
@@ -207,19 +217,18 @@ def make_straight(fn, args_sets, *, consts=(), chain=True):
 
     @jax.jit
     def straight(consts, sets):
-        if not chain:
-            return [fn(*consts, *args) for args in sets]
         out = sets[0][0]
         for args in sets:
-            x = args[0] + (out * 1e-30).astype(args[0].dtype)
-            out = fn(*consts, x, *args[1:])
+            out = fn(*consts, *link(args, out))
         return jnp.sum(out.astype(jnp.float32))
 
     sets = tuple(tuple(a) for a in args_sets)
     return (lambda: straight(consts, sets)), len(sets)
 
 
-def time_straight(fn, args_sets, *, repeats, consts=(), chain=True, runs=5, warmup_s=0.0):
+def time_straight(
+    fn, args_sets, *, repeats, consts=(), link=add_to_first, runs=5, warmup_s=0.0
+):  # fmt: skip
     """Seconds per call of fn(*consts, *args) in a model step (`make_straight`: one call per
     input set, written out in one jit), steps queued back to back as a decoding loop queues them.
 
@@ -228,11 +237,11 @@ def time_straight(fn, args_sets, *, repeats, consts=(), chain=True, runs=5, warm
     alone counts that time against its calls. Queued behind another run, that host work overlaps
     the GPU's: the figure is the marginal time of a queued run, (T(runs) - T(1)) /
     ((runs - 1) x calls), T(r) the wall time of r runs queued at once and awaited together;
-    the median over `repeats`. chain: as make_straight's. warmup_s: as time_loop's.
+    the median over `repeats`. link: as make_straight's. warmup_s: as time_loop's.
     """
     if runs < 2:
         raise ValueError(f"time_straight needs runs >= 2 (a marginal run), got {runs}")
-    run, calls = make_straight(fn, args_sets, consts=consts, chain=chain)
+    run, calls = make_straight(fn, args_sets, consts=consts, link=link)
     jax.block_until_ready(run())
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_s:

@@ -106,15 +106,16 @@ def summarize(kernels: list[dict], calls: int) -> dict:
 
 
 def trace_loop(
-    fn, args_sets, *, consts, calls: int, chain: bool, unroll: int = 1, straight: bool = False
+    fn, args_sets, *, consts, calls: int, chain: bool, unroll: int = 1, straight: bool = False,
+    link=benchmark.add_to_first,
 ):  # fmt: skip
     """Runs fn(*consts, *args) about `calls` times in one jitted loop (benchmark.make_loop's,
     compiled and run once before) under the profiler; returns the Perfetto trace (dict) and
     the calls traced (unroll: benchmark.make_loop's passes over the sets per iteration).
-    straight=True: no loop, one call per set written out (benchmark.make_straight; `calls`,
-    chain and unroll unused)."""
+    straight=True: no loop, one call per set written out (benchmark.make_straight with `link`;
+    `calls`, chain and unroll unused)."""
     if straight:
-        run, calls = benchmark.make_straight(fn, args_sets, consts=consts)
+        run, calls = benchmark.make_straight(fn, args_sets, consts=consts, link=link)
     else:
         run, calls = benchmark.make_loop(
             fn, args_sets, iters=calls, consts=consts, chain=chain, unroll=unroll

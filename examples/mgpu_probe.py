@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import benchmark  # noqa: E402
+import kernel_timeline  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
 from pallas_kernels import mgpu_fused_moe  # noqa: E402
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
         "each call's input the previous call's output (a model step's layers as the model runs "
         "them), steps queued back to back: the marginal time of a queued step per call "
         "(benchmark.time_straight; N >= 2); the GEMMs timed alone likewise, N calls on N "
-        "routings (each GEMM on its own set: its output does not feed its input)",
+        "routings, each made to wait for the last through its block experts (one small "
+        "kernel per call), and on a GPU also traced (the span per call and its kernels)",
     )
     p.add_argument(
         "--chain-unroll",
@@ -398,8 +400,10 @@ def _time_gemms(
     """Times GEMM1 and GEMM2 alone as the layer runs them at cfg (GEMM1 with the activation,
     fused where the config fuses it; GEMM2's rows in the layer's dtype for a bf16 output; the
     rows in use with narrow blocks), on x's rows (GEMM2 on random activations), in a loop; with
-    straight_sets (one (x, weights, ids) per call) also one call per set written out in one jit
-    (benchmark.time_straight, unchained). A straight figure's bytes are those of the loop's set
+    straight_sets (one (x, weights, ids) per call) also one call per set written out in one jit,
+    each call after the last (`_after_last_gemm`): the marginal queued step
+    (benchmark.time_straight) and, on a GPU, the traced span per call with its kernels
+    (kernel_timeline). A straight figure's bytes are those of the loop's set
     (the same M; the routings differ). which: the GEMMs to time (1, 2)."""
     e, i = w13p.num_experts, w2p.shape[2]
     bytes1, flops1, bytes2, flops2 = work
@@ -424,13 +428,34 @@ def _time_gemms(
         a = (x_rows, act_rows)[rows]
         t, _ = benchmark.time_loop(fn, [(a, block_experts, in_use)], consts=(w,), **timing)
         record(what, astuple(cfg), t, weight_bytes=weight_bytes, flops=flops)
-        if straight:
-            sets = [(s[rows], s[2], s[3]) for s in straight]
-            t = benchmark.time_straight(
-                fn, sets, consts=(w,), chain=False, repeats=repeats, warmup_s=warmup_s
-            )
-            record(f"{what} straight x{len(sets)}", astuple(cfg), t, weight_bytes=weight_bytes,
-                   flops=flops)  # fmt: skip
+        if not straight:
+            continue
+        sets = [(s[rows], s[2], s[3]) for s in straight]
+        work = dict(weight_bytes=weight_bytes, flops=flops)
+        t = benchmark.time_straight(
+            fn, sets, consts=(w,), link=_after_last_gemm, repeats=repeats, warmup_s=warmup_s
+        )
+        record(f"{what} straight x{len(sets)}", astuple(cfg), t, **work)
+        if interpret:  # no device trace on the CPU
+            continue
+        trace, calls = kernel_timeline.trace_loop(
+            fn, sets, consts=(w,), calls=len(sets), chain=True, straight=True,
+            link=_after_last_gemm,
+        )  # fmt: skip
+        s = kernel_timeline.summarize(kernel_timeline.device_kernels(trace), calls)
+        record(f"{what} traced x{calls}", astuple(cfg), s["span_us"] * 1e-6, **work)
+        for r in s["kernels"][:4]:
+            print(f"      {r['per_call']:5.2f} / call {r['total_us_per_call']:7.1f} us (idle "
+                  f"before {r['idle_before_us_per_call']:4.1f})  {r['name'][:70]}")  # fmt: skip
+
+
+def _after_last_gemm(args, out):
+    """A GEMM's straight-run link (benchmark.make_straight): its block experts made to depend on
+    the previous GEMM's output (one small kernel per call; nothing changes unless the output
+    holds a NaN), so the calls run one after another, as a model's layers do."""
+    a, block_experts, in_use = args
+    first = out.reshape(-1)[0]
+    return a, block_experts + (first != first).astype(block_experts.dtype), in_use
 
 
 def _record(rows, keys, copy_bps, mm_flops, what, config, seconds, *, weight_bytes, flops):

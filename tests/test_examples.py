@@ -144,19 +144,36 @@ def test_straight_run_calls_once_per_set_each_on_the_last_output():
         bench.make_straight(fn, sets[:1])
 
 
-def test_straight_run_unchained_returns_each_call_on_its_own_set():
-    """make_straight(chain=False): each call on its set unchanged, every output returned."""
+def test_straight_run_links_each_call_to_the_last_output():
+    """make_straight(link=...): each call takes link(its set, the previous output)."""
     import jax.numpy as jnp
 
     bench = _load("benchmark")
     rng = np.random.default_rng(1)
-    sets = [(rng.normal(size=(2, 3)).astype(np.float32), rng.normal(size=3)) for _ in range(3)]
-    run, n = bench.make_straight(lambda w, x, y: x * w + y, sets, consts=(jnp.float32(0.5),),
-                                 chain=False)  # fmt: skip
-    outs = run()
-    assert n == 3 and len(outs) == 3
-    for out, (x, y) in zip(outs, sets, strict=True):
-        np.testing.assert_allclose(out, x * 0.5 + y.astype(np.float32), rtol=1e-6)
+    sets = [(rng.normal(size=3).astype(np.float32), rng.normal(size=3).astype(np.float32))
+            for _ in range(3)]  # fmt: skip
+    run, n = bench.make_straight(
+        lambda w, x, y: x * w + y, sets, consts=(jnp.float32(0.5),),
+        link=lambda args, out: (args[0], args[1] + out),
+    )  # fmt: skip
+    out = sets[0][0].astype(np.float64)
+    for x, y in sets:
+        out = x * 0.5 + (y + out)
+    np.testing.assert_allclose(float(run()), out.sum(), rtol=1e-5)
+    assert n == 3
+
+
+def test_gemm_link_keeps_the_experts_and_depends_on_the_output():
+    """mgpu_probe's straight-run link for a GEMM: the block experts unchanged for a finite
+    output, changed by a NaN (so the next call depends on the last's output)."""
+    import jax.numpy as jnp
+
+    link = _load("mgpu_probe")._after_last_gemm
+    a, ex, used = jnp.ones((2, 3)), jnp.arange(4, dtype=jnp.int32), jnp.ones(4, jnp.int32)
+    got = link((a, ex, used), jnp.full((2, 2), 3.0))
+    assert got[0] is a and got[2] is used
+    np.testing.assert_array_equal(got[1], ex)
+    np.testing.assert_array_equal(link((a, ex, used), jnp.full((2, 2), jnp.nan))[1], ex + 1)
 
 
 def test_time_straight_is_the_marginal_queued_step(monkeypatch):
