@@ -199,7 +199,9 @@ def make_straight(fn, args_sets, *, consts=(), link=add_to_first):
     them (a Python loop over its layers inside one jit). Each call takes link(its set, the
     previous call's output) (the first call: its set's first array as the previous output), by
     default its first argument plus 1e-30 x that output, as make_loop(chain=True) has it; run()
-    returns the sum of the last output.
+    returns every call's output, so that each is computed whole however little of it the next
+    call's link reads (XLA computes only what is used: a link that reads one element of a K-split
+    GEMM's output would otherwise leave its sum of partials undone).
 
     Each call must depend on the last: XLA may run calls that do not (their kernels in one CUDA
     graph) at the same time, which no model step's layers do. For an fn whose output does not
@@ -217,10 +219,10 @@ def make_straight(fn, args_sets, *, consts=(), link=add_to_first):
 
     @jax.jit
     def straight(consts, sets):
-        out = sets[0][0]
+        outs = [sets[0][0]]
         for args in sets:
-            out = fn(*consts, *link(args, out))
-        return jnp.sum(out.astype(jnp.float32))
+            outs.append(fn(*consts, *link(args, outs[-1])))
+        return outs[1:]
 
     sets = tuple(tuple(a) for a in args_sets)
     return (lambda: straight(consts, sets)), len(sets)

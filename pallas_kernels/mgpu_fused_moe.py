@@ -114,6 +114,17 @@ ROWS_FOR_128 = 64
 DOWN_128_SLOTS = 64
 DOWN_128_MIN_STEPS = 8
 
+# GEMM1 of 8-row blocks at 2 stages (GEMM2 stays at 3) where the experts are wide (GEMM2's K, the
+# intermediate size, at least TWO_STAGES_MIN_DOWN_K) or the slots few (at most
+# TWO_STAGES_MAX_SLOTS). DeepSeek-V3 on the H200, the layer, 3 stages -> GEMM1 at 2 (sessions
+# 23-24, one process per row): TP=1 (I = 2048) M=2 142.1 -> 126.9 us, M=16 640.4 -> 628.4;
+# both GEMMs at 2: M=1 71.3 -> 70.9, M=4 226.8 -> 219.5, M=8 372.2 -> 357.3, M=32 980.2 ->
+# 939.6, M=64 1327.0 -> 1282.8, M=128 1573.7 -> 1510.2. TP=8 (I = 256) M=16 148.4 -> 135.9
+# (GEMM1 85.9 -> 73.8), M=1, 4, 8 equal within 1 us, but M=32 196.7 -> 215.6 (GEMM1 95.3 ->
+# 112.8): narrow experts keep 3 stages from 256 slots (M=64, 128 not measured).
+TWO_STAGES_MIN_DOWN_K = 2048
+TWO_STAGES_MAX_SLOTS = 128
+
 
 def default_config(
     num_slots: int, num_experts: int, group: int, down_k: int | None = None
@@ -141,7 +152,9 @@ def default_config(
     call 6 and session 16 call 1, one process each: GEMM2 alone 2562.8 vs 2597.9 and 2529.5 vs
     2558.4 us, the layer 6410.2 vs 6445.9 and 6366.6 vs 6386.3). down_k: GEMM2's K (the
     experts' intermediate size; None: unknown): with 8-row blocks, GEMM2 takes 128 features per
-    program from DOWN_128_SLOTS slots where K has DOWN_128_MIN_STEPS k-steps."""
+    program from DOWN_128_SLOTS slots where K has DOWN_128_MIN_STEPS k-steps, and GEMM1 takes 2
+    stages (GEMM2 3) where down_k >= TWO_STAGES_MIN_DOWN_K or the slots are at most
+    TWO_STAGES_MAX_SLOTS (sessions 23-24)."""
     rows = num_slots / num_experts
     if rows >= ROWS_FOR_128:
         return MgpuConfig(
@@ -162,8 +175,15 @@ def default_config(
         and down_k // block_k >= DOWN_128_MIN_STEPS
     ):
         down = dict(down_block_n=128)
+    stages = 3
+    if (
+        block_m == 8
+        and down_k is not None
+        and (down_k >= TWO_STAGES_MIN_DOWN_K or num_slots <= TWO_STAGES_MAX_SLOTS)
+    ):
+        stages, down = 2, dict(down, down_stages=3)
     return MgpuConfig(
-        block_m, block_k, stages=3, consumers=consumers, block_n=block_n, **down,
+        block_m, block_k, stages=stages, consumers=consumers, block_n=block_n, **down,
         narrow_blocks=2 if block_m == 64 else 1,
     )  # fmt: skip
 

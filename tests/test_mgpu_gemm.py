@@ -647,13 +647,16 @@ def test_bf16_weights_meet_the_layer_contract(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,stages", [(1, None), (64, None), (4096, None), (16, 2), (64, 2)])
+@pytest.mark.parametrize(
+    "t,stages", [(1, None), (16, None), (64, None), (4096, None), (16, 2), (64, 2)]
+)
 def test_fused_moe_deepseek_v3_tp1_gpu(t, stages):
     """The whole layer at DeepSeek-V3 TP=1 (E=256, H=7168, I=2048, g128, zp): w13's int4 array
     has 7.5e9 elements, past 2^31 (DESIGN.md's rule for the Triton lowering; the TMA addressing
     of this kernel is checked here). Against 'xla' on the same weights; at t=4096 the default
     runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK). stages: the
-    default with both GEMMs at that many stages (None: as is; 2: session 23's lead at decode)."""
+    default with both GEMMs at that many stages (None: as is, GEMM1 at 2 stages for t <= 128
+    since session 24; 2: GEMM2 at 2 as well)."""
     key = jax.random.key(t)
     w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
                                            True, BF16)  # fmt: skip
@@ -664,13 +667,37 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t, stages):
     tw, ids = jax.lax.top_k(scores, 8)
     ref = wj.fused_moe(x, w13, w2, tw, ids.astype(jnp.int32), implementation="xla")
     default = mgpu_fused_moe.default_config(8 * t, 256, 128, 2048)
-    config = None if stages is None else dataclasses.replace(default, stages=stages)
+    config = (
+        None if stages is None else dataclasses.replace(default, stages=stages, down_stages=stages)
+    )
     out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids.astype(jnp.int32),
                        implementation="mgpu", config=config)  # fmt: skip
     slack = LAYER_SLACK if default.bf16_weights else 1.0
     helpers.assert_finite_and_close(
         out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 layer",
         slack=slack, require_signal=True,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 16, 32])
+def test_fused_moe_deepseek_v3_tp8_gpu(t):
+    """The layer at the DeepSeek-V3 TP=8 slice (I = 256) at its defaults, against 'xla': GEMM1
+    K-split and at 2 stages (t = 1, 4), unsplit at 2 stages (t = 16), at 3 (t = 32)."""
+    key = jax.random.key(100 + t)
+    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 512, 7168, 4, 128,
+                                           True, BF16)  # fmt: skip
+    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 256, 4, 128,
+                                          True, BF16)  # fmt: skip
+    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
+    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
+    tw, ids = jax.lax.top_k(scores, 8)
+    ref = wj.fused_moe(x, w13, w2, tw, ids.astype(jnp.int32), implementation="xla")
+    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids.astype(jnp.int32),
+                       implementation="mgpu")  # fmt: skip
+    helpers.assert_finite_and_close(
+        out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 TP=8 layer",
+        require_signal=True,
     )  # fmt: skip
 
 
@@ -1044,9 +1071,32 @@ def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers,
 def test_default_config_takes_128_down_features_from_64_slots(m, down_k, down_block_n):
     """8-row blocks: GEMM2 at 128 features per program from DOWN_128_SLOTS slots (DeepSeek-V3
     from M=8) where its K has DOWN_128_MIN_STEPS k-steps (TP=1: 8 of 256; TP=8's one step
-    keeps 64), session 22; other blocks (16 rows at M=256) are unchanged by down_k."""
-    cfg = default_config(m * 8, 256, 128, down_k)
+    keeps 64), session 22; other blocks (16 rows at M=256) are unchanged by down_k (the stages
+    down_k also sets: the test below)."""
+    cfg = dataclasses.replace(default_config(m * 8, 256, 128, down_k), stages=3, down_stages=None)
     assert cfg == dataclasses.replace(default_config(m * 8, 256, 128), down_block_n=down_block_n)
+
+
+@pytest.mark.parametrize(
+    "m,down_k,two_stages",
+    [(1, 2048, True), (2, 2048, True), (16, 2048, True), (128, 2048, True), (1, 256, True),
+     (16, 256, True), (32, 256, False), (16, None, False), (256, 2048, False)],
+    ids=str,
+)  # fmt: skip
+def test_default_config_takes_two_stages_for_gemm1_of_8_row_blocks(
+    monkeypatch, m, down_k, two_stages
+):  # fmt: skip
+    """8-row blocks: GEMM1 at 2 stages and GEMM2 at 3 where the experts are wide (DeepSeek-V3
+    TP=1, I = 2048) or the slots at most TWO_STAGES_MAX_SLOTS (TP=8 to M=16; at M=32 it lost),
+    sessions 23-24; an unknown down_k and other blocks (16 rows at M=256) keep 3 for both. No
+    other field changes."""
+    cfg = default_config(m * 8, 256, 128, down_k)
+    assert (cfg.stages, cfg.down_stages) == ((2, 3) if two_stages else (3, None))
+    monkeypatch.setattr(mgpu_fused_moe, "TWO_STAGES_MIN_DOWN_K", 1 << 30)
+    monkeypatch.setattr(mgpu_fused_moe, "TWO_STAGES_MAX_SLOTS", 0)
+    without = default_config(m * 8, 256, 128, down_k)
+    assert (without.stages, without.down_stages) == (3, None)
+    assert dataclasses.replace(cfg, stages=3, down_stages=None) == without
 
 
 def test_default_config_takes_128_rows_on_bf16_weights():
