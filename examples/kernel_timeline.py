@@ -107,7 +107,7 @@ def summarize(kernels: list[dict], calls: int) -> dict:
 
 def trace_loop(
     fn, args_sets, *, consts, calls: int, chain: bool, unroll: int = 1, straight: bool = False,
-    link=benchmark.add_to_first,
+    link=None,
 ):  # fmt: skip
     """Runs fn(*consts, *args) about `calls` times in one jitted loop (benchmark.make_loop's,
     compiled and run once before) under the profiler; returns the Perfetto trace (dict) and
