@@ -646,6 +646,20 @@ def test_bf16_weights_meet_the_layer_contract(seed):
     )
 
 
+def deepseek_v3_layer_problem(key, t: int, intermediate: int):
+    """(w13, w2, x, topk_weights, topk_ids) of a DeepSeek-V3 layer (E=256, top-8, H=7168, int4
+    g128 with zero points, bf16) with `intermediate` features per expert (2048 at TP=1, 256 in
+    the TP=8 slice), for t tokens, made on the device."""
+    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 2 * intermediate,
+                                           7168, 4, 128, True, BF16)  # fmt: skip
+    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, intermediate,
+                                          4, 128, True, BF16)  # fmt: skip
+    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
+    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
+    tw, ids = jax.lax.top_k(scores, 8)
+    return w13, w2, x, tw, ids.astype(jnp.int32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "t,stages", [(1, None), (16, None), (64, None), (4096, None), (16, 2), (64, 2)]
@@ -657,20 +671,13 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t, stages):
     runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK). stages: the
     default with both GEMMs at that many stages (None: as is, GEMM1 at 2 stages for t <= 128
     since session 24; 2: GEMM2 at 2 as well)."""
-    key = jax.random.key(t)
-    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 4096, 7168, 4, 128,
-                                           True, BF16)  # fmt: skip
-    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 2048, 4, 128,
-                                          True, BF16)  # fmt: skip
-    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
-    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
-    tw, ids = jax.lax.top_k(scores, 8)
-    ref = wj.fused_moe(x, w13, w2, tw, ids.astype(jnp.int32), implementation="xla")
+    w13, w2, x, tw, ids = deepseek_v3_layer_problem(jax.random.key(t), t, 2048)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
     default = mgpu_fused_moe.default_config(8 * t, 256, 128, 2048)
     config = (
         None if stages is None else dataclasses.replace(default, stages=stages, down_stages=stages)
     )
-    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids.astype(jnp.int32),
+    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
                        implementation="mgpu", config=config)  # fmt: skip
     slack = LAYER_SLACK if default.bf16_weights else 1.0
     helpers.assert_finite_and_close(
@@ -684,16 +691,9 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t, stages):
 def test_fused_moe_deepseek_v3_tp8_gpu(t):
     """The layer at the DeepSeek-V3 TP=8 slice (I = 256) at its defaults, against 'xla': GEMM1
     K-split and at 2 stages (t = 1, 4), unsplit at 2 stages (t = 16), at 3 (t = 32)."""
-    key = jax.random.key(100 + t)
-    w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 512, 7168, 4, 128,
-                                           True, BF16)  # fmt: skip
-    w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, 256, 4, 128,
-                                          True, BF16)  # fmt: skip
-    x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
-    scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
-    tw, ids = jax.lax.top_k(scores, 8)
-    ref = wj.fused_moe(x, w13, w2, tw, ids.astype(jnp.int32), implementation="xla")
-    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids.astype(jnp.int32),
+    w13, w2, x, tw, ids = deepseek_v3_layer_problem(jax.random.key(100 + t), t, 256)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
+    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
                        implementation="mgpu")  # fmt: skip
     helpers.assert_finite_and_close(
         out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 TP=8 layer",
