@@ -10,13 +10,16 @@ every candidate (block_m, block_k, stages, consumer warpgroups, K splits); then 
 GEMM2 alone at the best config. Same timing method as benchmark.py (jitted loop over 4 rotated
 input sets, median of repeats). A candidate that fails to compile is reported with its error
 and skipped. --chain adds the layers back to back (pallas, the mgpu layer and the block
-choice by routing); --lower-only runs nothing and checks on any machine that each config's
-GEMMs lower for sm_90.
+choice by routing); --straight N adds the model-step figures (N calls written out in one jit,
+the GEMMs alone also traced); --gemms-only times the GEMMs alone and no layer; --lower-only
+runs nothing and checks on any machine that each config's GEMMs lower for sm_90.
 
     python examples/mgpu_probe.py --m 1 16 256 4096 --json out/mgpu.json
     python examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 16 --no-zp
     python examples/mgpu_probe.py --m 1 16 --chain --chain-unroll 8
     python examples/mgpu_probe.py --lower-only --m 1 --configs default:down_stages=6
+    python examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 4 --gemms-only 1 --straight 16 \
+        --configs default:splits=1 default:splits=2
 """
 
 from __future__ import annotations
