@@ -26,6 +26,10 @@
 #               list skips a preset); MGPU_SEARCH=1 adds the probe's config search;
 #               MGPU_ROUTING=identical routes every token like the first (one prompt, greedy);
 #               MGPU_CONFIGS="8,256,3,0,-,128 ..." also times these configs (mgpu_probe.py --configs)
+#   splitk      split-K on the TP=8 slice's GEMM1 (N=512, K=7168) in a model step, GEMM1 alone:
+#               16 calls written out, each waiting for the last, traced (mgpu_probe.py
+#               --gemms-only 1 --straight 16) at M = 1, 4, 8, 16; unsplit and 2 / 4 splits at 2
+#               and 3 stages (the issue's >= 1.5x target; session 24)
 #   mgpu-profile  mgpu_profile.py: in-kernel profile (time per k-step, share per region, resident
 #               warpgroups per SM) and ptxas registers/smem of the mgpu GEMMs, DeepSeek-V3 TP=1 at
 #               M = PROFILE_MS (default "1 16 256 4096"), the TP=8 slice at M=1
@@ -143,6 +147,13 @@ for step in "${steps[@]}"; do
         # shellcheck disable=SC2086
         [ -n "$tp8_ms" ] && python3 examples/mgpu_probe.py --preset deepseek-v3-tp8 \
             --m $tp8_ms $search --json "$OUT/mgpu_tp8.json" 2>&1 | tee "$OUT/mgpu_tp8.log"
+        ;;
+    splitk)
+        python3 examples/mgpu_probe.py --preset deepseek-v3-tp8 --m 1 4 8 16 --gemms-only 1 \
+            --straight 16 --configs default:splits=1,stages=2 default:splits=1,stages=3 \
+            default:splits=2,stages=2 default:splits=2,stages=3 default:splits=4,stages=2 \
+            default:splits=4,stages=3 --json "$OUT/splitk.json" 2>&1 | tee "$OUT/splitk.log" |
+            grep -E "GEMM1 traced|copy"
         ;;
     triton)
         bash examples/gpu_triton.sh 2>&1 | tee "$OUT/triton.log" | tail -40
