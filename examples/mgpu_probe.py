@@ -52,16 +52,19 @@ def candidates(rows: float, group: int) -> list[MgpuConfig]:
     """Configs to try for `rows` rows per used expert: block_m around it; no warp
     specialization or a producer with 1-2 consumer warpgroups; K splits for few rows; k-steps
     of one group (block_k 128 where it divides the group: 64 lost to 128 at every M in session
-    4) or of two (256: fewer, larger copies per step); 4 stages (2 and 6-8 changed nothing)
-    except where 4 would not fit in shared memory."""
+    4) or of two (256: fewer, larger copies per step); 4 stages (2 and 6-8 changed nothing in
+    sessions 4-6) except where 4 would not fit in shared memory, and 2 with k-steps of two
+    groups for up to 4 rows (8-row blocks: the default's GEMM1 since session 24)."""
     bk = mgpu_fused_moe.one_group_block_k(group)
     # (block_k, stages, consumers, splits) per block_m; splits None: auto_splits
     if rows <= 1:
         bms = [8]
         variants = [(bk, 4, 0, None), (bk, 4, 0, 8), (2 * group, 4, 0, None), (bk, 8, 2, 1),
-                    (4 * group, 4, 0, None), (4 * group, 2, 0, None)]  # fmt: skip
+                    (4 * group, 4, 0, None), (4 * group, 2, 0, None),
+                    (2 * group, 2, 0, None)]  # fmt: skip
     elif rows <= 4:
-        bms, variants = [8, 16], [(bk, 4, 0, None), (bk, 4, 0, 2), (2 * group, 4, 0, None)]
+        bms, variants = [8, 16], [(bk, 4, 0, None), (bk, 4, 0, 2), (2 * group, 4, 0, None),
+                                  (2 * group, 2, 0, None)]  # fmt: skip
     elif rows <= 64:
         bms, variants = [16, 32, 64], [(bk, 4, 0, None), (bk, 4, 2, None), (2 * group, 3, 2, None)]
     else:
