@@ -168,20 +168,12 @@ def default_config(
     consumers = 2 if block_m == 64 else 0
     block_n = 128 if block_m == 16 else 64
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
-    if (
-        block_m == 8
-        and num_slots >= DOWN_128_SLOTS
-        and down_k is not None
-        and down_k // block_k >= DOWN_128_MIN_STEPS
-    ):
-        down = dict(down_block_n=128)
     stages = 3
-    if (
-        block_m == 8
-        and down_k is not None
-        and (down_k >= TWO_STAGES_MIN_DOWN_K or num_slots <= TWO_STAGES_MAX_SLOTS)
-    ):
-        stages, down = 2, dict(down, down_stages=3)
+    if block_m == 8 and down_k is not None:  # the rules of 8-row blocks that need GEMM2's K
+        if num_slots >= DOWN_128_SLOTS and down_k // block_k >= DOWN_128_MIN_STEPS:
+            down = dict(down_block_n=128)
+        if down_k >= TWO_STAGES_MIN_DOWN_K or num_slots <= TWO_STAGES_MAX_SLOTS:
+            stages, down = 2, dict(down, down_stages=3)
     return MgpuConfig(
         block_m, block_k, stages=stages, consumers=consumers, block_n=block_n, **down,
         narrow_blocks=2 if block_m == 64 else 1,
