@@ -214,18 +214,15 @@ def make_straight(fn, args_sets, *, consts=(), link=None):
     if len(args_sets) < 2:
         raise ValueError(f"make_straight needs at least 2 input sets, got {len(args_sets)}")
 
+    def add_to_first(args, out):  # the default link: fn's output fits its first input
+        return (args[0] + (out * 1e-30).astype(args[0].dtype), *args[1:])
+
     @jax.jit
     def straight(consts, sets):
-        if link is None:
-            out = sets[0][0]
-            for args in sets:
-                x = args[0] + (out * 1e-30).astype(args[0].dtype)
-                out = fn(*consts, x, *args[1:])
-            return jnp.sum(out.astype(jnp.float32))
         outs = [sets[0][0]]
         for args in sets:
-            outs.append(fn(*consts, *link(args, outs[-1])))
-        return outs[1:]
+            outs.append(fn(*consts, *(link or add_to_first)(args, outs[-1])))
+        return jnp.sum(outs[-1].astype(jnp.float32)) if link is None else outs[1:]
 
     sets = tuple(tuple(a) for a in args_sets)
     return (lambda: straight(consts, sets)), len(sets)
