@@ -337,8 +337,8 @@ def measure_ceilings(on_gpu: bool, repeats: int):
 
 def stage_fns(problem: Problem, implementation: str, config):
     """The fused_moe stages as separate jittable functions (pallas backends only)."""
-    from pallas_kernels import fused_moe as pm
-    from pallas_kernels.wna16_gemm import wna16_gemm
+    from pallas_kernels.triton import fused_moe as pm
+    from pallas_kernels.triton.wna16_gemm import wna16_gemm
 
     interpret = implementation == "pallas_interpret"
 
@@ -500,7 +500,7 @@ def bench_stages(problem, impl, config, w13, w2, sets, *, iters, repeats):
     from wna16_jax import _reference
 
     align, gemm1, gemm2, configs = stage_fns(problem, impl, config)
-    from pallas_kernels import fused_moe as pm
+    from pallas_kernels.triton import fused_moe as pm
 
     interpret = impl == "pallas_interpret"
     routed = []

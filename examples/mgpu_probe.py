@@ -1,4 +1,4 @@
-"""Times the 'mgpu' backend (pallas_kernels/mgpu_fused_moe.py, the Mosaic GPU int4 GEMM)
+"""Times the 'mgpu' backend (pallas_kernels/mosaic_gpu/fused_moe.py, the Mosaic GPU int4 GEMM)
 against the 'pallas' backend on the benchmark's workload, in one run on one GPU.
 
 For each M it times `fused_moe(..., implementation="pallas")` (the package's configs),
@@ -44,8 +44,8 @@ import benchmark  # noqa: E402
 import kernel_timeline  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
-from pallas_kernels import mgpu_fused_moe  # noqa: E402
-from pallas_kernels.mgpu_fused_moe import MgpuConfig  # noqa: E402
+from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe  # noqa: E402
+from pallas_kernels.mosaic_gpu.fused_moe import MgpuConfig  # noqa: E402
 
 
 def candidates(rows: float, group: int) -> list[MgpuConfig]:
@@ -517,7 +517,7 @@ def _lower_only(args) -> bool:
 def _lowered_gemms(cfg, m, top_k, e, w13, w2):
     """(GEMM name, verdict) of each GEMM the layer runs at cfg for m tokens, lowered for sm_90:
     "lowers (...)" with its options, or "FAILED: <first line>" (from the plan or the GEMM)."""
-    from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm
+    from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
 
     h = w13.shape[2]
     try:

@@ -1,7 +1,7 @@
 """Where the 'mgpu' GEMM's time goes: Mosaic GPU's in-kernel profiler and ptxas' resource report
 for the GEMMs of the benchmark's workload, on one sm_90 GPU.
 
-For each M it aligns random routing like the layer (pallas_kernels/mgpu_fused_moe.py: the used
+For each M it aligns random routing like the layer (pallas_kernels/mosaic_gpu/fused_moe.py: the used
 blocks, as many as fit in --max-programs programs, so that the trace stays small), runs GEMM1
 (x rows @ w13) and GEMM2 (activation rows @ w2) once with the profiler on, and summarizes each
 warpgroup's trace (one per program, one per consumer with warp specialization):
@@ -194,9 +194,9 @@ def main(argv=None) -> int:
     import mgpu_probe
 
     import wna16_jax as wj
-    from pallas_kernels import mgpu_fused_moe
-    from pallas_kernels.mgpu_fused_moe import default_config
-    from pallas_kernels.mgpu_wna16_gemm import mgpu_wna16_gemm
+    from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe
+    from pallas_kernels.mosaic_gpu.fused_moe import default_config
+    from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
 
     if jax.default_backend() != "gpu" and not args.interpret:
         raise SystemExit("mgpu_profile.py profiles compiled Mosaic GPU kernels: it needs an "

@@ -147,8 +147,8 @@ def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab, b
     gated: time GEMM1 the way fused_moe runs it (silu(gate) * up fused when split_k == 1).
     asm_ab: also time the winner with the PTX conversion off (seconds, or None).
     """
-    from pallas_kernels import fused_moe as pm
-    from pallas_kernels.wna16_gemm import wna16_gemm
+    from pallas_kernels.triton import fused_moe as pm
+    from pallas_kernels.triton.wna16_gemm import wna16_gemm
 
     e, _, k = qw.shape
     shape = _configs.GemmShape.of_weights(qw, m=m * top_k)

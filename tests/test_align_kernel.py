@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import align
+from pallas_kernels.common import align
 from wna16_jax import _reference
 
 # Compiled on a GPU, the Pallas interpreter elsewhere: the same tests run both ways.

@@ -415,16 +415,6 @@ def test_mgpu_profile_runs_in_the_interpreter(tmp_path, capsys):
     assert "no trace (interpreter)" in capsys.readouterr().out
 
 
-def test_stream_probe_runs_in_the_interpreter(capsys):
-    """experiments/stream_probe.py (session 10's empty-pipeline measurement): its kernel copies
-    each program's last box out, checked in the Mosaic GPU interpreter."""
-    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    path = EXAMPLES.parent / "experiments" / "stream_probe.py"
-    module = helpers.load_script(path, "experiment_stream_probe")
-    assert module.main(["--interpret"]) == 0
-    assert "interpret: ok" in capsys.readouterr().out
-
-
 def _trace(*kernels, host=()):
     """A Perfetto trace as JAX writes it: GPU kernels (name, ts, dur) on /device:GPU:0, host
     events on /host:CPU."""

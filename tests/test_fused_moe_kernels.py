@@ -1,4 +1,4 @@
-"""Tests of the MoE layer built from the Pallas kernels (pallas_kernels.fused_moe) end to end.
+"""Tests of the MoE layer from the Pallas-Triton kernels (pallas_kernels.triton.fused_moe).
 
 Through the public API `wj.fused_moe(..., implementation=...)` the Pallas backend is compared with
 the 'xla' reference backend and with the float64 numpy oracle (tests/helpers.py), both on the
@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
-from pallas_kernels import fused_moe as pallas_moe
-from pallas_kernels import wna16_gemm as gemm_module
+from pallas_kernels.triton import fused_moe as pallas_moe
+from pallas_kernels.triton import wna16_gemm as gemm_module
 from wna16_jax._types import BlockConfig
 
 # Compiled on a GPU, the Pallas interpreter elsewhere: the same tests run both ways.

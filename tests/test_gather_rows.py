@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gather_rows as gr
+from pallas_kernels.common import gather_rows as gr
 
 # Compiled on a GPU, the Pallas interpreter elsewhere: the same tests run both ways.
 INTERPRET = jax.default_backend() != "gpu"

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _dequant
-from pallas_kernels._common import slice_major, slice_major_columns
-from pallas_kernels.wna16_gemm import scales_per_group, wna16_gemm
+from pallas_kernels.triton import _dequant
+from pallas_kernels.triton._common import slice_major, slice_major_columns
+from pallas_kernels.triton.wna16_gemm import scales_per_group, wna16_gemm
 from wna16_jax import _reference
 from wna16_jax._types import BlockConfig
 

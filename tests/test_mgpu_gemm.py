@@ -1,5 +1,5 @@
-"""Tests of the Mosaic GPU int4 GEMM (pallas_kernels/mgpu_wna16_gemm.py), the 'mgpu' backend's
-MoE layer built on it (pallas_kernels/mgpu_fused_moe.py) and its weight layout
+"""Tests of the Mosaic GPU int4 GEMM (pallas_kernels/mosaic_gpu/wna16_gemm.py), the 'mgpu' backend's
+MoE layer built on it (pallas_kernels/mosaic_gpu/fused_moe.py) and its weight layout
 (wna16_jax/layouts.py).
 
 Outputs are compared with float64 numpy on the dequantized weights of the same packed words
@@ -30,9 +30,9 @@ from wna16_jax._types import QuantizedExperts
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 import wna16_jax as wj  # noqa: E402
-from pallas_kernels import mgpu_fused_moe  # noqa: E402
-from pallas_kernels.mgpu_fused_moe import MgpuConfig, default_config  # noqa: E402
-from pallas_kernels.mgpu_wna16_gemm import (  # noqa: E402
+from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe  # noqa: E402
+from pallas_kernels.mosaic_gpu.fused_moe import MgpuConfig, default_config  # noqa: E402
+from pallas_kernels.mosaic_gpu.wna16_gemm import (  # noqa: E402
     check_config,
     mgpu_wna16_gemm,
     output_buffer_rows,

@@ -14,7 +14,7 @@ import pytest
 import sm90
 
 import wna16_jax as wj
-from pallas_kernels import fused_moe as pallas_moe
+from pallas_kernels.triton import fused_moe as pallas_moe
 
 pytestmark = pytest.mark.skipif(sm90.available() is not None, reason=str(sm90.available()))
 
@@ -147,7 +147,7 @@ def test_join_kernels_build_for_sm90(m, config):
 def test_gather_rows_builds_for_sm90():
     """The mgpu layer's rows in block order (pallas_kernels/gather_rows.py) at DeepSeek-V3
     M=4096's shapes: 16-byte loads and stores, no shared memory."""
-    from pallas_kernels.gather_rows import gather_rows
+    from pallas_kernels.common.gather_rows import gather_rows
 
     args = (
         jax.ShapeDtypeStruct((4096, H), jnp.bfloat16),

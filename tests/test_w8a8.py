@@ -31,8 +31,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 import wna16_jax as wj
-from pallas_kernels import fused_moe as pallas_moe
-from pallas_kernels import w8a8_gemm as w8a8_module
+from pallas_kernels.triton import fused_moe as pallas_moe
+from pallas_kernels.triton import w8a8_gemm as w8a8_module
 from wna16_jax import _dispatch, _reference, formats
 from wna16_jax._types import BlockConfig, QuantizedExperts
 

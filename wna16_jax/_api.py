@@ -200,7 +200,7 @@ def fused_moe(
             "pallas_interpret"), or names tried in order.
         config: optional BlockConfig for the kernels; None = tuned table, then heuristic.
             The 'mgpu' backend also takes its own MgpuConfig, or ByRouting() (its block size
-            picked at run time from the routing; pallas_kernels/mgpu_fused_moe.py).
+            picked at run time from the routing; pallas_kernels/mosaic_gpu/fused_moe.py).
         activation_quant: None (16-bit activations: WNA16), "int8_per_token" (dynamic
             per-token int8), or a wj.ActivationQuant (e.g. static per-tensor scales).
         out_dtype: the output dtype, default x.dtype. Every backend sums the top-k slots in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 from collections.abc import Callable, Sequence
@@ -161,6 +162,42 @@ def cuda_gpu_reason(platform: str, hint: str = "") -> str | None:
     return None
 
 
+def compiled_and_interpreted(
+    name: str,
+    fused_moe: Callable,
+    reason: Callable[[MoEProblem], str | None],
+    shape_reason: Callable[[MoEProblem], str | None],
+    layouts: tuple[str, ...] = ("canonical",),
+) -> tuple[Backend, Backend]:
+    """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
+    interpreter, any platform), both aligning with the Pallas align kernel and reading weights
+    in `layouts`. `fused_moe` takes the keyword `interpret`; `reason` says why the compiled
+    kernels cannot run a problem, `shape_reason` why no kernel can (any platform)."""
+    from pallas_kernels.common.align import moe_align_block_size
+
+    def align_reason(problem: AlignProblem) -> str | None:
+        return cuda_gpu_reason(problem.platform)
+
+    return (
+        Backend(
+            name=name,
+            unsupported_reason=reason,
+            fused_moe=functools.partial(fused_moe, interpret=False),
+            align_unsupported_reason=align_reason,
+            moe_align_block_size=functools.partial(moe_align_block_size, interpret=False),
+            layouts=layouts,
+        ),
+        Backend(
+            name=f"{name}_interpret",
+            unsupported_reason=shape_reason,
+            fused_moe=functools.partial(fused_moe, interpret=True),
+            align_unsupported_reason=lambda problem: None,
+            moe_align_block_size=functools.partial(moe_align_block_size, interpret=True),
+            layouts=layouts,
+        ),
+    )
+
+
 def current_platform() -> str:
     """The platform fused_moe runs on: the default JAX backend ('cpu', 'gpu', 'tpu')."""
     return jax.default_backend()
@@ -279,7 +316,11 @@ def _ensure_builtin_backends() -> None:
         return
     _builtins_loaded = True
     register_backend(XLA_BACKEND)
-    for module in ("pallas_kernels.backend", "jax_triton_kernels.backend"):
+    for module in (
+        "pallas_kernels.triton.backend",
+        "pallas_kernels.mosaic_gpu.backend",
+        "pallas_kernels.jax_triton.backend",
+    ):
         try:
             backends = importlib.import_module(module).BACKENDS
         except ImportError as err:  # pragma: no cover - the kernels ship with the package

@@ -5,7 +5,7 @@
 
     layout = wj.layouts.preferred_layout(w13, w2, dtype=jnp.bfloat16)  # what runs fastest here
 
-"mgpu_int4" (pallas_kernels/mgpu_wna16_gemm.py's operands; int4 only):
+"mgpu_int4" (pallas_kernels/mosaic_gpu/wna16_gemm.py's operands; int4 only):
   qweight  int4 [E, N/64, K/64, 64, 64]: the canonical nibbles minus 8 (xor 8), in 64x64
            tiles (features x inputs), the k-tiles of each row of tiles consecutive: a k-step of
            the GEMM reads one contiguous run of memory (copied in TMA rows of 256 nibbles, a
@@ -14,7 +14,7 @@
            of the converting warpgroup reads its 32 weights as the 16 bytes at 16 t, and
            nibbles p and p + 4 of its word i are the two bf16 of its register 4 i + p of the
            wgmma A operand (WGMMA_LAYOUT), so one shift and one lop3 make a bf16 pair: no
-           shuffles, no permutes (pallas_kernels/mgpu_wna16_gemm.py).
+           shuffles, no permutes (pallas_kernels/mosaic_gpu/wna16_gemm.py).
   scales   [E, K//G, N]: a group's scales for consecutive features are one TMA row.
   zeros    None, or 8 - z as [E, K//G, N] in the scales' dtype (exact: small integers),
            so that w = (qweight + zeros) * scales is DESIGN.md's (q - z) * scale.

@@ -5,7 +5,7 @@ experts) are the grouped GEMM with one expert: every row of x goes to expert 0, 
 is the identity padded to block_m and needs no alignment kernel. Backends:
 - "xla": dequantize to x.dtype and one dot with f32 accumulation (any platform; what a float
   model of x's dtype computes);
-- "pallas" / "pallas_interpret": the dequant-fused Pallas GEMM (pallas_kernels.wna16_gemm),
+- "pallas" / "pallas_interpret": the dequant-fused Pallas GEMM (pallas_kernels.triton.wna16_gemm),
   compiled on an NVIDIA GPU or in the interpreter.
 
 Under GSPMD sharding (jit with sharded weights, no shard_map) a Pallas call cannot be
@@ -98,7 +98,7 @@ def quantized_matmul(
             precision=jax.lax.Precision.HIGHEST,
         )
     else:
-        from pallas_kernels.wna16_gemm import wna16_gemm
+        from pallas_kernels.triton.wna16_gemm import wna16_gemm
 
         rows = x2.shape[0]
         shape = _configs.GemmShape.of_weights(w, m=rows)

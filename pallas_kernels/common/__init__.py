@@ -1,0 +1,1 @@
+"""Pallas kernels shared by the backends: block-aligned token sorting, row gathers."""

@@ -1,0 +1,106 @@
+"""The 'triton' backend of wna16_jax.fused_moe (Triton kernels called through jax_triton).
+
+Importing this module imports neither triton nor jax_triton: `unsupported_reason` tries them
+(once) and the kernels are imported on the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from wna16_jax import _reference
+from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
+from wna16_jax._dispatch import cuda_gpu_reason as _gpu_reason
+
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+# As pallas_kernels.jax_triton.align.MAX_EXPERTS and .wna16_gemm.MIN_SPAN (not imported here:
+# those modules import triton).
+MAX_EXPERTS = 1024
+MIN_SPAN = 16
+
+
+@functools.cache
+def import_reason() -> str | None:
+    """Why triton or jax_triton cannot be imported (None when both can); tried once."""
+    for module in ("triton", "jax_triton"):
+        try:
+            __import__(module)
+        except Exception as err:  # any failure (ImportError, a CUDA-less jaxlib) disables it
+            return (
+                f"{module} is not importable ({type(err).__name__}: {err}); install it with "
+                f"pip install 'wna16_jax[triton]' (jax-triton 0.3.1 for triton 3.6)"
+            )
+    return None
+
+
+def shape_reason(problem: MoEProblem) -> str | None:
+    """Why the kernels cannot run `problem`'s shapes and formats (None when they can)."""
+    if problem.activation_quant is not None:
+        return (
+            f"int8 activations (activation_quant={problem.activation_quant!r}, W8A8) are not "
+            f"supported by this backend"
+        )
+    if problem.dtype not in SUPPORTED_DTYPES:
+        return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
+    if problem.activation not in _reference.ACTIVATIONS:
+        return f"activation {problem.activation!r} is not one of {sorted(_reference.ACTIVATIONS)}"
+    if problem.num_global_experts > MAX_EXPERTS:
+        return f"{problem.num_global_experts} experts, over the align kernel's {MAX_EXPERTS}"
+    for what, n in (("2I", 2 * problem.intermediate), ("H", problem.hidden)):
+        if n % MIN_SPAN:
+            return f"{what}={n} output features are not a multiple of {MIN_SPAN} (block_n)"
+    for what, g in (("w13", problem.w13_group), ("w2", problem.w2_group)):
+        if g % MIN_SPAN:
+            return (
+                f"{what} group size {g} is not a multiple of {MIN_SPAN}: each dot of the "
+                f"kernel contracts whole groups or a k-tile inside one"
+            )
+    return None
+
+
+def unsupported_reason(problem: MoEProblem) -> str | None:
+    return _gpu_reason(problem.platform) or import_reason() or shape_reason(problem)
+
+
+def align_unsupported_reason(problem: AlignProblem) -> str | None:
+    reason = _gpu_reason(problem.platform) or import_reason()
+    if reason is None and problem.num_experts > MAX_EXPERTS:
+        reason = f"{problem.num_experts} experts, over the align kernel's {MAX_EXPERTS}"
+    return reason
+
+
+def _fused_moe(
+    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, out_dtype=None
+):
+    from pallas_kernels.jax_triton import fused_moe as triton_moe
+
+    return triton_moe.fused_moe(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        activation=activation,
+        config=config,
+        out_dtype=out_dtype,
+    )
+
+
+def _align(topk_ids, *, num_experts, block_m, expert_map):
+    from pallas_kernels.jax_triton import align
+
+    return align.moe_align_block_size(
+        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
+    )
+
+
+BACKENDS = (
+    Backend(
+        name="triton",
+        unsupported_reason=unsupported_reason,
+        fused_moe=_fused_moe,
+        align_unsupported_reason=align_unsupported_reason,
+        moe_align_block_size=_align,
+    ),
+)

@@ -1,0 +1,48 @@
+"""The 'mgpu' and 'mgpu_interpret' backends of wna16_jax.fused_moe (the Mosaic GPU GEMM, weights
+in the mgpu_int4 layout)."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe
+from wna16_jax._dispatch import MoEProblem, compiled_and_interpreted, cuda_gpu_reason
+
+# The Mosaic GPU GEMM: 64 output features per program; its k-tile (64 or 128) divides the group.
+MGPU_SPAN = 64
+
+
+def _mgpu_shape_reason(problem: MoEProblem) -> str | None:
+    # The layout (mgpu_int4 only) is checked by selection: Backend.layouts.
+    if problem.dtype != "bfloat16":
+        return f"activation dtype {problem.dtype} is not bfloat16"
+    if problem.activation != "silu":
+        return f"activation {problem.activation!r} is not supported (only 'silu')"
+    if problem.activation_quant is not None:
+        return f"int8 activations ({problem.activation_quant!r}) are not supported"
+    for what, n in (("2I", 2 * problem.intermediate), ("H", problem.hidden)):
+        if n % MGPU_SPAN:
+            return f"{what}={n} output features are not a multiple of {MGPU_SPAN}"
+    for what, g in (("w13", problem.w13_group), ("w2", problem.w2_group)):
+        if g % MGPU_SPAN:
+            return f"{what} group size {g} is not a multiple of {MGPU_SPAN} (the k-tile)"
+    return None
+
+
+def _mgpu_reason(problem: MoEProblem) -> str | None:
+    reason = cuda_gpu_reason(
+        problem.platform, " (use 'mgpu_interpret' for the Mosaic GPU interpreter)"
+    )
+    if reason is None:
+        device = jax.devices()[0]
+        if str(device.compute_capability) != "9.0":
+            reason = (
+                f"needs sm_90 (wgmma): {device.device_kind} has compute capability "
+                f"{device.compute_capability}"
+            )
+    return reason or _mgpu_shape_reason(problem)
+
+
+BACKENDS = compiled_and_interpreted(
+    "mgpu", mgpu_fused_moe.fused_moe, _mgpu_reason, _mgpu_shape_reason, ("mgpu_int4",)
+)

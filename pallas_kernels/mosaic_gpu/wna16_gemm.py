@@ -1,0 +1,814 @@
+"""The int4 grouped expert GEMM on Hopper tensor cores through Pallas' Mosaic GPU backend (the
+'mgpu' backend's GEMM; the layer is pallas_kernels/mosaic_gpu/fused_moe.py).
+
+Swap-AB: each program computes out[rows of one block, block_n features] as the transpose of
+W[e][features, :] @ x[rows, :]^T. The dequantized weight tile is the wgmma's A operand, taken
+from registers: int4 is loaded from shared memory, converted to bf16 and shifted by the zero
+point in registers, never written back to shared memory. The layout stores each 64x64 tile in
+the order of the A operand's registers, so a thread loads its 32 weights with one 16-byte
+shared-memory load and makes each bf16 pair with one shift and one lop3 (128 + q), and one
+subtraction of 128 + z (`_biased_tile`): no shuffles or permutes. (q - z) is a small integer,
+exact in bf16, so the products of a group's k-tiles are exact in their f32 sum; that sum is
+then scaled by the group's scale (block_k divides the group, or a k-step spans whole groups,
+each scaled on its own). bf16_weights (warp-specialized GEMMs): the converted tile is scaled
+in registers instead, (q - z) * s rounded to bf16 once, and multiplied straight into the
+accumulators: no f32 sum per group, so 128-row blocks fit in registers (the layer's default
+from mgpu_fused_moe.ROWS_FOR_128 rows per expert: DeepSeek-V3 at M=4096 6.40 vs 7.36 ms,
+session 15). The block's token rows are the B operand (shared memory, K-major), so a block
+needs 8..256 rows rather than a 64-row tile: the path for decode (one row per expert) and
+prefill alike. TMA copies of the weight, scale and row tiles run
+`max_concurrent_steps` k-steps ahead.
+
+Two ways to run a program, both measured on the H200 (docs/PERFORMANCE.md, session 5):
+- consumers=0: one warpgroup issues the copies and does the math on block_n features
+  (`plgpu.emit_pipeline`); fastest for blocks of 8-16 rows (decode, M <= 256).
+- consumers=1 or 2: warp specialization (`plgpu.emit_pipeline_warp_specialized`): a producer
+  warpgroup issues the copies, and each consumer warpgroup does the math on its own block_n
+  features of the program's block_n*consumers, sharing the rows' tile. While one consumer waits
+  for its wgmma the other converts its next tile: 12.4 vs 16.4 ms for the DeepSeek-V3 layer at
+  M=4096.
+block_n (64..256): a warpgroup's features in sub-tiles of 64 (one wgmma M each, its own
+accumulator): a rows' tile serves more weights. splits > 1 gives each program one of `splits`
+runs of k-steps and writes partial products [splits, P, N] (summed by the caller): programs for
+GEMMs with few N tiles and blocks (the TP=8 slice at M=1). gated: W is a gated MLP's [gate; up]
+and the program stores silu(gate) * up: each sub-tile's gate and up sums sit in the same
+registers of two accumulators, so the activation costs no data movement, and the f32 [P, N]
+output and the activation's pass over it disappear.
+
+It reads QuantizedExperts in the "mgpu_int4" layout (wna16_jax/layouts.py, made once):
+qweight int4 [E, N/64, K/64, 64, 64] holding q - 8 in 64x64 tiles (their nibbles in register
+order, layouts.TILE_ORDER), k-tiles of a row of tiles consecutive, so that each k-step's
+block_n x block_k weights are one contiguous run of memory (3-14% faster than rows [E, N, K]
+at M = 1..256 on the H200, docs/PERFORMANCE.md session 6);
+scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 8 - z as
+[E, K//G, N], so that w = (qweight + zeros) * scales.
+
+Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
+p // block_m), one expert id per block (-1 or an id past the experts: the block's output
+rows are zeros).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from wna16_jax import layouts
+from wna16_jax._types import MGPU_TILE, QuantizedExperts
+
+# The mgpu_int4 layout's weight tiles are TILE x TILE; TILE features are one wgmma's M.
+TILE = MGPU_TILE
+
+
+def tile_rows(weight_row_nibbles: int) -> int:
+    """A 64x64 int4 weight tile's rows when its nibbles are copied in rows of weight_row_nibbles
+    (64: 64 rows; 256, the default: 16)."""
+    return TILE * TILE // weight_row_nibbles
+
+
+def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
+    """Whether a GEMM of this shape can run bf16_weights: warp specialization (consumers 1 or 2)
+    and one output tile per program (a wgmma cannot restart its accumulator; the interpreter
+    cannot store one)."""
+    return consumers > 0 and tiles_per_program == 1
+
+
+def check_config(
+    w: QuantizedExperts,
+    x_rows,
+    *,
+    block_m: int,
+    block_k: int,
+    block_n: int = 64,
+    consumers: int = 0,
+    splits: int = 1,
+    gated: bool = False,
+    tiles_per_program: int = 1,
+    one_row_tile: bool = False,
+    bf16_weights: bool = False,
+    weight_row_nibbles: int = 4 * TILE,
+) -> None:
+    """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
+    this GEMM cannot take."""
+    w.validate("weights")
+    if w.layout != "mgpu_int4":
+        raise NotImplementedError(
+            f"the Mosaic GPU GEMM reads the mgpu_int4 layout, got {w.layout!r} "
+            f"(wna16_jax.layouts.to_kernel_layout converts)"
+        )
+    e, n, k = w.shape
+    p, kx = x_rows.shape
+    if kx != k:
+        raise ValueError(f"x_rows has K={kx}, the weights K={k}")
+    if x_rows.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"activations must be bfloat16, got {x_rows.dtype}")
+    if block_m % 8 or not 8 <= block_m <= 256:
+        raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
+    if one_row_tile and p > block_m:
+        raise ValueError(f"one_row_tile takes at most block_m={block_m} rows, got {p}")
+    if not one_row_tile and p % block_m:
+        raise ValueError(f"{p} rows are not whole blocks of {block_m}")
+    if consumers not in (0, 1, 2):
+        raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
+    if bf16_weights and not takes_bf16_weights(consumers, tiles_per_program):
+        raise ValueError(
+            "bf16_weights takes warp specialization (consumers 1 or 2) and one output tile per "
+            "program (a wgmma cannot restart its accumulator; the interpreter cannot store one)"
+        )
+    if block_n % TILE or not TILE <= block_n <= 4 * TILE:
+        raise ValueError(f"block_n={block_n} must be a multiple of {TILE} in [{TILE}, {4 * TILE}]")
+    if block_n * max(consumers, 1) > 256:
+        raise ValueError(
+            f"block_n x consumers = {block_n * max(consumers, 1)} features per program: at most "
+            f"256 (a TMA copy's row of scales)"
+        )
+    tile_n = block_n * max(consumers, 1) * (2 if gated else 1)
+    if n % tile_n:
+        raise ValueError(
+            f"N={n} must be a multiple of {tile_n} (block_n x consumers, x 2 halves if gated)"
+        )
+    if block_k % 64 or k % block_k:
+        raise ValueError(f"block_k={block_k} must be a multiple of 64 dividing K={k}")
+    if w.group % block_k and block_k % w.group:
+        raise ValueError(
+            f"block_k={block_k} must divide the group ({w.group}) or be a multiple of it: "
+            f"one scale per group's k-tiles"
+        )
+    if splits < 1 or (k // block_k) % splits:
+        raise ValueError(f"splits={splits} must divide the {k // block_k} k-steps")
+    if gated and splits > 1:
+        raise ValueError("gated needs whole sums (splits=1): silu of a partial sum is not a part")
+    n_tiles = n // tile_n
+    if tiles_per_program < 1 or n_tiles % tiles_per_program:
+        raise ValueError(
+            f"tiles_per_program={tiles_per_program} must divide the {n_tiles} output tiles of "
+            f"{tile_n} features"
+        )
+    if weight_row_nibbles not in (TILE, 2 * TILE, 4 * TILE):
+        raise ValueError(f"weight_row_nibbles={weight_row_nibbles} must be 64, 128 or 256")
+    step_rows = block_k // TILE * tile_rows(weight_row_nibbles)
+    if weight_row_nibbles > TILE and step_rows > 256:
+        raise ValueError(
+            f"a k-step of {block_k} takes {step_rows} weight rows of {weight_row_nibbles} "
+            f"nibbles: a TMA box holds at most 256 (take wider rows)"
+        )
+
+
+# The kernel's named regions (jax.named_scope: the in-kernel profiler's): "convert" (int4 ->
+# bf16 and the zero point), "wgmma" (issue a group's k-tile products), "wait" (for them), "scale"
+# (group scale, accumulate), "store" (the output tile's rows, all of it), its parts "store_smem"
+# (registers to the shared-memory buffer), "store_reuse" (wait until the last copy has read the
+# buffer) and "store_wait" (the program's final wait for its copies' writes), and "program" (a
+# warpgroup's whole block_products run: its span).
+REGIONS = (
+    "convert", "wgmma", "wait", "scale", "store", "store_smem", "store_reuse", "store_wait",
+    "program",
+)  # fmt: skip
+PROFILE_REGIONS = ("convert", "wgmma", "wait", "scale", "store")
+
+
+# Symmetric weights subtract 136 (128 + 8) from each converted weight. Taken as a constant (folded
+# into the subtraction, or made by inline PTX) the symmetric DeepSeek-V3 layer ran 2.3-2.8% slower
+# than the same weights with zero points of 8 at M=4096 on the H200 (session 14, calls 2-4, one
+# process each on one GPU: 7403.8 vs 7231.0, 7604.6 vs 7440.2, 7570.8 vs 7365.9 us; copying the
+# scales a second time in place of zero points did not help: 7542.2), and 3-4 us slower at M=1.
+# So the offset is computed from a loaded row as a zero point's is: 136 - 0 * scale. Then
+# symmetric weights ran ahead of zero points of 8 (call 5: M=4096 7347.6 vs 7441.2 us, GEMM1
+# 4421.5 vs 4494.9; M=1 80.2 vs 82.3). Why the constant is slower was not found.
+SYMMETRIC_OFFSET = 136
+
+
+# Shared memory a block may take on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin of the H100 /
+# H200: 227 KiB; the tests' compile checks use it too), and what a program's buffers may take:
+# that less 2 KB for the pipeline's barriers and alignment.
+SM90_SHARED_MEMORY_BYTES = 232448
+SMEM_BYTES = SM90_SHARED_MEMORY_BYTES - 2048
+
+
+def output_buffer_rows(
+    *, block_m: int, block_k: int, tile_n: int, halves: int, groups_per_step: int,
+    has_offset: bool, scale_bytes: int, stages: int, warpgroups: int, out_bytes: int,
+) -> int:  # fmt: skip
+    """Rows of each warpgroup's output buffer ([rows, 64]): the block's, or half of them (then a
+    quarter, ...; at least 8) where the pipeline's stages leave no room for the whole block's.
+    E.g. GEMM2 of 64-row blocks with 256 features per program and 3 stages of 256-wide k-steps:
+    198 KB of stages leave no room for two [64, 64] f32 buffers (32 KB), so they take 32 rows
+    and a sub-tile is stored in two copies."""
+    stage = (
+        halves * tile_n * block_k // 2  # int4 weights
+        + block_m * block_k * 2  # bf16 rows
+        + halves * groups_per_step * tile_n * scale_bytes * (2 if has_offset else 1)
+    )
+    rows = block_m
+    while rows % 16 == 0 and stages * stage + warpgroups * rows * TILE * out_bytes > SMEM_BYTES:
+        rows //= 2
+    return rows
+
+
+# bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
+# the mantissa counts units); the xor also flips the stored nibble's bit 3: (q - 8) ^ 8 = q.
+_BF16_128_XOR_8 = 0x43084308
+# lop3's truth table for (a & b) ^ c.
+_AND_XOR = (0xF0 & 0xCC) ^ 0xAA
+
+
+def _biased_tile(q_tile):
+    """128 + q (bf16, exact) for the stored 64x64 int4 tile q_tile (shared memory, nibbles in
+    register order: layouts.TILE_ORDER) in the wgmma A operand's register layout (Mosaic GPU's
+    WGMMA_LAYOUT). Thread t of the warpgroup loads its 16 bytes at 16 t; nibbles s and s + 4 of
+    its word i become the bf16 pair of register 4 i + s. Compiled code only (inline Mosaic GPU).
+    """
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bf16 = jnp.bfloat16
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), bf16, layout=plgpu.Layout.WGMMA),
+    )
+    def convert(_, ref):
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+        byte = arith.muli(thread, mgpu_utils.c(16, i32))  # thread t's 16 bytes
+        offset = arith.extui(ir.IntegerType.get_signless(64), byte)
+        ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+        words = llvm.load(ir.VectorType.get((4,), i32), ptr, alignment=16)
+        layout = mgpu.WGMMA_LAYOUT
+        registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        for i in range(4):
+            word = vector.extract(
+                words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
+            )
+            for s in range(4):
+                shifted = arith.shrui(word, mgpu_utils.c(4 * s, i32)) if s else word
+                bits = llvm.inline_asm(
+                    i32,
+                    [shifted],
+                    f"lop3.b32 $0, $1, 0x000F000F, {_BF16_128_XOR_8:#x}, {_AND_XOR:#x};",
+                    "=r,r",
+                )
+                ct, rh = divmod(4 * i + s, 2)  # register (column tile, row half)
+                registers[0, ct, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, pair)
+        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
+
+    return convert(q_tile)
+
+
+def _swizzled(shape, dtype, what: str):
+    """Tiling + swizzle transforms for an SMEM tile whose minor dimension is shape[-1]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bits = jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).bits
+    swizzle = plgpu.find_swizzle(shape[-1] * bits, what)
+    return (plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "block_m",
+        "block_k",
+        "block_n",
+        "max_concurrent_steps",
+        "consumers",
+        "splits",
+        "gated",
+        "tiles_per_program",
+        "narrow_steps",
+        "buffer_rows",
+        "one_row_tile",
+        "bf16_weights",
+        "weight_row_nibbles",
+        "out_dtype",
+        "interpret",
+        "profile_dir",
+        "profile_regions",
+    ),  # fmt: skip
+)
+def mgpu_wna16_gemm(
+    x_rows: jax.Array,
+    w: QuantizedExperts,
+    block_experts: jax.Array,
+    block_rows: jax.Array | None = None,
+    *,
+    block_m: int,
+    block_k: int = 128,
+    block_n: int = 64,
+    max_concurrent_steps: int = 4,
+    consumers: int = 0,
+    splits: int = 1,
+    gated: bool = False,
+    tiles_per_program: int = 1,
+    narrow_steps: int = 1,
+    buffer_rows: int | None = None,
+    one_row_tile: bool = False,
+    bf16_weights: bool = False,
+    weight_row_nibbles: int = 4 * TILE,
+    out_dtype=None,
+    interpret: bool = False,
+    profile_dir: str | None = None,
+    profile_regions: tuple[str, ...] = PROFILE_REGIONS,
+) -> jax.Array:
+    """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
+    [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed; gated:
+    W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and out[p] =
+    silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to out_dtype.
+
+    consumers=0: one warpgroup per program issues the copies and does the math on block_n
+    features (`plgpu.emit_pipeline`). consumers=1 or 2: warp specialization
+    (`plgpu.emit_pipeline_warp_specialized`), a producer warpgroup issues the copies and each
+    consumer warpgroup does the math on its own block_n features of the program's tile, sharing
+    the rows' tile. block_n: 64 (one wgmma M) or a multiple up to 256, a warpgroup's sub-tiles
+    of 64 features, each with its own accumulator: the rows' tile, copied once per k-step,
+    serves more features (fewer bytes through L2 per weight byte). splits > 1: each program
+    takes one of `splits` equal runs of k-steps (more programs for few rows). block_k: inputs
+    per k-step, a multiple of 64 that divides the group or spans whole groups (256 = two groups
+    of 128: fewer, larger copies). gated: a warpgroup's block_n output features take a gate
+    and an up accumulator each (the same register positions: silu * up in registers), their
+    weights copied from both halves of W.
+
+    Output tiles (a block's rows x block_n * max(consumers, 1) features x one split's k-steps)
+    are numbered split-major, then block, then N tile, one program each; the programs running
+    at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the H200 in session 8,
+    10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
+
+    tiles_per_program > 1: a program computes that many consecutive output
+    tiles of its block, one after the other in one pipeline (grid (tiles, k-steps)): the copies
+    of the next tile's first k-steps are in flight while the last tile's sums are stored, and
+    the pipeline's start and drain are paid once per program instead of once per tile (GEMM2
+    of DeepSeek-V3 has 8 k-steps of 256 per tile at TP=1 and 1 at TP=8).
+
+    block_rows: the rows of each block in use, its first ones (the aligned layout pads each
+    expert's run at its end). A block using at most block_m // 2 rows runs its products on the
+    first block_m // 2 only (wgmmas of half the width: about half the tensor-core work, the
+    same weight bytes and dequantization) and leaves its other output rows unwritten: for the
+    layer's prefill blocks of 64 rows, where an expert's last block holds 1..64 rows.
+    narrow_steps (with block_rows): how many times a block may be halved: with 2, a block
+    using at most block_m // 4 rows runs at a quarter of the width (each width a multiple of
+    8, a wgmma's least). Each width is its own pipeline in the kernel (sibling scoped
+    allocations: they share shared memory).
+
+    buffer_rows: rows of each warpgroup's output buffer in shared memory (a multiple of 8
+    dividing block_m); None: `output_buffer_rows`, the block's where they fit beside the
+    pipeline's stages. A sub-tile is stored in copies of that many rows.
+
+    bf16_weights (consumers >= 1, tiles_per_program 1): each weight (q - z) * s rounded to bf16
+    once, multiplied straight into the sums (wgmma accumulator refs carried through the
+    pipeline) instead of exact integer products summed per group in f32 and then scaled: no
+    group sums in registers or waits for them, at the cost of one rounding.
+
+    one_row_tile: x_rows is one tile of at most block_m rows that every block multiplies (padded
+    with zero rows to block_m first: jax 0.12 refuses a copy past an array's end, where 0.11's
+    TMA read zeros); the output still has block_m rows per block, [B * block_m, N] for B block
+    experts. For one token's blocks (a block per slot, the token in each block's first row)
+    without building [B * block_m, H] rows first.
+
+    weight_row_nibbles: the int4 tiles copied in TMA rows of this many nibbles (64: a tile's
+    row, 32 bytes; 128 or 256: the same bytes in rows of 64 or 128 bytes, a free reshape of
+    the contiguous tiles; a TMA box row holds at most 256 elements). The TMA unit streams
+    narrow rows slower: on the H200 (session 21, call 2) 256-nibble rows took GEMM1 / GEMM2 of
+    DeepSeek-V3 at M=1 to 47.5 / 31.0 us from 52.0 / 34.5, at M=16 to 423.3 / 249.1 from
+    492.8 / 272.6, at M=256 to 1095.4 / 626.5 from 1215.6 / 675.2 (the empty pipeline of
+    experiments/stream_probe.py: 63.1% of copy with 32-byte rows, 76.6% with 128-byte rows).
+
+    Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
+    (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
+    H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
+    7676.1).
+    Compiles for sm_90 only (or runs in the Mosaic GPU interpreter with interpret=True).
+    profile_dir: record each warpgroup's named regions with Mosaic GPU's in-kernel profiler
+    and write a Chrome trace there per call (examples/mgpu_profile.py reads it): those of
+    profile_regions among REGIONS (fewer regions, fewer registers for the profiler: with all
+    five of PROFILE_REGIONS ptxas spilled 416 bytes in GEMM2 at M=4096, session 13).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if unknown := set(profile_regions) - set(REGIONS):
+        raise ValueError(f"profile_regions {sorted(unknown)} are not among {REGIONS}")
+
+    def region(name: str):
+        """The named scope `name` where it is profiled, else none (a region costs registers)."""
+        return jax.named_scope(name) if name in profile_regions else contextlib.nullcontext()
+
+    check_config(
+        w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
+        splits=splits, gated=gated, tiles_per_program=tiles_per_program,
+        one_row_tile=one_row_tile, bf16_weights=bf16_weights,
+        weight_row_nibbles=weight_row_nibbles,
+    )  # fmt: skip
+    flat_rows = weight_row_nibbles > TILE
+    rows_per_tile = tile_rows(weight_row_nibbles)
+    narrow = block_rows is not None
+    if narrow and (
+        narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
+    ):
+        raise ValueError(
+            f"block_rows needs narrow_steps >= 1 halvings of block_m to a multiple of 8 (a "
+            f"wgmma's least rows), got block_m={block_m}, narrow_steps={narrow_steps}, and one "
+            f"count per block: {block_rows.shape} for {block_experts.shape} blocks"
+        )
+    if one_row_tile and x_rows.shape[0] < block_m:
+        x_rows = jnp.pad(x_rows, ((0, block_m - x_rows.shape[0]), (0, 0)))
+    _, n, k = w.shape
+    p = block_experts.shape[0] * block_m if one_row_tile else x_rows.shape[0]
+    dtype = x_rows.dtype
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
+    subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
+    halves = 2 if gated else 1  # weight halves a program reads: (gate, up) or the one
+    bm, bk = block_m, block_k
+    tile_n = block_n * wgs  # output features per output tile
+    tiles = tiles_per_program
+    out_n = n // halves
+    # A k-step spans part of one group (steps_per_group of them) or several whole groups.
+    steps_per_group = max(w.group // bk, 1)
+    groups_per_step = max(bk // w.group, 1)
+    tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
+    box_rows = math.gcd(bk, 256)  # k-rows of weight tiles per TMA box
+    has_offset = w.zeros is not None
+    steps = k // bk // splits
+    n_tiles, blocks = out_n // tile_n, p // bm
+    n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
+    stages = min(max_concurrent_steps, tiles * steps)  # k-steps in flight in a pipeline
+    if buffer_rows is None:
+        buffer_rows = output_buffer_rows(
+            block_m=bm, block_k=bk, tile_n=tile_n, halves=halves, groups_per_step=groups_per_step,
+            has_offset=has_offset, scale_bytes=w.scales.dtype.itemsize,
+            stages=stages, warpgroups=wgs,
+            out_bytes=out_dtype.itemsize,
+        )  # fmt: skip
+    elif buffer_rows % 8 or bm % buffer_rows:
+        raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
+    wgmma = plgpu.Layout.WGMMA
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(experts_gmem, *rest):
+        rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
+        x_gmem, q_gmem, s_gmem, *rest = rest
+        z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
+        o_gmem, o_smem, *rest = rest
+        a_smem = rest[0] if interpret else None
+        wg = lax.axis_index("wg") if consumers else 0
+        # This program's output tiles: split, block, run of N tiles (fastest).
+        flat = lax.axis_index("p")
+        si, bi, n_run = flat // (blocks * n_runs), flat // n_runs % blocks, flat % n_runs
+        expert = experts_gmem[bi]
+        has_expert = (expert >= 0) & (expert < w.num_experts)
+
+        def sub_tile(s):  # this warpgroup's sub-tile s among the program's 64-feature tiles
+            return wg * subs + s
+
+        def features(s):
+            return pl.ds(sub_tile(s) * TILE, TILE)
+
+        def block_products(rows):
+            """(store, zero_acc, run) of this program's products on the block's first `rows`
+            rows (block_m, or block_m // 2 for a block using at most that many): run() runs
+            the pipeline and stores the output tiles' rows."""
+
+            def store(values, ni):
+                with region("store"):
+                    store_rows(values, ni)
+
+            def store_rows(values, ni):
+                # This warpgroup's [rows, block_n] part of output tile ni, one copy per sub-tile
+                # and chunk of buffer_rows rows through one [buffer_rows, 64] buffer (a buffer
+                # per sub-tile where they fit measured the same, session 10: M=4096 7848.9 vs
+                # 7866.9 us). The copies are waited for at the program's end (`store_all`); a
+                # copy waits only until the last has read the buffer.
+                out_tile = o_gmem.at[si] if splits > 1 else o_gmem
+                chunk = min(rows, buffer_rows)
+                buffer = o_smem.at[wg] if chunk == buffer_rows else o_smem.at[wg, pl.ds(0, chunk)]
+                for s, value in enumerate(values):
+                    cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
+                    for first in range(0, rows, chunk):
+                        with region("store_reuse"):
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        part = value if chunk == rows else value[:, first : first + chunk]
+                        with region("store_smem"):
+                            buffer.T[...] = plgpu.layout_cast(
+                                part.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
+                            )
+                            plgpu.commit_smem()
+                        out_rows = pl.ds(bi * bm + first, chunk)
+                        plgpu.copy_smem_to_gmem(buffer, out_tile.at[out_rows, cols])
+
+            def store_all(values, ni):
+                store(values, ni)
+                with region("store_wait"):
+                    plgpu.wait_smem_to_gmem(0)
+
+            def epilogue(accs):
+                """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
+                if not gated:
+                    return accs
+                gates, ups = accs[:subs], accs[subs:]
+                return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
+
+            def dequantized_tile(q_smem, offset, s, j, scale=None):
+                with region("convert"):
+                    return dequantized(q_smem, offset, s, j, scale)
+
+            def dequantized(q_smem, offset, s, j, scale):
+                # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
+                # offset = 128 + z of the tile's features (136 without zero points): q - z, a
+                # small integer, exact in bf16.
+                if flat_rows:  # the tile's rows
+                    q_tile = q_smem.at[sub_tile(s), pl.ds(j * rows_per_tile, rows_per_tile)]
+                else:
+                    box, first = divmod(j * TILE, box_rows)
+                    q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
+                if interpret:  # the interpreter's wgmma takes A from shared memory only
+                    q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
+                    q = layouts.from_tile_order(q)  # q - 8
+                    biased = q.astype(dtype) + 136
+                else:
+                    biased = _biased_tile(q_tile)
+                if offset is None:  # the interpreter, symmetric
+                    wt = biased - 136
+                else:
+                    wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
+                if scale is not None:  # bf16_weights: (q - z) * s, rounded once
+                    wt = wt * lax.broadcast_in_dim(scale.astype(dtype), wt.shape, [0])
+                if interpret:
+                    a_smem.at[wg, s, j][...] = wt
+                    return a_smem.at[wg, s, j]
+                return wt
+
+            def group_offset(s_refs, z_refs, g, h, s, scale=None):
+                # What the conversion subtracts from sub-tile s's features in group g, once per
+                # group of the step: 136 - (8 - z) = 128 + z <= 143, exact; symmetric: 136 -
+                # 0 * scale = 136 (exact for finite scales), computed as a zero point's offset
+                # is (see SYMMETRIC_OFFSET; scale: the group's row where already loaded); None
+                # in the interpreter without zero points.
+                if z_refs:
+                    return 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                if interpret:
+                    return None
+                if scale is None:
+                    scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
+                return SYMMETRIC_OFFSET - 0 * scale
+
+            def zero_acc():  # f32 [64 features, rows] accumulators: per half, per sub-tile
+                return tuple(
+                    plgpu.layout_cast(jnp.full((TILE, rows), 0, jnp.float32), wgmma)
+                    for _ in range(halves * subs)
+                )
+
+            def products(accs, q_refs, x_smem, s_refs, z_refs):
+                # The products of a group's k-tiles are exact in their f32 sum (its own
+                # accumulator); the group scale multiplies the sum. Units (group, half, sub-tile)
+                # run in order: unit u's tiles are converted while unit u-1's wgmmas run, and
+                # u-1's sum is scaled while u's run.
+                units = [
+                    (g, h, s)
+                    for g in range(groups_per_step)
+                    for h in range(halves)
+                    for s in range(subs)
+                ]
+
+                def issue(part_ref, g, h, s):
+                    k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
+                    offset = group_offset(s_refs, z_refs, g, h, s)
+                    wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
+                    with region("wgmma"):
+                        for j, wt in zip(k_tiles, wts, strict=True):
+                            plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
+
+                def add_scaled(accs, part_ref, g, h, s, in_flight):
+                    # wait until at most in_flight wgmmas (the next unit's) are running
+                    with region("wait"):
+                        part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
+                    with region("scale"):
+                        scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
+                        scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
+                        a = h * subs + s
+                        return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]
+
+                def unit_products(*part_refs):
+                    out = accs
+                    for u, part_ref in enumerate(part_refs):
+                        issue(part_ref, *units[u])
+                        if u:
+                            out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
+                    return add_scaled(out, part_refs[-1], *units[-1], 0)
+
+                return pl.run_scoped(
+                    unit_products, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in units]
+                )
+
+            def tile_and_step(idx):
+                # The pipeline's step idx: (k-step,), or (tile of the run, k-step) with
+                # tiles_per_program > 1; returns (N tile, k-step within this split).
+                if tiles == 1:
+                    return n_run, idx[0]
+                return n_run * tiles + idx[0], idx[1]
+
+            def rounded_products(acc_refs, q_refs, x_smem, s_refs, z_refs):
+                # bf16_weights: each weight's (q - z) * s rounded to bf16 once (as a bf16 model's
+                # dequantized weights), multiplied straight into the sums (acc_refs): no f32 sum
+                # per group to hold, wait for and scale.
+                for g in range(groups_per_step):
+                    for h in range(halves):
+                        for s in range(subs):
+                            scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
+                            offset = group_offset(s_refs, z_refs, g, h, s, scale)
+                            for j in range(g * tiles_per_part, (g + 1) * tiles_per_part):
+                                wt = dequantized_tile(q_refs[h], offset, s, j, scale)
+                                with region("wgmma"):
+                                    plgpu.wgmma(
+                                        acc_refs[h * subs + s],
+                                        wt,
+                                        x_smem.at[:, pl.ds(j * TILE, TILE)].T,
+                                    )
+                with region("wait"):
+                    plgpu.wgmma_wait(0)
+                return acc_refs
+
+            def step(idx, *refs):
+                # refs: the weight tiles of each half, the rows' tile, the scales of each half,
+                # the zero points of each half (with them), the carried sums
+                *refs, accs = refs
+                q_refs, x_smem = refs[:halves], refs[halves]
+                s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
+                if bf16_weights:  # accs: the sums' accumulator refs
+                    return rounded_products(accs, q_refs, x_smem, s_refs, z_refs)
+                if tiles == 1:
+                    return products(accs, q_refs, x_smem, s_refs, z_refs)
+                # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
+                # them (the next tile's copies are already in flight).
+                ni, kk = tile_and_step(idx)
+                keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, rows), ())
+                keep = plgpu.layout_cast(keep, wgmma)
+                accs = tuple(a * keep for a in accs)
+                accs = products(accs, q_refs, x_smem, s_refs, z_refs)
+
+                @pl.when(kk == steps - 1)
+                def _store():
+                    store(epilogue(accs), ni)
+
+                return accs
+
+            # The inputs of pipeline step idx; half h's tiles start at N tile h * n_tiles (the up
+            # half of a gated W). A block without an expert (-1, or past E) runs no pipeline.
+            e = jnp.clip(expert, 0, w.num_experts - 1)
+
+            def weight_tile(h):
+                def index(*idx):
+                    ni, kk = tile_and_step(idx)
+                    return e, h * n_tiles + ni, si * steps + kk, 0, *([] if flat_rows else [0])
+
+                return index
+
+            def group_rows(h):
+                def index(*idx):
+                    ni, kk = tile_and_step(idx)
+                    return e, (si * steps + kk) // steps_per_group, h * n_tiles + ni
+
+                return index
+
+            def row_tile(*idx):
+                first = 0 if one_row_tile else bi * (bm // rows)
+                return first, si * steps + tile_and_step(idx)[1]
+
+            if flat_rows:
+                q_spec = (None, wgs * subs, bk // TILE * rows_per_tile, weight_row_nibbles)
+            else:
+                q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
+            g_spec = (None, groups_per_step, tile_n)
+            in_specs = [  # weight tiles [64-feature tiles, k-step rows of weight_row_nibbles]
+                # (at 64 nibbles [.., boxes of box_rows/64 tiles, 64, 64]): contiguous and
+                # unswizzled: a warp's 16-byte loads read 512 consecutive bytes, no bank conflicts
+                *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
+                plgpu.BlockSpec(
+                    (rows, bk),
+                    row_tile,
+                    transforms=_swizzled((rows, bk), dtype, "x"),
+                ),
+                *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
+            ]
+            if has_offset:
+                in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
+            operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
+            grid = (steps,) if tiles == 1 else (tiles, steps)
+
+            def pipeline(compute_context=None):
+                """Runs the k-steps: without warp specialization, returns the final f32
+                accumulators; with it, compute_context(run) is the consumer warpgroups' prologue
+                and epilogue around run(init_carry)."""
+                if not consumers:
+                    return plgpu.emit_pipeline(
+                        step, grid=grid, in_specs=in_specs, max_concurrent_steps=stages,
+                        init_carry=zero_acc(),
+                    )(*operands)  # fmt: skip
+                plgpu.emit_pipeline_warp_specialized(
+                    step,
+                    grid=grid,
+                    memory_registers=40,
+                    in_specs=in_specs,
+                    max_concurrent_steps=stages,
+                    wg_axis="wg",
+                    num_compute_wgs=consumers,
+                    compute_context=compute_context,
+                )(*operands)
+
+            def program(body):  # the math warpgroups' part of run()
+                with region("program"):
+                    body()
+
+            def run():
+                if bf16_weights:  # the sums in accumulator refs, the pipeline's carry
+
+                    def rounded(run):
+                        def scope(*acc_refs):
+                            run(acc_refs)
+                            store_all(epilogue(tuple(acc[...] for acc in acc_refs)), n_run)
+
+                        accs = [plgpu.ACC((TILE, rows), jnp.float32) for _ in range(halves * subs)]
+                        program(lambda: pl.run_scoped(scope, *accs))
+
+                    pipeline(rounded)
+                elif tiles > 1:  # each tile stored at its last k-step
+                    pipeline(lambda run: program(lambda: run(zero_acc())))
+                    plgpu.wait_smem_to_gmem(0)
+                elif not consumers:
+                    program(lambda: store_all(epilogue(pipeline()), n_run))
+                else:
+                    pipeline(
+                        lambda run: program(lambda: store_all(epilogue(run(zero_acc())), n_run))
+                    )
+
+            return store, zero_acc, run
+
+        store, zero_acc, run = block_products(bm)
+        if narrow:  # a block computes and stores the fewest rows (of the widths) it uses
+            used = rows_gmem[bi]
+            widths = [bm >> j for j in range(narrow_steps + 1)]
+            for j, width in enumerate(widths):
+                narrower = widths[j + 1] if j < narrow_steps else -1
+                fits = (used > narrower) & ((used <= width) if j else True)
+                pl.when(has_expert & fits)(run if j == 0 else block_products(width)[2])
+        else:
+            pl.when(has_expert)(run)
+
+        @pl.when(~has_expert & (wg < wgs))
+        def _zeros():
+            for j in range(tiles):
+                store(zero_acc()[:subs], n_run * tiles + j)
+            plgpu.wait_smem_to_gmem(0)
+
+    # Free reshapes of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * rows_per_tile, weight_row_nibbles],
+    # or at 64 nibbles [E, N/64, K/box_rows, box_rows, 64] (a TMA copy takes at most 256 rows
+    # along a dimension and strides over at most 5 dimensions).
+    if flat_rows:
+        q_rows = w.qweight.reshape(
+            w.num_experts, n // TILE, k // TILE * rows_per_tile, weight_row_nibbles
+        )
+    else:
+        q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
+    operands = [block_experts.astype(jnp.int32)]
+    if narrow:
+        operands.append(block_rows.astype(jnp.int32))
+    operands += [x_rows, q_rows, w.scales]
+    if has_offset:
+        operands.append(w.zeros)
+    out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
+    scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
+    if interpret:
+        scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
+    threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
+    profile = {}
+    if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
+        # a scale per group (twice that, to spare); per tile the store and its parts (two per
+        # copy), and the program
+        regions = halves * subs * (bk // TILE + 3 * groups_per_step)
+        copies = subs * (bm // buffer_rows)
+        profile = dict(
+            profile_space=2 * regions * steps + tiles * (2 * copies + 4) + 8,
+            profile_dir=profile_dir,
+        )
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        scratch_types=scratch,
+        grid=(splits * blocks * n_runs,),
+        grid_names=("p",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile
+        ),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **threads,
+    )
+    return call(*operands)
