@@ -44,8 +44,9 @@ import benchmark  # noqa: E402
 import kernel_timeline  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
+from pallas_kernels.mosaic_gpu import config as mgpu_config
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe  # noqa: E402
-from pallas_kernels.mosaic_gpu.fused_moe import MgpuConfig  # noqa: E402
+from pallas_kernels.mosaic_gpu.config import MgpuConfig  # noqa: E402
 
 
 def candidates(rows: float, group: int) -> list[MgpuConfig]:
@@ -55,7 +56,7 @@ def candidates(rows: float, group: int) -> list[MgpuConfig]:
     4) or of two (256: fewer, larger copies per step); 4 stages (2 and 6-8 changed nothing in
     sessions 4-6) except where 4 would not fit in shared memory, and 2 with k-steps of two
     groups for up to 4 rows (8-row blocks: the default's GEMM1 since session 24)."""
-    bk = mgpu_fused_moe.one_group_block_k(group)
+    bk = mgpu_config.one_group_block_k(group)
     # (block_k, stages, consumers, splits) per block_m; splits None: auto_splits
     if rows <= 1:
         bms = [8]
@@ -487,7 +488,7 @@ def _asked_configs(args, m: int, default: MgpuConfig):
 
 
 def _lower_only(args) -> bool:
-    """--lower-only: both GEMMs of each config as the layer runs them (mgpu_fused_moe.gemm_plan)
+    """--lower-only: both GEMMs of each config as the layer runs them (mgpu_config.gemm_plan)
     at the preset's DeepSeek-V3-sized shapes, lowered for the "cuda" platform from shapes alone
     (no weights made, no GPU): what lowers, and each failure's first line. True if all lower.
     The lowering checks the shared memory the kernel takes; ptxas (registers) and the run
@@ -533,7 +534,7 @@ def _lowered_gemms(cfg, m, top_k, e, w13, w2):
         return
     for what, w, act in (("GEMM1", w13, jnp.bfloat16), ("GEMM2", w2, None)):
         try:
-            _, _, _, options = mgpu_fused_moe.gemm_plan(cfg, w, blocks, act)
+            _, _, _, options = mgpu_config.gemm_plan(cfg, w, blocks, act)
             rows = jax.ShapeDtypeStruct((blocks * cfg.block_m, w.shape[2]), jnp.bfloat16)
             experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
             in_use = experts if cfg.narrow_steps() else None

@@ -194,8 +194,9 @@ def main(argv=None) -> int:
     import mgpu_probe
 
     import wna16_jax as wj
+    from pallas_kernels.mosaic_gpu import config as mgpu_config
     from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe
-    from pallas_kernels.mosaic_gpu.fused_moe import default_config
+    from pallas_kernels.mosaic_gpu.config import default_config
     from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
 
     if jax.default_backend() != "gpu" and not args.interpret:
@@ -226,11 +227,11 @@ def main(argv=None) -> int:
             # The splits the layer would take on all its blocks; then at most --max-programs.
             act = jnp.bfloat16 if what == "GEMM1" else None
             rows_dtype = mgpu_fused_moe.down_rows_dtype(cfg, jnp.bfloat16, None)
-            this, splits, gated, options = mgpu_fused_moe.gemm_plan(
+            this, splits, gated, options = mgpu_config.gemm_plan(
                 cfg, w, used.shape[0], act, None if act else rows_dtype
             )
             # programs per block: its runs of output tiles, per split
-            runs = mgpu_fused_moe.output_tiles(this, w, gated) // options["tiles_per_program"]
+            runs = mgpu_config.output_tiles(this, w, gated) // options["tiles_per_program"]
             blocks = min(used.shape[0], max(1, args.max_programs // (runs * splits)))
             experts = used[:blocks]
             rows = x_rows if what == "GEMM1" else jax.random.normal(key, x_rows.shape[:1] + (i,))

@@ -30,8 +30,9 @@ from wna16_jax._types import QuantizedExperts
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 import wna16_jax as wj  # noqa: E402
+from pallas_kernels.mosaic_gpu import config as mgpu_config  # noqa: E402
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe  # noqa: E402
-from pallas_kernels.mosaic_gpu.fused_moe import MgpuConfig, default_config  # noqa: E402
+from pallas_kernels.mosaic_gpu.config import MgpuConfig, default_config  # noqa: E402
 from pallas_kernels.mosaic_gpu.wna16_gemm import (  # noqa: E402
     check_config,
     mgpu_wna16_gemm,
@@ -356,7 +357,7 @@ def test_fused_moe_on_bf16_weights(rng, t, config):
     blocks, one consumer, K splits (GEMM1 unfused)."""
     for n, k, act in ((128, 128, BF16), (128, 64, None)):  # run_layer_case's w13, w2
         w = prepare_weights(helpers.random_quantized_experts(rng, 8, n, k, 4, 64, True, BF16))
-        assert mgpu_fused_moe.gemm_plan(config, w, 4, act)[3]["bf16_weights"]
+        assert mgpu_config.gemm_plan(config, w, 4, act)[3]["bf16_weights"]
     run_layer_case(rng, True, t, config, bf16_weights=True)
 
 
@@ -673,7 +674,7 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t, stages):
     since session 24; 2: GEMM2 at 2 as well)."""
     w13, w2, x, tw, ids = deepseek_v3_layer_problem(jax.random.key(t), t, 2048)
     ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
-    default = mgpu_fused_moe.default_config(8 * t, 256, 128, 2048)
+    default = mgpu_config.default_config(8 * t, 256, 128, 2048)
     config = (
         None if stages is None else dataclasses.replace(default, stages=stages, down_stages=stages)
     )
@@ -1038,7 +1039,7 @@ def test_bf16_weights_refuses_what_it_cannot_run(rng, consumers, tiles):
         check_config(qw, jnp.zeros((16, 256), BF16), block_m=16, block_k=128,
                      consumers=consumers, tiles_per_program=tiles, bf16_weights=True)  # fmt: skip
     cfg = MgpuConfig(block_m=16, consumers=consumers, tiles_per_program=tiles, bf16_weights=True)
-    options = mgpu_fused_moe.gemm_options(cfg, 1, n_tiles=2 * tiles, steps=2)
+    options = mgpu_config.gemm_options(cfg, 1, n_tiles=2 * tiles, steps=2)
     assert options["tiles_per_program"] == tiles
     assert not options["bf16_weights"]
 
@@ -1092,8 +1093,8 @@ def test_default_config_takes_two_stages_for_gemm1_of_8_row_blocks(
     other field changes."""
     cfg = default_config(m * 8, 256, 128, down_k)
     assert (cfg.stages, cfg.down_stages) == ((2, 3) if two_stages else (3, None))
-    monkeypatch.setattr(mgpu_fused_moe, "TWO_STAGES_MIN_DOWN_K", 1 << 30)
-    monkeypatch.setattr(mgpu_fused_moe, "TWO_STAGES_MAX_SLOTS", 0)
+    monkeypatch.setattr(mgpu_config, "TWO_STAGES_MIN_DOWN_K", 1 << 30)
+    monkeypatch.setattr(mgpu_config, "TWO_STAGES_MAX_SLOTS", 0)
     without = default_config(m * 8, 256, 128, down_k)
     assert (without.stages, without.down_stages) == (3, None)
     assert dataclasses.replace(cfg, stages=3, down_stages=None) == without
@@ -1106,8 +1107,8 @@ def test_default_config_takes_128_rows_on_bf16_weights():
     want = MgpuConfig(128, 128, 3, 2, block_n=64, down_block_n=128, down_stages=3,
                       narrow_blocks=3, bf16_weights=True)  # fmt: skip
     assert default_config(4096 * 8, 256, 128) == want
-    assert default_config(mgpu_fused_moe.ROWS_FOR_128 * 256, 256, 128) == want
-    assert default_config(mgpu_fused_moe.ROWS_FOR_128 * 256 - 1, 256, 128).block_m == 64
+    assert default_config(mgpu_config.ROWS_FOR_128 * 256, 256, 128) == want
+    assert default_config(mgpu_config.ROWS_FOR_128 * 256 - 1, 256, 128).block_m == 64
     assert want.narrow_steps() == 3
 
 
@@ -1115,10 +1116,10 @@ def test_down_config_takes_its_own_block_n_and_stages():
     cfg = MgpuConfig(
         block_m=64, block_k=256, stages=3, consumers=2, down_block_n=128, down_stages=2
     )
-    down = mgpu_fused_moe.down_config(cfg)
+    down = mgpu_config.down_config(cfg)
     assert (down.block_n, down.stages, down.block_m, down.consumers) == (128, 2, 64, 2)
-    assert mgpu_fused_moe.down_config(MgpuConfig(block_m=8, stages=3)) == MgpuConfig(8, stages=3)
-    down = mgpu_fused_moe.down_config(dataclasses.replace(cfg, down_block_k=128))
+    assert mgpu_config.down_config(MgpuConfig(block_m=8, stages=3)) == MgpuConfig(8, stages=3)
+    down = mgpu_config.down_config(dataclasses.replace(cfg, down_block_k=128))
     assert (down.block_k, down.down_block_k) == (128, None)
 
 
@@ -1130,20 +1131,20 @@ def test_gemm_plan_is_the_layers_gemms(rng):
     w2 = prepare_weights(helpers.random_quantized_experts(rng, 2, 512, 256, 4, 128, True, BF16))
     cfg = MgpuConfig(block_m=64, block_k=256, stages=3, consumers=2, down_block_n=128,
                      down_stages=2, splits=1)  # fmt: skip
-    this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w13, 4, BF16)
+    this, splits, gated, options = mgpu_config.gemm_plan(cfg, w13, 4, BF16)
     assert (this.block_n, splits, gated) == (64, 1, True)
     assert (options["gated"], options["out_dtype"], options["max_concurrent_steps"]) == (
         True, BF16, 3
     )  # fmt: skip
-    this, splits, gated, options = mgpu_fused_moe.gemm_plan(cfg, w2, 4)
+    this, splits, gated, options = mgpu_config.gemm_plan(cfg, w2, 4)
     assert (this.block_n, this.stages, gated, options["out_dtype"]) == (128, 2, False, jnp.float32)
-    *_, options = mgpu_fused_moe.gemm_plan(cfg, w2, 4, out_dtype=BF16)
+    *_, options = mgpu_config.gemm_plan(cfg, w2, 4, out_dtype=BF16)
     assert options["out_dtype"] == BF16
     split = dataclasses.replace(cfg, splits=2)  # GEMM2 on w13's K = 512: two k-steps of 256
-    *_, options = mgpu_fused_moe.gemm_plan(split, w13, 4, None, BF16)
+    *_, options = mgpu_config.gemm_plan(split, w13, 4, None, BF16)
     assert options["splits"] == 2 and options["out_dtype"] == jnp.float32  # partials in f32
     unfused = dataclasses.replace(cfg, fuse_activation=False)
-    _, _, gated, options = mgpu_fused_moe.gemm_plan(unfused, w13, 4, BF16)
+    _, _, gated, options = mgpu_config.gemm_plan(unfused, w13, 4, BF16)
     assert (gated, options["gated"], options["out_dtype"]) == (False, False, jnp.float32)
 
 
@@ -1153,7 +1154,7 @@ def test_gemm_config_keeps_whole_features(rng):
     cfg = MgpuConfig(block_m=8, consumers=2, block_n=128)
     for n, want in ((384, 64), (512, 128)):
         w = prepare_weights(helpers.random_quantized_experts(rng, 1, n, 256, 4, 128, False, BF16))
-        assert mgpu_fused_moe.gemm_config(cfg, w).block_n == want
+        assert mgpu_config.gemm_config(cfg, w).block_n == want
 
 
 def test_gemm_config_keeps_whole_steps(rng):
@@ -1161,7 +1162,7 @@ def test_gemm_config_keeps_whole_steps(rng):
     cfg = MgpuConfig(block_m=8, block_k=256)
     for k, want in ((1408, 128), (2048, 256)):
         w = prepare_weights(helpers.random_quantized_experts(rng, 1, 64, k, 4, 128, False, BF16))
-        assert mgpu_fused_moe.gemm_config(cfg, w).block_k == want
+        assert mgpu_config.gemm_config(cfg, w).block_k == want
 
 
 @pytest.mark.parametrize(
@@ -1170,7 +1171,7 @@ def test_gemm_config_keeps_whole_steps(rng):
 def test_auto_splits(programs, splits):
     """Splits until each of 132 SMs has 2 programs, at most 8 (the GEMM then takes the largest
     divisor of its k-step count up to it: 4 of 56 for DeepSeek-V3 TP=8 GEMM1 at M=1)."""
-    assert mgpu_fused_moe.auto_splits(programs, 132) == splits
+    assert mgpu_config.auto_splits(programs, 132) == splits
 
 
 @pytest.mark.parametrize("layout", ["canonical", "mgpu_int4"])
@@ -1190,7 +1191,7 @@ def test_tiles_per_program_divide_the_tiles(rng):
     """A config's tiles_per_program is the most: each GEMM takes the largest divisor of its
     output tiles up to it; None: enough tiles for
     MIN_STEPS_PER_PROGRAM (4) k-steps per program; GEMM2 its own."""
-    tiles = mgpu_fused_moe.tiles_per_program
+    tiles = mgpu_config.tiles_per_program
     assert tiles(MgpuConfig(8, tiles_per_program=8), 112, 8) == 8
     assert tiles(MgpuConfig(8, tiles_per_program=6), 112, 1) == 4
     assert tiles(MgpuConfig(8, tiles_per_program=9), 7, 1) == 7
@@ -1202,8 +1203,8 @@ def test_tiles_per_program_divide_the_tiles(rng):
     qw = helpers.random_quantized_experts(rng, 4, 512, 256, 4, 128, True, BF16)
     w13, w2 = prepare_weights(qw), prepare_weights(qw)
     cfg = MgpuConfig(8, stages=3, splits=1, tiles_per_program=2, down_tiles_per_program=8)
-    *_, gemm1 = mgpu_fused_moe.gemm_plan(cfg, w13, 4, activation_dtype=BF16)
-    *_, gemm2 = mgpu_fused_moe.gemm_plan(cfg, w2, 4)
+    *_, gemm1 = mgpu_config.gemm_plan(cfg, w13, 4, activation_dtype=BF16)
+    *_, gemm2 = mgpu_config.gemm_plan(cfg, w2, 4)
     assert gemm1["gated"] and gemm1["tiles_per_program"] == 2  # 4 tiles of the 256 outputs
     assert gemm2["tiles_per_program"] == 8  # 8 tiles of 512
 

@@ -167,13 +167,13 @@ def compiled_and_interpreted(
     fused_moe: Callable,
     reason: Callable[[MoEProblem], str | None],
     shape_reason: Callable[[MoEProblem], str | None],
+    align: Callable,
     layouts: tuple[str, ...] = ("canonical",),
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
-    interpreter, any platform), both aligning with the Pallas align kernel and reading weights
-    in `layouts`. `fused_moe` takes the keyword `interpret`; `reason` says why the compiled
-    kernels cannot run a problem, `shape_reason` why no kernel can (any platform)."""
-    from pallas_kernels.common.align import moe_align_block_size
+    interpreter, any platform), both reading weights in `layouts`. `fused_moe` and `align`
+    (moe_align_block_size's kernel) take the keyword `interpret`; `reason` says why the
+    compiled kernels cannot run a problem, `shape_reason` why no kernel can (any platform)."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -184,7 +184,7 @@ def compiled_and_interpreted(
             unsupported_reason=reason,
             fused_moe=functools.partial(fused_moe, interpret=False),
             align_unsupported_reason=align_reason,
-            moe_align_block_size=functools.partial(moe_align_block_size, interpret=False),
+            moe_align_block_size=functools.partial(align, interpret=False),
             layouts=layouts,
         ),
         Backend(
@@ -192,7 +192,7 @@ def compiled_and_interpreted(
             unsupported_reason=shape_reason,
             fused_moe=functools.partial(fused_moe, interpret=True),
             align_unsupported_reason=lambda problem: None,
-            moe_align_block_size=functools.partial(moe_align_block_size, interpret=True),
+            moe_align_block_size=functools.partial(align, interpret=True),
             layouts=layouts,
         ),
     )

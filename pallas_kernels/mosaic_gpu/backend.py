@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.common.align import moe_align_block_size
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe
 from wna16_jax._dispatch import MoEProblem, compiled_and_interpreted, cuda_gpu_reason
 
@@ -44,5 +45,10 @@ def _mgpu_reason(problem: MoEProblem) -> str | None:
 
 
 BACKENDS = compiled_and_interpreted(
-    "mgpu", mgpu_fused_moe.fused_moe, _mgpu_reason, _mgpu_shape_reason, ("mgpu_int4",)
+    "mgpu",
+    mgpu_fused_moe.fused_moe,
+    _mgpu_reason,
+    _mgpu_shape_reason,
+    moe_align_block_size,
+    ("mgpu_int4",),
 )

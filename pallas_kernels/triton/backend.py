@@ -3,6 +3,7 @@ kernels, weights in the canonical layout)."""
 
 from __future__ import annotations
 
+from pallas_kernels.common.align import moe_align_block_size
 from pallas_kernels.triton import fused_moe as pallas_moe
 from pallas_kernels.triton.w8a8_gemm import MIN_INT8_DOT_K
 from wna16_jax._configs import min_block_k
@@ -65,4 +66,6 @@ def _pallas_reason(problem: MoEProblem) -> str | None:
     return _gpu_reason(problem.platform) or _shape_reason(problem)
 
 
-BACKENDS = compiled_and_interpreted("pallas", pallas_moe.fused_moe, _pallas_reason, _shape_reason)
+BACKENDS = compiled_and_interpreted(
+    "pallas", pallas_moe.fused_moe, _pallas_reason, _shape_reason, moe_align_block_size
+)
