@@ -1,20 +1,28 @@
-"""Times fused_moe (whole layer and each stage) against the measured HBM and matmul ceilings.
+"""Times the fused_moe layer per backend against the copy and matmul ceilings of the same run.
+
+Each row is one backend at one token count M, timed two ways:
+  loop  the median over repeats of a jitted loop that calls the layer `--iters` times on rotated
+        input sets (`time_loop`): host dispatch excluded, but an XLA loop waits on the host once
+        per iteration and that wait is in the figure;
+  step  with --straight N: N layer calls written out in one jit, each on the last one's output,
+        as a model step runs its layers, steps queued back to back (`time_model_step`).
+The host time of one jitted call (dispatch included) is reported beside them. The copy (HBM read
++ write) and dense bf16 matmul ceilings are measured in the same run; each row's weight
+bandwidth and FLOP/s are quoted against them in a table, written as JSON (--json) and drawn as a
+roofline (--plot). --search also times candidate configs through `config=` (wj.MgpuConfig for
+the mgpu backends, wj.BlockConfig for the others) and prints the best config per M.
 
 On a GPU the default problem is DeepSeek-V3's MoE layer (E=256, top-8, H=7168, I=2048, int4
-g128); on a CPU it is a tiny problem so the script doubles as a smoke test. Each timing is the
-median over repeats of a jitted loop that calls the op `--iters` times on rotated input sets, so
-host dispatch is excluded; the per-call time of one jitted call from the host (dispatch
-included) is reported beside it. An XLA loop waits on the host once per iteration, and that
-wait is in the loop's figure; --straight N also times each M as a model step runs its layers
-(N calls written out in one jit, steps queued back to back: `time_straight`), which it is not.
+g128 with zero points); on a CPU a tiny one in the kernel interpreters, so the script doubles as
+a smoke test. A backend that reads only a kernel layout (mgpu: mgpu_int4) gets the weights
+converted once, untimed.
 
-With --activation-quant int8_per_token the rows are W8A8 (int8 per-token activations, int8
-per-channel symmetric weights; --bits and --no-zp are ignored then).
-
-Example:
-    python examples/benchmark.py --m 1 16 256 4096 --json out/bench.json --plot out/roofline.png
-    python examples/benchmark.py --implementations mgpu --m 1 16 256 4096 --straight 32
-    python examples/benchmark.py --activation-quant int8_per_token --m 256 4096
+Examples (GPU):
+    python examples/benchmark.py --implementations mgpu pallas --m 1 16 256 4096 --straight 32
+    python examples/benchmark.py --preset deepseek-v3-tp8 --no-zp --m 1 16 --search
+    python examples/benchmark.py --bits 8 --group-size -1 --no-zp --m 1 256 4096     # W8A16
+    python examples/benchmark.py --activation-quant int8_per_token --m 1 256 4096    # W8A8
+    python examples/benchmark.py --m 1 16 --json out/bench.json --plot out/roofline.png
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import wna16_jax as wj
 PRESETS = {
     # name: (E, top_k, H, I, group_size)
     "deepseek-v3": (256, 8, 7168, 2048, 128),
-    "deepseek-v3-tp8": (256, 8, 7168, 256, 128),
+    "deepseek-v3-tp8": (256, 8, 7168, 256, 128),  # one of 8 tensor-parallel slices of I
     "tiny": (8, 2, 256, 128, 64),
 }
 
@@ -55,33 +63,12 @@ class Problem:
     has_zp: bool
     dtype: str = "bfloat16"
     activation_quant: str | None = None  # None (16-bit activations) or "int8_per_token"
-
-
-def _random_experts(key, e, n, k, *, bits, group_size, has_zp, dtype):
-    """Random packed weights built on device (no float weights materialized)."""
-    kq, ks, kz = jax.random.split(key, 3)
-    g = k if group_size == -1 else group_size
-    qweight = jax.random.bits(kq, (e, n, k * bits // 32), jnp.uint32)
-    # Scales ~ 1/sqrt(K) / step so outputs stay O(1).
-    scales = jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5) * (4.0 / k**0.5 / 8)
-    zeros = None
-    if has_zp:
-        zn = n // 2 if bits == 4 else n
-        lo, hi = (6, 10) if bits == 4 else (120, 136)
-        z = jax.random.randint(kz, (e, n, k // g), lo, hi).astype(jnp.uint8)
-        zeros = z if bits == 8 else (z[:, 0::2] | (z[:, 1::2] << 4)).astype(jnp.uint8)
-        assert zeros.shape[1] == zn
-    return wj.QuantizedExperts(
-        qweight=qweight,
-        scales=scales.astype(dtype),
-        zeros=zeros,
-        bits=bits,
-        group_size=group_size,
-    )
+    routing: str = "uniform"  # or "identical": every token routed as the set's first
 
 
 def random_routing(key, m, e, k, num_sets):
-    """num_sets independent [m, k] routings, each token's experts distinct."""
+    """num_sets independent [m, k] routings (weights f32, ids int32), each token's experts
+    distinct."""
     keys = jax.random.split(key, num_sets)
     scores = jnp.stack([jax.random.uniform(kk, (m, e)) for kk in keys])  # [S, m, E]
     _, ids = jax.lax.top_k(scores, k)
@@ -89,27 +76,34 @@ def random_routing(key, m, e, k, num_sets):
     return w, ids.astype(jnp.int32)
 
 
-def probe_experts(key, preset: str, *, has_zp: bool):
-    """w13 [E, 2I, H] and w2 [E, H, I]: the probes' random int4 bf16 experts of a PRESETS
-    entry (keys fold_in 1 and 2 of `key`), in the canonical layout."""
-    e, _, h, i, g = PRESETS[preset]
-    make = functools.partial(_random_experts, bits=4, group_size=g, has_zp=has_zp,
-                             dtype=jnp.bfloat16)  # fmt: skip
-    return make(jax.random.fold_in(key, 1), e, 2 * i, h), make(jax.random.fold_in(key, 2), e, h, i)
-
-
-def random_inputs(key, m: int, num_experts: int, top_k: int, hidden: int, num_sets: int, dtype):
-    """num_sets input sets at M=m: x [S, m, H] in dtype (key fold_in 3 + m) and the routing
-    weights and ids [S, m, k] (`random_routing`, key fold_in 4 + m)."""
-    xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (num_sets, m, hidden), dtype)
-    tws, idss = random_routing(jax.random.fold_in(key, 4 + m), m, num_experts, top_k, num_sets)
+def random_inputs(key, problem: Problem, m: int, num_sets: int):
+    """num_sets input sets at M=m: x [S, m, H] (key fold_in 3 + m) and the routing weights and
+    ids [S, m, k] (`random_routing`, key fold_in 4 + m; with routing "identical" every token
+    takes its set's first token's experts, as one prompt decoded greedily does)."""
+    dtype = jnp.dtype(problem.dtype)
+    xs = jax.random.normal(jax.random.fold_in(key, 3 + m), (num_sets, m, problem.hidden), dtype)
+    tws, idss = random_routing(
+        jax.random.fold_in(key, 4 + m), m, problem.num_experts, problem.top_k, num_sets
+    )
+    if problem.routing == "identical":
+        idss = jnp.broadcast_to(idss[:, :1], idss.shape)
     return xs, tws, idss
 
 
-def probe_inputs(key, preset: str, m: int, num_sets: int = 4):
-    """The probes' num_sets input sets at M=m of a PRESETS entry, bf16 (`random_inputs`)."""
-    e, top_k, h, _, _ = PRESETS[preset]
-    return random_inputs(key, m, e, top_k, h, num_sets, jnp.bfloat16)
+def random_experts(key, problem: Problem):
+    """w13 [E, 2I, H] and w2 [E, H, I]: random canonical weights drawn on the device in the
+    quantized domain (keys fold_in 1 and 2 of `key`)."""
+    make = functools.partial(
+        wj.random_quantized_experts,
+        bits=problem.bits,
+        group_size=problem.group_size,
+        has_zeros=problem.has_zp,
+        dtype=jnp.dtype(problem.dtype),
+    )
+    e, h, i = problem.num_experts, problem.hidden, problem.intermediate
+    return make(jax.random.fold_in(key, 1), (e, 2 * i, h)), make(
+        jax.random.fold_in(key, 2), (e, h, i)
+    )
 
 
 def experts_touched(idss) -> float:
@@ -117,137 +111,92 @@ def experts_touched(idss) -> float:
     return float(np.mean([len(np.unique(np.asarray(ids))) for ids in idss]))
 
 
-def weight_bytes(qw: wj.QuantizedExperts, experts_touched: int) -> int:
+def weight_bytes(qw: wj.QuantizedExperts, experts: float) -> float:
+    """The bytes of `experts` experts of qw (packed weights, scales and zero points)."""
     per_expert = sum(
         a.nbytes // a.shape[0] for a in (qw.qweight, qw.scales, qw.zeros) if a is not None
     )
-    return per_expert * experts_touched
+    return per_expert * experts
 
 
 def default_iters(m: int) -> int:
-    """Calls per timed loop at M on a GPU: a loop has a fixed cost (launch, the final reduction)
-    that its calls share, so short calls need many. Session 6 measured the same M=1 layer at
-    128.9 us with 20 calls per loop and 115.1 us with 100 (different GPUs and routing draws of
-    one call, so part of the gap may be those)."""
+    """Calls per timed loop at M on a GPU: a loop has a fixed cost (its launch, the final
+    reduction) that its calls share, so short calls need many."""
     return 100 if m <= 256 else 20
 
 
-def make_loop(fn, args_sets, *, iters, consts=(), chain=False, unroll=1):
-    """A jitted run() of `iters` calls of fn(*consts, *args) over the rotated input sets, and
-    the calls it makes.
-
-    chain=False: one call per iteration of a fori_loop, on set i % len(args_sets); the loop adds
-    the sum of each call's output (its own kernels each call: the sum, the loop's counter).
-    chain=True: each iteration calls fn once per set, in turn, each call's first argument its
-    set's plus 1e-30 x the previous call's output (layers back to back, as in a model's step:
-    a call waits for the last; the output must have the first argument's shape and dtype), so
-    nothing but the calls runs per call (the add fuses into the call's first pass over it) and
-    the loop's own work is spread over the sets. The values stay the set's random ones: fed
-    back as is, a layer's outputs grow or vanish over the calls (zeros or infinities draw less
-    power and ran 8% faster at M=4096, session 11). unroll (chain=True): each iteration goes
-    through the sets that many times. An XLA while loop waits on the host for its condition
-    once per iteration, and the GPU then idles until the host has launched the next
-    iteration's first kernels: more calls per iteration spread that wait over more calls.
-    But the passes repeat each set, and XLA may compute work that depends only on a set's
-    unchanged inputs (the routing's alignment) once per iteration: on the H200 (session 18) the
-    alignment kernel ran 0.12 times per call at unroll=8, so such figures are a lower bound.
-    Calls: iters rounded up to whole iterations.
-    """
-    if unroll < 1 or (unroll != 1 and not chain):
-        raise ValueError(f"unroll={unroll}: a whole number >= 1, and other than 1 only with chain")
+def make_loop(fn, args_sets, *, iters, consts=()):
+    """A jitted run() of `iters` calls of fn(*consts, *args), one per iteration of a fori_loop
+    on set i % len(args_sets), and the calls it makes. The loop adds up the sum of each call's
+    output (so that each is computed; the sum and the loop's counter are kernels of each
+    call)."""
     num_sets = len(args_sets)
-    if not chain:
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *args_sets)
-
-        @jax.jit
-        def loop(consts, stacked):
-            def body(i, acc):
-                args = jax.tree.map(lambda s: s[i % num_sets], stacked)
-                out = fn(*consts, *args)
-                return acc + jnp.sum(out.astype(jnp.float32)) * 1e-30
-
-            return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
-
-        return (lambda: loop(consts, stacked)), iters
-
-    rounds = -(-iters // (num_sets * unroll))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *args_sets)
 
     @jax.jit
-    def chained(consts, sets):
-        def body(_, out):
-            for args in sets * unroll:
-                x = args[0] + (out * 1e-30).astype(args[0].dtype)
-                out = fn(*consts, x, *args[1:])
-            return out
+    def loop(consts, stacked):
+        def body(i, acc):
+            args = jax.tree.map(lambda s: s[i % num_sets], stacked)
+            out = fn(*consts, *args)
+            return acc + jnp.sum(out.astype(jnp.float32)) * 1e-30
 
-        x = jax.lax.fori_loop(0, rounds, body, sets[0][0])
-        return jnp.sum(x.astype(jnp.float32))
+        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
 
-    sets = tuple(tuple(a) for a in args_sets)
-    return (lambda: chained(consts, sets)), rounds * num_sets * unroll
+    return (lambda: loop(consts, stacked)), iters
 
 
-def make_straight(fn, args_sets, *, consts=(), link=None):
+def make_model_step(fn, args_sets, *, consts=()):
     """A jitted run() that calls fn(*consts, *args) once per input set, in turn, written out with
-    no loop, and the calls it makes (len(args_sets)): a model step's layers as the model runs
-    them (a Python loop over its layers inside one jit).
+    no loop, as a model step runs its layers (a Python loop over the layers inside one jit); and
+    the calls it makes (len(args_sets)). run() returns the sum of the last call's output.
 
-    Each call must depend on the last: XLA may run calls that do not (their kernels in one CUDA
-    graph) at the same time, which no model step's layers do. By default (link None) each
-    call's first argument is its set's plus 1e-30 x the previous call's output, as
-    make_loop(chain=True) has it (fn's output fits its first input: a layer's), and run()
-    returns the sum of the last output. For an fn whose output does not fit its input (one GEMM
-    of the layer), link(its set, the previous output) gives a call's arguments (the first
-    call's previous output: its set's first array), and run() returns every call's output, so
-    that each is computed whole however little of it the link reads (XLA computes only what is
-    used: a link that reads one element of a K-split GEMM's output would leave its sum of
-    partials undone). Returning 32 arrays costs the host time per run: on the H200 the TP=8
-    layer at M=1 took 19.8 against 17.1 us per call so (session 24, one run each), so layers keep
-    the one sum.
-
-    An XLA while loop (make_loop) waits on the host once per iteration for its condition, and
-    what the GPU idles then is counted in every call it times; here one jitted call runs all the
-    calls, so the host's dispatch is shared by them and nothing else runs between them. Give one
-    set per call: a set used twice lets XLA compute the work that depends only on that set's
-    unchanged inputs (the routing's alignment) once, and the figure would flatter.
+    Each call's first argument is its set's plus 1e-30 x the previous call's output (fn's output
+    fits its first input: a layer's), so each call waits for the last, as a model's layers do:
+    XLA may run independent calls at the same time. The values stay the set's random ones: fed
+    back as is, a layer's outputs grow or vanish over the calls, and zeros or infinities draw
+    less power than random values (8% faster at M=4096 on the H200). Give one set per call: a
+    set used twice lets XLA compute what depends only on its unchanged inputs (the routing's
+    alignment) once, and the figure would flatter.
     """
     if len(args_sets) < 2:
-        raise ValueError(f"make_straight needs at least 2 input sets, got {len(args_sets)}")
-
-    def add_to_first(args, out):  # the default link: fn's output fits its first input
-        return (args[0] + (out * 1e-30).astype(args[0].dtype), *args[1:])
+        raise ValueError(f"a model step needs at least 2 input sets, got {len(args_sets)}")
 
     @jax.jit
-    def straight(consts, sets):
-        outs = [sets[0][0]]
-        for args in sets:
-            outs.append(fn(*consts, *(link or add_to_first)(args, outs[-1])))
-        return jnp.sum(outs[-1].astype(jnp.float32)) if link is None else outs[1:]
+    def step(consts, sets):
+        out = sets[0][0]
+        for x, *rest in sets:
+            out = fn(*consts, x + (out * 1e-30).astype(x.dtype), *rest)
+        return jnp.sum(out.astype(jnp.float32))
 
     sets = tuple(tuple(a) for a in args_sets)
-    return (lambda: straight(consts, sets)), len(sets)
+    return (lambda: step(consts, sets)), len(sets)
 
 
-def time_straight(
-    fn, args_sets, *, repeats, consts=(), link=None, runs=5, warmup_s=0.0
-):  # fmt: skip
-    """Seconds per call of fn(*consts, *args) in a model step (`make_straight`: one call per
-    input set, written out in one jit), steps queued back to back as a decoding loop queues them.
-
-    One jitted call of many kernels costs the host time before its first kernel starts (its
-    launches; on the H200 about 0.8 ms for 32 layer calls at M=1, session 23), and a run timed
-    alone counts that time against its calls. Queued behind another run, that host work overlaps
-    the GPU's: the figure is the marginal time of a queued run, (T(runs) - T(1)) /
-    ((runs - 1) x calls), T(r) the wall time of r runs queued at once and awaited together;
-    the median over `repeats`. link: as make_straight's. warmup_s: as time_loop's.
-    """
-    if runs < 2:
-        raise ValueError(f"time_straight needs runs >= 2 (a marginal run), got {runs}")
-    run, calls = make_straight(fn, args_sets, consts=consts, link=link)
-    jax.block_until_ready(run())
+def _warm_up(run, warmup_s: float, runs: int = 1) -> None:
+    """Runs run() (`runs` at a time) for warmup_s seconds: the GPU's clock settles where a
+    sustained load puts it (decode at the H200's power cap ran its SM clock 8-19% below the
+    maximum)."""
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_s:
         jax.block_until_ready([run() for _ in range(runs)])
+
+
+def time_model_step(fn, args_sets, *, repeats, consts=(), runs=5, warmup_s=0.0):
+    """Seconds per call of fn(*consts, *args) in a model step (`make_model_step`: one call per
+    input set, written out in one jit), steps queued back to back as a decoding loop queues them.
+
+    One jitted call of many kernels costs the host time before its first kernel starts (its
+    launches: about 0.8 ms for 32 layer calls at M=1 on the H200), and a step timed alone counts
+    that time against its calls. Queued behind another step, that host work overlaps the GPU's:
+    the figure is the marginal time of a queued step, (T(runs) - T(1)) / ((runs - 1) x calls),
+    T(r) the wall time of r steps queued at once and awaited together; the median over
+    `repeats`. warmup_s: as time_loop's.
+    """
+    if runs < 2:
+        raise ValueError(f"time_model_step needs runs >= 2 (a marginal step), got {runs}")
+    run, calls = make_model_step(fn, args_sets, consts=consts)
+    jax.block_until_ready(run())
+    _warm_up(run, warmup_s, runs)
 
     def queued(r):
         t0 = time.perf_counter()
@@ -261,26 +210,20 @@ def time_straight(
     return statistics.median(times)
 
 
-def time_loop(
-    fn, args_sets, *, iters, repeats, consts=(), host=True, chain=False, unroll=1, warmup_s=0.0
-):  # fmt: skip
+def time_loop(fn, args_sets, *, iters, repeats, consts=(), host=True, warmup_s=0.0):
     """Median seconds per call of fn(*consts, *args) inside one jitted loop over rotated inputs
-    (`make_loop`; chain=True: each call's first argument the previous call's output).
+    (`make_loop`).
 
     `consts` (e.g. the weights) are passed as jit arguments, never captured as constants.
-    warmup_s: run the loop for that many seconds before timing it, so that the GPU's clock has
-    settled where a sustained run puts it (in a 5 s run the H200 sat at its 700 W power cap in
-    decode from 16 tokens, its SM clock 8-19% below the maximum, session 19; how fast the clock
-    falls was not measured); 0, only one warm-up run (timings from the start of a burst).
+    warmup_s: run the loop for that many seconds before timing it (`_warm_up`); 0: one warm-up
+    run only (timings from the start of a burst).
     Returns (device_seconds_per_call, host_seconds_per_single_call); the host time is None
     with host=False (one compile fewer).
     """
-    run, calls = make_loop(fn, args_sets, iters=iters, consts=consts, chain=chain, unroll=unroll)
+    run, calls = make_loop(fn, args_sets, iters=iters, consts=consts)
     single = jax.jit(fn)
     jax.block_until_ready(run())
-    start = time.perf_counter()
-    while time.perf_counter() - start < warmup_s:
-        jax.block_until_ready(run())
+    _warm_up(run, warmup_s)
     if host:
         jax.block_until_ready(single(*consts, *args_sets[0]))
     loop_times, single_times = [], []
@@ -296,21 +239,14 @@ def time_loop(
     return statistics.median(loop_times), host_time
 
 
-def copy_loop(n, *, iters):
-    """(loop, x): the copy ceiling's jitted loop of `iters` elementwise passes over n f32 values
-    that are read and written (carried), and its random input."""
+def time_copy(n, *, iters, repeats):
+    """Seconds per elementwise pass over n f32 values that are read and written (carried)."""
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
 
     @jax.jit
     def loop(x):
         return jax.lax.fori_loop(0, iters, lambda i, y: y * 0.999 + 1e-3, x)
 
-    return loop, x
-
-
-def time_copy(n, *, iters, repeats):
-    """Seconds per elementwise pass over n f32 values that is read and written (carried)."""
-    loop, x = copy_loop(n, iters=iters)
     jax.block_until_ready(loop(x))
     times = []
     for _ in range(repeats):
@@ -331,159 +267,151 @@ def measure_ceilings(on_gpu: bool, repeats: int):
         [(ms[0], ms[1]), (ms[1], ms[0])],
         iters=10,
         repeats=repeats,
+        host=False,
     )
     return copy_bps, 2 * d**3 / t_mm
 
 
-def stage_fns(problem: Problem, implementation: str, config):
-    """The fused_moe stages as separate jittable functions (pallas backends only)."""
-    from pallas_kernels.triton import fused_moe as pm
-    from pallas_kernels.triton.wna16_gemm import wna16_gemm
+def kernel_layout(implementation: str, w13, w2, dtype, activation_quant=None) -> str:
+    """The weight layout `implementation` runs these experts in here: canonical where it reads
+    it, else the first of wj.layouts.LAYOUTS it accepts (asked of wj.select_implementation on
+    shapes alone).
 
-    interpret = implementation == "pallas_interpret"
-
-    def configs(w13, w2, ids):
-        return pm.gemm_configs(ids.size, w13, w2, config)
-
-    def align(w13, w2, x, tw, ids):
-        c1, _ = configs(w13, w2, ids)
-        r = pm.align(
-            ids,
-            num_experts=problem.num_experts,
-            block_m=c1.block_m,
-            expert_map=None,
-            interpret=interpret,
-        )
-        return r.sorted_token_ids
-
-    def gemm1(w13, w2, x, tw, ids, routing):
-        """GEMM1 as the pipeline runs it (with the activation when it fuses it): act or h."""
-        c1, c2 = configs(w13, w2, ids)
-        if pm.fuses_activation(c1, w13, "silu"):
-            act, _ = pm.gemm1_and_activation(
-                x, w13, w2, routing, top_k=ids.shape[1], c1=c1, c2=c2, activation="silu",
-                interpret=interpret,
-            )  # fmt: skip
-            return act
-        return wna16_gemm(x, w13, routing, top_k=ids.shape[1], config=c1, interpret=interpret)
-
-    def gemm2(w13, w2, act, tw, ids, routing):
-        c1, c2 = configs(w13, w2, ids)
-        return pm.gemm2_routed(
-            act,
-            w2,
-            routing,
-            tw,
-            c2=c2,
-            act_slice_major=pm.act_in_slice_major(c1, c2, w13, "silu"),
-            interpret=interpret,
-        )
-
-    return align, gemm1, gemm2, configs
-
-
-def bench_problem(
-    problem, ms, implementations, *, iters, repeats, num_sets, stages, config, straight=0
-):  # fmt: skip
-    """Rows of the timings per implementation and M; straight=N (>= 2): each row also times N
-    calls as a model step runs them (`time_straight`, N input sets of their own)."""
-    key = jax.random.key(0)
-    dtype = jnp.dtype(problem.dtype)
-    e, k, h, i = problem.num_experts, problem.top_k, problem.hidden, problem.intermediate
-    w13 = _random_experts(
-        jax.random.fold_in(key, 1),
-        e,
-        2 * i,
-        h,
-        bits=problem.bits,
-        group_size=problem.group_size,
-        has_zp=problem.has_zp,
-        dtype=dtype,
-    )
-    w2 = _random_experts(
-        jax.random.fold_in(key, 2),
-        e,
-        h,
-        i,
-        bits=problem.bits,
-        group_size=problem.group_size,
-        has_zp=problem.has_zp,
-        dtype=dtype,
-    )
-    weights = _WeightsByLayout(w13, w2)
-    rows = []
-    for m in ms:
-        xs, tws, idss = random_inputs(key, m, e, k, h, num_sets, dtype)
-        touched = experts_touched(idss)
-        wbytes = weight_bytes(w13, 1) * touched + weight_bytes(w2, 1) * touched
-        flops = 2.0 * m * k * (2 * i * h + h * i)
-        sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
-        m_iters = iters or default_iters(m)
-        if straight:
-            sxs, stws, sidss = random_inputs(
-                jax.random.fold_in(key, 5), m, e, k, h, straight, dtype
+    Raises:
+        NotImplementedError: it runs them in no layout here (each layout's reason quoted).
+    """
+    x = jax.ShapeDtypeStruct((1, w13.shape[2]), dtype)
+    tw = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    reasons = []
+    for layout in wj.layouts.LAYOUTS:
+        convert = functools.partial(wj.layouts.to_kernel_layout, layout=layout)
+        try:
+            a, b = jax.eval_shape(convert, w13), jax.eval_shape(convert, w2)
+            wj.select_implementation(
+                x, a, b, tw, ids, implementation=implementation, activation_quant=activation_quant
             )
-            ssets = [(sxs[s], stws[s], sidss[s]) for s in range(straight)]
-            stouched = experts_touched(sidss)
-        for impl in implementations:
-            fn = functools.partial(
-                _moe, implementation=impl, config=config, activation_quant=problem.activation_quant
-            )
-            try:
-                consts = weights.for_backend(impl)
-                t, t_host = time_loop(fn, sets, iters=m_iters, repeats=repeats, consts=consts)
-                t_step = (
-                    time_straight(fn, ssets, repeats=repeats, consts=consts) if straight else None
-                )
-            except Exception as err:  # a backend that cannot run this size: report, go on
-                logging.warning("%s M=%d failed: %s", impl, m, str(err).splitlines()[0])
-                continue
-            row = dict(
-                implementation=impl,
-                M=m,
-                seconds=t,
-                host_call_seconds=t_host,
-                weight_bytes=wbytes,
-                flops=flops,
-                experts_touched=touched,
-                activation_quant=problem.activation_quant,
-            )
-            if straight:
-                row.update(
-                    straight_calls=straight,
-                    straight_seconds=t_step,
-                    straight_weight_bytes=(weight_bytes(w13, 1) + weight_bytes(w2, 1)) * stouched,
-                )
-            if stages and impl.startswith("pallas") and problem.activation_quant is None:
-                row["stages"] = bench_stages(
-                    problem, impl, config, w13, w2, sets, iters=m_iters, repeats=repeats
-                )
-            rows.append(row)
-            step = f", in a step {t_step * 1e6:.1f} us" if straight else ""
-            print(f"  {impl:>16} M={m:<6} {t * 1e6:10.1f} us{step}", file=sys.stderr, flush=True)
-    return rows
+        except (ValueError, NotImplementedError) as err:
+            reasons.append(f"{layout}: {str(err).strip().splitlines()[0]}")
+            continue
+        return layout
+    raise NotImplementedError(f"{implementation!r} runs these experts in no layout here ("
+                              + "; ".join(reasons) + ")")  # fmt: skip
 
 
-class _WeightsByLayout:
-    """The benchmark's weights in each backend's layout, converted once (not timed): a backend
-    that reads only a kernel layout (e.g. 'mgpu': mgpu_int4) gets its own copy."""
+class WeightsByLayout:
+    """The experts in each backend's layout (`kernel_layout`), each layout converted once, not
+    timed."""
 
-    def __init__(self, w13, w2):
+    def __init__(self, w13, w2, dtype, activation_quant=None):
         self._by_layout = {"canonical": (w13, w2)}
+        self._problem = dict(dtype=dtype, activation_quant=activation_quant)
 
-    def for_backend(self, name: str):
-        from wna16_jax import _dispatch
-
-        layouts = _dispatch.get_backend(name).layouts
-        layout = "canonical" if "canonical" in layouts else layouts[0]
+    def for_backend(self, implementation: str):
+        w13, w2 = self._by_layout["canonical"]
+        layout = kernel_layout(implementation, w13, w2, **self._problem)
         if layout not in self._by_layout:
-            w13, w2 = self._by_layout["canonical"]
             convert = functools.partial(wj.layouts.to_kernel_layout, layout=layout)
             self._by_layout[layout] = jax.block_until_ready((convert(w13), convert(w2)))
         return self._by_layout[layout]
 
 
-def _moe(w13, w2, x, tw, ids, *, implementation, config, activation_quant=None):
+def mgpu_candidates(rows_per_expert: float, group: int) -> list[wj.MgpuConfig]:
+    """MgpuConfigs to try where the used experts get `rows_per_expert` rows each on average.
+
+    block_m around the rows; no warp specialization, or a producer with 1-2 consumer
+    warpgroups; k-steps of one group (block_k 128 where it divides the group: 64-wide steps lost
+    to 128 at every M measured), two or four; 4 stages, 2 with the longer k-steps, at most 3
+    where two consumers' 4 stages would not fit in shared memory; blocks that halve where a half
+    is a whole wgmma (the first variant); from 64 rows, 128-row blocks on weights rounded to bf16.
+    """
+    bk, g2, g4 = (128 if group % 128 == 0 else 64), 2 * group, 4 * group
+    if rows_per_expert <= 1:
+        bms = (8,)
+        variants = [(bk, 4, 0), (g2, 4, 0), (g2, 2, 0), (g4, 4, 0), (g4, 2, 0), (bk, 8, 2)]
+    elif rows_per_expert <= 4:
+        bms, variants = (8, 16), [(bk, 4, 0), (g2, 4, 0), (g2, 2, 0)]
+    elif rows_per_expert <= 64:
+        bms, variants = (16, 32, 64), [(bk, 4, 0), (bk, 4, 2), (g2, 3, 2)]
+    else:
+        bms = (64, 128)
+        variants = [(bk, 4, 2), (bk, 4, 1), (g2, 3, 2), (g2, 2, 2), (g2, 3, 1), (g4, 2, 2)]
+    configs = []
+    for bm in bms:
+        for k, stages, consumers in variants:
+            if bm * k > 64 * 128 and consumers == 2:
+                stages = min(stages, 3)
+            configs.append(wj.MgpuConfig(bm, k, stages, consumers))
+            if bm >= 16 and (k, consumers) == variants[0][::2]:
+                configs.append(wj.MgpuConfig(bm, k, stages, consumers, block_halvings=1))
+    if rows_per_expert > 64:
+        configs += [
+            wj.MgpuConfig(128, bk, 3, 2, bf16_weights=True),
+            wj.MgpuConfig(128, g2, 2, 2, bf16_weights=True),
+        ]
+    return list(dict.fromkeys(configs))
+
+
+def block_candidates(w13, w2, num_slots: int, implementation: str) -> list[wj.BlockConfig]:
+    """BlockConfigs to try (one for both GEMMs, as fused_moe takes it): each GEMM's config today
+    (`wj.gemm_config`) and each of those with block_n, split_k, num_stages or num_warps changed;
+    those that do not fit both GEMMs' shapes are left out (none where the backend has no
+    grouped GEMM here)."""
+    dtype = w13.scales.dtype
+
+    def fits(cfg) -> bool:
+        try:
+            for w in (w13, w2):
+                wj.gemm_config(w, num_slots, dtype=dtype, implementation=implementation, config=cfg)
+        except ValueError:
+            return False
+        return True
+
+    try:
+        bases = [wj.gemm_config(w, num_slots, dtype=dtype, implementation=implementation)
+                 for w in (w13, w2)]  # fmt: skip
+    except NotImplementedError:
+        return []
+    configs = list(bases)
+    for base in bases:
+        for field, values in (
+            ("block_n", (32, 64, 128)),
+            ("split_k", (1, 2, 4)),
+            ("num_stages", (2, 3, 4)),
+            ("num_warps", (4, 8)),
+        ):
+            configs += [dataclasses.replace(base, **{field: v}) for v in values]
+    return [c for c in dict.fromkeys(configs) if fits(c)]
+
+
+def search_candidates(implementation: str, problem: Problem, m: int, w13, w2) -> list:
+    """The configs --search times for `implementation` at M=m (see the module docstring)."""
+    if implementation.startswith("mgpu"):
+        rows = m if problem.routing == "identical" else m * problem.top_k / problem.num_experts
+        group = problem.hidden if problem.group_size == -1 else problem.group_size
+        return mgpu_candidates(rows, group)
+    if implementation == "xla":
+        return []  # the reference takes no config
+    return block_candidates(w13, w2, m * problem.top_k, implementation)
+
+
+def config_record(cfg) -> dict | None:
+    """A config as JSON: its class name and fields (None: the backend's own)."""
+    return None if cfg is None else dict(type=type(cfg).__name__, **dataclasses.asdict(cfg))
+
+
+def config_text(record: dict | None) -> str:
+    """A config record in short: the fields that differ from the class's defaults."""
+    if record is None:
+        return "default"
+    cls = {"MgpuConfig": wj.MgpuConfig, "BlockConfig": wj.BlockConfig}[record["type"]]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    fields = [f"{k}={v}" for k, v in record.items() if k != "type" and defaults.get(k) != v]
+    return ",".join(fields) or "class defaults"
+
+
+def moe_layer(w13, w2, x, tw, ids, *, implementation, config, activation_quant=None):
+    """wj.fused_moe with the weights first (the timed functions take consts, then a set)."""
     return wj.fused_moe(
         x,
         w13,
@@ -496,79 +424,128 @@ def _moe(w13, w2, x, tw, ids, *, implementation, config, activation_quant=None):
     )
 
 
-def bench_stages(problem, impl, config, w13, w2, sets, *, iters, repeats):
-    from wna16_jax import _reference
-
-    align, gemm1, gemm2, configs = stage_fns(problem, impl, config)
-    from pallas_kernels.triton import fused_moe as pm
-
-    interpret = impl == "pallas_interpret"
-    routed = []
-    fused = False
-    for x, tw, ids in sets:
-        c1, _ = configs(w13, w2, ids)
-        fused = pm.fuses_activation(c1, w13, "silu")
-        r = pm.align(
-            ids,
-            num_experts=problem.num_experts,
-            block_m=c1.block_m,
-            expert_map=None,
-            interpret=interpret,
+def bench_problem(
+    problem: Problem, ms, implementations, *, iters, repeats, num_sets, configs=None,
+    straight=0, search=False, warmup_s=0.0, key=None,
+):  # fmt: skip
+    """(rows, failures): per implementation, M and config, the loop timing and with straight=N
+    (>= 2) the model step's (N input sets of their own). configs: {implementation: config} run
+    by default (missing: the backend's own); search: also every `search_candidates` config.
+    A run that fails (a backend or config that cannot run the size) is logged and listed among
+    the failures."""
+    key = jax.random.key(0) if key is None else key
+    w13, w2 = random_experts(key, problem)
+    weights = WeightsByLayout(w13, w2, jnp.dtype(problem.dtype), problem.activation_quant)
+    k, i, h = problem.top_k, problem.intermediate, problem.hidden
+    rows, failures = [], []
+    for m in ms:
+        xs, tws, idss = random_inputs(key, problem, m, num_sets)
+        sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
+        touched = experts_touched(idss)
+        work = dict(
+            weight_bytes=weight_bytes(w13, touched) + weight_bytes(w2, touched),
+            flops=2.0 * m * k * (2 * i * h + h * i),
+            experts_touched=touched,
         )
-        h = gemm1(w13, w2, x, tw, ids, r)
-        act = h if fused else _reference.silu_and_mul(h.astype(jnp.float32)).astype(x.dtype)
-        y = gemm2(w13, w2, act, tw, ids, r)
-        routed.append((x, tw, ids, r, h, act, y))
-    out = {}
+        if straight:
+            sxs, stws, sidss = random_inputs(jax.random.fold_in(key, 5), problem, m, straight)
+            step_sets = [(sxs[s], stws[s], sidss[s]) for s in range(straight)]
+            step_touched = experts_touched(sidss)
+            step_bytes = weight_bytes(w13, step_touched) + weight_bytes(w2, step_touched)
+        for impl in implementations:
+            tried = [(configs or {}).get(impl)]
+            if search:
+                tried += search_candidates(impl, problem, m, w13, w2)
+            for cfg in dict.fromkeys(tried):
+                fn = functools.partial(
+                    moe_layer,
+                    implementation=impl,
+                    config=cfg,
+                    activation_quant=problem.activation_quant,
+                )
+                row = dict(implementation=impl, M=m, config=config_record(cfg))
+                try:
+                    consts = weights.for_backend(impl)
+                    t, t_host = time_loop(
+                        fn, sets, iters=iters or default_iters(m), repeats=repeats,
+                        consts=consts, warmup_s=warmup_s,
+                    )  # fmt: skip
+                    row.update(loop_seconds=t, host_call_seconds=t_host, **work)
+                    if straight:
+                        t_step = time_model_step(
+                            fn, step_sets, repeats=repeats, consts=consts, warmup_s=warmup_s
+                        )
+                        row.update(
+                            step_calls=straight, step_seconds=t_step, step_weight_bytes=step_bytes
+                        )
+                except Exception as err:  # cannot run this size or config: report, go on
+                    msg = str(err).strip().splitlines() or [type(err).__name__]
+                    logging.warning("%s M=%d %s failed: %s", impl, m, config_text(row["config"]),
+                                    msg[0][:200])  # fmt: skip
+                    failures.append(dict(row, error=msg[0]))
+                    continue
+                rows.append(row)
+                step = f", step {row['step_seconds'] * 1e6:.1f} us" if straight else ""
+                print(f"  {impl:>16} M={m:<6} {config_text(row['config']):<28} "
+                      f"loop {t * 1e6:.1f} us{step}", file=sys.stderr, flush=True)  # fmt: skip
+    return rows, failures
 
-    def t(fn, args):
-        return time_loop(fn, args, iters=iters, repeats=repeats, consts=(w13, w2))[0]
 
-    out["align"] = t(
-        lambda w13, w2, tw, ids: align(w13, w2, None, tw, ids), [(s[1], s[2]) for s in routed]
-    )
-    out["gemm1"] = t(gemm1, [s[:4] for s in routed])  # with the activation when fused
-    if not fused:
-        out["activation"] = t(
-            lambda w13, w2, h: _reference.silu_and_mul(h.astype(jnp.float32)).astype(h.dtype),
-            [(s[4],) for s in routed],
-        )
-    out["gemm2"] = t(gemm2, [(s[5], s[1], s[2], s[3]) for s in routed])
-    k = problem.top_k
-    out["reduction"] = t(
-        lambda w13, w2, y: y.reshape(-1, k, y.shape[-1]).sum(1).astype(jnp.bfloat16),
-        [(s[6],) for s in routed],
-    )
-    return out
+def best_configs(rows) -> list[dict]:
+    """Per implementation and M with more than one config timed: the fastest row (by the step
+    figure where there is one, else the loop's) and the backend's own config's time."""
+    best = []
+    for impl, m in dict.fromkeys((r["implementation"], r["M"]) for r in rows):
+        timed = [r for r in rows if (r["implementation"], r["M"]) == (impl, m)]
+        if len(timed) < 2:
+            continue
+        figure = "step_seconds" if "step_seconds" in timed[0] else "loop_seconds"
+        fastest = min(timed, key=lambda r: r[figure])
+        own = next((r[figure] for r in timed if r["config"] is None), None)
+        best.append(dict(implementation=impl, M=m, figure=figure, seconds=fastest[figure],
+                         config=fastest["config"], default_seconds=own))  # fmt: skip
+    return best
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}"
 
 
 def print_table(rows, copy_bps, mm_flops):
+    """One line per row: the loop's (and the step's) time and its share of the copy ceiling
+    (weight bytes) and of the matmul ceiling (FLOP/s), and one call's host time."""
     print(
-        f"{'impl':>16} {'M':>6} {'time us':>10} {'host us':>9} {'weight GB/s':>12} "
-        f"{'%copy':>6} {'TFLOP/s':>8} {'%mm':>6}"
+        f"{'implementation':<16} {'M':>5} {'config':<24} {'loop us':>9} {'%copy':>6} {'%mm':>6} "
+        f"{'step us':>9} {'%copy':>6} {'%mm':>6} {'host us':>9}"
     )
     for r in rows:
-        bw = r["weight_bytes"] / r["seconds"]
-        fl = r["flops"] / r["seconds"]
-        print(
-            f"{r['implementation']:>16} {r['M']:>6} {r['seconds'] * 1e6:>10.1f} "
-            f"{r['host_call_seconds'] * 1e6:>9.1f} {bw / 1e9:>12.1f} {100 * bw / copy_bps:>6.1f} "
-            f"{fl / 1e12:>8.2f} {100 * fl / mm_flops:>6.1f}"
-        )
-        if "straight_seconds" in r:
-            t = r["straight_seconds"]
-            sbw = r["straight_weight_bytes"] / t
-            print(
-                f"{'':>16} in a step of {r['straight_calls']} calls (queued steps): "
-                f"{t * 1e6:.1f} us, {100 * sbw / copy_bps:.1f}% of copy, "
-                f"{100 * r['flops'] / t / mm_flops:.1f}% of matmul"
-            )
-        if "stages" in r:
-            st = "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in r["stages"].items())
-            print(f"{'':>16} stages: {st}")
+        t = r["loop_seconds"]
+        cells = [f"{t * 1e6:9.1f}", f"{_percent(r['weight_bytes'] / t, copy_bps):>6}",
+                 f"{_percent(r['flops'] / t, mm_flops):>6}"]  # fmt: skip
+        if "step_seconds" in r:
+            ts = r["step_seconds"]
+            cells += [f"{ts * 1e6:9.1f}", f"{_percent(r['step_weight_bytes'] / ts, copy_bps):>6}",
+                      f"{_percent(r['flops'] / ts, mm_flops):>6}"]  # fmt: skip
+        else:
+            cells += [f"{'-':>9}", f"{'-':>6}", f"{'-':>6}"]
+        host = r["host_call_seconds"]
+        cells.append(f"{host * 1e6:9.1f}" if host is not None else f"{'-':>9}")
+        config = config_text(r["config"])
+        print(f"{r['implementation']:<16} {r['M']:>5} {config:<24} " + " ".join(cells))
+
+
+def print_best(best):
+    print("best config per M (by the step figure where timed, else the loop's):")
+    for b in best:
+        own = b["default_seconds"]
+        versus = f" (default {own * 1e6:.1f} us: {own / b['seconds']:.2f}x)" if own else ""
+        print(f"  {b['implementation']:<16} M={b['M']:<6} {b['seconds'] * 1e6:9.1f} us{versus}  "
+              f"{config_text(b['config'])}")  # fmt: skip
 
 
 def plot_roofline(rows, copy_bps, mm_flops, path):
+    """Achieved FLOP/s against FLOP per weight byte under the measured ceilings: each
+    implementation's rows at its own configs, the loop's figures and the step's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -577,19 +554,35 @@ def plot_roofline(rows, copy_bps, mm_flops, path):
     fig, ax = plt.subplots(figsize=(7, 5))
     xs = np.logspace(-1, 4, 200)
     ax.loglog(xs, np.minimum(xs * copy_bps, mm_flops) / 1e12, "k-", label="measured ceilings")
-    for impl in sorted({r["implementation"] for r in rows}):
-        pts = [r for r in rows if r["implementation"] == impl]
-        ai = [r["flops"] / r["weight_bytes"] for r in pts]
-        perf = [r["flops"] / r["seconds"] / 1e12 for r in pts]
-        ax.loglog(ai, perf, "o-", label=impl)
-        for r, a, p in zip(pts, ai, perf, strict=True):
-            ax.annotate(f"M={r['M']}", (a, p), fontsize=7)
+    own = [r for r in rows if r["config"] is None]
+    for impl in sorted({r["implementation"] for r in own}):
+        pts = [r for r in own if r["implementation"] == impl]
+        for figure, style, nbytes in (("loop_seconds", "o-", "weight_bytes"),
+                                      ("step_seconds", "s--", "step_weight_bytes")):  # fmt: skip
+            timed = [r for r in pts if figure in r]
+            if not timed:
+                continue
+            ai = [r["flops"] / r[nbytes] for r in timed]
+            perf = [r["flops"] / r[figure] / 1e12 for r in timed]
+            ax.loglog(ai, perf, style, label=f"{impl} ({figure.split('_')[0]})")
+            for r, a, p in zip(timed, ai, perf, strict=True):
+                ax.annotate(f"M={r['M']}", (a, p), fontsize=7)
     ax.set_xlabel("FLOP per weight byte")
     ax.set_ylabel("TFLOP/s")
     ax.set_title("fused_moe roofline (weight bytes only)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _config_arg(cls):
+    def parse(text: str):
+        try:
+            return cls(**json.loads(text))
+        except (TypeError, ValueError) as err:
+            raise argparse.ArgumentTypeError(f"bad {cls.__name__} {text!r}: {err}") from None
+
+    return parse
 
 
 def main(argv=None):
@@ -606,66 +599,84 @@ def main(argv=None):
         type=int,
         nargs="+",
         default=None,
-        help="token counts (default: 1 4 16 64 256 1024 4096 on GPU, 1 8 on CPU)",
+        help="token counts (default: 1 4 16 64 256 1024 4096 on GPU, 1 4 on CPU)",
     )
-    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
-    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument(
         "--implementations",
         nargs="+",
         default=None,
-        help="backends to time (default: pallas xla on GPU, pallas_interpret xla on CPU); a "
-        "backend that reads its own weight layout (mgpu, mgpu_interpret) gets the weights "
-        "converted once, untimed",
+        help="backends to time (default: mgpu pallas xla on GPU, pallas_interpret xla on CPU)",
     )
-    p.add_argument(
-        "--xla-max-m",
-        type=int,
-        default=64,
-        help="skip the slow xla reference above this many tokens",
-    )
-    p.add_argument(
-        "--iters",
-        type=int,
-        default=None,
-        help="calls per timed loop (default on a GPU: 100 for M <= 256, 20 above, as "
-        "mgpu_probe.py; each loop has a fixed cost that the calls share)",
-    )
-    p.add_argument("--repeats", type=int, default=5, help="timed loops (median taken)")
-    p.add_argument("--sets", type=int, default=4, help="input sets rotated through the loop")
-    p.add_argument(
-        "--straight",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also time each M as a model step runs its layers: N calls written out in one jit "
-        "(no loop), one input set each, each call's input the previous call's output, steps "
-        "queued back to back; the marginal time of a queued step per call (time_straight). "
-        "The loop's figure counts the host's wait per loop iteration; this one does not. "
-        "0: off; else N >= 2",
-    )
-    p.add_argument(
-        "--stages", action="store_true", help="also time each stage (pallas, WNA16 only)"
-    )
-    p.add_argument(
-        "--activation-quant",
-        choices=("int8_per_token",),
-        default=None,
-        help="W8A8 rows: int8 per-token activations with int8 per-channel symmetric weights",
-    )
-    p.add_argument(
-        "--block-config",
-        type=str,
-        default=None,
-        help='BlockConfig as JSON, e.g. \'{"block_m":16,"block_n":64,"block_k":256}\'',
-    )
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
     p.add_argument(
         "--group-size",
         type=int,
         default=None,
         help="quantization group (default: the preset's; -1 = per channel)",
     )
-    p.add_argument("--json", type=str, default=None, help="write results here")
+    p.add_argument(
+        "--activation-quant",
+        choices=("int8_per_token",),
+        default=None,
+        help="W8A8 rows: int8 per-token activations with int8 per-channel symmetric weights "
+        "(--bits, --group-size and --no-zp are ignored then)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=("uniform", "identical"),
+        default="uniform",
+        help="uniform: each token picks k distinct experts at random; identical: every token of "
+        "a set picks the first token's experts, as one prompt decoded greedily does",
+    )
+    p.add_argument(
+        "--straight",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time each row in a model step: N calls written out in one jit, one input set "
+        "each, each call's input the previous call's output, steps queued back to back "
+        "(time_model_step; 0: off, else N >= 2)",
+    )
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="also time candidate configs (MgpuConfig for mgpu*, BlockConfig for the others) "
+        "and print the best per M",
+    )
+    p.add_argument(
+        "--block-config",
+        type=_config_arg(wj.BlockConfig),
+        default=None,
+        help='BlockConfig for the non-mgpu backends as JSON, e.g. \'{"block_m":16,"block_n":64}\'',
+    )
+    p.add_argument(
+        "--mgpu-config",
+        type=_config_arg(wj.MgpuConfig),
+        default=None,
+        help='MgpuConfig for the mgpu backends as JSON, e.g. \'{"block_m":8,"block_k":256}\'',
+    )
+    p.add_argument(
+        "--xla-max-m", type=int, default=64, help="skip the slow xla reference above this M"
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="calls per timed loop (default on a GPU: 100 for M <= 256, 20 above; 1 on CPU)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed runs, median taken (default 5; 1 on CPU)"
+    )
+    p.add_argument("--sets", type=int, default=4, help="input sets rotated through the loop")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="run each timed loop or step this many seconds before timing it, so the GPU's "
+        "clock settles where a sustained load puts it (default 0: timings of a burst)",
+    )
+    p.add_argument("--json", type=str, default=None, help="write the results here")
     p.add_argument("--plot", type=str, default=None, help="write a roofline PNG here")
     args = p.parse_args(argv)
     if args.straight == 1 or args.straight < 0:
@@ -674,14 +685,23 @@ def main(argv=None):
     e, k, h, i, g = PRESETS[args.preset]
     if args.group_size is not None:
         g = args.group_size
-    problem = Problem(e, k, h, i, g, args.bits, not args.no_zp)
+    problem = Problem(e, k, h, i, g, args.bits, not args.no_zp, routing=args.routing)
     if args.activation_quant:  # W8A8 runs int8 per-channel symmetric weights
-        problem = Problem(e, k, h, i, -1, 8, False, activation_quant=args.activation_quant)
-    ms = args.m or ([1, 4, 16, 64, 256, 1024, 4096] if on_gpu else [1, 8])
-    impls = args.implementations or (["pallas", "xla"] if on_gpu else ["pallas_interpret", "xla"])
-    iters = args.iters or (None if on_gpu else 2)  # None: per M, default_iters
-    config = wj.BlockConfig(**json.loads(args.block_config)) if args.block_config else None
-    copy_bps, mm_flops = measure_ceilings(on_gpu, args.repeats)
+        problem = dataclasses.replace(
+            problem, group_size=-1, bits=8, has_zp=False, activation_quant=args.activation_quant
+        )
+    ms = args.m or ([1, 4, 16, 64, 256, 1024, 4096] if on_gpu else [1, 4])
+    impls = args.implementations or (
+        ["mgpu", "pallas", "xla"] if on_gpu else ["pallas_interpret", "xla"]
+    )
+    iters = args.iters or (None if on_gpu else 1)  # None: per M, default_iters
+    repeats = args.repeats or (5 if on_gpu else 1)
+    configs = {}
+    for impl in impls:
+        given = args.mgpu_config if impl.startswith("mgpu") else args.block_config
+        if given is not None:
+            configs[impl] = given
+    copy_bps, mm_flops = measure_ceilings(on_gpu, repeats)
     print(
         f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
         f"copy ceiling {copy_bps / 1e12:.2f} TB/s  bf16 matmul ceiling "
@@ -689,21 +709,22 @@ def main(argv=None):
         flush=True,
     )
     print(f"problem: {problem}", flush=True)
-    rows = []
+    rows, failures = [], []
     for impl in impls:
         run_ms = [m for m in ms if impl != "xla" or m <= args.xla_max_m]
-        rows += bench_problem(
-            problem,
-            run_ms,
-            [impl],
-            iters=iters,
-            repeats=args.repeats,
-            num_sets=args.sets,
-            stages=args.stages,
-            config=config,
-            straight=args.straight,
-        )
+        more, failed = bench_problem(
+            problem, run_ms, [impl], iters=iters, repeats=repeats, num_sets=args.sets,
+            configs=configs, straight=args.straight, search=args.search,
+            warmup_s=args.warmup_s,
+        )  # fmt: skip
+        rows += more
+        failures += failed
     print_table(rows, copy_bps, mm_flops)
+    best = best_configs(rows) if args.search else []
+    if best:
+        print_best(best)
+    for f in failures:
+        print(f"failed: {f['implementation']} M={f['M']} {config_text(f['config'])}: {f['error']}")
     result = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         device=jax.devices()[0].device_kind,
@@ -713,6 +734,8 @@ def main(argv=None):
         copy_bytes_per_s=copy_bps,
         matmul_flops_per_s=mm_flops,
         rows=rows,
+        best=best,
+        failed=failures,
     )
     if args.json:
         with open(args.json, "w") as f:

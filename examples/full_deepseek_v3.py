@@ -1,11 +1,11 @@
 """DeepSeek-V3 at full size (random int4 experts) sharded over a mesh: tokens/s, memory, bytes.
 
-The 671B run of issue 9 (8 GPUs, experts EP=8):
+The whole 671B model on 8 GPUs, experts EP=8 (the default on 8 GPUs):
     python examples/full_deepseek_v3.py --mesh expert=8 --layers 61 --batch-sizes 1 16 64
 A dry run of the same script at reduced depth on 2 GPUs:
     python examples/full_deepseek_v3.py --mesh expert=2 --layers 8
-On a CPU (a smoke test; the tiny preset on 8 fake devices):
-    python examples/full_deepseek_v3.py --preset tiny --cpu-devices 8 --mesh expert=4
+On a CPU the default is the tiny preset on the one device (a smoke test); on 8 fake devices:
+    python examples/full_deepseek_v3.py --cpu-devices 8 --mesh expert=4
 
 Weights are drawn on the devices, each device only its shard (models.deepseek_v3.init_random
 with a mesh), so no device ever holds all experts. For each batch size it generates
@@ -72,12 +72,23 @@ def _device_memory():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", choices=("deepseek-v3", "tiny"), default="deepseek-v3")
+    p.add_argument(
+        "--preset",
+        choices=("deepseek-v3", "tiny"),
+        default=None,
+        help="model size (default: deepseek-v3 on GPUs, tiny on a CPU)",
+    )
     p.add_argument("--layers", type=int, default=None, help="depth (default: the preset's)")
-    p.add_argument("--mesh", default="expert=8", help='mesh axes, e.g. "expert=8,tensor=1"')
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help='mesh axes, e.g. "expert=8,tensor=1" (default: expert=<every device>)',
+    )
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=None, help="default: 1 16 64; 1 2 on a CPU"
+    )
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 32; 4 on a CPU")
     p.add_argument("--implementation", default=None, help="fused_moe backend (default auto)")
     p.add_argument(
         "--expert-layout",
@@ -101,7 +112,11 @@ def main(argv=None):
 
     from models.deepseek_v3 import DeepseekV3Config, generate, init_random, sharding
 
-    if args.preset == "tiny":
+    on_gpu = jax.default_backend() == "gpu"
+    preset = args.preset or ("deepseek-v3" if on_gpu else "tiny")
+    batch_sizes = args.batch_sizes or ([1, 16, 64] if on_gpu else [1, 2])
+    max_new_tokens = args.max_new_tokens or (32 if on_gpu else 4)
+    if preset == "tiny":
         cfg = DeepseekV3Config.tiny(dtype="bfloat16")
         if args.layers:
             cfg = DeepseekV3Config.tiny(dtype="bfloat16", num_hidden_layers=args.layers)
@@ -111,7 +126,7 @@ def main(argv=None):
             if args.layers
             else DeepseekV3Config.deepseek_v3()
         )
-    mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh))
+    mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"expert={jax.device_count()}"))
     n_dev = mesh.devices.size
     print(f"mesh: {sharding.describe(mesh)}; layers {cfg.num_hidden_layers}", flush=True)
     t0 = time.perf_counter()
@@ -125,18 +140,15 @@ def main(argv=None):
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
         print(f"experts converted to {layout} in {time.perf_counter() - t1:.1f} s", flush=True)
     expert_bytes_per_expert, other_bytes = _weight_bytes(model)
-    on_gpu = jax.default_backend() == "gpu"
     n_copy = (1 << 28) if on_gpu else (1 << 20)  # f32 values: 1 GiB on a GPU
     copy_bps = 2 * n_copy * 4 / benchmark.time_copy(n_copy, iters=10, repeats=3)
     ep = mesh.shape.get("expert", 1)
     rows = []
     rng = np.random.default_rng(0)
-    for b in args.batch_sizes:
+    for b in batch_sizes:
         ids = rng.integers(1, cfg.vocab_size, size=(b, args.prompt_len)).astype(np.int32)
         generate(model, ids, max_new_tokens=2)  # compile
-        _, stats = generate(
-            model, ids, max_new_tokens=args.max_new_tokens, eos_id=(), return_stats=True
-        )
+        _, stats = generate(model, ids, max_new_tokens=max_new_tokens, eos_id=(), return_stats=True)
         touched = min(cfg.n_routed_experts, b * cfg.num_experts_per_tok)
         # Per device: its share of the touched experts (spread over the expert axis) plus the
         # other weights as sharded (replicated ones count on every device: upper bound).

@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "building or loading: mgpu_int4 for the Mosaic GPU backend (H100/H200; int4, bf16). "
         "auto (default): mgpu_int4 with --implementation mgpu*, canonical "
         "with another --implementation, else the layout of the fastest backend that runs the "
-        "experts here (wna16_jax.layouts.preferred_layout: mgpu_int4 on H100/H200 for int4 "
+        "experts here (wna16_jax.preferred_layout: mgpu_int4 on H100/H200 for int4 "
         "bf16 experts, canonical elsewhere)",
     )
     p.add_argument(

@@ -1,15 +1,22 @@
-"""Sweeps BlockConfigs of the Pallas grouped GEMM per problem and M, writes the tuned table.
+"""Tunes the kernels' configs and writes the tuned tables wna16_jax reads.
 
-For each (GEMM, M) it times every candidate config with the benchmark's jitted loop, skips the
-ones that fail to compile or run (shared memory, registers, validity rules), checks the winner
-against the reference, and writes wna16_jax/data/tuned/<device>.json (or --out). Only this
-script writes tuned tables.
+A device's tables (wna16_jax/data/tuned/<device kind>.json) hold, per kernel, configs for exact
+problems at token-slot counts M (T*k); fused_moe takes the entry at the nearest M:
+- "pallas": the Pallas-Triton grouped GEMM's BlockConfig, per GEMM (w13, w2) and M. A
+  coordinate search from the config the backend runs today (`wj.gemm_config`), each
+  candidate timed through `wj.grouped_matmul` (GEMM1 with its silu fused, as fused_moe runs
+  it); the best is written.
+- "mgpu": the Mosaic GPU layer's MgpuConfig per M. A coordinate search over MgpuConfigs, each
+  timed through `wj.fused_moe`; the best is written where it beat the layer without a config
+  (its tuned entry or heuristic today).
+Candidates that do not compile or run (shared memory, registers, validity rules) are skipped;
+each winner is checked against the 'xla' reference before it is written.
 
 Example (GPU):
-    python examples/tune.py --m 1 16 256 4096 \
+    python examples/tune.py --backends pallas mgpu --m 1 16 256 4096 \\
         --out wna16_jax/data/tuned/nvidia_h200.json
-On a CPU the default is a tiny problem in the Pallas interpreter (a smoke test, no file written
-unless --out is given).
+On a CPU the default is a tiny problem in the Pallas interpreter ('pallas_interpret'; with
+--backends mgpu also 'mgpu_interpret'): a smoke test, no file written unless --out is given.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -32,14 +40,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
-from wna16_jax import _configs, _reference  # noqa: E402
 
 logger = logging.getLogger("tune")
 
+# The tables this script tunes, by the backend that runs them (its interpreter on a CPU).
+TABLES = {"pallas": ("pallas", "pallas_interpret"), "mgpu": ("mgpu", "mgpu_interpret")}
 
-# The axes of the search and their values (the validity rules drop what cannot run a shape),
-# in the order the coordinate search visits them: the ones that change the work in flight
-# most first, so that a search cut short by its time budget has tried them.
+# The axes of the GEMM search and their values (the validity rules drop what cannot run a
+# shape), in the order the coordinate search visits them: the ones that change the work in
+# flight most first, so that a search cut short by its time budget has tried them.
 AXES = {
     "split_k": (1, 2, 4, 8),
     "block_n": (16, 32, 64, 128, 256),
@@ -57,65 +66,42 @@ QUICK_AXES = {
     "num_stages": (2, 3, 4),
     "unpack": ("slices", "join", "tile"),
 }
+# The axes of the layer search (MgpuConfig's fields).
+MGPU_AXES = {
+    "block_m": (8, 16, 32, 64, 128),
+    "block_k": (64, 128, 256),
+    "consumers": (0, 2),
+    "stages": (2, 3, 4),
+    "block_n": (64, 128),
+    "down_block_n": (None, 128),
+    "down_stages": (None, 2, 3),
+    "block_halvings": (0, 1, 2, 3),
+    "bf16_weights": (False, True),
+}
+MGPU_QUICK_AXES = {"block_m": (8, 16), "stages": (2, 3), "block_halvings": (0, 1)}
 
 
-def _valid(cfg, shape) -> bool:
-    return not _configs.config_problems(cfg, shape)
-
-
-def exhaustive(shape: _configs.GemmShape):
-    """Every valid config of the product of AXES (block_m: the heuristic's and neighbours)."""
-    base = _configs.heuristic_config(shape)
-    block_ms = sorted({base.block_m, 16} | ({32, 64, 128} if shape.m >= 256 else set()))
-    axes = dict(AXES, block_m=tuple(block_ms))
-    for values in itertools.product(*axes.values()):
-        cfg = wj.BlockConfig(**dict(zip(axes, values, strict=True)))
-        if _valid(cfg, shape):
-            yield cfg
-
-
-def starting_points(shape: _configs.GemmShape) -> list:
-    """The heuristic's config; its tensor-core variant (for decode the heuristic gives the
-    CUDA-core "fma" product) and that with unpack="join" (one dot per group instead of one per
-    value slice); and for few rows per expert the "fma" product with one row per block (a
-    tensor-core tile of 16 rows would hold mostly padding)."""
-    base = _configs.heuristic_config(shape)
-    mma = _configs.heuristic_config(shape, allow_fma=False)
-    candidates = [base, mma]
-    if mma.unpack == "slices":
-        candidates.append(dataclasses.replace(mma, unpack="join"))
-    if shape.m <= 4 * shape.num_experts:
-        candidates.append(dataclasses.replace(mma, dot="fma", block_m=1))
-    starts = []
-    for cfg in candidates:
-        if cfg not in starts and _valid(cfg, shape):
-            starts.append(cfg)
-    return starts
-
-
-def coordinate_search(
-    shape: _configs.GemmShape, time_config, *, axes, passes: int = 2, budget_s: float | None = None
-):
-    """From each starting point, tries every value of one axis at a time keeping the best, for
+def coordinate_search(starts, time_config, *, axes, valid, passes=2, budget_s=None):
+    """From each starting config, tries every value of one axis at a time keeping the best, for
     `passes` sweeps over the axes (stopping early when a sweep improves nothing).
 
-    time_config(cfg) -> seconds or None (failed). Returns {cfg: seconds} of all that ran.
-    budget_s: wall-clock seconds for the whole search; each starting point gets an equal share
-    (what has run when its share is spent is kept).
+    time_config(cfg) -> seconds or None (failed); valid(cfg) -> bool (tried first). Returns
+    {cfg: seconds} of all that ran. budget_s: wall-clock seconds for the whole search; each
+    starting point gets an equal share (what has run when its share is spent is kept).
     """
     times = {}
-    starts = starting_points(shape)
-    share = None if budget_s is None else budget_s / len(starts)
-    if shape.m >= 16 * shape.num_experts:  # many rows per expert: tiles of at least 16
-        axes = dict(axes, block_m=tuple(b for b in axes.get("block_m", ()) if b >= 16))
+    share = None if budget_s is None else budget_s / max(len(starts), 1)
 
     def search_from(best, deadline):
         for _ in range(passes):
             improved = False
             for axis, values in axes.items():
                 for v in values:
-                    cfg = dataclasses.replace(best, **{axis: v})
-                    if cfg in times or not _valid(cfg, shape):
+                    try:
+                        cfg = dataclasses.replace(best, **{axis: v})
+                    except ValueError:  # a field value the config class refuses
+                        continue
+                    if cfg in times or not valid(cfg):
                         continue
                     if deadline is not None and time.monotonic() > deadline:
                         logger.info("time budget spent (%d configs ran)", len(times))
@@ -140,219 +126,337 @@ def coordinate_search(
     return times
 
 
-def tune_gemm(qw, m, top_k, *, interpret, full, iters, repeats, gated, asm_ab, budget_s=None):
-    """Searches configs of one GEMM at m tokens; returns (shape, best, {config: seconds} of every
-    config that ran, err, asm_off).
+def _timed(run, sets, *, consts, iters, repeats, what):
+    """Seconds per call of run(*consts, *set) (the benchmark's jitted loop), or None where it
+    does not compile or run on this device."""
+    try:
+        t, _ = benchmark.time_loop(
+            run, sets, iters=iters, repeats=repeats, consts=consts, host=False
+        )
+    except Exception as err:  # does not compile or run here: skip it
+        logger.info("skip %s: %s", what, str(err).splitlines()[0][:200])
+        return None
+    logger.info("%10.1f us  %s", t * 1e6, what)
+    return t
 
-    gated: time GEMM1 the way fused_moe runs it (silu(gate) * up fused when split_k == 1).
-    asm_ab: also time the winner with the PTX conversion off (seconds, or None).
+
+def _relative_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+# ---- the Pallas-Triton GEMMs ("pallas") -------------------------------------------------------
+
+
+def gemm_starting_points(w, m, impl, num_experts) -> list:
+    """The config the backend runs today (`wj.gemm_config`: tuned table or heuristic); its
+    tensor-core variant (for decode it may be the CUDA-core "fma" product) and that with
+    unpack="join" (one dot per group instead of one per value slice); and for few rows per
+    expert the "fma" product with one row per block (a 16-row tensor-core tile would hold
+    mostly padding)."""
+    base = wj.gemm_config(w, m, implementation=impl)
+    mma = base if base.dot == "mma" else dataclasses.replace(base, dot="mma", block_m=16)
+    candidates = [base, mma, dataclasses.replace(mma, unpack="join")]
+    if m <= 4 * num_experts:
+        candidates.append(dataclasses.replace(mma, dot="fma", block_m=1))
+    return list(dict.fromkeys(candidates))
+
+
+def tune_gemm(w, m, top_k, *, impl, full, iters, repeats, gated, budget_s=None):
+    """Searches BlockConfigs of the grouped GEMM over `w` at m tokens (m * top_k slots).
+
+    gated: time GEMM1 the way fused_moe runs it (silu(gate) * up fused where the kernel can).
+    Returns (best, {config: seconds} of every config that ran, relative error of the best).
     """
-    from pallas_kernels.triton import fused_moe as pm
-    from pallas_kernels.triton.wna16_gemm import wna16_gemm
-
-    e, _, k = qw.shape
-    shape = _configs.GemmShape.of_weights(qw, m=m * top_k)
+    e, _, k = w.shape
+    slots = m * top_k
     key = jax.random.key(m)
     a = jax.random.normal(key, (m, k), jnp.bfloat16)
-    tw, ids = benchmark.random_routing(jax.random.fold_in(key, 1), m, e, top_k, 1)
+    _, ids = benchmark.random_routing(jax.random.fold_in(key, 1), m, e, top_k, 1)
     routings = {}
 
     def routing_for(block_m):
         if block_m not in routings:
-            routings[block_m] = pm.align(
-                ids[0], num_experts=e, block_m=block_m, expert_map=None, interpret=interpret
+            routings[block_m] = wj.moe_align_block_size(
+                ids[0], num_experts=e, block_m=block_m, implementation=impl
             )
         return routings[block_m]
 
-    def time_config(cfg, asm=None):
-        fuse = gated and pm.fuses_activation(cfg, qw, "silu")
-        activation = "silu" if fuse else None
-
-        def run(qw, a, routing, cfg=cfg):
-            return wna16_gemm(
-                a,
-                qw,
-                routing,
-                top_k=top_k,
-                config=cfg,
-                interpret=interpret,
-                activation=activation,
-                asm=asm,
-            )
-
+    def valid(cfg) -> bool:
         try:
-            t, _ = benchmark.time_loop(
-                run,
-                [(a, routing_for(cfg.block_m))],
-                iters=iters,
-                repeats=repeats,
-                consts=(qw,),
-                host=False,
-            )
-        except Exception as err:  # does not compile or run on this device: skip it
-            logger.info("skip %s: %s", cfg, str(err).splitlines()[0][:200])
-            return None
-        logger.info("%8.1f us  %s%s", t * 1e6, cfg, " (silu fused)" if fuse else "")
-        return t
+            wj.gemm_config(w, slots, implementation=impl, config=cfg)
+        except ValueError:
+            return False
+        return True
+
+    def time_config(cfg):
+        def run(w, a, routing, cfg=cfg):
+            return wj.grouped_matmul(
+                a, w, routing, top_k=top_k, config=cfg, implementation=impl,
+                activation="silu" if gated else None,
+            )  # fmt: skip
+
+        sets = [(a, routing_for(cfg.block_m))]
+        return _timed(run, sets, consts=(w,), iters=iters, repeats=repeats, what=str(cfg))
 
     if full:
-        times = {c: t for c in exhaustive(shape) if (t := time_config(c)) is not None}
-    else:
-        times = coordinate_search(
-            shape, time_config, axes=QUICK_AXES if interpret else AXES, budget_s=budget_s
+        grid = (
+            wj.BlockConfig(**dict(zip(AXES, values, strict=True)))
+            for values in itertools.product(*AXES.values())
         )
+        times = {c: t for c in grid if valid(c) and (t := time_config(c)) is not None}
+    else:
+        axes = AXES if jax.default_backend() == "gpu" else QUICK_AXES
+        if slots >= 16 * e:  # many rows per expert: tiles of at least 16
+            axes = dict(axes, block_m=tuple(b for b in axes.get("block_m", ()) if b >= 16))
+        starts = [c for c in gemm_starting_points(w, slots, impl, e) if valid(c)]
+        times = coordinate_search(starts, time_config, axes=axes, valid=valid, budget_s=budget_s)
     if not times:
-        raise RuntimeError(f"no candidate config ran for {shape}")
+        raise RuntimeError(f"no candidate config ran for the GEMM {w.shape} at M={slots}")
     best = min(times, key=times.get)
-    asm_off = time_config(best, asm=False) if asm_ab and not interpret else None
     routing = routing_for(best.block_m)
-    out = wna16_gemm(
-        a, qw, routing, top_k=top_k, config=best, out_dtype=jnp.float32, interpret=interpret
-    )
-    ref = _reference.grouped_matmul(a, qw, routing, top_k=top_k)
-    placed = np.asarray(ids[0]).reshape(-1) >= 0
-    o, r = np.asarray(out)[placed], np.asarray(ref)[placed]
-    err = float(np.linalg.norm(o - r) / np.linalg.norm(r))
+    gemm = dict(top_k=top_k, config=best, out_dtype=jnp.float32)
+    out = wj.grouped_matmul(a, w, routing, implementation=impl, **gemm)
+    ref = wj.grouped_matmul(a, w, routing, implementation="xla", **gemm)
+    err = _relative_error(out, ref)
     if not err < 1e-2:
         raise RuntimeError(f"best config {best} is wrong: relative error {err}")
-    return shape, best, times, err, asm_off
+    return best, times, err
 
 
-def main(argv=None):
+# ---- the Mosaic GPU layer ("mgpu") ------------------------------------------------------------
+
+
+def layer_starting_points(slots: int, num_experts: int, group: int) -> list:
+    """One config per block size up to twice the mean rows per expert (at least 8): each with
+    k-steps of one group (at most 128 inputs), 3 stages, and two consumer warpgroups from 64
+    rows (128 rows on bf16 weights, whose exact group sums do not fit in registers)."""
+    rows = slots / num_experts
+    block_k = 128 if group % 128 == 0 else 64
+    starts = []
+    for block_m in MGPU_AXES["block_m"]:
+        if block_m > max(8, 2 * rows):
+            break
+        big = block_m >= 64
+        starts.append(
+            wj.MgpuConfig(
+                block_m,
+                block_k,
+                stages=3,
+                consumers=2 if big else 0,
+                block_halvings=2 if big else 1,
+                bf16_weights=block_m == 128,
+            )  # fmt: skip
+        )
+    return starts
+
+
+def tune_layer(w13, w2, m, top_k, *, impl, iters, repeats, budget_s=None):
+    """Searches MgpuConfigs of the Mosaic GPU layer over canonical w13, w2 at m tokens.
+
+    Returns (best, {config: seconds}, seconds of the layer without a config, relative error of
+    the best against 'xla').
+    """
+    e, _, h = w13.shape
+    key = jax.random.key(m)
+    x = jax.random.normal(key, (m, h), jnp.bfloat16)
+    tw, ids = benchmark.random_routing(jax.random.fold_in(key, 1), m, e, top_k, 1)
+    sets = [(x, tw[0], ids[0])]
+    kernel_weights = tuple(wj.layouts.to_kernel_layout(w, "mgpu_int4") for w in (w13, w2))
+
+    def layer(config):
+        def run(w13, w2, x, tw, ids):
+            return wj.fused_moe(x, w13, w2, tw, ids, implementation=impl, config=config)
+
+        return run
+
+    def time_config(cfg):
+        return _timed(
+            layer(cfg), sets, consts=kernel_weights, iters=iters, repeats=repeats, what=str(cfg)
+        )
+
+    today = _timed(
+        layer(None), sets, consts=kernel_weights, iters=iters, repeats=repeats,
+        what="the layer without a config",
+    )  # fmt: skip
+    group = math.gcd(w13.group, w2.group)
+    starts = layer_starting_points(m * top_k, e, group)
+    axes = MGPU_AXES if jax.default_backend() == "gpu" else MGPU_QUICK_AXES
+    times = coordinate_search(
+        starts, time_config, axes=axes, valid=lambda cfg: True, budget_s=budget_s
+    )
+    if not times:
+        raise RuntimeError(f"no candidate config ran for the layer at M={m}")
+    best = min(times, key=times.get)
+    out = layer(best)(*kernel_weights, *sets[0])
+    ref = wj.fused_moe(x, w13, w2, tw[0], ids[0], implementation="xla")
+    err = _relative_error(out, ref)
+    if not err < 1e-2:
+        raise RuntimeError(f"best config {best} is wrong: relative error {err}")
+    return best, times, today, err
+
+
+# ---- the tables -------------------------------------------------------------------------------
+
+
+def merge_table(path: str, device: str, table: str, entries: list[dict], *, about: str) -> None:
+    """Writes `entries` into `table` of the tuned JSON at `path` (the format
+    wna16_jax._configs.tuned_entries reads), replacing entries of the same problem and M;
+    `about` describes a table the file did not hold yet."""
+    data = {"device": device, "tables": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    body = data["tables"].setdefault(table, {"about": about, "entries": []})
+
+    def key(entry):
+        return json.dumps(entry["problem"], sort_keys=True), entry["M"]
+
+    new = {key(e) for e in entries}
+    body["entries"] = [e for e in body["entries"] if key(e) not in new] + entries
+    tables = []
+    for name, t in data["tables"].items():
+        rows = ",\n".join("    " + json.dumps(e) for e in t["entries"])
+        tables.append(
+            f'  "{name}": {{\n   "about": {json.dumps(t["about"])},\n'
+            f'   "entries": [\n{rows}\n   ]\n  }}'
+        )
+    text = f'{{\n "device": {json.dumps(data["device"])},\n "tables": {{\n'
+    text += ",\n".join(tables) + "\n }\n}\n"
+    json.loads(text)  # the file is valid JSON before it replaces the old one
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _about(table: str, device: str) -> str:
+    """The description of a table this script starts."""
+    what = {
+        "pallas": "The Pallas-Triton grouped GEMM's BlockConfig per GEMM (microseconds: the "
+        "GEMM alone)",
+        "mgpu": "The Mosaic GPU layer's MgpuConfig (microseconds: the layer; "
+        "default_microseconds: the layer without a config)",
+    }[table]
+    return (
+        f"{what}; M: token slots (T*k). Measured on {device}, jax {jax.__version__}, by "
+        f"examples/tune.py."
+    )
+
+
+def main(argv=None) -> dict[str, list[dict]]:
+    """Runs the searches; returns the entries written (or, without --out, found) per table."""
     on_gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=sorted(TABLES),
+        default=["pallas"],
+        help="the tables to tune: pallas (the Pallas-Triton GEMMs), mgpu (the Mosaic GPU "
+        "layer, sm_90); on a CPU their interpreters run",
+    )
     p.add_argument(
         "--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3" if on_gpu else "tiny"
     )
     p.add_argument("--m", type=int, nargs="+", default=None, help="token counts")
-    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
-    p.add_argument("--no-zp", action="store_true")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="(pallas only)")
+    p.add_argument("--no-zp", action="store_true", help="symmetric weights")
     p.add_argument(
         "--full",
         action="store_true",
-        help="every config of the grid (slow); default: a coordinate search from the heuristic",
+        help="pallas: every config of the grid (slow); default: a coordinate search",
     )
     p.add_argument(
-        "--gemms", nargs="+", choices=("w13", "w2"), default=("w13", "w2"), help="GEMMs to tune"
+        "--gemms", nargs="+", choices=("w13", "w2"), default=("w13", "w2"), help="pallas GEMMs"
     )
-    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None, help="calls per timed loop")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--budget-s",
         type=float,
         default=None,
-        help="wall-clock seconds per (GEMM, M) search (default: no limit); the search keeps "
-        "the best config found when it runs out",
+        help="wall-clock seconds per search (default: no limit); the search keeps the best "
+        "config found when it runs out",
     )
     p.add_argument("--out", type=str, default=None, help="tuned JSON to write (merged)")
     p.add_argument(
         "--trials",
         type=str,
         default=None,
-        help="also write every config timed, per problem, to this JSON (evidence such as "
-        "the best config with and without split-K)",
+        help="also write every config timed, per search, to this JSON",
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
     ms = args.m or ([1, 16, 256, 4096] if on_gpu else [1])
-    interpret = not on_gpu
     iters = args.iters or (10 if on_gpu else 1)
+    device = jax.devices()[0].device_kind
     key = jax.random.key(0)
-    gemms = {
-        "w13": benchmark._random_experts(
-            key,
-            e,
-            2 * i,
-            h,
-            bits=args.bits,
-            group_size=g,
-            has_zp=not args.no_zp,
-            dtype=jnp.bfloat16,
-        ),
-        "w2": benchmark._random_experts(
-            jax.random.fold_in(key, 1),
-            e,
-            h,
-            i,
-            bits=args.bits,
-            group_size=g,
-            has_zp=not args.no_zp,
-            dtype=jnp.bfloat16,
-        ),
-    }
-    entries, trials = [], []
-    print(f"{'gemm':>5} {'M':>6} {'us':>9} {'no-asm us':>9} {'rel err':>8}  config")
-    for m in ms:
-        for name in args.gemms:
-            shape, best, times, err, asm_off = tune_gemm(
-                gemms[name],
-                m,
-                top_k,
-                interpret=interpret,
-                full=args.full,
-                iters=iters,
-                repeats=args.repeats,
-                gated=name == "w13",
-                asm_ab=True,
-                budget_s=args.budget_s,
-            )
-            t, n = times[best], len(times)
-            trials.append(
-                dict(
-                    gemm=name,
-                    M=shape.m,
-                    N=shape.n,
-                    K=shape.k,
-                    tried=[
-                        dict(config=dataclasses.asdict(c), microseconds=sec * 1e6)
-                        for c, sec in sorted(times.items(), key=lambda ct: ct[1])
-                    ],
+    bits = {"pallas": args.bits, "mgpu": 4}  # the mgpu_int4 layout holds int4
+    entries, trials = {}, []
+    print(f"{'table':>6} {'gemm':>5} {'M':>6} {'us':>10} {'default us':>10} {'rel err':>8}  config")
+    for table in args.backends:
+        impl = TABLES[table][0 if on_gpu else 1]
+        scheme = dict(bits=bits[table], group_size=g, has_zeros=not args.no_zp)
+        w13 = wj.random_quantized_experts(jax.random.fold_in(key, 1), (e, 2 * i, h), **scheme)
+        w2 = wj.random_quantized_experts(jax.random.fold_in(key, 2), (e, h, i), **scheme)
+        written = []
+        for m in ms:
+            if table == "pallas":
+                runs = []
+                for name in args.gemms:
+                    w = w13 if name == "w13" else w2
+                    best, times, err = tune_gemm(
+                        w, m, top_k, impl=impl, full=args.full, iters=iters,
+                        repeats=args.repeats, gated=name == "w13", budget_s=args.budget_s,
+                    )  # fmt: skip
+                    shape = dict(E=e, N=w.n, K=w.k, bits=w.bits, group_size=w.group_size)
+                    runs.append((name, shape, best, times, err, None))
+            else:
+                best, times, today, err = tune_layer(
+                    w13, w2, m, top_k, impl=impl, iters=iters, repeats=args.repeats,
+                    budget_s=args.budget_s,
+                )  # fmt: skip
+                shape = dict(E=e, H=h, I=i, bits=4, group=math.gcd(w13.group, w2.group))
+                runs = [("layer", shape, best, times, err, today)]
+            for name, shape, best, times, err, today in runs:
+                t = times[best]
+                trials.append(
+                    dict(
+                        table=table,
+                        gemm=name,
+                        problem=shape,
+                        M=m * top_k,
+                        tried=[
+                            dict(config=dataclasses.asdict(c), microseconds=s * 1e6)
+                            for c, s in sorted(times.items(), key=lambda cs: cs[1])
+                        ],
+                    )  # fmt: skip
                 )
-            )
+                shown = "-" if today is None else f"{today * 1e6:.1f}"
+                print(
+                    f"{table:>6} {name:>5} {m:>6} {t * 1e6:>10.1f} {shown:>10} {err:>8.1e}  "
+                    f"{best}  ({len(times)} ran)",
+                    flush=True,
+                )
+                if today is not None and not t < today:
+                    print(f"{'':>6} no candidate beat the layer's own config at M={m}: kept")
+                    continue
+                entry = dict(
+                    problem=shape, M=m * top_k, config=dataclasses.asdict(best),
+                    microseconds=round(t * 1e6, 1),
+                )  # fmt: skip
+                if today is not None:
+                    entry["default_microseconds"] = round(today * 1e6, 1)
+                written.append(entry)
+            if args.out and written:  # after each M: a run cut short keeps what it found
+                merge_table(args.out, device, table, written, about=_about(table, device))
             if args.trials:
                 with open(args.trials, "w") as f:
                     json.dump(trials, f, indent=1)
-            off = f"{asm_off * 1e6:>9.1f}" if asm_off is not None else f"{'-':>9}"
-            print(
-                f"{name:>5} {m:>6} {t * 1e6:>9.1f} {off} {err:>8.1e}  {best}  ({n} ran)",
-                flush=True,
-            )
-            entries.append(
-                dict(
-                    E=shape.num_experts,
-                    N=shape.n,
-                    K=shape.k,
-                    bits=shape.bits,
-                    group_size=shape.group_size,
-                    M=shape.m,
-                    config=dataclasses.asdict(best),
-                    microseconds=t * 1e6,
-                    microseconds_without_asm=None if asm_off is None else asm_off * 1e6,
-                    silu_fused=name == "w13" and best.split_k == 1,
-                )
-            )
-            if args.out:  # after each problem: a run cut short keeps what it found
-                merge_table(args.out, entries)
+        entries[table] = written
     if args.out:
-        print(f"wrote {len(entries)} entries to {args.out}")
+        print(f"wrote {sum(map(len, entries.values()))} entries to {args.out}")
     return entries
-
-
-def merge_table(path: str, entries: list[dict]) -> None:
-    """Writes `entries` into the tuned JSON at `path`, replacing entries of the same problem."""
-    table = {"device": jax.devices()[0].device_kind, "entries": []}
-    if os.path.exists(path):
-        with open(path) as f:
-            table = json.load(f)
-    keys = {(d["E"], d["N"], d["K"], d["bits"], d["group_size"], d["M"]) for d in entries}
-    table["entries"] = [
-        d
-        for d in table["entries"]
-        if (d["E"], d["N"], d["K"], d["bits"], d["group_size"], d["M"]) not in keys
-    ] + entries
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
     if backend == "gpu":
         # The DeepSeek-V3-sized cases hold 4-7 GB of weights plus their reference's dequantized
         # copy: under xdist with --dist loadgroup they share one worker, so several never run
-        # at once on one GPU (4 of them at once ran out of the H200's memory).
+        # at once on one GPU (four at once do not fit in an H200's memory).
         for item in items:
             if "gpu" in item.keywords and "deepseek" in item.name:
                 item.add_marker(pytest.mark.xdist_group("gpu_memory"))

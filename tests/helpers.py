@@ -1,21 +1,21 @@
 """Shared test helpers: float64 numpy oracles, random inputs and the one tolerance table.
 
-Everything here is independent of the library's own packing and reference code (numpy only,
-except device_quantized_experts, which draws GPU-sized random inputs with jax.random), so that
-kernel tests and reference tests check against the same oracle.
+The oracles are independent of the library's own packing and reference code (numpy only,
+written from the documented layouts), so that kernel tests and reference tests check against
+the same oracle. Random quantized weights come from the library's one generator,
+`wna16_jax.random_quantized_experts`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import pathlib
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+import wna16_jax as wj
 from wna16_jax import AlignedRouting, QuantizedExperts
 
 # ---- tolerances -----------------------------------------------------------------------------
@@ -131,44 +131,37 @@ def random_quantized_experts(
     has_zp: bool,
     dtype=jnp.bfloat16,
 ) -> QuantizedExperts:
-    """Random packed words, scales and zeros in the canonical layout (not via quantize_experts).
+    """Random canonical weights [E, N, K] drawn from the test's Generator on the host.
 
-    Every bit of qweight (and of zeros) is random. Scales are positive and sized so that a
-    dequantized weight is about 1/sqrt(K): x @ w.T stays O(1) for O(1) activations.
+    `wna16_jax.random_quantized_experts` with zero_range="full": every bit of qweight and of
+    the zero points random (the corner zero points 0 and 2**bits - 1 included), dequantized
+    weights about 1/sqrt(K), so x @ w.T stays O(1) for O(1) activations.
     """
-    per_word = 32 // bits
-    g = K if group_size == -1 else group_size
-    assert K % per_word == 0 and K % g == 0, (K, per_word, g)
-    qweight = rng.integers(0, 2**32, size=(E, N, K // per_word), dtype=np.uint64)
-    scales = rng.uniform(0.5, 1.5, size=(E, N, K // g)) / (2 ** (bits - 1) * np.sqrt(K))
-    zeros = None
-    if has_zp:
-        zshape = (E, N // 2, K // g) if bits == 4 else (E, N, K // g)
-        zeros = jnp.asarray(rng.integers(0, 256, size=zshape, dtype=np.uint8))
-    return QuantizedExperts(
-        qweight=jnp.asarray(qweight.astype(np.uint32)),
-        scales=jnp.asarray(scales, dtype),
-        zeros=zeros,
+    return wj.random_quantized_experts(
+        rng,
+        (E, N, K),
         bits=bits,
         group_size=group_size,
+        has_zeros=has_zp,
+        dtype=dtype,
+        zero_range="full",
     )
 
 
 def device_quantized_experts(
     key, e: int, n: int, k: int, bits: int, group_size: int, has_zp: bool, dtype
 ) -> QuantizedExperts:
-    """Like random_quantized_experts (every bit random, dequantized weights ~1/sqrt(K)), but
-    generated on the default device with jax.random: fast at GPU sizes."""
-    kq, ks, kz = jax.random.split(key, 3)
-    g = k if group_size == -1 else group_size
-    qweight = jax.random.bits(kq, (e, n, k * bits // 32), jnp.uint32)
-    scale = 1.0 / (2 ** (bits - 1) * math.sqrt(k))
-    scales = (jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5) * scale).astype(dtype)
-    zeros = None
-    if has_zp:
-        zshape = (e, n // 2, k // g) if bits == 4 else (e, n, k // g)
-        zeros = jax.random.bits(kz, zshape, jnp.uint8)
-    return QuantizedExperts(qweight, scales, zeros, bits=bits, group_size=group_size)
+    """Like random_quantized_experts, but drawn with jax.random on the default device: fast at
+    GPU sizes."""
+    return wj.random_quantized_experts(
+        key,
+        (e, n, k),
+        bits=bits,
+        group_size=group_size,
+        has_zeros=has_zp,
+        dtype=dtype,
+        zero_range="full",
+    )
 
 
 def random_moe_inputs(
@@ -415,7 +408,7 @@ def run_file_with_cpu_devices(path, n: int, *extra_pytest_args: str) -> str:
 
 
 def load_script(path: pathlib.Path, name: str, search=()):
-    """The script at `path` (examples/, experiments/) imported as module `name`, registered in
+    """The script at `path` (e.g. in examples/) imported as module `name`, registered in
     sys.modules (dataclasses look their module up by name), with the folders in `search` on
     sys.path while it loads (its own imports of sibling scripts)."""
     folders = [str(f) for f in search]

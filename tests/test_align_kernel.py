@@ -14,7 +14,7 @@ import pytest
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import align
-from wna16_jax import _reference
+from wna16_jax import _reference, _routing
 
 # Compiled on a GPU, the Pallas interpreter elsewhere: the same tests run both ways.
 ON_GPU = jax.default_backend() == "gpu"
@@ -199,7 +199,7 @@ def test_under_jit_and_export(request):
     # Pallas Triton kernels are custom calls: exporting them is opt-in.
     checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
     exported = jax.export.export(jax.jit(f), disabled_checks=checks)(ids, expert_map)
-    assert exported.out_avals[0].shape == (_reference.max_padded_len(512, 256, 16),)
+    assert exported.out_avals[0].shape == (_routing.max_padded_len(512, 256, 16),)
 
 
 @pytest.mark.parametrize(
@@ -224,7 +224,7 @@ def test_rejects_bad_arguments(kwargs, match):
 def test_config():
     assert align.default_config(512).fused  # decode: one launch
     assert align.default_config(128).blocks_per_program == align.FUSED_BLOCKS_PER_PROGRAM
-    # from 2048 slots (T=256, top-8) two launches: 11.8 vs 23.9 us on the H200 (session 16)
+    # from 2048 slots (T=256, top-8) two launches (docs/performance.md, 'The alignment kernel')
     assert not align.default_config(2048).fused
     assert not align.default_config(131072).fused
     with pytest.raises(ValueError, match="chunk_slots=1000"):

@@ -1,4 +1,5 @@
-"""Tests of block configs: validity rules, the heuristic and the tuned-table lookup."""
+"""Tests of kernel configs: the GEMM's validity rules and heuristic, MgpuConfig, and the tuned
+tables (their lookup and the shipped files)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import dataclasses
 import json
 import re
 import types
+from importlib import resources
 
 import pytest
 
-from wna16_jax import BlockConfig, _configs
+from wna16_jax import BlockConfig, MgpuConfig, _configs
 from wna16_jax._configs import GemmShape
 
 
@@ -188,27 +190,29 @@ def test_heuristic_refuses_when_no_config_fits(k, group_size):
 # ---- tuned tables ---------------------------------------------------------------------------
 
 DEVICE = "NVIDIA H200 (test)"
-KEYS = dict(E=256, N=4096, K=7168, bits=4, group_size=128)
+PROBLEM = dict(E=256, N=4096, K=7168, bits=4, group_size=128)
 
 
-def _entry(m, **config):
-    return KEYS | {"M": m, "config": config}
+def _entry(m, problem=PROBLEM, **config):
+    return {"problem": problem, "M": m, "config": config}
 
 
 @pytest.fixture
 def tuned(tmp_path, monkeypatch):
-    """Writes a tuned table for DEVICE into a temporary package root and points the loader at it."""
+    """Writes tuned tables for DEVICE into a temporary package root and points the loader at
+    it: tuned(pallas=[entries], mgpu=[entries])."""
 
-    def write(entries):
+    def write(**tables):
         folder = tmp_path / _configs.TUNED_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / _configs._device_file_name(DEVICE)).write_text(json.dumps({"entries": entries}))
-        _configs.tuned_table.cache_clear()
+        data = {"device": DEVICE, "tables": {t: {"entries": e} for t, e in tables.items()}}
+        (folder / _configs.device_file_name(DEVICE)).write_text(json.dumps(data))
+        _configs.tuned_entries.cache_clear()
 
     monkeypatch.setattr(_configs, "resources", types.SimpleNamespace(files=lambda pkg: tmp_path))
-    _configs.tuned_table.cache_clear()
+    _configs.tuned_entries.cache_clear()
     yield write
-    _configs.tuned_table.cache_clear()
+    _configs.tuned_entries.cache_clear()
 
 
 TABLE = [
@@ -220,22 +224,31 @@ TABLE = [
 
 
 def test_device_file_name():
-    assert _configs._device_file_name("NVIDIA H200") == "nvidia_h200.json"
-    assert _configs._device_file_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3.json"
+    assert _configs.device_file_name("NVIDIA H200") == "nvidia_h200.json"
+    assert _configs.device_file_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3.json"
 
 
 def test_tuned_table_missing_is_empty(tuned):
-    assert _configs.tuned_table("no such device") == ()
-    assert _configs.lookup_tuned(_shape(), "no such device") is None
+    assert _configs.tuned_entries("no such device", "pallas") == ()
+    assert _configs.lookup_gemm(_shape(), "no such device") is None
+    tuned(pallas=TABLE)
+    assert _configs.tuned_entries(DEVICE, "mgpu") == ()  # the file has no such table
+    with pytest.raises(ValueError, match="unknown tuned table 'nope'"):
+        _configs.tuned_entries(DEVICE, "nope")
 
 
 def test_tuned_table_parses(tuned):
-    tuned(TABLE)
-    table = _configs.tuned_table(DEVICE)
+    tuned(pallas=TABLE, mgpu=[_entry(8, dict(E=8), block_m=8, block_halvings=1)])
+    table = _configs.tuned_entries(DEVICE, "pallas")
     assert len(table) == len(TABLE)
-    keys, cfg = table[3]
-    assert keys == KEYS | {"M": 4096}
-    assert cfg == BlockConfig(block_m=64, block_n=128, block_k=256, num_stages=4)
+    assert table[3] == (
+        PROBLEM,
+        4096,
+        BlockConfig(block_m=64, block_n=128, block_k=256, num_stages=4),
+    )
+    assert _configs.tuned_entries(DEVICE, "mgpu") == (
+        (dict(E=8), 8, MgpuConfig(block_m=8, block_halvings=1)),
+    )
 
 
 @pytest.mark.parametrize(
@@ -254,17 +267,25 @@ def test_tuned_table_parses(tuned):
     ],
 )
 def test_lookup_picks_nearest_m(tuned, m, want_m):
-    tuned(TABLE)
+    tuned(pallas=TABLE)
     want = BlockConfig(**next(e["config"] for e in TABLE if e["M"] == want_m))
-    assert _configs.lookup_tuned(_shape(m=m), DEVICE) == want
+    assert _configs.lookup_gemm(_shape(m=m), DEVICE) == want
+    assert _configs.lookup_tuned("pallas", PROBLEM, m, DEVICE) == want
 
 
 @pytest.mark.parametrize(
     "change", [dict(e=128), dict(n=2048), dict(k=2048), dict(bits=8), dict(group_size=-1)]
 )
 def test_lookup_needs_exact_problem(tuned, change):
-    tuned(TABLE)
-    assert _configs.lookup_tuned(_shape(m=16, **change), DEVICE) is None
+    tuned(pallas=TABLE)
+    assert _configs.lookup_gemm(_shape(m=16, **change), DEVICE) is None
+
+
+def test_lookup_reads_only_its_table(tuned):
+    """The same problem keys in another table are not an entry of this one."""
+    tuned(mgpu=[_entry(16, block_m=8)])
+    assert _configs.lookup_gemm(_shape(m=16), DEVICE) is None
+    assert _configs.lookup_tuned("mgpu", PROBLEM, 16, DEVICE) == MgpuConfig(block_m=8)
 
 
 @pytest.mark.parametrize(
@@ -275,10 +296,10 @@ def test_lookup_needs_exact_problem(tuned, change):
     ],
 )
 def test_lookup_never_returns_an_invalid_entry(tuned, monkeypatch, bad):
-    tuned(TABLE + [_entry(64, **bad)])
+    tuned(pallas=TABLE + [_entry(64, **bad)])
     shape = _shape(m=64)
     assert _configs.config_problems(BlockConfig(**bad), shape)  # the entry really is invalid
-    got = _configs.lookup_tuned(shape, DEVICE)
+    got = _configs.lookup_gemm(shape, DEVICE)
     assert got is None or _configs.config_problems(got, shape) == []
     assert got != BlockConfig(**bad)
     # resolve_config then falls back to a valid config (another entry or the heuristic).
@@ -289,7 +310,7 @@ def test_lookup_never_returns_an_invalid_entry(tuned, monkeypatch, bad):
 
 
 def test_resolve_config_order(tuned, monkeypatch):
-    tuned(TABLE)
+    tuned(pallas=TABLE)
     monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
     caller = BlockConfig(block_m=32, block_k=64, unpack="tile")
     assert _configs.resolve_config(_shape(m=16), caller) == (caller, "caller")
@@ -302,21 +323,89 @@ def test_resolve_config_order(tuned, monkeypatch):
 
 
 def test_resolve_config_without_fma(monkeypatch):
-    """allow_fma=False (tensor-core-only GEMMs, e.g. Triton's) passes over a tuned CUDA-core
-    entry and asks the heuristic for a tensor-core config; a tensor-core entry still wins."""
+    """allow_fma=False (kernels with tensor-core dots only, e.g. the Triton GEMM): a tuned
+    CUDA-core ("fma") entry is passed over, and the heuristic gives a tensor-core config; a
+    tensor-core entry still wins."""
     shape = _shape(m=8)  # decode: the H200 table's and the heuristic's answer is "fma"
     fma = BlockConfig(block_m=1, block_n=128, block_k=128, split_k=8, dot="fma")
     monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
-    monkeypatch.setattr(_configs, "lookup_tuned", lambda s, kind: fma)
+    monkeypatch.setattr(_configs, "lookup_gemm", lambda s, kind: fma)
     assert _configs.resolve_config(shape, None) == (fma, f"tuned:{DEVICE}")
     cfg, source = _configs.resolve_config(shape, None, allow_fma=False)
     assert source == "heuristic" and cfg.dot == "mma" and cfg.block_m == 16
     assert cfg == _configs.heuristic_config(shape, allow_fma=False)
     mma = BlockConfig(block_m=16, block_n=128, block_k=128)
-    monkeypatch.setattr(_configs, "lookup_tuned", lambda s, kind: mma)
+    monkeypatch.setattr(_configs, "lookup_gemm", lambda s, kind: mma)
     assert _configs.resolve_config(shape, None, allow_fma=False) == (mma, f"tuned:{DEVICE}")
 
 
 def test_resolve_config_rejects_invalid_caller_config():
     with pytest.raises(ValueError, match="split_k=5 does not divide the 56 k-tiles"):
         _configs.resolve_config(_shape(), BlockConfig(block_k=128, split_k=5))
+
+
+# ---- the shipped tables ---------------------------------------------------------------------
+
+
+def _shipped():
+    folder = resources.files("wna16_jax").joinpath(_configs.TUNED_DIR)
+    files = sorted(f for f in folder.iterdir() if f.name.endswith(".json"))
+    assert files, "no tuned table is shipped"
+    return [(f.name, json.loads(f.read_text())) for f in files]
+
+
+def test_shipped_tables_are_valid():
+    """Each file is named after its device; each entry names its problem, M and a config of
+    its table's class, and (GEMM table) passes the validity rules for its shape; no problem
+    has two entries at one M."""
+    for name, data in _shipped():
+        assert name == _configs.device_file_name(data["device"])
+        assert set(data["tables"]) <= set(_configs.TABLE_CONFIGS), name
+        for table, body in data["tables"].items():
+            assert body["about"] and body["entries"], (name, table)
+            seen = set()
+            for entry in body["entries"]:
+                key = (tuple(sorted(entry["problem"].items())), entry["M"])
+                assert key not in seen, (name, table, key)
+                seen.add(key)
+                cfg = _configs.TABLE_CONFIGS[table](**entry["config"])
+                if table == "pallas":
+                    p = entry["problem"]
+                    g = p["K"] if p["group_size"] == -1 else p["group_size"]
+                    shape = GemmShape(
+                        m=entry["M"], n=p["N"], k=p["K"], num_experts=p["E"], bits=p["bits"],
+                        group=g, group_size=p["group_size"],
+                    )  # fmt: skip
+                    assert _configs.config_problems(cfg, shape) == [], (name, entry)
+
+
+def test_examples_tune_writes_what_the_lookup_reads(tmp_path, monkeypatch):
+    """examples/tune.py's table writer (merge_table) produces the format tuned_entries reads,
+    and a second write replaces an entry of the same problem and M."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "tune.py"
+    spec = importlib.util.spec_from_file_location("tune_for_test", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    out = tmp_path / _configs.TUNED_DIR / _configs.device_file_name(DEVICE)
+    out.parent.mkdir(parents=True)
+    first = _entry(16, block_m=16, block_n=64, block_k=128) | {"microseconds": 5.0}
+    second = _entry(16, block_m=32, block_n=64, block_k=128) | {"microseconds": 4.0}
+    layer = _entry(8, dict(E=8, H=256, I=128, bits=4, group=64), block_m=8, block_halvings=1)
+    tune.merge_table(str(out), DEVICE, "pallas", [first], about="test")
+    tune.merge_table(str(out), DEVICE, "mgpu", [layer], about="test")
+    tune.merge_table(str(out), DEVICE, "pallas", [second], about="test")
+    monkeypatch.setattr(_configs, "resources", types.SimpleNamespace(files=lambda pkg: tmp_path))
+    _configs.tuned_entries.cache_clear()
+    try:
+        assert _configs.lookup_tuned("pallas", PROBLEM, 16, DEVICE) == BlockConfig(
+            block_m=32, block_n=64, block_k=128
+        )
+        assert len(_configs.tuned_entries(DEVICE, "pallas")) == 1
+        assert _configs.lookup_tuned("mgpu", layer["problem"], 1, DEVICE) == MgpuConfig(
+            block_m=8, block_halvings=1
+        )
+    finally:
+        _configs.tuned_entries.cache_clear()

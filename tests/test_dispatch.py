@@ -1,8 +1,11 @@
-"""Tests of backend selection: automatic choice, its log line, explicit names and fall-through."""
+"""Tests of backend selection: automatic choice, its log line, explicit names and fall-through,
+for fused_moe, moe_align_block_size and the grouped GEMM; the public grouped GEMM and
+preferred_layout."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from importlib import resources
@@ -14,7 +17,8 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
-from wna16_jax import _dispatch, _measured_order
+from wna16_jax import _backend_order, _dispatch
+from wna16_jax import _configs as wj_configs
 
 
 @pytest.fixture
@@ -256,7 +260,7 @@ def test_select_implementation_names_the_backend_without_running(rng):
         wj.select_implementation(x, w13, w2, jax.ShapeDtypeStruct((t, 1), jnp.float32), ids)
 
 
-# ---- the measured order (wna16_jax/_measured_order.py, data/backends/*.json) -----------------
+# ---- the measured order (wna16_jax/_backend_order.py, data/backend_order/*.json) ------------
 
 
 def _dsv3_tp1(**changes) -> _dispatch.MoEProblem:
@@ -312,7 +316,7 @@ def test_shipped_measured_order_files_are_valid():
     in which its first backend is the faster one at every measured T it covers."""
     fields = {f.name for f in dataclasses.fields(_dispatch.MoEProblem)}
     registered = set(_dispatch.registered_backends())
-    folder = resources.files("wna16_jax").joinpath(_measured_order.BACKENDS_DIR)
+    folder = resources.files("wna16_jax").joinpath(_backend_order.BACKEND_ORDER_DIR)
     files = [f for f in folder.iterdir() if f.name.endswith(".json")]
     assert files
     for f in files:
@@ -348,3 +352,162 @@ def test_selection_refuses_a_layout_the_backend_does_not_read(register):
         _dispatch.select_backend(kernel_layout, "fake_canonical")
     assert _dispatch.select_backend(kernel_layout, "xla").name == "xla"
     assert _dispatch.select_backend(_moe_problem(), "fake_canonical").name == "fake_canonical"
+
+
+# ---- the grouped GEMM (Backend.grouped_matmul, wj.grouped_matmul, wj.gemm_config) -----------
+
+
+def _gemm_inputs(rng, *, e=4, n=64, k=256, t=5, top_k=2, group=128, dtype=jnp.bfloat16):
+    """A GEMM whose k-tiles lie inside one group: exact products in every backend (a k-tile
+    spanning groups rounds (q - z) * s to bf16 in the Pallas GEMM: tests/test_wna16_gemm.py)."""
+    w = helpers.random_quantized_experts(rng, e, n, k, 4, group, True, dtype)
+    a = jnp.asarray(rng.normal(size=(t, k)), dtype)
+    _, ids = helpers.random_routing(rng, t, top_k, e)
+    return a, w, jnp.asarray(ids)
+
+
+def _gemm_problem(**changes) -> _dispatch.GemmProblem:
+    shape = wj_configs.GemmShape(m=8, n=64, k=128, num_experts=4, bits=4, group=64, group_size=64)
+    base = dict(platform="cpu", shape=shape, dtype="bfloat16", has_zeros=True)
+    return _dispatch.GemmProblem(**(base | changes))
+
+
+def test_grouped_matmul_selection_on_cpu_logs_once(rng, caplog, fresh_log):
+    if _dispatch.current_platform() != "cpu":
+        pytest.skip(f"checks the CPU priority list; platform is {_dispatch.current_platform()}")
+    caplog.set_level(logging.INFO, logger="wna16_jax")
+    assert _dispatch.select_backend(_gemm_problem(), None).name == "xla"
+    _dispatch.select_backend(_gemm_problem(), None)
+    assert _records(caplog) == ["wna16_jax: grouped_matmul uses 'xla' (candidates: xla)"]
+
+
+def test_grouped_matmul_refuses_backends_without_one(register):
+    """A backend without a grouped GEMM (e.g. 'mgpu', whose GEMM takes rows in block order) is
+    refused with that reason; the compiled kernels need a GPU; the interpreters run."""
+    register(_fake("fake_no_gemm", None))
+    with pytest.raises(NotImplementedError, match="has no grouped GEMM"):
+        _dispatch.select_backend(_gemm_problem(), "fake_no_gemm")
+    with pytest.raises(NotImplementedError, match="has no grouped GEMM"):
+        _dispatch.select_backend(_gemm_problem(), "mgpu_interpret")
+    if _dispatch.current_platform() == "cpu":
+        with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
+            _dispatch.select_backend(_gemm_problem(), "pallas")
+    assert _dispatch.select_backend(_gemm_problem(), "pallas_interpret").name == (
+        "pallas_interpret"
+    )
+    # A kernel layout the backend does not read is refused as fused_moe's is.
+    with pytest.raises(NotImplementedError, match="'mgpu_int4' layout"):
+        _dispatch.select_backend(_gemm_problem(layout="mgpu_int4"), "pallas_interpret")
+
+
+def test_grouped_matmul_shape_reasons():
+    """The Pallas GEMM refuses shapes no config tiles (quoting the heuristic's problems) and
+    activation dtypes it does not take."""
+    gemm = _dispatch.get_backend("pallas_interpret").grouped_matmul
+    assert gemm.unsupported_reason(_gemm_problem()) is None
+    odd = _gemm_problem(shape=dataclasses.replace(_gemm_problem().shape, n=24))
+    assert "no block config fits" in gemm.unsupported_reason(odd)
+    assert "int8" in gemm.unsupported_reason(_gemm_problem(dtype="int8"))
+
+
+@pytest.mark.parametrize("implementation", ["pallas_interpret", "xla"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_public_grouped_matmul_matches_numpy(rng, implementation, activation):
+    """wj.grouped_matmul on a routing from wj.moe_align_block_size at the config
+    wj.gemm_config gives, with routed weights; with activation, silu(gate) * up times them."""
+    a, w, ids = _gemm_inputs(rng)
+    t, top_k = ids.shape
+    cfg = wj.gemm_config(w, t * top_k, implementation=implementation)
+    routing = wj.moe_align_block_size(ids, num_experts=4, block_m=cfg.block_m, implementation="xla")
+    rw = jnp.asarray(rng.uniform(0.5, 1.5, size=t * top_k), jnp.float32)
+    out = wj.grouped_matmul(
+        a, w, routing, rw, top_k=top_k, implementation=implementation, out_dtype=jnp.float32,
+        activation=activation,
+    )  # fmt: skip
+    wd = helpers.numpy_dequantize(w)  # [E, N, K] float64
+    rows = np.asarray(a, np.float64)[np.arange(t * top_k) // top_k]
+    ref = np.einsum("sk,snk->sn", rows, wd[np.asarray(ids).reshape(-1)])
+    if activation == "silu":
+        gate, up = ref[:, :32], ref[:, 32:]
+        ref = gate / (1 + np.exp(-gate)) * up
+    ref = ref * np.asarray(rw, np.float64)[:, None]  # after the activation
+    assert out.shape == ref.shape and out.dtype == jnp.float32
+    helpers.assert_close(out, ref, jnp.bfloat16, f"{implementation} grouped_matmul")
+
+
+def test_public_grouped_matmul_errors(rng):
+    a, w, ids = _gemm_inputs(rng)
+    routing = wj.moe_align_block_size(ids, num_experts=4, block_m=16, implementation="xla")
+    run = functools.partial(wj.grouped_matmul, a, w, routing, top_k=2)
+    with pytest.raises(ValueError, match="aligned with block_m=16 but the config has block_m=32"):
+        run(config=wj.BlockConfig(block_m=32, block_k=64, unpack="tile"), implementation="xla")
+    with pytest.raises(ValueError, match="split_k=3 does not divide"):
+        run(config=wj.BlockConfig(block_k=64, split_k=3, unpack="tile"),
+            implementation="pallas_interpret")  # fmt: skip
+    with pytest.raises(ValueError, match="a has K=64 input features but w has K=256"):
+        wj.grouped_matmul(a[:, :64], w, routing, top_k=2)
+    with pytest.raises(ValueError, match=r"routed_weights must be \[R \* top_k\] = \[10\]"):
+        run(jnp.ones(3), implementation="xla")
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        run(activation="gelu")
+    with pytest.raises(ValueError, match="unknown implementation 'nope'"):
+        run(implementation="nope")
+
+
+def test_gemm_config_is_the_backends(rng, monkeypatch):
+    """wj.gemm_config: the caller's config checked, else the backend's resolution (the
+    tuned table, then the heuristic); the Triton GEMM's never "fma"."""
+    _, w, _ = _gemm_inputs(rng, e=256, n=512, k=512, group=128)
+    shape = wj_configs.GemmShape.of_weights(w, m=8)
+    want = wj_configs.resolve_config(shape, None)[0]
+    assert wj.gemm_config(w, 8, implementation="pallas_interpret") == want
+    assert want.dot == "fma"  # decode: 8 slots over 256 experts
+    triton = _dispatch.get_backend("triton").grouped_matmul
+    cfg, source = triton.config(shape, None)
+    assert cfg.dot == "mma" and source == "heuristic"
+    with pytest.raises(ValueError, match="split_k=3"):
+        wj.gemm_config(w, 8, implementation="pallas_interpret",
+                       config=wj.BlockConfig(split_k=3))  # fmt: skip
+    pytest.importorskip("triton", reason="the Triton GEMM's own rules import triton")
+    with pytest.raises(ValueError, match="the Triton GEMM runs tensor-core dots only"):
+        triton.config(shape, want)
+
+
+# ---- preferred_layout -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bits,group_size,dtype,want",
+    [
+        (4, 64, jnp.bfloat16, "mgpu_int4"),
+        (4, 128, jnp.bfloat16, "mgpu_int4"),
+        (4, 32, jnp.bfloat16, "canonical"),  # the k-tile (64) does not divide the group
+        (4, 64, jnp.float16, "canonical"),
+        (8, 64, jnp.bfloat16, "canonical"),
+    ],
+    ids=str,
+)
+def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
+    """mgpu_int4 exactly where its backend takes the experts (the interpreter stands in for
+    'mgpu', which needs an sm_90 GPU), canonical elsewhere."""
+    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, group_size, True, jnp.bfloat16)
+    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, group_size, True, jnp.bfloat16)
+    if _dispatch.current_platform() != "gpu":
+        assert wj.preferred_layout(w13, w2, dtype=dtype) == "canonical"
+    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", (("mgpu_int4", "mgpu_interpret"),))
+    assert wj.preferred_layout(w13, w2, dtype=dtype) == want
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        wj.preferred_layout(w13, w2, dtype=dtype, activation="gelu")
+
+
+@pytest.mark.gpu
+def test_preferred_layout_on_this_gpu(rng):
+    """On an sm_90 GPU the preferred layout of int4 bf16 experts is mgpu_int4 (the 'mgpu'
+    backend runs them); on other GPUs canonical."""
+    if _dispatch.current_platform() != "gpu":
+        pytest.skip("needs a GPU")
+    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, True, jnp.bfloat16)
+    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, 4, 128, True, jnp.bfloat16)
+    sm90 = str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+    want = "mgpu_int4" if sm90 else "canonical"
+    assert wj.preferred_layout(w13, w2, dtype=jnp.bfloat16) == want

@@ -111,9 +111,9 @@ def random_qw(seed, *, bits, group_size, n, k, has_zeros, dtype):
     q = rng.integers(0, 1 << bits, (1, n, k))
     z = rng.integers(0, 1 << bits, (1, n, g)) if has_zeros else None
     return wj.QuantizedExperts(
-        qweight=pack_k(q, bits),
+        qweight=jnp.asarray(pack_k(q, bits)),
         scales=jnp.asarray(random_scales(rng, (1, n, g), dtype)),
-        zeros=None if z is None else pack_zeros(z, bits),
+        zeros=None if z is None else jnp.asarray(pack_zeros(z, bits)),
         bits=bits,
         group_size=group_size,
     )
@@ -763,11 +763,11 @@ def test_stack(rng):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(bits=8), "layers\\[2\\] has bits=8, layers\\[0\\] has bits=4"),
-        (dict(group_size=64), "layers\\[2\\] has group_size=64"),
-        (dict(n=24), r"layers\[2\] has \(N, K\)=\(24, 64\)"),
-        (dict(has_zeros=False), r"layers\[2\] has has_zeros=False"),
-        (dict(dtype=np.float32), r"layers\[2\] has scales dtype=float32"),
+        (dict(bits=8), r"parts\[2\] has bits=8, parts\[0\] has bits=4"),
+        (dict(group_size=64), r"parts\[2\] has group_size=64"),
+        (dict(n=24), r"parts\[2\] has \(N, K\)=\(24, 64\)"),
+        (dict(has_zeros=False), r"parts\[2\] has has_zeros=False"),
+        (dict(dtype=np.float32), r"parts\[2\] has scales dtype=float32"),
     ],
 )
 def test_stack_errors(change, match):
@@ -778,5 +778,5 @@ def test_stack_errors(change, match):
 
 
 def test_stack_empty():
-    with pytest.raises(ValueError, match="at least one layer"):
+    with pytest.raises(ValueError, match="at least one part"):
         formats.stack([])

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.triton import _dequant
 from pallas_kernels.triton._common import slice_major, slice_major_columns
 from pallas_kernels.triton.wna16_gemm import scales_per_group, wna16_gemm
-from wna16_jax import _reference
+from wna16_jax import _activations, _reference
 from wna16_jax._types import BlockConfig
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -117,7 +117,7 @@ def test_gated_gemm_is_silu_gate_times_up(rng, bits, group, has_zp, dtype, block
         interpret=INTERPRET,
         activation="silu",
     )
-    ref = _reference.silu_and_mul(_ref_gemm(x, w13, routing, top_k=top_k))
+    ref = _activations.silu_and_mul(_ref_gemm(x, w13, routing, top_k=top_k))
     assert out.shape == (t * top_k, i)
     # The gate and up sums carry the plain GEMM's error (1e-5 in one group, ~u/2 across
     # groups); silu(g) * u keeps its relative size.

@@ -2,7 +2,7 @@
 
 The Pallas path (interpreted on CPU, compiled on a GPU) and the xla path against a float64
 numpy product on the same dequantized weights; shapes (leading dims, rows not a multiple of
-block_m, no rows), the identity routing, and the errors.
+block_m, no rows), the identity routing, the backend selection, and the errors.
 """
 
 from __future__ import annotations
@@ -62,19 +62,35 @@ def test_identity_routing():
 
 def test_default_is_xla_off_gpu(rng):
     w = helpers.random_quantized_experts(rng, 1, 64, 128, 4, 128, True, jnp.bfloat16)
-    assert linear.default_implementation(w) == ("pallas" if ON_GPU else "xla")
+    assert linear.select_implementation(w) == ("pallas" if ON_GPU else "xla")
+
+
+def test_names_are_tried_in_order(rng):
+    """The selection of fused_moe: names tried in order, the first that runs this weight; a
+    shape the kernel cannot tile (N=24: no block_n >= 16 divides it) falls through to 'xla'."""
+    w = helpers.random_quantized_experts(rng, 1, 64, 128, 4, 128, True, jnp.bfloat16)
+    odd = helpers.random_quantized_experts(rng, 1, 24, 128, 4, 128, True, jnp.bfloat16)
+    both = [KERNEL, "xla"]  # a list: made hashable for the jitted call
+    assert linear.select_implementation(w, implementation=both) == KERNEL
+    assert linear.select_implementation(odd, implementation=both) == "xla"
+    x = jnp.asarray(rng.normal(size=(3, 128)), jnp.bfloat16)
+    out = linear.quantized_matmul(x, odd, implementation=both)
+    helpers.assert_close(out, numpy_linear(x, odd), jnp.bfloat16, "fallen-through linear")
+    with pytest.raises(NotImplementedError, match="no block config fits"):
+        linear.quantized_matmul(x, odd, implementation=KERNEL)
 
 
 @pytest.mark.parametrize(
-    "e, k_x, implementation, message",
+    "e, k_x, implementation, error, message",
     [
-        (2, 128, "xla", r"a quantized linear weight is \[1, N, K\]"),
-        (1, 64, "xla", "x has 64 input features, the weight K=128"),
-        (1, 128, "triton", "implementation='triton' is not one of"),
+        (2, 128, "xla", ValueError, r"a quantized linear weight is \[1, N, K\]"),
+        (1, 64, "xla", ValueError, "x has 64 input features, the weight K=128"),
+        (1, 128, "no_such", ValueError, "unknown implementation 'no_such'"),
+        (1, 128, "mgpu_interpret", NotImplementedError, "has no grouped GEMM"),
     ],
 )
-def test_errors(rng, e, k_x, implementation, message):
+def test_errors(rng, e, k_x, implementation, error, message):
     w = helpers.random_quantized_experts(rng, e, 64, 128, 4, 128, True, jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(2, k_x)), jnp.bfloat16)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         linear.quantized_matmul(x, w, implementation=implementation)

@@ -24,8 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from backend_cases import FusedMoeCases, MoeCase
 
-from wna16_jax import _types
+from wna16_jax import _configs as wj_configs
+from wna16_jax import _pipeline, _types
 from wna16_jax._types import QuantizedExperts
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -73,13 +75,11 @@ def bf16_rounded(w_deq):
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
     stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
-    weight_row_nibbles=None,
 ):  # fmt: skip
     qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
     w = prepare_weights(qw)
-    rows = {} if weight_row_nibbles is None else dict(weight_row_nibbles=weight_row_nibbles)
     out = mgpu_wna16_gemm(
         x_rows,
         w,
@@ -92,7 +92,6 @@ def run_gemm_case(
         gated=gated,
         tiles_per_program=tiles_per_program,
         bf16_weights=bf16_weights,
-        **rows,
         max_concurrent_steps=stages,
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
@@ -235,33 +234,18 @@ def test_gemm_bf16_weights(rng, has_zp, block_m, block_k, block_n, consumers, ga
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-@pytest.mark.parametrize("consumers,splits", [(0, 1), (2, 2)], ids=str)
-def test_gemm_steps_wider_than_one_copy_box(rng, has_zp, consumers, splits):
-    """512-wide k-steps (four groups of 128): each step's weights arrive as two copies of 256
-    k-rows (a TMA box holds at most 256 along a dimension); each group has its own sum."""
-    run_gemm_case(
-        rng, e=3, n=128, k=2048, group_size=128, has_zp=has_zp, block_m=8, block_k=512,
-        blocks=[1, -1, 0, 2], consumers=consumers, splits=splits,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
-    "row_nibbles,block_k,block_n,consumers,gated,tiles",
-    [(64, 128, 64, 0, False, 1), (64, 512, 64, 0, True, 1), (128, 256, 128, 0, False, 2),
-     (128, 128, 64, 2, True, 1), (256, 512, 64, 2, True, 1), (256, 64, 64, 0, False, 1)],
+    "block_k,consumers,splits,gated",
+    [(512, 0, 1, False), (512, 2, 2, False), (1024, 0, 1, True), (1024, 2, 1, False)],
     ids=str,
 )  # fmt: skip
-def test_gemm_weight_row_widths(rng, has_zp, row_nibbles, block_k, block_n, consumers, gated,
-                                tiles):  # fmt: skip
-    """The int4 tiles copied in TMA rows of 64 nibbles (a tile's row; 512-wide k-steps in two
-    boxes of 256 rows), 128 or 256 (the default; here at k-steps of 512 and of 64), with
-    k-steps of one to four groups, wide warpgroups, the gated GEMM, warp specialization and
-    runs of tiles."""
+def test_gemm_wide_steps(rng, has_zp, block_k, consumers, splits, gated):
+    """k-steps of four and eight groups of 128 (1024 inputs: 256 TMA rows of the weight tiles,
+    the most a copy takes), each group with its own sum; K splits, the gated epilogue."""
     run_gemm_case(
-        rng, e=3, n=256, k=1024, group_size=128, has_zp=has_zp, block_m=8, block_k=block_k,
-        blocks=[1, -1, 0, 2], consumers=consumers, block_n=block_n, gated=gated,
-        tiles_per_program=tiles, stages=3, weight_row_nibbles=row_nibbles,
+        rng, e=3, n=128 * max(consumers, 1) * (2 if gated else 1), k=2048, group_size=128,
+        has_zp=has_zp, block_m=8, block_k=block_k, blocks=[1, -1, 0, 2], consumers=consumers,
+        splits=splits, gated=gated, stages=2,
     )  # fmt: skip
 
 
@@ -307,11 +291,33 @@ def test_gemm_deepseek_v3_wide_warpgroups(rng, has_zp, block_m, block_n, consume
 IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
 # INTERPRETER_DISPATCH: a test blocks on an interpreted kernel's result before it dispatches
 # another computation. The Mosaic GPU interpreter's callbacks run jax operations themselves (jax
-# 0.11.2: `len(pending) > n` on an array n in its wait_smem_to_gmem), and one queued behind a
-# computation the main thread dispatched meanwhile never ran: two one-token chunks dispatched
-# back to back hung in 1 of 7 runs (session 14, faulthandler: the callback in
-# wait_smem_to_gmem, the main thread in the next chunk's dispatch); blocking in between, 20 of
-# 20 passed.
+# 0.11.2: its wait_smem_to_gmem compares a count with an array), and one queued behind a
+# computation the main thread dispatched meanwhile may never run: two one-token chunks
+# dispatched back to back hung now and then; blocking in between, never.
+
+
+# The fused_moe checks of every backend (tests/backend_cases.py): int4 bf16 weights in the
+# mgpu_int4 layout, silu; tiny problems (the interpreter is slow).
+MGPU_CASES = (
+    MoeCase(1, 8, 2, 128, 128),  # one token: a block per slot, no alignment kernel
+    MoeCase(7, 8, 3, 128, 64, has_zp=False),
+    MoeCase(13, 16, 2, 128, 128, group_size=128, distinct=False),
+)
+
+
+class TestMgpuInterpreted(FusedMoeCases):
+    IMPLEMENTATION = "mgpu_interpret"
+    BACKEND_FUSED_MOE = staticmethod(functools.partial(mgpu_fused_moe.fused_moe, interpret=True))
+    LAYOUT = "mgpu_int4"
+    BITS = (4,)
+    DTYPES = ("bfloat16",)
+    CASES = MGPU_CASES
+
+
+@pytest.mark.gpu
+class TestMgpuCompiled(TestMgpuInterpreted):
+    IMPLEMENTATION = "mgpu"
+    BACKEND_FUSED_MOE = staticmethod(mgpu_fused_moe.fused_moe)
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
@@ -321,18 +327,16 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
         (1, wj.BlockConfig(block_m=8, block_k=64)),
         (5, wj.BlockConfig(block_m=16, block_k=64)),
         (9, None),
-        (7, MgpuConfig(block_m=8, block_k=64, consumers=2, splits=2)),
-        (3, MgpuConfig(block_m=16, block_k=64, stages=2, consumers=1, splits=4)),
+        (7, MgpuConfig(block_m=8, block_k=64, consumers=2)),
+        (3, MgpuConfig(block_m=16, block_k=64, stages=2, consumers=1)),
         (6, MgpuConfig(block_m=8, block_k=64, consumers=2, stages=6)),
         (11, MgpuConfig(block_m=8, block_k=64, block_n=128)),  # GEMM2's N is 128: not fused
-        (5, MgpuConfig(block_m=16, block_k=64, fuse_activation=False)),
         (10, MgpuConfig(block_m=8, block_k=64, stages=3, down_block_n=128, down_stages=2)),
-        (12, MgpuConfig(block_m=8, block_k=64, stages=2, down_block_n=128)),  # session 23's lead
+        (12, MgpuConfig(block_m=8, block_k=64, stages=2, down_block_n=128)),
         (4, MgpuConfig(block_m=8, block_k=128, consumers=2, block_n=128)),  # falls back to 64
-        (9, MgpuConfig(block_m=8, block_k=64, stages=3, down_tiles_per_program=4)),  # GEMM2: 2
-        (40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1)),  # ~10 rows per expert
-        (13, MgpuConfig(block_m=32, block_k=64, consumers=2, narrow_blocks=1)),
-        (30, MgpuConfig(block_m=32, block_k=64, narrow_blocks=3)),  # 32, 16 or 8 rows
+        (40, MgpuConfig(block_m=16, block_k=64, block_halvings=1)),  # ~10 rows per expert
+        (13, MgpuConfig(block_m=32, block_k=64, consumers=2, block_halvings=1)),
+        (30, MgpuConfig(block_m=32, block_k=64, block_halvings=3)),  # 32, 16 or 8 rows
     ],
     ids=str,
 )
@@ -342,55 +346,22 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
 
 @pytest.mark.parametrize(
     "t,config",
-    [(40, MgpuConfig(block_m=16, block_k=64, consumers=2, narrow_blocks=1,
-                     down_tiles_per_program=1, bf16_weights=True)),
-     (7, MgpuConfig(block_m=8, block_k=64, consumers=1, splits=1, down_tiles_per_program=1,
-                    bf16_weights=True)),
-     (9, MgpuConfig(block_m=16, block_k=64, consumers=2, splits=2, down_tiles_per_program=1,
-                    bf16_weights=True)),
-     # the M=4096 default (128-row blocks narrowed to 16; GEMM2 falls back to 64 features)
+    [(40, MgpuConfig(block_m=16, block_k=64, consumers=2, block_halvings=1, bf16_weights=True)),
+     (9, MgpuConfig(block_m=16, block_k=64, consumers=2, bf16_weights=True)),
+     # the M=4096 default (128-row blocks halved to 16; GEMM2 falls back to 64 features)
      (40, default_config(4096 * 8, 256, 128))],
     ids=str,
 )  # fmt: skip
 def test_fused_moe_on_bf16_weights(rng, t, config):
-    """bf16_weights: both GEMMs on weights rounded to bf16 (the oracle's too), with narrowed
-    blocks, one consumer, K splits (GEMM1 unfused)."""
+    """bf16_weights: both GEMMs on weights rounded to bf16 (the oracle's too), with halved
+    blocks."""
     for n, k, act in ((128, 128, BF16), (128, 64, None)):  # run_layer_case's w13, w2
         w = prepare_weights(helpers.random_quantized_experts(rng, 8, n, k, 4, 64, True, BF16))
         assert mgpu_config.gemm_plan(config, w, 4, act)[3]["bf16_weights"]
     run_layer_case(rng, True, t, config, bf16_weights=True)
 
 
-@pytest.mark.parametrize(
-    "t,config",
-    [(40, MgpuConfig(block_m=16, block_k=64, narrow_blocks=1, bf16_down_rows=True)),
-     (1, MgpuConfig(block_m=8, block_k=64, bf16_down_rows=True)),
-     (6, MgpuConfig(block_m=8, block_k=64, splits=2, bf16_down_rows=True))],
-    ids=str,
-)  # fmt: skip
-def test_bf16_down_rows_match_their_contract(rng, t, config):
-    """bf16_down_rows: GEMM2's rows rounded to bf16 before the top-k sum (the oracle rounds them
-    too: a third rounding, which cancellation can amplify beyond the tolerance of an oracle
-    without it), with blocks narrowed, one token's blocks, and an unfused K-split GEMM1 (a
-    K-split GEMM2's partials stay f32: test_gemm_plan_is_the_layers_gemms). With an f32 output
-    the rows stay f32: bitwise the layer without the option."""
-    run_layer_case(rng, True, t, config, rows_dtype=BF16)
-    assert mgpu_fused_moe.down_rows_dtype(config, BF16, None) == BF16
-    assert mgpu_fused_moe.down_rows_dtype(config, BF16, jnp.float32) == jnp.float32
-    plain = dataclasses.replace(config, bf16_down_rows=False)
-    assert mgpu_fused_moe.down_rows_dtype(plain, BF16, None) == jnp.float32
-    e, top_k, h, i = 8, 2, 128, 64
-    w13 = prepare_weights(helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16))
-    w2 = prepare_weights(helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16))
-    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
-    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
-    run = functools.partial(
-        mgpu_fused_moe.fused_moe, x, w13, w2, tw, ids, out_dtype=jnp.float32, interpret=INTERPRET
-    )
-    np.testing.assert_array_equal(np.asarray(run(config=config)), np.asarray(run(config=plain)))
-
-
-def run_layer_case(rng, has_zp, t, config, rows_dtype=None, bf16_weights=False):
+def run_layer_case(rng, has_zp, t, config, bf16_weights=False):
     e, top_k, h, i = 8, 2, 128, 64
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
@@ -418,128 +389,16 @@ def run_layer_case(rng, has_zp, t, config, rows_dtype=None, bf16_weights=False):
         np.asarray(topk_weights, np.float64),
         np.asarray(topk_ids),
         activation_dtype=BF16,  # the layer's contract: GEMM2 reads a bf16 activation
-        rows_dtype=rows_dtype,
     )
     # Two GEMMs, the bf16 activation between them and the bf16 output: the layer tolerance.
     helpers.assert_close(out, ref, BF16, "fused_moe")
 
 
-@pytest.mark.parametrize("routing", ["uniform", "one_prompt"])
-def test_fused_moe_picks_blocks_by_routing(rng, monkeypatch, routing):
-    """With config=ByRouting() the layer picks its block size from the routing at run time
-    (an XLA conditional): 16-row blocks for spread rows, 32-row blocks when every token picks
-    the same experts (a batch of one prompt); both match numpy. Without a config it runs the
-    default for the token count and has no conditional."""
-    e, top_k, t, h, i = 16, 2, 64, 128, 64
-    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
-    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
-    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
-    topk_weights, topk_ids = helpers.random_routing(rng, t, top_k, e)
-    if routing == "one_prompt":
-        topk_ids = np.ascontiguousarray(np.broadcast_to(topk_ids[:1], topk_ids.shape))
-    configs = mgpu_fused_moe.routed_configs(t, top_k, e, 64)
-    assert [c.block_m for c in configs] == [16, 32]
-    picked = configs[int(mgpu_fused_moe.pick_config(jnp.asarray(topk_ids), e, configs))]
-    assert picked.block_m == (16 if routing == "uniform" else 32)
-    args = (x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
-            jnp.asarray(topk_ids))  # fmt: skip
-    by_routing = functools.partial(
-        wj.fused_moe, implementation=IMPLEMENTATION, config=mgpu_fused_moe.ByRouting()
-    )
-    default = functools.partial(wj.fused_moe, implementation=IMPLEMENTATION)
-    choices = []  # the choices at run time each trace makes
-    jax.clear_caches()  # trace again (another case of this test may have traced the same call)
-    pick = mgpu_fused_moe.pick_config
-    monkeypatch.setattr(mgpu_fused_moe, "pick_config", lambda *a: choices.append(a) or pick(*a))
-    jax.eval_shape(default, *args)
-    assert not choices
-    out = by_routing(*args)
-    assert len(choices) == 1
-    ref = helpers.numpy_fused_moe(
-        np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
-        np.asarray(topk_weights, np.float64), topk_ids, activation_dtype=BF16,
-    )  # fmt: skip
-    helpers.assert_close(out, ref, BF16, f"fused_moe, {routing} routing")
-
-
-def test_xla_backend_takes_by_routing(rng):
-    """ByRouting() reaching the 'xla' backend (e.g. after 'mgpu' in an implementation list) is
-    the mgpu backend's own config: xla runs as without a config, bit for bit."""
-    e, top_k, t, h, i = 8, 2, 5, 128, 64
-    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
-    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
-    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
-    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
-    run = functools.partial(wj.fused_moe, x, w13, w2, tw, ids, implementation="xla")
-    np.testing.assert_array_equal(
-        np.asarray(run(config=mgpu_fused_moe.ByRouting()), np.float32),
-        np.asarray(run(), np.float32),
-    )
-
-
-@pytest.mark.parametrize(
-    "m,routing,block_m",
-    [(1, "uniform", 8), (16, "uniform", 8), (16, "one_prompt", 8), (64, "uniform", 8),
-     (64, "one_prompt", 32), (256, "uniform", 16), (256, "one_prompt", 32),
-     (1536, "uniform", 64), (2048, "uniform", 128), (4096, "uniform", 128)],
-)  # fmt: skip
-def test_routed_block_m_on_deepseek_v3(rng, m, routing, block_m):
-    """DeepSeek-V3 (E=256, top-8, G=128): the block size picked per routing."""
-    _, ids = helpers.random_routing(rng, m, 8, 256)
-    if routing == "one_prompt":
-        ids = np.broadcast_to(ids[:1], ids.shape)
-    configs = mgpu_fused_moe.routed_configs(m, 8, 256, 128)
-    assert configs[0] == default_config(m * 8, 256, 128)
-    picked = configs[int(mgpu_fused_moe.pick_config(jnp.asarray(ids), 256, configs))]
-    assert picked.block_m == block_m
-
-
-def test_fused_moe_chunks_match_one_chunk(rng):
-    """Token chunks (the last one padded with dropped slots) give the one-chunk output: each
-    row's sums do not depend on which other rows share its chunk."""
-    e, top_k, t, h, i = 8, 2, 9, 128, 64
-    w13 = prepare_weights(helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16))
-    w2 = prepare_weights(helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16))
-    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
-    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
-    run = functools.partial(mgpu_fused_moe.fused_moe, interpret=INTERPRET)
-    whole = jax.block_until_ready(run(x, w13, w2, tw, ids))  # INTERPRETER_DISPATCH
-    chunked = run(x, w13, w2, tw, ids, chunk_tokens=4)
-    np.testing.assert_array_equal(np.asarray(chunked, np.float32), np.asarray(whole, np.float32))
-
-
-def test_fused_moe_expert_map_and_dropped_slots(rng):
-    """An expert shard (expert_map, off-shard blocks give zeros) and out-of-range ids (dropped)
-    match numpy, as the other backends do."""
-    e_global, e_local, top_k, t, h, i = 8, 4, 3, 6, 128, 64
-    w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
-    w2 = helpers.random_quantized_experts(rng, e_local, h, i, 4, 64, True, BF16)
-    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
-    topk_weights, topk_ids = helpers.random_routing(rng, t, top_k, e_global)
-    topk_ids[0, 1] = e_global + 3  # out of range: dropped
-    expert_map = np.full(e_global, -1, np.int32)
-    expert_map[[1, 2, 5, 7]] = np.arange(e_local)
-    out = wj.fused_moe(
-        x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(topk_weights),
-        jnp.asarray(topk_ids), expert_map=jnp.asarray(expert_map), implementation=IMPLEMENTATION,
-    )  # fmt: skip
-    ref = helpers.numpy_fused_moe(
-        np.asarray(x, np.float64), helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2),
-        np.asarray(topk_weights, np.float64), topk_ids, expert_map=expert_map,
-        activation_dtype=BF16,
-    )  # fmt: skip
-    helpers.assert_close(out, ref, BF16, "fused_moe with expert_map")
-
-
-@pytest.mark.parametrize("direct_token", [False, True], ids=["rows_built", "direct_token"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["all_experts", "expert_map"])
-def test_one_token_blocks_match_the_aligned_blocks(rng, sharded, direct_token):
+def test_one_token_blocks_match_the_aligned_blocks(rng, sharded):
     """A chunk of one token runs a block per slot without the alignment kernel
     (`one_token_blocks`): the same output, bit for bit, as the aligned blocks, and numpy's, also
-    with an out-of-range id (dropped) and an expert shard (off-shard slots give nothing). With
-    direct_token, GEMM1 multiplies the token's row itself in every block (one_row_tile) and,
-    without an expert_map, takes the router's ids (the out-of-range one included) as block
-    experts."""
+    with an out-of-range id (dropped) and an expert shard (off-shard slots give nothing)."""
     e_global, top_k, h, i = 8, 3, 128, 64
     e_local = 4 if sharded else e_global
     w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
@@ -553,14 +412,17 @@ def test_one_token_blocks_match_the_aligned_blocks(rng, sharded, direct_token):
         others = [v for v in range(e_global) if v not in (topk_ids[0, 0], topk_ids[0, 2])]
         expert_map = np.full(e_global, -1, np.int32)
         expert_map[[topk_ids[0, 0], *others[:3]]] = np.arange(e_local)
-    chunk = functools.partial(
-        mgpu_fused_moe._chunk, x, topk_weights=jnp.asarray(topk_weights),
-        topk_ids=jnp.asarray(topk_ids), w13=prepare_weights(w13), w2=prepare_weights(w2),
-        expert_map=None if expert_map is None else jnp.asarray(expert_map),
-        cfg=dataclasses.replace(default_config(top_k, e_global, 64), direct_token=direct_token),
-        interpret=INTERPRET,
-    )  # fmt: skip
-    direct = jax.block_until_ready(chunk())  # INTERPRETER_DISPATCH
+    cfg = default_config(top_k, e_global, 64)
+
+    def chunk(one_token):
+        stages = mgpu_fused_moe.stages(cfg, interpret=INTERPRET, one_token=one_token)
+        return _pipeline.moe_chunk(
+            stages, x, topk_weights=jnp.asarray(topk_weights), topk_ids=jnp.asarray(topk_ids),
+            w13=prepare_weights(w13), w2=prepare_weights(w2),
+            expert_map=None if expert_map is None else jnp.asarray(expert_map),
+        )  # fmt: skip
+
+    direct = jax.block_until_ready(chunk(one_token=True))  # INTERPRETER_DISPATCH
     aligned = chunk(one_token=False)
     np.testing.assert_array_equal(np.asarray(direct), np.asarray(aligned))
     ref = helpers.numpy_fused_moe(
@@ -637,8 +499,7 @@ def test_bf16_weights_meet_the_layer_contract(seed):
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, seed % 2 == 0, BF16)
     x = jnp.asarray(rng.standard_normal((t, h)), BF16)
     tw, ids = helpers.random_routing(rng, t, top_k, e)
-    cfg = MgpuConfig(block_m=16, block_k=64, consumers=2, narrow_blocks=1,
-                     down_tiles_per_program=1, bf16_weights=True)  # fmt: skip
+    cfg = MgpuConfig(block_m=16, block_k=64, consumers=2, block_halvings=1, bf16_weights=True)
     out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), jnp.asarray(tw),
                        jnp.asarray(ids), implementation=IMPLEMENTATION, config=cfg)  # fmt: skip
     ref = layer_oracle(x, w13, w2, tw, ids, bf16_activation=True)
@@ -670,8 +531,8 @@ def test_fused_moe_deepseek_v3_tp1_gpu(t, stages):
     has 7.5e9 elements, past 2^31 (DESIGN.md's rule for the Triton lowering; the TMA addressing
     of this kernel is checked here). Against 'xla' on the same weights; at t=4096 the default
     runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK). stages: the
-    default with both GEMMs at that many stages (None: as is, GEMM1 at 2 stages for t <= 128
-    since session 24; 2: GEMM2 at 2 as well)."""
+    default with both GEMMs at that many stages (None: as is, GEMM1 at 2 stages for t <= 128;
+    2: GEMM2 at 2 as well)."""
     w13, w2, x, tw, ids = deepseek_v3_layer_problem(jax.random.key(t), t, 2048)
     ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
     default = mgpu_config.default_config(8 * t, 256, 128, 2048)
@@ -783,11 +644,11 @@ def test_fused_moe_tensor_parallel_gpu(rng):
 
 
 @pytest.mark.gpu
-def test_ragged_expert_parallel_session5_inputs_gpu():
-    """The one EP failure of session 5, not understood: the ragged dispatch, 'mgpu' shards with
-    16-row blocks and no K split (the default config then), on that test's inputs (its rng was
-    seeded from its test id). Each shard's layer on those inputs matched 'xla' in the Mosaic
-    GPU interpreter; this runs it compiled."""
+def test_ragged_expert_parallel_fixed_inputs_gpu():
+    """The ragged dispatch with 'mgpu' shards of 16-row blocks on fixed inputs (the rng of
+    test_fused_moe_expert_parallel_gpu's ragged case as once seeded): an EP failure seen once
+    and not understood (each shard's layer on these inputs matched 'xla' in the Mosaic GPU
+    interpreter); this runs it compiled."""
     import zlib
 
     node = "tests/test_mgpu_gemm.py::test_fused_moe_expert_parallel_gpu[all_to_all-ragged-mgpu]"
@@ -897,8 +758,6 @@ def test_layout_dequantizes_to_the_canonical_weights(rng):
         (dict(block_m=16, block_k=64, consumers=2, block_n=256), "at most 256"),
         (dict(block_m=16, block_k=64, tiles_per_program=3), "tiles_per_program=3"),
         (dict(block_m=16, block_k=64, tiles_per_program=0), "tiles_per_program=0"),
-        (dict(block_m=16, block_k=64, weight_row_nibbles=96), "weight_row_nibbles=96"),
-        (dict(block_m=16, block_k=768, weight_row_nibbles=128), "at most 256"),
     ],
 )
 def test_bad_configs_are_refused(rng, kwargs, match):
@@ -906,6 +765,13 @@ def test_bad_configs_are_refused(rng, kwargs, match):
     x_rows = jnp.zeros((48, 768), BF16)
     with pytest.raises(ValueError, match=match):
         check_config(prepare_weights(qw), x_rows, **kwargs)
+
+
+def test_steps_past_one_copy_are_refused(rng):
+    """A k-step of 2048 inputs takes 512 TMA rows of weight tiles: a copy holds at most 256."""
+    qw = prepare_weights(helpers.random_quantized_experts(rng, 1, 64, 2048, 4, 128, False, BF16))
+    with pytest.raises(ValueError, match="takes 512 weight rows of 256 nibbles: a TMA box"):
+        check_config(qw, jnp.zeros((16, 2048), BF16), block_m=16, block_k=2048)
 
 
 def test_layout_needs_whole_tiles(rng):
@@ -993,7 +859,6 @@ def lowers_for_cuda(
     tiles=1,
     narrow=0,
     stages=4,
-    one_row_tile=False,
     bf16_weights=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
@@ -1015,10 +880,8 @@ def lowers_for_cuda(
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
-        narrow_steps=max(narrow, 1), one_row_tile=one_row_tile, bf16_weights=bf16_weights,
+        block_halvings=max(narrow, 1), bf16_weights=bf16_weights,
     )  # fmt: skip
-    if one_row_tile:  # one token's row: the copies read the block's other rows past its end
-        x = jax.ShapeDtypeStruct((1, k), BF16)
     args = (x, w, experts, experts) if narrow else (x, w, experts)
     lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
@@ -1038,8 +901,9 @@ def test_bf16_weights_refuses_what_it_cannot_run(rng, consumers, tiles):
     with pytest.raises(ValueError, match="bf16_weights takes warp specialization"):
         check_config(qw, jnp.zeros((16, 256), BF16), block_m=16, block_k=128,
                      consumers=consumers, tiles_per_program=tiles, bf16_weights=True)  # fmt: skip
-    cfg = MgpuConfig(block_m=16, consumers=consumers, tiles_per_program=tiles, bf16_weights=True)
-    options = mgpu_config.gemm_options(cfg, 1, n_tiles=2 * tiles, steps=2)
+    cfg = MgpuConfig(block_m=16, consumers=consumers, bf16_weights=True)
+    # runs of `tiles` tiles: MIN_STEPS_PER_PROGRAM (4) k-steps per program
+    options = mgpu_config.gemm_options(cfg, 1, n_tiles=2 * tiles, steps=4 // tiles)
     assert options["tiles_per_program"] == tiles
     assert not options["bf16_weights"]
 
@@ -1049,15 +913,15 @@ def test_bf16_weights_refuses_what_it_cannot_run(rng, consumers, tiles):
     [(1, 8, 256, 0, 64), (16, 8, 256, 0, 64), (256, 16, 128, 0, 128), (1536, 64, 256, 2, 64)],
     ids=str,
 )
-def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers, block_n):
-    """DeepSeek-V3 (top-8 of 256): the block_m, k-step, warp specialization and features per
-    warpgroup that won at each M in the probe (sessions 4-9: 3 stages, GEMM1's activation
-    fused; session 10: GEMM2 of 64-row blocks with 128 features per consumer, 2 stages;
-    session 12: half blocks, where they are whole wgmmas; session 13: quarters of 64-row
-    blocks); other groups take one group per k-step (at most 128)."""
+def test_default_config_follows_the_rows_per_expert(m, block_m, block_k, consumers, block_n):
+    """DeepSeek-V3 (top-8 of 256): block_m by the mean rows per expert, with its k-step, warp
+    specialization and features per warpgroup; 3 stages; GEMM2 of 64-row blocks with 128
+    features per consumer at 2 stages; blocks halved where a half is a whole wgmma (64-row
+    blocks also to a quarter); other groups take one group per k-step (at most 128)."""
     down = dict(down_block_n=128, down_stages=2) if block_m == 64 else {}
-    narrow = 2 if block_m == 64 else 1
-    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n, **down, narrow_blocks=narrow)
+    halvings = 2 if block_m == 64 else 1
+    want = MgpuConfig(block_m, block_k, 3, consumers, block_n=block_n, **down,
+                      block_halvings=halvings)  # fmt: skip
     assert default_config(m * 8, 256, 128) == want
     assert default_config(m * 8, 256, 64).block_k == 64
     assert default_config(m * 8, 256, 7168).block_k == 128
@@ -1072,7 +936,7 @@ def test_default_config_follows_the_h200_figures(m, block_m, block_k, consumers,
 def test_default_config_takes_128_down_features_from_64_slots(m, down_k, down_block_n):
     """8-row blocks: GEMM2 at 128 features per program from DOWN_128_SLOTS slots (DeepSeek-V3
     from M=8) where its K has DOWN_128_MIN_STEPS k-steps (TP=1: 8 of 256; TP=8's one step
-    keeps 64), session 22; other blocks (16 rows at M=256) are unchanged by down_k (the stages
+    keeps 64); other blocks (16 rows at M=256) are unchanged by down_k (the stages
     down_k also sets: the test below)."""
     cfg = dataclasses.replace(default_config(m * 8, 256, 128, down_k), stages=3, down_stages=None)
     assert cfg == dataclasses.replace(default_config(m * 8, 256, 128), down_block_n=down_block_n)
@@ -1088,9 +952,8 @@ def test_default_config_takes_two_stages_for_gemm1_of_8_row_blocks(
     monkeypatch, m, down_k, two_stages
 ):  # fmt: skip
     """8-row blocks: GEMM1 at 2 stages and GEMM2 at 3 where the experts are wide (DeepSeek-V3
-    TP=1, I = 2048) or the slots at most TWO_STAGES_MAX_SLOTS (TP=8 to M=16; at M=32 it lost),
-    sessions 23-24; an unknown down_k and other blocks (16 rows at M=256) keep 3 for both. No
-    other field changes."""
+    TP=1, I = 2048) or the slots at most TWO_STAGES_MAX_SLOTS (TP=8 to M=16); an unknown down_k
+    and other blocks (16 rows at M=256) keep 3 for both. No other field changes."""
     cfg = default_config(m * 8, 256, 128, down_k)
     assert (cfg.stages, cfg.down_stages) == ((2, 3) if two_stages else (3, None))
     monkeypatch.setattr(mgpu_config, "TWO_STAGES_MIN_DOWN_K", 1 << 30)
@@ -1103,13 +966,105 @@ def test_default_config_takes_two_stages_for_gemm1_of_8_row_blocks(
 def test_default_config_takes_128_rows_on_bf16_weights():
     """From ROWS_FOR_128 rows per expert (DeepSeek-V3 from M=2048: 64): 128-row blocks on bf16
     weights, one group per k-step, GEMM2 at 128 features per consumer and 3 stages, blocks
-    narrowed to 16 rows (sessions 15-16)."""
+    halved down to 16 rows."""
     want = MgpuConfig(128, 128, 3, 2, block_n=64, down_block_n=128, down_stages=3,
-                      narrow_blocks=3, bf16_weights=True)  # fmt: skip
+                      block_halvings=3, bf16_weights=True)  # fmt: skip
     assert default_config(4096 * 8, 256, 128) == want
     assert default_config(mgpu_config.ROWS_FOR_128 * 256, 256, 128) == want
     assert default_config(mgpu_config.ROWS_FOR_128 * 256 - 1, 256, 128).block_m == 64
-    assert want.narrow_steps() == 3
+    assert mgpu_config.halvings(want) == 3
+
+
+# DeepSeek-V3 at TP=1 (I = 2048) and the TP=8 slice (I = 256): the shipped H200 table's problems.
+DSV3_LAYERS = {"tp1": 2048, "tp8": 256}
+
+
+def _dsv3_weights(intermediate: int):
+    """w13, w2 of DeepSeek-V3 (E=256, H=7168, int4 g128) as shapes only, in the mgpu layout."""
+
+    def weights(n, k):
+        g = k // 128
+        return QuantizedExperts(
+            jax.ShapeDtypeStruct((256, n // 64, k // 64, 64, 64), jnp.int4),
+            jax.ShapeDtypeStruct((256, g, n), BF16), jax.ShapeDtypeStruct((256, g, n), BF16),
+            bits=4, group_size=128, layout="mgpu_int4",
+        )  # fmt: skip
+
+    return weights(2 * intermediate, 7168), weights(7168, intermediate)
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    """Config lookups as on an H200: its shipped tuned table."""
+    monkeypatch.setattr(mgpu_config._configs, "device_kind", lambda: "NVIDIA H200")
+
+
+@pytest.mark.parametrize("layer", sorted(DSV3_LAYERS))
+def test_tuned_table_is_the_heuristic_at_its_entries(layer):
+    """The shipped H200 table's 'mgpu' entries for DeepSeek-V3 are exactly default_config's
+    choice at their M (token slots): the table changes no config today."""
+    i = DSV3_LAYERS[layer]
+    problem = dict(E=256, H=7168, I=i, bits=4, group=128)
+    entries = [
+        (m, c) for p, m, c in wj_configs.tuned_entries("NVIDIA H200", "mgpu") if p == problem
+    ]
+    measured = {8 * t for t in ((1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 2560, 3072, 4096)
+                                if layer == "tp1" else (1, 4, 8, 16, 32))}  # fmt: skip
+    assert measured <= {m for m, _ in entries}
+    for m, cfg in entries:
+        assert cfg == default_config(m, 256, 128, i), m
+
+
+@pytest.mark.parametrize("layer", sorted(DSV3_LAYERS))
+def test_layer_config_keeps_every_m_on_the_heuristic(on_h200, layer):
+    """With the nearest-M lookup, every token-slot count of DeepSeek-V3 (to 4x the table's
+    largest) gets default_config's choice: the table holds an entry on each side of each
+    edge of the heuristic's rules."""
+    w13, w2 = _dsv3_weights(DSV3_LAYERS[layer])
+    for m in [*range(1, 20001), 32768, 40000, 65536, 131072]:
+        want = default_config(m, 256, 128, DSV3_LAYERS[layer])
+        assert mgpu_config.layer_config(None, m, 256, w13, w2) == want, m
+
+
+def test_layer_config_takes_the_nearest_m_then_the_heuristic(on_h200, monkeypatch):
+    """The tuned entry of the nearest M (ties: the smaller) for exactly this problem; other
+    problems (another expert count, group or I) the heuristic; a caller's config first."""
+    fake = {8: MgpuConfig(8, 256, stages=5), 64: MgpuConfig(16, 128, stages=6)}
+    problem = dict(E=256, H=7168, I=2048, bits=4, group=128)
+    table = tuple((problem, m, c) for m, c in fake.items())
+    monkeypatch.setattr(
+        wj_configs, "tuned_entries", lambda kind, name: table if name == "mgpu" else ()
+    )
+    w13, w2 = _dsv3_weights(2048)
+    config = functools.partial(mgpu_config.layer_config, None, num_experts=256, w13=w13, w2=w2)
+    assert [config(m).stages for m in (1, 8, 35, 36, 37, 64, 10**6)] == [5, 5, 5, 5, 6, 6, 6]
+    assert mgpu_config.layer_config(None, 8, 128, w13, w2) == default_config(8, 128, 128, 2048)
+    w13_tp8, w2_tp8 = _dsv3_weights(256)
+    assert mgpu_config.layer_config(None, 8, 256, w13_tp8, w2_tp8) == default_config(
+        8, 256, 128, 256
+    )
+    caller = MgpuConfig(32, 64)
+    assert mgpu_config.layer_config(caller, 8, 256, w13, w2) is caller
+    assert mgpu_config.layer_config(wj.BlockConfig(block_m=16, block_k=64, num_stages=3), 8,
+                                    256, w13, w2) == MgpuConfig(16, 64, 3)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_m=12), "block_m=12 must be a multiple of 8"),
+        (dict(block_m=8, block_k=96), "block_k=96 must be a multiple of 64"),
+        (dict(block_m=8, consumers=3), "consumers=3 must be 0, 1 or 2"),
+        (dict(block_m=8, block_n=320), "block_n=320 must be a multiple of 64 in"),
+        (dict(block_m=8, down_block_n=32), "down_block_n=32"),
+        (dict(block_m=8, down_stages=0), "down_stages=0 must be at least 1"),
+        (dict(block_m=8, block_halvings=-1), "block_halvings=-1 must be a non-negative int"),
+        (dict(block_m=8, bf16_weights=1), "bf16_weights=1 must be a bool"),
+    ],
+)
+def test_mgpu_config_refuses_values_no_gemm_takes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MgpuConfig(**kwargs)
 
 
 def test_down_config_takes_its_own_block_n_and_stages():
@@ -1119,50 +1074,50 @@ def test_down_config_takes_its_own_block_n_and_stages():
     down = mgpu_config.down_config(cfg)
     assert (down.block_n, down.stages, down.block_m, down.consumers) == (128, 2, 64, 2)
     assert mgpu_config.down_config(MgpuConfig(block_m=8, stages=3)) == MgpuConfig(8, stages=3)
-    down = mgpu_config.down_config(dataclasses.replace(cfg, down_block_k=128))
-    assert (down.block_k, down.down_block_k) == (128, None)
 
 
-def test_gemm_plan_is_the_layers_gemms(rng):
+def test_gemm_plan_is_the_layers_gemms(rng, monkeypatch):
     """GEMM1 (an activation dtype): gated, whole sums, the activation's dtype out; GEMM2: the
-    down config's features and stages, f32 out unless asked for another (K-split partial
-    products f32 in any case)."""
+    down config's features and stages, f32 out unless asked for another. With few programs
+    the GEMMs split K (`auto_splits`): partial products in f32, and GEMM1 unfused (silu of a
+    partial sum is not a part)."""
+    monkeypatch.setattr(mgpu_config, "_num_sms", lambda: 132)
     w13 = prepare_weights(helpers.random_quantized_experts(rng, 2, 512, 512, 4, 128, True, BF16))
     w2 = prepare_weights(helpers.random_quantized_experts(rng, 2, 512, 256, 4, 128, True, BF16))
     cfg = MgpuConfig(block_m=64, block_k=256, stages=3, consumers=2, down_block_n=128,
-                     down_stages=2, splits=1)  # fmt: skip
-    this, splits, gated, options = mgpu_config.gemm_plan(cfg, w13, 4, BF16)
+                     down_stages=2)  # fmt: skip
+    many = 256  # blocks: 2 GEMM1 tiles x 256 = 512 programs, no split
+    this, splits, gated, options = mgpu_config.gemm_plan(cfg, w13, many, BF16)
     assert (this.block_n, splits, gated) == (64, 1, True)
     assert (options["gated"], options["out_dtype"], options["max_concurrent_steps"]) == (
         True, BF16, 3
     )  # fmt: skip
-    this, splits, gated, options = mgpu_config.gemm_plan(cfg, w2, 4)
+    this, splits, gated, options = mgpu_config.gemm_plan(cfg, w2, many)
     assert (this.block_n, this.stages, gated, options["out_dtype"]) == (128, 2, False, jnp.float32)
-    *_, options = mgpu_config.gemm_plan(cfg, w2, 4, out_dtype=BF16)
+    *_, options = mgpu_config.gemm_plan(cfg, w2, many, out_dtype=BF16)
     assert options["out_dtype"] == BF16
-    split = dataclasses.replace(cfg, splits=2)  # GEMM2 on w13's K = 512: two k-steps of 256
-    *_, options = mgpu_config.gemm_plan(split, w13, 4, None, BF16)
+    # 4 blocks: few programs, so both GEMMs on w13's K = 512 split its two k-steps of 256
+    *_, options = mgpu_config.gemm_plan(cfg, w13, 4, None, BF16)
     assert options["splits"] == 2 and options["out_dtype"] == jnp.float32  # partials in f32
-    unfused = dataclasses.replace(cfg, fuse_activation=False)
-    _, _, gated, options = mgpu_config.gemm_plan(unfused, w13, 4, BF16)
-    assert (gated, options["gated"], options["out_dtype"]) == (False, False, jnp.float32)
+    _, splits, gated, options = mgpu_config.gemm_plan(cfg, w13, 4, BF16)
+    assert (splits, gated, options["gated"], options["out_dtype"]) == (2, False, False, jnp.float32)
 
 
-def test_gemm_config_keeps_whole_features(rng):
+def test_fitted_config_keeps_whole_features(rng):
     """block_n 128 with 2 consumers (256 features per program) on N = 384 falls back to 64; on
     N = 512 it stays."""
     cfg = MgpuConfig(block_m=8, consumers=2, block_n=128)
     for n, want in ((384, 64), (512, 128)):
         w = prepare_weights(helpers.random_quantized_experts(rng, 1, n, 256, 4, 128, False, BF16))
-        assert mgpu_config.gemm_config(cfg, w).block_n == want
+        assert mgpu_config.fitted_config(cfg, w).block_n == want
 
 
-def test_gemm_config_keeps_whole_steps(rng):
+def test_fitted_config_keeps_whole_steps(rng):
     """A 256-wide k-step on K = 1408 (11 groups of 128) becomes one group; on K = 2048 it stays."""
     cfg = MgpuConfig(block_m=8, block_k=256)
     for k, want in ((1408, 128), (2048, 256)):
         w = prepare_weights(helpers.random_quantized_experts(rng, 1, 64, k, 4, 128, False, BF16))
-        assert mgpu_config.gemm_config(cfg, w).block_k == want
+        assert mgpu_config.fitted_config(cfg, w).block_k == want
 
 
 @pytest.mark.parametrize(
@@ -1187,26 +1142,24 @@ def test_export_serializes_the_layout(rng, layout):
     assert _types._deserialize_auxdata(b"[4, 128]") == (4, 128, "canonical")
 
 
-def test_tiles_per_program_divide_the_tiles(rng):
-    """A config's tiles_per_program is the most: each GEMM takes the largest divisor of its
-    output tiles up to it; None: enough tiles for
-    MIN_STEPS_PER_PROGRAM (4) k-steps per program; GEMM2 its own."""
+def test_tiles_per_program_divide_the_tiles(rng, monkeypatch):
+    """A program's run takes the largest divisor of the GEMM's output tiles up to enough tiles
+    for MIN_STEPS_PER_PROGRAM (4) k-steps: DeepSeek-V3's TP=8 GEMM2 (one k-step per tile) runs
+    4 tiles, TP=1's (8 k-steps) one; in the layer, GEMM2 its own."""
     tiles = mgpu_config.tiles_per_program
-    assert tiles(MgpuConfig(8, tiles_per_program=8), 112, 8) == 8
-    assert tiles(MgpuConfig(8, tiles_per_program=6), 112, 1) == 4
-    assert tiles(MgpuConfig(8, tiles_per_program=9), 7, 1) == 7
-    assert tiles(MgpuConfig(64, consumers=2, tiles_per_program=4), 8, 1) == 4
-    assert tiles(MgpuConfig(8), 112, 1) == 4  # DeepSeek-V3 TP=8 GEMM2
-    assert tiles(MgpuConfig(8), 112, 8) == 1  # TP=1 GEMM2
-    assert tiles(MgpuConfig(8), 112, 3) == 2
-    assert tiles(MgpuConfig(8), 7, 1) == 1  # no divisor of 7 in 2..4
+    assert tiles(112, 1) == 4  # DeepSeek-V3 TP=8 GEMM2
+    assert tiles(112, 8) == 1  # TP=1 GEMM2
+    assert tiles(112, 3) == 2
+    assert tiles(7, 1) == 1  # no divisor of 7 in 2..4
+    assert tiles(2, 1) == 2
+    monkeypatch.setattr(mgpu_config, "_num_sms", lambda: 132)
     qw = helpers.random_quantized_experts(rng, 4, 512, 256, 4, 128, True, BF16)
     w13, w2 = prepare_weights(qw), prepare_weights(qw)
-    cfg = MgpuConfig(8, stages=3, splits=1, tiles_per_program=2, down_tiles_per_program=8)
-    *_, gemm1 = mgpu_config.gemm_plan(cfg, w13, 4, activation_dtype=BF16)
-    *_, gemm2 = mgpu_config.gemm_plan(cfg, w2, 4)
-    assert gemm1["gated"] and gemm1["tiles_per_program"] == 2  # 4 tiles of the 256 outputs
-    assert gemm2["tiles_per_program"] == 8  # 8 tiles of 512
+    cfg = MgpuConfig(8, block_k=256, stages=3)  # one k-step of 256
+    *_, gemm1 = mgpu_config.gemm_plan(cfg, w13, 512, activation_dtype=BF16)
+    *_, gemm2 = mgpu_config.gemm_plan(cfg, w2, 512)
+    assert gemm1["gated"] and gemm1["tiles_per_program"] == 4  # 4 tiles of the 256 outputs
+    assert gemm2["tiles_per_program"] == 4  # 4 of 8 tiles of 512
 
 
 @pytest.mark.parametrize(
@@ -1216,7 +1169,7 @@ def test_tiles_per_program_divide_the_tiles(rng):
     ids=str,
 )  # fmt: skip
 def test_gemm_narrow_blocks(rng, consumers, block_m, block_n, gated, splits, tiles, narrow):
-    """block_rows: a block using at most block_m / 2^j rows (j <= narrow_steps) computes the
+    """rows_in_use: a block using at most block_m / 2^j rows (j <= block_halvings) computes the
     first block_m / 2^j rows alone, for the largest such j (the rest of its output rows
     unwritten: NaN in the interpreter); the rows in use match numpy."""
     e, k, g = 3, 512, 128
@@ -1229,7 +1182,7 @@ def test_gemm_narrow_blocks(rng, consumers, block_m, block_n, gated, splits, til
     out = mgpu_wna16_gemm(
         x_rows, prepare_weights(qw), jnp.asarray(block_experts), jnp.asarray(used),
         block_m=block_m, block_k=128, block_n=block_n, consumers=consumers, splits=splits,
-        gated=gated, tiles_per_program=tiles, narrow_steps=narrow, out_dtype=jnp.float32,
+        gated=gated, tiles_per_program=tiles, block_halvings=narrow, out_dtype=jnp.float32,
         interpret=INTERPRET,
     )  # fmt: skip
     out = np.asarray(out, np.float64)  # INTERPRETER_DISPATCH: the partials summed in numpy
@@ -1261,19 +1214,23 @@ def test_gemm_narrow_blocks(rng, consumers, block_m, block_n, gated, splits, til
 @pytest.mark.parametrize("block_m,narrow", [(8, 1), (16, 2), (32, 0)])
 def test_narrow_blocks_stay_whole_wgmmas(rng, block_m, narrow):
     qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16)
-    with pytest.raises(ValueError, match="narrow_steps"):
+    with pytest.raises(ValueError, match="block_halvings"):
         mgpu_wna16_gemm(
             jnp.zeros((3 * block_m, 256), BF16), prepare_weights(qw), jnp.zeros(3, jnp.int32),
-            jnp.zeros(3, jnp.int32), block_m=block_m, narrow_steps=narrow, interpret=True,
+            jnp.zeros(3, jnp.int32), block_m=block_m, block_halvings=narrow, interpret=True,
         )  # fmt: skip
 
 
-def test_narrow_steps_keep_whole_wgmmas():
-    assert MgpuConfig(8, narrow_blocks=1).narrow_steps() == 0
-    assert MgpuConfig(16, narrow_blocks=2).narrow_steps() == 1
-    assert MgpuConfig(64, narrow_blocks=2).narrow_steps() == 2
-    assert MgpuConfig(64, narrow_blocks=5).narrow_steps() == 3  # 64, 32, 16, 8
-    assert MgpuConfig(64).narrow_steps() == 0
+def test_halvings_keep_whole_wgmmas():
+    halvings = mgpu_config.halvings
+    assert halvings(MgpuConfig(8, block_halvings=1)) == 0
+    assert halvings(MgpuConfig(16, block_halvings=2)) == 1
+    assert halvings(MgpuConfig(64, block_halvings=2)) == 2
+    assert halvings(MgpuConfig(64, block_halvings=5)) == 3  # 64, 32, 16, 8
+    assert halvings(MgpuConfig(64)) == 0
+    in_use = jnp.ones(3, jnp.int32)
+    assert mgpu_config.gemm_rows_in_use(MgpuConfig(8, block_halvings=1), in_use) is None
+    assert mgpu_config.gemm_rows_in_use(MgpuConfig(16, block_halvings=1), in_use) is in_use
 
 
 @pytest.mark.parametrize(
@@ -1295,7 +1252,7 @@ def test_gemm_stores_through_a_smaller_buffer(rng, consumers, block_m, block_n, 
     out = mgpu_wna16_gemm(
         x_rows, prepare_weights(qw), jnp.asarray(block_experts),
         jnp.asarray(used) if narrow else None, block_m=block_m, block_k=128, block_n=block_n,
-        consumers=consumers, gated=gated, narrow_steps=max(narrow, 1), buffer_rows=buffer_rows,
+        consumers=consumers, gated=gated, block_halvings=max(narrow, 1), buffer_rows=buffer_rows,
         out_dtype=jnp.float32, interpret=INTERPRET,
     )  # fmt: skip
     out = np.asarray(out, np.float64)
@@ -1323,63 +1280,3 @@ def test_output_buffer_takes_the_rows_that_fit():
     assert rows(halves=1, stages=2, out_bytes=4) == 64  # GEMM2 (the default)
     assert rows(halves=1, stages=3, out_bytes=4) == 32
     assert rows(halves=1, stages=4, out_bytes=4) == 8  # does not fit at all: the least
-
-
-@pytest.mark.parametrize(
-    "rows,block_m,consumers,block_k,splits,gated,tiles",
-    [(1, 8, 0, 256, 1, True, 1), (3, 16, 2, 128, 1, False, 1), (1, 8, 0, 128, 4, False, 2),
-     (16, 16, 1, 128, 2, False, 1)],
-    ids=str,
-)  # fmt: skip
-def test_gemm_one_row_tile(rng, rows, block_m, consumers, block_k, splits, gated, tiles):
-    """one_row_tile: every block multiplies the same rows (fewer than block_m: the rest read as
-    zeros, so their outputs are zeros); blocks of expert -1 or an id past the experts give zero
-    rows."""
-    e, k, g = 3, 512, 128
-    n = 64 * max(consumers, 1) * tiles * 2 * (2 if gated else 1)
-    qw = helpers.random_quantized_experts(rng, e, n, k, 4, g, True, BF16)
-    block_experts = np.asarray([2, -1, 0, e + 1, 1], np.int32)
-    x_rows = jnp.asarray(rng.standard_normal((rows, k)), BF16)
-    out = mgpu_wna16_gemm(
-        x_rows, prepare_weights(qw), jnp.asarray(block_experts), block_m=block_m,
-        block_k=block_k, consumers=consumers, splits=splits, gated=gated,
-        tiles_per_program=tiles, one_row_tile=True, out_dtype=jnp.float32, interpret=INTERPRET,
-    )  # fmt: skip
-    out = np.asarray(out, np.float64)  # INTERPRETER_DISPATCH: the partials summed in numpy
-    if splits > 1:
-        out = out.sum(axis=0)
-    out = out.reshape(len(block_experts), block_m, -1)
-    w_deq = helpers.numpy_dequantize(qw)
-    x = np.asarray(x_rows, np.float64)
-    for b, expert in enumerate(block_experts):
-        if not 0 <= expert < e:
-            assert np.all(out[b] == 0), f"block {b} (expert {expert}) must be zeros"
-            continue
-        ref = x @ w_deq[expert].T
-        if gated:
-            gate, up = ref[:, : n // 2], ref[:, n // 2 :]
-            ref = gate / (1 + np.exp(-gate)) * up
-        helpers.assert_finite_and_close(
-            out[b, :rows], ref, TOL, f"block {b}", slack=ELEMENT_SLACK, require_signal=True
-        )
-        assert np.all(out[b, rows:] == 0), "rows past x_rows' end multiply zeros"
-
-
-def test_one_row_tile_takes_at_most_a_block(rng):
-    qw = prepare_weights(helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16))
-    with pytest.raises(ValueError, match="one_row_tile"):
-        mgpu_wna16_gemm(
-            jnp.zeros((9, 256), BF16), qw, jnp.zeros(2, jnp.int32), block_m=8,
-            one_row_tile=True, interpret=True,
-        )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "block_m,block_k,gated,splits,tiles", [(8, 256, True, 1, 1), (8, 256, False, 4, 2)], ids=str
-)
-def test_gemm_one_row_tile_lowers_for_cuda(block_m, block_k, gated, splits, tiles):
-    """One token's row as the rows of every block (TMA copies of [block_m, k-step] boxes from a
-    [1, K] array: the rows past its end come as zeros) lowers for CUDA."""
-    lowers_for_cuda(
-        True, block_m, block_k, 0, splits, 64, gated, tiles, stages=3, one_row_tile=True
-    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import helpers
@@ -131,6 +132,42 @@ def test_unpack_zeros_every_byte(rng, bits):
     np.testing.assert_array_equal(
         np.asarray(_quant.pack_zeros(_quant.unpack_zeros(zeros, bits), bits)), zeros
     )
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("word", [np.uint32, np.uint8], ids=["u32", "u8"])
+def test_pack_along_any_axis(rng, bits, axis, word):
+    """pack / unpack along any axis into uint32 or uint8 words: field i of word j along the
+    axis holds value j * w + i (low bits first); numpy stays numpy, jax stays jax."""
+    per_word = np.dtype(word).itemsize * 8 // bits
+    shape = [3, 2, 5]
+    shape[axis] = 2 * per_word
+    v = rng.integers(0, 2**bits, size=shape).astype(np.uint8)
+    words = _quant.pack(v, bits, axis=axis, dtype=word)
+    assert isinstance(words, np.ndarray) and words.dtype == word
+    moved = np.moveaxis(words, axis, -1).astype(np.int64)
+    for j in range(moved.shape[-1]):
+        for i in range(per_word):
+            np.testing.assert_array_equal(
+                (moved[..., j] >> (bits * i)) & (2**bits - 1),
+                np.moveaxis(v, axis, -1)[..., j * per_word + i],
+                f"word {j} field {i}",
+            )
+    on_device = _quant.pack(jnp.asarray(v), bits, axis=axis, dtype=word)
+    assert isinstance(on_device, jax.Array)
+    np.testing.assert_array_equal(np.asarray(on_device), words)
+    np.testing.assert_array_equal(_quant.unpack(words, bits, axis=axis), v)
+    np.testing.assert_array_equal(np.asarray(_quant.unpack(on_device, bits, axis=axis)), v)
+
+
+def test_pack_errors():
+    with pytest.raises(ValueError, match=r"6 values along axis 1 are not a multiple of 8"):
+        _quant.pack(np.zeros((2, 6), np.uint8), 4, axis=1)
+    with pytest.raises(ValueError, match="axis=2 is out of range"):
+        _quant.pack(np.zeros((2, 8), np.uint8), 4, axis=2)
+    with pytest.raises(ValueError, match="words must be unsigned integers, got dtype int32"):
+        _quant.unpack(np.zeros((2, 8), np.int32), 4)
 
 
 # ---- quantize_experts -----------------------------------------------------------------------
@@ -291,3 +328,181 @@ def test_odd_n_with_zero_points():
 def test_quantize_rejects_wrong_rank():
     with pytest.raises(ValueError, match=r"w must be \[E, N, K\], got shape \(4, 64\)"):
         wj.quantize_experts(jnp.ones((4, 64)))
+
+
+# ---- QuantizedExperts: concatenate, slice, astype -------------------------------------------
+
+
+def _assert_same(a: wj.QuantizedExperts, b: wj.QuantizedExperts) -> None:
+    assert (a.bits, a.group_size, a.layout, a.has_zeros) == (
+        b.bits,
+        b.group_size,
+        b.layout,
+        b.has_zeros,
+    )
+    for field in ("qweight", "scales", "zeros"):
+        if getattr(a, field) is not None:
+            np.testing.assert_array_equal(
+                np.asarray(getattr(a, field)), np.asarray(getattr(b, field))
+            )
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+def test_slice_and_concatenate(rng, bits, has_zp):
+    """Slices along E and N dequantize to the slices of the dequantized weights; concatenating
+    them back gives the packed arrays bit for bit."""
+    qw = helpers.random_quantized_experts(rng, 3, 12, 64, bits, 32, has_zp, jnp.float32)
+    deq = helpers.numpy_dequantize(qw)
+    rows = [qw.slice(0, 4, axis=1), qw.slice(4, 10, axis=1), qw.slice(10, 12, axis=1)]
+    for part, (lo, hi) in zip(rows, [(0, 4), (4, 10), (10, 12)], strict=True):
+        part.validate()
+        np.testing.assert_array_equal(helpers.numpy_dequantize(part), deq[:, lo:hi])
+    _assert_same(wj.QuantizedExperts.concatenate(rows, axis=1), qw)
+    experts = [qw.slice(e, e + 1, axis=0) for e in range(3)]
+    np.testing.assert_array_equal(helpers.numpy_dequantize(experts[1]), deq[1:2])
+    _assert_same(
+        wj.QuantizedExperts.concatenate(experts[::-1], axis=0).slice(2, 3, axis=0), experts[0]
+    )
+    _assert_same(wj.QuantizedExperts.concatenate(experts, axis=0), qw)
+
+
+def test_concatenate_keeps_host_arrays_on_the_host(rng):
+    qw = helpers.random_quantized_experts(rng, 2, 8, 64, 4, 32, True, jnp.float16)
+    host = jax.tree.map(np.asarray, qw)
+    both = wj.QuantizedExperts.concatenate([host, host], axis=0)
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(both))
+    assert isinstance(wj.QuantizedExperts.concatenate([qw, host], axis=1).qweight, jax.Array)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(bits=8), r"parts\[1\] has bits=8, parts\[0\] has bits=4"),
+        (dict(group_size=16), r"parts\[1\] has group_size=16"),
+        (dict(has_zp=False), r"parts\[1\] has has_zeros=False"),
+        (dict(dtype=jnp.bfloat16), r"parts\[1\] has scales dtype=bfloat16"),
+        (dict(K=32), r"along N: parts\[1\] has \(E, K\)=\(2, 32\)"),
+    ],
+)
+def test_concatenate_errors(rng, change, match):
+    base = dict(E=2, N=8, K=64, bits=4, group_size=32, has_zp=True, dtype=jnp.float32)
+    first = helpers.random_quantized_experts(rng, **base)
+    other = helpers.random_quantized_experts(rng, **{**base, **change})
+    with pytest.raises(ValueError, match=match):
+        wj.QuantizedExperts.concatenate([first, other], axis=1)
+
+
+def test_slice_and_concatenate_errors(rng):
+    qw = helpers.random_quantized_experts(rng, 2, 8, 64, 4, 32, True, jnp.float32)
+    with pytest.raises(ValueError, match=r"rows \[1, 4\) of N=8 cut a byte of int4 zero points"):
+        qw.slice(1, 4, axis=1)
+    # int8 zero points and symmetric int4 weights cut anywhere.
+    assert (
+        helpers.random_quantized_experts(rng, 2, 8, 64, 8, 32, True, jnp.float32)
+        .slice(1, 4, axis=1)
+        .n
+        == 3
+    )
+    assert (
+        helpers.random_quantized_experts(rng, 2, 8, 64, 4, 32, False, jnp.float32)
+        .slice(3, 8, axis=1)
+        .n
+        == 5
+    )
+    with pytest.raises(ValueError, match=r"\[4, 9\) is not a non-empty range inside N=8"):
+        qw.slice(4, 9, axis=1)
+    with pytest.raises(ValueError, match=r"axis=2 must be 0 \(E\) or 1 \(N\); K is packed"):
+        qw.slice(0, 8, axis=2)
+    with pytest.raises(ValueError, match="axis=2 must be 0"):
+        wj.QuantizedExperts.concatenate([qw, qw], axis=2)
+    with pytest.raises(ValueError, match="needs at least one part"):
+        wj.QuantizedExperts.concatenate([], axis=0)
+    with pytest.raises(ValueError, match=r"parts\[1\] is a dict, not a QuantizedExperts"):
+        wj.QuantizedExperts.concatenate([qw, {}], axis=0)
+    tiled = wj.layouts.to_kernel_layout(
+        helpers.random_quantized_experts(rng, 2, 64, 64, 4, 32, True, jnp.float32), "mgpu_int4"
+    )
+    with pytest.raises(ValueError, match="'mgpu_int4' layout; concatenating and slicing take"):
+        tiled.slice(0, 1, axis=0)
+    with pytest.raises(ValueError, match=r"parts\[0\]: the weights are in the 'mgpu_int4'"):
+        wj.QuantizedExperts.concatenate([tiled], axis=0)
+
+
+@pytest.mark.parametrize("layout", ["canonical", "mgpu_int4"])
+def test_astype(rng, layout):
+    """astype casts the scales; canonical zero points stay uint8, the kernel layout's (8 - z,
+    small integers in the scales' dtype) follow the scales exactly."""
+    qw = helpers.random_quantized_experts(rng, 2, 64, 64, 4, 32, True, jnp.float32)
+    qw = wj.layouts.to_kernel_layout(qw, layout)
+    half = qw.astype(jnp.bfloat16)
+    assert half.scales.dtype == jnp.bfloat16 and half.layout == layout
+    np.testing.assert_array_equal(
+        np.asarray(half.scales, np.float32), np.asarray(qw.scales.astype(jnp.bfloat16), np.float32)
+    )
+    want_zeros = jnp.uint8 if layout == "canonical" else jnp.bfloat16
+    assert half.zeros.dtype == want_zeros
+    np.testing.assert_array_equal(
+        np.asarray(half.zeros, np.float32), np.asarray(qw.zeros, np.float32)
+    )
+    assert qw.astype(jnp.float32) is qw
+    with pytest.raises(ValueError, match="scales must be floating point, got dtype int32"):
+        qw.astype(jnp.int32)
+
+
+# ---- random_quantized_experts ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("zero_range", ["middle", "full"])
+@pytest.mark.parametrize("source", ["numpy", "jax"])
+def test_random_quantized_experts(bits, zero_range, source):
+    """Canonical, every code value drawn, zero points in their range, scales exact in float16,
+    codes times scales of about the asked std."""
+    e, n, k, g = 4, 32, 512, 128
+    key = np.random.default_rng(0) if source == "numpy" else jax.random.key(0)
+    qw = wj.random_quantized_experts(
+        key, (e, n, k), bits=bits, group_size=g, dtype=jnp.float32, zero_range=zero_range
+    )
+    qw.validate()
+    assert qw.shape == (e, n, k) and qw.layout == "canonical" and qw.scales.dtype == jnp.float32
+    codes = helpers.numpy_unpack_k(qw.qweight, bits)
+    assert set(np.unique(codes)) == set(range(2**bits))
+    zeros = helpers.numpy_unpack_zeros(qw.zeros, bits)
+    mid = 2 ** (bits - 1)
+    lo, hi = (mid - 2, mid + 1) if zero_range == "middle" else (0, 2**bits - 1)
+    assert zeros.min() >= lo and zeros.max() <= hi, (zeros.min(), zeros.max())
+    scales = np.asarray(qw.scales)
+    np.testing.assert_array_equal(scales.astype(np.float16).astype(np.float32), scales)
+    code_std = np.sqrt(((2**bits) ** 2 - 1) / 12)
+    ratio = scales * code_std * np.sqrt(k)  # U(0.75, 1.25) up to the float16 rounding
+    assert 0.749 < ratio.min() and ratio.max() < 1.251 and abs(ratio.mean() - 1) < 0.05
+
+
+def test_random_quantized_experts_draws(rng):
+    """The same Generator state or key gives the same weights; a symmetric int8 draw has no
+    zeros; under jit the draw is the same as eager."""
+    a = wj.random_quantized_experts(np.random.default_rng(3), (2, 8, 64), group_size=32)
+    b = wj.random_quantized_experts(np.random.default_rng(3), (2, 8, 64), group_size=32)
+    _assert_same(a, b)
+    assert a.scales.dtype == jnp.bfloat16
+    sym = wj.random_quantized_experts(rng, (2, 7, 64), bits=8, group_size=-1, has_zeros=False)
+    assert sym.zeros is None and sym.group_size == -1 and sym.scales.shape == (2, 7, 1)
+    key = jax.random.key(1)
+    make = functools.partial(wj.random_quantized_experts, shape=(2, 8, 64), group_size=32)
+    _assert_same(jax.jit(make)(key), make(key))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(shape=(1, 8, 60)), r"K=60 is not a multiple of 8 \(bits=4\)"),
+        (dict(shape=(1, 8, 64), group_size=48), "K=64 is not a multiple of group_size=48"),
+        (dict(shape=(1, 7, 64)), "int4 zero points need an even N, got N=7"),
+        (dict(shape=(1, 8, 64), zero_range="wide"), "zero_range='wide' is not one of"),
+        (dict(shape=(1, 8, 64), bits=2), "bits=2 is not supported"),
+    ],
+)
+def test_random_quantized_experts_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        wj.random_quantized_experts(np.random.default_rng(0), **{"group_size": 32, **kwargs})

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wna16_jax import _reference
+from wna16_jax import _pipeline, _reference, _routing
+from wna16_jax._types import BlockConfig
 
 # ---- moe_align_block_size -------------------------------------------------------------------
 
@@ -16,27 +19,27 @@ from wna16_jax import _reference
 _align = jax.jit(_reference.moe_align_block_size, static_argnames=("num_experts", "block_m"))
 
 
-def _routing_ids(rng, kind: str, T: int, k: int, E: int) -> np.ndarray:
+def _routing_ids(rng, pattern: str, T: int, k: int, E: int) -> np.ndarray:
     """int32 [T, k] global ids of one routing pattern."""
-    if kind == "random":
+    if pattern == "random":
         return helpers.random_routing(rng, T, k, E)[1]
-    if kind == "duplicates":  # with replacement: a token may pick one expert twice
+    if pattern == "duplicates":  # with replacement: a token may pick one expert twice
         return helpers.random_routing(rng, T, k, E, distinct=False)[1]
-    if kind == "one_expert":
+    if pattern == "one_expert":
         return np.full((T, k), rng.integers(0, E), np.int32)
-    if kind == "every_expert":  # k == E: every token uses every expert, in a random order
+    if pattern == "every_expert":  # k == E: every token uses every expert, in a random order
         return helpers.random_routing(rng, T, E, E)[1]
-    if kind == "out_of_range":
+    if pattern == "out_of_range":
         ids = helpers.random_routing(rng, T, k, E)[1]
         bad = rng.random(ids.shape) < 0.3
         ids[bad] = rng.choice([-1, -7, E, E + 3, 2**30], size=int(bad.sum()))
         return ids
-    raise AssertionError(kind)
+    raise AssertionError(pattern)
 
 
 # Cases of one (T, k, E) share a compile of the jitted align; each block_m is another compile.
 ALIGN_CASES = [
-    # (kind, T, k, E)
+    # (pattern, T, k, E)
     ("random", 37, 4, 8),
     ("duplicates", 37, 4, 8),
     ("one_expert", 37, 4, 8),
@@ -55,27 +58,27 @@ ALIGN_CASES = [
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
-@pytest.mark.parametrize("kind, T, k, E", ALIGN_CASES)
-def test_align_matches_numpy(rng, kind, T, k, E, block_m):
-    ids = _routing_ids(rng, kind, T, k, E)
+@pytest.mark.parametrize("pattern, T, k, E", ALIGN_CASES)
+def test_align_matches_numpy(rng, pattern, T, k, E, block_m):
+    ids = _routing_ids(rng, pattern, T, k, E)
     routing = _align(jnp.asarray(ids), num_experts=E, block_m=block_m)
     helpers.assert_alignment_matches(routing, ids, num_experts=E, block_m=block_m)
 
 
-@pytest.mark.parametrize("kind", ["random", "one_expert", "out_of_range"])
-def test_align_block_m_32(rng, kind):
-    ids = _routing_ids(rng, kind, 37, 4, 8)
+@pytest.mark.parametrize("pattern", ["random", "one_expert", "out_of_range"])
+def test_align_block_m_32(rng, pattern):
+    ids = _routing_ids(rng, pattern, 37, 4, 8)
     routing = _align(jnp.asarray(ids), num_experts=8, block_m=32)
     helpers.assert_alignment_matches(routing, ids, num_experts=8, block_m=32)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize(
-    "kind, T, k, E", [c for c in ALIGN_CASES if c[1] > 0 and c[:2] != ("random", 64)]
+    "pattern, T, k, E", [c for c in ALIGN_CASES if c[1] > 0 and c[:2] != ("random", 64)]
 )
-def test_align_with_expert_map(rng, kind, T, k, E, block_m):
+def test_align_with_expert_map(rng, pattern, T, k, E, block_m):
     """Off-shard experts keep their runs but their blocks say -1; local ids are remapped."""
-    ids = _routing_ids(rng, kind, T, k, E)
+    ids = _routing_ids(rng, pattern, T, k, E)
     num_local = max(1, E // 4)
     local_globals = rng.choice(E, size=num_local, replace=False)
     expert_map = np.full(E, -1, np.int32)
@@ -98,10 +101,10 @@ def test_align_all_ids_dropped(rng):
 
 def test_max_padded_len():
     # T*k + E*(block_m - 1), rounded up to block_m.
-    assert _reference.max_padded_len(0, 8, 16) == 128
-    assert _reference.max_padded_len(37 * 2, 8, 16) == 208  # 74 + 120 = 194 -> 208
-    assert _reference.max_padded_len(1, 1, 64) == 64
-    assert _reference.max_padded_len(5, 3, 1) == 5
+    assert _routing.max_padded_len(0, 8, 16) == 128
+    assert _routing.max_padded_len(37 * 2, 8, 16) == 208  # 74 + 120 = 194 -> 208
+    assert _routing.max_padded_len(1, 1, 64) == 64
+    assert _routing.max_padded_len(5, 3, 1) == 5
 
 
 # ---- fused_moe ------------------------------------------------------------------------------
@@ -242,7 +245,9 @@ def test_fused_moe_expert_map(rng, dtype, E_global):
 
 @pytest.mark.parametrize("T, chunk_tokens", [(37, 8), (20, 5)])
 def test_fused_moe_chunking(rng, T, chunk_tokens):
-    """chunk_tokens < T processes tokens in chunks (the last one padded) with the same result."""
+    """chunk_tokens < T processes tokens in chunks (the last one padded, `_pipeline`'s
+    map_token_chunks) with the same result, bit for bit: a token's sums do not depend on the
+    other tokens of its chunk."""
     x, w13, w2, wts, ids = helpers.random_moe_inputs(
         rng, T=T, H=64, I=32, E=6, k=2, dtype=jnp.float32
     )
@@ -251,7 +256,8 @@ def test_fused_moe_chunking(rng, T, chunk_tokens):
     ids = jnp.asarray(ids)
     chunked = _reference.fused_moe(x, w13, w2, wts, ids, chunk_tokens=chunk_tokens)
     whole = _reference.fused_moe(x, w13, w2, wts, ids)
-    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-6, atol=1e-7)
+    assert T <= _pipeline.DEFAULT_CHUNK_TOKENS  # whole: one chunk
+    np.testing.assert_array_equal(np.asarray(chunked), np.asarray(whole))
     helpers.assert_close(chunked, _oracle(x, w13, w2, wts, ids), jnp.float32)
 
 
@@ -274,3 +280,55 @@ def test_grouped_matmul_matches_numpy(rng):
         if expert_map[g] >= 0:
             want[s] = (w[expert_map[g]] @ a[s // k].astype(np.float64)) * wts.reshape(-1)[s]
     helpers.assert_close(out, want, jnp.float32)
+
+
+# ---- the pipeline (wna16_jax._pipeline) -----------------------------------------------------
+
+
+def test_routed_weights_in_the_sum_equal_gemm2s(rng):
+    """The reference's stages with the routed weights applied by the top-k sum (as the Mosaic
+    GPU layer does) instead of GEMM2: the same layer, to f32 rounding."""
+    x, w13, w2, wts, ids = helpers.random_moe_inputs(
+        rng, T=11, H=64, I=32, E=6, k=3, dtype=jnp.float32
+    )
+    ids = np.asarray(ids).copy()
+    ids[0, 1] = -1  # dropped: its row is not kept
+    in_gemm2 = _reference.stages()
+    in_sum = dataclasses.replace(in_gemm2, routed_weights="sum")
+    want = jax.jit(lambda ids: _pipeline.fused_moe(in_gemm2, x, w13, w2, wts, ids))(ids)
+    got = jax.jit(lambda ids: _pipeline.fused_moe(in_sum, x, w13, w2, wts, ids))(ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    helpers.assert_close(got, _oracle(x, w13, w2, wts, ids), jnp.float32)
+
+
+def test_sum_over_top_k_reads_each_slots_row(rng):
+    """Rows in block order: slot s's row is y[slot_rows[s]]; slots not kept count zero; the
+    weights multiply each row before the f32 sum over a token's k slots."""
+    t, k, h, rows = 5, 3, 4, 20
+    y = rng.normal(size=(rows, h)).astype(np.float32)
+    slot_rows = rng.permutation(rows)[: t * k].astype(np.int32)
+    keep = rng.random(t * k) < 0.7
+    wts = rng.uniform(0.1, 1.0, size=(t, k)).astype(np.float32)
+    routed = _pipeline.Routed(None, k, jnp.asarray(keep), jnp.asarray(slot_rows))
+    got = _pipeline.sum_over_top_k(jnp.asarray(y), routed, jnp.asarray(wts))
+    want = np.where(keep[:, None], y[slot_rows], 0.0).reshape(t, k, h) * wts[..., None]
+    np.testing.assert_allclose(np.asarray(got), want.sum(axis=1), rtol=1e-6, atol=1e-6)
+    per_slot = _pipeline.Routed(None, k, jnp.asarray(keep))  # row s is slot s, weights applied
+    got = _pipeline.sum_over_top_k(jnp.asarray(y[: t * k]), per_slot)
+    want = np.where(keep[:, None], y[: t * k], 0.0).reshape(t, k, h).sum(axis=1)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_block_configs_share_gemm1s_block_m(monkeypatch):
+    """GEMM2 takes GEMM1's block_m (one alignment) and, below a tensor-core tile, dot="fma"."""
+    w13 = helpers.random_quantized_experts(np.random.default_rng(0), 4, 256, 128, 4, 64, True)
+    w2 = helpers.random_quantized_experts(np.random.default_rng(1), 4, 128, 128, 4, 64, True)
+    c1, c2 = _pipeline.block_configs(64, w13, w2, None)
+    assert c2.block_m == c1.block_m
+    rules = _pipeline.GemmRules(
+        "test",
+        _pipeline.wna16_rules().shape_of,
+        lambda shape, config: (BlockConfig(block_m=8 if shape.n == 256 else 32), "test"),
+    )
+    c1, c2 = _pipeline.block_configs(64, w13, w2, None, rules=rules)
+    assert (c1.block_m, c2.block_m, c1.dot, c2.dot) == (8, 8, "mma", "fma")

@@ -279,7 +279,7 @@ def test_tp_placement_specs(rng, devices8, group_size):
 
 def test_random_sharded_experts(devices8):
     mesh = jax.make_mesh((4, 2), ("e", "t"), devices=devices8)
-    kwargs = dict(bits=4, group_size=32, has_zp=True, dtype=jnp.bfloat16)
+    kwargs = dict(bits=4, group_size=32, has_zeros=True, dtype=jnp.bfloat16)
     key = jax.random.key(7)
     got = sh.random_sharded_experts(
         key, 8, 16, 64, mesh=mesh, expert_axis="e", n_axis="t", **kwargs
@@ -295,6 +295,12 @@ def test_random_sharded_experts(devices8):
     assert all(words[0].shape == w.shape for w in words)
     assert len({w.tobytes() for w in words}) == len(words)
     assert float(np.std(np.concatenate(words).astype(np.float64))) > 1e8  # not constant
+    # The values are those of the unsharded generator with the same key.
+    want = wj.random_quantized_experts(key, (8, 16, 64), **kwargs)
+    for name in ("qweight", "scales", "zeros"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        )
 
 
 # ---- sharded fused_moe equals unsharded -----------------------------------------------------
@@ -318,6 +324,28 @@ def test_sharded_matches_unsharded(rng, devices8, layout_name, T, mode):
     n_tok = mesh.shape[token_axis]
     sharded_out = mode == "all_to_all" and T % n_tok == 0
     assert out.sharding.spec == (P(token_axis, None) if sharded_out else P(None, None))
+
+
+@pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
+@pytest.mark.parametrize(
+    "shape,axes", [((2, 2), ("d", "e")), ((2, 2, 2), ("d", "e", "t")), ((2,), ("d",))]
+)
+def test_data_axis_splits_the_tokens(rng, devices8, shape, axes, mode):
+    """A data axis splits the tokens first (T = 13 is padded to a whole number per shard), the
+    experts split over "e" / "t" or, without them, whole on every device: the unsharded layer."""
+    layout = Layout(shape, axes, bits=4, group_size=16, has_zp=True)
+    mesh = make_mesh(layout, devices8)
+    x, w13, w2, wts, ids = make_problem(rng, layout, 13)
+    ea, ta = layout.expert_axis, layout.tensor_axis
+    w13s, w2s = (w13, w2) if ea is None and ta is None else place(layout, mesh, w13, w2)
+    f = jax.jit(
+        functools.partial(
+            sh.fused_moe_ep, mesh=mesh, expert_axis=ea, tensor_axis=ta, data_axis="d", mode=mode
+        )
+    )
+    check_against_unsharded(f(x, w13s, w2s, wts, ids), x, w13, w2, wts, ids)
+    with pytest.raises(ValueError, match="the mesh axes must differ"):
+        sh.fused_moe_ep(x, w13s, w2s, wts, ids, mesh=mesh, expert_axis="d", data_axis="d")
 
 
 @pytest.mark.parametrize("layout_name,T", [("ep8", 13), ("ep8", 64), ("ep2xtp2", 13)])

@@ -3,7 +3,7 @@
 Each case lowers the whole fused_moe at DeepSeek-V3 shapes for the "cuda" platform and compiles
 every kernel with the `triton` package (tests/sm90.py), then checks what a GPU would reject at
 launch: shared memory over the H200's 227 KiB. Skipped when triton is not installed (CI); with
-it (`pip install triton==3.6.0`) a GPU-free machine catches build failures before device time.
+it (`pip install triton==3.6.0`) a GPU-free machine catches build failures before any GPU run.
 """
 
 from __future__ import annotations
@@ -110,7 +110,10 @@ DSV3_LINEARS = {
 @pytest.mark.parametrize("rows", [1, 64])
 @pytest.mark.parametrize("name", sorted(DSV3_LINEARS))
 def test_deepseek_v3_linears_build_for_sm90(name, rows):
-    from wna16_jax import linear
+    """A quantized linear's kernel: the 'pallas' backend's grouped GEMM with one expert at the
+    config it resolves (wna16_jax.linear runs the same; its backend selection needs a GPU)."""
+    from wna16_jax import _dispatch, linear
+    from wna16_jax._configs import GemmShape
 
     n, k = DSV3_LINEARS[name]
     w = abstract_experts(n, k, 4, 128, True)
@@ -120,9 +123,14 @@ def test_deepseek_v3_linears_build_for_sm90(name, rows):
         group_size=128,
     )
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
-    kernels = sm90.compile_for_sm90(
-        lambda x, w: linear.quantized_matmul(x, w, implementation="pallas"), x, w
-    )
+    gemm = _dispatch.get_backend("pallas").grouped_matmul
+    config, _ = gemm.config(GemmShape.of_weights(w, m=rows), None)
+
+    def run(x, w):
+        routing = linear.identity_routing(rows, config.block_m)
+        return gemm.run(x, w, routing, top_k=1, config=config, out_dtype=jnp.float32)
+
+    kernels = sm90.compile_for_sm90(run, x, w)
     assert [k.name for k in kernels] == ["wna16_gemm_int4"]
     assert kernels[0].shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES
 

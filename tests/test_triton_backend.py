@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from backend_cases import CASES, FusedMoeCases
 
 import wna16_jax as wj
 from pallas_kernels.jax_triton import backend as triton_backend
@@ -651,7 +652,7 @@ def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
     from pallas_kernels.triton.fused_moe import gemm_configs
 
     fma = BlockConfig(block_m=1, block_n=64, block_k=64, split_k=2, dot="fma")
-    monkeypatch.setattr(_configs, "lookup_tuned", lambda shape, kind: fma)
+    monkeypatch.setattr(_configs, "lookup_gemm", lambda shape, kind: fma)
     e, h, i, t, k = 8, 256, 128, 3, 2
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
@@ -749,17 +750,36 @@ def test_align_gpu(rng, jax_triton_ready, t, k, e, block_m, with_map, pattern):
 
 # ---- the MoE layer: interpreted on CPU, through the public API on GPU -----------------------
 
-# (T, H, I, E, top_k, bits, group, has_zp, dtype)
-LAYER_CASES = [
-    (5, 128, 64, 8, 2, 4, 32, True, BF16),
-    (7, 128, 128, 16, 4, 8, 64, False, F16),
-    (3, 256, 64, 8, 2, 4, -1, True, F32),
-    (12, 128, 128, 64, 6, 8, 128, True, BF16),
-]
+
+@needs_triton
+class TestTritonInterpreted(FusedMoeCases):
+    """The fused_moe checks of every backend (tests/backend_cases.py), the kernels in Triton's
+    interpreter (the backend module's fused_moe: no registered backend runs them so)."""
+
+    IMPLEMENTATION = "triton (interpreted)"
+    CASES = CASES[:2]  # Triton's interpreter is slow
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
+        from pallas_kernels.jax_triton import fused_moe as triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, interpret=True, **kwargs)
+
+    def fused_moe_in_chunks(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
+        return self.fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs)
 
 
-def _layer_id(T, H, I, E, k, bits, g, zp, dtype) -> str:
-    return f"T{T}-H{H}-I{I}-E{E}-k{k}-int{bits}-g{g}-{'zp' if zp else 'sym'}-{dtype.name}"
+@pytest.mark.gpu
+class TestTritonCompiled(FusedMoeCases):
+    IMPLEMENTATION = "triton"
+
+    @pytest.fixture(autouse=True)
+    def _ready(self, jax_triton_ready):
+        pass
+
+    def fused_moe_in_chunks(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
+        from pallas_kernels.jax_triton import fused_moe as triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs)
 
 
 def _with_dropped_ids(ti, e):
@@ -768,25 +788,6 @@ def _with_dropped_ids(ti, e):
     if ids.shape[0] > 2:
         ids[2, 0] = e + 3
     return jnp.asarray(ids)
-
-
-@needs_triton
-@pytest.mark.parametrize(
-    "T, H, I, E, top_k, bits, group, has_zp, dtype",
-    LAYER_CASES[:2],
-    ids=[_layer_id(*c) for c in LAYER_CASES[:2]],
-)
-def test_layer_interpreted(rng, T, H, I, E, top_k, bits, group, has_zp, dtype):
-    from pallas_kernels.jax_triton import fused_moe as triton_moe
-
-    x, w13, w2, tw, ti = helpers.random_moe_inputs(
-        rng, T=T, H=H, I=I, E=E, k=top_k, bits=bits, group_size=group, has_zp=has_zp, dtype=dtype
-    )
-    ti = _with_dropped_ids(ti, E)
-    out = triton_moe.fused_moe(x, w13, w2, tw, ti, interpret=True)
-    ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla")
-    assert out.shape == x.shape and out.dtype == x.dtype
-    assert_moe_close(out, ref, dtype, "interpreted triton vs xla")
 
 
 @pytest.fixture
@@ -808,12 +809,11 @@ def triton_interpret_backend(monkeypatch):
 
 
 @needs_triton
-def test_interpreted_under_jit_chunks_and_shard_map(rng, triton_interpret_backend):
-    """The pipeline through the public API under jax.jit (expert_map traced), in token chunks,
-    and inside jax.shard_map (EP over JAX's devices) equals the 'xla' backend."""
+def test_interpreted_in_shard_map(rng, triton_interpret_backend):
+    """The pipeline through the public API inside jax.shard_map (EP over JAX's devices) equals
+    the 'xla' backend."""
     from jax.sharding import PartitionSpec as P
 
-    from pallas_kernels.jax_triton import fused_moe as triton_moe
     from wna16_jax import sharding as sh
 
     name = triton_interpret_backend
@@ -821,15 +821,6 @@ def test_interpreted_under_jit_chunks_and_shard_map(rng, triton_interpret_backen
     x, w13, w2, tw, ti = helpers.random_moe_inputs(rng, T=t, H=128, I=64, E=e, k=2)
     ti = _with_dropped_ids(ti, e)
     ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla")
-
-    expert_map = jnp.asarray(rng.permutation(e).astype(np.int32))  # all local, permuted
-    layer = jax.jit(functools.partial(wj.fused_moe, implementation=name))
-    jitted = layer(x, w13, w2, tw, ti, expert_map=expert_map)
-    want = wj.fused_moe(x, w13, w2, tw, ti, expert_map=expert_map, implementation="xla")
-    assert_moe_close(jitted, want, BF16, "jit vs xla")
-
-    chunked = triton_moe.fused_moe(x, w13, w2, tw, ti, chunk_tokens=4, interpret=True)
-    assert_moe_close(chunked, ref, BF16, "3 token chunks vs xla")
 
     n = math.gcd(jax.device_count(), e)
     mesh = jax.make_mesh((n,), ("e",), devices=jax.devices()[:n])
@@ -854,27 +845,9 @@ def test_interpreted_under_jit_chunks_and_shard_map(rng, triton_interpret_backen
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "T, H, I, E, top_k, bits, group, has_zp, dtype",
-    LAYER_CASES,
-    ids=[_layer_id(*c) for c in LAYER_CASES],
-)
-def test_layer_gpu(rng, jax_triton_ready, T, H, I, E, top_k, bits, group, has_zp, dtype):
-    x, w13, w2, tw, ti = helpers.random_moe_inputs(
-        rng, T=T, H=H, I=I, E=E, k=top_k, bits=bits, group_size=group, has_zp=has_zp, dtype=dtype
-    )
-    ti = _with_dropped_ids(ti, E)
-    out = wj.fused_moe(x, w13, w2, tw, ti, implementation="triton")
-    ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla")
-    assert out.shape == x.shape and out.dtype == x.dtype
-    assert_moe_close(out, ref, dtype, "triton vs xla")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split_k", [None, 2], ids=["heuristic", "split2"])
-def test_layer_expert_map_gpu(rng, jax_triton_ready, split_k):
-    """A quarter of the experts local: tokens routed only off-shard give exactly 0, the rest
-    matches 'xla' with the same map; under jax.jit with expert_map traced."""
+def test_layer_split_k_with_expert_map_gpu(rng, jax_triton_ready):
+    """split_k=2 with a quarter of the experts local: tokens routed only off-shard give exactly
+    0, the rest matches 'xla' with the same map; under jax.jit with expert_map traced."""
     t, k, e = 10, 2, 16
     expert_map = quarter_local_map(rng, e)
     emap = np.asarray(expert_map)
@@ -887,7 +860,7 @@ def test_layer_expert_map_gpu(rng, jax_triton_ready, split_k):
     ids[3] = rng.choice(local, size=k, replace=False)
     ids[4, 0] = -1
     ti = jnp.asarray(ids)
-    config = None if split_k is None else BlockConfig(16, 64, 64, split_k=split_k)
+    config = BlockConfig(16, 64, 64, split_k=2)
 
     @jax.jit
     def layer(x, w13, w2, tw, ti, expert_map):
@@ -899,16 +872,6 @@ def test_layer_expert_map_gpu(rng, jax_triton_ready, split_k):
     ref = wj.fused_moe(x, w13, w2, tw, ti, expert_map=expert_map, implementation="xla")
     np.testing.assert_array_equal(np.asarray(out[:3], np.float32), 0.0, err_msg="off-shard only")
     assert_moe_close(out, ref, BF16, "triton (jit, expert_map) vs xla")
-
-
-@pytest.mark.gpu
-def test_layer_chunks_gpu(rng, jax_triton_ready):
-    from pallas_kernels.jax_triton import fused_moe as triton_moe
-
-    x, w13, w2, tw, ti = helpers.random_moe_inputs(rng, T=10, H=128, I=128, E=8, k=2)
-    chunked = triton_moe.fused_moe(x, w13, w2, tw, ti, chunk_tokens=4)
-    ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla")
-    assert_moe_close(chunked, ref, BF16, "3 token chunks vs xla")
 
 
 @pytest.mark.gpu

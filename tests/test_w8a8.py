@@ -1,7 +1,7 @@
 """Tests of int8 MoE: W8A8 (int8 activations per token or static) and W8A16, and its oracle.
 
 The 'xla' backend is the oracle: it quantizes the activations exactly as the kernels do
-(`_reference.quantize_activations_*`, the same XLA code) and computes the products exactly
+(`_activations.quantize_activations_*`, the same XLA code) and computes the products exactly
 (int32 per group, scales in f32). It is itself checked against float64 numpy that quantizes in
 numpy. Kernel outputs are compared with it on the same weights, so neither weight nor
 activation quantization error hides inside a tolerance. Inputs are random (never zeros), fresh
@@ -18,6 +18,7 @@ How to run:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -28,12 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from backend_cases import FusedMoeCases, MoeCase
 from jax.experimental import pallas as pl
 
 import wna16_jax as wj
 from pallas_kernels.triton import fused_moe as pallas_moe
 from pallas_kernels.triton import w8a8_gemm as w8a8_module
-from wna16_jax import _dispatch, _reference, formats
+from wna16_jax import _activations, _dispatch, _pipeline, _reference, formats
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -188,7 +190,7 @@ def test_quantize_per_token_matches_numpy(rng, dtype):
     x[3] = 0.0  # an all-zero token: scale 0, q 0
     x[5, 7] = -np.abs(x[5]).max() * 2  # a negative row maximum
     x = jnp.asarray(x, dtype)
-    q, s = _reference.quantize_activations_per_token(x)
+    q, s = _activations.quantize_activations_per_token(x)
     assert q.dtype == jnp.int8 and q.shape == x.shape and s.dtype == jnp.float32
     want_q, want_s = numpy_quantize_per_token(np.asarray(x, np.float32))
     np.testing.assert_array_equal(np.asarray(s), want_s)
@@ -206,7 +208,7 @@ def test_quantize_per_token_matches_numpy(rng, dtype):
 
 def test_quantize_static_matches_numpy_and_clips(rng):
     x = jnp.asarray(rng.normal(size=(9, 64)) * 3, jnp.float32)
-    q, s = _reference.quantize_activations_static(x, 0.01)
+    q, s = _activations.quantize_activations_static(x, 0.01)
     want_q, want_s = numpy_quantize_static(np.asarray(x), 0.01)
     np.testing.assert_array_equal(np.asarray(q), want_q)
     np.testing.assert_array_equal(np.asarray(s), want_s)
@@ -311,28 +313,41 @@ def test_w8a8_is_close_to_w8a16(rng):
 
 # ---- kernels against the oracle -------------------------------------------------------------
 
-# (T, H, I, E, top_k, dtype, scheme, distinct experts per token)
-KERNEL_CASES = [
-    # H=128: "slices" block_k=128; I=64: "tile" block_k=64 (a slice would contract 16 < 32).
-    (9, 128, 64, 8, 2, BF16, "per_token", True),
-    (5, 256, 128, 16, 4, F16, "static", True),
-    (12, 128, 128, 8, 3, F32, "per_token", False),
-]
-
-
-@pytest.mark.parametrize(
-    "T, H, I, E, top_k, dtype, scheme, distinct",
-    KERNEL_CASES,
-    ids=[f"T{c[0]}-H{c[1]}-I{c[2]}-E{c[3]}-k{c[4]}-{c[5].name}-{c[6]}" for c in KERNEL_CASES],
+# The fused_moe checks of every backend (tests/backend_cases.py) with int8 activations: int8
+# per-channel symmetric weights. H=128: "slices" block_k=128; I=64: "tile" block_k=64 (a slice
+# would contract 16 < 32).
+W8A8_CASES = (
+    MoeCase(9, 8, 2, 128, 64, 8, -1, False, "bfloat16", act_quant="int8_per_token"),
+    MoeCase(5, 16, 4, 256, 128, 8, -1, False, "float16", act_quant="int8_static"),
+    MoeCase(12, 8, 3, 128, 128, 8, -1, False, "float32", False, act_quant="int8_per_token"),
 )
-def test_w8a8_kernels_match_oracle(rng, T, H, I, E, top_k, dtype, scheme, distinct):
-    x, w13, w2, tw, ti = w8a8_inputs(rng, T=T, H=H, I=I, E=E, k=top_k, dtype=dtype)
-    aq = PER_TOKEN if scheme == "per_token" else static_scales(x)
-    out, ref = run_both(x, w13, w2, tw, ti, activation_quant=aq)
-    assert_moe_close(out, ref, W8A8_VS_ORACLE[dtype], "W8A8 kernels vs xla oracle")
-    if INTERPRET:
+
+
+class TestW8A8Interpreted(FusedMoeCases):
+    IMPLEMENTATION = "pallas_interpret"
+    BACKEND_FUSED_MOE = staticmethod(functools.partial(pallas_moe.fused_moe, interpret=True))
+    ACTIVATION_QUANTS = ("int8_per_token", "int8_static")
+    CASES = W8A8_CASES
+    SMALL = MoeCase(9, 8, 2, 128, 128, 8, -1, False, act_quant="int8_per_token")
+
+    def tolerance(self, dtype) -> float:
+        return W8A8_VS_ORACLE[jnp.dtype(dtype)]
+
+    def assert_close(self, out, ref, dtype, what: str) -> None:
+        super().assert_close(out, ref, dtype, what)
         # The interpreter runs the oracle's f32 operations in the oracle's order.
-        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(out, np.float32), np.asarray(ref, np.float32), err_msg=what
+        )
+
+
+@pytest.mark.gpu
+class TestW8A8Compiled(TestW8A8Interpreted):
+    IMPLEMENTATION = "pallas"
+    BACKEND_FUSED_MOE = staticmethod(pallas_moe.fused_moe)
+
+    def assert_close(self, out, ref, dtype, what: str) -> None:
+        FusedMoeCases.assert_close(self, out, ref, dtype, what)
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -340,7 +355,7 @@ def test_w8a8_gemm_matches_reference_gemm(rng, split_k):
     """The GEMM alone: bitwise equal to the oracle's GEMM without split-K, f32-close with it."""
     r, kdim, n, e, top_k = 7, 128, 64, 4, 2
     qw = helpers.random_quantized_experts(rng, e, n, kdim, 8, -1, False, BF16)
-    a_q, a_s = _reference.quantize_activations_per_token(jnp.asarray(rng.normal(size=(r, kdim))))
+    a_q, a_s = _activations.quantize_activations_per_token(jnp.asarray(rng.normal(size=(r, kdim))))
     tw, ti = helpers.random_routing(rng, r, top_k, e)
     rw = jnp.asarray(tw).reshape(-1)
     routing = _reference.moe_align_block_size(jnp.asarray(ti), num_experts=e, block_m=16)
@@ -387,23 +402,6 @@ def test_w8a8_expert_map_dropped_ids_and_split_k(rng):
     )
     np.testing.assert_array_equal(np.asarray(out[:3], np.float32), 0.0, err_msg="off-shard")
     assert_moe_close(out, ref, W8A8_VS_ORACLE[BF16], "W8A8 split-K + expert_map vs oracle")
-
-
-def test_w8a8_under_jit_and_zero_tokens(rng):
-    x, w13, w2, tw, ti = w8a8_inputs(rng, T=6, H=128, I=64, E=8, k=2)
-    aq = static_scales(x)
-
-    @jax.jit
-    def layer(x, w13, w2, tw, ti):
-        return wj.fused_moe(x, w13, w2, tw, ti, activation_quant=aq, implementation=IMPLEMENTATION)
-
-    out = layer(x, w13, w2, tw, ti)
-    ref = wj.fused_moe(x, w13, w2, tw, ti, activation_quant=aq, implementation="xla")
-    assert_moe_close(out, ref, W8A8_VS_ORACLE[BF16], "jit W8A8 vs xla oracle")
-    empty = wj.fused_moe(
-        x[:0], w13, w2, tw[:0], ti[:0], activation_quant=PER_TOKEN, implementation=IMPLEMENTATION
-    )
-    assert empty.shape == (0, 128) and empty.dtype == x.dtype
 
 
 @pytest.mark.parametrize(
@@ -463,7 +461,7 @@ def test_w8a8_config_too_narrow_for_int8_dot_raises_before_any_kernel(rng, monke
 
 def test_w8a8_gemm_refuses_other_weights(rng):
     qw = helpers.random_quantized_experts(rng, 2, 32, 128, 4, 32, True, BF16)
-    a_q, a_s = _reference.quantize_activations_per_token(jnp.ones((3, 128)))
+    a_q, a_s = _activations.quantize_activations_per_token(jnp.ones((3, 128)))
     routing = _reference.moe_align_block_size(
         jnp.zeros((3, 1), jnp.int32), num_experts=2, block_m=16
     )
@@ -666,7 +664,7 @@ def test_automatic_choice_for_w4a8_is_the_oracle(rng, caplog, monkeypatch):
 
 def test_pipeline_logs_w8a8_configs(rng, caplog, monkeypatch):
     """The W8A8 GEMM configs are resolved by their own rules and logged (no kernel runs)."""
-    monkeypatch.setattr(pallas_moe, "_logged_configs", set())
+    monkeypatch.setattr(_pipeline, "_logged_configs", set())
     caplog.set_level(logging.INFO, logger="wna16_jax")
     _, w13, w2, _, _ = w8a8_inputs(rng, T=3, H=128, I=64, E=4, k=2)
     c1, c2 = pallas_moe.gemm_configs(6, w13, w2, None, activation_quant=PER_TOKEN)

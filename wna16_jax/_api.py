@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wna16_jax import _dispatch, _reference
+from wna16_jax import _activations, _dispatch
+from wna16_jax._configs import GemmShape
 from wna16_jax._types import (
     ACTIVATION_QUANT_SCHEMES,
     MAX_ARRAY_ELEMENTS,
     ActivationQuant,
     AlignedRouting,
     BlockConfig,
+    MgpuConfig,
     QuantizedExperts,
 )
 
@@ -86,6 +90,14 @@ def normalize_activation_quant(activation_quant) -> ActivationQuant | None:
     return activation_quant
 
 
+def _check_activation(activation) -> None:
+    if activation not in _activations.ACTIVATIONS:
+        raise ValueError(
+            f"activation={activation!r} is not supported (supported: "
+            f"{sorted(_activations.ACTIVATIONS)})"
+        )
+
+
 def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation):
     """Raises ValueError naming the values for any malformed fused_moe input."""
     if x.ndim != 2:
@@ -120,11 +132,7 @@ def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, ac
     if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
         raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     _check_expert_map(expert_map, e)
-    if activation not in _reference.ACTIVATIONS:
-        raise ValueError(
-            f"activation={activation!r} is not supported (supported: "
-            f"{sorted(_reference.ACTIVATIONS)})"
-        )
+    _check_activation(activation)
     _check_elements("x", x)
 
 
@@ -171,11 +179,11 @@ def fused_moe(
     expert_map=None,
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
-    config: BlockConfig | None = None,
+    config: BlockConfig | MgpuConfig | None = None,
     activation_quant: str | ActivationQuant | None = None,
     out_dtype=None,
 ):
-    """A whole MoE layer with weight-only quantized experts (DESIGN.md steps 1-5).
+    """A whole MoE layer with weight-only quantized experts (docs/design.md, steps 1-5).
 
     out[t] = sum_j topk_weights[t, j] * w2[e] @ act(w13[e] @ x[t]),  e = topk_ids[t, j],
     where act splits its input into gate (rows 0..I-1) and up (rows I..2I-1).
@@ -197,10 +205,11 @@ def fused_moe(
             shards (they contribute exactly zero).
         activation: "silu".
         implementation: None (automatic), a backend name ("xla", "pallas",
-            "pallas_interpret"), or names tried in order.
-        config: optional BlockConfig for the kernels; None = tuned table, then heuristic.
-            The 'mgpu' backend also takes its own MgpuConfig, or ByRouting() (its block size
-            picked at run time from the routing; pallas_kernels/mosaic_gpu/fused_moe.py).
+            "pallas_interpret", "mgpu", "triton", ...: `registered_backends()`), or names
+            tried in order.
+        config: optional BlockConfig for the kernels; None = the device's tuned table for the
+            problem (nearest M), then the backend's heuristic. The 'mgpu' backend also takes
+            its own MgpuConfig (a BlockConfig gives it block_m, block_k and num_stages).
         activation_quant: None (16-bit activations: WNA16), "int8_per_token" (dynamic
             per-token int8), or a wj.ActivationQuant (e.g. static per-tensor scales).
         out_dtype: the output dtype, default x.dtype. Every backend sums the top-k slots in
@@ -283,7 +292,7 @@ def moe_align_block_size(
         implementation: as for `fused_moe`.
 
     Returns:
-        AlignedRouting (sorted_token_ids, expert_ids, num_tokens_post_padded); DESIGN.md gives
+        AlignedRouting (sorted_token_ids, expert_ids, num_tokens_post_padded); docs/design.md gives
         the layout.
     """
     _check_topk_ids(topk_ids)
@@ -309,3 +318,153 @@ def moe_align_block_size(
         block_m=block_m,
         expert_map=None if expert_map is None else expert_map.astype(jnp.int32),
     )
+
+
+def _gemm_problem(w: QuantizedExperts, num_slots: int, dtype) -> _dispatch.GemmProblem:
+    if not isinstance(w, QuantizedExperts):
+        raise ValueError(f"w must be a QuantizedExperts, got {type(w).__name__}")
+    w.validate("w")
+    if jnp.dtype(dtype) not in ACTIVATION_DTYPES:
+        raise ValueError(f"the activation dtype must be bfloat16, float16 or float32, got {dtype}")
+    return _dispatch.GemmProblem(
+        platform=_dispatch.current_platform(),
+        shape=GemmShape.of_weights(w, m=num_slots),
+        dtype=jnp.dtype(dtype).name,
+        has_zeros=w.has_zeros,
+        layout=w.layout,
+    )
+
+
+def gemm_config(
+    w: QuantizedExperts,
+    num_slots: int,
+    *,
+    dtype=jnp.bfloat16,
+    implementation: str | Sequence[str] | None = None,
+    config: BlockConfig | None = None,
+) -> BlockConfig:
+    """The BlockConfig a backend's grouped GEMM runs for `num_slots` rows over `w` (nothing runs).
+
+    Args:
+        w: QuantizedExperts [E, N, K].
+        num_slots: M, the GEMM's rows (token slots, T*k).
+        dtype: the activations' dtype.
+        implementation: as for `grouped_matmul`.
+        config: a BlockConfig to check against the shapes (returned when it fits).
+
+    Returns:
+        config, else the device's tuned table's (nearest M of this problem), else the
+        backend's heuristic.
+
+    Raises:
+        ValueError: a config that cannot run the shapes (the problems quoted), bad inputs.
+        NotImplementedError: no requested backend has a grouped GEMM that runs it.
+    """
+    problem = _gemm_problem(w, num_slots, dtype)
+    backend = _dispatch.select_backend(problem, implementation)
+    return backend.grouped_matmul.config(problem.shape, config)[0]
+
+
+def grouped_matmul(
+    a,
+    w: QuantizedExperts,
+    routing: AlignedRouting,
+    routed_weights=None,
+    *,
+    top_k: int,
+    config: BlockConfig | None = None,
+    implementation: str | Sequence[str] | None = None,
+    out_dtype=None,
+    activation: str | None = None,
+):
+    """The grouped GEMM of fused_moe (its steps 2 and 4) on its own, through a backend's kernel.
+
+    out[s] = a[s // top_k] @ dequant(w[e(s)]).T * routed_weights[s] for each slot s of the
+    routing, e(s) the expert of the block holding s (zeros for blocks of expert -1); with
+    activation, out[s] = activation(a[s // top_k] @ dequant(w[e(s)]).T) * routed_weights[s].
+
+    Args:
+        a: [R, K] bf16, f16 or f32 rows; the routing's slots number R * top_k.
+        w: QuantizedExperts [E, N, K].
+        routing: AlignedRouting of the R * top_k slots (`moe_align_block_size`).
+        routed_weights: optional float [R * top_k] multiplied into each slot's row.
+        top_k: slots per row of `a`.
+        config: a BlockConfig with block_m == routing.block_m; None: the backend's
+            (`gemm_config`), which must then have the routing's block_m.
+        implementation: None (automatic), a backend name with a grouped GEMM ("xla", "pallas",
+            "pallas_interpret", "triton"), or names tried in order.
+        out_dtype: the output dtype (default a.dtype), rounded once from the f32 sums.
+        activation: None, or "silu": w's rows are [gate; up] (w13) and the result is
+            silu(gate) * up of the f32 sums, [R * top_k, N/2].
+
+    Returns:
+        [R * top_k, N] (N/2 with activation) in out_dtype. Rows of slots that sit in no block
+        (ids the alignment dropped) are unspecified.
+
+    Raises:
+        ValueError: malformed inputs, or a config that cannot run the shapes.
+        NotImplementedError: no requested backend can run the GEMM (reasons listed).
+    """
+    if a.ndim != 2:
+        raise ValueError(f"a must be [R, K], got shape {_shape(a)}")
+    problem = _gemm_problem(w, int(a.shape[0]) * top_k, a.dtype)
+    if a.shape[1] != w.k:
+        raise ValueError(f"a has K={a.shape[1]} input features but w has K={w.k}")
+    if top_k < 1:
+        raise ValueError(f"top_k={top_k} must be positive")
+    if not isinstance(routing, AlignedRouting):
+        raise ValueError(f"routing must be an AlignedRouting, got {type(routing).__name__}")
+    num_slots = int(a.shape[0]) * top_k
+    if routed_weights is not None and _shape(routed_weights) != (num_slots,):
+        raise ValueError(
+            f"routed_weights must be [R * top_k] = [{num_slots}], got {_shape(routed_weights)}"
+        )
+    if activation is not None:
+        _check_activation(activation)
+        if w.n % 2:
+            raise ValueError(f"activation needs w's rows as [gate; up]: N={w.n} is odd")
+    _check_elements("a", a)
+    backend = _dispatch.select_backend(problem, implementation)
+    config, _ = backend.grouped_matmul.config(problem.shape, config)
+    if config.block_m != routing.block_m:
+        raise ValueError(
+            f"the routing was aligned with block_m={routing.block_m} but the config has "
+            f"block_m={config.block_m} ({config}); align with the config's block_m "
+            f"(gemm_config) or pass a config"
+        )
+    return backend.grouped_matmul.run(
+        a,
+        w,
+        routing,
+        routed_weights,
+        top_k=top_k,
+        config=config,
+        out_dtype=out_dtype,
+        activation=activation,
+    )
+
+
+def preferred_layout(
+    w13: QuantizedExperts, w2: QuantizedExperts, *, dtype, activation: str = "silu"
+) -> str:
+    """The layout to convert these experts to once (at load) for the fastest backend that runs
+    them on this platform: the first of _dispatch.PREFERRED_LAYOUTS whose backend accepts them
+    here (for mgpu_int4: an sm_90 GPU, int4, bfloat16 activations, silu, feature counts and
+    groups in multiples of 64), else "canonical".
+
+    Raises:
+        ValueError: experts (or a dtype, activation) that fused_moe itself would refuse.
+    """
+    top_k = 1
+    x = jax.ShapeDtypeStruct((1, w13.shape[2]), dtype)
+    ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
+    weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
+    problem, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, None)
+    if w13.bits != 4 or w2.bits != 4:
+        return "canonical"  # every kernel layout holds int4
+    for layout, name in _dispatch.PREFERRED_LAYOUTS:
+        candidate = dataclasses.replace(problem, layout=layout)
+        backend = _dispatch.get_backend(name)
+        if _dispatch.backend_reason(backend, candidate) is None:
+            return layout
+    return "canonical"

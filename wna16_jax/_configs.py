@@ -1,4 +1,4 @@
-"""Block configs: validity rules, the tuned tables (package JSON) and the untuned heuristic."""
+"""Kernel configs: the GEMM's validity rules and heuristic, and the tuned tables (package JSON)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ from importlib import resources
 
 import jax
 
-from wna16_jax._types import BlockConfig
+from wna16_jax._types import BlockConfig, MgpuConfig
 
 logger = logging.getLogger("wna16_jax")
-
-TUNED_DIR = "data/tuned"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +34,12 @@ class GemmShape:
         e, n, k = qw.shape
         return cls(
             m=m, n=n, k=k, num_experts=e, bits=qw.bits, group=qw.group, group_size=qw.group_size
+        )
+
+    def table_problem(self) -> dict:
+        """The problem keys of this GEMM's entries in a tuned table."""
+        return dict(
+            E=self.num_experts, N=self.n, K=self.k, bits=self.bits, group_size=self.group_size
         )
 
 
@@ -104,45 +108,65 @@ def check_gemm_operands(config: BlockConfig, routing, k: int, qw) -> None:
         raise ValueError(f"activations have K={k} but the weights have K={qw.shape[2]}")
 
 
-def _device_file_name(device_kind: str) -> str:
+# ---- tuned tables ----------------------------------------------------------------------------
+#
+# One JSON file per device kind, data/tuned/<device kind>.json, written by examples/tune.py:
+#
+#     {"device": "NVIDIA H200",
+#      "tables": {"<table>": {"about": "...", "entries": [
+#          {"problem": {...}, "M": 8, "config": {...}, ...}, ...]}}}
+#
+# A table holds one kernel's configs: "pallas" (the Pallas-Triton grouped GEMM's BlockConfig per
+# GEMM; problem E, N, K, bits, group_size; M the GEMM's rows, T*k token slots) and "mgpu" (the
+# Mosaic GPU layer's MgpuConfig; problem E, H, I, bits, group; M the layer's T*k token slots).
+# An entry serves the problem it names exactly, at the nearest M (ties: the smaller M).
+
+TUNED_DIR = "data/tuned"
+# Table name -> the config class of its entries.
+TABLE_CONFIGS = {"pallas": BlockConfig, "mgpu": MgpuConfig}
+
+
+def device_file_name(device_kind: str) -> str:
+    """The package file name of a device kind: "NVIDIA H200" -> "nvidia_h200.json"."""
     return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") + ".json"
 
 
 def device_file(folder: str, device_kind: str) -> dict | None:
     """The parsed JSON of the package file `folder`/<device kind>.json, or None if absent."""
     try:
-        text = resources.files("wna16_jax").joinpath(folder, _device_file_name(device_kind))
+        text = resources.files("wna16_jax").joinpath(folder, device_file_name(device_kind))
         return json.loads(text.read_text())
     except (FileNotFoundError, OSError):
         return None
 
 
 @functools.cache
-def tuned_table(device_kind: str) -> tuple[tuple[dict, BlockConfig], ...]:
-    """The tuned entries for a device kind: ((problem keys, BlockConfig), ...); empty if none."""
+def tuned_entries(device_kind: str, table: str) -> tuple[tuple[dict, int, object], ...]:
+    """A device's entries of `table`: ((problem, M, config), ...); empty if it has none."""
+    if table not in TABLE_CONFIGS:
+        raise ValueError(f"unknown tuned table {table!r}; known: {sorted(TABLE_CONFIGS)}")
     data = device_file(TUNED_DIR, device_kind)
     if data is None:
         return ()
-    entries = []
-    for entry in data["entries"]:
-        keys = {k: entry[k] for k in ("E", "N", "K", "bits", "group_size", "M")}
-        entries.append((keys, BlockConfig(**entry["config"])))
-    return tuple(entries)
+    entries = data.get("tables", {}).get(table, {}).get("entries", ())
+    make = TABLE_CONFIGS[table]
+    return tuple((dict(e["problem"]), int(e["M"]), make(**e["config"])) for e in entries)
 
 
-def lookup_tuned(shape: GemmShape, device_kind: str) -> BlockConfig | None:
-    """The tuned config for the nearest M of an exactly matching (E, N, K, bits, G) problem."""
-    matches = [
-        (keys["M"], cfg)
-        for keys, cfg in tuned_table(device_kind)
-        if (keys["E"], keys["N"], keys["K"], keys["bits"], keys["group_size"])
-        == (shape.num_experts, shape.n, shape.k, shape.bits, shape.group_size)
-    ]
+def lookup_tuned(table: str, problem: dict, m: int, device_kind: str):
+    """The config of `table`'s entry for exactly `problem` at the M nearest to `m` (ties: the
+    smaller M), or None when the device's table has no entry for the problem."""
+    matches = [(em, cfg) for p, em, cfg in tuned_entries(device_kind, table) if p == problem]
     if not matches:
         return None
-    _, cfg = min(matches, key=lambda mc: (abs(mc[0] - shape.m), mc[0]))
+    return min(matches, key=lambda mc: (abs(mc[0] - m), mc[0]))[1]
+
+
+def lookup_gemm(shape: GemmShape, device_kind: str) -> BlockConfig | None:
+    """The "pallas" table's config for `shape` (nearest M), unless it breaks a validity rule."""
+    cfg = lookup_tuned("pallas", shape.table_problem(), shape.m, device_kind)
     # A tuned entry never overrides the validity rules.
-    return cfg if not config_problems(cfg, shape) else None
+    return cfg if cfg is not None and not config_problems(cfg, shape) else None
 
 
 def _largest_pow2_divisor(x: int, cap: int) -> int:
@@ -218,11 +242,10 @@ def few_rows_config(base: BlockConfig, shape: GemmShape) -> BlockConfig:
     """`base` turned into the decode config: one row per block, CUDA-core products ("fma"),
     128 output columns per program and split-K into chunks of at least 4 k-tiles.
 
-    Measured on the H200 (session 3's tuning, DeepSeek-V3 at one token: 8 slots over 256
-    experts): the best tensor-core config with 16-row tiles vs this family took 187 vs 118 us
-    (GEMM1, TP=1), 115.8 vs 35.0 us (GEMM1, TP=8), 74.8 vs 69.4 us (GEMM2, TP=1). At 128 slots
-    over 256 experts the 16-row tensor-core tiles won (GEMM2 550 vs 672 us), hence the bound
-    of a quarter row per expert.
+    For DeepSeek-V3 at one token (8 slots over 256 experts) this family beat the best 16-row
+    tensor-core config in each GEMM on the H200; at half a row per expert the tensor-core tiles
+    won, hence the bound of a quarter row per expert (docs/performance.md, 'Pallas GEMM
+    configs').
     """
     tiles = shape.k // base.block_k
     split_k = next((s for s in (8, 4, 2) if tiles % s == 0 and tiles // s >= 4), 1)
@@ -233,6 +256,7 @@ def few_rows_config(base: BlockConfig, shape: GemmShape) -> BlockConfig:
 
 
 def device_kind() -> str:
+    """The kind of the first device ("NVIDIA H200", "cpu"): the name of its tuned files."""
     return jax.devices()[0].device_kind
 
 
@@ -254,7 +278,7 @@ def resolve_config(
         check_config(config, shape)
         return config, "caller"
     kind = device_kind()
-    tuned = lookup_tuned(shape, kind)
+    tuned = lookup_gemm(shape, kind)
     if tuned is not None and (allow_fma or tuned.dot != "fma"):
         return tuned, f"tuned:{kind}"
     return heuristic_config(shape, allow_fma=allow_fma), "heuristic"

@@ -1,4 +1,5 @@
-"""Backends of fused_moe: each says why it cannot run a problem; selection by platform priority."""
+"""Backends: fused_moe, moe_align_block_size and (optionally) the grouped GEMM of each; each says
+why it cannot run a problem; selection by platform priority."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import logging
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
-from wna16_jax import _configs, _measured_order, _reference, layouts
-from wna16_jax._types import LAYOUTS
+from wna16_jax import _activations, _backend_order, _configs, _reference, layouts
+from wna16_jax._configs import GemmShape
+from wna16_jax._types import LAYOUTS, BlockConfig
 
 logger = logging.getLogger("wna16_jax")
 
@@ -70,6 +73,40 @@ class AlignProblem:
 
 
 @dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    """The static facts of one grouped GEMM call (wna16_jax.grouped_matmul, a quantized linear)."""
+
+    platform: str
+    shape: GemmShape  # m: the rows (token slots)
+    dtype: str  # activation dtype name
+    has_zeros: bool
+    layout: str = "canonical"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmul:
+    """A backend's grouped GEMM (the kernel its fused_moe runs for each GEMM), callable alone.
+
+    Attributes:
+        unsupported_reason: GemmProblem -> None when it can run, else a sentence saying why not.
+        config: (GemmShape, BlockConfig | None) -> (BlockConfig, source): the caller's config
+            checked against the shape (ValueError quoting the problems), else the tuned
+            table's, else the heuristic's; source is "caller", "tuned:<device>" or
+            "heuristic".
+        run: (a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None,
+            activation=None) -> [R * top_k, N]: out[s] = a[s // top_k] @ dequant(w[e(s)]).T
+            for each slot s of the AlignedRouting (aligned with config.block_m); with
+            activation ("silu") w's rows are [gate; up] and out is activation(out)
+            [R * top_k, N/2], from the f32 sums; then times routed_weights[s]. Rows of slots
+            in no block are unspecified.
+    """
+
+    unsupported_reason: Callable[[GemmProblem], str | None]
+    config: Callable[[GemmShape, BlockConfig | None], tuple[BlockConfig, str]]
+    run: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
     """A fused_moe implementation.
 
@@ -82,8 +119,11 @@ class Backend:
             when the caller asks for an output dtype other than x's.
         align_unsupported_reason: AlignProblem -> None or why not.
         moe_align_block_size: (topk_ids, *, num_experts, block_m, expert_map) -> AlignedRouting.
-        layouts: the QuantizedExperts layouts its fused_moe reads; selection refuses weights
-            in any other (layout_reason) before asking unsupported_reason.
+        layouts: the QuantizedExperts layouts its fused_moe (and grouped GEMM) reads;
+            selection refuses weights in any other (layout_reason) before asking
+            unsupported_reason.
+        grouped_matmul: its grouped GEMM (GroupedMatmul), or None where it has none that
+            takes an AlignedRouting.
     """
 
     name: str
@@ -92,6 +132,7 @@ class Backend:
     align_unsupported_reason: Callable[[AlignProblem], str | None]
     moe_align_block_size: Callable
     layouts: tuple[str, ...] = ("canonical",)
+    grouped_matmul: GroupedMatmul | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -103,6 +144,11 @@ PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("pallas", "mgpu", "xla"),
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("xla",)
+
+# Kernel layouts that wna16_jax.preferred_layout picks, in order, with the backend that reads
+# each, where that backend runs the experts here: 'mgpu' on mgpu_int4 beat 'pallas' on the
+# canonical layout for DeepSeek-V3 on the H200 (docs/performance.md, 'Mosaic GPU layer').
+PREFERRED_LAYOUTS: tuple[tuple[str, str], ...] = (("mgpu_int4", "mgpu"),)
 
 _logged: set[tuple[str, tuple[str, ...]]] = set()
 
@@ -130,7 +176,7 @@ def get_backend(name: str) -> Backend:
 MIN_COMPUTE_CAPABILITY = 8.0
 
 
-def layout_reason(backend: Backend, problem: MoEProblem) -> str | None:
+def layout_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | None:
     """Why `backend` cannot read `problem`'s weight layout (None when it can)."""
     if problem.layout in backend.layouts:
         return None
@@ -169,14 +215,35 @@ def compiled_and_interpreted(
     shape_reason: Callable[[MoEProblem], str | None],
     align: Callable,
     layouts: tuple[str, ...] = ("canonical",),
+    *,
+    gemm: Callable | None = None,
+    gemm_config: Callable | None = None,
+    gemm_shape_reason: Callable[[GemmProblem], str | None] | None = None,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
-    interpreter, any platform), both reading weights in `layouts`. `fused_moe` and `align`
-    (moe_align_block_size's kernel) take the keyword `interpret`; `reason` says why the
-    compiled kernels cannot run a problem, `shape_reason` why no kernel can (any platform)."""
+    interpreter, any platform), both reading weights in `layouts`. `fused_moe`, `align`
+    (moe_align_block_size's kernel) and `gemm` (the grouped GEMM: GroupedMatmul.run, or None)
+    take the keyword `interpret`; `reason` says why the compiled kernels cannot run a problem,
+    `shape_reason` why no kernel can (any platform); gemm_config and gemm_shape_reason are the
+    GEMM's GroupedMatmul.config and its shape reason (any platform)."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
+
+    def grouped(interpret: bool) -> GroupedMatmul | None:
+        if gemm is None:
+            return None
+
+        def gemm_reason(problem: GemmProblem) -> str | None:
+            if interpret:
+                return gemm_shape_reason(problem)
+            return cuda_gpu_reason(problem.platform) or gemm_shape_reason(problem)
+
+        return GroupedMatmul(
+            unsupported_reason=gemm_reason,
+            config=gemm_config,
+            run=functools.partial(gemm, interpret=interpret),
+        )
 
     return (
         Backend(
@@ -186,6 +253,7 @@ def compiled_and_interpreted(
             align_unsupported_reason=align_reason,
             moe_align_block_size=functools.partial(align, interpret=False),
             layouts=layouts,
+            grouped_matmul=grouped(False),
         ),
         Backend(
             name=f"{name}_interpret",
@@ -194,6 +262,7 @@ def compiled_and_interpreted(
             align_unsupported_reason=lambda problem: None,
             moe_align_block_size=functools.partial(align, interpret=True),
             layouts=layouts,
+            grouped_matmul=grouped(True),
         ),
     )
 
@@ -203,16 +272,35 @@ def current_platform() -> str:
     return jax.default_backend()
 
 
+OPS = {MoEProblem: "fused_moe", AlignProblem: "moe_align_block_size", GemmProblem: "grouped_matmul"}
+
+
+def backend_reason(
+    backend: Backend, problem: MoEProblem | AlignProblem | GemmProblem
+) -> str | None:
+    """Why `backend` cannot run `problem` (None when it can)."""
+    if isinstance(problem, AlignProblem):
+        return backend.align_unsupported_reason(problem)
+    if isinstance(problem, GemmProblem) and backend.grouped_matmul is None:
+        return "has no grouped GEMM that takes an AlignedRouting"
+    if reason := layout_reason(backend, problem):
+        return reason
+    if isinstance(problem, GemmProblem):
+        return backend.grouped_matmul.unsupported_reason(problem)
+    return backend.unsupported_reason(problem)
+
+
 def select_backend(
-    problem: MoEProblem | AlignProblem, implementation: str | Sequence[str] | None
+    problem: MoEProblem | AlignProblem | GemmProblem,
+    implementation: str | Sequence[str] | None,
 ) -> Backend:
-    """Picks the backend for `problem` (a fused_moe or a moe_align_block_size call).
+    """Picks the backend for `problem` (a fused_moe, moe_align_block_size or grouped GEMM call).
 
     Args:
         problem: the call's static facts; its type says which op is asked for.
-        implementation: None (the platform's priority list, or the order the device's benchmark
-            measured fastest for this problem: _measured_order), one name, or names tried in
-            order.
+        implementation: None (the platform's priority list; for fused_moe led by the order the
+            device's benchmark measured fastest for this problem: _backend_order), one name,
+            or names tried in order.
 
     Raises:
         ValueError: an unknown backend name.
@@ -223,7 +311,7 @@ def select_backend(
         candidates = PRIORITY.get(problem.platform, DEFAULT_PRIORITY)
         if isinstance(problem, MoEProblem) and problem.platform in PRIORITY:
             # Where a device's benchmark measured another backend faster for this problem.
-            measured = _measured_order.measured_order(problem, _configs.device_kind()) or ()
+            measured = _backend_order.measured_order(problem, _configs.device_kind()) or ()
             candidates = measured + tuple(c for c in candidates if c not in measured)
         explicit = False
     elif isinstance(implementation, str):
@@ -234,14 +322,11 @@ def select_backend(
         explicit = True
         if not candidates:
             raise ValueError("implementation is an empty sequence; pass None or backend names")
-    op = "fused_moe" if isinstance(problem, MoEProblem) else "moe_align_block_size"
+    op = OPS[type(problem)]
     reasons = {}
     for name in candidates:
         backend = get_backend(name)
-        if op == "fused_moe":
-            reason = layout_reason(backend, problem) or backend.unsupported_reason(problem)
-        else:
-            reason = backend.align_unsupported_reason(problem)
+        reason = backend_reason(backend, problem)
         if reason is None:
             key = (op, name, tuple(candidates))
             if key not in _logged:
@@ -264,8 +349,8 @@ def select_backend(
 
 def _xla_unsupported_reason(problem: MoEProblem) -> str | None:
     # Every weight scheme, with or without int8 activations (any weights: W8A8, W4A8, ...).
-    if problem.activation not in _reference.ACTIVATIONS:
-        return f"activation {problem.activation!r} is not one of {sorted(_reference.ACTIVATIONS)}"
+    if problem.activation not in _activations.ACTIVATIONS:
+        return f"activation {problem.activation!r} is not one of {sorted(_activations.ACTIVATIONS)}"
     return None
 
 
@@ -296,6 +381,27 @@ def _xla_fused_moe(
     )
 
 
+def _xla_grouped_matmul(
+    a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None, activation=None
+):
+    """The reference grouped GEMM in f32 (`_reference.grouped_matmul`); config is not read."""
+    w = layouts.to_canonical_layout(w)
+    if activation is None:
+        out = _reference.grouped_matmul(a, w, routing, top_k=top_k, routed_weights=routed_weights)
+    else:  # the routed weights multiply the activation
+        out = _activations.ACTIVATIONS[activation](
+            _reference.grouped_matmul(a, w, routing, top_k=top_k)
+        )  # [R * top_k, N/2] f32
+        if routed_weights is not None:
+            out = out * routed_weights.astype(jnp.float32)[:, None]
+    return out.astype(out_dtype or a.dtype)
+
+
+def _xla_gemm_config(shape: GemmShape, config: BlockConfig | None):
+    """Any config runs (the reference reads only the routing); without one, BlockConfig()."""
+    return (config, "caller") if config is not None else (BlockConfig(), "default")
+
+
 XLA_BACKEND = Backend(
     name="xla",
     unsupported_reason=_xla_unsupported_reason,
@@ -303,14 +409,19 @@ XLA_BACKEND = Backend(
     align_unsupported_reason=lambda problem: None,
     moe_align_block_size=_reference.moe_align_block_size,
     layouts=LAYOUTS,  # other layouts convert back to the canonical one (wna16_jax.layouts)
+    grouped_matmul=GroupedMatmul(
+        unsupported_reason=lambda problem: None,
+        config=_xla_gemm_config,
+        run=_xla_grouped_matmul,
+    ),
 )
 
 _builtins_loaded = False
 
 
 def _ensure_builtin_backends() -> None:
-    """Registers 'xla' and, when importable, the Pallas and Triton backends (imported lazily;
-    importing the 'triton' backend needs neither triton nor jax_triton)."""
+    """Registers 'xla' and, when importable, the kernel backends (imported lazily by module
+    name; importing the 'triton' backend needs neither triton nor jax_triton)."""
     global _builtins_loaded
     if _builtins_loaded:
         return

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from wna16_jax._types import SUPPORTED_BITS, QuantizedExperts
 
@@ -18,69 +22,136 @@ def implicit_zero(bits: int) -> int:
     return 1 << (bits - 1)
 
 
+def _xp(a):
+    """numpy for numpy arrays (host conversions stay on the host), jax.numpy otherwise."""
+    return np if isinstance(a, np.ndarray) else jnp
+
+
+def _axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis} is out of range for an array of {ndim} dims")
+    return axis % ndim
+
+
+def pack(values, bits: int, *, axis: int = -1, dtype=np.uint32):
+    """Packs unsigned `bits`-wide fields into words of `dtype` along `axis`, low bits first:
+    value j * w + i (w = fields per word) goes to bits [bits * i, bits * (i + 1)) of word j.
+
+    The one packer of the library (with `unpack`): numpy arrays are packed with numpy (host
+    conversions stay on the host), anything else with jax.numpy.
+
+    Args:
+        values: integer array with values in [0, 2**bits); its size along `axis` must be a
+            multiple of w = word bits // bits.
+        bits: 4 or 8.
+        axis: the axis to pack.
+        dtype: the unsigned word dtype, uint32 (qweight, checkpoint words) or uint8 (int4
+            zero points).
+
+    Returns:
+        `dtype` array, `axis` shrunk w times.
+    """
+    _check_bits(bits)
+    xp = _xp(values)
+    v = xp.asarray(values)
+    dtype = np.dtype(dtype)
+    per_word = dtype.itemsize * 8 // bits
+    axis = _axis(axis, v.ndim)
+    size = v.shape[axis]
+    if size % per_word:
+        raise ValueError(
+            f"{size} values along axis {axis} are not a multiple of {per_word} "
+            f"(bits={bits}: {per_word} values per {dtype.name} word)"
+        )
+    v = v.astype(dtype).reshape(v.shape[:axis] + (size // per_word, per_word) + v.shape[axis + 1 :])
+    shifts = (xp.arange(per_word, dtype=dtype) * dtype.type(bits)).reshape(
+        (per_word,) + (1,) * (v.ndim - axis - 2)
+    )
+    # The fields are disjoint, so a sum is the bitwise or.
+    return xp.sum(v << shifts, axis=axis + 1, dtype=dtype)
+
+
+def unpack(words, bits: int, *, axis: int = -1):
+    """Inverse of `pack`: unsigned words -> uint8 fields, `axis` grown w = word bits // bits
+    times (numpy for numpy arrays, jax.numpy otherwise).
+
+    Args:
+        words: unsigned integer array (uint32 or uint8 words).
+        bits: 4 or 8.
+        axis: the axis to unpack.
+
+    Returns:
+        uint8 array; field i of word j along `axis` at position j * w + i.
+    """
+    _check_bits(bits)
+    xp = _xp(words)
+    w = xp.asarray(words)
+    dtype = np.dtype(w.dtype)
+    if dtype.kind != "u":
+        raise ValueError(f"words must be unsigned integers, got dtype {dtype}")
+    per_word = dtype.itemsize * 8 // bits
+    axis = _axis(axis, w.ndim)
+    shifts = (xp.arange(per_word, dtype=dtype) * dtype.type(bits)).reshape(
+        (per_word,) + (1,) * (w.ndim - axis - 1)
+    )
+    fields = (xp.expand_dims(w, axis + 1) >> shifts) & dtype.type((1 << bits) - 1)
+    size = w.shape[axis] * per_word
+    return fields.reshape(w.shape[:axis] + (size,) + w.shape[axis + 1 :]).astype(np.uint8)
+
+
 def pack_k(q, bits: int):
-    """Packs unsigned quantized values along the last axis into uint32 words.
+    """Packs quantized values along K (the last axis) into the canonical qweight words.
 
     Args:
         q: integer array [..., K] with values in [0, 2**bits).
         bits: 4 (8 values per word, k = 8j+i in bits 4i..4i+3) or 8 (k = 4j+i in byte i).
 
     Returns:
-        uint32 [..., K * bits // 32].
+        uint32 [..., K * bits // 32] (numpy for numpy input, else jax).
     """
     _check_bits(bits)
     per_word = 32 // bits
-    q = jnp.asarray(q)
-    if q.shape[-1] % per_word:
-        raise ValueError(f"K={q.shape[-1]} is not a multiple of {per_word} (bits={bits})")
-    words = q.astype(jnp.uint32).reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)
-    shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
-    # The fields are disjoint, so a sum is the bitwise or.
-    return jnp.sum(words << shifts, axis=-1, dtype=jnp.uint32)
+    k = np.shape(q)[-1]
+    if k % per_word:
+        raise ValueError(f"K={k} is not a multiple of {per_word} (bits={bits})")
+    return pack(q, bits, axis=-1)
 
 
 def unpack_k(qweight, bits: int):
     """Inverse of `pack_k`: uint32 [..., W] -> uint8 [..., W * 32 // bits]."""
-    _check_bits(bits)
-    per_word = 32 // bits
-    qweight = jnp.asarray(qweight, dtype=jnp.uint32)
-    shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
-    vals = (qweight[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
-    return vals.reshape(*qweight.shape[:-1], qweight.shape[-1] * per_word).astype(jnp.uint8)
+    xp = _xp(qweight)
+    return unpack(xp.asarray(qweight, dtype=np.uint32), bits, axis=-1)
 
 
 def pack_zeros(z, bits: int):
     """Packs zero points [E, N, G] (values < 2**bits) into the canonical zeros layout.
 
-    int4: uint8 [E, N//2, G] with even n in the low nibble; int8: uint8 [E, N, G].
+    int4: uint8 [E, N//2, G] with even n in the low nibble; int8: uint8 [E, N, G]. numpy for
+    numpy input, else jax.
     """
     _check_bits(bits)
-    z = jnp.asarray(z).astype(jnp.uint8)
+    xp = _xp(z)
+    z = xp.asarray(z).astype(np.uint8)
     if bits == 8:
         return z
-    e, n, g = z.shape
+    n = z.shape[1]
     if n % 2:
         raise ValueError(f"int4 zero points need an even N, got N={n}")
-    pairs = z.reshape(e, n // 2, 2, g)
-    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(jnp.uint8)
+    return pack(z, 4, axis=1, dtype=np.uint8)
 
 
 def unpack_zeros(zeros, bits: int):
     """Inverse of `pack_zeros`: -> uint8 [E, N, G]."""
     _check_bits(bits)
-    zeros = jnp.asarray(zeros, dtype=jnp.uint8)
-    if bits == 8:
-        return zeros
-    e, half_n, g = zeros.shape
-    lo = zeros & 0xF
-    hi = zeros >> 4
-    return jnp.stack([lo, hi], axis=2).reshape(e, half_n * 2, g)
+    xp = _xp(zeros)
+    zeros = xp.asarray(zeros, dtype=np.uint8)
+    return zeros if bits == 8 else unpack(zeros, 4, axis=1)
 
 
 def zero_points(qw: QuantizedExperts):
     """The per-group zero points of `qw` as uint8 [E, N, K//G] (implicit ones filled in)."""
     if qw.zeros is not None:
-        return unpack_zeros(qw.zeros, qw.bits)
+        return unpack_zeros(jnp.asarray(qw.zeros), qw.bits)
     e, n, _ = qw.shape
     return jnp.full((e, n, qw.num_groups), implicit_zero(qw.bits), jnp.uint8)
 
@@ -97,7 +168,7 @@ def dequantize_experts(qw: QuantizedExperts, dtype=jnp.float32):
     """
     qw.validate()
     e, n, k = qw.shape
-    q = unpack_k(qw.qweight, qw.bits).astype(jnp.float32)  # [E, N, K]
+    q = unpack_k(jnp.asarray(qw.qweight), qw.bits).astype(jnp.float32)  # [E, N, K]
     z = zero_points(qw).astype(jnp.float32)  # [E, N, G]
     s = qw.scales.astype(jnp.float32)  # [E, N, G]
     g = qw.group
@@ -163,4 +234,88 @@ def quantize_experts(
     zeros = pack_zeros(zero.astype(jnp.uint8), bits) if has_zp else None
     return QuantizedExperts(
         qweight=pack_k(q, bits), scales=scale, zeros=zeros, bits=bits, group_size=group_size
+    )
+
+
+# random_quantized_experts' zero_range values.
+ZERO_RANGES = ("middle", "full")
+
+
+def random_quantized_experts(
+    key,
+    shape: tuple[int, int, int],
+    *,
+    bits: int = 4,
+    group_size: int = 128,
+    has_zeros: bool = True,
+    dtype=jnp.bfloat16,
+    std: float | None = None,
+    zero_range: str = "middle",
+) -> QuantizedExperts:
+    """Random canonical weights [E, N, K] drawn in the quantized domain (no float copy).
+
+    Codes are uniform over [0, 2**bits) (every bit of qweight random). Zero points, when
+    has_zeros, are uniform over [2**(bits-1) - 2, 2**(bits-1) + 2) (zero_range="middle":
+    weights centred near 0, as in a trained model) or over [0, 2**bits) (zero_range="full":
+    every bit random, the corner values kernels must get right). Scales are
+    std / std(codes) * U(0.75, 1.25), rounded through float16 (the dtype AWQ and GPTQ store
+    scales in, so saved random weights reload exactly) and then cast to `dtype`.
+
+    Args:
+        key: a jax PRNG key (jax.random: traceable, e.g. under jit with sharded outputs so that
+            each device draws only its own slice) or a numpy Generator (drawn on the host with
+            numpy, in the order codes, zero points, scales: no compilation, fast for small
+            weights).
+        shape: the logical (E, N, K).
+        bits: 4 or 8.
+        group_size: G dividing K, or -1 for one group per row.
+        has_zeros: store zero points (else symmetric: zeros=None, implicit 8 or 128).
+        dtype: the scales' (activation) dtype.
+        std: the codes' spread times the scale; default 1/sqrt(K), so that x @ w.T stays O(1)
+            for O(1) activations.
+        zero_range: "middle" or "full" (see above).
+
+    Returns:
+        QuantizedExperts of jax arrays, canonical layout.
+
+    Raises:
+        ValueError: bits, a K that is not whole words or groups, an odd N with int4 zero
+            points, or an unknown zero_range (the values quoted).
+    """
+    _check_bits(bits)
+    e, n, k = (int(d) for d in shape)
+    per_word = 32 // bits
+    if k % per_word:
+        raise ValueError(f"K={k} is not a multiple of {per_word} (bits={bits})")
+    if group_size != -1 and (group_size <= 0 or k % group_size):
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+    if has_zeros and bits == 4 and n % 2:
+        raise ValueError(f"int4 zero points need an even N, got N={n}")
+    if zero_range not in ZERO_RANGES:
+        raise ValueError(f"zero_range={zero_range!r} is not one of {ZERO_RANGES}")
+    groups = 1 if group_size == -1 else k // group_size
+    mid = implicit_zero(bits)
+    lo, hi = (mid - 2, mid + 2) if zero_range == "middle" else (0, 1 << bits)
+    if isinstance(key, np.random.Generator):
+        xp = np
+        qweight = key.integers(0, 2**32, (e, n, k // per_word), dtype=np.uint32)
+        z = key.integers(lo, hi, (e, n, groups), dtype=np.uint8) if has_zeros else None
+        jitter = key.uniform(0.75, 1.25, (e, n, groups)).astype(np.float32)
+    else:
+        xp = jnp
+        kq, kz, ks = jax.random.split(key, 3)
+        qweight = jax.random.bits(kq, (e, n, k // per_word), jnp.uint32)
+        z = None
+        if has_zeros:
+            z = jax.random.randint(kz, (e, n, groups), lo, hi).astype(jnp.uint8)
+        jitter = jax.random.uniform(ks, (e, n, groups), jnp.float32, 0.75, 1.25)
+    code_std = math.sqrt(((1 << bits) ** 2 - 1) / 12.0)  # std of uniform codes
+    std = k**-0.5 if std is None else std
+    scales = (jitter * (std / code_std)).astype(xp.float16)
+    return QuantizedExperts(
+        qweight=jnp.asarray(qweight),
+        scales=jnp.asarray(scales).astype(dtype),
+        zeros=None if z is None else jnp.asarray(pack_zeros(z, bits)),
+        bits=bits,
+        group_size=group_size,
     )

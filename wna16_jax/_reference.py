@@ -6,78 +6,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from wna16_jax import _pipeline
+from wna16_jax._activations import ACTIVATIONS, Int8Rows
 from wna16_jax._quant import unpack_k, zero_points
+from wna16_jax._routing import local_expert_of, max_padded_len
 from wna16_jax._types import AlignedRouting, QuantizedExperts
-
-# Tokens per chunk of the reference fused_moe: bounds the [T*k, 2I] intermediates.
-DEFAULT_CHUNK_TOKENS = 4096
-
-
-def max_padded_len(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Static length of sorted_token_ids: T*k + E*(block_m - 1), rounded up to block_m."""
-    n = num_slots + num_experts * (block_m - 1)
-    return -(-n // block_m) * block_m
-
-
-def check_align_kernel_args(
-    topk_ids, *, num_experts: int, block_m: int, expert_map, max_experts: int
-) -> int:
-    """Validates the arguments of an align kernel (GPU kernels index in int32); returns the
-    static sorted length max_padded_len(T*k, E, block_m).
-
-    Raises:
-        ValueError: a topk_ids that is not int32 [T, k], E outside [1, max_experts],
-            block_m < 1, an expert_map that is not int32 [E], or 2^31 or more sorted positions.
-    """
-    if topk_ids.ndim != 2 or topk_ids.dtype != jnp.int32:
-        raise ValueError(
-            f"topk_ids must be int32 [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
-        )
-    if not 1 <= num_experts <= max_experts:
-        raise ValueError(f"num_experts={num_experts} must be in [1, {max_experts}]")
-    if block_m < 1:
-        raise ValueError(f"block_m={block_m} must be positive")
-    if expert_map is not None and (
-        expert_map.shape != (num_experts,) or expert_map.dtype != jnp.int32
-    ):
-        raise ValueError(
-            f"expert_map must be int32 [num_experts={num_experts}], got {expert_map.dtype} "
-            f"{tuple(expert_map.shape)}"
-        )
-    num_slots = topk_ids.shape[0] * topk_ids.shape[1]
-    max_padded = max_padded_len(num_slots, num_experts, block_m)
-    if max_padded >= 2**31:
-        raise ValueError(
-            f"T*k={num_slots} with E={num_experts}, block_m={block_m} gives {max_padded} sorted "
-            f"positions, over the 2^31 - 1 of int32 kernel indexing; route fewer tokens per call"
-        )
-    return max_padded
-
-
-def all_padding_routing(max_padded: int, block_m: int) -> AlignedRouting:
-    """The routing of zero slots: every position padding, every block expert -1."""
-    return AlignedRouting(
-        sorted_token_ids=jnp.zeros((max_padded,), jnp.int32),
-        expert_ids=jnp.full((max_padded // block_m,), -1, jnp.int32),
-        num_tokens_post_padded=jnp.zeros((), jnp.int32),
-        block_m=block_m,
-    )
-
-
-def local_expert_of(topk_ids, *, num_experts: int, expert_map=None):
-    """Flat [T*k] int32 local expert per slot; -1 for out-of-range ids and off-shard experts.
-
-    Also returns the flat [T*k] int32 *global* expert with invalid ids replaced by -1.
-    """
-    ids = topk_ids.reshape(-1).astype(jnp.int32)
-    valid = (ids >= 0) & (ids < num_experts)
-    gid = jnp.where(valid, ids, -1)
-    if expert_map is None:
-        return gid, gid
-    lid = jnp.where(valid, expert_map[jnp.clip(gid, 0, num_experts - 1)], -1)
-    return lid, gid
 
 
 def moe_align_block_size(
@@ -187,169 +121,7 @@ def grouped_matmul(
     return out[:num_slots]
 
 
-def silu_and_mul(h):
-    """[.., 2I] -> [.., I]: silu(gate) * up with gate = first half."""
-    i = h.shape[-1] // 2
-    return jax.nn.silu(h[..., :i]) * h[..., i:]
-
-
-ACTIVATIONS = {"silu": silu_and_mul}
-
-
-def _fused_moe_chunk(
-    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, activation_quant, block_m
-):
-    t, k = topk_ids.shape
-    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
-    routing = moe_align_block_size(
-        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
-    )
-
-    def gemm(a, w, which: int, **kwargs):
-        """GEMM `which` (1 or 2) of the layer, in f32; with int8 activations, `a` quantized
-        first and the product exact in int32 with the scales applied in f32."""
-        if activation_quant is None:
-            return grouped_matmul(a, w, routing, **kwargs)
-        q, scale = quantize_activations(a, activation_quant, which)
-        return grouped_matmul_int8(q, scale, w, routing, **kwargs)
-
-    h = gemm(x, w13, 1, top_k=k)  # [T*k, 2I] f32
-    act = ACTIVATIONS[activation](h)  # [T*k, I] f32
-    y = gemm(
-        act, w2, 2, top_k=1, routed_weights=topk_weights.reshape(-1).astype(jnp.float32)
-    )  # [T*k, H]
-    return y.reshape(t, k, -1).sum(axis=1)
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("activation", "activation_quant", "block_m", "chunk_tokens", "out_dtype"),
-)
-def fused_moe(
-    x,
-    w13: QuantizedExperts,
-    w2: QuantizedExperts,
-    topk_weights,
-    topk_ids,
-    *,
-    expert_map=None,
-    activation: str = "silu",
-    activation_quant=None,
-    block_m: int = 16,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    out_dtype=None,
-):
-    """Reference MoE layer (DESIGN.md steps 1-5) in f32, processed in token chunks.
-
-    With activation_quant (int8 activations: the oracle of the W8A8 kernels), x is quantized
-    per `activation_quant` (GEMM1's input), GEMM1 is exact in int32 with the scales applied in
-    f32, silu(gate) * up in f32 is quantized again (GEMM2's input), GEMM2 is exact with the
-    routed weights, then the k slots are summed in f32. The kernels apply the same
-    quantization to the same values, so only f32 rounding order separates them.
-
-    Args:
-        x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I] (any canonical weights).
-        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
-        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
-        activation: "silu".  activation_quant: None (16-bit activations) or an ActivationQuant
-        with its scales known.  block_m: alignment block.  chunk_tokens: tokens per chunk.
-        out_dtype: the output dtype (default x.dtype).
-
-    Returns:
-        [T, H] in out_dtype.
-    """
-    run = functools.partial(
-        _fused_moe_chunk,
-        w13=w13,
-        w2=w2,
-        expert_map=expert_map,
-        activation=activation,
-        activation_quant=activation_quant,
-        block_m=block_m,
-    )
-    return map_token_chunks(
-        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
-    )
-
-
-def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int, out_dtype=None):
-    """Applies run(x, topk_weights=, topk_ids=) -> [t, H] f32 to chunks of at most chunk_tokens.
-
-    Returns [T, H] in out_dtype (default x.dtype), rounded once from the f32 sums. Padding
-    tokens of the last chunk route to id -1 (dropped).
-    """
-    t, hdim = x.shape
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if t == 0:
-        return jnp.zeros((0, hdim), out_dtype)
-    if t <= chunk_tokens:
-        return run(x, topk_weights=topk_weights, topk_ids=topk_ids).astype(out_dtype)
-    num_chunks = -(-t // chunk_tokens)
-    pad = num_chunks * chunk_tokens - t
-    xp = jnp.pad(x, ((0, pad), (0, 0)))
-    wp = jnp.pad(topk_weights, ((0, pad), (0, 0)))
-    ip = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
-    out = jax.lax.map(
-        lambda args: run(args[0], topk_weights=args[1], topk_ids=args[2]),
-        (
-            xp.reshape(num_chunks, chunk_tokens, hdim),
-            wp.reshape(num_chunks, chunk_tokens, -1),
-            ip.reshape(num_chunks, chunk_tokens, -1),
-        ),
-    )
-    return out.reshape(-1, hdim)[:t].astype(out_dtype)
-
-
-# ---- int8 activations (W8A8): quantization and the exact integer products --------------------
-
-# Symmetric int8 activations use [-127, 127] (the grid is symmetric around 0).
-INT8_ACTIVATION_MAX = 127
-
-
-def quantize_activations_per_token(x):
-    """Dynamic symmetric int8 quantization of each row (token).
-
-    scale_t = max|x_t| * (1/127) and q = clip(round(x * (1 / scale_t)), -127, 127), round half
-    to even, all in f32 (0 scale and q for an all-zero row). The divisions are written as
-    products with reciprocals because that is what XLA compiles them to (it rewrites a / b by
-    a broadcast or constant b as a * (1/b)): so written, numpy reproduces the result bitwise.
-
-    Args:
-        x: [T, K] float.
-
-    Returns:
-        (q int8 [T, K], scale f32 [T]); x ~= q * scale[:, None].
-    """
-    xf = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(xf), axis=-1) * jnp.float32(1.0 / INT8_ACTIVATION_MAX)  # [T]
-    inv = jnp.float32(1.0) / jnp.where(scale > 0, scale, jnp.float32(1.0))  # [T]
-    q = jnp.clip(jnp.round(xf * inv[:, None]), -INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX)
-    return q.astype(jnp.int8), scale
-
-
-def quantize_activations_static(x, scale: float):
-    """Static symmetric int8 quantization with one given scale for the whole tensor.
-
-    Args:
-        x: [T, K] float.
-        scale: positive float (a static Python float).
-
-    Returns:
-        (q int8 [T, K] = clip(round(x * (1 / scale)), -127, 127) in f32, scale f32 [T] filled
-        with `scale`).
-    """
-    s = np.float32(scale)
-    inv = np.float32(1.0) / s  # on the host, IEEE f32
-    q = jnp.clip(jnp.round(x.astype(jnp.float32) * inv), -INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX)
-    return q.astype(jnp.int8), jnp.full((x.shape[0],), s, jnp.float32)
-
-
-def quantize_activations(x, activation_quant, gemm: int):
-    """The int8 input of GEMM `gemm` (1 or 2) under an ActivationQuant: (q int8, scale f32 [T])."""
-    if activation_quant.scheme == "int8_per_token":
-        return quantize_activations_per_token(x)
-    scale = activation_quant.gemm1_scale if gemm == 1 else activation_quant.gemm2_scale
-    return quantize_activations_static(x, scale)
+# ---- int8 activations (W8A8): the exact integer products -----------------------------------
 
 
 def _signed_weights_one(qw: QuantizedExperts, e):
@@ -424,3 +196,101 @@ def grouped_matmul_int8(
     out = jnp.zeros((num_slots + 1, n), jnp.float32)
     out = jax.lax.fori_loop(0, num_used_blocks, body, out)
     return out[:num_slots]
+
+
+# ---- the layer: the 'xla' backend's MoeStages ---------------------------------------------
+
+
+def _gemm(a, w, routed: _pipeline.Routed, *, top_k: int, routed_weights=None):
+    """A GEMM of the layer in f32; on Int8Rows exact in int32 with the scales applied in f32."""
+    if isinstance(a, Int8Rows):
+        return grouped_matmul_int8(
+            a.q, a.scale, w, routed.blocks, top_k=top_k, routed_weights=routed_weights
+        )
+    return grouped_matmul(a, w, routed.blocks, top_k=top_k, routed_weights=routed_weights)
+
+
+def _plan(num_slots, num_experts, w13, w2, *, block_m: int) -> int:
+    return block_m
+
+
+def _route(a, topk_ids, block_m: int, *, num_experts: int, expert_map):
+    return _pipeline.slots_in_blocks(
+        moe_align_block_size,
+        a,
+        topk_ids,
+        block_m=block_m,
+        num_experts=num_experts,
+        expert_map=expert_map,
+    )
+
+
+def _gemm1(a, w13, routed, block_m, *, activation: str):
+    h = _gemm(a, w13, routed, top_k=routed.top_k)  # [T*k, 2I] f32
+    return ACTIVATIONS[activation](h)  # [T*k, I] f32: unrounded (the kernels round to x.dtype)
+
+
+def _gemm2(act, w2, routed, block_m, routed_weights):
+    return _gemm(act, w2, routed, top_k=1, routed_weights=routed_weights)  # [T*k, H] f32
+
+
+def stages(*, block_m: int = 16, activation: str = "silu", activation_quant=None):
+    """The reference's MoeStages: `moe_align_block_size`, then `grouped_matmul` (or
+    `grouped_matmul_int8` on int8 rows) for both GEMMs, the activation in f32 between them."""
+    return _pipeline.MoeStages(
+        plan=functools.partial(_plan, block_m=block_m),
+        route=_route,
+        gemm1=functools.partial(_gemm1, activation=activation),
+        gemm2=_gemm2,
+        activation_quant=activation_quant,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("activation", "activation_quant", "block_m", "chunk_tokens", "out_dtype"),
+)
+def fused_moe(
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map=None,
+    activation: str = "silu",
+    activation_quant=None,
+    block_m: int = 16,
+    chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
+    out_dtype=None,
+):
+    """Reference MoE layer (DESIGN.md steps 1-5) in f32, processed in token chunks.
+
+    With activation_quant (int8 activations: the oracle of the W8A8 kernels), x is quantized
+    per `activation_quant` (GEMM1's input), GEMM1 is exact in int32 with the scales applied in
+    f32, silu(gate) * up in f32 is quantized again (GEMM2's input), GEMM2 is exact with the
+    routed weights, then the k slots are summed in f32. The kernels apply the same
+    quantization to the same values, so only f32 rounding order separates them.
+
+    Args:
+        x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I] (any canonical weights).
+        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
+        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
+        activation: "silu".  activation_quant: None (16-bit activations) or an ActivationQuant
+        with its scales known.  block_m: alignment block.  chunk_tokens: tokens per chunk.
+        out_dtype: the output dtype (default x.dtype).
+
+    Returns:
+        [T, H] in out_dtype.
+    """
+    return _pipeline.fused_moe(
+        stages(block_m=block_m, activation=activation, activation_quant=activation_quant),
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        chunk_tokens=chunk_tokens,
+        out_dtype=out_dtype,
+    )

@@ -1,9 +1,10 @@
-"""Typed containers: QuantizedExperts (packed weights), AlignedRouting, BlockConfig."""
+"""Typed containers: QuantizedExperts (packed weights), AlignedRouting, BlockConfig, MgpuConfig."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from typing import Any
 
 import jax
@@ -147,6 +148,143 @@ class QuantizedExperts:
                     f"so each device holds fewer"
                 )
 
+    # --- whole-array operations (no caller repacks by hand) ------------------------------
+    @classmethod
+    def concatenate(cls, parts, *, axis: int) -> QuantizedExperts:
+        """Joins canonical QuantizedExperts along the experts E (axis=0) or the output
+        features N (axis=1), e.g. per-expert layers into one [E, N, K], or gate rows then up
+        rows into w13.
+
+        Args:
+            parts: a non-empty sequence of QuantizedExperts in the canonical layout with equal
+                bits, group_size, zero-point presence and scales dtype, and equal sizes along
+                the other two logical dims.
+            axis: 0 (E) or 1 (N). K cannot be joined: its words and groups are packed.
+
+        Returns:
+            QuantizedExperts [sum of E, N, K] or [E, sum of N, K], canonical.
+
+        Raises:
+            ValueError: naming the first part that does not fit and the values that differ.
+        """
+        what = "concatenate"
+        if axis not in (0, 1):
+            raise ValueError(f"{what}: axis={axis!r} must be 0 (E) or 1 (N); K is packed")
+        parts = list(parts)
+        if not parts:
+            raise ValueError(f"{what}: needs at least one part")
+        for i, part in enumerate(parts):
+            if not isinstance(part, QuantizedExperts):
+                raise ValueError(
+                    f"{what}: parts[{i}] is a {type(part).__name__}, not a QuantizedExperts"
+                )
+            part._require_canonical(f"{what}: parts[{i}]")
+            part.validate(f"{what}: parts[{i}]")
+        kept = "(N, K)" if axis == 0 else "(E, K)"
+        want = parts[0]._facts(axis)
+        for i, part in enumerate(parts[1:], start=1):
+            for key, value in part._facts(axis).items():
+                if value != want[key]:
+                    raise ValueError(
+                        f"{what} along {'EN'[axis]}: parts[{i}] has {key}={value}, parts[0] has "
+                        f"{key}={want[key]} (all parts need equal bits, group_size, zero points, "
+                        f"scales dtype and {kept})"
+                    )
+        # Every part has a whole number of zero-point bytes along N (validate: int4 needs an
+        # even N), so the packed arrays join as they are.
+        host = all(isinstance(a, np.ndarray) for p in parts for a in jax.tree.leaves(p))
+        xp = np if host else jnp  # host (numpy) weights stay on the host
+        join = lambda field: xp.concatenate([getattr(p, field) for p in parts], axis=axis)
+        ref = parts[0]
+        out = cls(
+            qweight=join("qweight"),
+            scales=join("scales"),
+            zeros=join("zeros") if ref.has_zeros else None,
+            bits=ref.bits,
+            group_size=ref.group_size,
+        )
+        out.validate(what)
+        return out
+
+    def slice(self, start: int, stop: int, *, axis: int) -> QuantizedExperts:
+        """Experts [start, stop) (axis=0) or output features [start, stop) (axis=1).
+
+        Canonical layout only. int4 zero points hold two rows of N per byte, so with them an N
+        slice must start and stop on even rows.
+
+        Raises:
+            ValueError: a kernel layout, an axis other than 0 or 1, bounds outside the dim, or
+                odd N bounds with int4 zero points (the values quoted).
+        """
+        what = "slice"
+        self._require_canonical(what)
+        if axis not in (0, 1):
+            raise ValueError(f"{what}: axis={axis!r} must be 0 (E) or 1 (N); K is packed")
+        size, letter = self.shape[axis], "EN"[axis]
+        try:
+            start, stop = operator.index(start), operator.index(stop)
+        except TypeError:
+            raise ValueError(f"{what}: start={start!r} and stop={stop!r} must be ints") from None
+        if not 0 <= start < stop <= size:
+            raise ValueError(
+                f"{what}: [{start}, {stop}) is not a non-empty range inside {letter}={size}"
+            )
+        lead = (slice(None),) * axis
+        zeros = self.zeros
+        if zeros is not None and axis == 1 and self.bits == 4:
+            if start % 2 or stop % 2:
+                raise ValueError(
+                    f"{what}: rows [{start}, {stop}) of N={size} cut a byte of int4 zero points "
+                    f"(two rows per byte): start and stop must be even"
+                )
+            zeros = zeros[:, start // 2 : stop // 2]  # [E, N//2, G]
+        elif zeros is not None:
+            zeros = zeros[lead + (slice(start, stop),)]
+        return dataclasses.replace(
+            self,
+            qweight=self.qweight[lead + (slice(start, stop),)],
+            scales=self.scales[lead + (slice(start, stop),)],
+            zeros=zeros,
+        )
+
+    def astype(self, dtype) -> QuantizedExperts:
+        """The same weights with the scales (the activation dtype) cast to `dtype`.
+
+        Canonical zero points are integers and stay as they are; the mgpu_int4 layout's
+        (8 - z in the scales' dtype) are small integers, exact in every float dtype, and follow
+        the scales.
+
+        Raises:
+            ValueError: `dtype` is not a floating point dtype.
+        """
+        dtype = jnp.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"astype: scales must be floating point, got dtype {dtype}")
+        if self.scales.dtype == dtype:
+            return self
+        zeros = self.zeros
+        if zeros is not None and self.layout != "canonical":
+            zeros = zeros.astype(dtype)
+        return dataclasses.replace(self, scales=self.scales.astype(dtype), zeros=zeros)
+
+    def _require_canonical(self, what: str) -> None:
+        if self.layout != "canonical":
+            raise ValueError(
+                f"{what}: the weights are in the {self.layout!r} layout; concatenating and "
+                f"slicing take the canonical one (wna16_jax.layouts.to_canonical_layout)"
+            )
+
+    def _facts(self, axis: int) -> dict[str, Any]:
+        """What must match for a concatenation along `axis`."""
+        e, n, k = self.shape
+        return {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "has_zeros": self.has_zeros,
+            "scales dtype": jnp.dtype(self.scales.dtype),
+            "(N, K)" if axis == 0 else "(E, K)": (n, k) if axis == 0 else (e, k),
+        }
+
     def _validate_mgpu_int4(self, name: str) -> None:
         if self.bits != 4:
             raise ValueError(f"{name}: the mgpu_int4 layout holds int4 weights, not int{self.bits}")
@@ -264,6 +402,69 @@ class BlockConfig:
             v = getattr(self, f)
             if v & (v - 1):
                 raise ValueError(f"BlockConfig.{f}={v} must be a power of two")
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """The 'mgpu' backend's layer config: both grouped GEMMs of its MoE layer (frozen, hashable).
+
+    block_m: rows per block (the wgmma's N: a multiple of 8 in [8, 256]); also the align padding.
+    block_k: input features per k-step (a multiple of 64 that divides the group or spans whole
+        groups).
+    stages: k-steps in flight in GEMM1's pipeline.
+    consumers: math warpgroups per program: 0 (one warpgroup issues the copies and does the
+        math) or 1, 2 (warp specialization: a producer warpgroup issues the copies).
+    block_n: output features per math warpgroup (64, one wgmma M, up to 256 in sub-tiles of 64;
+        a GEMM whose N it does not tile takes 64).
+    down_block_n, down_stages: GEMM2's (the down projection's) own block_n and stages (None:
+        GEMM1's).
+    block_halvings: how many times the GEMMs may halve a block whose rows in use fit in half of
+        it (0: never; 1: halves; 2: also quarters; each width stays a multiple of 8).
+    bf16_weights: the warp-specialized GEMMs multiply the weights rounded to bf16 once,
+        (q - z) * s, straight into their sums, instead of exact integer products summed per
+        group in f32 and then scaled (room in registers for 128-row blocks; one more rounding).
+    K splits, output tiles per program and whether GEMM1 applies the activation in its epilogue
+    are chosen per GEMM from the shapes (pallas_kernels/mosaic_gpu/config.py).
+    """
+
+    block_m: int
+    block_k: int = 128
+    stages: int = 4
+    consumers: int = 0
+    block_n: int = 64
+    down_block_n: int | None = None
+    down_stages: int | None = None
+    block_halvings: int = 0
+    bf16_weights: bool = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "bf16_weights":
+                if not isinstance(v, bool):
+                    raise ValueError(f"MgpuConfig.bf16_weights={v!r} must be a bool")
+            elif not (v is None and f.name.startswith("down_")):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ValueError(f"MgpuConfig.{f.name}={v!r} must be a non-negative int")
+        if self.block_m % 8 or not 8 <= self.block_m <= 256:
+            raise ValueError(
+                f"MgpuConfig.block_m={self.block_m} must be a multiple of 8 in [8, 256]"
+            )
+        if self.block_k % MGPU_TILE or not self.block_k:
+            raise ValueError(f"MgpuConfig.block_k={self.block_k} must be a multiple of {MGPU_TILE}")
+        for name in ("stages", "down_stages"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"MgpuConfig.{name}={v} must be at least 1")
+        if self.consumers not in (0, 1, 2):
+            raise ValueError(f"MgpuConfig.consumers={self.consumers} must be 0, 1 or 2")
+        for name in ("block_n", "down_block_n"):
+            v = getattr(self, name)
+            if v is not None and (v % MGPU_TILE or not MGPU_TILE <= v <= 4 * MGPU_TILE):
+                raise ValueError(
+                    f"MgpuConfig.{name}={v} must be a multiple of {MGPU_TILE} in "
+                    f"[{MGPU_TILE}, {4 * MGPU_TILE}]"
+                )
 
 
 # ActivationQuant.scheme values.

@@ -3,7 +3,7 @@
     mgpu = wj.layouts.to_kernel_layout(qw, "mgpu_int4")    # for implementation="mgpu"
     qw_again = wj.layouts.to_canonical_layout(mgpu)        # bit-identical to qw
 
-    layout = wj.layouts.preferred_layout(w13, w2, dtype=jnp.bfloat16)  # what runs fastest here
+Which layout runs fastest here: wj.preferred_layout(w13, w2, dtype=jnp.bfloat16).
 
 "mgpu_int4" (pallas_kernels/mosaic_gpu/wna16_gemm.py's operands; int4 only):
   qweight  int4 [E, N/64, K/64, 64, 64]: the canonical nibbles minus 8 (xor 8), in 64x64
@@ -17,24 +17,16 @@
            shuffles, no permutes (pallas_kernels/mosaic_gpu/wna16_gemm.py).
   scales   [E, K//G, N]: a group's scales for consecutive features are one TMA row.
   zeros    None, or 8 - z as [E, K//G, N] in the scales' dtype (exact: small integers),
-           so that w = (qweight + zeros) * scales is DESIGN.md's (q - z) * scale.
+           so that w = (qweight + zeros) * scales is the canonical (q - z) * scale.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from wna16_jax._types import LAYOUTS, MGPU_TILE, QuantizedExperts
-
-# Kernel layouts (with their backend) that preferred_layout picks, in order, where the backend
-# can run the experts here. On the H200 the 'mgpu' layer (mgpu_int4) beat 'pallas'
-# (canonical) at M = 1, 16, 64, 128, 256, 2048 and 4096 for DeepSeek-V3 TP=1 and at M=16 for
-# the TP=8 slice, and tied it at TP=8 M=1 (docs/PERFORMANCE.md, session 5).
-PREFERRED = (("mgpu_int4", "mgpu"),)
 
 _XOR_8 = 0x88888888  # flips bit 3 of each nibble: u -> u - 8 read as signed int4
 
@@ -75,7 +67,7 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
 
 
 def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
-    """`qw` in the canonical layout (DESIGN.md); the inverse of to_kernel_layout."""
+    """`qw` in the canonical layout (docs/design.md); the inverse of to_kernel_layout."""
     if qw.layout == "canonical":
         return qw
     qw.validate("weights")
@@ -147,35 +139,3 @@ def untiled(q):
     e, n_tiles, k_tiles, tn, tk = q.shape
     q = from_tile_order(q)
     return q.transpose(0, 1, 3, 2, 4).reshape(e, n_tiles * tn, k_tiles * tk)
-
-
-def preferred_layout(
-    w13: QuantizedExperts, w2: QuantizedExperts, *, dtype, activation: str = "silu"
-) -> str:
-    """The layout to convert these experts to once (at load) for the fastest backend that can
-    run them on this platform: the first of PREFERRED whose backend accepts them here (for
-    mgpu_int4: an sm_90 GPU, int4, bfloat16 activations, silu, feature counts and groups in
-    multiples of 64), else "canonical".
-
-    Raises:
-        ValueError: experts (or a dtype, activation) that fused_moe itself would refuse.
-    """
-    import jax
-
-    from wna16_jax import _api, _dispatch
-
-    top_k = 1
-    x = jax.ShapeDtypeStruct((1, w13.shape[2]), dtype)
-    ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
-    weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
-    problem, _ = _api._moe_problem(x, w13, w2, weights, ids, None, activation, None)
-    if w13.bits != 4 or w2.bits != 4:
-        return "canonical"  # every kernel layout holds int4
-    for layout, name in PREFERRED:
-        candidate = dataclasses.replace(problem, layout=layout)
-        backend = _dispatch.get_backend(name)
-        if (
-            _dispatch.layout_reason(backend, candidate) or backend.unsupported_reason(candidate)
-        ) is None:
-            return layout
-    return "canonical"

@@ -2,28 +2,30 @@
 
 The non-expert linears of a quantized checkpoint (attention projections, dense MLPs, shared
 experts) are the grouped GEMM with one expert: every row of x goes to expert 0, so the routing
-is the identity padded to block_m and needs no alignment kernel. Backends:
+is the identity padded to block_m and needs no alignment kernel. The implementation is chosen
+as fused_moe's is (a backend name, names tried in order, or None: the platform's priority),
+among the backends with a grouped GEMM (`Backend.grouped_matmul`):
 - "xla": dequantize to x.dtype and one dot with f32 accumulation (any platform; what a float
   model of x's dtype computes);
-- "pallas" / "pallas_interpret": the dequant-fused Pallas GEMM (pallas_kernels.triton.wna16_gemm),
-  compiled on an NVIDIA GPU or in the interpreter.
+- "pallas" / "pallas_interpret", "triton": that backend's dequant-fused grouped GEMM, compiled
+  on an NVIDIA GPU (or in the interpreter).
 
-Under GSPMD sharding (jit with sharded weights, no shard_map) a Pallas call cannot be
+Under GSPMD sharding (jit with sharded weights, no shard_map) a kernel call cannot be
 partitioned: XLA would gather the whole weight to every device. Use "xla" there.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from wna16_jax import _configs, _dispatch
+from wna16_jax import _dispatch, layouts
+from wna16_jax._configs import GemmShape
 from wna16_jax._quant import dequantize_experts
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
-
-LINEAR_IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
 
 
 def identity_routing(num_rows: int, block_m: int) -> AlignedRouting:
@@ -39,6 +41,8 @@ def identity_routing(num_rows: int, block_m: int) -> AlignedRouting:
 
 
 def _check(x, w: QuantizedExperts) -> None:
+    if not isinstance(w, QuantizedExperts):
+        raise ValueError(f"w must be a QuantizedExperts, got {type(w).__name__}")
     e, _, k = w.shape
     if e != 1:
         raise ValueError(f"a quantized linear weight is [1, N, K], got {w.shape}")
@@ -46,48 +50,74 @@ def _check(x, w: QuantizedExperts) -> None:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight K={k}")
 
 
-def kernel_reason(w: QuantizedExperts) -> str | None:
-    """Why the Pallas GEMM cannot run this weight's shape (None when it can)."""
-    try:
-        _configs.heuristic_config(_configs.GemmShape.of_weights(w, m=1))
-    except ValueError as err:
-        return str(err)
-    return None
+def _problem(w: QuantizedExperts, rows: int, dtype) -> _dispatch.GemmProblem:
+    return _dispatch.GemmProblem(
+        platform=_dispatch.current_platform(),
+        shape=GemmShape.of_weights(w, m=max(rows, 1)),
+        dtype=jnp.dtype(dtype).name,
+        has_zeros=w.has_zeros,
+        layout=w.layout,
+    )
 
 
-def default_implementation(w: QuantizedExperts) -> str:
-    """The Pallas GEMM on a GPU where the kernels run this weight's shape, else xla."""
-    if _dispatch.current_platform() != "gpu" or kernel_reason(w) is not None:
-        return "xla"
-    return "pallas"
+def _names(implementation):
+    """A hashable implementation argument (lists become tuples)."""
+    if implementation is None or isinstance(implementation, str):
+        return implementation
+    return tuple(implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "config"))
+def select_implementation(
+    w: QuantizedExperts,
+    *,
+    dtype=jnp.bfloat16,
+    implementation: str | Sequence[str] | None = None,
+) -> str:
+    """The backend `quantized_matmul` uses for `w` and activations of `dtype` (nothing runs).
+
+    Raises:
+        ValueError: an unknown backend name.
+        NotImplementedError: no requested backend can run it (reasons listed).
+    """
+    return _dispatch.select_backend(_problem(w, 1, dtype), _names(implementation)).name
+
+
 def quantized_matmul(
-    x, w: QuantizedExperts, *, implementation: str | None = None, config: BlockConfig | None = None
+    x,
+    w: QuantizedExperts,
+    *,
+    implementation: str | Sequence[str] | None = None,
+    config: BlockConfig | None = None,
 ):
     """y [..., N] = x [..., K] @ dequant(w[0]).T, accumulated in f32, rounded once to x.dtype.
 
     Args:
         x: [..., K] bf16 / f16 / f32.
         w: QuantizedExperts [1, N, K].
-        implementation: "xla", "pallas", "pallas_interpret", or None (default_implementation).
-        config: a BlockConfig for the Pallas GEMM (None: the tuned table, then the heuristic).
+        implementation: None (the platform's priority: the Pallas GEMM on an NVIDIA GPU where
+            it runs this weight, else "xla"), a backend name with a grouped GEMM, or names
+            tried in order (e.g. ("pallas", "xla"): the kernel where it tiles the weight).
+        config: a BlockConfig for the kernel (None: the tuned table, then the heuristic).
+
+    Raises:
+        ValueError: malformed inputs, an unknown backend name, a config that cannot run.
+        NotImplementedError: no requested backend can run it (reasons listed).
     """
     _check(x, w)
-    implementation = implementation or default_implementation(w)
-    if implementation not in LINEAR_IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is not one of {LINEAR_IMPLEMENTATIONS}"
-        )
-    if implementation != "xla" and config is None and (reason := kernel_reason(w)):
-        raise ValueError(f"implementation={implementation!r} cannot run this weight: {reason}")
+    return _quantized_matmul(x, w, implementation=_names(implementation), config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "config"))
+def _quantized_matmul(x, w: QuantizedExperts, *, implementation, config):
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:  # no rows: nothing to launch
+    rows = x2.shape[0]
+    problem = _problem(w, rows, x.dtype)
+    backend = _dispatch.select_backend(problem, implementation)
+    if rows == 0:  # no rows: nothing to launch
         return jnp.zeros((*lead, w.n), x.dtype)
-    if implementation == "xla":
-        wd = dequantize_experts(w, dtype=x.dtype)[0]  # [N, K]
+    if backend.name == "xla":
+        wd = dequantize_experts(layouts.to_canonical_layout(w), dtype=x.dtype)[0]  # [N, K]
         # HIGHEST: f32 operands would otherwise run as TF32 on a GPU (measured rel err 2.7e-4
         # on the H200); 16-bit operands are exact products either way.
         y = jnp.einsum(
@@ -98,18 +128,14 @@ def quantized_matmul(
             precision=jax.lax.Precision.HIGHEST,
         )
     else:
-        from pallas_kernels.triton.wna16_gemm import wna16_gemm
-
-        rows = x2.shape[0]
-        shape = _configs.GemmShape.of_weights(w, m=rows)
-        cfg, _ = _configs.resolve_config(shape, config)
-        y = wna16_gemm(
+        gemm = backend.grouped_matmul
+        cfg, _ = gemm.config(problem.shape, config)
+        y = gemm.run(
             x2,
             w,
             identity_routing(rows, cfg.block_m),
             top_k=1,
             config=cfg,
             out_dtype=jnp.float32,
-            interpret=implementation == "pallas_interpret",
         )
     return y.astype(x.dtype).reshape(*lead, w.n)

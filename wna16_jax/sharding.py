@@ -1,4 +1,4 @@
-"""Expert and tensor parallelism for fused_moe: weight placement, expert maps, shard_map bodies."""
+"""Expert, tensor and data parallelism for fused_moe: weight placement, expert maps, shard_map."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from wna16_jax import _api
+from wna16_jax._quant import random_quantized_experts
 from wna16_jax._types import MGPU_TILE, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
 MODES = ("replicated", "all_to_all", "auto")
 DISPATCHES = ("all_gather", "ragged")
-# mode="auto" shards the tokens above this many (see fused_moe_ep). A guess pending GPU figures:
-# at or below it one all-reduce (latency-bound) is taken to beat a gather plus a reduce-scatter.
+# mode="auto" shards the tokens above this many (see fused_moe_ep). Not measured: at or below it
+# one all-reduce (latency-bound) is taken to beat a gather plus a reduce-scatter.
 DEFAULT_TOKEN_THRESHOLD = 256
-# The dispatch of mode="all_to_all" when none is given: the only one XLA:CPU can run;
-# "ragged" (fewer bytes on the wire: each token once per shard it needs) is opt-in until GPU
-# figures exist.
+# The dispatch of mode="all_to_all" when none is given: the only one XLA:CPU can run. "ragged"
+# (fewer bytes on the wire: each token once per shard it needs) is opt-in, its speed unmeasured.
 DEFAULT_DISPATCH = "all_gather"
 
 _logged: set[tuple] = set()
@@ -370,21 +370,6 @@ def shard_w2_for_tp(
     return _put(w2, mesh, expert_specs(w2, expert_axis=expert_axis, k_axis=tensor_axis))
 
 
-def _random_experts(key, e, n, k, *, bits, group_size, has_zp, dtype) -> QuantizedExperts:
-    """Random packed words and zeros; scales make |w| ~ 1/sqrt(K), so x @ w.T stays O(1)."""
-    pf = 32 // bits
-    g = k if group_size == -1 else group_size
-    kq, ks, kz = jax.random.split(key, 3)
-    qweight = jax.random.bits(kq, (e, n, k // pf), jnp.uint32)
-    scales = jax.random.uniform(ks, (e, n, k // g), jnp.float32, 0.5, 1.5)
-    scales = (scales / (2 ** (bits - 1) * np.sqrt(k))).astype(dtype)
-    zeros = None
-    if has_zp:
-        zshape = (e, n // 2, k // g) if bits == 4 else (e, n, k // g)
-        zeros = jax.random.bits(kz, zshape, jnp.uint8)
-    return QuantizedExperts(qweight, scales, zeros, bits=bits, group_size=group_size)
-
-
 def random_sharded_experts(
     key,
     num_experts: int,
@@ -393,7 +378,7 @@ def random_sharded_experts(
     *,
     bits: int = 4,
     group_size: int = 128,
-    has_zp: bool = True,
+    has_zeros: bool = True,
     dtype=jnp.bfloat16,
     mesh: Mesh,
     expert_axis: str | None = None,
@@ -402,39 +387,35 @@ def random_sharded_experts(
 ) -> QuantizedExperts:
     """Random QuantizedExperts [E, N, K] generated directly in their sharding.
 
-    Generated inside `jax.jit(out_shardings=...)` with partitionable random bits, so each
-    device computes only its own slice and none ever holds all experts: this is how to make
-    full-size (e.g. DeepSeek-V3) weights for benchmarks. The values do not depend on the mesh
-    (with JAX's default `jax_threefry_partitionable=True`).
+    `wna16_jax.random_quantized_experts` inside `jax.jit(out_shardings=...)` with partitionable
+    random bits, so each device computes only its own slice and none ever holds all experts:
+    this is how to make full-size (e.g. DeepSeek-V3) weights for benchmarks. The values do not
+    depend on the mesh (with JAX's default `jax_threefry_partitionable=True`).
 
     Args:
         key: a jax PRNG key.
         num_experts, n, k: the logical shape [E, N, K].
-        bits, group_size, has_zp, dtype: the format (dtype = scales' dtype).
+        bits, group_size, has_zeros, dtype: the format (dtype = scales' dtype), as for
+            `wna16_jax.random_quantized_experts`.
         mesh: the device mesh.
         expert_axis, n_axis, k_axis: mesh axes sharding E, N and K (see `expert_specs`).
 
     Returns:
         QuantizedExperts with every array sharded as `expert_specs` says.
+
+    Raises:
+        ValueError: as `wna16_jax.random_quantized_experts` (bits, K, group_size, N).
     """
-    if bits not in (4, 8):
-        raise ValueError(f"bits={bits} is not supported (supported: 4, 8)")
-    if k % (32 // bits):
-        raise ValueError(f"K={k} is not a multiple of {32 // bits} (bits={bits})")
-    if group_size != -1 and (group_size <= 0 or k % group_size):
-        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
-    if has_zp and bits == 4 and n % 2:
-        raise ValueError(f"int4 zero points need an even N, got N={n}")
-    specs = _specs(bits, group_size, has_zp, expert_axis, n_axis, k_axis)
     make = functools.partial(
-        _random_experts,
-        e=num_experts,
-        n=n,
-        k=k,
+        random_quantized_experts,
+        shape=(num_experts, n, k),
         bits=bits,
         group_size=group_size,
-        has_zp=has_zp,
+        has_zeros=has_zeros,
         dtype=dtype,
+    )
+    specs = expert_specs(
+        jax.eval_shape(make, key), expert_axis=expert_axis, n_axis=n_axis, k_axis=k_axis
     )
     return jax.jit(make, out_shardings=named_shardings(mesh, specs))(key)
 
@@ -461,8 +442,18 @@ def _local_moe(x, w13, w2, topk_weights, local_ids, *, activation, implementatio
     )
 
 
-def _to_local_ids(topk_ids, num_experts: int, expert_axis: str | None):
-    """Global ids -> this shard's local ids (-1 off-shard or out of range)."""
+def local_expert_ids(topk_ids, num_experts: int, expert_axis: str | None):
+    """Global expert ids -> the calling shard's local ids: use inside `jax.shard_map`.
+
+    Args:
+        topk_ids: int [..., k] global ids.
+        num_experts: E, the global number of experts.
+        expert_axis: the mesh axis the experts are split over (contiguously, as
+            `expert_map_for_axis` says), or None (every shard holds all E: ids unchanged).
+
+    Returns:
+        int32 [..., k]: local ids, -1 for experts of other shards and for ids outside [0, E).
+    """
     ids = topk_ids.astype(jnp.int32)
     if expert_axis is None:
         return ids
@@ -622,7 +613,7 @@ def fused_moe_local_shard(
     if dispatch not in DISPATCHES:
         raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCHES}")
     if mode == "replicated":
-        local_ids = _to_local_ids(topk_ids, num_experts, expert_axis)
+        local_ids = local_expert_ids(topk_ids, num_experts, expert_axis)
         y = _local_moe(x, w13, w2, topk_weights, local_ids, **moe_kwargs)  # f32 partial
         axes = tuple(a for a in (expert_axis, tensor_axis) if a is not None)
         return (jax.lax.psum(y, axes) if axes else y).astype(x.dtype)
@@ -647,7 +638,7 @@ def fused_moe_local_shard(
         xs = jax.lax.all_gather(x, token_axis, tiled=True)  # [T, H]
         ws = jax.lax.all_gather(topk_weights, token_axis, tiled=True)
         ids = jax.lax.all_gather(topk_ids.astype(jnp.int32), token_axis, tiled=True)
-        local_ids = _to_local_ids(ids, num_experts, expert_axis)
+        local_ids = local_expert_ids(ids, num_experts, expert_axis)
         y = _local_moe(xs, w13, w2, ws, local_ids, **moe_kwargs)  # [T, H] partial
         y = jax.lax.psum_scatter(y, token_axis, scatter_dimension=0, tiled=True)  # [T/n, H]
     # The partials are f32 up to here: one rounding to x.dtype, as unsharded.
@@ -674,6 +665,7 @@ def _sharded(
     mesh: Mesh,
     expert_axis: str | None,
     tensor_axis: str | None,
+    data_axis: str | None,
     mode: str,
     dispatch: str | None,
     token_threshold: int,
@@ -684,16 +676,21 @@ def _sharded(
     _api.validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, None, activation)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {MODES}")
-    if expert_axis is not None and expert_axis == tensor_axis:
-        raise ValueError(f"expert_axis and tensor_axis are the same mesh axis {expert_axis!r}")
+    named = {"expert_axis": expert_axis, "tensor_axis": tensor_axis, "data_axis": data_axis}
+    named = {k: v for k, v in named.items() if v is not None}
+    if len(set(named.values())) < len(named):
+        raise ValueError(f"the mesh axes must differ, got {named}")
     n_e = _axis_size(mesh, expert_axis, "expert_axis")
     n_t = _axis_size(mesh, tensor_axis, "tensor_axis")
+    n_d = _axis_size(mesh, data_axis, "data_axis")
     e = w13.num_experts
     _check_divisible(e, n_e)
     i = w13.n // 2
     if tensor_axis is not None:
         _check_tp(i, n_t, w2, "w2")
     t = int(x.shape[0])
+    if expert_axis is None and tensor_axis is None:
+        mode = "replicated"  # no axis to exchange tokens over: each data shard keeps its own
     if mode == "auto":
         mode = "replicated" if t <= token_threshold else "all_to_all"
         _log_once(
@@ -718,18 +715,19 @@ def _sharded(
             )
     w13_specs = expert_specs(w13, expert_axis=expert_axis, n_axis=tensor_axis)
     w2_specs = expert_specs(w2, expert_axis=expert_axis, k_axis=tensor_axis)
-    pad = 0
+    # The tokens: split over data_axis (data parallelism) and, in mode "all_to_all", within
+    # each data shard over the token axis (the expert axis, else the tensor axis).
+    token_axes = (data_axis,) if data_axis is not None else ()
+    n_tok = n_d
     if mode == "all_to_all":
-        token_axis = expert_axis if expert_axis is not None else tensor_axis
-        tok = P(token_axis)
-        n_tok = n_e if expert_axis is not None else n_t
-        pad = -t % n_tok
-        if pad:  # padding tokens route to id -1: dropped
-            x = jnp.pad(x, ((0, pad), (0, 0)))
-            topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
-            topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
-    else:
-        tok = P()
+        token_axes += (expert_axis if expert_axis is not None else tensor_axis,)
+        n_tok *= n_e if expert_axis is not None else n_t
+    tok = P(token_axes if len(token_axes) > 1 else token_axes[0]) if token_axes else P()
+    pad = -t % n_tok
+    if pad:  # padding tokens route to id -1: dropped
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
+        topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
     body = functools.partial(
         fused_moe_local_shard,
         num_experts=e,
@@ -765,8 +763,9 @@ def fused_moe_ep(
     topk_ids,
     *,
     mesh: Mesh,
-    expert_axis: str,
+    expert_axis: str | None,
     tensor_axis: str | None = None,
+    data_axis: str | None = None,
     mode: str = "auto",
     dispatch: str | None = None,
     token_threshold: int = DEFAULT_TOKEN_THRESHOLD,
@@ -787,6 +786,10 @@ def fused_moe_ep(
     - mode "auto": "replicated" for T <= token_threshold, else "all_to_all" (logged once).
     With `tensor_axis` (a second mesh axis) every expert is also split on I as in
     `fused_moe_tp` and the partial outputs are summed over it too (expert x tensor parallel).
+    With `data_axis` the tokens are split over it first (data parallelism: each data shard runs
+    the layer above on its own tokens, the weights replicated over data_axis); with
+    expert_axis=None the experts stay whole (tensor or data parallelism alone), and with no
+    expert or tensor axis every mode runs "replicated".
 
     Usable under `jax.jit` (wrap it: the shard_map then compiles once). The weights must be
     placed as `shard_experts` (or, with tensor_axis, `shard_w13_for_tp` / `shard_w2_for_tp`)
@@ -801,8 +804,9 @@ def fused_moe_ep(
             P(expert_axis, None, tensor_axis)).
         topk_weights: [T, k] float.  topk_ids: [T, k] int global ids (out-of-range dropped).
         mesh: the device mesh.
-        expert_axis: the mesh axis sharding E; its size n must divide E.
+        expert_axis: the mesh axis sharding E; its size n must divide E. None: not split.
         tensor_axis: optional mesh axis sharding I.
+        data_axis: optional mesh axis sharding the tokens T (the batch).
         mode: "replicated", "all_to_all" or "auto".
         dispatch: "all_gather" or "ragged" for mode "all_to_all"; None = DEFAULT_DISPATCH.
         token_threshold: the largest T that mode "auto" runs replicated.
@@ -825,6 +829,7 @@ def fused_moe_ep(
         mesh=mesh,
         expert_axis=expert_axis,
         tensor_axis=tensor_axis,
+        data_axis=data_axis,
         mode=mode,
         dispatch=dispatch,
         token_threshold=token_threshold,
@@ -880,6 +885,7 @@ def fused_moe_tp(
         mesh=mesh,
         expert_axis=None,
         tensor_axis=tensor_axis,
+        data_axis=None,
         mode=mode,
         dispatch="all_gather",
         token_threshold=token_threshold,

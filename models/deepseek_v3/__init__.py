@@ -3,9 +3,9 @@
 from models.deepseek_v3 import sharding
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, YarnScaling
 from models.deepseek_v3.generate import GenerateStats, generate
-from models.deepseek_v3.modeling import DeepseekV3ForCausalLM, KVCache, init_random, route
+from models.deepseek_v3.modeling import DeepseekV3ForCausalLM, KVCache, route
 from models.deepseek_v3.params import load_pretrained, save_pretrained
-from models.deepseek_v3.sharding import ShardingSpecs, make_mesh, shard_model
+from models.deepseek_v3.sharding import ShardingSpecs, init_random, make_mesh, shard_model
 from models.deepseek_v3.tokenizer import ByteTokenizer, load_tokenizer
 
 __all__ = [

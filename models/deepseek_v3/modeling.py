@@ -8,25 +8,20 @@ E experts, k top-k, I intermediate, R kv_lora_rank, dr rope dim, dn nope dim, dv
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import wna16_jax as wj
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, yarn_get_mscale
-
-if TYPE_CHECKING:
-    from jax.sharding import Mesh
-
-    from models.deepseek_v3.sharding import ModelSharding, ShardingSpecs
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -35,6 +30,28 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 class QuantParam(nnx.Variable):
     """Packed quantized weight data (qweight / scales / zeros): not trained, kept apart from
     float `nnx.Param`s so filters (dtype casts, sharding rules) can tell them apart."""
+
+
+class ModelSharding(Protocol):
+    """What the modules ask of a sharded model's plan: `sharding.ModelSharding` implements it
+    (that module builds on this one, which never imports it)."""
+
+    mesh: Mesh
+
+    @property
+    def expert_axis(self) -> str | None: ...
+
+    @property
+    def tensor_axis(self) -> str | None: ...
+
+    @property
+    def tensor_shards(self) -> int: ...
+
+    def constrain(self, x, field: str): ...
+
+    def quantized_moe(self, x, w13, w2, topk_weights, topk_ids, *, implementation=None): ...
+
+    def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids): ...
 
 
 def _constrain(ms: ModelSharding | None, x, field: str):
@@ -54,25 +71,6 @@ def _normal(rngs: Rng, shape, std: float = 1.0):
     if isinstance(rngs, np.random.Generator):
         return rngs.standard_normal(shape, dtype=np.float32) * np.float32(std)
     return jax.random.normal(rngs.params(), shape, _F32) * std
-
-
-def _uniform(rngs: Rng, shape, lo: float, hi: float):
-    if isinstance(rngs, np.random.Generator):
-        return rngs.uniform(lo, hi, shape).astype(np.float32)
-    return jax.random.uniform(rngs.params(), shape, _F32, lo, hi)
-
-
-def _randint(rngs: Rng, shape, lo: int, hi: int):
-    """Integers in [lo, hi) as uint8."""
-    if isinstance(rngs, np.random.Generator):
-        return rngs.integers(lo, hi, shape, dtype=np.uint8)
-    return jax.random.randint(rngs.params(), shape, lo, hi).astype(jnp.uint8)
-
-
-def _bits32(rngs: Rng, shape):
-    if isinstance(rngs, np.random.Generator):
-        return rngs.integers(0, 2**32, shape, dtype=np.uint32)
-    return jax.random.bits(rngs.params(), shape, jnp.uint32)
 
 
 # ---- weights --------------------------------------------------------------------------------
@@ -108,37 +106,18 @@ class QuantizedTensor(nnx.Module):
         return self.get().shape
 
 
-def random_quantized(rngs: Rng, shape, spec: QuantSpec, *, std: float, dtype):
-    """Random packed weights [E, N, K] drawn directly in the quantized domain (no float copy).
-
-    Uniform codes, zero points near the middle of the range and scales such that the weights
-    have roughly standard deviation `std`. Scales are rounded through float16, the dtype
-    AWQ / GPTQ checkpoints store them in, so saving and reloading a random model is exact.
-    """
-    e, n, k = shape
-    bits = spec.bits
-    g = spec.group_for(k)
-    num_groups = 1 if g == -1 else k // g
-    xp = np if isinstance(rngs, np.random.Generator) else jnp  # host init stays in numpy
-    qweight = _bits32(rngs, (e, n, k * bits // 32))
-    mid = 1 << (bits - 1)
-    zeros = None
-    if spec.has_zp:
-        z = _randint(rngs, (e, n, num_groups), mid - 2, mid + 2)  # uint8
-        if bits == 4:  # [E, N//2, G], even n in the low nibble
-            pairs = z.reshape(e, n // 2, 2, num_groups)
-            zeros = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(xp.uint8)
-        else:
-            zeros = z
-    code_std = math.sqrt(((1 << bits) ** 2 - 1) / 12.0)  # std of uniform codes
-    jitter = _uniform(rngs, (e, n, num_groups), 0.75, 1.25)
-    scales = (jitter * (std / code_std)).astype(xp.float16)
-    return wj.QuantizedExperts(
-        qweight=jnp.asarray(qweight),
-        scales=jnp.asarray(scales).astype(dtype),
-        zeros=None if zeros is None else jnp.asarray(zeros),
-        bits=bits,
-        group_size=g,
+def random_quantized(rngs: Rng, shape, spec: QuantSpec, *, dtype) -> wj.QuantizedExperts:
+    """Random weights [E, N, K] in the format `spec` says, drawn in the quantized domain by
+    `wna16_jax.random_quantized_experts` (weights ~ 1/sqrt(K); scales exact in float16, so
+    saving and reloading a random model is exact)."""
+    key = rngs if isinstance(rngs, np.random.Generator) else rngs.params()
+    return wj.random_quantized_experts(
+        key,
+        shape,
+        bits=spec.bits,
+        group_size=spec.group_for(shape[2]),
+        has_zeros=spec.has_zp,
+        dtype=dtype,
     )
 
 
@@ -170,9 +149,10 @@ class QuantizedLinear(nnx.Module):
     """y = x @ dequant(weight).T for a WNA16 weight [1, N, K].
 
     `implementation` (DeepseekV3ForCausalLM.set_linear_implementation): "xla" (default)
-    dequantizes on the fly inside jit and runs one float dot; "pallas" / "pallas_interpret" run
-    the dequant-fused grouped GEMM with one expert (`wna16_jax.linear.quantized_matmul`), for
-    models that are not sharded by GSPMD (a Pallas call cannot be partitioned).
+    dequantizes on the fly inside jit and runs one float dot; a backend with a grouped GEMM
+    ("pallas", "pallas_interpret", ...) runs the dequant-fused GEMM with one expert
+    (`wna16_jax.linear.quantized_matmul`) where it takes the weight, for models that are not
+    sharded by GSPMD (a kernel call cannot be partitioned).
     """
 
     def __init__(
@@ -185,7 +165,7 @@ class QuantizedLinear(nnx.Module):
         qe: wj.QuantizedExperts | None = None,
     ):
         if qe is None:
-            qe = random_quantized(rngs, (1, n, k), cfg.quant, std=k**-0.5, dtype=cfg.dtype)
+            qe = random_quantized(rngs, (1, n, k), cfg.quant, dtype=cfg.dtype)
         self.weight = QuantizedTensor(qe)
         self.implementation = "xla"
 
@@ -193,12 +173,21 @@ class QuantizedLinear(nnx.Module):
         """float [N, K], dequantized."""
         return wj.dequantize_experts(self.weight.get(), dtype=dtype)[0]
 
+    def kernel(self, dtype) -> str | None:
+        """The backend that runs this layer for activations of `dtype`, None for the float dot:
+        "xla", or a weight the backend does not take here (e.g. N not a multiple of 16)."""
+        if self.implementation == "xla":
+            return None
+        name = wj.linear.select_implementation(
+            self.weight.get(), dtype=dtype, implementation=(self.implementation, "xla")
+        )
+        return None if name == "xla" else name
+
     def __call__(self, x):
-        w = self.weight.get()
-        if self.implementation == "xla" or wj.linear.kernel_reason(w) is not None:
-            # Shapes the kernels cannot tile (e.g. N not a multiple of 16) stay on xla.
+        kernel = self.kernel(x.dtype)
+        if kernel is None:
             return _matmul_nk(x, self.dense_weight(x.dtype))
-        return wj.linear.quantized_matmul(x, w, implementation=self.implementation)
+        return wj.linear.quantized_matmul(x, self.weight.get(), implementation=kernel)
 
 
 def make_linear(cfg: DeepseekV3Config, k: int, n: int, *, target: str | None, rngs: Rng):
@@ -539,11 +528,9 @@ class RoutedExperts(nnx.Module):
     def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng, w13=None, w2=None, implementation=None):
         e, i, hdim = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         if w13 is None:
-            w13 = random_quantized(
-                rngs, (e, 2 * i, hdim), cfg.quant, std=hdim**-0.5, dtype=cfg.dtype
-            )
+            w13 = random_quantized(rngs, (e, 2 * i, hdim), cfg.quant, dtype=cfg.dtype)
         if w2 is None:
-            w2 = random_quantized(rngs, (e, hdim, i), cfg.quant, std=i**-0.5, dtype=cfg.dtype)
+            w2 = random_quantized(rngs, (e, hdim, i), cfg.quant, dtype=cfg.dtype)
         self.w13 = QuantizedTensor(w13)
         self.w2 = QuantizedTensor(w2)
         self.implementation = implementation
@@ -631,10 +618,7 @@ class FloatExperts(nnx.Module):
         w13 = self.w13.get_value()
         if self.w13_tp_shards == 1:
             return w13
-        e, rows, hdim = w13.shape
-        blk = rows // (2 * self.w13_tp_shards)
-        w13 = w13.reshape(e, self.w13_tp_shards, 2, blk, hdim).swapaxes(1, 2)
-        return w13.reshape(e, rows, hdim)
+        return wj.sharding.interleave_w13_rows(w13, self.w13_tp_shards, inverse=True)
 
     def __call__(self, x, topk_weights, topk_ids):
         """x [T, H] -> [T, H] (x.dtype)."""
@@ -803,7 +787,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         return self.preferred_expert_layout()
 
     def preferred_expert_layout(self) -> str:
-        """wna16_jax.layouts.preferred_layout for the routed experts on this platform (for one
+        """wna16_jax.preferred_layout for the routed experts on this platform (for one
         tensor shard's slice when they are split over a tensor axis); "canonical" for a model
         without routed experts."""
         for _, m in nnx.iter_modules(self):
@@ -814,18 +798,22 @@ class DeepseekV3ForCausalLM(nnx.Module):
                     shard = functools.partial(wj.sharding.tensor_shard, num_shards=n)
                     w13 = jax.eval_shape(functools.partial(shard, split="n"), w13)
                     w2 = jax.eval_shape(functools.partial(shard, split="k"), w2)
-                return wj.layouts.preferred_layout(w13, w2, dtype=self.cfg.dtype)
+                return wj.preferred_layout(w13, w2, dtype=self.cfg.dtype)
         return "canonical"
 
     def set_linear_implementation(self, implementation: str) -> None:
         """Selects how every quantized non-expert linear runs: "xla" (dequantize + dot, the
-        default, works under any sharding) or "pallas" / "pallas_interpret" (the dequant-fused
-        GEMM with one expert; not for GSPMD-sharded models). Layers whose shape the kernels
-        cannot tile stay on "xla"."""
-        if implementation not in wj.linear.LINEAR_IMPLEMENTATIONS:
+        default, works under any sharding) or a backend with a grouped GEMM, e.g. "pallas" /
+        "pallas_interpret" (the dequant-fused GEMM with one expert; not for GSPMD-sharded
+        models). Layers the backend does not take here stay on "xla".
+
+        Raises:
+            ValueError: `implementation` is not a registered backend.
+        """
+        if implementation not in wj.registered_backends():
             raise ValueError(
-                f"linear implementation {implementation!r} is not one of "
-                f"{wj.linear.LINEAR_IMPLEMENTATIONS}"
+                f"linear implementation {implementation!r} is not a registered backend "
+                f"{wj.registered_backends()}"
             )
         for _, m in nnx.iter_modules(self):
             if isinstance(m, QuantizedLinear):
@@ -960,11 +948,6 @@ class DeepseekV3ForCausalLM(nnx.Module):
         return (logits[:, 0] if squeeze else logits), cache
 
 
-# Above this many bytes of weights a random model is generated on device under jit; below it,
-# on the host with numpy (XLA compiling ~100 separate random ops costs tens of seconds on CPU).
-HOST_INIT_MAX_BYTES = 1 << 30
-
-
 def param_bytes(cfg: DeepseekV3Config) -> int:
     """Bytes of the model's weights (from an abstract model: nothing is allocated)."""
     abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
@@ -972,55 +955,6 @@ def param_bytes(cfg: DeepseekV3Config) -> int:
         int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
         for a in jax.tree.leaves(nnx.state(abstract))
     )
-
-
-def init_random(
-    cfg: DeepseekV3Config,
-    *,
-    seed: int = 0,
-    implementation=None,
-    on_device: bool | None = None,
-    mesh: Mesh | None = None,
-    specs: ShardingSpecs | None = None,
-    moe_mode: str = "replicated",
-) -> DeepseekV3ForCausalLM:
-    """A randomly initialized model (quantized as `cfg.quant` says).
-
-    Args:
-        cfg: the configuration.
-        seed: random seed.
-        implementation: fused_moe backend of the routed experts (None = automatic).
-        on_device: generate the weights under jit on the device(s) (True) or with numpy on
-            the host (False); None picks the host below HOST_INIT_MAX_BYTES.
-        mesh: a mesh (sharding.make_mesh) to place the model on. On device, every device
-            generates only its own shard of the weights (sharding.init_sharded: no device ever
-            holds all experts; values equal those of on_device=True without a mesh); on the
-            host, the model is drawn as without a mesh and each device sent its slice.
-        specs: partition specs for the mesh (default sharding.ShardingSpecs.for_mesh).
-        moe_mode: the sharded MoE's token mode (see sharding.ModelSharding).
-    """
-    if on_device is None:
-        on_device = param_bytes(cfg) > HOST_INIT_MAX_BYTES
-    if mesh is not None:
-        from models.deepseek_v3 import sharding  # it imports this module
-
-        if on_device:
-            model = sharding.init_sharded(cfg, mesh, seed=seed, specs=specs, moe_mode=moe_mode)
-        else:
-            host = sharding.host_device()
-            with jax.default_device(host) if host is not None else contextlib.nullcontext():
-                model = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(seed))
-            sharding.shard_model(model, mesh, specs=specs, moe_mode=moe_mode)
-        if implementation is not None:
-            model.set_implementation(implementation)
-        return model
-    if on_device:
-        model = nnx.jit(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(seed)))()
-    else:
-        model = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(seed))
-    if implementation is not None:
-        model.set_implementation(implementation)
-    return model
 
 
 def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:

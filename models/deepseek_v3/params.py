@@ -418,42 +418,6 @@ def _set(root, path, value) -> None:
         setattr(parent, path[-1], value)
 
 
-def _concat_n(a: wj.QuantizedExperts, b: wj.QuantizedExperts) -> wj.QuantizedExperts:
-    """[E, N1, K] ++ [E, N2, K] along N (gate rows, then up rows)."""
-    if (a.bits, a.group_size, a.has_zeros) != (b.bits, b.group_size, b.has_zeros):
-        raise ValueError(
-            f"gate and up quantization differ: {(a.bits, a.group_size)} vs {(b.bits, b.group_size)}"
-        )
-    if a.has_zeros and a.bits == 4 and a.n % 2:
-        raise ValueError(f"int4 zero points of an odd N={a.n} cannot be concatenated")
-    cat = lambda x, y: None if x is None else jnp.concatenate([x, y], axis=1)
-    return wj.QuantizedExperts(
-        qweight=cat(a.qweight, b.qweight),
-        scales=cat(a.scales, b.scales),
-        zeros=cat(a.zeros, b.zeros),
-        bits=a.bits,
-        group_size=a.group_size,
-    )
-
-
-def _slice_n(qe: wj.QuantizedExperts, start: int, stop: int) -> wj.QuantizedExperts:
-    """Rows [start, stop) of [E, N, K] (even bounds for int4 zero points)."""
-    zeros = qe.zeros
-    if zeros is not None:
-        zeros = zeros[:, start // 2 : stop // 2] if qe.bits == 4 else zeros[:, start:stop]
-    return wj.QuantizedExperts(
-        qweight=qe.qweight[:, start:stop],
-        scales=qe.scales[:, start:stop],
-        zeros=zeros,
-        bits=qe.bits,
-        group_size=qe.group_size,
-    )
-
-
-def _with_scale_dtype(qe: wj.QuantizedExperts, dtype) -> wj.QuantizedExperts:
-    return dataclasses.replace(qe, scales=jnp.asarray(qe.scales, dtype))
-
-
 # One compiled program per weight shape (eager dispatch would compile every op separately).
 _quantize_jit = jax.jit(
     wj.quantize_experts, static_argnames=("bits", "group_size", "has_zp", "scale_dtype")
@@ -479,7 +443,7 @@ def _load_linear(cfg, ckpt, qcfg, prefix, form, target):
         if target is not None and cfg.quantizes(target):
             return _quantize(w[None], cfg.quant, cfg.dtype)
         return w
-    return _with_scale_dtype(wj.formats.from_quantization_config(ckpt, qcfg, prefix), cfg.dtype)
+    return wj.formats.from_quantization_config(ckpt, qcfg, prefix).astype(cfg.dtype)
 
 
 def _linear_module(cfg, value, shape):
@@ -518,9 +482,9 @@ def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range
         if cfg.quantizes("experts"):
             w13, w2 = _quantize(w13, cfg.quant, cfg.dtype), _quantize(w2, cfg.quant, cfg.dtype)
     else:
-        gate, up, down = (wj.formats.stack(parts[p]) for p in _PROJS)
-        w13 = _with_scale_dtype(_concat_n(gate, up), cfg.dtype)
-        w2 = _with_scale_dtype(down, cfg.dtype)
+        gate, up, down = (wj.QuantizedExperts.concatenate(parts[p], axis=0) for p in _PROJS)
+        w13 = wj.QuantizedExperts.concatenate([gate, up], axis=1).astype(cfg.dtype)  # [gate; up]
+        w2 = down.astype(cfg.dtype)
     n = len(experts)
     if w13.shape != (n, 2 * i, hdim) or w2.shape != (n, hdim, i):
         raise ValueError(
@@ -772,12 +736,13 @@ def _named_linears(model, cfg) -> Iterator[tuple[str, object]]:
             mod = _get(model, entry.path)
             e, i, _ = entry.shape
             if isinstance(mod, RoutedExperts):
-                w13, w2 = mod.canonical_w13(), mod.w2.get()  # rows [gate; up] at any TP
-                one = lambda qe, j: jax.tree.map(lambda a: a[j : j + 1], qe)
+                # Canonical layout, rows [gate; up], whatever the kernel layout and TP order.
+                w13, w2 = mod.canonical_w13(), wj.layouts.to_canonical_layout(mod.w2.get())
                 for j in range(e):
-                    yield f"{entry.name}.{j}.gate_proj", _slice_n(one(w13, j), 0, i)
-                    yield f"{entry.name}.{j}.up_proj", _slice_n(one(w13, j), i, 2 * i)
-                    yield f"{entry.name}.{j}.down_proj", one(w2, j)
+                    w13_j = w13.slice(j, j + 1, axis=0)
+                    yield f"{entry.name}.{j}.gate_proj", w13_j.slice(0, i, axis=1)
+                    yield f"{entry.name}.{j}.up_proj", w13_j.slice(i, 2 * i, axis=1)
+                    yield f"{entry.name}.{j}.down_proj", w2.slice(j, j + 1, axis=0)
             else:
                 w13, w2 = mod.canonical_w13(), mod.w2.get_value()
                 for j in range(e):

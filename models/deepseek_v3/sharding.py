@@ -1,7 +1,7 @@
-"""Meshes, partition specs and weight placement for DeepSeek-V3: EP, TP, data parallel, hosts.
+"""Meshes, partition specs, weight placement and random models for DeepSeek-V3 (EP, TP, DP).
 
 Three mesh axes: `expert` shards the routed experts (expert parallelism: each device holds
-E/n experts and runs `wna16_jax.sharding.fused_moe_local_shard` on them inside `jax.shard_map`),
+E/n experts and runs them through `wna16_jax.sharding.fused_moe_ep`, the library's shard_map),
 `tensor` shards the experts' intermediate dim I (w13 rows interleaved as
 `wna16_jax.sharding.tp_interleave_w13` does) and the attention heads (q_b_proj / q_proj /
 kv_b_proj rows, o_proj columns), `data` shards the batch. Everything else is replicated.
@@ -24,6 +24,7 @@ the slices of this host's devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -33,7 +34,6 @@ import re
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -47,6 +47,7 @@ from models.deepseek_v3.modeling import (
     KVCache,
     QuantizedTensor,
     RoutedExperts,
+    param_bytes,
 )
 
 logger = logging.getLogger("models.deepseek_v3")
@@ -428,27 +429,9 @@ class ModelSharding:
         return _place(host_array, self.named(spec))
 
     # --- routed experts ------------------------------------------------------------------
-    def _moe_tokens(self, t: int):
-        """(mode, token spec, padding) for T tokens."""
-        mode = self.moe_mode
-        if mode == "auto":
-            mode = "replicated" if t <= self.token_threshold else "all_to_all"
-            _log_once(
-                ("auto", mode, self.token_threshold),
-                "deepseek_v3: sharded MoE uses mode=%r (T=%d, token_threshold=%d)",
-                mode,
-                t,
-                self.token_threshold,
-            )
-        token_axis = self.expert_axis or self.tensor_axis
-        if mode == "replicated" or token_axis is None:
-            return "replicated", P(self.data_axis), 0
-        axes = tuple(a for a in (self.data_axis, token_axis) if a is not None)
-        spec = P(axes if len(axes) > 1 else axes[0])
-        return mode, spec, -t % self.size(axes)
-
     def quantized_moe(self, x, w13, w2, topk_weights, topk_ids, *, implementation=None):
-        """The routed experts of one layer: fused_moe_local_shard on each device's experts.
+        """The routed experts of one layer: `wna16_jax.sharding.fused_moe_ep` over this mesh's
+        expert, tensor and data axes (each device runs its own experts; no weight moves).
 
         Args:
             x: [T, H].  w13: QuantizedExperts [E, 2I, H] sharded as moe_w13_efd (rows
@@ -459,32 +442,20 @@ class ModelSharding:
         Returns:
             [T, H] in x.dtype.
         """
-        t = x.shape[0]
-        mode, tok, pad = self._moe_tokens(t)
-        if pad:  # padding tokens route to id -1: dropped
-            x = jnp.pad(x, ((0, pad), (0, 0)))
-            topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
-            topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
-        ea, ta = self.expert_axis, self.tensor_axis
-        body = functools.partial(
-            wj.sharding.fused_moe_local_shard,
-            num_experts=w13.num_experts,
-            expert_axis=ea,
-            tensor_axis=ta,
-            mode=mode,
+        return wj.sharding.fused_moe_ep(
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            mesh=self.mesh,
+            expert_axis=self.expert_axis,
+            tensor_axis=self.tensor_axis,
+            data_axis=self.data_axis,
+            mode=self.moe_mode,
+            token_threshold=self.token_threshold,
             implementation=implementation,
         )
-        w13_specs = wj.sharding.expert_specs(w13, expert_axis=ea, n_axis=ta)
-        w2_specs = wj.sharding.expert_specs(w2, expert_axis=ea, k_axis=ta)
-        # check_vma=False: the fused_moe backends do not annotate device-varying values yet.
-        out = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(tok, w13_specs, w2_specs, tok, tok),
-            out_specs=tok,
-            check_vma=False,
-        )(x, w13, w2, topk_weights, topk_ids)
-        return out[:t] if pad else out
 
     def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids):
         """Float routed experts (tokens replicated): `local_fn(x, w13, w2, weights, local_ids)`
@@ -494,11 +465,7 @@ class ModelSharding:
         num_experts = w13.shape[0]
 
         def body(x, w13, w2, topk_weights, topk_ids):
-            ids = topk_ids.astype(jnp.int32)
-            if ea is not None:
-                emap = wj.sharding.expert_map_for_axis(num_experts, ea)
-                valid = (ids >= 0) & (ids < num_experts)
-                ids = jnp.where(valid, emap[jnp.clip(ids, 0, num_experts - 1)], -1)
+            ids = wj.sharding.local_expert_ids(topk_ids, num_experts, ea)
             y = local_fn(x, w13, w2, topk_weights, ids)
             axes = tuple(a for a in (ea, ta) if a is not None)
             return jax.lax.psum(y, axes) if axes else y
@@ -738,6 +705,58 @@ def _place(value, sharding: NamedSharding) -> jax.Array:
         return jax.device_put(value, sharding)
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+
+# Above this many bytes of weights a random model is generated on device under jit; below it,
+# on the host with numpy (XLA compiling ~100 separate random ops costs tens of seconds on CPU).
+HOST_INIT_MAX_BYTES = 1 << 30
+
+
+def init_random(
+    cfg: DeepseekV3Config,
+    *,
+    seed: int = 0,
+    implementation=None,
+    on_device: bool | None = None,
+    mesh: Mesh | None = None,
+    specs: ShardingSpecs | None = None,
+    moe_mode: str = "replicated",
+) -> DeepseekV3ForCausalLM:
+    """A randomly initialized model (quantized as `cfg.quant` says).
+
+    Args:
+        cfg: the configuration.
+        seed: random seed.
+        implementation: fused_moe backend of the routed experts (None = automatic).
+        on_device: generate the weights under jit on the device(s) (True) or with numpy on
+            the host (False); None picks the host below HOST_INIT_MAX_BYTES.
+        mesh: a mesh (`make_mesh`) to place the model on. On device, every device
+            generates only its own shard of the weights (`init_sharded`: no device ever
+            holds all experts; values equal those of on_device=True without a mesh); on the
+            host, the model is drawn as without a mesh and each device sent its slice.
+        specs: partition specs for the mesh (default `ShardingSpecs.for_mesh`).
+        moe_mode: the sharded MoE's token mode (see `ModelSharding`).
+    """
+    if on_device is None:
+        on_device = param_bytes(cfg) > HOST_INIT_MAX_BYTES
+    if mesh is not None:
+        if on_device:
+            model = init_sharded(cfg, mesh, seed=seed, specs=specs, moe_mode=moe_mode)
+        else:
+            host = host_device()
+            with jax.default_device(host) if host is not None else contextlib.nullcontext():
+                model = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(seed))
+            shard_model(model, mesh, specs=specs, moe_mode=moe_mode)
+        if implementation is not None:
+            model.set_implementation(implementation)
+        return model
+    if on_device:
+        model = nnx.jit(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(seed)))()
+    else:
+        model = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(seed))
+    if implementation is not None:
+        model.set_implementation(implementation)
+    return model
 
 
 def init_sharded(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from wna16_jax import _reference
+from wna16_jax import _routing
 from wna16_jax._types import AlignedRouting
 
 logger = logging.getLogger(__name__)
@@ -52,13 +52,11 @@ class AlignConfig:
 
 
 # Up to this many slots (T*k) the fused single launch is the default, its programs filling
-# FUSED_BLOCKS_PER_PROGRAM blocks each. H200, E=256, the mgpu layer's block sizes (session 16,
-# experiments/align_probe.py, the kernels' time in a device trace): T*k=128 (block_m 8) 7.0 us
-# at 32 blocks per program vs 8.5 at 64; 512 (block_m 8) 9.9 vs 11.5, two launches 11.8;
-# 2048 (block_m 16) two launches 11.8 vs 23.9 fused.
+# FUSED_BLOCKS_PER_PROGRAM blocks each; from more slots two launches (a histogram, then the
+# scatter) are faster. Figures: docs/performance.md, 'The alignment kernel'.
 FUSED_MAX_SLOTS = 512
 FUSED_BLOCKS_PER_PROGRAM = 32
-# Two-launch chunk sizes by T*k, the best of 128..2048 measured on an H200 (E=256, top-8).
+# Two-launch chunk sizes by T*k: the fastest of 128..2048 on the H200 (E=256, top-8).
 _CHUNK_SLOTS_BY_SIZE = ((8192, 128), (65536, 256), (262144, 512))
 
 
@@ -339,7 +337,7 @@ def moe_align_block_size(
         ValueError: on a topk_ids that is not int32 [T, k], E outside [1, 1024], block_m < 1,
             an expert_map that is not int32 [E], or 2^31 or more sorted positions.
     """
-    max_padded = _reference.check_align_kernel_args(  # P
+    max_padded = _routing.check_align_kernel_args(  # P
         topk_ids,
         num_experts=num_experts,
         block_m=block_m,
@@ -350,7 +348,7 @@ def moe_align_block_size(
     num_slots = t * k  # S, also the sentinel
     num_blocks = max_padded // block_m
     if num_slots == 0:  # nothing to launch over: every position is padding
-        return _reference.all_padding_routing(max_padded, block_m)
+        return _routing.all_padding_routing(max_padded, block_m)
 
     if config is None:
         config = default_config(num_slots)

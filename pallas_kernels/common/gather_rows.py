@@ -1,9 +1,8 @@
 """Rows of x in a given order, as a Pallas Triton kernel: the 'mgpu' layer's rows in block order.
 
-out[p] = x[rows[p]] where 0 <= rows[p] < T, else zeros. XLA's gather with the select for the
-padding rows ran at about 1.2-1.3 TB/s on the H200 (session 11's timeline: 441 us for the
-~1 GB of the DeepSeek-V3 layer's rows at M=4096, 51 us at M=256); this kernel copies a tile of
-block_rows rows x block_cols columns per program, each row one contiguous load.
+out[p] = x[rows[p]] where 0 <= rows[p] < T, else zeros: a tile of block_rows rows x block_cols
+columns per program, each row one contiguous load (faster than XLA's gather and select on the
+H200: docs/performance.md, 'Mosaic GPU layer').
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def tile_shape(num_out: int, hidden: int) -> tuple[int, int] | None:
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def gather_rows(x: jax.Array, rows: jax.Array, *, interpret: bool = False) -> jax.Array:
     """out[p] = x[rows[p]] for 0 <= rows[p] < T, and for any other index zeros; [P, H] in x's
-    dtype (leaving the other rows unwritten measured no faster in the layer, session 12).
+    dtype (leaving the other rows unwritten measured no faster in the layer).
 
     P must be a multiple of 8 and H a multiple of 128 (`tile_shape`); raises ValueError
     otherwise."""

@@ -1,4 +1,5 @@
-"""The 'triton' backend of wna16_jax.fused_moe (Triton kernels called through jax_triton).
+"""The 'triton' backend (Triton kernels called through jax_triton): fused_moe,
+moe_align_block_size and the grouped GEMM.
 
 Importing this module imports neither triton nor jax_triton: `unsupported_reason` tries them
 (once) and the kernels are imported on the first call.
@@ -8,9 +9,12 @@ from __future__ import annotations
 
 import functools
 
-from wna16_jax import _reference
-from wna16_jax._dispatch import AlignProblem, Backend, MoEProblem
+import jax.numpy as jnp
+
+from wna16_jax import _activations, _configs
+from wna16_jax._dispatch import AlignProblem, Backend, GemmProblem, GroupedMatmul, MoEProblem
 from wna16_jax._dispatch import cuda_gpu_reason as _gpu_reason
+from wna16_jax._types import BlockConfig
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 # As pallas_kernels.jax_triton.align.MAX_EXPERTS and .wna16_gemm.MIN_SPAN (not imported here:
@@ -42,8 +46,9 @@ def shape_reason(problem: MoEProblem) -> str | None:
         )
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
-    if problem.activation not in _reference.ACTIVATIONS:
-        return f"activation {problem.activation!r} is not one of {sorted(_reference.ACTIVATIONS)}"
+    if problem.activation not in _activations.ACTIVATIONS:
+        names = sorted(_activations.ACTIVATIONS)
+        return f"activation {problem.activation!r} is not one of {names}"
     if problem.num_global_experts > MAX_EXPERTS:
         return f"{problem.num_global_experts} experts, over the align kernel's {MAX_EXPERTS}"
     for what, n in (("2I", 2 * problem.intermediate), ("H", problem.hidden)):
@@ -95,6 +100,56 @@ def _align(topk_ids, *, num_experts, block_m, expert_map):
     )
 
 
+def gemm_shape_reason(problem: GemmProblem) -> str | None:
+    """Why the grouped GEMM cannot run `problem`'s shapes and formats (None when it can)."""
+    shape = problem.shape
+    if problem.dtype not in SUPPORTED_DTYPES:
+        return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
+    if shape.n % MIN_SPAN:
+        return f"N={shape.n} output features are not a multiple of {MIN_SPAN} (block_n)"
+    if shape.group % MIN_SPAN:
+        return (
+            f"group size {shape.group} is not a multiple of {MIN_SPAN}: each dot of the "
+            f"kernel contracts whole groups or a k-tile inside one"
+        )
+    try:  # the heuristic raises, naming the problems, where no config fits the shape
+        _configs.heuristic_config(shape, allow_fma=False)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def gemm_unsupported_reason(problem: GemmProblem) -> str | None:
+    return _gpu_reason(problem.platform) or import_reason() or gemm_shape_reason(problem)
+
+
+def gemm_config(shape, config: BlockConfig | None):
+    """`_configs.resolve_config` with tensor-core configs only (the Triton GEMM has no "fma"
+    product); a caller's config is checked against the Triton GEMM's own rules too."""
+    if config is not None:
+        from pallas_kernels.jax_triton.wna16_gemm import triton_config_problems
+
+        if problems := triton_config_problems(config):
+            raise ValueError(f"config {config} cannot run the Triton GEMM: " + "; ".join(problems))
+    return _configs.resolve_config(shape, config, allow_fma=False)
+
+
+def _grouped_matmul(
+    a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None, activation=None
+):
+    from pallas_kernels.jax_triton.wna16_gemm import wna16_gemm
+
+    gemm = dict(top_k=top_k, config=config)
+    if activation is None:
+        return wna16_gemm(a, w, routing, routed_weights, out_dtype=out_dtype, **gemm)
+    act = _activations.activate(
+        wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm), activation
+    )
+    if routed_weights is not None:  # the routed weights multiply the activation
+        act = act * routed_weights.astype(jnp.float32)[:, None]
+    return act.astype(out_dtype or a.dtype)
+
+
 BACKENDS = (
     Backend(
         name="triton",
@@ -102,5 +157,8 @@ BACKENDS = (
         fused_moe=_fused_moe,
         align_unsupported_reason=align_unsupported_reason,
         moe_align_block_size=_align,
+        grouped_matmul=GroupedMatmul(
+            unsupported_reason=gemm_unsupported_reason, config=gemm_config, run=_grouped_matmul
+        ),
     ),
 )

@@ -1,4 +1,5 @@
-"""The MoE layer from the Triton kernels: align -> GEMM1 -> act -> GEMM2 -> sum over top-k."""
+"""The MoE layer from the Triton kernels: the pipeline's stages on the Triton align kernel and
+WNA16 GEMM, whose GEMM2 applies the routed weights and writes a row per slot."""
 
 from __future__ import annotations
 
@@ -9,41 +10,60 @@ import jax.numpy as jnp
 
 from pallas_kernels.jax_triton.align import moe_align_block_size
 from pallas_kernels.jax_triton.wna16_gemm import wna16_gemm
-from pallas_kernels.triton.fused_moe import gemm_configs, sum_over_top_k
-from wna16_jax import _reference
+from wna16_jax import _pipeline
+from wna16_jax._activations import activate
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
-# Tokens per chunk: bounds the [T*k, max(2I, H)] intermediates.
-DEFAULT_CHUNK_TOKENS = 8192
+# Tensor-core configs only: the Triton GEMM has no dot="fma".
+RULES = _pipeline.wna16_rules(allow_fma=False)
 
 
-def _fused_moe_chunk(
-    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, interpret
-):
-    t, k = topk_ids.shape
-    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
-    # Both with GEMM1's block_m; tensor-core configs only (the Triton GEMM has no "fma").
-    c1, c2 = gemm_configs(t * k, w13, w2, config, allow_fma=False)
-    routing = moe_align_block_size(
+def _plan(num_slots, num_experts, w13, w2, *, config) -> tuple[BlockConfig, BlockConfig]:
+    return _pipeline.block_configs(num_slots, w13, w2, config, rules=RULES)
+
+
+def _route(a, topk_ids, plan, *, num_experts, expert_map, interpret):
+    return _pipeline.slots_in_blocks(
+        functools.partial(moe_align_block_size, interpret=interpret),
+        a,
         topk_ids,
+        block_m=plan[0].block_m,
         num_experts=num_experts,
-        block_m=c1.block_m,
         expert_map=expert_map,
-        interpret=interpret,
     )
-    h = wna16_gemm(x, w13, routing, top_k=k, config=c1, interpret=interpret)  # [T*k, 2I]
-    act = _reference.ACTIVATIONS[activation](h.astype(jnp.float32)).astype(x.dtype)  # [T*k, I]
-    y = wna16_gemm(
+
+
+def _gemm1(x, w13, routed, plan, *, activation, interpret):
+    """[T, H] -> the activation per slot [T*k, I], rounded to x.dtype (as the Pallas pipeline
+    and vLLM do)."""
+    h = wna16_gemm(  # [T*k, 2I]
+        x, w13, routed.blocks, top_k=routed.top_k, config=plan[0], interpret=interpret
+    )
+    return activate(h, activation, x.dtype)
+
+
+def _gemm2(act, w2, routed, plan, routed_weights, *, interpret):
+    """[T*k, I] -> f32 [T*k, H], each slot's row times its routed weight."""
+    return wna16_gemm(
         act,
         w2,
-        routing,
-        topk_weights.reshape(-1).astype(jnp.float32),
+        routed.blocks,
+        routed_weights,
         top_k=1,
-        config=c2,
+        config=plan[1],
         out_dtype=jnp.float32,
         interpret=interpret,
-    )  # [T*k, H] f32, routed weights applied
-    return sum_over_top_k(y, topk_ids, num_experts)
+    )
+
+
+def stages(*, activation: str = "silu", config=None, interpret: bool = False):
+    """This backend's MoeStages: the Triton align kernel and WNA16 GEMMs."""
+    return _pipeline.MoeStages(
+        plan=functools.partial(_plan, config=config),
+        route=functools.partial(_route, interpret=interpret),
+        gemm1=functools.partial(_gemm1, activation=activation, interpret=interpret),
+        gemm2=functools.partial(_gemm2, interpret=interpret),
+    )
 
 
 @functools.partial(
@@ -59,7 +79,7 @@ def fused_moe(
     expert_map=None,
     activation: str = "silu",
     config: BlockConfig | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
     interpret: bool = False,
     out_dtype=None,
 ):
@@ -71,26 +91,24 @@ def fused_moe(
     Args:
         x: [T, H] bf16/f16/f32.  w13: [E, 2I, H].  w2: [E, H, I].
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
-        expert_map: optional int32 [E_global].  activation: a key of _reference.ACTIVATIONS.
+        expert_map: optional int32 [E_global].  activation: a key of _activations.ACTIVATIONS.
         config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM:
-            `pallas_kernels.triton.fused_moe.gemm_configs` with allow_fma=False).
+            `_pipeline.block_configs` with tensor-core configs only).
         chunk_tokens: tokens per chunk for large T.
         interpret: run the kernels in Triton's interpreter on the host (slow; for tests).
-
         out_dtype: the output dtype (default x.dtype), rounded once from the f32 sum.
 
     Returns:
         [T, H] in out_dtype.
     """
-    run = functools.partial(
-        _fused_moe_chunk,
-        w13=w13,
-        w2=w2,
+    return _pipeline.fused_moe(
+        stages(activation=activation, config=config, interpret=interpret),
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
         expert_map=expert_map,
-        activation=activation,
-        config=config,
-        interpret=interpret,
-    )
-    return _reference.map_token_chunks(
-        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
+        chunk_tokens=chunk_tokens,
+        out_dtype=out_dtype,
     )

@@ -13,20 +13,18 @@ then scaled by the group's scale (block_k divides the group, or a k-step spans w
 each scaled on its own). bf16_weights (warp-specialized GEMMs): the converted tile is scaled
 in registers instead, (q - z) * s rounded to bf16 once, and multiplied straight into the
 accumulators: no f32 sum per group, so 128-row blocks fit in registers (the layer's default
-from config.ROWS_FOR_128 rows per expert: DeepSeek-V3 at M=4096 6.40 vs 7.36 ms,
-session 15). The block's token rows are the B operand (shared memory, K-major), so a block
-needs 8..256 rows rather than a 64-row tile: the path for decode (one row per expert) and
-prefill alike. TMA copies of the weight, scale and row tiles run
+from config.ROWS_FOR_128 rows per expert). The block's token rows are the B operand (shared
+memory, K-major), so a block needs 8..256 rows rather than a 64-row tile: the path for decode
+(one row per expert) and prefill alike. TMA copies of the weight, scale and row tiles run
 `max_concurrent_steps` k-steps ahead.
 
-Two ways to run a program, both measured on the H200 (docs/PERFORMANCE.md, session 5):
+Two ways to run a program (docs/performance.md, 'Mosaic GPU GEMM'):
 - consumers=0: one warpgroup issues the copies and does the math on block_n features
   (`plgpu.emit_pipeline`); fastest for blocks of 8-16 rows (decode, M <= 256).
 - consumers=1 or 2: warp specialization (`plgpu.emit_pipeline_warp_specialized`): a producer
   warpgroup issues the copies, and each consumer warpgroup does the math on its own block_n
   features of the program's block_n*consumers, sharing the rows' tile. While one consumer waits
-  for its wgmma the other converts its next tile: 12.4 vs 16.4 ms for the DeepSeek-V3 layer at
-  M=4096.
+  for its wgmma the other converts its next tile; fastest for blocks of 64 rows and more.
 block_n (64..256): a warpgroup's features in sub-tiles of 64 (one wgmma M each, its own
 accumulator): a rows' tile serves more weights. splits > 1 gives each program one of `splits`
 runs of k-steps and writes partial products [splits, P, N] (summed by the caller): programs for
@@ -38,8 +36,9 @@ output and the activation's pass over it disappear.
 It reads QuantizedExperts in the "mgpu_int4" layout (wna16_jax/layouts.py, made once):
 qweight int4 [E, N/64, K/64, 64, 64] holding q - 8 in 64x64 tiles (their nibbles in register
 order, layouts.TILE_ORDER), k-tiles of a row of tiles consecutive, so that each k-step's
-block_n x block_k weights are one contiguous run of memory (3-14% faster than rows [E, N, K]
-at M = 1..256 on the H200, docs/PERFORMANCE.md session 6);
+block_n x block_k weights are one contiguous run of memory, copied in TMA rows of
+TMA_ROW_NIBBLES nibbles (faster than rows [E, N, K], and than a tile's own 64-nibble rows:
+docs/performance.md, 'Mosaic GPU GEMM');
 scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 8 - z as
 [E, K//G, N], so that w = (qweight + zeros) * scales.
 
@@ -52,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -66,10 +64,13 @@ from wna16_jax._types import MGPU_TILE, QuantizedExperts
 TILE = MGPU_TILE
 
 
-def tile_rows(weight_row_nibbles: int) -> int:
-    """A 64x64 int4 weight tile's rows when its nibbles are copied in rows of weight_row_nibbles
-    (64: 64 rows; 256, the default: 16)."""
-    return TILE * TILE // weight_row_nibbles
+# The int4 weight tiles are copied in TMA rows of this many nibbles (128 bytes: a free reshape of
+# the contiguous tiles); the TMA unit streams a tile's own 64-nibble rows slower
+# (docs/performance.md, 'Mosaic GPU GEMM'). A TMA box holds at most 256 rows, so a k-step takes
+# at most 256 * TMA_ROW_NIBBLES / TILE = 1024 inputs.
+TMA_ROW_NIBBLES = 4 * TILE
+# A 64x64 tile's TMA rows.
+ROWS_PER_TILE = TILE * TILE // TMA_ROW_NIBBLES
 
 
 def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
@@ -90,9 +91,7 @@ def check_config(
     splits: int = 1,
     gated: bool = False,
     tiles_per_program: int = 1,
-    one_row_tile: bool = False,
     bf16_weights: bool = False,
-    weight_row_nibbles: int = 4 * TILE,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -110,9 +109,7 @@ def check_config(
         raise NotImplementedError(f"activations must be bfloat16, got {x_rows.dtype}")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
-    if one_row_tile and p > block_m:
-        raise ValueError(f"one_row_tile takes at most block_m={block_m} rows, got {p}")
-    if not one_row_tile and p % block_m:
+    if p % block_m:
         raise ValueError(f"{p} rows are not whole blocks of {block_m}")
     if consumers not in (0, 1, 2):
         raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
@@ -150,13 +147,11 @@ def check_config(
             f"tiles_per_program={tiles_per_program} must divide the {n_tiles} output tiles of "
             f"{tile_n} features"
         )
-    if weight_row_nibbles not in (TILE, 2 * TILE, 4 * TILE):
-        raise ValueError(f"weight_row_nibbles={weight_row_nibbles} must be 64, 128 or 256")
-    step_rows = block_k // TILE * tile_rows(weight_row_nibbles)
-    if weight_row_nibbles > TILE and step_rows > 256:
+    step_rows = block_k // TILE * ROWS_PER_TILE
+    if step_rows > 256:
         raise ValueError(
-            f"a k-step of {block_k} takes {step_rows} weight rows of {weight_row_nibbles} "
-            f"nibbles: a TMA box holds at most 256 (take wider rows)"
+            f"a k-step of {block_k} takes {step_rows} weight rows of {TMA_ROW_NIBBLES} nibbles: "
+            f"a TMA box holds at most 256"
         )
 
 
@@ -173,14 +168,10 @@ REGIONS = (
 PROFILE_REGIONS = ("convert", "wgmma", "wait", "scale", "store")
 
 
-# Symmetric weights subtract 136 (128 + 8) from each converted weight. Taken as a constant (folded
-# into the subtraction, or made by inline PTX) the symmetric DeepSeek-V3 layer ran 2.3-2.8% slower
-# than the same weights with zero points of 8 at M=4096 on the H200 (session 14, calls 2-4, one
-# process each on one GPU: 7403.8 vs 7231.0, 7604.6 vs 7440.2, 7570.8 vs 7365.9 us; copying the
-# scales a second time in place of zero points did not help: 7542.2), and 3-4 us slower at M=1.
-# So the offset is computed from a loaded row as a zero point's is: 136 - 0 * scale. Then
-# symmetric weights ran ahead of zero points of 8 (call 5: M=4096 7347.6 vs 7441.2 us, GEMM1
-# 4421.5 vs 4494.9; M=1 80.2 vs 82.3). Why the constant is slower was not found.
+# Symmetric weights subtract 136 (128 + 8) from each converted weight, computed from a loaded row
+# of scales as a zero point's offset is (136 - 0 * scale): taken as a constant (folded into the
+# subtraction, or made by inline PTX) the symmetric layer ran slower than the same weights with
+# zero points of 8, for a reason not found (docs/performance.md, 'Mosaic GPU GEMM').
 SYMMETRIC_OFFSET = 136
 
 
@@ -286,11 +277,9 @@ def _swizzled(shape, dtype, what: str):
         "splits",
         "gated",
         "tiles_per_program",
-        "narrow_steps",
+        "block_halvings",
         "buffer_rows",
-        "one_row_tile",
         "bf16_weights",
-        "weight_row_nibbles",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -301,7 +290,7 @@ def mgpu_wna16_gemm(
     x_rows: jax.Array,
     w: QuantizedExperts,
     block_experts: jax.Array,
-    block_rows: jax.Array | None = None,
+    rows_in_use: jax.Array | None = None,
     *,
     block_m: int,
     block_k: int = 128,
@@ -311,11 +300,9 @@ def mgpu_wna16_gemm(
     splits: int = 1,
     gated: bool = False,
     tiles_per_program: int = 1,
-    narrow_steps: int = 1,
+    block_halvings: int = 1,
     buffer_rows: int | None = None,
-    one_row_tile: bool = False,
     bf16_weights: bool = False,
-    weight_row_nibbles: int = 4 * TILE,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -340,9 +327,9 @@ def mgpu_wna16_gemm(
     weights copied from both halves of W.
 
     Output tiles (a block's rows x block_n * max(consumers, 1) features x one split's k-steps)
-    are numbered split-major, then block, then N tile, one program each; the programs running
-    at once share a block's rows in L2 (the M=4096 layer 8.7-9.0 ms on the H200 in session 8,
-    10.9 ms in session 7 with blocks fastest; the pallas anchor unchanged).
+    are numbered split-major, then block, then N tile, one program each: the programs running
+    at once share a block's rows in L2 (faster than numbering the blocks fastest:
+    docs/performance.md, 'Mosaic GPU GEMM').
 
     tiles_per_program > 1: a program computes that many consecutive output
     tiles of its block, one after the other in one pipeline (grid (tiles, k-steps)): the copies
@@ -350,15 +337,15 @@ def mgpu_wna16_gemm(
     the pipeline's start and drain are paid once per program instead of once per tile (GEMM2
     of DeepSeek-V3 has 8 k-steps of 256 per tile at TP=1 and 1 at TP=8).
 
-    block_rows: the rows of each block in use, its first ones (the aligned layout pads each
-    expert's run at its end). A block using at most block_m // 2 rows runs its products on the
-    first block_m // 2 only (wgmmas of half the width: about half the tensor-core work, the
-    same weight bytes and dequantization) and leaves its other output rows unwritten: for the
-    layer's prefill blocks of 64 rows, where an expert's last block holds 1..64 rows.
-    narrow_steps (with block_rows): how many times a block may be halved: with 2, a block
-    using at most block_m // 4 rows runs at a quarter of the width (each width a multiple of
-    8, a wgmma's least). Each width is its own pipeline in the kernel (sibling scoped
-    allocations: they share shared memory).
+    rows_in_use: int32 [blocks], the rows of each block in use, its first ones (the aligned
+    layout pads each expert's run at its end). A block using at most block_m // 2 rows runs
+    its products on the first block_m // 2 only (wgmmas of half the width: about half the
+    tensor-core work, the same weight bytes and dequantization) and leaves its other output
+    rows unwritten: for the layer's prefill blocks of 64 rows, where an expert's last block
+    holds 1..64 rows. block_halvings (with rows_in_use): how many times a block may be halved:
+    with 2, a block using at most block_m // 4 rows runs at a quarter of the width (each width
+    a multiple of 8, a wgmma's least). Each width is its own pipeline in the kernel (sibling
+    scoped allocations: they share shared memory).
 
     buffer_rows: rows of each warpgroup's output buffer in shared memory (a multiple of 8
     dividing block_m); None: `output_buffer_rows`, the block's where they fit beside the
@@ -369,29 +356,13 @@ def mgpu_wna16_gemm(
     pipeline) instead of exact integer products summed per group in f32 and then scaled: no
     group sums in registers or waits for them, at the cost of one rounding.
 
-    one_row_tile: x_rows is one tile of at most block_m rows that every block multiplies (padded
-    with zero rows to block_m first: jax 0.12 refuses a copy past an array's end, where 0.11's
-    TMA read zeros); the output still has block_m rows per block, [B * block_m, N] for B block
-    experts. For one token's blocks (a block per slot, the token in each block's first row)
-    without building [B * block_m, H] rows first.
-
-    weight_row_nibbles: the int4 tiles copied in TMA rows of this many nibbles (64: a tile's
-    row, 32 bytes; 128 or 256: the same bytes in rows of 64 or 128 bytes, a free reshape of
-    the contiguous tiles; a TMA box row holds at most 256 elements). The TMA unit streams
-    narrow rows slower: on the H200 (session 21, call 2) 256-nibble rows took GEMM1 / GEMM2 of
-    DeepSeek-V3 at M=1 to 47.5 / 31.0 us from 52.0 / 34.5, at M=16 to 423.3 / 249.1 from
-    492.8 / 272.6, at M=256 to 1095.4 / 626.5 from 1215.6 / 675.2 (the empty pipeline of
-    experiments/stream_probe.py: 63.1% of copy with 32-byte rows, 76.6% with 128-byte rows).
-
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
-    (leaving them unwritten for the layer's trailing unused blocks measured no faster on the
-    H200, session 12: M=16 784.2 vs 782.6 us, M=256 2004.1 vs 2009.0, M=4096 7718.7 vs
-    7676.1).
+    (leaving them unwritten measured no faster).
     Compiles for sm_90 only (or runs in the Mosaic GPU interpreter with interpret=True).
     profile_dir: record each warpgroup's named regions with Mosaic GPU's in-kernel profiler
-    and write a Chrome trace there per call (examples/mgpu_profile.py reads it): those of
-    profile_regions among REGIONS (fewer regions, fewer registers for the profiler: with all
-    five of PROFILE_REGIONS ptxas spilled 416 bytes in GEMM2 at M=4096, session 13).
+    and write a Chrome trace there per call: those of profile_regions among REGIONS (fewer
+    regions, fewer registers for the profiler: with all five of PROFILE_REGIONS ptxas spilled
+    registers in GEMM2 at M=4096).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -405,24 +376,21 @@ def mgpu_wna16_gemm(
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
-        one_row_tile=one_row_tile, bf16_weights=bf16_weights,
-        weight_row_nibbles=weight_row_nibbles,
+        bf16_weights=bf16_weights,
     )  # fmt: skip
-    flat_rows = weight_row_nibbles > TILE
-    rows_per_tile = tile_rows(weight_row_nibbles)
-    narrow = block_rows is not None
+    narrow = rows_in_use is not None
     if narrow and (
-        narrow_steps < 1 or block_m % (8 << narrow_steps) or block_rows.shape != block_experts.shape
+        block_halvings < 1
+        or block_m % (8 << block_halvings)
+        or rows_in_use.shape != block_experts.shape
     ):
         raise ValueError(
-            f"block_rows needs narrow_steps >= 1 halvings of block_m to a multiple of 8 (a "
-            f"wgmma's least rows), got block_m={block_m}, narrow_steps={narrow_steps}, and one "
-            f"count per block: {block_rows.shape} for {block_experts.shape} blocks"
+            f"rows_in_use needs block_halvings >= 1 halvings of block_m to a multiple of 8 (a "
+            f"wgmma's least rows), got block_m={block_m}, block_halvings={block_halvings}, and "
+            f"one count per block: {rows_in_use.shape} for {block_experts.shape} blocks"
         )
-    if one_row_tile and x_rows.shape[0] < block_m:
-        x_rows = jnp.pad(x_rows, ((0, block_m - x_rows.shape[0]), (0, 0)))
     _, n, k = w.shape
-    p = block_experts.shape[0] * block_m if one_row_tile else x_rows.shape[0]
+    p = x_rows.shape[0]
     dtype = x_rows.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
@@ -436,7 +404,6 @@ def mgpu_wna16_gemm(
     steps_per_group = max(w.group // bk, 1)
     groups_per_step = max(bk // w.group, 1)
     tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
-    box_rows = math.gcd(bk, 256)  # k-rows of weight tiles per TMA box
     has_offset = w.zeros is not None
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
@@ -485,9 +452,9 @@ def mgpu_wna16_gemm(
             def store_rows(values, ni):
                 # This warpgroup's [rows, block_n] part of output tile ni, one copy per sub-tile
                 # and chunk of buffer_rows rows through one [buffer_rows, 64] buffer (a buffer
-                # per sub-tile where they fit measured the same, session 10: M=4096 7848.9 vs
-                # 7866.9 us). The copies are waited for at the program's end (`store_all`); a
-                # copy waits only until the last has read the buffer.
+                # per sub-tile where they fit measured the same). The copies are waited for at
+                # the program's end (`store_all`); a copy waits only until the last has read the
+                # buffer.
                 out_tile = o_gmem.at[si] if splits > 1 else o_gmem
                 chunk = min(rows, buffer_rows)
                 buffer = o_smem.at[wg] if chunk == buffer_rows else o_smem.at[wg, pl.ds(0, chunk)]
@@ -525,11 +492,7 @@ def mgpu_wna16_gemm(
                 # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
                 # offset = 128 + z of the tile's features (136 without zero points): q - z, a
                 # small integer, exact in bf16.
-                if flat_rows:  # the tile's rows
-                    q_tile = q_smem.at[sub_tile(s), pl.ds(j * rows_per_tile, rows_per_tile)]
-                else:
-                    box, first = divmod(j * TILE, box_rows)
-                    q_tile = q_smem.at[sub_tile(s), box, pl.ds(first, TILE)]
+                q_tile = q_smem.at[sub_tile(s), pl.ds(j * ROWS_PER_TILE, ROWS_PER_TILE)]
                 if interpret:  # the interpreter's wgmma takes A from shared memory only
                     q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
                     q = layouts.from_tile_order(q)  # q - 8
@@ -668,7 +631,7 @@ def mgpu_wna16_gemm(
             def weight_tile(h):
                 def index(*idx):
                     ni, kk = tile_and_step(idx)
-                    return e, h * n_tiles + ni, si * steps + kk, 0, *([] if flat_rows else [0])
+                    return e, h * n_tiles + ni, si * steps + kk, 0
 
                 return index
 
@@ -680,17 +643,13 @@ def mgpu_wna16_gemm(
                 return index
 
             def row_tile(*idx):
-                first = 0 if one_row_tile else bi * (bm // rows)
-                return first, si * steps + tile_and_step(idx)[1]
+                return bi * (bm // rows), si * steps + tile_and_step(idx)[1]
 
-            if flat_rows:
-                q_spec = (None, wgs * subs, bk // TILE * rows_per_tile, weight_row_nibbles)
-            else:
-                q_spec = (None, wgs * subs, bk // box_rows, box_rows, TILE)
+            q_spec = (None, wgs * subs, bk // TILE * ROWS_PER_TILE, TMA_ROW_NIBBLES)
             g_spec = (None, groups_per_step, tile_n)
-            in_specs = [  # weight tiles [64-feature tiles, k-step rows of weight_row_nibbles]
-                # (at 64 nibbles [.., boxes of box_rows/64 tiles, 64, 64]): contiguous and
-                # unswizzled: a warp's 16-byte loads read 512 consecutive bytes, no bank conflicts
+            in_specs = [  # weight tiles [64-feature tiles, the k-step's rows of TMA_ROW_NIBBLES]:
+                # contiguous and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
+                # no bank conflicts
                 *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
                 plgpu.BlockSpec(
                     (rows, bk),
@@ -755,9 +714,9 @@ def mgpu_wna16_gemm(
         store, zero_acc, run = block_products(bm)
         if narrow:  # a block computes and stores the fewest rows (of the widths) it uses
             used = rows_gmem[bi]
-            widths = [bm >> j for j in range(narrow_steps + 1)]
+            widths = [bm >> j for j in range(block_halvings + 1)]
             for j, width in enumerate(widths):
-                narrower = widths[j + 1] if j < narrow_steps else -1
+                narrower = widths[j + 1] if j < block_halvings else -1
                 fits = (used > narrower) & ((used <= width) if j else True)
                 pl.when(has_expert & fits)(run if j == 0 else block_products(width)[2])
         else:
@@ -769,18 +728,11 @@ def mgpu_wna16_gemm(
                 store(zero_acc()[:subs], n_run * tiles + j)
             plgpu.wait_smem_to_gmem(0)
 
-    # Free reshapes of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * rows_per_tile, weight_row_nibbles],
-    # or at 64 nibbles [E, N/64, K/box_rows, box_rows, 64] (a TMA copy takes at most 256 rows
-    # along a dimension and strides over at most 5 dimensions).
-    if flat_rows:
-        q_rows = w.qweight.reshape(
-            w.num_experts, n // TILE, k // TILE * rows_per_tile, weight_row_nibbles
-        )
-    else:
-        q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // box_rows, box_rows, TILE)
+    # A free reshape of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * ROWS_PER_TILE, TMA_ROW_NIBBLES].
+    q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // TILE * ROWS_PER_TILE, TMA_ROW_NIBBLES)
     operands = [block_experts.astype(jnp.int32)]
     if narrow:
-        operands.append(block_rows.astype(jnp.int32))
+        operands.append(rows_in_use.astype(jnp.int32))
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)

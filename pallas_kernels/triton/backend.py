@@ -1,13 +1,22 @@
-"""The 'pallas' and 'pallas_interpret' backends of wna16_jax.fused_moe (the Triton-lowered
-kernels, weights in the canonical layout)."""
+"""The 'pallas' and 'pallas_interpret' backends (the Triton-lowered kernels, weights in the
+canonical layout): fused_moe, moe_align_block_size and the grouped GEMM."""
 
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 from pallas_kernels.common.align import moe_align_block_size
 from pallas_kernels.triton import fused_moe as pallas_moe
 from pallas_kernels.triton.w8a8_gemm import MIN_INT8_DOT_K
+from pallas_kernels.triton.wna16_gemm import wna16_gemm
+from wna16_jax import _activations, _configs
 from wna16_jax._configs import min_block_k
-from wna16_jax._dispatch import MoEProblem, compiled_and_interpreted, cuda_gpu_reason
+from wna16_jax._dispatch import (
+    GemmProblem,
+    MoEProblem,
+    compiled_and_interpreted,
+    cuda_gpu_reason,
+)
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -66,6 +75,44 @@ def _pallas_reason(problem: MoEProblem) -> str | None:
     return _gpu_reason(problem.platform) or _shape_reason(problem)
 
 
+def gemm_shape_reason(problem: GemmProblem) -> str | None:
+    """Why the grouped GEMM cannot run `problem` on any platform (None when it can)."""
+    if problem.dtype not in SUPPORTED_DTYPES:
+        return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
+    try:  # the heuristic raises, naming the problems, where no config fits the shape
+        _configs.heuristic_config(problem.shape)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def grouped_matmul(
+    a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None, activation=None,
+    interpret=False,
+):  # fmt: skip
+    """The grouped GEMM (`wna16_gemm`) as `GroupedMatmul.run`: the activation (then the routed
+    weights) in its epilogue where fused_moe fuses it (`fused_moe.fuses_activation`), else
+    applied to the f32 sums after it."""
+    gemm = dict(top_k=top_k, config=config, interpret=interpret)
+    if activation is None or pallas_moe.fuses_activation(config, w, activation):
+        return wna16_gemm(
+            a, w, routing, routed_weights, out_dtype=out_dtype, activation=activation, **gemm
+        )
+    act = _activations.activate(
+        wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm), activation
+    )
+    if routed_weights is not None:
+        act = act * routed_weights.astype(jnp.float32)[:, None]
+    return act.astype(out_dtype or a.dtype)
+
+
 BACKENDS = compiled_and_interpreted(
-    "pallas", pallas_moe.fused_moe, _pallas_reason, _shape_reason, moe_align_block_size
+    "pallas",
+    pallas_moe.fused_moe,
+    _pallas_reason,
+    _shape_reason,
+    moe_align_block_size,
+    gemm=grouped_matmul,
+    gemm_config=_configs.resolve_config,
+    gemm_shape_reason=gemm_shape_reason,
 )

@@ -1,10 +1,10 @@
-"""Automatic backend order from measurements: a device's file lists problems where a backend
-other than the platform's first measured faster, and selection tries them in that order.
+"""The backend order a device measured fastest: automatic selection tries it first where a
+device's file lists the problem (a backend other than the platform's first won there).
 
-File: wna16_jax/data/backends/<device kind>.json (the tuned table's naming), written from a
-benchmark run (examples/gpu_triton.sh prints pallas and triton side by side):
+File: wna16_jax/data/backend_order/<device kind>.json (named as the tuned tables are), written
+from examples/benchmark.py's figures:
 
-    {"device": "NVIDIA H200", "source": "...", "rules": [
+    {"device": "NVIDIA H200", "about": "...", "rules": [
         {"problem": {"num_experts": 256, "hidden": 7168, ...},   # MoEProblem fields, exact
          "min_tokens": 4096, "max_tokens": null,                 # T range, both inclusive
          "order": ["triton", "pallas", "xla"],                   # tried in this order
@@ -20,13 +20,13 @@ import functools
 
 from wna16_jax import _configs
 
-BACKENDS_DIR = "data/backends"
+BACKEND_ORDER_DIR = "data/backend_order"
 
 
 @functools.cache
 def rules(device_kind: str) -> tuple[dict, ...]:
     """The device's rules (empty when it has no file)."""
-    data = _configs.device_file(BACKENDS_DIR, device_kind)
+    data = _configs.device_file(BACKEND_ORDER_DIR, device_kind)
     return () if data is None else tuple(data["rules"])
 
 

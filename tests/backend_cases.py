@@ -1,0 +1,273 @@
+"""The fused_moe checks every backend passes: FusedMoeCases, subclassed once per backend and mode.
+
+Each check compares the backend with the 'xla' reference on the *same* quantized weights (and,
+on the grid, with the float64 numpy layer of tests/helpers.py), so quantization error never
+hides inside a tolerance: a grid of (T, E, k, H, I) in the spirit of vLLM's test_fused_moe
+(odd T, duplicate experts, several formats), an expert_map with -1 experts, ids out of range,
+token chunks, jit, an f32 output and zero tokens.
+
+A subclass names the backend and says what it runs:
+
+    class TestPallasInterpreted(FusedMoeCases):
+        IMPLEMENTATION = "pallas_interpret"
+        BACKEND_FUSED_MOE = staticmethod(functools.partial(pallas_moe.fused_moe, interpret=True))
+
+    @pytest.mark.gpu
+    class TestPallasCompiled(TestPallasInterpreted):
+        IMPLEMENTATION = "pallas"
+        BACKEND_FUSED_MOE = staticmethod(pallas_moe.fused_moe)
+
+BITS, ZERO_POINTS, DTYPES and ACTIVATION_QUANTS filter the grid CASES (or a subclass gives its
+own CASES); SMALL is the problem of the other checks; LAYOUT the weights' layout the backend
+reads (converted with wj.layouts.to_kernel_layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import wna16_jax as wj
+
+# Element-wise, |out - ref| <= tol * |ref| + ELEMENT_SLACK * tol * rms(ref) (tol: the norm-wise
+# tolerance of the output dtype, helpers.TOLERANCES). Loose by design: a wrong row or column (an
+# error of order rms) fails it, while single elements of sums of rounded terms may stray several
+# standard deviations (measured up to ~2.5 tol * rms for bf16, the activation rounded to bf16
+# before GEMM2 as the kernels do and the reference does not).
+ELEMENT_SLACK = 5.0
+
+# Out-of-range ids the alignment drops (E itself is added per case).
+INVALID_IDS = (-1, -(2**31), 2**30)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeCase:
+    """One fused_moe problem: shapes, weight format, activation dtype, activation quantization
+    (None: 16-bit activations; "int8_per_token"; "int8_static": static scales from x)."""
+
+    T: int
+    E: int
+    k: int
+    H: int
+    I: int
+    bits: int = 4
+    group_size: int = 64
+    has_zp: bool = True
+    dtype: str = "bfloat16"
+    distinct: bool = True
+    act_quant: str | None = None
+
+    def __str__(self) -> str:
+        fmt = f"int{self.bits}-g{self.group_size}-{'zp' if self.has_zp else 'sym'}"
+        extra = ("" if self.distinct else "-dup") + (f"-{self.act_quant}" if self.act_quant else "")
+        return f"T{self.T}-E{self.E}-k{self.k}-H{self.H}-I{self.I}-{fmt}-{self.dtype}{extra}"
+
+
+# The grid of the 16-bit-activation backends.
+CASES = (
+    MoeCase(1, 8, 2, 128, 128, 4, 32, True, "bfloat16"),
+    MoeCase(7, 16, 4, 128, 128, 8, 64, False, "float16"),
+    MoeCase(33, 8, 2, 256, 128, 4, -1, True, "bfloat16", distinct=False),
+    MoeCase(5, 8, 6, 128, 128, 8, 32, True, "float32"),
+    MoeCase(12, 64, 6, 128, 128, 4, 64, False, "bfloat16"),
+)
+
+
+class FusedMoeCases:
+    """The checks; see the module docstring for what a subclass sets."""
+
+    IMPLEMENTATION: str = ""  # the backend's name in wj.fused_moe
+    # The backend module's fused_moe (with interpret bound): the token chunks' size is its own
+    # argument (chunk_tokens), not the public API's.
+    BACKEND_FUSED_MOE = None
+    LAYOUT = "canonical"
+    BITS: tuple[int, ...] = (4, 8)
+    ZERO_POINTS: tuple[bool, ...] = (True, False)
+    DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+    ACTIVATION_QUANTS: tuple[str | None, ...] = (None,)
+    CASES: tuple[MoeCase, ...] = CASES
+    SMALL = MoeCase(9, 8, 2, 128, 128)
+
+    # ---- what a subclass may override --------------------------------------------------------
+
+    def pytest_generate_tests(self, metafunc):
+        """The grid test runs the CASES this backend supports."""
+        if "case" in metafunc.fixturenames:
+            cases = [c for c in self.CASES if self.supports(c)]
+            metafunc.parametrize("case", cases, ids=[str(c) for c in cases])
+
+    def supports(self, case: MoeCase) -> bool:
+        return (
+            case.bits in self.BITS
+            and case.has_zp in self.ZERO_POINTS
+            and case.dtype in self.DTYPES
+            and case.act_quant in self.ACTIVATION_QUANTS
+        )
+
+    def tolerance(self, dtype) -> float:
+        """Norm-wise relative error allowed against the 'xla' reference and the oracle."""
+        return helpers.tolerance(dtype)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
+        """The backend's fused_moe on canonical weights (kwargs: expert_map, out_dtype,
+        activation_quant), through the public API; traceable."""
+        return wj.fused_moe(
+            x, self.prepare(w13), self.prepare(w2), topk_weights, topk_ids,
+            implementation=self.IMPLEMENTATION, **kwargs,
+        )  # fmt: skip
+
+    def fused_moe_in_chunks(self, x, w13, w2, topk_weights, topk_ids, *, chunk_tokens, **kwargs):
+        """The backend module's fused_moe in chunks of chunk_tokens tokens."""
+        return self.BACKEND_FUSED_MOE(
+            x, self.prepare(w13), self.prepare(w2), topk_weights, topk_ids,
+            chunk_tokens=chunk_tokens, **kwargs,
+        )  # fmt: skip
+
+    def prepare(self, w):
+        return wj.layouts.to_kernel_layout(w, self.LAYOUT)
+
+    def oracle(self, x, w13, w2, topk_weights, topk_ids, case: MoeCase, expert_map=None):
+        """The float64 layer on the dequantized weights, with GEMM2 reading the activation in
+        x's dtype as the kernels do (None: no oracle for this case)."""
+        if case.act_quant is not None:  # the int8 oracle is the 'xla' backend (test_w8a8.py)
+            return None
+        return helpers.numpy_fused_moe(
+            x, helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2), topk_weights,
+            topk_ids, expert_map=None if expert_map is None else np.asarray(expert_map),
+            activation_dtype=jnp.dtype(case.dtype),
+        )  # fmt: skip
+
+    def assert_close(self, out, ref, dtype, what: str) -> None:
+        """out is finite everywhere and matches ref (norm-wise tolerance, element-wise with
+        ELEMENT_SLACK)."""
+        helpers.assert_finite_and_close(
+            np.asarray(out, np.float32), np.asarray(ref, np.float64), self.tolerance(dtype),
+            f"{self.IMPLEMENTATION} {what}", slack=ELEMENT_SLACK, require_signal=True,
+        )  # fmt: skip
+
+    # ---- inputs ------------------------------------------------------------------------------
+
+    @staticmethod
+    def inputs(rng, case: MoeCase):
+        """(x, w13, w2, topk_weights, topk_ids) for case, weights canonical."""
+        return helpers.random_moe_inputs(
+            rng, T=case.T, H=case.H, I=case.I, E=case.E, k=case.k, bits=case.bits,
+            group_size=case.group_size, has_zp=case.has_zp, dtype=jnp.dtype(case.dtype),
+            distinct=case.distinct,
+        )  # fmt: skip
+
+    @staticmethod
+    def quant_args(case: MoeCase, x) -> dict:
+        """fused_moe's activation_quant argument for case ({} for 16-bit activations)."""
+        if case.act_quant is None:
+            return {}
+        if case.act_quant == "int8_static":  # scales a calibration would pick
+            s1 = float(np.max(np.abs(np.asarray(x, np.float32)))) / 127
+            return {"activation_quant": wj.ActivationQuant("int8_static", s1, 4.0 / 127)}
+        return {"activation_quant": wj.ActivationQuant(case.act_quant)}
+
+    def run(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
+        """`fused_moe`'s result, waited for before the next computation is dispatched: the
+        Mosaic GPU interpreter's callbacks run JAX operations themselves, and one queued behind
+        a computation dispatched meanwhile can wait forever."""
+        return jax.block_until_ready(self.fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs))
+
+    def run_both(self, x, w13, w2, topk_weights, topk_ids, case: MoeCase, **kwargs):
+        """(backend output, 'xla' output) with the same arguments."""
+        kwargs |= self.quant_args(case, x)
+        out = self.run(x, w13, w2, topk_weights, topk_ids, **kwargs)
+        ref = wj.fused_moe(x, w13, w2, topk_weights, topk_ids, implementation="xla", **kwargs)
+        want_dtype = jnp.dtype(kwargs.get("out_dtype") or x.dtype)
+        assert out.shape == x.shape and out.dtype == want_dtype, (out.shape, out.dtype)
+        return out, ref
+
+    # ---- the checks --------------------------------------------------------------------------
+
+    def test_matches_xla_and_oracle(self, rng, case):
+        x, w13, w2, tw, ti = self.inputs(rng, case)
+        out, ref = self.run_both(x, w13, w2, tw, ti, case)
+        self.assert_close(out, ref, case.dtype, "vs xla")
+        want = self.oracle(x, w13, w2, tw, ti, case)
+        if want is not None:
+            self.assert_close(out, want, case.dtype, "vs float64 oracle")
+
+    def test_expert_map_drops_off_shard_experts(self, rng):
+        """A quarter of 4 * E experts local: tokens routed only off-shard give exactly 0, the
+        rest matches 'xla' with the same map (a dropped id too)."""
+        case = self.SMALL
+        e_global = 4 * case.E
+        x, w13, w2, tw, _ = self.inputs(rng, case)
+        expert_map = np.full(e_global, -1, np.int32)
+        local = rng.choice(e_global, size=case.E, replace=False)
+        expert_map[local] = rng.permutation(case.E)
+        remote = np.flatnonzero(expert_map < 0)
+        _, ids = helpers.random_routing(rng, case.T, case.k, e_global)
+        ids[:2] = rng.choice(remote, size=(2, case.k), replace=False)  # only off-shard
+        ids[2] = rng.choice(local, size=case.k, replace=False)  # only local
+        ids[3, 0] = -1
+        ti, emap = jnp.asarray(ids), jnp.asarray(expert_map)
+        out, ref = self.run_both(x, w13, w2, tw, ti, case, expert_map=emap)
+        np.testing.assert_array_equal(
+            np.asarray(out[:2], np.float32), 0.0, err_msg="tokens routed only off-shard"
+        )
+        self.assert_close(out, ref, case.dtype, "with expert_map vs xla")
+
+    def test_out_of_range_ids_are_dropped(self, rng):
+        """Ids < 0 or >= E contribute nothing; a token with only such ids gets exactly 0."""
+        case = self.SMALL
+        x, w13, w2, tw, ti = self.inputs(rng, case)
+        ids = np.asarray(ti).copy()
+        ids[0] = rng.choice(np.array((*INVALID_IDS, case.E)), size=case.k, replace=False)
+        ids[1, -1] = -(2**31)
+        ids[4, 0] = case.E + 5
+        out, ref = self.run_both(x, w13, w2, tw, jnp.asarray(ids), case)
+        np.testing.assert_array_equal(
+            np.asarray(out[0], np.float32), 0.0, err_msg="a token whose every id is dropped"
+        )
+        self.assert_close(out, ref, case.dtype, "with dropped ids vs xla")
+
+    def test_token_chunks(self, rng):
+        """chunk_tokens=4 over T=9 (two full chunks and a padded one) matches 'xla'."""
+        case = self.SMALL
+        x, w13, w2, tw, ti = self.inputs(rng, case)
+        args = self.quant_args(case, x)
+        chunked = jax.block_until_ready(
+            self.fused_moe_in_chunks(x, w13, w2, tw, ti, chunk_tokens=4, **args)
+        )
+        ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla", **args)
+        assert chunked.shape == x.shape and chunked.dtype == x.dtype
+        self.assert_close(chunked, ref, case.dtype, "in chunks of 4 tokens vs xla")
+
+    def test_under_jit(self, rng):
+        """The layer traced under jax.jit, expert_map a traced argument (all local, permuted)."""
+        case = self.SMALL
+        x, w13, w2, tw, ti = self.inputs(rng, case)
+        expert_map = jnp.asarray(rng.permutation(case.E).astype(np.int32))
+        args = self.quant_args(case, x)
+        layer = jax.jit(lambda *a, expert_map: self.fused_moe(*a, expert_map=expert_map, **args))
+        out = jax.block_until_ready(layer(x, w13, w2, tw, ti, expert_map=expert_map))
+        ref = wj.fused_moe(x, w13, w2, tw, ti, expert_map=expert_map, implementation="xla", **args)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        self.assert_close(out, ref, case.dtype, "under jit vs xla")
+
+    def test_out_dtype_float32_is_the_sum_before_rounding(self, rng):
+        """out_dtype=float32 returns the f32 sum the default output rounds once to x.dtype."""
+        case = self.SMALL
+        x, w13, w2, tw, ti = self.inputs(rng, case)
+        full, ref = self.run_both(x, w13, w2, tw, ti, case, out_dtype=jnp.float32)
+        out, _ = self.run_both(x, w13, w2, tw, ti, case)
+        np.testing.assert_array_equal(
+            np.asarray(full.astype(x.dtype), np.float32), np.asarray(out, np.float32)
+        )
+        assert np.any(np.asarray(full) != np.asarray(out, np.float32))  # not just x.dtype values
+        self.assert_close(full, ref, case.dtype, "f32 output vs xla")
+
+    def test_zero_tokens(self, rng):
+        case = self.SMALL
+        x, w13, w2, tw, ti = self.inputs(rng, case)
+        out = self.run(x[:0], w13, w2, tw[:0], ti[:0], **self.quant_args(case, x))
+        assert out.shape == (0, case.H) and out.dtype == x.dtype

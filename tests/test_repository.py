@@ -1,0 +1,221 @@
+"""Checks of the repository itself: the import layers and that tracked files describe the code,
+not the runs that measured it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("wna16_jax", "pallas_kernels", "models", "examples")
+
+
+def _tracked_files() -> list[pathlib.Path]:
+    """The files git tracks (every file under the root when git is not available)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, text=True
+        ).stdout
+        names = [n for n in out.split("\0") if n]
+    except (OSError, subprocess.CalledProcessError):
+        names = [
+            str(p.relative_to(ROOT))
+            for p in ROOT.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+        ]
+    return [ROOT / n for n in names if (ROOT / n).is_file()]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _project_modules() -> dict[str, pathlib.Path]:
+    """Module name -> file of every Python module of the packages and examples."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            modules[_module_name(path)] = path
+    return modules
+
+
+def _imports(path: pathlib.Path, name: str, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The project modules that module `name` (at `path`) imports, anywhere in its body.
+
+    `from a.b import c` names the module a.b.c when that is a module, else a.b (the package
+    that defines c); relative imports are resolved against `name`'s package.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            targets = []
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base else alias.name
+                targets.append(sub if sub in modules else base)
+        else:
+            continue
+        for target in targets:
+            # `import a.b.c` imports a.b.c; keep the longest project module it names.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+@pytest.fixture(scope="module")
+def import_graph() -> dict[str, set[str]]:
+    modules = _project_modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def _is_public(module: str) -> bool:
+    return not any(part.startswith("_") for part in module.split("."))
+
+
+def _layer_problem(importer: str, imported: str) -> str | None:
+    """Why `importer` may not import `imported` (None when it may)."""
+    top, imported_top = importer.split(".")[0], imported.split(".")[0]
+    if top == "wna16_jax":
+        if imported_top != "wna16_jax":
+            return "wna16_jax imports only itself (backends are registered by module name)"
+        if imported == "wna16_jax":
+            return "a wna16_jax module imports the package's public surface"
+        return None
+    if top == "pallas_kernels":
+        if imported_top == "wna16_jax":
+            if imported in ("wna16_jax", "wna16_jax._reference", "wna16_jax._api"):
+                return "kernels import the shared wna16_jax modules, not the API or the oracle"
+            return None
+        if imported_top != "pallas_kernels":
+            return "kernels import only wna16_jax's shared modules and pallas_kernels"
+        own, other = importer.split(".")[:2], imported.split(".")[:2]
+        if len(other) < 2 or other == own or other[1] == "common":
+            return None
+        return f"a backend imports another backend ({'.'.join(other)})"
+    if top in ("models", "examples"):
+        if imported_top in ("wna16_jax", "models") and _is_public(imported):
+            return None
+        if imported_top == "examples" and top == "examples":
+            return None
+        return f"{top} import only the public API of wna16_jax and models"
+    return None
+
+
+def test_imports_follow_the_layers(import_graph):
+    problems = [
+        f"{importer} -> {imported}: {why}"
+        for importer, imported_set in sorted(import_graph.items())
+        for imported in sorted(imported_set)
+        if (why := _layer_problem(importer, imported))
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circles(import_graph):
+    # A package's __init__ importing its own submodules is the normal re-export, not a circle.
+    graph = {
+        name: {m for m in deps if not (name in m.split(".")[:-1] or m.startswith(name + "."))}
+        for name, deps in import_graph.items()
+    }
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_layer_rules_catch_forbidden_imports():
+    """The rules above reject what they must (so the layer test cannot pass vacuously)."""
+    assert _layer_problem("pallas_kernels.triton.fused_moe", "wna16_jax._reference")
+    assert _layer_problem("pallas_kernels.triton.fused_moe", "pallas_kernels.mosaic_gpu.config")
+    assert _layer_problem("wna16_jax._api", "pallas_kernels.triton.backend")
+    assert _layer_problem("models.deepseek_v3.modeling", "wna16_jax._types")
+    assert _layer_problem("examples.benchmark", "pallas_kernels.triton.wna16_gemm")
+    assert (
+        _layer_problem("pallas_kernels.mosaic_gpu.fused_moe", "pallas_kernels.common.align") is None
+    )
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# Words that name run records rather than the code: work sessions and their numbered calls,
+# issue numbers, the GPU-lending machinery. Written in pieces so that this file passes itself.
+_RUN_RECORD_PATTERNS = [
+    r"\b" + "sess" + r"ions? \d",
+    r"\b" + "sess" + r"ion\d",
+    r"\b" + "ca" + r"lls? \d",
+    r"\bs\d+_" + "ca" + "ll",
+    r"\b" + "pend" + r"ing_s\d",
+    r"\b" + "iss" + r"ues? #?\d",
+    r"\b" + "device" + " time",
+    r"\bnot " + "le" + r"nt\b",
+    r"\b" + "le" + r"nds? (a |one |the )?(GPU|machine)",
+]
+RUN_RECORD = re.compile("|".join(_RUN_RECORD_PATTERNS), re.IGNORECASE)
+TEXT_SUFFIXES = {".py", ".md", ".json", ".sh", ".toml", ".txt", ".cfg", ".yaml", ".yml", ""}
+
+
+def test_tracked_files_name_no_run_records():
+    hits = []
+    for path in _tracked_files():
+        if path.suffix not in TEXT_SUFFIXES or path.name == "LICENSE":
+            continue
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if match := RUN_RECORD.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{lineno}: {match.group(0)!r}")
+    assert not hits, f"{len(hits)} run-record words:\n" + "\n".join(hits[:50])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "measured in " + "sess" + "ion 21",
+        "(" + "ca" + "ll 4)",
+        "s24_" + "ca" + "ll3.sh",
+        "see " + "iss" + "ue #9",
+        "30 minutes of " + "device" + " time",
+    ],
+)
+def test_run_record_pattern_catches(text):
+    assert RUN_RECORD.search(text)
+
+
+@pytest.mark.parametrize("text", ["device_kind", "a kernel call per layer", "recall 4 rows"])
+def test_run_record_pattern_spares_code_words(text):
+    assert not RUN_RECORD.search(text)

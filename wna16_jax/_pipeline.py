@@ -1,0 +1,241 @@
+"""The one MoE pipeline every backend plugs its GEMMs into: token chunks, and per chunk the GEMM
+configs, the slots aligned into blocks, GEMM1 + activation, GEMM2, the top-k sum in f32."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from wna16_jax import _configs
+from wna16_jax._activations import quantize_activations
+from wna16_jax._routing import placed_slots
+from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
+
+logger = logging.getLogger("wna16_jax")
+
+# Tokens per chunk of every backend. The GEMM configs are chosen per chunk from its T*k slots, so
+# this is also the largest M the configs see; a chunk's largest intermediate, [T*k, max(2I, H)],
+# stays under 2^31 elements for k <= 8 and max(2I, H) < 32768 (DeepSeek-V3: 7168).
+DEFAULT_CHUNK_TOKENS = 8192
+
+
+# ---- the stages a backend plugs in ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    """One chunk's slots in blocks, as a backend's GEMMs take them.
+
+    blocks: the backend's own block description (an AlignedRouting for GEMMs that read rows by
+        slot; the Mosaic GPU layer's block experts and rows in use).
+    top_k: k, the slots per token.
+    keep: bool [T*k], the slots whose GEMM2 rows enter the top-k sum.
+    slot_rows: int32 [T*k], the row of GEMM2's output holding each slot; None where GEMM2
+        writes a row per slot (row s is slot s).
+    """
+
+    blocks: Any
+    top_k: int
+    keep: jax.Array
+    slot_rows: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeStages:
+    """A backend's part of the pipeline: the functions it plugs in, called once per chunk.
+
+    plan(num_slots, num_experts, w13, w2) -> plan: the chunk's static choices (its GEMMs'
+        configs) for its T*k slots; passed on to the other stages.
+    route(a, topk_ids, plan, *, num_experts, expert_map) -> (Routed, a1): the slots aligned
+        into blocks, and GEMM1's input rows a1 (a itself, or its rows in block order). a is x
+        [T, H], or its Int8Rows under activation_quant.
+    gemm1(a1, w13, routed, plan) -> [R, I]: the activation of GEMM1's products (fused in
+        GEMM1 where the backend can), one row per slot or per block row; f32 when a1 is
+        Int8Rows (it is quantized again for GEMM2), else in the backend's GEMM2 input dtype.
+    gemm2(act, w2, routed, plan, routed_weights) -> f32 [R', H]: GEMM2's rows; routed_weights
+        (f32 [T*k]) is given where `routed_weights` is "gemm2" (None otherwise).
+    routed_weights: where each slot's routed weight is applied: "gemm2" (GEMM2 writes a row per
+        slot and scales it) or "sum" (GEMM2's rows are in block order: the top-k sum scales the
+        rows it gathers).
+    activation_quant: None (16-bit activations) or the int8 quantization of both GEMMs'
+        inputs (W8A8): x before GEMM1, the f32 activation before GEMM2.
+    """
+
+    plan: Callable[..., Any]
+    route: Callable[..., tuple[Routed, Any]]
+    gemm1: Callable[..., jax.Array]
+    gemm2: Callable[..., jax.Array]
+    routed_weights: Literal["gemm2", "sum"] = "gemm2"
+    activation_quant: ActivationQuant | None = None
+
+
+def slots_in_blocks(align, a, topk_ids, *, block_m: int, num_experts: int, expert_map):
+    """The `route` stage of GEMMs that read x's rows by slot and write a row per slot: the
+    routing of `align` (an moe_align_block_size), every placed slot kept; a unchanged."""
+    routing = align(topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map)
+    return Routed(routing, topk_ids.shape[1], placed_slots(topk_ids, num_experts)), a
+
+
+# ---- the pipeline ---------------------------------------------------------------------------
+
+
+def sum_over_top_k(y, routed: Routed, topk_weights=None):
+    """GEMM2's rows y -> f32 [T, H]: each token's k slot rows summed in f32.
+
+    Slots not kept (dropped by the alignment: their rows were never written; off this shard
+    where the backend says so) count zero. topk_weights: [T, k], multiplied into the rows
+    first (backends whose GEMM2 did not apply them); None where GEMM2 did.
+    """
+    k = routed.top_k
+    t = routed.keep.shape[0] // k
+    rows = y if routed.slot_rows is None else y[routed.slot_rows]
+    rows = jnp.where(routed.keep[:, None], rows.astype(jnp.float32), 0.0).reshape(t, k, -1)
+    if topk_weights is not None:
+        rows = rows * topk_weights[..., None].astype(jnp.float32)
+    return rows.sum(axis=1)
+
+
+def moe_chunk(stages: MoeStages, x, *, w13, w2, topk_weights, topk_ids, expert_map=None):
+    """One chunk of tokens through `stages`: [t, H] f32, before the output's rounding."""
+    t, k = topk_ids.shape
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+    plan = stages.plan(t * k, num_experts, w13, w2)
+    quant = stages.activation_quant
+    a = x if quant is None else quantize_activations(x, quant, 1)  # [T, H], or int8 rows
+    routed, a = stages.route(a, topk_ids, plan, num_experts=num_experts, expert_map=expert_map)
+    act = stages.gemm1(a, w13, routed, plan)  # [R, I]
+    if quant is not None:
+        act = quantize_activations(act, quant, 2)  # int8 rows, a scale per row (per token)
+    in_gemm2 = stages.routed_weights == "gemm2"
+    weights = topk_weights.reshape(-1).astype(jnp.float32) if in_gemm2 else None
+    y = stages.gemm2(act, w2, routed, plan, weights)  # [R', H] f32
+    return sum_over_top_k(y, routed, None if in_gemm2 else topk_weights)
+
+
+def fused_moe(
+    stages: MoeStages,
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map=None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    out_dtype=None,
+):
+    """The MoE layer (DESIGN.md steps 1-5) through a backend's stages, in token chunks.
+
+    Args:
+        stages: the backend's MoeStages.
+        x: [T, H].  w13: [E, 2I, H].  w2: [E, H, I] (in the layout the stages take).
+        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
+        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
+        chunk_tokens: tokens per chunk.
+        out_dtype: the output dtype (default x.dtype), rounded once from the f32 sums.
+
+    Returns:
+        [T, H] in out_dtype.
+    """
+    run = functools.partial(moe_chunk, stages, w13=w13, w2=w2, expert_map=expert_map)
+    return map_token_chunks(
+        run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
+    )
+
+
+def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int, out_dtype=None):
+    """Applies run(x, topk_weights=, topk_ids=) -> [t, H] f32 to chunks of at most chunk_tokens.
+
+    Returns [T, H] in out_dtype (default x.dtype), rounded once from the f32 sums. Padding
+    tokens of the last chunk route to id -1 (dropped).
+    """
+    t, hdim = x.shape
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if t == 0:
+        return jnp.zeros((0, hdim), out_dtype)
+    if t <= chunk_tokens:
+        return run(x, topk_weights=topk_weights, topk_ids=topk_ids).astype(out_dtype)
+    num_chunks = -(-t // chunk_tokens)
+    pad = num_chunks * chunk_tokens - t
+    xp = jnp.pad(x, ((0, pad), (0, 0)))
+    wp = jnp.pad(topk_weights, ((0, pad), (0, 0)))
+    ip = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
+    out = jax.lax.map(
+        lambda args: run(args[0], topk_weights=args[1], topk_ids=args[2]),
+        (
+            xp.reshape(num_chunks, chunk_tokens, hdim),
+            wp.reshape(num_chunks, chunk_tokens, -1),
+            ip.reshape(num_chunks, chunk_tokens, -1),
+        ),
+    )
+    return out.reshape(-1, hdim)[:t].astype(out_dtype)
+
+
+# ---- the GEMMs' BlockConfigs ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRules:
+    """How a GEMM kernel picks its BlockConfig: shape_of(w, m) -> the shape it is looked up by,
+    resolve(shape, config) -> (config, where it came from); name: the GEMM in the log line."""
+
+    name: str
+    shape_of: Callable[[QuantizedExperts, int], Any]
+    resolve: Callable[[Any, BlockConfig | None], tuple[BlockConfig, str]]
+
+
+def _wna16_shape(w: QuantizedExperts, m: int) -> _configs.GemmShape:
+    return _configs.GemmShape.of_weights(w, m=m)
+
+
+def wna16_rules(*, allow_fma: bool = True) -> GemmRules:
+    """The WNA16 GEMMs' rules (`_configs.resolve_config`); allow_fma=False: tensor-core configs
+    only, for GEMMs without the CUDA-core product."""
+    resolve = functools.partial(_configs.resolve_config, allow_fma=allow_fma)
+    return GemmRules("WNA16", _wna16_shape, resolve)
+
+
+_logged_configs: set = set()
+
+
+def block_configs(
+    num_slots: int,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    config: BlockConfig | None,
+    *,
+    rules: GemmRules | None = None,
+) -> tuple[BlockConfig, BlockConfig]:
+    """The BlockConfigs of GEMM1 (w13) and GEMM2 (w2) for num_slots rows: each GEMM's own under
+    `rules` (default `wna16_rules()`), GEMM2 with GEMM1's block_m (one alignment) and dot="fma"
+    where that block_m is below a tensor-core tile. Logs each new choice once at INFO with
+    where it came from."""
+    rules = rules or wna16_rules()
+    shapes = [rules.shape_of(w, num_slots) for w in (w13, w2)]
+    (c1, src1), (c2, src2) = (rules.resolve(s, config) for s in shapes)
+    c2 = dataclasses.replace(c2, block_m=c1.block_m)
+    if c1.block_m < 16 and c2.dot == "mma":  # rows GEMM1 aligned below a tensor-core tile
+        c2 = dataclasses.replace(c2, dot="fma")
+    key = (rules.name, shapes[0], shapes[1], c1, c2)
+    if key not in _logged_configs:
+        _logged_configs.add(key)
+        logger.info(
+            "wna16_jax: fused_moe %s M=%d GEMM1 (N=%d, K=%d) %s [%s]; GEMM2 (N=%d, K=%d) %s [%s]",
+            rules.name,
+            num_slots,
+            w13.n,
+            w13.k,
+            c1,
+            src1,
+            w2.n,
+            w2.k,
+            c2,
+            src2,
+        )
+    return c1, c2
