@@ -57,7 +57,7 @@ def make_expert_map(rng, e):
 
 
 def assert_routing_matches(got, want, topk_ids, num_experts, *, exact: bool = True):
-    """Checks `got` against the reference `want` per the DESIGN.md contract.
+    """Checks `got` against the reference `want` per the docs/design.md contract.
 
     expert_ids and num_tokens_post_padded exactly; sentinel positions exactly; each expert's
     run as a set. With `exact`, also the order inside runs (this kernel keeps slots ascending).

@@ -528,7 +528,7 @@ def deepseek_v3_layer_problem(key, t: int, intermediate: int):
 )
 def test_fused_moe_deepseek_v3_tp1_gpu(t, stages):
     """The whole layer at DeepSeek-V3 TP=1 (E=256, H=7168, I=2048, g128, zp): w13's int4 array
-    has 7.5e9 elements, past 2^31 (DESIGN.md's rule for the Triton lowering; the TMA addressing
+    has 7.5e9 elements, past 2^31 (docs/design.md's rule for the Triton lowering; the TMA addressing
     of this kernel is checked here). Against 'xla' on the same weights; at t=4096 the default
     runs 128-row blocks on bf16 weights: the fused_moe contract (LAYER_SLACK). stages: the
     default with both GEMMs at that many stages (None: as is, GEMM1 at 2 stages for t <= 128;

@@ -130,7 +130,7 @@ def fused_moe(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
 ):
-    """The MoE layer (DESIGN.md steps 1-5) through a backend's stages, in token chunks.
+    """The MoE layer (docs/design.md steps 1-5) through a backend's stages, in token chunks.
 
     Args:
         stages: the backend's MoeStages.

@@ -26,7 +26,7 @@ def moe_align_block_size(
         expert_map: optional int32 [E] global -> local id, -1 for experts on other shards.
 
     Returns:
-        AlignedRouting; see DESIGN.md for the exact layout.
+        AlignedRouting; see docs/design.md for the exact layout.
     """
     t, k = topk_ids.shape
     num_slots = t * k
@@ -264,7 +264,7 @@ def fused_moe(
     chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
 ):
-    """Reference MoE layer (DESIGN.md steps 1-5) in f32, processed in token chunks.
+    """Reference MoE layer (docs/design.md steps 1-5) in f32, processed in token chunks.
 
     With activation_quant (int8 activations: the oracle of the W8A8 kernels), x is quantized
     per `activation_quant` (GEMM1's input), GEMM1 is exact in int32 with the scales applied in

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_BITS = (4, 8)
-# DESIGN.md's 2^31 rule: Pallas' Triton lowering indexes in int32.
+# docs/design.md's 2^31 rule: Pallas' Triton lowering indexes in int32.
 MAX_ARRAY_ELEMENTS = 2**31 - 1
 # BlockConfig.unpack values.
 UNPACK_MODES = ("slices", "tile", "join")
 # BlockConfig.dot values.
 DOT_MODES = ("mma", "fma")
-# QuantizedExperts.layout values: "canonical" (DESIGN.md, every backend) and "mgpu_int4" (the
+# QuantizedExperts.layout values: "canonical" (docs/design.md, every backend) and "mgpu_int4" (the
 # Mosaic GPU GEMM's private layout, made once by wna16_jax.layouts.to_kernel_layout).
 LAYOUTS = ("canonical", "mgpu_int4")
 # The mgpu_int4 layout's weight tiles: MGPU_TILE x MGPU_TILE (features x inputs).
@@ -27,7 +27,7 @@ MGPU_TILE = 64
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedExperts:
-    """Weight-only quantized expert weights, in the canonical layout (DESIGN.md) unless
+    """Weight-only quantized expert weights, in the canonical layout (docs/design.md) unless
     `layout` names a kernel's private one.
 
     Logical weight shape [E, N, K] (N output features, K input features).
@@ -333,7 +333,7 @@ jax.export.register_pytree_node_serialization(
 
 @dataclasses.dataclass(frozen=True)
 class AlignedRouting:
-    """Block-aligned token order produced by `moe_align_block_size` (DESIGN.md).
+    """Block-aligned token order produced by `moe_align_block_size` (docs/design.md).
 
     Attributes:
         sorted_token_ids: int32 [max_padded]; flat indices t*k + j into topk_ids, grouped into

@@ -317,7 +317,7 @@ def moe_align_block_size(
 ) -> AlignedRouting:
     """Groups the T*k (token, slot) pairs by expert, each expert's run padded to block_m.
 
-    Same contract as `wna16_jax._reference.moe_align_block_size` (DESIGN.md). Each run holds
+    Same contract as `wna16_jax._reference.moe_align_block_size` (docs/design.md). Each run holds
     its slots in ascending order, so the result equals the reference's exactly and does not
     vary between runs.
 

@@ -184,7 +184,7 @@ def moe_align_block_size(
 ) -> AlignedRouting:
     """Groups the T*k (token, slot) pairs by expert, each expert's run padded to block_m.
 
-    Same contract as `wna16_jax._reference.moe_align_block_size` (DESIGN.md), in two launches:
+    Same contract as `wna16_jax._reference.moe_align_block_size` (docs/design.md), in two launches:
     one counts the slots of each expert with atomic increments (each slot keeps the count it
     saw: its rank), the next places every slot at its run start plus its rank and writes
     expert_ids and the padding. The order inside a run follows the atomics, so it may differ

@@ -83,7 +83,7 @@ def fused_moe(
     interpret: bool = False,
     out_dtype=None,
 ):
-    """fused_moe (DESIGN.md steps 1-5) from the Triton kernels; inputs already validated.
+    """fused_moe (docs/design.md steps 1-5) from the Triton kernels; inputs already validated.
 
     GEMM1's output and the activation are rounded to x.dtype (as the Pallas pipeline and vLLM
     do); GEMM2 writes f32 with the routed weights applied, summed over the k slots in f32.

@@ -43,7 +43,7 @@ def xla_rows_in_block_order(x, slots, top_k: int):
 def used_blocks(routing, num_slots: int, block_m: int):
     """The aligned slots [B*block_m] and block experts [B] of the B = min(blocks, num_slots)
     leading blocks: every block holding a slot is among them (each holds at least one slot and
-    the runs are packed from the start, DESIGN.md), so the GEMMs skip the trailing empty ones
+    the runs are packed from the start, docs/design.md), so the GEMMs skip the trailing empty ones
     (at T=1, top-8, E=256, block_m=8: 8 of 225 blocks)."""
     blocks = min(routing.expert_ids.shape[0], num_slots)
     return routing.sorted_token_ids[: blocks * block_m], routing.expert_ids[:blocks]

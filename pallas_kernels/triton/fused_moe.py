@@ -221,7 +221,7 @@ def fused_moe(
     activation_quant: ActivationQuant | None = None,
     out_dtype=None,
 ):
-    """fused_moe (DESIGN.md steps 1-5) from the Pallas kernels; inputs already validated.
+    """fused_moe (docs/design.md steps 1-5) from the Pallas kernels; inputs already validated.
 
     GEMM1's activation is rounded to x.dtype (as vLLM does); GEMM2 writes f32 with the routed
     weights applied, summed over the k slots in f32. With activation_quant (W8A8; w13 and w2
