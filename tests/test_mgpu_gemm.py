@@ -27,7 +27,7 @@ import pytest
 from backend_cases import FusedMoeCases, MoeCase
 
 from wna16_jax import _configs as wj_configs
-from wna16_jax import _pipeline, _types
+from wna16_jax import _dispatch, _pipeline, _types
 from wna16_jax._types import QuantizedExperts
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -674,11 +674,11 @@ def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
     w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, group_size, True, BF16)
     w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, group_size, True, BF16)
     if not ON_GPU:
-        assert wj.layouts.preferred_layout(w13, w2, dtype=dtype) == "canonical"
-    monkeypatch.setattr(wj.layouts, "PREFERRED", (("mgpu_int4", "mgpu_interpret"),))
-    assert wj.layouts.preferred_layout(w13, w2, dtype=dtype) == want
+        assert wj.preferred_layout(w13, w2, dtype=dtype) == "canonical"
+    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", (("mgpu_int4", "mgpu_interpret"),))
+    assert wj.preferred_layout(w13, w2, dtype=dtype) == want
     with pytest.raises(ValueError, match="activation='gelu'"):
-        wj.layouts.preferred_layout(w13, w2, dtype=dtype, activation="gelu")
+        wj.preferred_layout(w13, w2, dtype=dtype, activation="gelu")
 
 
 @pytest.mark.gpu
@@ -689,7 +689,7 @@ def test_preferred_layout_on_this_gpu(rng):
     w2 = helpers.random_quantized_experts(rng, 2, 256, 128, 4, 128, True, BF16)
     sm90 = str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
     want = "mgpu_int4" if sm90 else "canonical"
-    assert wj.layouts.preferred_layout(w13, w2, dtype=BF16) == want
+    assert wj.preferred_layout(w13, w2, dtype=BF16) == want
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
