@@ -116,11 +116,13 @@ def quarter_local_map(rng: np.random.Generator, num_experts: int) -> jax.Array:
 
 
 def routing_ids(rng: np.random.Generator, t: int, k: int, e: int, *, drop: bool) -> np.ndarray:
-    """int32 [T, k] distinct ids per token; with `drop`, ~1/8 of the slots out of range."""
+    """int32 [T, k] distinct ids per token; with `drop`, ~1/8 of the slots out of range (the
+    first slot always, the last never: every case has a dropped and a placed slot)."""
     _, ids = helpers.random_routing(rng, t, k, e)
     if drop and t * k > 1:
         mask = rng.random(ids.shape) < 0.125
-        mask.flat[0] = True  # at least one dropped slot
+        mask.flat[0] = True
+        mask.flat[-1] = False
         ids = np.where(mask, rng.choice(np.array((*INVALID_IDS, e)), size=ids.shape), ids)
     return ids.astype(np.int32)
 
