@@ -242,6 +242,7 @@ def test_xla_runs_int8_activations_with_any_weights():
         assert _dispatch.XLA_BACKEND.unsupported_reason(p) is None
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU defaults and refusals")
 def test_select_implementation_names_the_backend_without_running(rng):
     """select_implementation answers from shapes alone, the same choice fused_moe makes."""
     e, h, i, t, k = 4, 128, 128, 3, 2
