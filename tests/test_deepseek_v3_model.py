@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +29,9 @@ from models.deepseek_v3.modeling import (
     dequantize_model,
     rope_cos_sin,
 )
+
+# The module (the package's `generate` is the function).
+generate_module = importlib.import_module("models.deepseek_v3.generate")
 
 NEW_TOKENS = 6
 
@@ -165,6 +172,36 @@ def test_prompt_length_bucketing_reuses_compiled_code(batched_run):
     assert first.bucket_len == second.bucket_len == 16
     assert second.compile_s == 0.0
     assert second.decode_tokens_per_s > 0 and second.new_tokens == 2
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 0.9)], ids=["greedy", "nucleus"])
+def test_decode_program_has_a_fixed_trip_count_and_no_conditional(batched_run, temperature, top_p):
+    """The decode loop is one loop of a known trip count (no predicate the host reads back each
+    token) and holds no conditional on a device value (greedy vs sampling is static); the cache
+    is donated and returned, so the loop updates it in place."""
+    model, prompts, _ = batched_run
+    ids, mask = _left_padded(prompts, 0)
+    graphdef, state = nnx.split(model)
+    logits, cache = model.prefill(jnp.asarray(ids), jnp.asarray(mask), max_len=32)
+    fn = functools.partial(
+        generate_module._decode,
+        graphdef=graphdef,
+        steps=5,
+        greedy=temperature <= 0,
+        nucleus=top_p < 1,
+        eos_ids=(1,),
+        fill_id=1,
+    )
+    args = (state, logits, cache, jax.random.key(0), jnp.float32(temperature), jnp.float32(top_p))
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    top = [e.primitive.name for e in jaxpr.eqns]
+    everywhere = str(jaxpr)
+    assert top.count("scan") == 1 and "while" not in top, top
+    assert "cond[" not in everywhere and " cond " not in everywhere
+    scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    assert scan.params["length"] == 4  # steps - 1 decode steps after the prefill's token
+    lowered = jax.jit(fn, donate_argnums=(2,)).lower(*args).as_text()
+    assert "tf.aliasing_output" in lowered or "jax.buffer_donor" in lowered
 
 
 def test_warmup_times_second_executions_with_the_same_tokens(batched_run):

@@ -42,7 +42,7 @@ class GenerateStats:
     prompt_len: int  # longest prompt (before bucketing)
     bucket_len: int  # padded prompt length the prefill ran with
     cache_len: int
-    new_tokens: int  # decode steps run (the loop stops early once every row hit eos)
+    new_tokens: int  # tokens sampled per row (max_new_tokens: the loop's fixed trip count)
     compile_s: float
     prefill_s: float
     decode_s: float
@@ -67,35 +67,26 @@ class GenerateStats:
         )
 
 
-def sample(logits, key, temperature, top_p):
+def sample(logits, key, temperature, top_p, *, greedy: bool, nucleus: bool):
     """Next tokens int32 [B] from f32 logits [B, V].
 
-    Greedy when temperature <= 0; otherwise softmax(logits / temperature) restricted to the
-    smallest set of tokens whose probability reaches top_p (top_p >= 1: all tokens).
+    The kind of choice is static (one compiled program each, no conditional on a device value):
+    greedy: argmax; else softmax(logits / temperature), restricted with `nucleus` to the
+    smallest set of tokens whose probability reaches top_p.
     """
-
-    def greedy(_):
+    if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled(_):
-        scaled = logits / temperature
-
-        def nucleus(x):
-            order = jnp.argsort(-x, axis=-1)
-            sorted_x = jnp.take_along_axis(x, order, axis=-1)
-            probs = jax.nn.softmax(sorted_x, axis=-1)
-            # Keep a token while the mass before it is below top_p (the first always stays).
-            keep = jnp.cumsum(probs, axis=-1) - probs < top_p
-            cut = jnp.where(keep, sorted_x, -jnp.inf)
-            choice = jax.random.categorical(key, cut, axis=-1)
-            return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-
-        def plain(x):
-            return jax.random.categorical(key, x, axis=-1)
-
-        return jax.lax.cond(top_p < 1.0, nucleus, plain, scaled).astype(jnp.int32)
-
-    return jax.lax.cond(temperature > 0.0, sampled, greedy, None)
+    scaled = logits / temperature
+    if nucleus:
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_x = jnp.take_along_axis(scaled, order, axis=-1)
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        # Keep a token while the mass before it is below top_p (the first always stays).
+        keep = jnp.cumsum(probs, axis=-1) - probs < top_p
+        cut = jnp.where(keep, sorted_x, -jnp.inf)
+        choice = jax.random.categorical(key, cut, axis=-1)
+        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
 def _prefill(state, tokens, mask, *, graphdef, cache_len):
@@ -104,16 +95,23 @@ def _prefill(state, tokens, mask, *, graphdef, cache_len):
 
 
 def _decode(
-    state, logits, cache, key, max_new, temperature, top_p, *, graphdef, steps, eos_ids, fill_id
+    state, logits, cache, key, temperature, top_p, *, graphdef, steps, greedy, nucleus, eos_ids,
+    fill_id
 ):
-    """Samples up to `max_new` (<= steps) tokens; the first from the prefill's logits."""
+    """Samples `steps` tokens per row, the first from the prefill's logits.
+
+    A fixed trip count (no loop predicate read back by the host each token): a row that has
+    produced an eos id is filled with `fill_id` from then on. Returns (int32 [B, steps], the
+    cache): the cache is returned so that its donated input buffers serve as the loop's, updated
+    in place (XLA reuses a donated buffer only for an output).
+    """
     model = nnx.merge(graphdef, state)
     b = logits.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
     out = jnp.full((b, steps), fill_id, jnp.int32)
 
     def pick(logits, key, done):
-        tok = sample(logits, key, temperature, top_p)
+        tok = sample(logits, key, temperature, top_p, greedy=greedy, nucleus=nucleus)
         tok = jnp.where(done, fill_id, tok)
         return tok, done | jnp.isin(tok, eos)
 
@@ -121,26 +119,20 @@ def _decode(
     tok, done = pick(logits, sub, jnp.zeros((b,), bool))
     out = out.at[:, 0].set(tok)
 
-    def cond(carry):
-        step, _, _, _, done, _ = carry
-        return (step < max_new) & ~jnp.all(done)
-
-    def body(carry):
-        step, tok, cache, out, done, key = carry
+    def body(step, carry):
+        tok, cache, out, done, key = carry
         logits, cache = model.decode(tok, cache)
         key, sub = jax.random.split(key)
         tok, done = pick(logits, sub, done)
         out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, step))
-        return step + 1, tok, cache, out, done, key
+        return tok, cache, out, done, key
 
-    carry = (jnp.asarray(1, jnp.int32), tok, cache, out, done, key)
-    step, _, _, out, _, _ = jax.lax.while_loop(cond, body, carry)
-    return out, step
+    _, cache, out, _, _ = jax.lax.fori_loop(1, steps, body, (tok, cache, out, done, key))
+    return out, cache
 
 
 # Compiled executables by (function, static args, argument shapes and shardings): compile time
-# is measured apart from run time, and a repeated shape bucket is never compiled twice. (The
-# cache is updated in place inside decode's while loop; it is not returned, so not donated.)
+# is measured apart from run time, and a repeated shape bucket is never compiled twice.
 _COMPILED: dict = {}
 
 
@@ -150,15 +142,19 @@ def _shape_key(tree):
     )
 
 
-def _compiled(fn, statics: dict, *args, shardings: dict | None = None):
-    """(executable, compile seconds) of jax.jit(fn, **shardings) for these arguments."""
+def _compiled(fn, statics: dict, *args, shardings: dict | None = None, donate=()):
+    """(executable, compile seconds) of jax.jit(fn, **shardings) for these arguments, the
+    arguments at positions `donate` donated (their buffers reused for the outputs or the loop
+    state, invalid after the call)."""
     key = (fn, tuple(sorted(statics.items(), key=lambda kv: kv[0])), _shape_key(args))
     exe = _COMPILED.get(key)
     compile_s = 0.0
     if exe is None:
         t0 = time.perf_counter()
         # Statics bound by partial: jit takes no keyword arguments alongside in_shardings.
-        jitted = jax.jit(functools.partial(fn, **statics), **(shardings or {}))
+        jitted = jax.jit(
+            functools.partial(fn, **statics), donate_argnums=donate, **(shardings or {})
+        )
         exe = jitted.lower(*args).compile()
         compile_s = time.perf_counter() - t0
         _COMPILED[key] = exe
@@ -276,8 +272,8 @@ def generate(
             in_shardings=(state_sh, tok, tok), out_shardings=(logits_sh, cache_sh)
         )
         decode_shardings = dict(
-            in_shardings=(state_sh, logits_sh, cache_sh, rep, rep, rep, rep),
-            out_shardings=(rep, rep),  # replicated: every host can read the tokens
+            in_shardings=(state_sh, logits_sh, cache_sh, rep, rep, rep),
+            out_shardings=(rep, cache_sh),  # tokens replicated: every host can read them
         )
         padded, pmask = ms.put(padded, ms.specs.tokens_bt), ms.put(pmask, ms.specs.tokens_bt)
     prefill, c1 = _compiled(
@@ -294,30 +290,36 @@ def generate(
     logits, cache = jax.block_until_ready(prefill(state, padded, pmask))
     t1 = time.perf_counter()
 
-    steps = cache_len - s_b
     scalars = (
         jax.random.key(seed),
-        jnp.asarray(max_new_tokens, jnp.int32),
         jnp.asarray(temperature, jnp.float32),
         jnp.asarray(top_p, jnp.float32),
     )
-    statics = {"graphdef": graphdef, "steps": steps, "eos_ids": eos_ids, "fill_id": fill_id}
+    statics = {
+        "graphdef": graphdef,
+        "steps": max_new_tokens,
+        "greedy": temperature <= 0.0,
+        "nucleus": top_p < 1.0,
+        "eos_ids": eos_ids,
+        "fill_id": fill_id,
+    }
+    # The cache (argument 2) is donated: the loop updates the prefill's buffers in place.
     decode, c2 = _compiled(
-        _decode, statics, state, logits, cache, *scalars, shardings=decode_shardings
+        _decode, statics, state, logits, cache, *scalars, shardings=decode_shardings, donate=(2,)
     )
     if warmup:
-        jax.block_until_ready(decode(state, logits, cache, *scalars))
+        jax.block_until_ready(decode(state, logits, jax.tree.map(jnp.copy, cache), *scalars))
     t2 = time.perf_counter()
-    new, num_steps = jax.block_until_ready(decode(state, logits, cache, *scalars))
+    new, _ = jax.block_until_ready(decode(state, logits, cache, *scalars))
     t3 = time.perf_counter()
 
-    out = np.concatenate([tokens, np.asarray(new)[:, :max_new_tokens]], axis=1)
+    out = np.concatenate([tokens, np.asarray(new)], axis=1)
     stats = GenerateStats(
         batch=b,
         prompt_len=s,
         bucket_len=s_b,
         cache_len=cache_len,
-        new_tokens=int(num_steps),
+        new_tokens=max_new_tokens,
         compile_s=c1 + c2,
         prefill_s=t1 - t0,
         decode_s=t3 - t2,
