@@ -95,8 +95,19 @@ def _prefill(state, tokens, mask, *, graphdef, cache_len):
 
 
 def _decode(
-    state, logits, cache, key, temperature, top_p, *, graphdef, steps, greedy, nucleus, eos_ids,
-    fill_id
+    state,
+    logits,
+    cache,
+    key,
+    temperature,
+    top_p,
+    *,
+    graphdef,
+    steps,
+    greedy,
+    nucleus,
+    eos_ids,
+    fill_id,
 ):
     """Samples `steps` tokens per row, the first from the prefill's logits.
 
