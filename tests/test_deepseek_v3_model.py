@@ -204,6 +204,58 @@ def test_decode_program_has_a_fixed_trip_count_and_no_conditional(batched_run, t
     assert "tf.aliasing_output" in lowered or "jax.buffer_donor" in lowered
 
 
+def test_decode_dequantizes_kv_b_once_before_the_loop(batched_run):
+    """The decode program dequantizes kv_b_proj before its loop (the dense W_UK / W_UV of every
+    layer enter the loop as invariants), and dequantize_kv_b leaves decode's logits unchanged."""
+    model, prompts, _ = batched_run
+    cfg = model.cfg
+    ids, mask = _left_padded(prompts, 0)
+    graphdef, state = nnx.split(model)
+    logits, cache = model.prefill(jnp.asarray(ids), jnp.asarray(mask), max_len=32)
+    fn = functools.partial(
+        generate_module._decode,
+        graphdef=graphdef,
+        steps=3,
+        greedy=True,
+        nucleus=False,
+        eos_ids=(),
+        fill_id=0,
+    )
+    jaxpr = jax.make_jaxpr(fn)(
+        state, logits, cache, jax.random.key(0), jnp.float32(0), jnp.float32(1)
+    )
+    scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    n, k = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
+    dense_kv_b = {(n, k), (1, n, k)}  # what dequantizing kv_b [1, N, K] produces
+
+    def dequantized(jaxpr):
+        return sum(
+            sum(v.aval.shape in dense_kv_b and v.aval.dtype == cfg.dtype for v in e.outvars)
+            + sum(
+                dequantized(getattr(p, "jaxpr", p))
+                for p in e.params.values()
+                if hasattr(getattr(p, "jaxpr", p), "eqns")
+            )
+            for e in jaxpr.eqns
+        )
+
+    body = scan.params["jaxpr"]
+    assert dequantized(getattr(body, "jaxpr", body)) == 0
+    assert dequantized(jaxpr.jaxpr) >= cfg.num_hidden_layers  # before the loop
+
+    tok = jnp.asarray(ids[:, -1])
+    want, _ = model.decode(tok, cache)
+    dense_model = nnx.clone(model)
+    dense_model.dequantize_kv_b()
+    assert not any(
+        isinstance(m, QuantizedLinear)
+        for m in (layer.self_attn.kv_b_proj for layer in dense_model.model.layers)
+    )
+    assert isinstance(model.model.layers[0].self_attn.kv_b_proj, QuantizedLinear)  # a copy
+    got, _ = dense_model.decode(tok, cache)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_warmup_times_second_executions_with_the_same_tokens(batched_run):
     """warmup=True runs prefill and decode once untimed: same tokens, stats marked warm."""
     model, _, _ = batched_run

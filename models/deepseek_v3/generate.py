@@ -117,6 +117,7 @@ def _decode(
     in place (XLA reuses a donated buffer only for an output).
     """
     model = nnx.merge(graphdef, state)
+    model.dequantize_kv_b()  # before the loop: once per call, not every step
     b = logits.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
     out = jnp.full((b, steps), fill_id, jnp.int32)

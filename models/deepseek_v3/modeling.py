@@ -819,6 +819,23 @@ class DeepseekV3ForCausalLM(nnx.Module):
             if isinstance(m, QuantizedLinear):
                 m.implementation = implementation
 
+    def dequantize_kv_b(self) -> None:
+        """Replaces every quantized kv_b_proj with a float Linear holding its dequantized weight
+        (cfg.dtype), in place.
+
+        The absorbed decode multiplies W_UK and W_UV (kv_b_proj's two halves) into every
+        token's queries and outputs; a quantized kv_b would be dequantized in every step of
+        the decode loop (XLA does not hoist loop-invariant work out of a loop on GPUs).
+        `generate` calls this on its own traced copy of the model before the loop, so the
+        weights are dequantized once per call and the model's stored kv_b stays quantized.
+        Tokens are unchanged: the step dequantized to cfg.dtype as well.
+        """
+        for _, m in list(nnx.iter_modules(self)):
+            if isinstance(m, MLAttention) and isinstance(m.kv_b_proj, QuantizedLinear):
+                _, n, k = m.kv_b_proj.weight.shape
+                dense = m.kv_b_proj.dense_weight(self.cfg.dtype)
+                m.kv_b_proj = Linear(self.cfg, k, n, rngs=None, weight=dense)
+
     @property
     def implementation(self):
         for _, m in nnx.iter_modules(self):
