@@ -173,26 +173,52 @@ def _compiled(fn, statics: dict, *args, shardings: dict | None = None, donate=()
     return exe, compile_s
 
 
+def _token_array(values, what: str) -> np.ndarray:
+    """Integer token ids as int64 numpy (no wrap-around, no truncation of floats)."""
+    arr = np.asarray(values)
+    if arr.size == 0:  # an empty list reads as float64: the callers refuse empty prompts
+        return arr.astype(np.int64)
+    if arr.dtype == object or arr.dtype.kind not in "iub":
+        raise TypeError(f"{what} must be integer token ids, got dtype {arr.dtype}")
+    if arr.dtype.kind == "b":
+        raise TypeError(f"{what} must be integer token ids, got booleans")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{what} holds an id above int64: {int(arr.max())}")
+    return arr.astype(np.int64)
+
+
+def _check_ids(tokens: np.ndarray, mask: np.ndarray, vocab_size: int) -> None:
+    """Every id a row uses (mask True) lies in [0, vocab_size)."""
+    used = tokens[mask]
+    bad = used[(used < 0) | (used >= vocab_size)]
+    if bad.size:
+        raise ValueError(
+            f"input_ids hold {bad.size} id(s) outside the vocabulary [0, {vocab_size}), "
+            f"e.g. {int(bad[0])}"
+        )
+
+
 def _left_pad(input_ids, attention_mask, pad_id: int):
-    """-> (int32 [B, S] tokens, bool [B, S] mask), left padded."""
+    """-> (int64 [B, S] tokens, bool [B, S] mask), left padded."""
     if isinstance(input_ids, (list, tuple)) and input_ids and not np.isscalar(input_ids[0]):
-        rows = [list(map(int, r)) for r in input_ids]
+        rows = [_token_array(r, f"prompt {b}") for b, r in enumerate(input_ids)]
         if attention_mask is not None:
             raise ValueError("attention_mask goes with a [B, S] array, not a list of prompts")
-        if any(len(r) == 0 for r in rows):
-            raise ValueError("every prompt needs at least one token")
+        for b, r in enumerate(rows):
+            if r.ndim != 1 or r.size == 0:
+                raise ValueError(f"prompt {b} must be a non-empty list of ids, got shape {r.shape}")
         s = max(len(r) for r in rows)
-        tokens = np.full((len(rows), s), pad_id, np.int32)
+        tokens = np.full((len(rows), s), pad_id, np.int64)
         mask = np.zeros((len(rows), s), bool)
         for b, r in enumerate(rows):
             tokens[b, s - len(r) :] = r
             mask[b, s - len(r) :] = True
         return tokens, mask
-    tokens = np.asarray(input_ids, np.int32)
+    tokens = _token_array(input_ids, "input_ids")
     if tokens.ndim == 1:
         tokens = tokens[None]
-    if tokens.ndim != 2:
-        raise ValueError(f"input_ids must be [B, S], got shape {tokens.shape}")
+    if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [B, S] array, got shape {tokens.shape}")
     if attention_mask is None:
         mask = np.ones(tokens.shape, bool)
     else:
@@ -205,6 +231,20 @@ def _left_pad(input_ids, attention_mask, pad_id: int):
         if not np.all(mask[:, -1]):
             raise ValueError("every row needs at least one token (attention_mask[:, -1] == 1)")
     return tokens, mask
+
+
+def _check_sampling(max_new_tokens, temperature, top_p) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature} must be finite and >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (1: no nucleus)")
 
 
 def generate(
@@ -243,18 +283,30 @@ def generate(
     Returns:
         int32 [B, S + max_new_tokens] (prompt columns as given, then the new tokens);
         with return_stats, (tokens, GenerateStats).
+
+    Raises (before any device work; the messages quote the values):
+        TypeError: ids that are not integers (floats are not truncated), a max_new_tokens
+            that is not an int, a temperature or top_p that is not a number.
+        ValueError: an id outside [0, vocab_size) (negative ones and ones beyond int32
+            included), an empty prompt, a malformed attention_mask, max_new_tokens < 1, a
+            negative or non-finite temperature, top_p outside (0, 1], a pad or eos id outside
+            the vocabulary.
     """
     cfg = model.cfg
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    _check_sampling(max_new_tokens, temperature, top_p)
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     if eos_id is None:
         eos_ids = tuple(cfg.eos_token_id)
     else:
         eos_ids = (int(eos_id),) if np.isscalar(eos_id) else tuple(int(e) for e in eos_id)
+    for what, ids in (("pad_id", (pad_id,)), ("eos_id", eos_ids)):
+        if any(not 0 <= i < cfg.vocab_size for i in ids):
+            raise ValueError(f"{what} {ids} is outside the vocabulary [0, {cfg.vocab_size})")
     fill_id = eos_ids[0] if eos_ids else pad_id
     tokens, mask = _left_pad(input_ids, attention_mask, pad_id)
+    _check_ids(tokens, mask, cfg.vocab_size)
+    tokens = tokens.astype(np.int32)
     b, s = tokens.shape
     s_b = bucket(s)
     cache_len = bucket(s_b + max_new_tokens)
