@@ -20,6 +20,7 @@ from test_deepseek_v3_common import (
 
 import wna16_jax as wj
 from models.deepseek_v3 import generate
+from models.deepseek_v3.config import QuantSpec
 from models.deepseek_v3.modeling import (
     FloatExperts,
     Linear,
@@ -307,29 +308,62 @@ def test_pallas_interpret_matches_xla(rng):
     assert_close(logits_of(interp, ids, mask), logits_of(model_xla, ids, mask), "pallas_interpret")
 
 
-def test_pallas_linears_match_xla(rng):
-    """The quantized non-expert linears through the one-expert Pallas GEMM (interpreted) give
-    the logits of the dequantize-and-dot path."""
-    model = tiny_model(num_hidden_layers=2)
+# The kernel linears' models (compiled on a GPU, interpreted elsewhere): the Pallas GEMM on the
+# f32 tiny model; the Mosaic GPU GEMM (bf16 activations, groups of 64 or more) on a bf16 one with
+# groups of 64.
+_SUFFIX = "" if jax.default_backend() == "gpu" else "_interpret"
+KERNEL_LINEAR_MODELS = {
+    f"pallas{_SUFFIX}": ({}, "canonical", "f32_reordered"),
+    f"mgpu{_SUFFIX}": (
+        dict(dtype="bfloat16", quant=QuantSpec(bits=4, group_size=64)),
+        "mgpu_int4",
+        "bf16",
+    ),
+}
+
+
+@pytest.mark.parametrize("implementation", sorted(KERNEL_LINEAR_MODELS))
+def test_kernel_linears_match_xla(rng, implementation):
+    """The quantized non-expert linears through a backend's one-expert GEMM (interpreted), their
+    weights converted to the layout it reads, give the logits of the dequantize-and-dot path;
+    "xla" converts them back (bit-identical), and so does saving (the canonical weight)."""
+    overrides, layout, kind = KERNEL_LINEAR_MODELS[implementation]
+    model = tiny_model(num_hidden_layers=2, **overrides)
     linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
     kernel = nnx.clone(model)
-    kernel.set_linear_implementation("pallas_interpret")
-    on_kernel = [
-        m
-        for _, m in nnx.iter_modules(kernel)
-        if isinstance(m, QuantizedLinear) and m.kernel(model.cfg.dtype) == "pallas_interpret"
-    ]
+    kernel.set_linear_implementation(implementation)
+    converted = [m for _, m in nnx.iter_modules(kernel) if isinstance(m, QuantizedLinear)]
+    on_kernel = [m for m in converted if m.kernel(model.cfg.dtype) == implementation]
     assert len(on_kernel) >= len(linears) // 2, "most linears must run through the kernel"
+    assert all(m.weight.layout == layout for m in on_kernel)
+    assert all(m.implementation == implementation for m in converted)
+    ids = random_ids(rng, (2, 5), model.cfg)
+    mask = np.ones(ids.shape, bool)
+    assert_close(logits_of(kernel, ids, mask), logits_of(model, ids, mask), kind)
+    for before, after in zip(linears, converted, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, after.canonical_weight(), before.weight.get())
+    kernel.set_linear_implementation("xla")
     assert all(
-        m.implementation == "pallas_interpret"
+        m.weight.layout == "canonical" and m.kernel(model.cfg.dtype) is None
         for _, m in nnx.iter_modules(kernel)
         if isinstance(m, QuantizedLinear)
     )
-    ids = random_ids(rng, (2, 5), model.cfg)
-    mask = np.ones(ids.shape, bool)
-    assert_close(logits_of(kernel, ids, mask), logits_of(model, ids, mask), "pallas_interpret")
-    with pytest.raises(ValueError, match="linear implementation 'tpu' is not a registered"):
+    with pytest.raises(ValueError, match="linear implementation 'tpu' is neither 'auto' nor"):
         kernel.set_linear_implementation("tpu")
+
+
+def test_auto_linears_take_the_platforms_choice():
+    """ "auto": on CPU every linear stays canonical on the float dot (no kernel runs off a GPU
+    without being named)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the automatic choice on CPU")
+    model = nnx.clone(tiny_model(num_hidden_layers=2))
+    model.set_linear_implementation("auto")
+    linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.implementation is None for m in linears)
+    assert all(
+        m.weight.layout == "canonical" and m.kernel(model.cfg.dtype) is None for m in linears
+    )
 
 
 def test_bf16_model_tracks_f32(rng):

@@ -383,13 +383,18 @@ def test_grouped_matmul_selection_on_cpu_logs_once(rng, caplog, fresh_log):
 
 
 def test_grouped_matmul_refuses_backends_without_one(register):
-    """A backend without a grouped GEMM (e.g. 'mgpu', whose GEMM takes rows in block order) is
-    refused with that reason; the compiled kernels need a GPU; the interpreters run."""
+    """A backend without a grouped GEMM is refused with that reason; the compiled kernels need
+    a GPU; the interpreters run; the 'mgpu' GEMM reads its own layout only."""
     register(_fake("fake_no_gemm", None))
     with pytest.raises(NotImplementedError, match="has no grouped GEMM"):
         _dispatch.select_backend(_gemm_problem(), "fake_no_gemm")
-    with pytest.raises(NotImplementedError, match="has no grouped GEMM"):
+    with pytest.raises(NotImplementedError, match="reads weights in the 'mgpu_int4' layout"):
         _dispatch.select_backend(_gemm_problem(), "mgpu_interpret")
+    mgpu = _gemm_problem(layout="mgpu_int4")
+    assert _dispatch.select_backend(mgpu, "mgpu_interpret").name == "mgpu_interpret"
+    if _dispatch.current_platform() == "cpu":
+        with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
+            _dispatch.select_backend(mgpu, "mgpu")
     if _dispatch.current_platform() == "cpu":
         with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
             _dispatch.select_backend(_gemm_problem(), "pallas")
@@ -409,27 +414,41 @@ def test_grouped_matmul_shape_reasons():
     odd = _gemm_problem(shape=dataclasses.replace(_gemm_problem().shape, n=24))
     assert "no block config fits" in gemm.unsupported_reason(odd)
     assert "int8" in gemm.unsupported_reason(_gemm_problem(dtype="int8"))
+    mgpu = _dispatch.get_backend("mgpu_interpret").grouped_matmul
+    assert mgpu.unsupported_reason(_gemm_problem(layout="mgpu_int4")) is None
+    assert "float16 is not bfloat16" in mgpu.unsupported_reason(_gemm_problem(dtype="float16"))
+    narrow = dataclasses.replace(_gemm_problem().shape, group=32, group_size=32)
+    assert "group size 32 is not a multiple of 64" in mgpu.unsupported_reason(
+        _gemm_problem(shape=narrow)
+    )
 
 
-@pytest.mark.parametrize("implementation", ["pallas_interpret", "xla"])
+@pytest.mark.parametrize(
+    "implementation, n",
+    [("pallas_interpret", 64), ("xla", 64), ("mgpu_interpret", 64), ("mgpu_interpret", 128)],
+)
 @pytest.mark.parametrize("activation", [None, "silu"])
-def test_public_grouped_matmul_matches_numpy(rng, implementation, activation):
+def test_public_grouped_matmul_matches_numpy(rng, implementation, n, activation):
     """wj.grouped_matmul on a routing from wj.moe_align_block_size at the config
-    wj.gemm_config gives, with routed weights; with activation, silu(gate) * up times them."""
-    a, w, ids = _gemm_inputs(rng)
+    wj.gemm_config gives, with routed weights; with activation, silu(gate) * up times them
+    (the 'mgpu' GEMM: weights in its layout; silu in its epilogue where a half of w's rows is
+    whole tiles, n=128, else after it)."""
+    a, w, ids = _gemm_inputs(rng, n=n)
     t, top_k = ids.shape
-    cfg = wj.gemm_config(w, t * top_k, implementation=implementation)
+    layout = "mgpu_int4" if implementation.startswith("mgpu") else "canonical"
+    wk = wj.layouts.to_kernel_layout(w, layout)
+    cfg = wj.gemm_config(wk, t * top_k, implementation=implementation)
     routing = wj.moe_align_block_size(ids, num_experts=4, block_m=cfg.block_m, implementation="xla")
     rw = jnp.asarray(rng.uniform(0.5, 1.5, size=t * top_k), jnp.float32)
     out = wj.grouped_matmul(
-        a, w, routing, rw, top_k=top_k, implementation=implementation, out_dtype=jnp.float32,
+        a, wk, routing, rw, top_k=top_k, implementation=implementation, out_dtype=jnp.float32,
         activation=activation,
     )  # fmt: skip
     wd = helpers.numpy_dequantize(w)  # [E, N, K] float64
     rows = np.asarray(a, np.float64)[np.arange(t * top_k) // top_k]
     ref = np.einsum("sk,snk->sn", rows, wd[np.asarray(ids).reshape(-1)])
     if activation == "silu":
-        gate, up = ref[:, :32], ref[:, 32:]
+        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
         ref = gate / (1 + np.exp(-gate)) * up
     ref = ref * np.asarray(rw, np.float64)[:, None]  # after the activation
     assert out.shape == ref.shape and out.dtype == jnp.float32

@@ -28,7 +28,9 @@ def _load(name):
     return helpers.load_script(EXAMPLES / f"{name}.py", f"example_{name}", [EXAMPLES])
 
 
-@pytest.mark.parametrize("name", ["benchmark", "tune", "profile", "full_deepseek_v3"])
+@pytest.mark.parametrize(
+    "name", ["benchmark", "benchmark_linear", "tune", "profile", "full_deepseek_v3"]
+)
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         _load(name).main(["--help"])
@@ -43,8 +45,8 @@ def test_benchmark_tiny(tmp_path, capsys):
     """Loop and model-step rows on the 'xla' backend: the table, the same numbers as JSON, and
     the roofline."""
     out_json, out_png = tmp_path / "bench.json", tmp_path / "roofline.png"
-    argv = ["--implementations", "xla", "--m", "1", "3", "--straight", "2", "--iters", "1",
-            "--repeats", "1", "--sets", "2", "--json", str(out_json),
+    argv = ["--preset", "tiny", "--implementations", "xla", "--m", "1", "3", "--straight", "2",
+            "--iters", "1", "--repeats", "1", "--sets", "2", "--json", str(out_json),
             "--plot", str(out_png)]  # fmt: skip
     result = _load("benchmark").main(argv)
     table = capsys.readouterr().out
@@ -221,6 +223,32 @@ def test_time_loop_warms_up_for_the_seconds_asked(monkeypatch):
     t, _ = bench.time_loop(lambda x: x * 2, sets, iters=3, repeats=2, host=False, warmup_s=0.3)
     assert time.perf_counter() - start >= 0.3
     assert t > 0 and len(runs) > 1 + 2 + 1
+
+
+def test_benchmark_linear_tiny(tmp_path, capsys):
+    """A row per implementation and M: the time, the bytes a call reads (the weight in the
+    layout that implementation reads: int4 + scales + zeros, or bf16) and their share of the
+    copy ceiling, the same numbers as JSON."""
+    out_json = tmp_path / "linear.json"
+    argv = ["--shapes", "tiny_b", "--implementations", "mgpu_interpret", "xla", "bf16",
+            "--m", "1", "--repeats", "1", "--json", str(out_json)]  # fmt: skip
+    result = _load("benchmark_linear").main(argv)
+    assert "% copy" in capsys.readouterr().out
+    assert json.loads(out_json.read_text()) == json.loads(json.dumps(result))
+    rows = {r["implementation"]: r for r in result["rows"]}
+    assert sorted(rows) == ["bf16", "mgpu_interpret", "xla"]
+    n, k = 64, 128
+    int4 = n * k // 2 + 2 * n * (k // 128) * 2  # int4 weights, bf16 scales; zero points
+    for r in rows.values():
+        # A marginal time (benchmark.time_model_step): on a CPU it is noise and may be < 0.
+        assert np.isfinite(r["seconds"]) and r["M"] == 1 and (r["N"], r["K"]) == (n, k)
+        assert r["copy_fraction"] == pytest.approx(
+            r["bytes"] / r["seconds"] / result["copy_bytes_per_s"]
+        )
+    assert rows["bf16"]["bytes"] == n * k * 2 + k * 2 + n * 2
+    assert int4 < rows["xla"]["bytes"] < rows["bf16"]["bytes"]
+    # The mgpu_int4 layout: the same int4 weights and scales, zero points as bf16 offsets.
+    assert 0 < rows["mgpu_interpret"]["bytes"] - rows["xla"]["bytes"] <= n * (k // 128) * 2
 
 
 # ---- profile.py -------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ block_m, no rows), the identity routing, the backend selection, and the errors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import helpers
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import pytest
 
 import wna16_jax as wj
 from wna16_jax import linear
+from wna16_jax._configs import GemmShape
 
 ON_GPU = jax.default_backend() == "gpu"
 KERNEL = "pallas" if ON_GPU else "pallas_interpret"
@@ -80,13 +83,75 @@ def test_names_are_tried_in_order(rng):
         linear.quantized_matmul(x, odd, implementation=KERNEL)
 
 
+MGPU = "mgpu" if ON_GPU else "mgpu_interpret"
+
+
+@pytest.mark.parametrize(
+    "rows, n, k, group, has_zp",
+    [
+        (1, 576, 512, 128, True),  # kv_a_proj's N; 8-row blocks, k-steps of two groups, split K
+        (9, 128, 256, 64, False),  # 16-row blocks, one partly used
+        (70, 576, 256, 128, True),  # 128-row blocks (bf16 weights), halved, one consumer
+        (3, 128, 256, -1, True),  # per-channel scales
+    ],
+)
+def test_mgpu_matches_numpy(rng, rows, n, k, group, has_zp):
+    """The Mosaic GPU GEMM with one expert on weights in its layout, at the heuristic's
+    configs for decode and prefill row counts, against float64 numpy on the same weights."""
+    w = helpers.random_quantized_experts(rng, 1, n, k, 4, group, has_zp, jnp.bfloat16)
+    mgpu = wj.layouts.to_kernel_layout(w, "mgpu_int4")
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
+    assert linear.select_implementation(mgpu, implementation=[MGPU, "xla"]) == MGPU
+    out = linear.quantized_matmul(x, mgpu, implementation=MGPU)
+    assert out.shape == (rows, n) and out.dtype == jnp.bfloat16
+    helpers.assert_close(out, numpy_linear(x, w), jnp.bfloat16, "mgpu linear")
+    xla = linear.quantized_matmul(x, mgpu, implementation="xla")  # reads the layout back
+    helpers.assert_close(xla, numpy_linear(x, w), jnp.bfloat16, "xla linear on mgpu_int4")
+
+
+def test_mgpu_linear_configs():
+    """The heuristic narrows a program's features until they tile N (576 = 9 x 64)."""
+    from pallas_kernels.mosaic_gpu.config import tile_n
+    from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
+
+    for m in (1, 8, 64, 4096):
+        shape = GemmShape(m=m, n=576, k=7168, num_experts=1, bits=4, group=128, group_size=128)
+        cfg = linear_config(shape)
+        assert 576 % tile_n(cfg) == 0, (m, cfg)
+    wide = linear_config(dataclasses.replace(shape, n=7168))
+    assert wide.block_m == 128 and wide.consumers == 2
+
+
+def test_preferred_layout(rng, monkeypatch):
+    """The layout a linear's weight is converted to once: canonical on CPU unless a backend
+    that reads another is named (its layout where it holds the weight); int8 weights and
+    shapes not in 64 x 64 tiles stay canonical; with the interpreter standing in for 'mgpu',
+    the automatic choice is mgpu_int4 for bf16 and canonical for f32 activations."""
+    w = helpers.random_quantized_experts(rng, 1, 128, 256, 4, 128, True, jnp.bfloat16)
+    w8 = helpers.random_quantized_experts(rng, 1, 128, 256, 8, 128, True, jnp.bfloat16)
+    odd = helpers.random_quantized_experts(rng, 1, 96, 256, 4, 128, True, jnp.bfloat16)
+    assert linear.preferred_layout(w, implementation="mgpu_interpret") == "mgpu_int4"
+    assert linear.preferred_layout(w, implementation="pallas_interpret") == "canonical"
+    assert linear.preferred_layout(w8, implementation="mgpu_interpret") == "canonical"
+    assert linear.preferred_layout(odd, implementation="mgpu_interpret") == "canonical"
+    f32 = linear.preferred_layout(w, dtype=jnp.float32, implementation="mgpu_interpret")
+    assert f32 == "canonical"
+    if not ON_GPU:
+        assert linear.preferred_layout(w) == "canonical"
+        monkeypatch.setattr(wj._dispatch, "PREFERRED_LAYOUTS", (("mgpu_int4", "mgpu_interpret"),))
+        assert linear.preferred_layout(w) == "mgpu_int4"
+        assert linear.preferred_layout(w, dtype=jnp.float32) == "canonical"
+    with pytest.raises(ValueError, match="unknown implementation 'nope'"):
+        linear.preferred_layout(w, implementation="nope")
+
+
 @pytest.mark.parametrize(
     "e, k_x, implementation, error, message",
     [
         (2, 128, "xla", ValueError, r"a quantized linear weight is \[1, N, K\]"),
         (1, 64, "xla", ValueError, "x has 64 input features, the weight K=128"),
         (1, 128, "no_such", ValueError, "unknown implementation 'no_such'"),
-        (1, 128, "mgpu_interpret", NotImplementedError, "has no grouped GEMM"),
+        (1, 128, "mgpu_interpret", NotImplementedError, "reads weights in the 'mgpu_int4' layout"),
     ],
 )
 def test_errors(rng, e, k_x, implementation, error, message):

@@ -89,10 +89,11 @@ class GroupedMatmul:
 
     Attributes:
         unsupported_reason: GemmProblem -> None when it can run, else a sentence saying why not.
-        config: (GemmShape, BlockConfig | None) -> (BlockConfig, source): the caller's config
+        config: (GemmShape, config | None) -> (config, source): the caller's config
             checked against the shape (ValueError quoting the problems), else the tuned
             table's, else the heuristic's; source is "caller", "tuned:<device>" or
-            "heuristic".
+            "heuristic". A config is a BlockConfig, or the backend's own type (the 'mgpu'
+            GEMM's MgpuConfig; a BlockConfig given to it is converted); it has a block_m.
         run: (a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None,
             activation=None) -> [R * top_k, N]: out[s] = a[s // top_k] @ dequant(w[e(s)]).T
             for each slot s of the AlignedRouting (aligned with config.block_m); with
@@ -102,7 +103,7 @@ class GroupedMatmul:
     """
 
     unsupported_reason: Callable[[GemmProblem], str | None]
-    config: Callable[[GemmShape, BlockConfig | None], tuple[BlockConfig, str]]
+    config: Callable[[GemmShape, object], tuple[object, str]]
     run: Callable
 
 
@@ -219,13 +220,15 @@ def compiled_and_interpreted(
     gemm: Callable | None = None,
     gemm_config: Callable | None = None,
     gemm_shape_reason: Callable[[GemmProblem], str | None] | None = None,
+    gemm_gpu_reason: Callable[[str], str | None] = cuda_gpu_reason,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
     interpreter, any platform), both reading weights in `layouts`. `fused_moe`, `align`
     (moe_align_block_size's kernel) and `gemm` (the grouped GEMM: GroupedMatmul.run, or None)
     take the keyword `interpret`; `reason` says why the compiled kernels cannot run a problem,
     `shape_reason` why no kernel can (any platform); gemm_config and gemm_shape_reason are the
-    GEMM's GroupedMatmul.config and its shape reason (any platform)."""
+    GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
+    says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`)."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -237,7 +240,7 @@ def compiled_and_interpreted(
         def gemm_reason(problem: GemmProblem) -> str | None:
             if interpret:
                 return gemm_shape_reason(problem)
-            return cuda_gpu_reason(problem.platform) or gemm_shape_reason(problem)
+            return gemm_gpu_reason(problem.platform) or gemm_shape_reason(problem)
 
         return GroupedMatmul(
             unsupported_reason=gemm_reason,

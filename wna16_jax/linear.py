@@ -4,11 +4,14 @@ The non-expert linears of a quantized checkpoint (attention projections, dense M
 experts) are the grouped GEMM with one expert: every row of x goes to expert 0, so the routing
 is the identity padded to block_m and needs no alignment kernel. The implementation is chosen
 as fused_moe's is (a backend name, names tried in order, or None: the platform's priority),
-among the backends with a grouped GEMM (`Backend.grouped_matmul`):
-- "xla": dequantize to x.dtype and one dot with f32 accumulation (any platform; what a float
-  model of x's dtype computes);
+among the backends with a grouped GEMM (`Backend.grouped_matmul`) that read the weight's
+layout:
+- "xla": dequantize to x.dtype and one dot with f32 accumulation (any platform, any layout;
+  what a float model of x's dtype computes);
 - "pallas" / "pallas_interpret", "triton": that backend's dequant-fused grouped GEMM, compiled
-  on an NVIDIA GPU (or in the interpreter).
+  on an NVIDIA GPU (or in the interpreter), weights in the canonical layout;
+- "mgpu" / "mgpu_interpret": the Mosaic GPU GEMM (Hopper), weights in the mgpu_int4 layout
+  (`preferred_layout` says which layout to convert a weight to once, at load).
 
 Under GSPMD sharding (jit with sharded weights, no shard_map) a kernel call cannot be
 partitioned: XLA would gather the whole weight to every device. Use "xla" there.
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 from wna16_jax import _dispatch, layouts
 from wna16_jax._configs import GemmShape
 from wna16_jax._quant import dequantize_experts
-from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
+from wna16_jax._types import AlignedRouting, BlockConfig, MgpuConfig, QuantizedExperts
 
 
 def identity_routing(num_rows: int, block_m: int) -> AlignedRouting:
@@ -82,22 +85,59 @@ def select_implementation(
     return _dispatch.select_backend(_problem(w, 1, dtype), _names(implementation)).name
 
 
+def preferred_layout(
+    w: QuantizedExperts, *, dtype=jnp.bfloat16, implementation: str | None = None
+) -> str:
+    """The layout to convert the linear weight `w` to once (at load) so that `implementation`
+    runs it here: for None (the automatic choice) the first of _dispatch.PREFERRED_LAYOUTS
+    whose backend's grouped GEMM takes it (mgpu_int4 for the 'mgpu' GEMM: an sm_90 GPU, int4,
+    bfloat16 activations, N, K and the group multiples of 64), for a backend name the first of
+    its layouts in which it takes it; else "canonical" (where 'pallas' or 'xla' run it).
+
+    Raises:
+        ValueError: `w` is not a linear weight [1, N, K], or an unknown backend name.
+    """
+    _check(jax.ShapeDtypeStruct((1, w.k), dtype), w)
+    if implementation is None:
+        candidates = _dispatch.PREFERRED_LAYOUTS
+    else:
+        candidates = [
+            (lay, implementation) for lay in _dispatch.get_backend(implementation).layouts
+        ]
+    for layout, name in candidates:
+        if layout == "canonical":
+            return layout
+        try:
+            converted = jax.eval_shape(
+                functools.partial(layouts.to_kernel_layout, layout=layout), w
+            )
+        except ValueError:  # the layout cannot hold this weight (int8, N or K not in tiles)
+            continue
+        if _dispatch.backend_reason(_dispatch.get_backend(name), _problem(converted, 1, dtype)):
+            continue
+        return layout
+    return "canonical"
+
+
 def quantized_matmul(
     x,
     w: QuantizedExperts,
     *,
     implementation: str | Sequence[str] | None = None,
-    config: BlockConfig | None = None,
+    config: BlockConfig | MgpuConfig | None = None,
 ):
     """y [..., N] = x [..., K] @ dequant(w[0]).T, accumulated in f32, rounded once to x.dtype.
 
     Args:
         x: [..., K] bf16 / f16 / f32.
         w: QuantizedExperts [1, N, K].
-        implementation: None (the platform's priority: the Pallas GEMM on an NVIDIA GPU where
-            it runs this weight, else "xla"), a backend name with a grouped GEMM, or names
-            tried in order (e.g. ("pallas", "xla"): the kernel where it tiles the weight).
-        config: a BlockConfig for the kernel (None: the tuned table, then the heuristic).
+        implementation: None (the platform's priority among the backends that read w's
+            layout: on an NVIDIA GPU the Pallas GEMM for the canonical layout, the Mosaic GPU
+            GEMM for mgpu_int4, where it runs this weight; else "xla"), a backend name with a
+            grouped GEMM, or names tried in order (e.g. ("pallas", "xla"): the kernel where it
+            tiles the weight).
+        config: the kernel's config, a BlockConfig (or the 'mgpu' GEMM's MgpuConfig); None:
+            the tuned table, then the heuristic.
 
     Raises:
         ValueError: malformed inputs, an unknown backend name, a config that cannot run.

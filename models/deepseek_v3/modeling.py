@@ -149,10 +149,11 @@ class QuantizedLinear(nnx.Module):
     """y = x @ dequant(weight).T for a WNA16 weight [1, N, K].
 
     `implementation` (DeepseekV3ForCausalLM.set_linear_implementation): "xla" (default)
-    dequantizes on the fly inside jit and runs one float dot; a backend with a grouped GEMM
-    ("pallas", "pallas_interpret", ...) runs the dequant-fused GEMM with one expert
-    (`wna16_jax.linear.quantized_matmul`) where it takes the weight, for models that are not
-    sharded by GSPMD (a kernel call cannot be partitioned).
+    dequantizes on the fly inside jit and runs one float dot; None (automatic) or a backend
+    with a grouped GEMM ("mgpu", "pallas", their "_interpret" twins, ...) runs the
+    dequant-fused GEMM with one expert (`wna16_jax.linear.quantized_matmul`) where it takes the
+    weight in its layout (`set_layout`), for models that are not sharded by GSPMD (a kernel
+    call cannot be partitioned).
     """
 
     def __init__(
@@ -167,20 +168,28 @@ class QuantizedLinear(nnx.Module):
         if qe is None:
             qe = random_quantized(rngs, (1, n, k), cfg.quant, dtype=cfg.dtype)
         self.weight = QuantizedTensor(qe)
-        self.implementation = "xla"
+        self.implementation: str | None = "xla"
+
+    def canonical_weight(self) -> wj.QuantizedExperts:
+        """The weight in the canonical layout, whatever the kernel layout it is held in."""
+        return wj.layouts.to_canonical_layout(self.weight.get())
+
+    def set_layout(self, layout: str) -> None:
+        """Converts the weight to `layout` (wna16_jax.layouts), replacing it."""
+        if layout != self.weight.layout:
+            self.weight = QuantizedTensor(wj.layouts.to_kernel_layout(self.weight.get(), layout))
 
     def dense_weight(self, dtype) -> jax.Array:
         """float [N, K], dequantized."""
-        return wj.dequantize_experts(self.weight.get(), dtype=dtype)[0]
+        return wj.dequantize_experts(self.canonical_weight(), dtype=dtype)[0]
 
     def kernel(self, dtype) -> str | None:
         """The backend that runs this layer for activations of `dtype`, None for the float dot:
-        "xla", or a weight the backend does not take here (e.g. N not a multiple of 16)."""
+        "xla", or a weight no requested kernel takes here (e.g. N not a multiple of 16)."""
         if self.implementation == "xla":
             return None
-        name = wj.linear.select_implementation(
-            self.weight.get(), dtype=dtype, implementation=(self.implementation, "xla")
-        )
+        names = None if self.implementation is None else (self.implementation, "xla")
+        name = wj.linear.select_implementation(self.weight.get(), dtype=dtype, implementation=names)
         return None if name == "xla" else name
 
     def __call__(self, x):
@@ -802,22 +811,32 @@ class DeepseekV3ForCausalLM(nnx.Module):
         return "canonical"
 
     def set_linear_implementation(self, implementation: str) -> None:
-        """Selects how every quantized non-expert linear runs: "xla" (dequantize + dot, the
-        default, works under any sharding) or a backend with a grouped GEMM, e.g. "pallas" /
-        "pallas_interpret" (the dequant-fused GEMM with one expert; not for GSPMD-sharded
-        models). Layers the backend does not take here stay on "xla".
+        """Selects how every quantized non-expert linear runs, converting its weight to the
+        layout that implementation reads (`wna16_jax.linear.preferred_layout`):
+        - "xla" (the default): dequantize + dot, canonical layout; works under any sharding;
+        - "auto": the fastest kernel here (`wna16_jax.linear.quantized_matmul`'s automatic
+          choice: the Mosaic GPU GEMM on mgpu_int4 weights on an H100/H200, the Pallas GEMM
+          on other NVIDIA GPUs, else "xla");
+        - a backend with a grouped GEMM ("mgpu", "pallas", "mgpu_interpret", ...).
+        Kernels run only on models not sharded by GSPMD; layers a kernel does not take here
+        stay on "xla".
 
         Raises:
-            ValueError: `implementation` is not a registered backend.
+            ValueError: `implementation` is neither "auto" nor a registered backend.
         """
-        if implementation not in wj.registered_backends():
+        if implementation != "auto" and implementation not in wj.registered_backends():
             raise ValueError(
-                f"linear implementation {implementation!r} is not a registered backend "
-                f"{wj.registered_backends()}"
+                f"linear implementation {implementation!r} is neither 'auto' nor a registered "
+                f"backend {wj.registered_backends()}"
             )
+        chosen = None if implementation == "auto" else implementation
         for _, m in nnx.iter_modules(self):
             if isinstance(m, QuantizedLinear):
-                m.implementation = implementation
+                m.implementation = chosen
+                w = m.canonical_weight()
+                m.set_layout(
+                    wj.linear.preferred_layout(w, dtype=self.cfg.dtype, implementation=chosen)
+                )
 
     def dequantize_kv_b(self) -> None:
         """Replaces every quantized kv_b_proj with a float Linear holding its dequantized weight

@@ -729,7 +729,7 @@ def _named_linears(model, cfg) -> Iterator[tuple[str, object]]:
         if entry.kind == "linear":
             mod = _get(model, entry.path)
             if isinstance(mod, QuantizedLinear):
-                yield entry.name, mod.weight.get()
+                yield entry.name, mod.canonical_weight()
             else:
                 yield entry.name, mod.weight.get_value()
         elif entry.kind == "experts":

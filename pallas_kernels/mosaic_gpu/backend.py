@@ -1,5 +1,5 @@
-"""The 'mgpu' and 'mgpu_interpret' backends of wna16_jax.fused_moe (the Mosaic GPU GEMM, weights
-in the mgpu_int4 layout)."""
+"""The 'mgpu' and 'mgpu_interpret' backends (the Mosaic GPU GEMM, weights in the mgpu_int4
+layout): fused_moe, moe_align_block_size and the grouped GEMM (the quantized linear's)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import jax
 
 from pallas_kernels.common.align import moe_align_block_size
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe
-from wna16_jax._dispatch import MoEProblem, compiled_and_interpreted, cuda_gpu_reason
+from pallas_kernels.mosaic_gpu import grouped_matmul as mgpu_grouped_matmul
+from wna16_jax._dispatch import GemmProblem, MoEProblem, compiled_and_interpreted, cuda_gpu_reason
 
 # The Mosaic GPU GEMM: 64 output features per program; its k-tile (64 or 128) divides the group.
 MGPU_SPAN = 64
@@ -30,10 +31,9 @@ def _mgpu_shape_reason(problem: MoEProblem) -> str | None:
     return None
 
 
-def _mgpu_reason(problem: MoEProblem) -> str | None:
-    reason = cuda_gpu_reason(
-        problem.platform, " (use 'mgpu_interpret' for the Mosaic GPU interpreter)"
-    )
+def sm90_reason(platform: str) -> str | None:
+    """Why the compiled Mosaic GPU kernels cannot run on `platform` (None on an sm_90 GPU)."""
+    reason = cuda_gpu_reason(platform, " (use 'mgpu_interpret' for the Mosaic GPU interpreter)")
     if reason is None:
         device = jax.devices()[0]
         if str(device.compute_capability) != "9.0":
@@ -41,7 +41,15 @@ def _mgpu_reason(problem: MoEProblem) -> str | None:
                 f"needs sm_90 (wgmma): {device.device_kind} has compute capability "
                 f"{device.compute_capability}"
             )
-    return reason or _mgpu_shape_reason(problem)
+    return reason
+
+
+def _mgpu_reason(problem: MoEProblem) -> str | None:
+    return sm90_reason(problem.platform) or _mgpu_shape_reason(problem)
+
+
+def _gemm_shape_reason(problem: GemmProblem) -> str | None:
+    return mgpu_grouped_matmul.gemm_shape_reason(problem.shape, problem.dtype)
 
 
 BACKENDS = compiled_and_interpreted(
@@ -51,4 +59,8 @@ BACKENDS = compiled_and_interpreted(
     _mgpu_shape_reason,
     moe_align_block_size,
     ("mgpu_int4",),
+    gemm=mgpu_grouped_matmul.grouped_matmul,
+    gemm_config=mgpu_grouped_matmul.gemm_config,
+    gemm_shape_reason=_gemm_shape_reason,
+    gemm_gpu_reason=sm90_reason,
 )

@@ -1,0 +1,185 @@
+"""Times the quantized linear (wna16_jax.linear: one int4 weight [N, K]) per backend at
+DeepSeek-V3's non-expert linear shapes against the copy ceiling of the same run, beside the
+bf16 dense dot a JAX user would otherwise run.
+
+Each row is one shape at one row count M on one implementation, timed as a model step runs its
+layers (benchmark.py's `time_model_step`: calls written out in one jit, each fed by the last, steps
+queued back to back, the marginal time per call). Each call reads its own copy of the weight,
+enough copies that they do not fit in L2 together (the weights a decode step reads are read
+once). Implementations: a backend name ("mgpu", "pallas", "xla", their "_interpret" twins;
+weights converted once to the layout it reads, untimed) or "bf16" (the weight dequantized to a
+bf16 [N, K] array once, then a plain dot: twice to four times the bytes). "%copy" is the bytes
+a call reads (weight, scales, zero points, rows) over its time, against the measured copy
+ceiling (HBM read + write).
+
+On a GPU the default shapes are DeepSeek-V3's (int4 g128 with zero points); on a CPU tiny ones
+in the interpreters (a smoke test).
+
+Examples (GPU):
+    python examples/benchmark_linear.py --implementations mgpu pallas xla bf16 --m 1 8 64
+    python examples/benchmark_linear.py --shapes kv_a o_proj --m 1 --json out/linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+from benchmark import measure_ceilings, time_model_step
+
+import wna16_jax as wj
+
+# name: (N, K) of DeepSeek-V3's non-expert linears (y = x @ W.T, W [N, K]).
+SHAPES = {
+    "q_a": (1536, 7168),
+    "q_b": (24576, 1536),  # 128 heads x (128 nope + 64 rope)
+    "kv_a": (576, 7168),  # kv_lora_rank 512 + rope 64
+    "o_proj": (7168, 16384),
+    "mlp_gate_up": (18432, 7168),  # the dense layers' gate (and up) projection
+    "mlp_down": (7168, 18432),
+    "shared_gate_up": (2048, 7168),  # the shared expert's gate (and up) projection
+    "shared_down": (7168, 2048),
+}
+TINY_SHAPES = {"tiny_a": (128, 256), "tiny_b": (64, 128)}
+
+# Bytes of the weight copies a timed step reads: several times the H200's 50 MB L2.
+STEP_WEIGHT_BYTES = 256 << 20
+MAX_COPIES = 64
+
+
+def weight_bytes(w) -> int:
+    """Bytes of a weight's arrays in memory (an int4 array holds two values per byte)."""
+
+    def bits(dtype):
+        return (jnp.iinfo if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo)(dtype).bits
+
+    return sum(a.size * bits(a.dtype) // 8 for a in jax.tree.leaves(w))
+
+
+def linear_fn(implementation: str):
+    """(x, w) -> x + 1e-30 x the sum of each row of the linear's output (the whole output
+    read, so no implementation computes less than all of it; the result feeds the next call)."""
+
+    def fn(x, w):
+        if implementation == "bf16":
+            y = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+        else:
+            y = wj.linear.quantized_matmul(x, w, implementation=implementation)
+        return x + (jnp.sum(y.astype(jnp.float32), axis=1, keepdims=True) * 1e-30).astype(x.dtype)
+
+    return fn
+
+
+def weights_for(implementation: str, w: wj.QuantizedExperts, dtype):
+    """w as `implementation` reads it: bf16 [N, K] for "bf16", else in its layout."""
+    if implementation == "bf16":
+        return wj.dequantize_experts(w, dtype=jnp.bfloat16)[0]
+    layout = wj.linear.preferred_layout(w, dtype=dtype, implementation=implementation)
+    return wj.layouts.to_kernel_layout(w, layout)
+
+
+def bench_shape(name, n, k, ms, implementations, args, copy_bps):
+    """The rows of one shape: each implementation at each M."""
+    dtype = jnp.bfloat16
+    key = jax.random.key(args.seed)
+    first = wj.random_quantized_experts(
+        key, (1, n, k), bits=4, group_size=args.group_size, has_zeros=not args.no_zp, dtype=dtype
+    )
+    copies = max(2, min(MAX_COPIES, math.ceil(args.step_bytes / weight_bytes(first))))
+    ws = [first] + [
+        wj.random_quantized_experts(
+            jax.random.fold_in(key, c),
+            (1, n, k),
+            bits=4,
+            group_size=args.group_size,
+            has_zeros=not args.no_zp,
+            dtype=dtype,
+        )  # fmt: skip
+        for c in range(1, copies)
+    ]
+    rows = []
+    for impl in implementations:
+        try:
+            held = [weights_for(impl, w, dtype) for w in ws]
+        except (ValueError, NotImplementedError) as err:
+            print(f"{name} {impl}: cannot run ({err})", file=sys.stderr)
+            continue
+        step_bytes = weight_bytes(held[0])
+        for m in ms:
+            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + c), (m, k), dtype)
+                  for c in range(copies)]  # fmt: skip
+            try:
+                seconds = time_model_step(
+                    linear_fn(impl), list(zip(xs, held, strict=True)), repeats=args.repeats
+                )
+            except (ValueError, NotImplementedError) as err:
+                print(f"{name} {impl} M={m}: cannot run ({err})", file=sys.stderr)
+                continue
+            read = step_bytes + m * k * 2 + m * n * 2
+            rows.append(dict(
+                shape=name, N=n, K=k, M=m, implementation=impl, seconds=seconds,
+                bytes=read, copy_fraction=read / seconds / copy_bps, weight_copies=copies,
+            ))  # fmt: skip
+            print(
+                f"{name:>15} N={n:<6} K={k:<6} M={m:<4} {impl:>16} {seconds * 1e6:9.1f} us "
+                f"{read / 1e6:8.2f} MB {100 * rows[-1]['copy_fraction']:6.1f}% copy",
+                flush=True,
+            )
+    return rows
+
+
+def main(argv=None):
+    on_gpu = jax.default_backend() == "gpu"
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    table = SHAPES if on_gpu else TINY_SHAPES
+    p.add_argument(
+        "--shapes", nargs="+", choices=sorted(SHAPES | TINY_SHAPES), default=sorted(table),
+        help="linears to time (default: DeepSeek-V3's on a GPU, tiny ones on a CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--implementations", nargs="+",
+        default=["mgpu", "pallas", "xla", "bf16"] if on_gpu else ["mgpu_interpret", "xla", "bf16"],
+        help="backends with a grouped GEMM, or bf16 (a dense bf16 weight and a plain dot)",
+    )  # fmt: skip
+    p.add_argument("--m", type=int, nargs="+", default=[1, 8, 64], help="rows (tokens)")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
+    p.add_argument("--repeats", type=int, default=5 if on_gpu else 1)
+    p.add_argument(
+        "--step-bytes", type=int, default=STEP_WEIGHT_BYTES if on_gpu else 0,
+        help="weight bytes per timed step: copies of each weight (2..64) to make them",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=str, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    for m in args.m:
+        if m < 1:
+            p.error(f"--m {m}: rows must be positive")
+    copy_bps, mm_flops = measure_ceilings(on_gpu, args.repeats)
+    print(
+        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
+        f"{copy_bps / 1e12:.2f} TB/s; bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
+    rows = []
+    for name in args.shapes:
+        n, k = (SHAPES | TINY_SHAPES)[name]
+        rows += bench_shape(name, n, k, args.m, args.implementations, args, copy_bps)
+    result = dict(
+        device=jax.devices()[0].device_kind, jax=jax.__version__, copy_bytes_per_s=copy_bps,
+        matmul_flops_per_s=mm_flops, rows=rows,
+    )  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The 'mgpu' backend's grouped GEMM on its own (wna16_dispatch.GroupedMatmul): the Mosaic GPU GEMM
+on any AlignedRouting, and through it the quantized linear (wna16_jax.linear: one expert, the
+identity routing) on weights in the mgpu_int4 layout.
+
+The rows are gathered in block order (as the MoE layer does), the GEMM writes rows in block
+order, and each slot's row is read back from its block position. A linear's rows are the small
+wgmma operand (8..256 per block), so a decode step of one row reads the weight once per N tile;
+K splits give a narrow weight (kv_a_proj, N = 576) programs for every SM (config.gemm_splits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_kernels.mosaic_gpu.config import (
+    default_config,
+    from_block_config,
+    gemm_rows_in_use,
+    tile_n,
+)
+from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
+from wna16_jax._activations import activate
+from wna16_jax._configs import GemmShape
+from wna16_jax._types import BlockConfig, MgpuConfig
+
+# The Mosaic GPU GEMM's output features per program and k-tile: a multiple of this tiles N and
+# the group (the mgpu_int4 layout's tiles are 64 x 64).
+SPAN = 64
+
+
+def gemm_shape_reason(shape: GemmShape, dtype: str) -> str | None:
+    """Why the Mosaic GPU GEMM cannot run a GEMM of `shape` on activations of `dtype` (any
+    platform; the layout, int4 in 64 x 64 tiles, is checked by selection)."""
+    if dtype != "bfloat16":
+        return f"activation dtype {dtype} is not bfloat16"
+    if shape.group % SPAN:
+        return f"group size {shape.group} is not a multiple of {SPAN} (the k-tile)"
+    return None
+
+
+def linear_config(shape: GemmShape) -> MgpuConfig:
+    """The heuristic config of a GEMM of `shape` (a linear: shape.m rows on one expert):
+    `default_config` at its rows per expert, with a program's features narrowed (block_n 64,
+    then one consumer) until they tile N (e.g. kv_a_proj's 576 = 9 x 64 at 128-row blocks)."""
+    cfg = default_config(max(shape.m, 1), shape.num_experts, shape.group)
+    if shape.n % tile_n(cfg):
+        cfg = dataclasses.replace(cfg, block_n=SPAN)
+    if shape.n % tile_n(cfg) and cfg.consumers > 1:
+        cfg = dataclasses.replace(cfg, consumers=1)
+    return cfg
+
+
+def gemm_config(shape: GemmShape, config: MgpuConfig | BlockConfig | None):
+    """GroupedMatmul.config: (the caller's config, "caller") (a BlockConfig:
+    `from_block_config`), else (`linear_config`, "heuristic"). The GEMM checks a caller's
+    config against the shapes when it runs (mgpu_wna16_gemm's check_config)."""
+    if isinstance(config, MgpuConfig):
+        return config, "caller"
+    if isinstance(config, BlockConfig):
+        return from_block_config(config), "caller"
+    if config is not None:
+        raise ValueError(f"config must be an MgpuConfig, a BlockConfig or None, got {config!r}")
+    return linear_config(shape), "heuristic"
+
+
+def grouped_matmul(
+    a, w, routing, routed_weights=None, *, top_k, config: MgpuConfig, out_dtype=None,
+    activation=None, interpret=False,
+):  # fmt: skip
+    """GroupedMatmul.run on the Mosaic GPU GEMM: [R * top_k, N] (N/2 with activation "silu",
+    applied in the GEMM's epilogue where it tiles, `config.fuses_activation`) in out_dtype
+    (default a's), from the f32 sums; routed weights multiply after the activation, in f32."""
+    num_slots = a.shape[0] * top_k
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
+    slots, block_experts = used_blocks(routing, num_slots, config.block_m)
+    x_rows = rows_in_block_order(a, slots, top_k, interpret=interpret)
+    in_use = (slots < num_slots).reshape(-1, config.block_m).sum(axis=1, dtype=jnp.int32)
+    gemm = block_gemm(config, interpret)
+    if activation is None:
+        out = gemm(x_rows, w, block_experts, gemm_rows_in_use(config, in_use))  # f32
+    else:
+        activation_dtype = out_dtype if routed_weights is None else jnp.float32
+        if activation != "silu":  # GEMM1's epilogue computes silu only
+            out = activate(gemm(x_rows, w, block_experts), activation, activation_dtype)
+        else:
+            out = gemm(
+                x_rows, w, block_experts, gemm_rows_in_use(config, in_use),
+                activation_dtype=activation_dtype,
+            )  # fmt: skip
+    # Each slot's row position in block order; a slot in no block keeps 0 (unspecified).
+    position = jnp.zeros(num_slots, jnp.int32)
+    position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
+    out = out[position]
+    if routed_weights is not None:
+        out = out.astype(jnp.float32) * routed_weights.astype(jnp.float32)[:, None]
+    return out.astype(out_dtype)
