@@ -173,6 +173,8 @@ def test_prompt_length_bucketing_reuses_compiled_code(batched_run):
     assert first.bucket_len == second.bucket_len == 16
     assert second.compile_s == 0.0
     assert second.decode_tokens_per_s > 0 and second.new_tokens == 2
+    assert second.decode_steps == 1 and second.step_s == second.decode_s
+    assert "ms per step" in str(second)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 0.9)], ids=["greedy", "nucleus"])

@@ -53,6 +53,16 @@ class GenerateStats:
         return self.batch * self.bucket_len / self.prefill_s if self.prefill_s else 0.0
 
     @property
+    def decode_steps(self) -> int:
+        """Model steps the decode loop ran: the first new token comes from the prefill."""
+        return self.new_tokens - 1
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per decode step (one token for every row), 0.0 without one."""
+        return self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    @property
     def decode_tokens_per_s(self) -> float:
         """Generated tokens per second over all rows, excluding the prefill."""
         return self.batch * self.new_tokens / self.decode_s if self.decode_s else 0.0
@@ -62,7 +72,8 @@ class GenerateStats:
             f"batch {self.batch}, prompt {self.prompt_len} (bucket {self.bucket_len}), "
             f"{self.new_tokens} new tokens: prefill {self.prefill_s * 1e3:.1f} ms "
             f"({self.prefill_tokens_per_s:.1f} tok/s), decode {self.decode_s * 1e3:.1f} ms "
-            f"({self.decode_tokens_per_s:.1f} tok/s), compile {self.compile_s:.1f} s"
+            f"({self.decode_tokens_per_s:.1f} tok/s, {self.step_s * 1e3:.2f} ms per step), "
+            f"compile {self.compile_s:.1f} s"
             f"{', warm' if self.warm else ', first execution'}"
         )
 
