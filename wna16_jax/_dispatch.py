@@ -100,11 +100,16 @@ class GroupedMatmul:
             activation ("silu") w's rows are [gate; up] and out is activation(out)
             [R * top_k, N/2], from the f32 sums; then times routed_weights[s]. Rows of slots
             in no block are unspecified.
+        linear: None, or (x [R, K], w [1, N, K], *, config, out_dtype) -> [R, N] in
+            out_dtype (from the f32 sums): the one-expert GEMM without a routing (a quantized
+            linear), where the backend runs it faster than `run` on the identity routing (no
+            row gathers); wna16_jax.linear uses it when set.
     """
 
     unsupported_reason: Callable[[GemmProblem], str | None]
     config: Callable[[GemmShape, object], tuple[object, str]]
     run: Callable
+    linear: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +226,7 @@ def compiled_and_interpreted(
     gemm_config: Callable | None = None,
     gemm_shape_reason: Callable[[GemmProblem], str | None] | None = None,
     gemm_gpu_reason: Callable[[str], str | None] = cuda_gpu_reason,
+    gemm_linear: Callable | None = None,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
     interpreter, any platform), both reading weights in `layouts`. `fused_moe`, `align`
@@ -228,7 +234,8 @@ def compiled_and_interpreted(
     take the keyword `interpret`; `reason` says why the compiled kernels cannot run a problem,
     `shape_reason` why no kernel can (any platform); gemm_config and gemm_shape_reason are the
     GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
-    says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`)."""
+    says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
+    gemm_linear (taking `interpret` too) is GroupedMatmul.linear."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -246,6 +253,9 @@ def compiled_and_interpreted(
             unsupported_reason=gemm_reason,
             config=gemm_config,
             run=functools.partial(gemm, interpret=interpret),
+            linear=None
+            if gemm_linear is None
+            else functools.partial(gemm_linear, interpret=interpret),
         )
 
     return (

@@ -2,7 +2,9 @@
 
 The non-expert linears of a quantized checkpoint (attention projections, dense MLPs, shared
 experts) are the grouped GEMM with one expert: every row of x goes to expert 0, so the routing
-is the identity padded to block_m and needs no alignment kernel. The implementation is chosen
+is the identity padded to block_m and needs no alignment kernel (a backend whose GEMM runs one
+expert without a routing, `GroupedMatmul.linear`, takes x's rows as they are: 'mgpu'). The
+implementation is chosen
 as fused_moe's is (a backend name, names tried in order, or None: the platform's priority),
 among the backends with a grouped GEMM (`Backend.grouped_matmul`) that read the weight's
 layout:
@@ -170,6 +172,8 @@ def _quantized_matmul(x, w: QuantizedExperts, *, implementation, config):
     else:
         gemm = backend.grouped_matmul
         cfg, _ = gemm.config(problem.shape, config)
+        if gemm.linear is not None:  # the backend's own path for one expert
+            return gemm.linear(x2, w, config=cfg, out_dtype=x.dtype).reshape(*lead, w.n)
         y = gemm.run(
             x2,
             w,

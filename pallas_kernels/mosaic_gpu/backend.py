@@ -63,4 +63,5 @@ BACKENDS = compiled_and_interpreted(
     gemm_config=mgpu_grouped_matmul.gemm_config,
     gemm_shape_reason=_gemm_shape_reason,
     gemm_gpu_reason=sm90_reason,
+    gemm_linear=mgpu_grouped_matmul.linear,
 )

@@ -1,11 +1,13 @@
-"""The 'mgpu' backend's grouped GEMM on its own (wna16_dispatch.GroupedMatmul): the Mosaic GPU GEMM
-on any AlignedRouting, and through it the quantized linear (wna16_jax.linear: one expert, the
-identity routing) on weights in the mgpu_int4 layout.
+"""The 'mgpu' backend's grouped GEMM on its own (wna16_dispatch.GroupedMatmul) on weights in the
+mgpu_int4 layout: `grouped_matmul` on any AlignedRouting, and `linear`, the quantized linear's
+GEMM (wna16_jax.linear: one expert).
 
-The rows are gathered in block order (as the MoE layer does), the GEMM writes rows in block
-order, and each slot's row is read back from its block position. A linear's rows are the small
-wgmma operand (8..256 per block), so a decode step of one row reads the weight once per N tile;
-K splits give a narrow weight (kv_a_proj, N = 576) programs for every SM (config.gemm_splits).
+grouped_matmul gathers the rows in block order (as the MoE layer does), the GEMM writes rows in
+block order, and each slot's row is read back from its block position. A linear needs neither
+gather: its rows in order, padded to whole blocks, are already in block order. A linear's rows
+are the small wgmma operand (8..256 per block), so a decode step of one row reads the weight
+once; K splits give a narrow weight (kv_a_proj, N = 576) programs for every SM
+(config.gemm_splits).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.mosaic_gpu.config import (
     default_config,
     from_block_config,
+    gemm_plan,
     gemm_rows_in_use,
     tile_n,
 )
 from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
+from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
 from wna16_jax._activations import activate
 from wna16_jax._configs import GemmShape
 from wna16_jax._types import BlockConfig, MgpuConfig
@@ -96,3 +101,23 @@ def grouped_matmul(
     if routed_weights is not None:
         out = out.astype(jnp.float32) * routed_weights.astype(jnp.float32)[:, None]
     return out.astype(out_dtype)
+
+
+def linear(x, w, *, config: MgpuConfig, out_dtype=None, interpret=False):
+    """GroupedMatmul.linear: x [R, K] @ dequant(w[0]).T -> [R, N] in out_dtype (default x's),
+    rounded once from the f32 sums (in the GEMM where it is not K-split). x's rows padded to
+    whole blocks are the GEMM's rows in block order, all of expert 0; the rows in use per block
+    are static (all, the last block's remainder)."""
+    rows, block_m = x.shape[0], config.block_m
+    blocks = -(-rows // block_m)
+    x_rows = jnp.pad(x, ((0, blocks * block_m - rows), (0, 0)))
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    _, splits, _, options = gemm_plan(config, w, blocks, out_dtype=out_dtype)
+    in_use = np.minimum(block_m, rows - block_m * np.arange(blocks)).astype(np.int32)
+    out = mgpu_wna16_gemm(
+        x_rows, w, jnp.zeros(blocks, jnp.int32), gemm_rows_in_use(config, jnp.asarray(in_use)),
+        **options, interpret=interpret,
+    )  # fmt: skip
+    if splits > 1:
+        out = out.sum(axis=0)
+    return out[:rows].astype(out_dtype)
