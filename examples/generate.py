@@ -38,7 +38,7 @@ from models.deepseek_v3 import (
     load_tokenizer,
     sharding,
 )
-from models.deepseek_v3.modeling import QuantizedLinear, RoutedExperts
+from models.deepseek_v3.modeling import QuantizedLinear, RoutedExperts, dequantize_model
 
 
 class _BackendLog(logging.Handler):
@@ -101,6 +101,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="time the first executions of prefill and decode (default: run each once "
         "untimed first, so module loading and communicator setup are not timed)",
+    )
+    p.add_argument(
+        "--float-weights",
+        action="store_true",
+        help="dequantize every quantized weight once after building or loading and run the "
+        "float model on XLA (dots in --dtype): the baseline a JAX user would run without "
+        "quantized kernels. Needs the float weights' memory (bf16: 4x int4's; at full width "
+        "each MoE layer holds 22.5 GB of bf16 experts) and an unsharded model",
     )
     p.add_argument(
         "--quantize",
@@ -251,6 +259,12 @@ def main(argv=None) -> int:
     print(f"mesh: {sharding.describe(mesh)}")
     t0 = time.perf_counter()
     model, tokenizer, what = build_model(args, mesh)
+    if args.float_weights:
+        if mesh is not None:
+            raise SystemExit("--float-weights needs an unsharded model (no --mesh)")
+        t1 = time.perf_counter()
+        model = dequantize_model(model)  # the quantized model is dropped: one copy kept
+        print(f"weights dequantized to {model.cfg.dtype} ({time.perf_counter() - t1:.1f} s)")
     model.set_linear_implementation(linears)
     print(f"quantized linears: {linear_backends(model)}")
     layout = model.resolve_expert_layout(args.expert_layout, args.implementation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import helpers
+import jax
 import numpy as np
 import pytest
 from test_deepseek_v3_common import assert_close, logits_of, random_ids, tiny_model
@@ -26,8 +27,25 @@ def test_example_help(capsys):
 def test_example_main_tiny(capsys):
     assert _load_example().main(["--max-new-tokens", "3", "--batch-size", "1", "2"]) == 0
     out = capsys.readouterr().out
-    assert "fused_moe backend: 'xla'" in out
-    assert "[1] tokens:" in out and "tokens/s" in out
+    if jax.default_backend() == "cpu":
+        assert "fused_moe backend: 'xla'" in out and "quantized linears: 24 on 'xla'" in out
+    assert "[1] tokens:" in out and "tokens/s" in out and "ms per step" in out
+
+
+def _tokens(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "] tokens:" in line]
+
+
+def test_example_float_weights_give_the_same_tokens(capsys):
+    """--float-weights: the dequantized model on XLA, greedy, the quantized model's tokens."""
+    argv = ["--max-new-tokens", "3", "--no-warmup", "--linear-implementation", "xla"]
+    assert _load_example().main(argv) == 0
+    quantized = capsys.readouterr().out
+    assert _load_example().main([*argv, "--float-weights"]) == 0
+    dense = capsys.readouterr().out
+    assert "quantized linears: none (float linears)" in dense
+    assert "fused_moe backend: none (float experts)" in dense
+    assert _tokens(dense) == _tokens(quantized) and _tokens(dense)
 
 
 def test_example_distinct_prompts(capsys):
