@@ -83,6 +83,23 @@ def test_v2_lite_style_checkpoint(tmp_path, rng):
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(model, ids))
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    ["model.layers.1.mlp.experts.2.up_proj.weight", "model.layers.0.self_attn.q_a_proj.weight"],
+)
+def test_quantize_on_load_names_a_non_finite_tensor(tmp_path, tensor):
+    """A NaN in a float checkpoint's tensor that is quantized on load: the error names the
+    tensor (int4 would hide it in a finite scale); loading it unquantized keeps the NaN."""
+    save_pretrained(tiny_model(dtype="bfloat16", quant=None), tmp_path, format="bf16")
+    (path,) = [p for p in tmp_path.glob("*.safetensors") if tensor in load_file(p)]
+    tensors = load_file(path)
+    tensors[tensor] = tensors[tensor].copy()
+    tensors[tensor].flat[7] = np.nan
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{tensor!r} holds 1 non-finite value"):
+        load_pretrained(tmp_path, dtype=jnp.float32, quantize="int4", progress=False)
+
+
 def test_quantize_on_load(tmp_path):
     """A bf16 checkpoint quantized to int4 while loading: the targeted linears become WNA16,
     holding exactly the round-to-nearest codes of the float weights."""

@@ -506,3 +506,20 @@ def test_random_quantized_experts_draws(rng):
 def test_random_quantized_experts_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         wj.random_quantized_experts(np.random.default_rng(0), **{"group_size": 32, **kwargs})
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_refuses_non_finite_weights(rng, bad):
+    """NaN or inf in a group would become a meaningless scale and finite codes: refused, with
+    the count and the first index; inside jit nothing can be checked (the caller checks)."""
+    w = rng.normal(size=(2, 8, 64)).astype(np.float32)
+    w[1, 3, 17] = bad
+    w[1, 5, 2] = bad
+    with pytest.raises(ValueError, match=r"w holds 2 non-finite value\(s\).*index \(1, 3, 17\)"):
+        wj.quantize_experts(jnp.asarray(w), group_size=32)
+    with pytest.raises(ValueError, match=r"'experts.0' holds 2 non-finite"):
+        _quant.check_finite(w, "'experts.0'")
+    traced = jax.jit(functools.partial(wj.quantize_experts, group_size=32))(jnp.asarray(w))
+    assert traced.shape == (2, 8, 64)
+    w[np.isinf(w) | np.isnan(w)] = 0.5
+    wj.quantize_experts(jnp.asarray(w), group_size=32)  # finite again: accepted

@@ -176,6 +176,24 @@ def dequantize_experts(qw: QuantizedExperts, dtype=jnp.float32):
     return w.reshape(e, n, k).astype(dtype)
 
 
+def check_finite(w, name: str = "w") -> None:
+    """Raises ValueError when the float array `w` holds NaN or inf, naming `name`, the count and
+    the first index: quantization would make them finite values (a group with a NaN gets a
+    meaningless scale) and the model would compute garbage without a sign of it. Nothing is
+    checked for a traced value (inside jit): check before."""
+    if isinstance(w, jax.core.Tracer):
+        return
+    finite = jnp.isfinite(w)
+    if bool(jnp.all(finite)):
+        return
+    bad = int(jnp.size(finite) - jnp.count_nonzero(finite))
+    first = tuple(int(i) for i in jnp.unravel_index(jnp.argmin(finite), finite.shape))
+    raise ValueError(
+        f"{name} holds {bad} non-finite value(s) (NaN or inf), the first at index {first}: "
+        f"a quantized weight cannot represent them (fix or drop the tensor)"
+    )
+
+
 def quantize_experts(
     w,
     *,
@@ -200,11 +218,16 @@ def quantize_experts(
 
     Returns:
         QuantizedExperts in the canonical layout.
+
+    Raises:
+        ValueError: a bad shape or scheme, or w holds NaN or inf (`check_finite`; not checked
+            under jit).
     """
     _check_bits(bits)
     w = jnp.asarray(w)
     if w.ndim != 3:
         raise ValueError(f"w must be [E, N, K], got shape {tuple(w.shape)}")
+    check_finite(w)
     e, n, k = w.shape
     g = k if group_size == -1 else group_size
     if g <= 0 or k % g:

@@ -43,6 +43,7 @@ from models.deepseek_v3.sharding import (
     place_variables,
     reorder_w13,
 )
+from wna16_jax._quant import check_finite
 
 logger = logging.getLogger("models.deepseek_v3")
 
@@ -424,9 +425,11 @@ _quantize_jit = jax.jit(
 )
 
 
-def _quantize(w, spec: QuantSpec, dtype) -> wj.QuantizedExperts:
-    """float [E, N, K] -> QuantizedExperts with `spec` (round to nearest)."""
+def _quantize(w, spec: QuantSpec, dtype, name: str) -> wj.QuantizedExperts:
+    """float [E, N, K] -> QuantizedExperts with `spec` (round to nearest); ValueError naming
+    the checkpoint tensor `name` where it holds NaN or inf."""
     w = jnp.asarray(w)
+    check_finite(w, f"tensor {name!r}")
     return _quantize_jit(
         w,
         bits=spec.bits,
@@ -441,7 +444,7 @@ def _load_linear(cfg, ckpt, qcfg, prefix, form, target):
     if form == "float":
         w = np.asarray(ckpt[f"{prefix}.weight"])
         if target is not None and cfg.quantizes(target):
-            return _quantize(w[None], cfg.quant, cfg.dtype)
+            return _quantize(w[None], cfg.quant, cfg.dtype, f"{prefix}.weight")
         return w
     return wj.formats.from_quantization_config(ckpt, qcfg, prefix).astype(cfg.dtype)
 
@@ -468,7 +471,10 @@ def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range
             prefix = f"{entry.name}.{j}.{proj}"
             try:
                 if form == "float":
-                    parts[proj].append(np.asarray(ckpt[f"{prefix}.weight"]))
+                    w = np.asarray(ckpt[f"{prefix}.weight"])
+                    if cfg.quantizes("experts"):
+                        check_finite(w, f"tensor {prefix + '.weight'!r}")
+                    parts[proj].append(w)
                 else:
                     parts[proj].append(wj.formats.from_quantization_config(ckpt, qcfg, prefix))
             except ValueError as err:
@@ -480,7 +486,9 @@ def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range
         w13 = np.concatenate([np.stack(parts["gate_proj"]), np.stack(parts["up_proj"])], axis=1)
         w2 = np.stack(parts["down_proj"])
         if cfg.quantizes("experts"):
-            w13, w2 = _quantize(w13, cfg.quant, cfg.dtype), _quantize(w2, cfg.quant, cfg.dtype)
+            # Each expert's tensors were checked for NaN and inf as they were read.
+            w13 = _quantize(w13, cfg.quant, cfg.dtype, f"{entry.name}.*.gate_proj/up_proj")
+            w2 = _quantize(w2, cfg.quant, cfg.dtype, f"{entry.name}.*.down_proj")
     else:
         gate, up, down = (wj.QuantizedExperts.concatenate(parts[p], axis=0) for p in _PROJS)
         w13 = wj.QuantizedExperts.concatenate([gate, up], axis=1).astype(cfg.dtype)  # [gate; up]
