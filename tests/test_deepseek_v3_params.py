@@ -25,6 +25,7 @@ from models.deepseek_v3 import (
     load_tokenizer,
     save_pretrained,
 )
+from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.modeling import FloatExperts, Linear, QuantizedLinear, RoutedExperts
 
 # (format, model variant, shard the files): every format, int4 / int8, with and without zero
@@ -81,6 +82,62 @@ def test_v2_lite_style_checkpoint(tmp_path, rng):
     assert loaded.model.layers[1].mlp.gate.e_score_correction_bias is None
     ids = random_ids(rng, (2, 8), model.cfg)
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(model, ids))
+
+
+def _saved(tmp_path):
+    save_pretrained(tiny_model(), tmp_path, format="awq")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "edit, error, message",
+    [
+        (lambda d: d.write_text("{not json"), ValueError, r"config\.json is not valid JSON"),
+        (lambda d: d.write_text("[1, 2]"), ValueError, r"config\.json holds a JSON list"),
+        (
+            lambda d: d.write_text(
+                json.dumps(json.loads(d.read_text()) | {"hidden_size": "64", "use_x": 1})
+            ),
+            ValueError,
+            r"config\.json: invalid DeepSeek config: hidden_size='64' must be an int",
+        ),
+        (
+            lambda d: d.write_text(json.dumps(json.loads(d.read_text()) | {"rms_norm_eps": True})),
+            ValueError,
+            "rms_norm_eps=True must be a number",
+        ),
+    ],
+    ids=["not_json", "not_object", "string_int", "bool_float"],
+)
+def test_malformed_config_names_the_file(tmp_path, edit, error, message):
+    """A config.json that is not JSON, not an object, or has a field of the wrong type: one
+    error naming the file and the field, before any weight is read."""
+    path = _saved(tmp_path)
+    edit(path / "config.json")
+    with pytest.raises(error, match=message):
+        load_pretrained(path, progress=False)
+    with pytest.raises(error, match=message):
+        DeepseekV3Config.from_json(path)
+
+
+def test_truncated_or_missing_shard_names_the_file(tmp_path):
+    """A safetensors file cut short (an interrupted download) or listed in the index but
+    missing: the error names the file."""
+    path = _saved(tmp_path)
+    (shard,) = path.glob("*.safetensors")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{shard.name} cannot be read as safetensors"):
+        load_pretrained(path, progress=False)
+    shard.write_bytes(data)
+    index = {"metadata": {}, "weight_map": {name: "model-00002.safetensors"
+                                            for name in load_file(shard)}}  # fmt: skip
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00002.safetensors is missing"):
+        load_pretrained(path, progress=False)
+    (path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no 'weight_map' object"):
+        load_pretrained(path, progress=False)
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,51 @@ def _tuple_ids(v) -> tuple[int, ...]:
     return (int(v),)
 
 
+def read_json(path: str | os.PathLike) -> dict:
+    """The JSON object in the file `path`.
+
+    Raises:
+        FileNotFoundError: no such file (named).
+        ValueError: the file is not valid JSON, or holds no object: the file and the error named.
+    """
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not a text JSON file: {err}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object")
+    return d
+
+
+def _type_problems(cfg) -> list[str]:
+    """A sentence for each field whose value is not of its default's kind: an int field holds
+    an int (not a bool, not a string such as "64"), a float field a number, a bool field a
+    bool, a string field a string. Fields whose default is None or a container are not typed
+    here (their own checks read them)."""
+    problems = []
+    for f in dataclasses.fields(cfg):
+        v, default = getattr(cfg, f.name), f.default
+        if v is None or default is None or default is dataclasses.MISSING:
+            continue
+        if isinstance(default, bool):
+            ok, kind = isinstance(v, bool), "a bool"
+        elif isinstance(default, int):
+            ok, kind = isinstance(v, int) and not isinstance(v, bool), "an int"
+        elif isinstance(default, float):
+            ok = isinstance(v, int | float) and not isinstance(v, bool)
+            kind = "a number"
+        elif isinstance(default, str):
+            ok, kind = isinstance(v, str), "a string"
+        else:
+            continue
+        if not ok:
+            problems.append(f"{f.name}={v!r} must be {kind}")
+    return problems
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3Config:
     """Every DeepSeek-V3 (and V2 / V2-Lite) config.json field the model uses.
@@ -131,9 +176,11 @@ class DeepseekV3Config:
     quant: QuantSpec | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
+        problems = _type_problems(self)
+        if problems:  # the value checks below assume the types
+            raise ValueError("invalid DeepSeek config: " + "; ".join(problems))
         if not isinstance(self.eos_token_id, tuple):
             object.__setattr__(self, "eos_token_id", _tuple_ids(self.eos_token_id))
-        problems = []
         if self.topk_method not in TOPK_METHODS:
             problems.append(f"topk_method={self.topk_method!r} is not one of {TOPK_METHODS}")
         if self.scoring_func not in SCORING_FUNCS:
@@ -209,18 +256,26 @@ class DeepseekV3Config:
         if "eos_token_id" in kw:
             kw["eos_token_id"] = _tuple_ids(kw["eos_token_id"])
         for k in ("rope_theta", "rms_norm_eps", "routed_scaling_factor"):
-            if k in kw:
+            if isinstance(kw.get(k), int) and not isinstance(kw[k], bool):  # JSON 10000 -> float
                 kw[k] = float(kw[k])
         kw.update(overrides)
         return cls(**kw)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides) -> DeepseekV3Config:
-        """Reads `path` (a config.json or a directory holding one)."""
+        """Reads `path` (a config.json or a directory holding one).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a JSON object, or invalid values; the message names the file.
+        """
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f), **overrides)
+        d = read_json(path)
+        try:
+            return cls.from_hf_dict(d, **overrides)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config.json dict (model_type deepseek_v3); `dtype`/`quant` are not written."""

@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 import wna16_jax as wj
-from models.deepseek_v3.config import DeepseekV3Config, QuantSpec
+from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, read_json
 from models.deepseek_v3.modeling import (
     DeepseekV3ForCausalLM,
     FloatExperts,
@@ -199,8 +199,9 @@ class Checkpoint(Mapping):
         index = os.path.join(self.path, INDEX_FILE)
         single = os.path.join(self.path, SINGLE_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file)")
             files = sorted(set(weight_map.values()))
         elif os.path.exists(single):
             files = [SINGLE_FILE]
@@ -212,7 +213,15 @@ class Checkpoint(Mapping):
         self._file_of: dict[str, str] = {}
         for fname in files:
             full = os.path.join(self.path, fname)
-            handle = safe_open(full, framework="numpy")
+            if not os.path.exists(full):
+                raise FileNotFoundError(f"{full} is missing (listed in {INDEX_FILE})")
+            try:
+                handle = safe_open(full, framework="numpy")
+            except Exception as err:  # safetensors raises its own error types
+                raise ValueError(
+                    f"{full} cannot be read as safetensors (truncated or corrupt; download it "
+                    f"again): {err}"
+                ) from None
             self._handles[full] = handle
             for name in handle.keys():
                 if weight_map is not None and weight_map.get(name) != fname:
@@ -616,11 +625,13 @@ def load_pretrained(
         TypeError: mesh is not a jax.sharding.Mesh.
     """
     path = os.fspath(path)
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        hf = json.load(f)
-    cfg = DeepseekV3Config.from_hf_dict(
-        hf, dtype=jnp.dtype(dtype).name, quant=QuantSpec.parse(quantize)
-    )
+    config_file = os.path.join(path, CONFIG_FILE)
+    hf = read_json(config_file)
+    quant = QuantSpec.parse(quantize)
+    try:
+        cfg = DeepseekV3Config.from_hf_dict(hf, dtype=jnp.dtype(dtype).name, quant=quant)
+    except ValueError as err:
+        raise ValueError(f"{config_file}: {err}") from None
     qcfg = hf.get("quantization_config")
     ms = None if mesh is None else model_sharding(mesh, cfg, specs=specs, moe_mode=moe_mode)
     ckpt = Checkpoint(path)
