@@ -36,6 +36,7 @@ from models.deepseek_v3 import (
     init_random,
     load_pretrained,
     load_tokenizer,
+    resolve_checkpoint,
     sharding,
 )
 from models.deepseek_v3.modeling import QuantizedLinear, RoutedExperts, dequantize_model
@@ -59,8 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--model",
-        metavar="DIR",
-        help="local HF directory (config.json + safetensors); default: a tiny random int4 model",
+        metavar="DIR_OR_ID",
+        help="local HF directory (config.json + safetensors) or a Hugging Face Hub id "
+        "(org/name: only the safetensors, config and tokenizer files are fetched, into the "
+        "Hub's cache; HF_HUB_OFFLINE=1 uses the cache only); default: a tiny random int4 model",
     )
     src.add_argument(
         "--full-width-layers",
@@ -68,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="random model at full DeepSeek-V3 width with N layers (int4 experts "
         "generated on device)",
+    )
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="with a Hub id --model: the branch, tag or commit (default main)",
     )
     p.add_argument(
         "--implementation",
@@ -174,15 +182,18 @@ def build_model(args, mesh=None):
     """(model, tokenizer, description) for the arguments, placed on `mesh` when given."""
     if args.model:
         dtype = args.dtype or "bfloat16"
+        local = resolve_checkpoint(args.model, revision=args.revision)
+        if local != args.model:
+            print(f"checkpoint: {args.model} (revision {args.revision or 'main'}) at {local}")
         model = load_pretrained(
-            args.model,
+            local,
             dtype=dtype,
             implementation=args.implementation,
             quantize=args.quantize,
             mesh=mesh,
             moe_mode=args.moe_mode,
         )
-        return model, load_tokenizer(args.model, cfg=model.cfg), args.model
+        return model, load_tokenizer(local, cfg=model.cfg), args.model
     bits = 8 if args.quantize == "int8" else 4
     if args.full_width_layers:
         cfg = DeepseekV3Config.full_width(

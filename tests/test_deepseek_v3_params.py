@@ -84,6 +84,54 @@ def test_v2_lite_style_checkpoint(tmp_path, rng):
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(model, ids))
 
 
+def test_hub_id_downloads_only_the_files_loading_reads(tmp_path, monkeypatch):
+    """load_pretrained("org/name"): huggingface_hub.snapshot_download with the revision, the
+    cache directory and only the config, safetensors, generation and tokenizer files; the
+    model loads from the directory it returns."""
+    import huggingface_hub
+
+    model = tiny_model()
+    save_pretrained(model, tmp_path / "snapshot", format="awq")
+    calls = []
+
+    def fake_download(repo_id, **kw):
+        calls.append((repo_id, kw))
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    loaded = load_pretrained(
+        "org/tiny-v3", revision="v1", cache_dir=tmp_path / "c", dtype=jnp.float32, progress=False
+    )
+    ((repo_id, kw),) = calls
+    assert repo_id == "org/tiny-v3" and kw["revision"] == "v1" and kw["cache_dir"] == tmp_path / "c"
+    assert set(kw["allow_patterns"]) == {
+        "config.json", "model.safetensors.index.json", "*.safetensors",
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    }  # fmt: skip
+    ids = random_ids(np.random.default_rng(0), (1, 6), model.cfg)
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(model, ids))
+
+
+def test_hub_id_offline_reads_the_cache(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=1: a repository in the Hub's cache layout loads without the network; one
+    that is not cached fails naming the id; a path that is neither a directory nor an id says
+    so."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    commit = "0" * 40
+    repo = tmp_path / "models--org--tiny"
+    save_pretrained(tiny_model(), repo / "snapshots" / commit, format="awq")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    loaded = load_pretrained("org/tiny", cache_dir=tmp_path, dtype=jnp.float32, progress=False)
+    assert loaded.cfg == tiny_model().cfg
+    with pytest.raises(FileNotFoundError, match="org/absent: not a local directory"):
+        load_pretrained("org/absent", cache_dir=tmp_path, progress=False)
+    with pytest.raises(FileNotFoundError, match="no such directory, and not a Hugging Face"):
+        load_pretrained(tmp_path / "no" / "such" / "dir", progress=False)
+
+
 def _saved(tmp_path):
     save_pretrained(tiny_model(), tmp_path, format="awq")
     return tmp_path

@@ -4,7 +4,7 @@ from models.deepseek_v3 import sharding
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, YarnScaling
 from models.deepseek_v3.generate import GenerateStats, generate
 from models.deepseek_v3.modeling import DeepseekV3ForCausalLM, KVCache, route
-from models.deepseek_v3.params import load_pretrained, save_pretrained
+from models.deepseek_v3.params import load_pretrained, resolve_checkpoint, save_pretrained
 from models.deepseek_v3.sharding import ShardingSpecs, init_random, make_mesh, shard_model
 from models.deepseek_v3.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -20,6 +20,7 @@ __all__ = [
     "generate",
     "init_random",
     "load_pretrained",
+    "resolve_checkpoint",
     "load_tokenizer",
     "make_mesh",
     "route",

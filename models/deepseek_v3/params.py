@@ -586,9 +586,57 @@ def _sharded_experts_module(
     return module
 
 
+# The files loading reads (and generation: the tokenizer's and generation defaults): what a
+# Hub download fetches, nothing else (a repository may also hold .bin / .pt copies, docs, code).
+HUB_FILES = (
+    CONFIG_FILE, INDEX_FILE, "*.safetensors", "generation_config.json", "tokenizer.json",
+    "tokenizer_config.json",
+)  # fmt: skip
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_checkpoint(
+    path_or_id: str | os.PathLike, *, revision: str | None = None, cache_dir=None
+) -> str:
+    """The local directory of a checkpoint: `path_or_id` itself where it is a directory, else
+    a Hugging Face Hub repository id ("org/name") fetched by huggingface_hub.snapshot_download
+    (only HUB_FILES; files already in the cache are not fetched again; with HF_HUB_OFFLINE=1
+    the cache only), at `revision` (a branch, tag or commit; default main) into `cache_dir`
+    (default the Hub's cache, HF_HOME). Logs the directory it resolved to.
+
+    Raises:
+        FileNotFoundError: neither a directory nor a repository id, or the download (or the
+            offline cache) failed: the id and the reason named.
+    """
+    path = os.fspath(path_or_id)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise FileNotFoundError(f"{path} is a file: pass the checkpoint's directory")
+    if not _REPO_ID.match(path):
+        raise FileNotFoundError(
+            f"{path}: no such directory, and not a Hugging Face Hub id ('org/name')"
+        )
+    import huggingface_hub
+
+    try:
+        local = huggingface_hub.snapshot_download(
+            path, revision=revision, cache_dir=cache_dir, allow_patterns=list(HUB_FILES)
+        )
+    except Exception as err:  # network, authentication, unknown repository, offline cache
+        raise FileNotFoundError(
+            f"{path}: not a local directory, and the Hugging Face Hub download failed "
+            f"({type(err).__name__}: {err})"
+        ) from err
+    logger.info("%s (revision %s) resolved to %s", path, revision or "main", local)
+    return local
+
+
 def load_pretrained(
     path: str | os.PathLike,
     *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
     dtype=jnp.bfloat16,
     implementation=None,
     mesh: Mesh | None = None,
@@ -597,12 +645,15 @@ def load_pretrained(
     specs: ShardingSpecs | None = None,
     moe_mode: str = "replicated",
 ) -> DeepseekV3ForCausalLM:
-    """Loads a local Hugging Face DeepSeek-V3 / V2 directory.
+    """Loads a Hugging Face DeepSeek-V3 / V2 checkpoint: a local directory or a Hub id.
 
     Args:
         path: directory with config.json and model.safetensors (or sharded safetensors with
-            model.safetensors.index.json). Float (bf16/f16/f32), AWQ, GPTQ or
-            compressed-tensors weights, as config.json's quantization_config says.
+            model.safetensors.index.json), or a Hub repository id ("org/name", fetched by
+            `resolve_checkpoint`). Float (bf16/f16/f32), AWQ, GPTQ or compressed-tensors
+            weights, as config.json's quantization_config says.
+        revision, cache_dir: for a Hub id: the revision (default main) and the cache directory
+            (default the Hub's; HF_HUB_OFFLINE=1 reads only the cache).
         dtype: activations, float weights and quantization scales.
         implementation: fused_moe backend of the routed experts (None = automatic).
         mesh: a mesh (sharding.make_mesh) to load onto: every tensor goes straight to its
@@ -620,11 +671,13 @@ def load_pretrained(
         DeepseekV3ForCausalLM.
 
     Raises:
+        FileNotFoundError: no such directory or Hub repository (`resolve_checkpoint`), or a
+            file the checkpoint needs is missing (named).
         ValueError: listing every problem at once (missing tensor, wrong shape or dtype,
-            unsupported quantization_config or config value).
+            unsupported quantization_config or config value); a malformed file (named).
         TypeError: mesh is not a jax.sharding.Mesh.
     """
-    path = os.fspath(path)
+    path = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir)
     config_file = os.path.join(path, CONFIG_FILE)
     hf = read_json(config_file)
     quant = QuantSpec.parse(quantize)
