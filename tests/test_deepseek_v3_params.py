@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax.numpy as jnp
@@ -316,11 +317,15 @@ def test_mesh_must_be_a_mesh(awq_dir):
         load_pretrained(awq_dir, mesh=object(), progress=False)
 
 
-def test_tokenizers(tmp_path):
+def test_tokenizers(tmp_path, caplog):
     byte = ByteTokenizer()
     ids = byte.encode("héllo")
     assert ids[0] == byte.bos_id and byte.decode(ids) == "héllo"
-    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)  # no tokenizer.json
+    with caplog.at_level(logging.WARNING, logger="models.deepseek_v3"):
+        assert isinstance(load_tokenizer(None), ByteTokenizer)  # a random model's: no warning
+        assert not caplog.records
+        assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)  # no tokenizer.json
+    assert "has no tokenizer.json: using the byte-level fallback" in caplog.text
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4}

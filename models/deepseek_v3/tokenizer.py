@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Protocol
 
@@ -58,8 +59,13 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
+logger = logging.getLogger("models.deepseek_v3")
+
+
 def load_tokenizer(path: str | os.PathLike | None = None, *, cfg=None) -> Tokenizer:
-    """The tokenizer of an HF directory (tokenizer.json), else the byte-level fallback.
+    """The tokenizer of an HF directory (tokenizer.json), else the byte-level fallback (with a
+    warning when `path` is a directory without tokenizer.json: a real checkpoint's text would
+    be wrong; path None is a random model's tokenizer).
 
     bos/eos/pad ids come from `cfg` (a DeepseekV3Config) when given, else config.json.
     """
@@ -75,6 +81,12 @@ def load_tokenizer(path: str | os.PathLike | None = None, *, cfg=None) -> Tokeni
         eos = eos[0] if isinstance(eos, list) else eos
     if path is not None and os.path.exists(os.path.join(path, "tokenizer.json")):
         return HFTokenizer(os.path.join(path, "tokenizer.json"), bos_id=bos, eos_id=eos, pad_id=pad)
+    if path is not None:
+        logger.warning(
+            "%s has no tokenizer.json: using the byte-level fallback tokenizer, whose ids are "
+            "not the model's vocabulary (the text in and out will be wrong)",
+            path,
+        )
     return ByteTokenizer(
         pad_id=pad if pad is not None else 0,
         bos_id=bos if bos is not None else 1,
