@@ -477,3 +477,30 @@ def test_align_rejects_ids(ids, substrings):
         wj.moe_align_block_size(ids, num_experts=8, block_m=16)
     for s in substrings:
         assert s in str(err.value), str(err.value)
+
+
+def test_no_gradients_and_k_of_zero_refused(rng):
+    """The library is inference-only: a derivative through fused_moe, grouped_matmul or a
+    kernel linear raises a TypeError saying so (not an error from deep inside a kernel);
+    the 'xla' linear is plain JAX and differentiates. k = 0 experts per token is refused."""
+    from wna16_jax import linear
+
+    w13 = helpers.random_quantized_experts(rng, 4, 256, 128, 4, 64, True, jnp.float32)
+    w2 = helpers.random_quantized_experts(rng, 4, 128, 128, 4, 64, True, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(3, 128)), jnp.float32)
+    tw, ids = helpers.random_routing(rng, 3, 2, 4)
+    tw, ids = jnp.asarray(tw, jnp.float32), jnp.asarray(ids)
+    for impl in ("xla", "pallas_interpret"):
+        with pytest.raises(TypeError, match="wna16_jax is inference-only"):
+            jax.grad(lambda x, i=impl: wj.fused_moe(x, w13, w2, tw, ids, implementation=i).sum())(x)
+    with pytest.raises(TypeError, match="wna16_jax is inference-only"):
+        jax.grad(lambda tw: wj.fused_moe(x, w13, w2, tw, ids).sum())(tw)
+    w = w13.slice(0, 1, axis=0)
+    with pytest.raises(TypeError, match="wna16_jax is inference-only"):
+        jax.grad(lambda x: linear.quantized_matmul(x, w, implementation="pallas_interpret").sum())(
+            x
+        )
+    g = jax.grad(lambda x: linear.quantized_matmul(x, w, implementation="xla").sum())(x)
+    np.testing.assert_allclose(g[0], np.asarray(wj.dequantize_experts(w)[0]).sum(0), rtol=1e-5)
+    with pytest.raises(ValueError, match=r"topk_ids has shape \(3, 0\): each token needs k >= 1"):
+        wj.fused_moe(x, w13, w2, tw[:, :0], ids[:, :0])

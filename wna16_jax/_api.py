@@ -11,6 +11,7 @@ import numpy as np
 
 from wna16_jax import _activations, _dispatch
 from wna16_jax._configs import GemmShape
+from wna16_jax._inference_only import inference_only
 from wna16_jax._types import (
     ACTIVATION_QUANT_SCHEMES,
     MAX_ARRAY_ELEMENTS,
@@ -40,6 +41,8 @@ def _check_elements(name: str, a) -> None:
 def _check_topk_ids(topk_ids) -> None:
     if topk_ids.ndim != 2:
         raise ValueError(f"topk_ids must be [T, k], got shape {_shape(topk_ids)}")
+    if topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids has shape {_shape(topk_ids)}: each token needs k >= 1 experts")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise ValueError(f"topk_ids must be an integer array, got {topk_ids.dtype}")
     _check_elements("topk_ids", topk_ids)
@@ -237,10 +240,10 @@ def fused_moe(
     if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(x.dtype):
         extra["out_dtype"] = jnp.dtype(out_dtype)
     return backend.fused_moe(
-        x,
+        inference_only(x),
         w13,
         w2,
-        topk_weights,
+        inference_only(topk_weights),
         topk_ids.astype(jnp.int32),
         expert_map=None if expert_map is None else expert_map.astype(jnp.int32),
         activation=activation,
@@ -433,7 +436,7 @@ def grouped_matmul(
             f"(gemm_config) or pass a config"
         )
     return backend.grouped_matmul.run(
-        a,
+        inference_only(a),
         w,
         routing,
         routed_weights,

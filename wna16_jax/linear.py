@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from wna16_jax import _dispatch, layouts
 from wna16_jax._configs import GemmShape
+from wna16_jax._inference_only import inference_only
 from wna16_jax._quant import dequantize_experts
 from wna16_jax._types import AlignedRouting, BlockConfig, MgpuConfig, QuantizedExperts
 
@@ -172,6 +173,7 @@ def _quantized_matmul(x, w: QuantizedExperts, *, implementation, config):
     else:
         gemm = backend.grouped_matmul
         cfg, _ = gemm.config(problem.shape, config)
+        x2 = inference_only(x2)  # a kernel: no gradients (the "xla" path has them)
         if gemm.linear is not None:  # the backend's own path for one expert
             return gemm.linear(x2, w, config=cfg, out_dtype=x.dtype).reshape(*lead, w.n)
         y = gemm.run(
