@@ -10,7 +10,12 @@ from wna16_jax._api import (
     select_implementation,
 )
 from wna16_jax._dispatch import registered_backends
-from wna16_jax._quant import dequantize_experts, quantize_experts, random_quantized_experts
+from wna16_jax._quant import (
+    check_finite,
+    dequantize_experts,
+    quantize_experts,
+    random_quantized_experts,
+)
 from wna16_jax._types import (
     ActivationQuant,
     AlignedRouting,
@@ -25,6 +30,7 @@ __all__ = [
     "BlockConfig",
     "MgpuConfig",
     "QuantizedExperts",
+    "check_finite",
     "dequantize_experts",
     "formats",
     "layouts",

@@ -43,7 +43,6 @@ from models.deepseek_v3.sharding import (
     place_variables,
     reorder_w13,
 )
-from wna16_jax._quant import check_finite
 
 logger = logging.getLogger("models.deepseek_v3")
 
@@ -438,7 +437,7 @@ def _quantize(w, spec: QuantSpec, dtype, name: str) -> wj.QuantizedExperts:
     """float [E, N, K] -> QuantizedExperts with `spec` (round to nearest); ValueError naming
     the checkpoint tensor `name` where it holds NaN or inf."""
     w = jnp.asarray(w)
-    check_finite(w, f"tensor {name!r}")
+    wj.check_finite(w, f"tensor {name!r}")
     return _quantize_jit(
         w,
         bits=spec.bits,
@@ -482,7 +481,7 @@ def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range
                 if form == "float":
                     w = np.asarray(ckpt[f"{prefix}.weight"])
                     if cfg.quantizes("experts"):
-                        check_finite(w, f"tensor {prefix + '.weight'!r}")
+                        wj.check_finite(w, f"tensor {prefix + '.weight'!r}")
                     parts[proj].append(w)
                 else:
                     parts[proj].append(wj.formats.from_quantization_config(ckpt, qcfg, prefix))
