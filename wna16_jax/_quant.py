@@ -180,14 +180,16 @@ def check_finite(w, name: str = "w") -> None:
     """Raises ValueError when the float array `w` holds NaN or inf, naming `name`, the count and
     the first index: quantization would make them finite values (a group with a NaN gets a
     meaningless scale) and the model would compute garbage without a sign of it. Nothing is
-    checked for a traced value (inside jit): check before."""
+    checked for a traced value (inside jit): check before. A numpy array is checked on the
+    host (no copy to a device)."""
     if isinstance(w, jax.core.Tracer):
         return
-    finite = jnp.isfinite(w)
-    if bool(jnp.all(finite)):
+    xp = np if isinstance(w, np.ndarray) else jnp  # a host array is checked on the host
+    finite = xp.isfinite(w)
+    if bool(xp.all(finite)):
         return
-    bad = int(jnp.size(finite) - jnp.count_nonzero(finite))
-    first = tuple(int(i) for i in jnp.unravel_index(jnp.argmin(finite), finite.shape))
+    bad = int(finite.size - xp.count_nonzero(finite))
+    first = tuple(int(i) for i in xp.unravel_index(xp.argmin(finite), finite.shape))
     raise ValueError(
         f"{name} holds {bad} non-finite value(s) (NaN or inf), the first at index {first}: "
         f"a quantized weight cannot represent them (fix or drop the tensor)"

@@ -833,7 +833,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         for _, m in nnx.iter_modules(self):
             if isinstance(m, QuantizedLinear):
                 m.implementation = chosen
-                w = m.canonical_weight()
+                w = jax.eval_shape(m.canonical_weight)  # the layout needs shapes only
                 m.set_layout(
                     wj.linear.preferred_layout(w, dtype=self.cfg.dtype, implementation=chosen)
                 )

@@ -433,11 +433,11 @@ _quantize_jit = jax.jit(
 )
 
 
-def _quantize(w, spec: QuantSpec, dtype, name: str) -> wj.QuantizedExperts:
-    """float [E, N, K] -> QuantizedExperts with `spec` (round to nearest); ValueError naming
-    the checkpoint tensor `name` where it holds NaN or inf."""
+def _quantize(w, spec: QuantSpec, dtype) -> wj.QuantizedExperts:
+    """float [E, N, K] -> QuantizedExperts with `spec` (round to nearest). The caller checks
+    each checkpoint tensor for NaN and inf as it reads it (wj.check_finite, naming it): under
+    jit quantize_experts cannot."""
     w = jnp.asarray(w)
-    wj.check_finite(w, f"tensor {name!r}")
     return _quantize_jit(
         w,
         bits=spec.bits,
@@ -452,7 +452,8 @@ def _load_linear(cfg, ckpt, qcfg, prefix, form, target):
     if form == "float":
         w = np.asarray(ckpt[f"{prefix}.weight"])
         if target is not None and cfg.quantizes(target):
-            return _quantize(w[None], cfg.quant, cfg.dtype, f"{prefix}.weight")
+            wj.check_finite(w, f"tensor {prefix + '.weight'!r}")
+            return _quantize(w[None], cfg.quant, cfg.dtype)
         return w
     return wj.formats.from_quantization_config(ckpt, qcfg, prefix).astype(cfg.dtype)
 
@@ -494,9 +495,7 @@ def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range
         w13 = np.concatenate([np.stack(parts["gate_proj"]), np.stack(parts["up_proj"])], axis=1)
         w2 = np.stack(parts["down_proj"])
         if cfg.quantizes("experts"):
-            # Each expert's tensors were checked for NaN and inf as they were read.
-            w13 = _quantize(w13, cfg.quant, cfg.dtype, f"{entry.name}.*.gate_proj/up_proj")
-            w2 = _quantize(w2, cfg.quant, cfg.dtype, f"{entry.name}.*.down_proj")
+            w13, w2 = _quantize(w13, cfg.quant, cfg.dtype), _quantize(w2, cfg.quant, cfg.dtype)
     else:
         gate, up, down = (wj.QuantizedExperts.concatenate(parts[p], axis=0) for p in _PROJS)
         w13 = wj.QuantizedExperts.concatenate([gate, up], axis=1).astype(cfg.dtype)  # [gate; up]
@@ -677,14 +676,11 @@ def load_pretrained(
         TypeError: mesh is not a jax.sharding.Mesh.
     """
     path = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir)
-    config_file = os.path.join(path, CONFIG_FILE)
-    hf = read_json(config_file)
     quant = QuantSpec.parse(quantize)
-    try:
-        cfg = DeepseekV3Config.from_hf_dict(hf, dtype=jnp.dtype(dtype).name, quant=quant)
-    except ValueError as err:
-        raise ValueError(f"{config_file}: {err}") from None
-    qcfg = hf.get("quantization_config")
+    cfg = DeepseekV3Config.from_json(
+        os.path.join(path, CONFIG_FILE), dtype=jnp.dtype(dtype).name, quant=quant
+    )
+    qcfg = cfg.quantization_config
     ms = None if mesh is None else model_sharding(mesh, cfg, specs=specs, moe_mode=moe_mode)
     ckpt = Checkpoint(path)
     plans, problems = check_checkpoint(cfg, ckpt, qcfg)

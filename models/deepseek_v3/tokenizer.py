@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Protocol
+
+from models.deepseek_v3.config import read_json
 
 
 class Tokenizer(Protocol):
@@ -74,8 +75,7 @@ def load_tokenizer(path: str | os.PathLike | None = None, *, cfg=None) -> Tokeni
         bos, pad = cfg.bos_token_id, cfg.pad_token_id
         eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
     elif path is not None and os.path.exists(os.path.join(path, "config.json")):
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
+        hf = read_json(os.path.join(path, "config.json"))
         bos, pad = hf.get("bos_token_id"), hf.get("pad_token_id")
         eos = hf.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
