@@ -29,7 +29,8 @@ def _load(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["benchmark", "benchmark_linear", "tune", "profile", "full_deepseek_v3"]
+    "name",
+    ["benchmark", "benchmark_linear", "tune", "profile", "profile_decode", "full_deepseek_v3"],
 )
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -333,6 +334,39 @@ def test_profile_tiny(tmp_path, capsys, run):
     out = capsys.readouterr().out
     assert "M=2     xla" in out and "ptxas: no report" in out
     assert "MOSAIC_GPU_DUMP_PTXAS" not in os.environ
+
+
+# ---- profile_decode.py ------------------------------------------------------------------------
+
+
+def test_profile_decode_takes_the_difference_per_step():
+    """Kernels of the prefill alone and of the prefill + 2 steps: per name, (after - before) / 2;
+    names only in the prefill, or launched as often in both, are not the step's."""
+    k = lambda name, dur: dict(name=name, ts=0.0, dur=dur)  # noqa: E731
+    prefill = [k("attn", 5.0), k("gemm", 3.0), k("embed", 1.0)]
+    both = prefill + [k("gemm", 2.0), k("gemm", 2.5), k("sample", 0.5), k("sample", 0.5)]
+    rows = _load("profile_decode").per_step(prefill, both, steps=2)
+    assert rows == [
+        dict(name="gemm", launches=1.0, us=pytest.approx(2.25)),
+        dict(name="sample", launches=1.0, us=pytest.approx(0.5)),
+    ]
+
+
+def test_profile_decode_tiny(tmp_path, capsys):
+    out_json = tmp_path / "decode.json"
+    argv = ["--steps", "2", "--top", "3", "--json", str(out_json), "--batch-size", "2"]
+    assert _load("profile_decode").main(argv) == 0
+    record = json.loads(out_json.read_text())
+    assert (record["batch_size"], record["steps"]) == (2, 2)
+    assert record["kernel_us_per_step"] == pytest.approx(sum(r["us"] for r in record["kernels"]))
+    assert record["weight_bytes_per_step"] > 0 and record["step_us"] > 0
+    out = capsys.readouterr().out
+    assert "2 decode steps traced" in out and "others)" in out
+
+
+def test_profile_decode_refuses_several_batch_sizes():
+    with pytest.raises(SystemExit):
+        _load("profile_decode").parse_args(["--batch-size", "1", "8"])
 
 
 # ---- tune.py ----------------------------------------------------------------------------------

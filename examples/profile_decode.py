@@ -1,0 +1,179 @@
+"""What one DeepSeek-V3 decode step spends, kernel by kernel, from a device trace.
+
+The model is built as examples/generate.py builds it (the same flags after ours), then
+`generate` runs under `jax.profiler.trace` twice: with 1 new token (the prefill alone) and with
+1 + --steps new tokens. Per kernel name, the difference of the two traces divided by --steps is
+one decode step: the prefill and the compile-free dispatch are the same in both and cancel.
+
+    python examples/profile_decode.py --steps 8 --full-width-layers 8 --batch-size 1
+
+Printed: the step's time untraced (GenerateStats.step_s) beside the sum of its kernels (the
+rest is the GPU waiting between kernels); the weight bytes a step reads at least (every
+non-expert weight, and num_experts_per_tok routed experts per MoE layer: the batch-1 bytes; a
+batch reads more experts the more its rows route apart) against the copy ceiling measured in
+the same run; then the kernels, longest first: launches per step, us per step, their share, the
+kernel name. On a CPU
+(the tiny default, kernels in the interpreters) the XLA CPU runtime's op events stand in for the
+kernels: a check of this script, not a profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+import jax
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import profile as profile_example  # noqa: E402
+
+import benchmark  # noqa: E402
+import generate as generate_example  # noqa: E402
+
+from models.deepseek_v3 import generate  # noqa: E402
+from models.deepseek_v3.modeling import RoutedExperts  # noqa: E402
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(this script's flags, examples/generate.py's flags for the model)."""
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Every other flag is examples/generate.py's (the model, its layouts and "
+        "implementations, --batch-size (one value), --prompt, --dtype, ...): see "
+        "`python examples/generate.py --help`.",
+    )
+    p.add_argument("--steps", type=int, default=4, help="decode steps traced (default 4)")
+    p.add_argument("--top", type=int, default=25, help="kernels listed (default 25)")
+    p.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
+    ours, rest = p.parse_known_args(argv)
+    if ours.steps < 1:
+        p.error(f"--steps must be >= 1, got {ours.steps}")
+    model_args = generate_example.parse_args(rest)
+    if len(model_args.batch_size) != 1:
+        p.error(f"one --batch-size per profile, got {model_args.batch_size}")
+    if model_args.mesh or model_args.float_weights:
+        p.error("--mesh and --float-weights are not profiled here (one device, quantized)")
+    return ours, model_args
+
+
+def traced_kernels(run) -> list[dict]:
+    """The device kernels (profile.device_kernels) of one call of `run`, traced."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            run()
+        (path,) = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            return profile_example.device_kernels(json.load(f))
+
+
+def per_step(prefill: list[dict], both: list[dict], steps: int) -> list[dict]:
+    """Per kernel name: launches and us of one decode step, from the kernels of the prefill
+    alone and of the prefill with `steps` decode steps; longest first."""
+
+    def totals(kernels):
+        out: dict[str, list[float]] = {}
+        for k in kernels:
+            n, t = out.get(k["name"], (0, 0.0))
+            out[k["name"]] = [n + 1, t + k["dur"]]
+        return out
+
+    before, after = totals(prefill), totals(both)
+    rows = []
+    for name, (n, t) in after.items():
+        n0, t0 = before.get(name, (0, 0.0))
+        if n > n0:
+            rows.append(dict(name=name, launches=(n - n0) / steps, us=(t - t0) / steps))
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def step_bytes(model) -> float:
+    """Weight bytes a batch-1 decode step reads: every array of the model but the routed
+    experts, and num_experts_per_tok experts of each MoE layer."""
+    experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
+    expert_ids = {id(a) for m in experts for a in jax.tree.leaves((m.w13.get(), m.w2.get()))}
+    other = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)) if id(a) not in expert_ids)
+    k = model.cfg.num_experts_per_tok
+    routed = sum(
+        benchmark.weight_bytes(m.w13.get(), k) + benchmark.weight_bytes(m.w2.get(), k)
+        for m in experts
+    )
+    return float(other + routed)
+
+
+def main(argv=None) -> int:
+    ours, args = parse_args(argv)
+    model, tokenizer, what = generate_example.build_model(args)
+    model.set_linear_implementation(args.linear_implementation)
+    layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
+    if layout != "canonical":
+        model.set_expert_layout(layout)
+    on_gpu = jax.default_backend() == "gpu"
+    print(f"model: {what}; quantized linears: {generate_example.linear_backends(model)}")
+    prompts = [tokenizer.encode(args.prompt)] * args.batch_size[0]
+
+    def run(new_tokens):
+        _, stats = generate(
+            model,
+            prompts,
+            max_new_tokens=new_tokens,
+            pad_id=tokenizer.pad_id,
+            seed=args.seed,
+            return_stats=True,
+        )
+        return stats
+
+    run(1)  # compile and load both programs before tracing
+    step_s = run(1 + ours.steps).step_s
+    step_s = min(step_s, run(1 + ours.steps).step_s)
+    prefill = traced_kernels(lambda: run(1))
+    both = traced_kernels(lambda: run(1 + ours.steps))
+    rows = per_step(prefill, both, ours.steps)
+    step_us = sum(r["us"] for r in rows)
+    launches = sum(r["launches"] for r in rows)
+    copy_bps, _ = benchmark.measure_ceilings(on_gpu, repeats=3)
+    nbytes = step_bytes(model)
+    floor_us = nbytes / copy_bps * 1e6
+    print(
+        f"batch {args.batch_size[0]}, {ours.steps} decode steps traced: kernels "
+        f"{step_us:.1f} us per step in {launches:.0f} launches; untraced step "
+        f"{step_s * 1e6:.1f} us"
+    )
+    print(
+        f"weights read per step >= {nbytes / 1e9:.3f} GB = {floor_us:.1f} us at the measured "
+        f"copy ceiling {copy_bps / 1e12:.2f} TB/s: the kernels run at "
+        f"{100 * floor_us / step_us:.0f}% of it"
+    )
+    print(f"{'launches':>8} {'us/step':>9} {'share':>6}  kernel")
+    for r in rows[: ours.top]:
+        print(f"{r['launches']:8.1f} {r['us']:9.1f} {100 * r['us'] / step_us:5.1f}%  {r['name']}")
+    rest = rows[ours.top :]
+    if rest:
+        rest_us = sum(r["us"] for r in rest)
+        print(f"{'':8} {rest_us:9.1f} {100 * rest_us / step_us:5.1f}%  ({len(rest)} others)")
+    if ours.json:
+        with open(ours.json, "w") as f:
+            record = dict(
+                model=what,
+                batch_size=args.batch_size[0],
+                steps=ours.steps,
+                kernel_us_per_step=step_us,
+                step_us=step_s * 1e6,
+                weight_bytes_per_step=nbytes,
+                copy_bytes_per_s=copy_bps,
+                device=str(jax.devices()[0].device_kind),
+                jax=jax.__version__,
+                kernels=rows,
+            )
+            json.dump(record, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
