@@ -1,20 +1,21 @@
 """What one DeepSeek-V3 decode step spends, kernel by kernel, from a device trace.
 
 The model is built as examples/generate.py builds it (the same flags after ours), then
-`generate` runs under `jax.profiler.trace` twice: with 1 new token (the prefill alone) and with
-1 + --steps new tokens. Per kernel name, the difference of the two traces divided by --steps is
-one decode step: the prefill and the compile-free dispatch are the same in both and cancel.
+`generate` runs under `jax.profiler.trace` twice: with 2 new tokens (the prefill and a decode
+loop of one step) and with 2 + --steps. Per kernel name, the difference of the two traces
+divided by --steps is one decode step: the prefill and the decode call's own work before its
+loop (e.g. the absorbed kv_b weights) are the same in both and cancel.
 
     python examples/profile_decode.py --steps 8 --full-width-layers 8 --batch-size 1
 
-Printed: the step's time untraced (GenerateStats.step_s) beside the sum of its kernels (the
-rest is the GPU waiting between kernels); the weight bytes a step reads at least (every
-non-expert weight, and num_experts_per_tok routed experts per MoE layer: the batch-1 bytes; a
-batch reads more experts the more its rows route apart) against the copy ceiling measured in
-the same run; then the kernels, longest first: launches per step, us per step, their share, the
-kernel name. On a CPU
-(the tiny default, kernels in the interpreters) the XLA CPU runtime's op events stand in for the
-kernels: a check of this script, not a profile.
+Printed: the step's time untraced (the same difference of the decode times) beside the sum of
+its kernels (the rest is the GPU waiting between kernels); the weight bytes a step reads at
+least (every non-expert weight, and num_experts_per_tok routed experts per MoE layer: the
+batch-1 bytes; a batch reads more experts the more its rows route apart) against the copy
+ceiling measured in the same run; then the kernels, longest first: launches per step, us per
+step, their share, the kernel name. On a CPU (the tiny default, kernels in the interpreters)
+the XLA CPU runtime's op events stand in for the kernels: a check of this script, not a
+profile (its step time, a difference of two noisy timings, can even come out negative).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import benchmark  # noqa: E402
 import generate as generate_example  # noqa: E402
 
 from models.deepseek_v3 import generate  # noqa: E402
-from models.deepseek_v3.modeling import RoutedExperts  # noqa: E402
+from models.deepseek_v3.modeling import Embed, RoutedExperts  # noqa: E402
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -73,9 +74,9 @@ def traced_kernels(run) -> list[dict]:
             return profile_example.device_kernels(json.load(f))
 
 
-def per_step(prefill: list[dict], both: list[dict], steps: int) -> list[dict]:
-    """Per kernel name: launches and us of one decode step, from the kernels of the prefill
-    alone and of the prefill with `steps` decode steps; longest first."""
+def per_step(base: list[dict], more: list[dict], steps: int) -> list[dict]:
+    """Per kernel name: launches and us of one decode step, from the kernels of a generate call
+    and of one with `steps` more decode steps; longest first."""
 
     def totals(kernels):
         out: dict[str, list[float]] = {}
@@ -84,7 +85,7 @@ def per_step(prefill: list[dict], both: list[dict], steps: int) -> list[dict]:
             out[k["name"]] = [n + 1, t + k["dur"]]
         return out
 
-    before, after = totals(prefill), totals(both)
+    before, after = totals(base), totals(more)
     rows = []
     for name, (n, t) in after.items():
         n0, t0 = before.get(name, (0, 0.0))
@@ -93,18 +94,23 @@ def per_step(prefill: list[dict], both: list[dict], steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def _nbytes(tree) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+
 def step_bytes(model) -> float:
-    """Weight bytes a batch-1 decode step reads: every array of the model but the routed
-    experts, and num_experts_per_tok experts of each MoE layer."""
+    """Weight bytes a batch-1 decode step reads: every array of the model but the embedding
+    table (one row read) and the routed experts, and num_experts_per_tok experts of each MoE
+    layer."""
     experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
-    expert_ids = {id(a) for m in experts for a in jax.tree.leaves((m.w13.get(), m.w2.get()))}
-    other = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)) if id(a) not in expert_ids)
+    embed = [m for _, m in nnx.iter_modules(model) if isinstance(m, Embed)]
     k = model.cfg.num_experts_per_tok
     routed = sum(
         benchmark.weight_bytes(m.w13.get(), k) + benchmark.weight_bytes(m.w2.get(), k)
         for m in experts
     )
-    return float(other + routed)
+    skipped = sum(_nbytes(nnx.state(m)) for m in experts + embed)
+    return float(_nbytes(nnx.state(model)) - skipped + routed)
 
 
 def main(argv=None) -> int:
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
     print(f"model: {what}; quantized linears: {generate_example.linear_backends(model)}")
     prompts = [tokenizer.encode(args.prompt)] * args.batch_size[0]
 
-    def run(new_tokens):
+    def decode_s(new_tokens):  # runs generate; the decode loop's seconds
         _, stats = generate(
             model,
             prompts,
@@ -127,14 +133,15 @@ def main(argv=None) -> int:
             seed=args.seed,
             return_stats=True,
         )
-        return stats
+        return stats.decode_s
 
-    run(1)  # compile and load both programs before tracing
-    step_s = run(1 + ours.steps).step_s
-    step_s = min(step_s, run(1 + ours.steps).step_s)
-    prefill = traced_kernels(lambda: run(1))
-    both = traced_kernels(lambda: run(1 + ours.steps))
-    rows = per_step(prefill, both, ours.steps)
+    base, more = 2, 2 + ours.steps
+    for n in (base, more):  # compile and load both programs before timing
+        decode_s(n)
+    step_s = min(decode_s(more) - decode_s(base) for _ in range(3)) / ours.steps
+    rows = per_step(
+        traced_kernels(lambda: decode_s(base)), traced_kernels(lambda: decode_s(more)), ours.steps
+    )
     step_us = sum(r["us"] for r in rows)
     launches = sum(r["launches"] for r in rows)
     copy_bps, _ = benchmark.measure_ceilings(on_gpu, repeats=3)

@@ -343,9 +343,9 @@ def test_profile_decode_takes_the_difference_per_step():
     """Kernels of the prefill alone and of the prefill + 2 steps: per name, (after - before) / 2;
     names only in the prefill, or launched as often in both, are not the step's."""
     k = lambda name, dur: dict(name=name, ts=0.0, dur=dur)  # noqa: E731
-    prefill = [k("attn", 5.0), k("gemm", 3.0), k("embed", 1.0)]
-    both = prefill + [k("gemm", 2.0), k("gemm", 2.5), k("sample", 0.5), k("sample", 0.5)]
-    rows = _load("profile_decode").per_step(prefill, both, steps=2)
+    base = [k("attn", 5.0), k("gemm", 3.0), k("embed", 1.0)]
+    more = base + [k("gemm", 2.0), k("gemm", 2.5), k("sample", 0.5), k("sample", 0.5)]
+    rows = _load("profile_decode").per_step(base, more, steps=2)
     assert rows == [
         dict(name="gemm", launches=1.0, us=pytest.approx(2.25)),
         dict(name="sample", launches=1.0, us=pytest.approx(0.5)),
@@ -359,7 +359,7 @@ def test_profile_decode_tiny(tmp_path, capsys):
     record = json.loads(out_json.read_text())
     assert (record["batch_size"], record["steps"]) == (2, 2)
     assert record["kernel_us_per_step"] == pytest.approx(sum(r["us"] for r in record["kernels"]))
-    assert record["weight_bytes_per_step"] > 0 and record["step_us"] > 0
+    assert record["weight_bytes_per_step"] > 0 and np.isfinite(record["step_us"])
     out = capsys.readouterr().out
     assert "2 decode steps traced" in out and "others)" in out
 
