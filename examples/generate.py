@@ -122,8 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--quantize",
         choices=("int4", "int8"),
         default=None,
-        help="quantize float weights: on load with --model, or the random model's "
-        "weights (default int4)",
+        help="quantize float weights: on load with --model (an FP8 checkpoint, e.g. "
+        "deepseek-ai/DeepSeek-V3, is dequantized and quantized again: default int4), or the "
+        "random model's weights (default int4)",
     )
     p.add_argument(
         "--batch-size",

@@ -145,7 +145,12 @@ V3_CONFIG_JSON = {
     "bos_token_id": 0,
     "eos_token_id": 1,
     "torch_dtype": "bfloat16",
-    "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
 }
 
 V2_LITE_CONFIG_JSON = {

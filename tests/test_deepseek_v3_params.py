@@ -284,14 +284,14 @@ def test_loading_errors_list_every_problem(awq_dir, tmp_path):
 
 
 def test_unsupported_quantization_config(awq_dir, tmp_path):
-    def fp8(hf):
-        hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    def bnb(hf):
+        hf["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
 
-    _rewrite(awq_dir, tmp_path, edit_config=fp8)
+    _rewrite(awq_dir, tmp_path, edit_config=bnb)
     with pytest.raises(ValueError) as err:
         load_pretrained(tmp_path, progress=False)
     msg = str(err.value)
-    assert "quant_method='fp8' is not supported" in msg
+    assert "quant_method='bitsandbytes' is not supported" in msg
     assert "model.layers.1.mlp.experts.0.gate_proj" in msg  # and the layers it affects
 
 

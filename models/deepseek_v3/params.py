@@ -3,6 +3,8 @@
 Loading reads only config.json, model.safetensors.index.json and safetensors files (never
 pickle). Every tensor the config implies is checked (presence, shape, dtype) from the
 safetensors headers before anything is read; all problems are reported in one ValueError.
+Float, AWQ, GPTQ and compressed-tensors weights, and FP8 with block scales (the official
+DeepSeek-V3 / R1 release), dequantized and quantized again as they are read.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -63,7 +66,10 @@ _NP_DTYPES = {
     "I32": np.int32,
     "U32": np.uint32,
     "I64": np.int64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
+# safetensors dtypes its numpy reader has no dtype for: read from the file's bytes.
+_RAW_DTYPES = ("F8_E4M3",)
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 # Tensors a quantized linear `prefix` carries, per quant_method: (required, optional).
@@ -75,6 +81,20 @@ _QUANT_TENSORS = {
         ("weight_packed", "weight", "weight_zero_point", "weight_shape", "weight_g_idx"),
     ),
 }
+QUANT_METHODS = (*_QUANT_TENSORS, "fp8")
+
+# FP8 checkpoints (quant_method "fp8", HF's FineGrainedFP8Config; DeepSeek-V3 / R1): each
+# quantized linear holds `weight` float8 [N, K] and `weight_scale_inv` float [ceil(N / bn),
+# ceil(K / bk)], with (bn, bk) = weight_block_size; the weight is their product, block by block.
+# config.json fmt -> the weights' safetensors dtype.
+FP8_FORMATS = {"e4m3": "F8_E4M3"}
+FP8_DEFAULT_BLOCK = (128, 128)  # HF's default when weight_block_size is absent
+# What quantize=None loads an FP8 checkpoint as: its float weights would take twice the FP8
+# checkpoint's memory (1.3 TB of bf16 for DeepSeek-V3), int4 g128 about half of it.
+FP8_DEFAULT_QUANTIZE = "int4"
+# Every float8_e4m3fn bit pattern as float32 (NaN included): a table lookup converts exactly,
+# and faster than ml_dtypes' astype (2.5x measured on a [2048, 7168] expert weight).
+_E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
 # ---- the name table -------------------------------------------------------------------------
@@ -174,19 +194,6 @@ def weight_table(cfg: DeepseekV3Config) -> list[WeightEntry]:
 # ---- reading safetensors --------------------------------------------------------------------
 
 
-def _read_raw(file: str, name: str) -> np.ndarray:
-    """Reads one tensor straight from the safetensors layout (8-byte header length, JSON
-    header, raw little-endian data); used when the installed safetensors cannot give numpy
-    a dtype (bfloat16 with old versions)."""
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        info = json.loads(f.read(n))[name]
-        start, end = info["data_offsets"]
-        f.seek(8 + n + start)
-        buf = f.read(end - start)
-    return np.frombuffer(buf, dtype=_NP_DTYPES[info["dtype"]]).reshape(info["shape"])
-
-
 class Checkpoint(Mapping):
     """The tensors of a local HF directory, by name, read lazily one at a time.
 
@@ -236,6 +243,8 @@ class Checkpoint(Mapping):
         self.children: dict[str, list[str]] = {}
         for name in self._meta:
             self.children.setdefault(name.rpartition(".")[0], []).append(name)
+        # file -> (offset of its data, {name: (dtype, shape, data_offsets)}), for _read_raw.
+        self._headers: dict[str, tuple[int, dict]] = {}
         self.reads = 0
         self.on_read: Callable[[str], None] | None = None
 
@@ -247,12 +256,32 @@ class Checkpoint(Mapping):
     def meta(self, name: str) -> tuple[tuple[int, ...], str]:
         return self._meta[name]
 
+    def _read_raw(self, file: str, name: str) -> np.ndarray:
+        """Reads one tensor straight from the safetensors layout (8-byte header length, JSON
+        header, raw little-endian data): for dtypes the installed safetensors cannot give
+        numpy (float8; bfloat16 with old versions). Each file's header is parsed once."""
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            self._headers[file] = (8 + n, header)
+        data_start, header = self._headers[file]
+        info = header[name]
+        start, end = info["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(data_start + start)
+            buf = f.read(end - start)
+        return np.frombuffer(buf, dtype=_NP_DTYPES[info["dtype"]]).reshape(info["shape"])
+
     def __getitem__(self, name: str) -> np.ndarray:
         file = self._file_of[name]
-        try:
-            arr = self._handles[file].get_tensor(name)
-        except (TypeError, ValueError):  # e.g. no numpy dtype for BF16 in old safetensors
-            arr = _read_raw(file, name)
+        if self._meta[name][1] in _RAW_DTYPES:
+            arr = self._read_raw(file, name)
+        else:
+            try:
+                arr = self._handles[file].get_tensor(name)
+            except (TypeError, ValueError):  # e.g. no numpy dtype for BF16 in old safetensors
+                arr = self._read_raw(file, name)
         self.reads += 1
         if self.on_read is not None:
             self.on_read(name)
@@ -296,15 +325,89 @@ def _quant_method(qcfg: Mapping | None) -> str | None:
     return None if qcfg is None else qcfg.get("quant_method")
 
 
-def _linear_form(ckpt: Checkpoint, prefix: str, shape, qcfg, problems: list[str]) -> str | None:
-    """Checks the tensors of one linear layer [N, K]; returns "float", "quantized" or None."""
+def fp8_block_size(qcfg: Mapping) -> tuple[int, int]:
+    """The block (rows, columns) of an FP8 checkpoint's scales, from config.json's
+    quantization_config (quant_method "fp8"): `weight_block_size`, HF's default 128 x 128
+    when absent; `fmt` must be "e4m3" (the default, and DeepSeek's).
+
+    Raises:
+        ValueError: another fmt, or a weight_block_size that is not two positive integers,
+            naming config.json and the value.
+    """
+    fmt = qcfg.get("fmt", "e4m3")
+    if fmt not in FP8_FORMATS:
+        raise ValueError(
+            f"{CONFIG_FILE}: quantization_config fmt={fmt!r} is not supported (supported: "
+            f"{sorted(FP8_FORMATS)})"
+        )
+    block = qcfg.get("weight_block_size", list(FP8_DEFAULT_BLOCK))
+    if not (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            f"{CONFIG_FILE}: quantization_config weight_block_size={block!r} is not two "
+            f"positive integers [rows, columns] (DeepSeek-V3: [128, 128]; per-tensor or "
+            f"per-channel FP8 scales are not supported)"
+        )
+    return int(block[0]), int(block[1])
+
+
+def _fp8_form(ckpt: Checkpoint, prefix: str, shape, block, problems: list[str]) -> str | None:
+    """Checks an FP8 linear [N, K]: weight float8 [N, K] and weight_scale_inv float
+    [ceil(N / bn), ceil(K / bk)] (the scales' shape only when `block` (bn, bk) is known)."""
+    n, k = shape
+    weight, scale = f"{prefix}.weight", f"{prefix}.weight_scale_inv"
+    if weight not in ckpt:
+        problems.append(f"{weight}: missing (quant_method 'fp8' needs a float8 weight)")
+        return None
+    got_shape, got_dtype = ckpt.meta(weight)
+    want_dtype = FP8_FORMATS["e4m3"]
+    if got_dtype != want_dtype:
+        beside = " beside its weight_scale_inv" if scale in ckpt else ""
+        problems.append(
+            f"{weight}: dtype {got_dtype}{beside}, expected {want_dtype} (config.json "
+            f"quant_method 'fp8', fmt 'e4m3')"
+        )
+    if tuple(got_shape) != tuple(shape):
+        problems.append(f"{weight}: shape {_fmt_shape(got_shape)}, expected {_fmt_shape(shape)}")
+    if scale not in ckpt:
+        problems.append(
+            f"{scale}: missing (the block scales of the float8 weight {_fmt_shape(shape)})"
+        )
+        return "fp8"
+    got_shape, got_dtype = ckpt.meta(scale)
+    if got_dtype not in _FLOAT_DTYPES:
+        problems.append(f"{scale}: dtype {got_dtype}, expected a float dtype {_FLOAT_DTYPES}")
+    if block is not None:
+        bn, bk = block
+        want = (math.ceil(n / bn), math.ceil(k / bk))
+        if tuple(got_shape) != want:
+            problems.append(
+                f"{scale}: shape {_fmt_shape(got_shape)}, expected {_fmt_shape(want)} "
+                f"(blocks of weight_block_size {_fmt_shape(block)} over [N, K] = "
+                f"{_fmt_shape(shape)})"
+            )
+    return "fp8"
+
+
+def _linear_form(
+    ckpt: Checkpoint, prefix: str, shape, qcfg, problems: list[str], fp8_block=None
+) -> str | None:
+    """Checks the tensors of one linear layer [N, K]; returns "float", "quantized", "fp8" or
+    None. Under quant_method "fp8" a float weight without weight_scale_inv is a float linear
+    (HF's modules_to_not_convert); `fp8_block` is the scales' block (None: not checked)."""
     n, k = shape
     weight = f"{prefix}.weight"
-    if weight in ckpt and ckpt.meta(weight)[1] in _FLOAT_DTYPES:
+    method = _quant_method(qcfg)
+    fp8_scaled = method == "fp8" and f"{prefix}.weight_scale_inv" in ckpt
+    if weight in ckpt and ckpt.meta(weight)[1] in _FLOAT_DTYPES and not fp8_scaled:
         _check_float(ckpt, weight, shape, problems)
         return "float"
+    if method == "fp8":
+        return _fp8_form(ckpt, prefix, shape, fp8_block, problems)
     present = sorted(s for s in ("qweight", "weight_packed", "weight") if f"{prefix}.{s}" in ckpt)
-    method = _quant_method(qcfg)
     if not present:
         problems.append(f"{weight}: missing (no float weight and no quantized tensors)")
         return None
@@ -349,7 +452,10 @@ def _linear_form(ckpt: Checkpoint, prefix: str, shape, qcfg, problems: list[str]
 
 
 def _count_tensors(ckpt: Checkpoint, prefix: str, form: str) -> int:
-    return 1 if form == "float" else len(ckpt.children.get(prefix, ()))
+    """The tensors loading reads for one linear (the progress bar's unit)."""
+    if form == "quantized":
+        return len(ckpt.children.get(prefix, ()))
+    return 2 if form == "fp8" else 1  # fp8: weight and weight_scale_inv
 
 
 def check_checkpoint(
@@ -362,11 +468,17 @@ def check_checkpoint(
     """
     problems: list[str] = []
     method = _quant_method(qcfg)
-    if qcfg is not None and method not in _QUANT_TENSORS:
+    if qcfg is not None and method not in QUANT_METHODS:
         problems.append(
             f"quantization_config: quant_method={method!r} is not supported "
-            f"(supported: {sorted(_QUANT_TENSORS)})"
+            f"(supported: {sorted(QUANT_METHODS)})"
         )
+    fp8_block = None
+    if method == "fp8":
+        try:
+            fp8_block = fp8_block_size(qcfg)
+        except ValueError as err:  # the scales' shapes are then not checked
+            problems.append(str(err))
     plans = []
     for entry in weight_table(cfg):
         if entry.kind in ("embedding", "norm", "router"):
@@ -383,7 +495,7 @@ def check_checkpoint(
             _check_float(ckpt, entry.name, entry.shape, problems)
             plans.append(_Plan(entry, "float", 1))
         elif entry.kind == "linear":
-            form = _linear_form(ckpt, entry.name, entry.shape, qcfg, problems)
+            form = _linear_form(ckpt, entry.name, entry.shape, qcfg, problems, fp8_block)
             if form is not None:
                 plans.append(_Plan(entry, form, _count_tensors(ckpt, entry.name, form)))
         elif entry.kind == "experts":
@@ -392,12 +504,12 @@ def check_checkpoint(
             count = 0
             for _, proj, prefix in entry.expert_names(e):
                 shape = (hdim, i) if proj == "down_proj" else (i, hdim)
-                form = _linear_form(ckpt, prefix, shape, qcfg, problems)
+                form = _linear_form(ckpt, prefix, shape, qcfg, problems, fp8_block)
                 if form is not None:
                     forms.add(form)
                     count += _count_tensors(ckpt, prefix, form)
             if len(forms) > 1:
-                problems.append(f"{entry.name}: mixes float and quantized experts")
+                problems.append(f"{entry.name}: mixes {' and '.join(sorted(forms))} experts")
             elif forms:
                 plans.append(_Plan(entry, forms.pop(), count))
     return plans, problems
@@ -447,15 +559,70 @@ def _quantize(w, spec: QuantSpec, dtype) -> wj.QuantizedExperts:
     )
 
 
+def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block) -> np.ndarray:
+    """An FP8 checkpoint's linear weight in float32: weight[n, k] * scale_inv[n // bn, k // bk].
+
+    The product of a float8_e4m3fn value (4 significant bits) and a float32 scale is rounded
+    once, to float32 (as DeepSeek's fp8_cast_bf16.py computes it before its bf16 cast).
+
+    Args:
+        weight: float8_e4m3fn [N, K] (safetensors F8_E4M3).
+        scale_inv: float [ceil(N / bn), ceil(K / bk)]: it multiplies, despite its name; the
+            last row / column of blocks may be partial.
+        block: (bn, bk), config.json's weight_block_size.
+
+    Returns:
+        float32 [N, K] (host numpy).
+
+    Raises:
+        ValueError: weight is not float8_e4m3fn [N, K], or scale_inv has another shape.
+    """
+    weight = np.asarray(weight)
+    if weight.dtype != ml_dtypes.float8_e4m3fn or weight.ndim != 2:
+        raise ValueError(
+            f"weight is {weight.dtype} {_fmt_shape(weight.shape)}, expected float8_e4m3fn [N, K]"
+        )
+    n, k = weight.shape
+    bn, bk = block
+    want = (math.ceil(n / bn), math.ceil(k / bk))
+    if np.shape(scale_inv) != want:
+        raise ValueError(
+            f"weight_scale_inv has shape {_fmt_shape(np.shape(scale_inv))}, expected "
+            f"{_fmt_shape(want)} (blocks {_fmt_shape(block)} over [N, K] = [{n}, {k}])"
+        )
+    out = _E4M3_TO_F32[weight.view(np.uint8)]  # [N, K] f32, exact
+    rows = np.repeat(np.asarray(scale_inv, np.float32), bk, axis=1)[:, :k]  # [ceil(N/bn), K]
+    whole = n // bn * bn
+    blocks = out[:whole].reshape(n // bn, bn, k)  # a view: out is C-contiguous
+    blocks *= rows[: n // bn, None]
+    if whole < n:
+        out[whole:] *= rows[-1]  # the partial last block row
+    return out
+
+
+def _float_weight(cfg, ckpt, qcfg, prefix, form, target):
+    """The weight [N, K] of a float ("float") or FP8 ("fp8", dequantized in float32) linear:
+    QuantizedExperts [1, N, K] when the config quantizes `target` (quantize-on-load, each
+    tensor as it is read), else a float numpy array (as stored; FP8 in cfg.dtype)."""
+    name = f"{prefix}.weight"
+    if form == "fp8":
+        block = fp8_block_size(qcfg)
+        w = dequantize_fp8(ckpt[name], ckpt[f"{prefix}.weight_scale_inv"], block)
+    else:
+        w = np.asarray(ckpt[name])
+    if target is not None and cfg.quantizes(target):
+        wj.check_finite(w, f"tensor {name!r}")
+        # Waited for: an asynchronous copy would keep `w` alive, and the host could run ahead
+        # of the device by many tensors.
+        return jax.block_until_ready(_quantize(w[None], cfg.quant, cfg.dtype))
+    return w if form == "float" else w.astype(jnp.dtype(cfg.dtype))
+
+
 def _load_linear(cfg, ckpt, qcfg, prefix, form, target):
     """-> a float [N, K] numpy array or a QuantizedExperts [1, N, K]."""
-    if form == "float":
-        w = np.asarray(ckpt[f"{prefix}.weight"])
-        if target is not None and cfg.quantizes(target):
-            wj.check_finite(w, f"tensor {prefix + '.weight'!r}")
-            return _quantize(w[None], cfg.quant, cfg.dtype)
-        return w
-    return wj.formats.from_quantization_config(ckpt, qcfg, prefix).astype(cfg.dtype)
+    if form == "quantized":
+        return wj.formats.from_quantization_config(ckpt, qcfg, prefix).astype(cfg.dtype)
+    return _float_weight(cfg, ckpt, qcfg, prefix, form, target)
 
 
 def _linear_module(cfg, value, shape):
@@ -469,9 +636,9 @@ def _linear_module(cfg, value, shape):
 
 def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range, problems):
     """Experts `experts` of a layer, stacked: (w13 [n, 2I, H], w2 [n, H, I]) as
-    QuantizedExperts, or float numpy arrays for float experts kept float; None (and
-    `problems` extended, one entry per bad expert tensor) when some expert cannot be
-    converted."""
+    QuantizedExperts (quantized checkpoints, and float or FP8 ones quantized on load, one
+    tensor at a time), or float numpy arrays for experts kept float; None (and `problems`
+    extended, one entry per bad expert tensor) when some expert cannot be converted."""
     _, i, hdim = entry.shape
     parts: dict[str, list] = {p: [] for p in _PROJS}
     ok = True
@@ -479,27 +646,23 @@ def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range
         for proj in _PROJS:
             prefix = f"{entry.name}.{j}.{proj}"
             try:
-                if form == "float":
-                    w = np.asarray(ckpt[f"{prefix}.weight"])
-                    if cfg.quantizes("experts"):
-                        wj.check_finite(w, f"tensor {prefix + '.weight'!r}")
-                    parts[proj].append(w)
+                if form == "quantized":
+                    part = wj.formats.from_quantization_config(ckpt, qcfg, prefix)
                 else:
-                    parts[proj].append(wj.formats.from_quantization_config(ckpt, qcfg, prefix))
+                    part = _float_weight(cfg, ckpt, qcfg, prefix, form, "experts")
+                parts[proj].append(part)
             except ValueError as err:
                 problems.append(f"{prefix}: {err}")
                 ok = False
     if not ok:
         return None
-    if form == "float":
-        w13 = np.concatenate([np.stack(parts["gate_proj"]), np.stack(parts["up_proj"])], axis=1)
-        w2 = np.stack(parts["down_proj"])
-        if cfg.quantizes("experts"):
-            w13, w2 = _quantize(w13, cfg.quant, cfg.dtype), _quantize(w2, cfg.quant, cfg.dtype)
-    else:
+    if isinstance(parts["gate_proj"][0], wj.QuantizedExperts):
         gate, up, down = (wj.QuantizedExperts.concatenate(parts[p], axis=0) for p in _PROJS)
         w13 = wj.QuantizedExperts.concatenate([gate, up], axis=1).astype(cfg.dtype)  # [gate; up]
         w2 = down.astype(cfg.dtype)
+    else:
+        w13 = np.concatenate([np.stack(parts["gate_proj"]), np.stack(parts["up_proj"])], axis=1)
+        w2 = np.stack(parts["down_proj"])
     n = len(experts)
     if w13.shape != (n, 2 * i, hdim) or w2.shape != (n, hdim, i):
         raise ValueError(
@@ -649,7 +812,8 @@ def load_pretrained(
         path: directory with config.json and model.safetensors (or sharded safetensors with
             model.safetensors.index.json), or a Hub repository id ("org/name", fetched by
             `resolve_checkpoint`). Float (bf16/f16/f32), AWQ, GPTQ or compressed-tensors
-            weights, as config.json's quantization_config says.
+            weights, or FP8 with block scales (DeepSeek-V3 / R1's release), as config.json's
+            quantization_config says.
         revision, cache_dir: for a Hub id: the revision (default main) and the cache directory
             (default the Hub's; HF_HUB_OFFLINE=1 reads only the cache).
         dtype: activations, float weights and quantization scales.
@@ -661,6 +825,9 @@ def load_pretrained(
             its own devices. None: one device.
         quantize: quantize float weights on load: "int4", "int8" (asymmetric, group 128) or a
             QuantSpec (its targets say which linears). Already-quantized weights stay as stored.
+            An FP8 checkpoint (quant_method "fp8") is dequantized tensor by tensor and
+            quantized again: None means "int4" there (logged as a warning); a QuantSpec
+            whose targets leave a linear out keeps that linear float, in `dtype`.
         progress: show a tqdm bar over the tensors read.
         specs: partition specs for the mesh (default sharding.ShardingSpecs.for_mesh).
         moe_mode: the sharded MoE's token mode (see sharding.ModelSharding).
@@ -681,6 +848,15 @@ def load_pretrained(
         os.path.join(path, CONFIG_FILE), dtype=jnp.dtype(dtype).name, quant=quant
     )
     qcfg = cfg.quantization_config
+    if _quant_method(qcfg) == "fp8" and quant is None:
+        cfg = dataclasses.replace(cfg, quant=QuantSpec.parse(FP8_DEFAULT_QUANTIZE))
+        logger.warning(
+            "%s holds FP8 weights and quantize=None: quantizing them to %s (asymmetric, group "
+            "%d) while loading; pass quantize='int8' (or a QuantSpec) for another choice",
+            path,
+            FP8_DEFAULT_QUANTIZE,
+            cfg.quant.group_size,
+        )
     ms = None if mesh is None else model_sharding(mesh, cfg, specs=specs, moe_mode=moe_mode)
     ckpt = Checkpoint(path)
     plans, problems = check_checkpoint(cfg, ckpt, qcfg)
@@ -719,12 +895,13 @@ def load_pretrained(
     ]
     if left:  # a NAME_TABLE row without a loader: a bug here, not in the checkpoint
         raise RuntimeError(f"weights never loaded: {left}")
+    method = _quant_method(qcfg)
     logger.info(
         "loaded %s: %d tensors, %d layers, quantization %s",
         path,
         ckpt.reads,
         cfg.num_hidden_layers,
-        _quant_method(qcfg) or quantize or "none",
+        f"fp8 -> {cfg.quant}" if method == "fp8" else method or quantize or "none",
     )
     return model
 
