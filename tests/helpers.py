@@ -51,6 +51,12 @@ def relative_error(actual, expected) -> float:
     return num / den
 
 
+def bf16_rounded(w_deq):
+    """float64 weights rounded to bf16 once: (q - z) * s has at most 12 significant bits (a
+    4-bit integer times a bf16 scale), exact in f32, so f64 -> f32 does not round."""
+    return np.asarray(jnp.asarray(w_deq.astype(np.float32)).astype(jnp.bfloat16), np.float64)
+
+
 def assert_close(actual, expected, dtype, what: str = "output") -> None:
     """Checks `actual` against a float64 oracle with the tolerance of activation `dtype`.
 

@@ -109,6 +109,59 @@ def test_mgpu_matches_numpy(rng, rows, n, k, group, has_zp):
     helpers.assert_close(xla, numpy_linear(x, w), jnp.bfloat16, "xla linear on mgpu_int4")
 
 
+def numpy_silu_and_mul(h) -> np.ndarray:
+    i = h.shape[-1] // 2
+    gate, up = h[..., :i], h[..., i:]
+    return gate / (1 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize(
+    "implementation, layout, rows, n, k, group",
+    [
+        ("xla", "canonical", 3, 192, 256, 128),
+        (KERNEL, "canonical", 5, 192, 256, 64),
+        (MGPU, "mgpu_int4", 1, 256, 512, 128),  # decode: 8-row blocks, K split
+        (MGPU, "mgpu_int4", 9, 1024, 256, 64),  # 16-row blocks, silu in the epilogue
+        (MGPU, "mgpu_int4", 70, 256, 256, 128),  # 128-row blocks
+        (MGPU, "mgpu_int4", 128, 512, 256, 128),  # one program's tile: bf16_weights
+    ],
+)
+def test_gated_linear(rng, implementation, layout, rows, n, k, group):
+    """activation="silu": a gated MLP's [gate; up] weight in one GEMM, silu(gate) * up from
+    the f32 sums, against float64 numpy on the weights the path multiplies (rounded to bf16
+    where it rounds them: near silu's zero, a weight's rounding moves the product more than
+    bf16's tolerance of it); also with an f32 output."""
+    w = helpers.random_quantized_experts(rng, 1, n, k, 4, group, True, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
+    kw = wj.layouts.to_kernel_layout(w, layout)
+    w_deq = helpers.numpy_dequantize(w)[0]  # [N, K] float64
+    if gated_weights_in_bf16(implementation, kw, rows):
+        w_deq = helpers.bf16_rounded(w_deq)
+    ref = numpy_silu_and_mul(np.einsum("rk,nk->rn", np.asarray(x, np.float64), w_deq))
+    out = linear.quantized_matmul(x, kw, activation="silu", implementation=implementation)
+    assert out.shape == (rows, n // 2) and out.dtype == jnp.bfloat16
+    helpers.assert_close(out, ref, jnp.bfloat16, f"{implementation} gated linear")
+    out32 = linear.quantized_matmul(
+        x, kw, activation="silu", out_dtype=jnp.float32, implementation=implementation
+    )
+    assert out32.dtype == jnp.float32
+    helpers.assert_close(out32, ref, jnp.float32, f"{implementation} gated linear, f32 out")
+
+
+def gated_weights_in_bf16(implementation, w, rows) -> bool:
+    """Whether a gated linear multiplies weights rounded to bf16: xla and the Pallas GEMM
+    dequantize to the activations' dtype; the Mosaic GPU GEMM where its plan runs bf16_weights
+    (else f32 sums per group)."""
+    if implementation != MGPU:
+        return True
+    from pallas_kernels.mosaic_gpu.config import gemm_plan
+    from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
+
+    cfg = linear_config(GemmShape.of_weights(w, m=rows))
+    blocks = -(-rows // cfg.block_m)
+    return gemm_plan(cfg, w, blocks, activation_dtype=jnp.bfloat16)[3]["bf16_weights"]
+
+
 def test_mgpu_linear_configs():
     """The heuristic narrows a program's features until they tile N (576 = 9 x 64)."""
     from pallas_kernels.mosaic_gpu.config import tile_n
@@ -159,3 +212,13 @@ def test_errors(rng, e, k_x, implementation, error, message):
     x = jnp.asarray(rng.normal(size=(2, k_x)), jnp.bfloat16)
     with pytest.raises(error, match=message):
         linear.quantized_matmul(x, w, implementation=implementation)
+
+
+def test_gated_errors(rng):
+    w = helpers.random_quantized_experts(rng, 1, 96, 128, 4, 128, True, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(2, 128)), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"activation='gelu' is not one of \['silu'\]"):
+        linear.quantized_matmul(x, w, activation="gelu")
+    odd = helpers.random_quantized_experts(rng, 1, 95, 128, 4, 128, False, jnp.bfloat16)
+    with pytest.raises(ValueError, match="N=95 is not even"):
+        linear.quantized_matmul(x, odd, activation="silu")

@@ -66,12 +66,6 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
     return out
 
 
-def bf16_rounded(w_deq):
-    """float64 weights rounded to bf16 once: (q - z) * s has at most 12 significant bits (a
-    4-bit integer times a bf16 scale), exact in f32, so f64 -> f32 does not round."""
-    return np.asarray(jnp.asarray(w_deq.astype(np.float32)).astype(BF16), np.float64)
-
-
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
     stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
@@ -100,7 +94,7 @@ def run_gemm_case(
     out = np.asarray(out)  # INTERPRETER_DISPATCH: the partials summed in numpy
     w_deq = helpers.numpy_dequantize(qw)
     if bf16_weights:  # the oracle takes the kernel's weights: (q - z) * s rounded to bf16 once
-        w_deq = bf16_rounded(w_deq)
+        w_deq = helpers.bf16_rounded(w_deq)
     ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
     if gated:  # silu(gate) * up of the halves, in float64
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
@@ -380,7 +374,7 @@ def run_layer_case(rng, has_zp, t, config, bf16_weights=False):
     if bf16_weights:  # the oracle takes the GEMMs' weights, rounded to bf16
 
         def deq(qw):
-            return bf16_rounded(helpers.numpy_dequantize(qw))
+            return helpers.bf16_rounded(helpers.numpy_dequantize(qw))
 
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64),

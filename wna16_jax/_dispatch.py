@@ -100,10 +100,11 @@ class GroupedMatmul:
             activation ("silu") w's rows are [gate; up] and out is activation(out)
             [R * top_k, N/2], from the f32 sums; then times routed_weights[s]. Rows of slots
             in no block are unspecified.
-        linear: None, or (x [R, K], w [1, N, K], *, config, out_dtype) -> [R, N] in
-            out_dtype (from the f32 sums): the one-expert GEMM without a routing (a quantized
-            linear), where the backend runs it faster than `run` on the identity routing (no
-            row gathers); wna16_jax.linear uses it when set.
+        linear: None, or (x [R, K], w [1, N, K], *, config, out_dtype, activation=None) ->
+            [R, N] in out_dtype (from the f32 sums; with activation, w's rows are [gate; up]
+            and the result activation(...) [R, N/2]): the one-expert GEMM without a routing (a
+            quantized linear), where the backend runs it faster than `run` on the identity
+            routing (no row gathers); wna16_jax.linear uses it when set.
     """
 
     unsupported_reason: Callable[[GemmProblem], str | None]

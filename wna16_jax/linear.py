@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from wna16_jax import _dispatch, layouts
+from wna16_jax._activations import ACTIVATIONS, activate
 from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
 from wna16_jax._quant import dequantize_experts
@@ -46,14 +47,19 @@ def identity_routing(num_rows: int, block_m: int) -> AlignedRouting:
     )
 
 
-def _check(x, w: QuantizedExperts) -> None:
+def _check(x, w: QuantizedExperts, activation=None) -> None:
     if not isinstance(w, QuantizedExperts):
         raise ValueError(f"w must be a QuantizedExperts, got {type(w).__name__}")
-    e, _, k = w.shape
+    e, n, k = w.shape
     if e != 1:
         raise ValueError(f"a quantized linear weight is [1, N, K], got {w.shape}")
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight K={k}")
+    if activation is not None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not one of {sorted(ACTIVATIONS)}")
+        if n % 2:
+            raise ValueError(f"a gated weight's rows are [gate; up]: N={n} is not even")
 
 
 def _problem(w: QuantizedExperts, rows: int, dtype) -> _dispatch.GemmProblem:
@@ -126,14 +132,20 @@ def quantized_matmul(
     x,
     w: QuantizedExperts,
     *,
+    activation: str | None = None,
+    out_dtype=None,
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | MgpuConfig | None = None,
 ):
-    """y [..., N] = x [..., K] @ dequant(w[0]).T, accumulated in f32, rounded once to x.dtype.
+    """y [..., N] = x [..., K] @ dequant(w[0]).T, accumulated in f32, rounded once to out_dtype.
 
     Args:
         x: [..., K] bf16 / f16 / f32.
         w: QuantizedExperts [1, N, K].
+        activation: None, or "silu" for a gated MLP's [gate; up] weight (N = 2I): y [..., I] =
+            silu(gate) * up, computed from the f32 sums (in the GEMM's epilogue where the
+            kernel fuses it, as fused_moe's GEMM1).
+        out_dtype: y's dtype (default x.dtype).
         implementation: None (the platform's priority among the backends that read w's
             layout: on an NVIDIA GPU the Pallas GEMM for the canonical layout, the Mosaic GPU
             GEMM for mgpu_int4, where it runs this weight; else "xla"), a backend name with a
@@ -146,19 +158,27 @@ def quantized_matmul(
         ValueError: malformed inputs, an unknown backend name, a config that cannot run.
         NotImplementedError: no requested backend can run it (reasons listed).
     """
-    _check(x, w)
-    return _quantized_matmul(x, w, implementation=_names(implementation), config=config)
+    _check(x, w, activation)
+    return _quantized_matmul(
+        x,
+        w,
+        activation=activation,
+        out_dtype=jnp.dtype(out_dtype or x.dtype),
+        implementation=_names(implementation),
+        config=config,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "config"))
-def _quantized_matmul(x, w: QuantizedExperts, *, implementation, config):
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "implementation", "config"))
+def _quantized_matmul(x, w: QuantizedExperts, *, activation, out_dtype, implementation, config):
     lead, k = x.shape[:-1], x.shape[-1]
+    n = w.n // 2 if activation else w.n
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     problem = _problem(w, rows, x.dtype)
     backend = _dispatch.select_backend(problem, implementation)
     if rows == 0:  # no rows: nothing to launch
-        return jnp.zeros((*lead, w.n), x.dtype)
+        return jnp.zeros((*lead, n), out_dtype)
     if backend.name == "xla":
         wd = dequantize_experts(layouts.to_canonical_layout(w), dtype=x.dtype)[0]  # [N, K]
         # HIGHEST: f32 operands would otherwise run as TF32 on a GPU (measured rel err 2.7e-4
@@ -170,12 +190,15 @@ def _quantized_matmul(x, w: QuantizedExperts, *, implementation, config):
             preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST,
         )
+        if activation is not None:
+            y = activate(y, activation)
     else:
         gemm = backend.grouped_matmul
         cfg, _ = gemm.config(problem.shape, config)
         x2 = inference_only(x2)  # a kernel: no gradients (the "xla" path has them)
         if gemm.linear is not None:  # the backend's own path for one expert
-            return gemm.linear(x2, w, config=cfg, out_dtype=x.dtype).reshape(*lead, w.n)
+            y = gemm.linear(x2, w, config=cfg, out_dtype=out_dtype, activation=activation)
+            return y.reshape(*lead, n)
         y = gemm.run(
             x2,
             w,
@@ -183,5 +206,6 @@ def _quantized_matmul(x, w: QuantizedExperts, *, implementation, config):
             top_k=1,
             config=cfg,
             out_dtype=jnp.float32,
+            activation=activation,
         )
-    return y.astype(x.dtype).reshape(*lead, w.n)
+    return y.astype(out_dtype).reshape(*lead, n)

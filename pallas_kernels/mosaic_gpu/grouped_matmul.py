@@ -103,21 +103,28 @@ def grouped_matmul(
     return out.astype(out_dtype)
 
 
-def linear(x, w, *, config: MgpuConfig, out_dtype=None, interpret=False):
+def linear(x, w, *, config: MgpuConfig, out_dtype=None, activation=None, interpret=False):
     """GroupedMatmul.linear: x [R, K] @ dequant(w[0]).T -> [R, N] in out_dtype (default x's),
-    rounded once from the f32 sums (in the GEMM where it is not K-split). x's rows padded to
-    whole blocks are the GEMM's rows in block order, all of expert 0; the rows in use per block
-    are static (all, the last block's remainder)."""
+    rounded once from the f32 sums (in the GEMM where it is not K-split); with activation
+    ("silu") w's rows are [gate; up] and the result silu(gate) * up [R, N/2] (in the GEMM's
+    epilogue where it fuses it, as GEMM1). x's rows padded to whole blocks are the GEMM's rows
+    in block order, all of expert 0; the rows in use per block are static (all, the last
+    block's remainder)."""
     rows, block_m = x.shape[0], config.block_m
     blocks = -(-rows // block_m)
     x_rows = jnp.pad(x, ((0, blocks * block_m - rows), (0, 0)))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    _, splits, _, options = gemm_plan(config, w, blocks, out_dtype=out_dtype)
     in_use = np.minimum(block_m, rows - block_m * np.arange(blocks)).astype(np.int32)
-    out = mgpu_wna16_gemm(
-        x_rows, w, jnp.zeros(blocks, jnp.int32), gemm_rows_in_use(config, jnp.asarray(in_use)),
-        **options, interpret=interpret,
-    )  # fmt: skip
+    in_use = gemm_rows_in_use(config, jnp.asarray(in_use))
+    experts = jnp.zeros(blocks, jnp.int32)
+    if activation is not None:
+        if activation != "silu":  # the epilogue computes silu only
+            return activate(block_gemm(config, interpret)(x_rows, w, experts), activation,
+                            out_dtype)[:rows]  # fmt: skip
+        out = block_gemm(config, interpret)(x_rows, w, experts, in_use, activation_dtype=out_dtype)
+        return out[:rows]
+    _, splits, _, options = gemm_plan(config, w, blocks, out_dtype=out_dtype)
+    out = mgpu_wna16_gemm(x_rows, w, experts, in_use, **options, interpret=interpret)
     if splits > 1:
         out = out.sum(axis=0)
     return out[:rows].astype(out_dtype)
