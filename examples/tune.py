@@ -34,6 +34,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,6 +142,23 @@ def _timed(run, sets, *, consts, iters, repeats, what):
     return t
 
 
+def with_bar(time_config, bar):
+    """time_config counted on the tqdm `bar` (one step per config timed), the best time so far
+    shown beside it."""
+    best = math.inf
+
+    def timed(cfg):
+        nonlocal best
+        t = time_config(cfg)
+        bar.update(1)
+        if t is not None and t < best:
+            best = t
+            bar.set_postfix_str(f"best {t * 1e6:.1f} us")
+        return t
+
+    return timed
+
+
 def _relative_error(out, ref) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
@@ -162,10 +181,13 @@ def gemm_starting_points(w, m, impl, num_experts) -> list:
     return list(dict.fromkeys(candidates))
 
 
-def tune_gemm(w, m, top_k, *, impl, full, iters, repeats, gated, budget_s=None):
+def tune_gemm(
+    w, m, top_k, *, impl, full, iters, repeats, gated, budget_s=None, progress=True, desc="gemm"
+):
     """Searches BlockConfigs of the grouped GEMM over `w` at m tokens (m * top_k slots).
 
     gated: time GEMM1 the way fused_moe runs it (silu(gate) * up fused where the kernel can).
+    progress: a tqdm bar (named `desc`) over the configs timed.
     Returns (best, {config: seconds} of every config that ran, relative error of the best).
     """
     e, _, k = w.shape
@@ -199,18 +221,25 @@ def tune_gemm(w, m, top_k, *, impl, full, iters, repeats, gated, budget_s=None):
         sets = [(a, routing_for(cfg.block_m))]
         return _timed(run, sets, consts=(w,), iters=iters, repeats=repeats, what=str(cfg))
 
+    grid = None
     if full:
-        grid = (
-            wj.BlockConfig(**dict(zip(AXES, values, strict=True)))
+        grid = [
+            c
             for values in itertools.product(*AXES.values())
-        )
-        times = {c: t for c in grid if valid(c) and (t := time_config(c)) is not None}
-    else:
-        axes = AXES if jax.default_backend() == "gpu" else QUICK_AXES
-        if slots >= 16 * e:  # many rows per expert: tiles of at least 16
-            axes = dict(axes, block_m=tuple(b for b in axes.get("block_m", ()) if b >= 16))
-        starts = [c for c in gemm_starting_points(w, slots, impl, e) if valid(c)]
-        times = coordinate_search(starts, time_config, axes=axes, valid=valid, budget_s=budget_s)
+            if valid(c := wj.BlockConfig(**dict(zip(AXES, values, strict=True))))
+        ]
+    # A coordinate search's length is known only when it ends: the bar counts without a total.
+    total = None if grid is None else len(grid)
+    with tqdm(desc=desc, unit=" configs", total=total, disable=not progress) as bar:
+        timed = with_bar(time_config, bar)
+        if full:
+            times = {c: t for c in grid if (t := timed(c)) is not None}
+        else:
+            axes = AXES if jax.default_backend() == "gpu" else QUICK_AXES
+            if slots >= 16 * e:  # many rows per expert: tiles of at least 16
+                axes = dict(axes, block_m=tuple(b for b in axes.get("block_m", ()) if b >= 16))
+            starts = [c for c in gemm_starting_points(w, slots, impl, e) if valid(c)]
+            times = coordinate_search(starts, timed, axes=axes, valid=valid, budget_s=budget_s)
     if not times:
         raise RuntimeError(f"no candidate config ran for the GEMM {w.shape} at M={slots}")
     best = min(times, key=times.get)
@@ -251,8 +280,11 @@ def layer_starting_points(slots: int, num_experts: int, group: int) -> list:
     return starts
 
 
-def tune_layer(w13, w2, m, top_k, *, impl, iters, repeats, budget_s=None):
-    """Searches MgpuConfigs of the Mosaic GPU layer over canonical w13, w2 at m tokens.
+def tune_layer(
+    w13, w2, m, top_k, *, impl, iters, repeats, budget_s=None, progress=True, desc="layer"
+):
+    """Searches MgpuConfigs of the Mosaic GPU layer over canonical w13, w2 at m tokens;
+    `progress`: a tqdm bar (named `desc`) over the configs timed.
 
     Returns (best, {config: seconds}, seconds of the layer without a config, relative error of
     the best against 'xla').
@@ -282,9 +314,11 @@ def tune_layer(w13, w2, m, top_k, *, impl, iters, repeats, budget_s=None):
     group = math.gcd(w13.group, w2.group)
     starts = layer_starting_points(m * top_k, e, group)
     axes = MGPU_AXES if jax.default_backend() == "gpu" else MGPU_QUICK_AXES
-    times = coordinate_search(
-        starts, time_config, axes=axes, valid=lambda cfg: True, budget_s=budget_s
-    )
+    with tqdm(desc=desc, unit=" configs", disable=not progress) as bar:
+        times = coordinate_search(
+            starts, with_bar(time_config, bar), axes=axes, valid=lambda cfg: True,
+            budget_s=budget_s,
+        )  # fmt: skip
     if not times:
         raise RuntimeError(f"no candidate config ran for the layer at M={m}")
     best = min(times, key=times.get)
@@ -377,6 +411,12 @@ def main(argv=None) -> dict[str, list[dict]]:
         help="wall-clock seconds per search (default: no limit); the search keeps the best "
         "config found when it runs out",
     )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (default: a bar per search on stderr, counting the configs "
+        "timed, with the best time so far)",
+    )
     p.add_argument("--out", type=str, default=None, help="tuned JSON to write (merged)")
     p.add_argument(
         "--trials",
@@ -386,6 +426,14 @@ def main(argv=None) -> dict[str, list[dict]]:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with logging_redirect_tqdm():  # log lines printed above the bars, not through them
+        return tune(args)
+
+
+def tune(args: argparse.Namespace) -> dict[str, list[dict]]:
+    """main() after parsing its arguments."""
+    on_gpu = jax.default_backend() == "gpu"
+    progress = not args.no_progress
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
     ms = args.m or ([1, 16, 256, 4096] if on_gpu else [1])
     iters = args.iters or (10 if on_gpu else 1)
@@ -408,13 +456,14 @@ def main(argv=None) -> dict[str, list[dict]]:
                     best, times, err = tune_gemm(
                         w, m, top_k, impl=impl, full=args.full, iters=iters,
                         repeats=args.repeats, gated=name == "w13", budget_s=args.budget_s,
+                        progress=progress, desc=f"{table} {name} M={m}",
                     )  # fmt: skip
                     shape = dict(E=e, N=w.n, K=w.k, bits=w.bits, group_size=w.group_size)
                     runs.append((name, shape, best, times, err, None))
             else:
                 best, times, today, err = tune_layer(
                     w13, w2, m, top_k, impl=impl, iters=iters, repeats=args.repeats,
-                    budget_s=args.budget_s,
+                    budget_s=args.budget_s, progress=progress, desc=f"{table} layer M={m}",
                 )  # fmt: skip
                 shape = dict(E=e, H=h, I=i, bits=4, group=math.gcd(w13.group, w2.group))
                 runs = [("layer", shape, best, times, err, today)]

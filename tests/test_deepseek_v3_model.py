@@ -19,9 +19,11 @@ from test_deepseek_v3_common import (
 )
 
 import wna16_jax as wj
-from models.deepseek_v3 import generate
+from models.deepseek_v3 import generate, init_random
+from models.deepseek_v3 import modeling as modeling_module
 from models.deepseek_v3.config import QuantSpec
 from models.deepseek_v3.modeling import (
+    DeepseekV3ForCausalLM,
     FloatExperts,
     Linear,
     MLAttention,
@@ -445,3 +447,61 @@ def test_mgpu_expert_layout_matches_canonical(rng):
     for a, b in zip(experts, original, strict=True):
         np.testing.assert_array_equal(np.asarray(a.w13.get().qweight), b.w13.get().qweight)
         np.testing.assert_array_equal(np.asarray(a.w2.get().scales), b.w2.get().scales)
+
+
+# ---- random init and layout conversions: values and progress bars ---------------------------
+
+
+def _flat(model) -> dict:
+    return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _assert_same_arrays(got, want) -> None:
+    got, want = _flat(got), _flat(want)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_init_random_part_by_part_draws_the_constructors_values(on_device):
+    """init_random draws the model part by part (a bar can follow it; on device one program per
+    kind of part) with the values of the constructor built whole from the same seed."""
+    if on_device:  # one dense and one MoE layer, only the experts quantized: few random ops
+        quant = QuantSpec(bits=4, group_size=32, targets=("experts",))
+        cfg = tiny_config(num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=None,
+                          quant=quant)  # fmt: skip
+        whole = nnx.jit(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(5)))()
+    else:
+        cfg = tiny_config()
+        whole = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(5))
+    _assert_same_arrays(init_random(cfg, seed=5, on_device=on_device, progress=False), whole)
+
+
+def test_progress_bars(monkeypatch, capsys):
+    """init_random, set_linear_implementation and set_expert_layout show a tqdm bar on stderr
+    when enabled (here at once), none when disabled, and none for a step shorter than
+    PROGRESS_DELAY_S (a tiny model's)."""
+    cfg = tiny_config(dtype="bfloat16", quant=QuantSpec(bits=4, group_size=64))
+    parts = cfg.num_hidden_layers + 3  # the embedding, each layer, the norm, the head
+    monkeypatch.setattr(modeling_module, "PROGRESS_DELAY_S", 0.0)
+    model = init_random(cfg, on_device=False)
+    linears = sum(isinstance(m, QuantizedLinear) for _, m in nnx.iter_modules(model))
+    moe_layers = sum(isinstance(m, RoutedExperts) for _, m in nnx.iter_modules(model))
+    model.set_linear_implementation("xla")
+    model.set_expert_layout("mgpu_int4")
+    err = capsys.readouterr().err
+    assert "random weights: 100%" in err and f"{parts}/{parts}" in err
+    assert "linears for xla: 100%" in err and f"{linears}/{linears}" in err
+    assert "experts to mgpu_int4: 100%" in err and f"{moe_layers}/{moe_layers}" in err
+
+    model = init_random(cfg, on_device=False, progress=False)
+    model.set_linear_implementation("xla", progress=False)
+    model.set_expert_layout("mgpu_int4", progress=False)
+    assert capsys.readouterr().err == ""
+
+    monkeypatch.setattr(modeling_module, "PROGRESS_DELAY_S", 600.0)
+    model = init_random(cfg, on_device=False)
+    model.set_linear_implementation("xla")
+    model.set_expert_layout("mgpu_int4")
+    assert capsys.readouterr().err == ""

@@ -362,17 +362,20 @@ def test_load_pretrained_on_mesh(devices8, awq_dir, layout, monkeypatch):
 
 
 def test_init_random_on_mesh_draws_each_shard_in_place(devices8):
-    """init_random(mesh=, on_device=True): one jitted program whose outputs are the shards:
-    no collective in it (no device ever sees another's experts), the values those of the
-    unsharded on-device init, every array sharded as the specs say."""
+    """init_random(mesh=, on_device=True): a jitted program per kind of part whose outputs are
+    the shards: no collective in them (no device ever sees another's experts), the values those
+    of the unsharded on-device init, every array sharded as the specs say."""
     # One MoE layer, only the experts quantized: few random ops (XLA:CPU compiles slowly).
     quant = QuantSpec(bits=4, group_size=32, targets=("experts",))
     cfg = tiny_config(num_hidden_layers=1, first_k_dense_replace=0, q_lora_rank=None, quant=quant)
     mesh = sh.make_mesh(expert=4, tensor=2)
     model = init_random(cfg, seed=5, mesh=mesh, on_device=True)
     ms = model.sharding
-    program, _ = sh.init_program(cfg, ms, seed=5)
-    assert collectives(program.lower().compile().as_text()) == []
+    programs = sh.part_programs(cfg, ms, seed=5)
+    assert sorted(programs) == ["embed", "lm_head", "moe_layer", "norm"]
+    for kind, (program, _) in programs.items():
+        hlo = program.lower(jnp.zeros((), jnp.uint32)).compile().as_text()
+        assert collectives(hlo) == [], kind
     want = dict(nnx.to_flat_state(sh.param_specs(model, ms)))
     ref = dict(nnx.to_flat_state(nnx.state(init_random(cfg, seed=5, on_device=True))))
     for path, var in nnx.to_flat_state(nnx.state(model)):

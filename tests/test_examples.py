@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -374,10 +375,13 @@ def test_profile_decode_refuses_several_batch_sizes():
 
 def test_tune_tiny(tmp_path, capsys):
     """The pallas table at M=1 of the tiny preset: both GEMMs' entries, written to --out, each a
-    config the GEMM accepts for its problem."""
+    config the GEMM accepts for its problem; a progress bar per search on stderr."""
     out = tmp_path / "tuned.json"
     argv = ["--m", "1", "--repeats", "1", "--budget-s", "10", "--out", str(out)]
     entries = _load("tune").main(argv)
+    printed = capsys.readouterr()
+    for gemm in ("w13", "w2"):
+        assert re.search(rf"pallas {gemm} M=1: \d+ configs.*best [\d.]+ us", printed.err)
     saved = json.loads(out.read_text())
     assert saved["tables"]["pallas"]["entries"] == entries["pallas"]
     assert len(entries["pallas"]) == 2  # w13 and w2
@@ -390,7 +394,28 @@ def test_tune_tiny(tmp_path, capsys):
         )  # fmt: skip
         cfg = wj.BlockConfig(**entry["config"])
         assert wj.gemm_config(w, entry["M"], implementation="pallas_interpret", config=cfg) == cfg
-    assert "wrote 2 entries" in capsys.readouterr().out
+    assert "wrote 2 entries" in printed.out
+
+
+def test_tune_bar_counts_every_config_timed():
+    """with_bar: one step per config timed (failures too), the best time so far beside it;
+    a disabled bar prints nothing."""
+    import io
+
+    from tqdm import tqdm
+
+    tune = _load("tune")
+    times = {"a": 3e-6, "b": None, "c": 1e-6, "d": 2e-6}
+    stream = io.StringIO()
+    with tqdm(desc="search", unit=" configs", file=stream) as bar:
+        timed = tune.with_bar(times.get, bar)
+        assert [timed(c) for c in times] == list(times.values())
+        assert bar.n == 4 and bar.postfix == "best 1.0 us"
+    assert "search: 4 configs" in stream.getvalue()
+    stream = io.StringIO()
+    with tqdm(file=stream, disable=True) as bar:
+        tune.with_bar(times.get, bar)("a")
+    assert stream.getvalue() == ""
 
 
 # ---- full_deepseek_v3.py ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import jax
@@ -19,12 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from tqdm.auto import tqdm
 
 import wna16_jax as wj
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, yarn_get_mscale
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+# A progress bar (`progress_bar`) shows once its step has run this long: a tiny model's
+# millisecond build or conversion prints nothing.
+PROGRESS_DELAY_S = 2.0
+
+
+def progress_bar(items, *, desc: str, unit: str, enabled: bool = True):
+    """`items` wrapped in a tqdm bar on stderr, shown after PROGRESS_DELAY_S seconds (never
+    when `enabled` is False)."""
+    items = list(items)
+    return tqdm(items, desc=desc, unit=unit, disable=not enabled, delay=PROGRESS_DELAY_S)
 
 
 class QuantParam(nnx.Variable):
@@ -730,6 +742,7 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepseekV3Model(nnx.Module):
+    # The parts draw their random weights in the order `random_parts` lists.
     def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
         self.embed_tokens = Embed(cfg, rngs=rngs)
         self.layers = nnx.List(
@@ -775,13 +788,16 @@ class DeepseekV3ForCausalLM(nnx.Module):
             if isinstance(m, RoutedExperts):
                 m.implementation = implementation
 
-    def set_expert_layout(self, layout: str) -> None:
+    def set_expert_layout(self, layout: str, *, progress: bool = True) -> None:
         """Converts every routed-expert layer's weights to `layout` (wna16_jax.layouts):
         "mgpu_int4" for the 'mgpu' backend (fused_moe then picks it automatically), or back to
-        "canonical". One layer at a time, each replaced (no second copy of the experts)."""
-        for _, m in nnx.iter_modules(self):
-            if isinstance(m, RoutedExperts):
-                m.set_layout(layout)
+        "canonical". One layer at a time, each replaced (no second copy of the experts);
+        `progress`: a tqdm bar over the layers (`progress_bar`)."""
+        layers = [m for _, m in nnx.iter_modules(self) if isinstance(m, RoutedExperts)]
+        bar = progress_bar(layers, desc=f"experts to {layout}", unit="layer", enabled=progress)
+        for m in bar:
+            m.set_layout(layout)
+            jax.block_until_ready(m.w13.qweight.get_value())  # the bar follows the device
 
     def resolve_expert_layout(self, requested: str, implementation=None) -> str:
         """The experts' layout for a `requested` one ("auto", or a wna16_jax.layouts name) and
@@ -810,7 +826,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 return wj.preferred_layout(w13, w2, dtype=self.cfg.dtype)
         return "canonical"
 
-    def set_linear_implementation(self, implementation: str) -> None:
+    def set_linear_implementation(self, implementation: str, *, progress: bool = True) -> None:
         """Selects how every quantized non-expert linear runs, converting its weight to the
         layout that implementation reads (`wna16_jax.linear.preferred_layout`):
         - "xla" (the default): dequantize + dot, canonical layout; works under any sharding;
@@ -819,7 +835,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
           on other NVIDIA GPUs, else "xla");
         - a backend with a grouped GEMM ("mgpu", "pallas", "mgpu_interpret", ...).
         Kernels run only on models not sharded by GSPMD; layers a kernel does not take here
-        stay on "xla".
+        stay on "xla". `progress`: a tqdm bar over the linears (`progress_bar`).
 
         Raises:
             ValueError: `implementation` is neither "auto" nor a registered backend.
@@ -830,13 +846,13 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 f"backend {wj.registered_backends()}"
             )
         chosen = None if implementation == "auto" else implementation
-        for _, m in nnx.iter_modules(self):
-            if isinstance(m, QuantizedLinear):
-                m.implementation = chosen
-                w = jax.eval_shape(m.canonical_weight)  # the layout needs shapes only
-                m.set_layout(
-                    wj.linear.preferred_layout(w, dtype=self.cfg.dtype, implementation=chosen)
-                )
+        linears = [m for _, m in nnx.iter_modules(self) if isinstance(m, QuantizedLinear)]
+        desc = f"linears for {implementation}"
+        for m in progress_bar(linears, desc=desc, unit="linear", enabled=progress):
+            m.implementation = chosen
+            w = jax.eval_shape(m.canonical_weight)  # the layout needs shapes only
+            m.set_layout(wj.linear.preferred_layout(w, dtype=self.cfg.dtype, implementation=chosen))
+            jax.block_until_ready(m.weight.qweight.get_value())  # the bar follows the device
 
     def dequantize_kv_b(self) -> None:
         """Replaces every quantized kv_b_proj with a float Linear holding its dequantized weight
@@ -984,9 +1000,50 @@ class DeepseekV3ForCausalLM(nnx.Module):
         return (logits[:, 0] if squeeze else logits), cache
 
 
+def abstract_model(cfg: DeepseekV3Config) -> DeepseekV3ForCausalLM:
+    """The model with jax.ShapeDtypeStruct in place of every array (nothing is allocated): the
+    frame that loading and random init fill part by part."""
+    return nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def random_parts(cfg: DeepseekV3Config) -> list[tuple[tuple, str, Callable[[Rng], nnx.Module]]]:
+    """The parts of DeepseekV3ForCausalLM that hold weights, as (path, kind, build(rngs)), in
+    the order its constructor draws their random weights: built one after another from one
+    random stream they hold the constructor's values. Parts of one kind have the same structure
+    (`sharding.init_random` compiles one program per kind)."""
+    parts = [(("model", "embed_tokens"), "embed", lambda rngs: Embed(cfg, rngs=rngs))]
+    for i in range(cfg.num_hidden_layers):
+        kind = "moe_layer" if cfg.is_moe_layer(i) else "dense_layer"
+        build = lambda rngs, i=i: DecoderLayer(cfg, i, rngs=rngs)
+        parts.append((("model", "layers", i), kind, build))
+    norm = lambda rngs: RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
+    parts.append((("model", "norm"), "norm", norm))
+    if not cfg.tie_word_embeddings:
+        head = lambda rngs: Linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs=rngs)
+        parts.append((("lm_head",), "lm_head", head))
+    return parts
+
+
+def module_at(root: nnx.Module, path: tuple):
+    """The module (or variable) at `path` (attribute names and list indices) under `root`."""
+    node = root
+    for p in path:
+        node = node[p] if isinstance(p, int) else getattr(node, p)
+    return node
+
+
+def set_module(root: nnx.Module, path: tuple, value) -> None:
+    """Puts `value` at `path` under `root`, replacing what was there."""
+    parent = module_at(root, path[:-1])
+    if isinstance(path[-1], int):
+        parent[path[-1]] = value
+    else:
+        setattr(parent, path[-1], value)
+
+
 def param_bytes(cfg: DeepseekV3Config) -> int:
     """Bytes of the model's weights (from an abstract model: nothing is allocated)."""
-    abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg)
     return sum(
         int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
         for a in jax.tree.leaves(nnx.state(abstract))
@@ -1017,11 +1074,5 @@ def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
             )
         else:
             continue
-        parent = new
-        for key in path[:-1]:
-            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-        if isinstance(path[-1], int):
-            parent[path[-1]] = repl
-        else:
-            setattr(parent, path[-1], repl)
+        set_module(new, path, repl)
     return new

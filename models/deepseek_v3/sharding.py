@@ -34,6 +34,7 @@ import re
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -47,7 +48,12 @@ from models.deepseek_v3.modeling import (
     KVCache,
     QuantizedTensor,
     RoutedExperts,
+    abstract_model,
+    module_at,
     param_bytes,
+    progress_bar,
+    random_parts,
+    set_module,
 )
 
 logger = logging.getLogger("models.deepseek_v3")
@@ -721,39 +727,41 @@ def init_random(
     mesh: Mesh | None = None,
     specs: ShardingSpecs | None = None,
     moe_mode: str = "replicated",
+    progress: bool = True,
 ) -> DeepseekV3ForCausalLM:
     """A randomly initialized model (quantized as `cfg.quant` says).
+
+    The model is drawn part by part (`random_parts`: the embedding, each layer, the final norm,
+    the head), with the values of `DeepseekV3ForCausalLM(cfg, rngs=...)` built whole.
 
     Args:
         cfg: the configuration.
         seed: random seed.
         implementation: fused_moe backend of the routed experts (None = automatic).
-        on_device: generate the weights under jit on the device(s) (True) or with numpy on
-            the host (False); None picks the host below HOST_INIT_MAX_BYTES.
+        on_device: generate the weights on the device(s) (True: one jitted program per kind
+            of part, `part_programs`) or with numpy on the host (False); None picks the host
+            below HOST_INIT_MAX_BYTES.
         mesh: a mesh (`make_mesh`) to place the model on. On device, every device
             generates only its own shard of the weights (`init_sharded`: no device ever
             holds all experts; values equal those of on_device=True without a mesh); on the
             host, the model is drawn as without a mesh and each device sent its slice.
         specs: partition specs for the mesh (default `ShardingSpecs.for_mesh`).
         moe_mode: the sharded MoE's token mode (see `ModelSharding`).
+        progress: show a tqdm bar over the parts drawn (`modeling.progress_bar`: it appears
+            once the build has run PROGRESS_DELAY_S seconds).
     """
     if on_device is None:
         on_device = param_bytes(cfg) > HOST_INIT_MAX_BYTES
-    if mesh is not None:
-        if on_device:
-            model = init_sharded(cfg, mesh, seed=seed, specs=specs, moe_mode=moe_mode)
-        else:
-            host = host_device()
-            with jax.default_device(host) if host is not None else contextlib.nullcontext():
-                model = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(seed))
-            shard_model(model, mesh, specs=specs, moe_mode=moe_mode)
-        if implementation is not None:
-            model.set_implementation(implementation)
-        return model
-    if on_device:
-        model = nnx.jit(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(seed)))()
+    if mesh is not None and on_device:
+        model = init_sharded(
+            cfg, mesh, seed=seed, specs=specs, moe_mode=moe_mode, progress=progress
+        )
     else:
-        model = DeepseekV3ForCausalLM(cfg, rngs=np.random.default_rng(seed))
+        host = host_device() if mesh is not None else None
+        with jax.default_device(host) if host is not None else contextlib.nullcontext():
+            model = draw_parts(cfg, seed=seed, on_device=on_device, progress=progress)
+        if mesh is not None:
+            shard_model(model, mesh, specs=specs, moe_mode=moe_mode)
     if implementation is not None:
         model.set_implementation(implementation)
     return model
@@ -767,39 +775,91 @@ def init_sharded(
     specs: ShardingSpecs | None = None,
     moe_mode: str = "replicated",
     token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD,
+    progress: bool = True,
 ) -> DeepseekV3ForCausalLM:
     """A random model generated directly in its shards (what `init_random(cfg, mesh=)` runs).
 
-    The whole model is built inside one `jax.jit` whose out_shardings are the parameter
-    shardings; JAX's partitionable threefry makes every device draw only its own slice, so no
-    device ever holds more than its shard of the experts (the compiled program has no
-    collectives) and the values do not depend on the mesh: they equal
+    Each part is drawn by a `jax.jit` whose out_shardings are the parameter shardings
+    (`part_programs`); JAX's partitionable threefry makes every device draw only its own
+    slice, so no device ever holds more than its shard of the experts (the compiled programs
+    have no collectives) and the values do not depend on the mesh: they equal
     `init_random(cfg, seed=seed, on_device=True)`'s. With a tensor axis the random w13 rows are
     taken as already interleaved (a random model's rows have no order to keep).
     """
     ms = model_sharding(mesh, cfg, specs=specs, moe_mode=moe_mode, token_threshold=token_threshold)
-    program, graphdef = init_program(cfg, ms, seed=seed)
-    model = nnx.merge(graphdef, program())
+    model = draw_parts(cfg, seed=seed, on_device=True, ms=ms, progress=progress)
     for m in _experts_modules(model):
         m.w13_tp_shards = ms.tensor_shards
     model.set_sharding(ms)
     return model
 
 
-def init_program(cfg: DeepseekV3Config, ms: ModelSharding, *, seed: int = 0):
-    """The jitted program that draws a random model's state in its shards, and its graphdef.
+def draw_parts(
+    cfg: DeepseekV3Config,
+    *,
+    seed: int = 0,
+    on_device: bool,
+    ms: ModelSharding | None = None,
+    progress: bool = True,
+) -> DeepseekV3ForCausalLM:
+    """The random model built part by part (`random_parts`) into the abstract model: with
+    numpy on the host, or on device by `part_programs` (placed as `ms` says; the model's
+    sharding is left unset). Each part is ready before the next starts, so the bar follows
+    the device."""
+    model = abstract_model(cfg)
+    if on_device:
+        programs = part_programs(cfg, ms, seed=seed, abstract=model)
+        count = jnp.zeros((), jnp.uint32)  # the random stream's position: draws so far
+    else:
+        rng = np.random.default_rng(seed)
+    parts = random_parts(cfg)
+    for path, kind, build in progress_bar(
+        parts, desc="random weights", unit="part", enabled=progress
+    ):
+        if on_device:
+            program, graphdef = programs[kind]
+            state, count = jax.block_until_ready(program(count))
+            set_module(model, path, nnx.merge(graphdef, state))
+        else:
+            set_module(model, path, build(rng))
+    return model
+
+
+def part_programs(
+    cfg: DeepseekV3Config,
+    ms: ModelSharding | None,
+    *,
+    seed: int = 0,
+    abstract: DeepseekV3ForCausalLM | None = None,
+) -> dict[str, tuple[Callable, nnx.GraphDef]]:
+    """The jitted programs that draw a random model's parts on device, one per kind of part.
 
     Returns:
-        (fn, graphdef): fn() -> the model's nnx.State, every array sharded as `param_specs`
-        says (out_shardings); `nnx.merge(graphdef, fn())` is the model.
+        {kind: (fn, graphdef)}: fn(count) -> (the part's nnx.State, count after it), where
+        count (uint32 scalar) is the position in the random stream of `nnx.Rngs(seed)` where
+        the part starts (0 for the first part; each part's output count for the next);
+        `nnx.merge(graphdef, state)` is the part. With `ms`, the state is sharded as
+        `param_specs` says (out_shardings) and the count replicated.
     """
+    abstract = abstract if abstract is not None else abstract_model(cfg)
+    shardings = None if ms is None else param_shardings(abstract, ms)
+    programs = {}
+    for path, kind, build in random_parts(cfg):
+        if kind in programs:
+            continue
 
-    def build():
-        return DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(seed))
+        def draw(count, build=build):
+            rngs = nnx.Rngs(seed)
+            rngs.params.count[...] = count
+            part = build(rngs)
+            return nnx.state(part), rngs.params.count[...]
 
-    abstract = nnx.eval_shape(build)
-    fn = jax.jit(lambda: nnx.state(build()), out_shardings=param_shardings(abstract, ms))
-    return fn, nnx.graphdef(abstract)
+        jit_kw = {}
+        if ms is not None:
+            part_shardings = functools.reduce(lambda tree, key: tree[key], path, shardings)
+            jit_kw["out_shardings"] = (part_shardings, ms.named(P()))
+        programs[kind] = (jax.jit(draw, **jit_kw), nnx.graphdef(module_at(abstract, path)))
+    return programs
 
 
 def host_device():
