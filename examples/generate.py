@@ -2,6 +2,7 @@
 
 python examples/generate.py                         # tiny random int4 model on CPU
 python examples/generate.py --model /path/to/hf_dir --max-new-tokens 64
+python examples/generate.py --model /path/to/hf_dir --chat --prompt "Why is the sky blue?"
 python examples/generate.py --full-width-layers 4   # V3 width, 4 layers, random int4
 
 Sharded (expert parallel over "expert", tensor parallel over "tensor", batch over "data"):
@@ -12,6 +13,9 @@ python examples/generate.py --mesh expert=8 --full-width-layers 61     # 8 GPUs,
 at the top of main(), before JAX starts its backend (importing jax is fine; a JAX that already
 runs, e.g. inside another program, cannot change its device count: main() then says so).
 
+With --model, the checkpoint's generation_config.json supplies the sampling defaults
+(eos_token_id, do_sample, temperature, top_p, max_new_tokens); flags given override them.
+
 Several hosts: run the same command on every host with --coordinator HOST0:PORT
 --num-processes N --process-id I (I = 0..N-1); the mesh then spans all hosts' devices.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import logging
 import time
 
@@ -34,6 +39,8 @@ from models.deepseek_v3 import (
     QuantSpec,
     generate,
     init_random,
+    load_chat_template,
+    load_generation_config,
     load_pretrained,
     load_tokenizer,
     resolve_checkpoint,
@@ -41,18 +48,9 @@ from models.deepseek_v3 import (
 )
 from models.deepseek_v3.modeling import QuantizedLinear, RoutedExperts, dequantize_model
 
-
-class _BackendLog(logging.Handler):
-    """Keeps wna16_jax's "fused_moe uses ..." line so main() can print the chosen backend."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        msg = record.getMessage()
-        if "fused_moe uses" in msg:
-            self.lines.append(msg.split("fused_moe uses ", 1)[-1])
+# Tokens per row where neither --max-new-tokens nor the checkpoint's generation_config.json
+# says (the other sampling settings default to generate()'s: greedy, no nucleus).
+DEFAULT_MAX_NEW_TOKENS = 16
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -134,8 +132,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="prompts per batch; several values generate once per value with the same model "
         "(built once)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens generated per row (default: the checkpoint's generation_config.json, "
+        f"else {DEFAULT_MAX_NEW_TOKENS})",
+    )
     p.add_argument("--prompt", default="The capital of France is")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="with --model: render --prompt as one user message through the chat template "
+        "of the checkpoint's tokenizer_config.json (chat_template; needs jinja2), with the "
+        "assistant's turn opened, before encoding it",
+    )
     p.add_argument(
         "--distinct-prompts",
         action="store_true",
@@ -143,9 +154,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         "rows route to different experts as a server's batch would; by default every row is "
         "the same prompt and, decoded greedily, every row sends its tokens to the same experts",
     )
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature, 0 for greedy (default: the checkpoint's "
+        "generation_config.json: its temperature with do_sample true, 0 with do_sample false; "
+        "else 0)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling mass, 1 for none (default: generation_config.json, else 1)",
+    )
+    p.add_argument(
+        "--eos-id",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="ID",
+        help="ids that end a row (default: generation_config.json's eos_token_id, else "
+        "config.json's)",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (default: a bar on stderr for loading, drawing random weights "
+        "and converting layouts, where a step takes more than a few seconds)",
+    )
     p.add_argument(
         "--dtype",
         choices=("bfloat16", "float32"),
@@ -179,13 +217,73 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(args, mesh=None):
-    """(model, tokenizer, description) for the arguments, placed on `mesh` when given."""
+def checkpoint_dir(args) -> str | None:
+    """The local directory of --model (a Hub id fetched, and where it lies printed); None for
+    a random model."""
+    if not args.model:
+        return None
+    local = resolve_checkpoint(args.model, revision=args.revision)
+    if local != args.model:
+        print(f"checkpoint: {args.model} (revision {args.revision or 'main'}) at {local}")
+    return local
+
+
+def sampling_settings(args, checkpoint: str | None) -> dict:
+    """generate()'s sampling keywords: each flag given, else the value of the checkpoint's
+    generation_config.json (printed, with the keys of the file left unused), else the
+    built-in default (DEFAULT_MAX_NEW_TOKENS; generate()'s own for the others, left out).
+
+    Raises:
+        SystemExit: a malformed generation_config.json (named).
+    """
+    given = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        eos_id=None if args.eos_id is None else tuple(args.eos_id),
+    )
+    settings = {k: v for k, v in given.items() if v is not None}
+    try:
+        defaults = load_generation_config(checkpoint) if checkpoint else None
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if defaults is not None:
+        settings = defaults.merged(**given)
+        taken = [f"{k}={v}" for k, v in defaults.values().items() if given[k] is None]
+        print(f"from {defaults.path}: {', '.join(taken) or 'nothing (flags given)'}")
+        if defaults.unused:
+            print(f"not used from {defaults.path}: {', '.join(defaults.unused)}")
+    settings.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    return settings
+
+
+def prompt_text(args, checkpoint: str | None) -> tuple[str, bool]:
+    """(the text to encode, whether the tokenizer adds its bos token): --prompt, or with
+    --chat the prompt rendered by the checkpoint's chat template (which writes the bos token).
+
+    Raises:
+        SystemExit: --chat without --model, or without a chat template (the file named).
+    """
+    if not args.chat:
+        return args.prompt, True
+    if checkpoint is None:
+        raise SystemExit("--chat needs --model: a random model has no chat template")
+    try:
+        template = load_chat_template(checkpoint)
+        text = template.render([{"role": "user", "content": args.prompt}])
+    except (FileNotFoundError, ValueError, ImportError) as err:
+        raise SystemExit(f"--chat: {err}") from None
+    print(f"chat template of {template.path}: {text!r}")
+    return text, False
+
+
+def build_model(args, mesh=None, checkpoint: str | None = None):
+    """(model, tokenizer, description) for the arguments, placed on `mesh` when given;
+    `checkpoint`: the local directory of --model (`checkpoint_dir`)."""
+    progress = not args.no_progress
     if args.model:
         dtype = args.dtype or "bfloat16"
-        local = resolve_checkpoint(args.model, revision=args.revision)
-        if local != args.model:
-            print(f"checkpoint: {args.model} (revision {args.revision or 'main'}) at {local}")
+        local = checkpoint or checkpoint_dir(args)
         model = load_pretrained(
             local,
             dtype=dtype,
@@ -193,6 +291,7 @@ def build_model(args, mesh=None):
             quantize=args.quantize,
             mesh=mesh,
             moe_mode=args.moe_mode,
+            progress=progress,
         )
         return model, load_tokenizer(local, cfg=model.cfg), args.model
     bits = 8 if args.quantize == "int8" else 4
@@ -209,43 +308,81 @@ def build_model(args, mesh=None):
         )
         what = f"tiny random model, int{bits}"
     model = init_random(
-        cfg, seed=args.seed, implementation=args.implementation, mesh=mesh, moe_mode=args.moe_mode
+        cfg,
+        seed=args.seed,
+        implementation=args.implementation,
+        mesh=mesh,
+        moe_mode=args.moe_mode,
+        progress=progress,
     )
     return model, load_tokenizer(None, cfg=cfg), what
 
 
-def chosen_backend(model, tokens: int) -> str:
+def unavailable(select, chosen: str) -> list[str]:
+    """The library's reason for each other backend (interpreters aside: never chosen
+    automatically) that cannot run a call, as `select(implementation=name)` raises it."""
+    reasons = []
+    for name in wj.registered_backends():
+        if name == chosen or name.endswith("_interpret"):
+            continue
+        try:
+            select(implementation=name)
+        except NotImplementedError as err:
+            reasons.append(str(err))
+    return reasons
+
+
+def chosen_backend(model, tokens: int) -> tuple[str, list[str]]:
     """The fused_moe backend of the routed experts for `tokens` tokens, as each device sees
-    them (its own shard of the experts)."""
+    them (its own shard of the experts), by wj.select_implementation; with the automatic
+    choice also why each other backend cannot run them (`unavailable`)."""
     experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
     if not experts:
-        return "none (float experts)"
+        return "none (float experts)", []
     m = experts[0]
     local = lambda a: jax.ShapeDtypeStruct(a.addressable_shards[0].data.shape, a.dtype)  # noqa: E731
     w13, w2 = jax.tree.map(local, m.w13.get()), jax.tree.map(local, m.w2.get())
     k = model.cfg.num_experts_per_tok
-    name = wj.select_implementation(
+    select = functools.partial(
+        wj.select_implementation,
         jax.ShapeDtypeStruct((tokens, model.cfg.hidden_size), model.cfg.dtype),
         w13,
         w2,
         jax.ShapeDtypeStruct((tokens, k), jnp.float32),
         jax.ShapeDtypeStruct((tokens, k), jnp.int32),
-        implementation=m.implementation,
     )
-    return repr(name)
+    name = select(implementation=m.implementation)
+    return repr(name), unavailable(select, name) if m.implementation is None else []
 
 
-def linear_backends(model) -> str:
+def linear_backends(model) -> tuple[str, list[str]]:
     """How many quantized non-expert linears each backend runs, e.g. "40 on 'mgpu', 8 on
-    'xla'" (a layer no kernel takes stays on the float dot, 'xla')."""
-    counts = collections.Counter(
-        m.kernel(model.cfg.dtype) or "xla"
-        for _, m in nnx.iter_modules(model)
-        if isinstance(m, QuantizedLinear)
+    'xla'" (a layer no kernel takes stays on the float dot, 'xla'), by
+    wj.linear.select_implementation; with the automatic choice, why the other backends cannot
+    run the first linear left on 'xla' (`unavailable`)."""
+    linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
+    if not linears:
+        return "none (float linears)", []
+    kernels = [m.kernel(model.cfg.dtype) or "xla" for m in linears]
+    counts = collections.Counter(kernels)
+    text = ", ".join(f"{n} on {name!r}" for name, n in counts.most_common())
+    left = [m for m, k in zip(linears, kernels, strict=True) if k == "xla"]
+    if not left or left[0].implementation is not None:
+        return text, []
+    select = functools.partial(
+        wj.linear.select_implementation, left[0].weight.get(), dtype=model.cfg.dtype
     )
-    if not counts:
-        return "none (float linears)"
-    return ", ".join(f"{n} on {name!r}" for name, n in counts.most_common())
+    return text, unavailable(select, "xla")
+
+
+def new_tokens(row: list[int], prompt_len: int, eos_ids) -> tuple[list[int], bool]:
+    """(the row's generated tokens up to and including its first eos id, whether it stopped
+    there): generate() fills a finished row's remaining columns with an eos id."""
+    new = row[prompt_len:]
+    for i, tok in enumerate(new):
+        if tok in eos_ids:
+            return new[: i + 1], True
+    return new, False
 
 
 def main(argv=None) -> int:
@@ -262,33 +399,39 @@ def main(argv=None) -> int:
         )
     linears = "xla" if mesh is not None else args.linear_implementation
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    backend_log = _BackendLog()
-    moe_logger = logging.getLogger("wna16_jax")
-    moe_logger.addHandler(backend_log)
-    moe_logger.setLevel(logging.INFO)
-    moe_logger.propagate = False  # printed below instead
+    progress = not args.no_progress
 
     print(f"mesh: {sharding.describe(mesh)}")
     t0 = time.perf_counter()
-    model, tokenizer, what = build_model(args, mesh)
+    checkpoint = checkpoint_dir(args)
+    # The small files first: a bad one stops the run before the weights load.
+    settings = sampling_settings(args, checkpoint)
+    text, add_bos = prompt_text(args, checkpoint)
+    model, tokenizer, what = build_model(args, mesh, checkpoint)
     if args.float_weights:
         if mesh is not None:
             raise SystemExit("--float-weights needs an unsharded model (no --mesh)")
         t1 = time.perf_counter()
         model = dequantize_model(model)  # the quantized model is dropped: one copy kept
         print(f"weights dequantized to {model.cfg.dtype} ({time.perf_counter() - t1:.1f} s)")
-    model.set_linear_implementation(linears)
-    print(f"quantized linears: {linear_backends(model)}")
+    model.set_linear_implementation(linears, progress=progress)
+    counts, reasons = linear_backends(model)
+    print(f"quantized linears: {counts}")
+    for reason in reasons:
+        print(f"  {reason}")
     layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
     if layout != "canonical":
         t1 = time.perf_counter()
-        model.set_expert_layout(layout)
+        model.set_expert_layout(layout, progress=progress)
         print(f"experts converted to the {layout} layout ({time.perf_counter() - t1:.1f} s)")
     print(
         f"model: {what} ({time.perf_counter() - t0:.1f} s to build); "
         f"JAX platform {jax.default_backend()}, {jax.device_count()} device(s)"
     )
-    prompt_ids = tokenizer.encode(args.prompt)
+    settings.setdefault("eos_id", tuple(model.cfg.eos_token_id))
+    print("generation: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    prompt_ids = tokenizer.encode(text, add_bos=add_bos)
+    shown_reasons = None
     for batch_size in args.batch_size:
         if len(args.batch_size) > 1:
             print(f"=== batch size {batch_size}")
@@ -299,22 +442,22 @@ def main(argv=None) -> int:
         tokens, stats = generate(
             model,
             prompts,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
+            **settings,
             seed=args.seed,
             pad_id=tokenizer.pad_id,
             return_stats=True,
             warmup=not args.no_warmup,
         )
-        # The log line names the candidates; it is emitted once per process, so a later run in
-        # the same process asks the selection again.
-        backend = backend_log.lines[-1] if backend_log.lines else chosen_backend(model, batch_size)
-        backend_log.lines.clear()
+        backend, reasons = chosen_backend(model, batch_size)
         print(f"fused_moe backend: {backend}")
+        if reasons != shown_reasons:  # the same reasons are not repeated for every batch size
+            for reason in reasons:
+                print(f"  {reason}")
+            shown_reasons = reasons
         for b, row in enumerate(tokens.tolist()):
-            new = row[len(prompts[b]) :]
-            print(f"[{b}] tokens: {new}")
+            new, stopped = new_tokens(row, len(prompts[b]), settings["eos_id"])
+            end = f" (stopped at eos id {new[-1]})" if stopped else ""
+            print(f"[{b}] tokens: {new}{end}")
             print(f"[{b}] text:   {args.prompt!r} -> {tokenizer.decode(new)!r}")
         print(f"speed: {stats}")
         print(f"decode: {stats.decode_tokens_per_s:.1f} tokens/s")

@@ -1,7 +1,10 @@
-"""examples/generate.py smoke test (tiny model, few tokens) and the optional HF parity check."""
+"""examples/generate.py smoke test (tiny model, few tokens), its checkpoint defaults
+(generation_config.json) and chat template, and the optional HF parity check."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import helpers
@@ -21,7 +24,10 @@ def test_example_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _load_example().main(["--help"])
     assert exit_info.value.code == 0
-    assert "--full-width-layers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for flag in ("--full-width-layers", "--chat", "--eos-id", "--no-progress"):
+        assert flag in out
+    assert "generation_config.json" in out
 
 
 def test_example_main_tiny(capsys):
@@ -66,6 +72,122 @@ def test_example_distinct_prompts(capsys):
     firsts = example.first_tokens(Model, Tokenizer, 3, seed=0)
     assert len(set(firsts)) == 3 and 0 not in firsts
     assert firsts == example.first_tokens(Model, Tokenizer, 3, seed=0)
+
+
+# ---- a checkpoint's generation_config.json and chat template --------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny model saved as an AWQ checkpoint (config.json + safetensors, no tokenizer)."""
+    from models.deepseek_v3 import save_pretrained
+
+    path = tmp_path_factory.mktemp("tiny_awq")
+    save_pretrained(tiny_model(), path, format="awq")
+    return path
+
+
+def _with_files(checkpoint, tmp_path, **files) -> str:
+    """A copy of `checkpoint` (links to its files) plus `files` {name: JSON object}."""
+    for f in checkpoint.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    return str(tmp_path)
+
+
+def _row_tokens(out: str) -> list[int]:
+    [line] = [line for line in out.splitlines() if line.startswith("[0] tokens:")]
+    return json.loads(re.search(r"\[[\d, ]*\]", line.split(":", 1)[1]).group())
+
+
+def test_example_takes_generation_config_defaults(checkpoint, tmp_path_factory, capsys):
+    """The checkpoint's generation_config.json: its eos ids end the row at the first of them
+    (the tokens are shown up to it), do_sample false decodes greedily, the keys it has no use
+    for are named; --eos-id overrides the file's ids."""
+    example = _load_example()
+    argv = ["--max-new-tokens", "5", "--no-warmup", "--linear-implementation", "xla",
+            "--no-progress", "--eos-id", "0"]  # fmt: skip
+    assert example.main(["--model", str(checkpoint), *argv]) == 0
+    free = _row_tokens(capsys.readouterr().out)  # greedy, no eos among them (id 0: padding)
+    assert len(free) == 5 and 0 not in free
+    stop = free[2]
+    unseen = next(i for i in range(3, tiny_model().cfg.vocab_size) if i not in free)
+    config = {"eos_token_id": [unseen, stop], "do_sample": False, "temperature": 0.7,
+              "top_k": 5, "transformers_version": "4.46.3"}  # fmt: skip
+    path = _with_files(checkpoint, tmp_path_factory.mktemp("gen"), generation_config=config)
+    assert example.main(["--model", path, *argv[:-2]]) == 0
+    out = capsys.readouterr().out
+    eos = tuple(config["eos_token_id"])
+    assert f"generation_config.json: eos_id={eos}, temperature=0.0" in out
+    assert "not used from" in out and "generation_config.json: temperature, top_k" in out
+    assert f"generation: max_new_tokens=5, eos_id={eos}, temperature=0.0" in out
+    want = free[: free.index(stop) + 1]
+    assert _row_tokens(out) == want and f"(stopped at eos id {stop})" in out
+    # A flag wins over the file: no eos among the tokens, all 5 shown.
+    assert example.main(["--model", path, *argv]) == 0
+    out = capsys.readouterr().out
+    assert "generation_config.json: temperature=0.0" in out and "eos_id=(0,)" in out
+    assert _row_tokens(out) == free
+
+
+def test_example_sampling_settings_flags_over_the_file(checkpoint, tmp_path):
+    """Flags given win, the file fills the rest, the built-in max_new_tokens comes last."""
+    example = _load_example()
+    config = {"eos_token_id": [5, 6], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    path = _with_files(checkpoint, tmp_path, generation_config=config)
+    args = example.parse_args(["--model", path, "--temperature", "0", "--eos-id", "7"])
+    assert example.sampling_settings(args, path) == dict(
+        temperature=0.0, eos_id=(7,), top_p=0.9, max_new_tokens=example.DEFAULT_MAX_NEW_TOKENS
+    )
+    args = example.parse_args(["--model", path, "--max-new-tokens", "3"])
+    assert example.sampling_settings(args, path) == dict(
+        max_new_tokens=3, eos_id=(5, 6), temperature=0.6, top_p=0.9
+    )
+    # No file: the flags given only (generate's own defaults for the rest).
+    assert example.sampling_settings(example.parse_args([]), None) == dict(
+        max_new_tokens=example.DEFAULT_MAX_NEW_TOKENS
+    )
+
+
+def test_example_malformed_generation_config_names_the_file(checkpoint, tmp_path):
+    path = _with_files(checkpoint, tmp_path, generation_config={"do_sample": "yes"})
+    with pytest.raises(SystemExit, match=r"generation_config.json: do_sample must be true"):
+        _load_example().main(["--model", path, "--no-progress"])
+
+
+def test_example_chat_renders_the_template(checkpoint, tmp_path):
+    """--chat: the prompt as one user message through tokenizer_config.json's chat_template,
+    the assistant's turn opened; encoded without another bos (the template writes it)."""
+    pytest.importorskip("jinja2", reason="rendering a chat template needs jinja2")
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer_config = {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}
+    path = _with_files(checkpoint, tmp_path, tokenizer_config=tokenizer_config)
+    example = _load_example()
+    args = example.parse_args(["--model", path, "--chat", "--prompt", "Hi"])
+    assert example.prompt_text(args, path) == ("<s><|user|>Hi</s><|assistant|>", False)
+    args = example.parse_args(["--model", path, "--prompt", "Hi"])
+    assert example.prompt_text(args, path) == ("Hi", True)
+
+
+@pytest.mark.parametrize(
+    "files,match",
+    [
+        ({}, r"--chat: .*tokenizer_config.json does not exist"),
+        ({"tokenizer_config": {"bos_token": "<s>"}}, r"tokenizer_config.json has no chat_templ"),
+    ],
+    ids=["no_tokenizer_config", "no_chat_template"],
+)
+def test_example_chat_without_a_template_names_the_file(checkpoint, tmp_path, files, match):
+    """--chat stops before loading the weights when the checkpoint has no chat template."""
+    path = _with_files(checkpoint, tmp_path, **files)
+    with pytest.raises(SystemExit, match=match):
+        _load_example().main(["--model", path, "--chat", "--no-progress"])
+    with pytest.raises(SystemExit, match="--chat needs --model"):
+        _load_example().main(["--chat"])
 
 
 def test_hf_transformers_parity(tmp_path, rng):

@@ -145,6 +145,23 @@ def test_eos_stops_rows_and_pads_with_eos(batched_run):
     assert np.all(stopped[0, s + 1 :] == eos)
 
 
+def test_several_eos_ids_stop_a_row_on_any(batched_run):
+    """eos_id=[a, b]: each row stops at the first of either (on the device, in the same fixed
+    loop), and is filled with the first id from then on."""
+    model, prompts, out = batched_run
+    s = max(len(p) for p in prompts)
+    a, b = int(out[0, s + 1]), int(out[1, s + 2])  # row 0's second and row 1's third token
+    eos = [a, b]
+    stopped = np.asarray(generate(model, prompts, max_new_tokens=NEW_TOKENS, eos_id=eos))
+    for row in range(len(prompts)):
+        got, ref = stopped[row, s:], out[row, s:]
+        hits = np.flatnonzero(np.isin(ref, eos))
+        end = hits[0] + 1 if hits.size else NEW_TOKENS
+        np.testing.assert_array_equal(got[:end], ref[:end], err_msg=f"row {row}")
+        assert np.all(got[end:] == a), f"row {row}"
+    assert np.isin(stopped[0, s + 1], eos) and np.isin(stopped[1, s + 2], eos)
+
+
 def test_sampling(batched_run):
     model, prompts, out = batched_run
     kw = dict(max_new_tokens=NEW_TOKENS, eos_id=())

@@ -1,12 +1,15 @@
-"""generate() refuses bad inputs before any device work, with messages that quote them."""
+"""generate() refuses bad inputs before any device work, with messages that quote them; a
+checkpoint's generation_config.json gives its defaults, checked the same way."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 from test_deepseek_v3_common import random_ids, tiny_model
 
-from models.deepseek_v3 import generate
+from models.deepseek_v3 import GenerationDefaults, generate, load_generation_config
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +76,81 @@ def test_bad_sampling_arguments(model, prompt, kw, error, match):
     kw = {"max_new_tokens": 2, **kw}
     with pytest.raises(error, match=match):
         generate(model, prompt, **kw)
+
+
+# ---- generation_config.json -------------------------------------------------------------------
+
+
+def _write(tmp_path, content) -> str:
+    path = tmp_path / "generation_config.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "content,want",
+    [
+        # DeepSeek-V3's own file: sampling at 0.6 with nucleus 0.95.
+        ({"_from_model_config": True, "bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
+          "temperature": 0.6, "top_p": 0.95, "transformers_version": "4.46.3"},
+         dict(eos_id=(1,), temperature=0.6, top_p=0.95)),
+        # Several eos ids; do_sample false is greedy whatever the temperature (Hugging Face's
+        # meaning), which is then unused like top_k and max_length.
+        ({"eos_token_id": [7, 9], "do_sample": False, "temperature": 0.7, "top_k": 20,
+          "max_length": 4096, "max_new_tokens": 5},
+         dict(eos_id=(7, 9), temperature=0.0, max_new_tokens=5,
+              unused=("temperature", "top_k", "max_length"))),
+        # do_sample true without a temperature samples at 1.0.
+        ({"do_sample": True}, dict(temperature=1.0)),
+        # Without do_sample Hugging Face decodes greedily: a temperature alone sets nothing.
+        ({"temperature": 0.5, "top_p": 0.9}, dict(unused=("temperature", "top_p"))),
+        ({"eos_token_id": []}, dict(eos_id=())),
+    ],
+    ids=["deepseek_v3", "eos_list_greedy", "sample_default_temperature", "no_do_sample",
+         "no_eos"],
+)  # fmt: skip
+def test_generation_config_values(tmp_path, content, want):
+    path = _write(tmp_path, content)
+    got = load_generation_config(tmp_path)  # the directory, or the file itself
+    assert got == load_generation_config(path) == GenerationDefaults(path=path, **want)
+
+
+def test_generation_config_merges_under_given_values(tmp_path):
+    """Given values win, the file fills the ones not given (None), the rest are left out."""
+    _write(tmp_path, {"eos_token_id": [7, 9], "do_sample": True, "temperature": 0.6})
+    defaults = load_generation_config(tmp_path)
+    assert defaults.values() == dict(eos_id=(7, 9), temperature=0.6)
+    got = defaults.merged(max_new_tokens=3, temperature=0.0, top_p=None, eos_id=None)
+    assert got == dict(max_new_tokens=3, temperature=0.0, eos_id=(7, 9))
+
+
+def test_no_generation_config(tmp_path):
+    assert load_generation_config(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="nothing.json"):
+        load_generation_config(tmp_path / "nothing.json")
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+        ({"eos_token_id": "2"}, "eos_token_id must be an id or a list of ids, got '2'"),
+        ({"eos_token_id": [1, True]}, r"got \[1, True\]"),
+        ({"eos_token_id": -1}, "got -1"),
+        ({"do_sample": "yes"}, "do_sample must be true or false, got 'yes'"),
+        ({"do_sample": True, "temperature": -1.0}, "temperature=-1.0 must be finite and >= 0"),
+        ({"do_sample": True, "temperature": "hot"}, "temperature must be a number"),
+        ({"do_sample": True, "top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0 must be >= 1"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
+    ],
+    ids=["not_json", "not_object", "eos_text", "eos_bool", "eos_negative", "do_sample_text",
+         "negative_temperature", "temperature_text", "top_p", "max_new_tokens_0",
+         "max_new_tokens_float"],
+)  # fmt: skip
+def test_malformed_generation_config_names_the_file(tmp_path, content, match):
+    path = _write(tmp_path, content)
+    with pytest.raises(ValueError, match=match) as err:
+        load_generation_config(tmp_path)
+    assert path in str(err.value)

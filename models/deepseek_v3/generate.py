@@ -2,7 +2,8 @@
 
 Prompts of different lengths are left-padded; prompt and cache lengths are rounded up to
 buckets (powers of two up to 64, then multiples of 64) so a new prompt length rarely
-recompiles. Sampling is greedy (temperature 0), temperature or top-p; rows stop at eos.
+recompiles. Sampling is greedy (temperature 0), temperature or top-p; rows stop at any of the
+eos ids. `load_generation_config` reads a checkpoint's defaults (generation_config.json).
 A sharded model (sharding.shard_model, init_random / load_pretrained with a mesh) runs the
 same code under jax.jit with in/out shardings: batch over the data axis, the generated
 tokens replicated so every host can read them.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -21,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+
+from models.deepseek_v3.config import read_json
 
 logger = logging.getLogger("models.deepseek_v3")
 
@@ -258,6 +262,98 @@ def _check_sampling(max_new_tokens, temperature, top_p) -> None:
         raise ValueError(f"top_p={top_p} must be in (0, 1] (1: no nucleus)")
 
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+# Keys of a generation_config.json that say nothing about how to sample: never reported unused.
+_METADATA_KEYS = ("transformers_version", "bos_token_id", "pad_token_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationDefaults:
+    """The `generate` arguments a checkpoint's generation_config.json (Hugging Face's
+    GenerationConfig file) sets, as `generate` takes them; None where the file sets nothing.
+
+    Hugging Face's meaning is kept: sampling needs do_sample true (temperature then defaults
+    to 1.0); do_sample false is greedy (temperature 0.0). max_length is not read: it counts
+    the prompt, and the decode loop runs a fixed number of steps, so a large max_length would
+    run them all.
+    """
+
+    path: str
+    eos_id: tuple[int, ...] | None = None  # ids that end a row (eos_token_id: an int or a list)
+    temperature: float | None = None
+    top_p: float | None = None
+    max_new_tokens: int | None = None
+    unused: tuple[str, ...] = ()  # the file's keys that set nothing here (e.g. top_k)
+
+    def values(self) -> dict:
+        """{generate keyword: value} for what the file sets."""
+        names = ("eos_id", "temperature", "top_p", "max_new_tokens")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def merged(self, **given) -> dict:
+        """`given` generate keywords (None: not given) with the file's value where one is None;
+        keywords that neither sets are left out (their built-in defaults apply)."""
+        out = {k: v for k, v in given.items() if v is not None}
+        for k, v in self.values().items():
+            out.setdefault(k, v)
+        return out
+
+
+def load_generation_config(path: str | os.PathLike) -> GenerationDefaults | None:
+    """The defaults of a checkpoint directory's generation_config.json (None where it has
+    none), or of that file given by its path.
+
+    Raises:
+        FileNotFoundError: `path` is neither a directory nor a file (named).
+        ValueError: the file is not a JSON object, or a value is not one `generate` takes
+            (eos ids that are not non-negative ints, a do_sample that is not a bool, the
+            sampling checks of `generate`): the file named.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, GENERATION_CONFIG_FILE)
+        if not os.path.exists(path):
+            return None
+    hf = read_json(path)
+    eos = hf.get("eos_token_id")
+    if eos is not None:
+        ids = eos if isinstance(eos, list) else [eos]
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"{path}: eos_token_id must be an id or a list of ids, got {eos!r}")
+        eos = tuple(ids)
+    do_sample = hf.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise ValueError(f"{path}: do_sample must be true or false, got {do_sample!r}")
+    temperature = top_p = None
+    if do_sample:
+        temperature, top_p = hf.get("temperature", 1.0), hf.get("top_p")
+    elif do_sample is False:
+        temperature = 0.0
+    max_new_tokens = hf.get("max_new_tokens")
+    try:
+        _check_sampling(
+            1 if max_new_tokens is None else max_new_tokens,
+            0.0 if temperature is None else temperature,
+            1.0 if top_p is None else top_p,
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: {err}") from None
+    read = {"eos_token_id", "do_sample", "max_new_tokens"}
+    if do_sample:
+        read |= {"temperature", "top_p"}
+    unused = tuple(
+        k for k in hf if k not in read and k not in _METADATA_KEYS and not k.startswith("_")
+    )
+    return GenerationDefaults(
+        path=path,
+        eos_id=eos,
+        temperature=None if temperature is None else float(temperature),
+        top_p=None if top_p is None else float(top_p),
+        max_new_tokens=max_new_tokens,
+        unused=unused,
+    )
+
+
 def generate(
     model,
     input_ids,
@@ -284,8 +380,9 @@ def generate(
         seed: sampling seed.
         attention_mask: [B, S], 0 on left padding (default: no padding).
         pad_id: padding token for list prompts (default cfg.pad_token_id, else 0).
-        eos_id: id(s) that end a row (default cfg.eos_token_id; () never stops). A finished
-            row is filled with its eos id (the first one) to the end.
+        eos_id: id(s) that end a row: it stops at the first token that is any of them
+            (default cfg.eos_token_id; () never stops). A finished row is filled with the
+            first of the ids to the end.
         return_stats: also return a GenerateStats.
         warmup: run the prefill and the decode loop once before the timed runs, so the
             timings exclude first-execution costs (loading the kernels' modules, and on a mesh
