@@ -125,6 +125,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "random model's weights (default int4)",
     )
     p.add_argument(
+        "--quantize-lm-head",
+        choices=("int4", "int8"),
+        default=None,
+        help="quantize the float lm_head (the vocabulary projection, 1.85 GB of bf16 at "
+        "DeepSeek-V3's width: the largest weight a decode step reads) to int4 or int8 (groups "
+        "of 128, zero points) after loading, for its bytes per step; default: as the "
+        "checkpoint ships it",
+    )
+    p.add_argument(
         "--batch-size",
         type=int,
         nargs="+",
@@ -318,6 +327,34 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
     return model, load_tokenizer(None, cfg=cfg), what
 
 
+def prepare_model(model, args, linears: str, *, progress: bool):
+    """The built model as the flags ask it to run: --float-weights (a float copy), the
+    lm_head quantized (--quantize-lm-head), the quantized linears on `linears` and the experts
+    in their layout (--expert-layout), each step printed."""
+    if args.float_weights:
+        if model.sharding is not None:
+            raise SystemExit("--float-weights needs an unsharded model (no --mesh)")
+        t1 = time.perf_counter()
+        model = dequantize_model(model)  # the quantized model is dropped: one copy kept
+        print(f"weights dequantized to {model.cfg.dtype} ({time.perf_counter() - t1:.1f} s)")
+    if args.quantize_lm_head:
+        if model.sharding is not None:
+            raise SystemExit("--quantize-lm-head needs an unsharded model (no --mesh)")
+        model.quantize_lm_head(args.quantize_lm_head)
+        print(f"lm_head quantized to {args.quantize_lm_head}")
+    model.set_linear_implementation(linears, progress=progress)
+    counts, reasons = linear_backends(model)
+    print(f"quantized linears: {counts}")
+    for reason in reasons:
+        print(f"  {reason}")
+    layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
+    if layout != "canonical":
+        t1 = time.perf_counter()
+        model.set_expert_layout(layout, progress=progress)
+        print(f"experts converted to the {layout} layout ({time.perf_counter() - t1:.1f} s)")
+    return model
+
+
 def unavailable(select, chosen: str) -> list[str]:
     """The library's reason for each other backend (interpreters aside: never chosen
     automatically) that cannot run a call, as `select(implementation=name)` raises it."""
@@ -408,22 +445,7 @@ def main(argv=None) -> int:
     settings = sampling_settings(args, checkpoint)
     text, add_bos = prompt_text(args, checkpoint)
     model, tokenizer, what = build_model(args, mesh, checkpoint)
-    if args.float_weights:
-        if mesh is not None:
-            raise SystemExit("--float-weights needs an unsharded model (no --mesh)")
-        t1 = time.perf_counter()
-        model = dequantize_model(model)  # the quantized model is dropped: one copy kept
-        print(f"weights dequantized to {model.cfg.dtype} ({time.perf_counter() - t1:.1f} s)")
-    model.set_linear_implementation(linears, progress=progress)
-    counts, reasons = linear_backends(model)
-    print(f"quantized linears: {counts}")
-    for reason in reasons:
-        print(f"  {reason}")
-    layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
-    if layout != "canonical":
-        t1 = time.perf_counter()
-        model.set_expert_layout(layout, progress=progress)
-        print(f"experts converted to the {layout} layout ({time.perf_counter() - t1:.1f} s)")
+    model = prepare_model(model, args, linears, progress=progress)
     print(
         f"model: {what} ({time.perf_counter() - t0:.1f} s to build); "
         f"JAX platform {jax.default_backend()}, {jax.device_count()} device(s)"

@@ -116,12 +116,12 @@ def step_bytes(model) -> float:
 def main(argv=None) -> int:
     ours, args = parse_args(argv)
     model, tokenizer, what = generate_example.build_model(args)
-    model.set_linear_implementation(args.linear_implementation)
-    layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
-    if layout != "canonical":
-        model.set_expert_layout(layout)
+    progress = not args.no_progress
+    model = generate_example.prepare_model(
+        model, args, args.linear_implementation, progress=progress
+    )
     on_gpu = jax.default_backend() == "gpu"
-    print(f"model: {what}; quantized linears: {generate_example.linear_backends(model)}")
+    print(f"model: {what}")
     prompts = [tokenizer.encode(args.prompt)] * args.batch_size[0]
 
     def decode_s(new_tokens):  # runs generate; the decode loop's seconds

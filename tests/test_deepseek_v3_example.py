@@ -54,6 +54,19 @@ def test_example_float_weights_give_the_same_tokens(capsys):
     assert _tokens(dense) == _tokens(quantized) and _tokens(dense)
 
 
+def test_example_quantize_lm_head(capsys):
+    """--quantize-lm-head int8: the lm_head joins the quantized linears (one more on xla)."""
+    argv = ["--max-new-tokens", "2", "--no-warmup", "--linear-implementation", "xla"]
+    assert _load_example().main(argv) == 0
+    before = capsys.readouterr().out
+    assert _load_example().main([*argv, "--quantize-lm-head", "int8"]) == 0
+    after = capsys.readouterr().out
+    assert "lm_head quantized to int8" in after and "lm_head quantized" not in before
+    count = lambda out: int(out.split("quantized linears: ")[1].split()[0])  # noqa: E731
+    assert count(after) == count(before) + 1
+    assert len(_tokens(after)) == 1
+
+
 def test_example_distinct_prompts(capsys):
     """--distinct-prompts: each row starts with its own token, so rows differ."""
     argv = ["--max-new-tokens", "2", "--batch-size", "3", "--distinct-prompts", "--no-warmup"]

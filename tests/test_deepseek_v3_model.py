@@ -374,6 +374,46 @@ def test_kernel_linears_match_xla(rng, implementation):
         kernel.set_linear_implementation("tpu")
 
 
+@pytest.mark.parametrize("spec, bits", [("int4", 4), (QuantSpec(bits=8, group_size=-1), 8)])
+def test_quantized_lm_head(rng, spec, bits):
+    """quantize_lm_head: the logits are those of the float model whose lm_head holds the
+    dequantized weight (f32, on the float dot), and on the Mosaic GPU GEMM (bf16, int4) those of
+    the xla path; the weight holds bits / 16 of bf16's bytes."""
+    model = tiny_model(num_hidden_layers=2)
+    q = nnx.clone(model)
+    q.quantize_lm_head(spec)
+    assert isinstance(q.lm_head, QuantizedLinear) and q.lm_head.weight.bits == bits
+    v, h = model.cfg.vocab_size, model.cfg.hidden_size
+    assert q.lm_head.weight.qweight.get_value().nbytes == v * h * bits // 8
+    ids = random_ids(rng, (2, 5), model.cfg)
+    mask = np.ones(ids.shape, bool)
+    out = logits_of(q, ids, mask)
+    assert out.dtype == jnp.float32
+    assert_close(out, logits_of(dequantize_model(q), ids, mask), "f32_reordered")
+    with pytest.raises(ValueError, match="already quantized"):
+        q.quantize_lm_head("int4")
+
+
+def test_quantized_lm_head_on_the_kernel(rng):
+    overrides, _, kind = KERNEL_LINEAR_MODELS[f"mgpu{_SUFFIX}"]
+    model = nnx.clone(tiny_model(num_hidden_layers=1, **overrides))
+    model.quantize_lm_head("int4")
+    kernel = nnx.clone(model)
+    kernel.set_linear_implementation(f"mgpu{_SUFFIX}")
+    assert kernel.lm_head.kernel(model.cfg.dtype) == f"mgpu{_SUFFIX}"
+    ids = random_ids(rng, (2, 5), model.cfg)
+    mask = np.ones(ids.shape, bool)
+    out = logits_of(kernel, ids, mask)
+    assert out.dtype == jnp.float32
+    assert_close(out, logits_of(model, ids, mask), kind)
+
+
+def test_quantize_lm_head_refuses_tied_embeddings():
+    model = tiny_model(num_hidden_layers=1, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        model.quantize_lm_head("int4")
+
+
 def test_auto_linears_take_the_platforms_choice():
     """ "auto": on CPU every linear stays canonical on the float dot (no kernel runs off a GPU
     without being named)."""
