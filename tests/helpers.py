@@ -52,8 +52,8 @@ def relative_error(actual, expected) -> float:
 
 
 def bf16_rounded(w_deq):
-    """float64 weights rounded to bf16 once: (q - z) * s has at most 12 significant bits (a
-    4-bit integer times a bf16 scale), exact in f32, so f64 -> f32 does not round."""
+    """float64 weights rounded to bf16 once: (q - z) * s has at most 16 significant bits (an
+    integer of at most 8 bits times a bf16 scale), exact in f32, so f64 -> f32 does not round."""
     return np.asarray(jnp.asarray(w_deq.astype(np.float32)).astype(jnp.bfloat16), np.float64)
 
 

@@ -503,19 +503,24 @@ def test_gemm_config_is_the_backends(rng, monkeypatch):
         (4, 128, jnp.bfloat16, "mgpu_int4"),
         (4, 32, jnp.bfloat16, "canonical"),  # the k-tile (64) does not divide the group
         (4, 64, jnp.float16, "canonical"),
-        (8, 64, jnp.bfloat16, "canonical"),
+        (8, 64, jnp.bfloat16, "mgpu_int8"),
+        (8, 64, jnp.float16, "canonical"),
     ],
     ids=str,
 )
 def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
-    """mgpu_int4 exactly where its backend takes the experts (the interpreter stands in for
-    'mgpu', which needs an sm_90 GPU), canonical elsewhere."""
+    """The layout of the experts' bits (mgpu_int4, mgpu_int8) exactly where its backend takes
+    them (the interpreter stands in for 'mgpu', which needs an sm_90 GPU), canonical elsewhere;
+    mixed bits (no layout holds both) stay canonical."""
     w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, group_size, True, jnp.bfloat16)
     w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, group_size, True, jnp.bfloat16)
     if _dispatch.current_platform() != "gpu":
         assert wj.preferred_layout(w13, w2, dtype=dtype) == "canonical"
-    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", (("mgpu_int4", "mgpu_interpret"),))
+    preferred = (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret"))
+    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", preferred)
     assert wj.preferred_layout(w13, w2, dtype=dtype) == want
+    other = helpers.random_quantized_experts(rng, 2, 256, 128, 12 - bits, 64, True, jnp.bfloat16)
+    assert wj.preferred_layout(w13, other, dtype=dtype) == "canonical"
     with pytest.raises(ValueError, match="activation='gelu'"):
         wj.preferred_layout(w13, w2, dtype=dtype, activation="gelu")
 

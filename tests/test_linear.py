@@ -87,26 +87,29 @@ MGPU = "mgpu" if ON_GPU else "mgpu_interpret"
 
 
 @pytest.mark.parametrize(
-    "rows, n, k, group, has_zp",
+    "rows, n, k, group, has_zp, bits",
     [
-        (1, 576, 512, 128, True),  # kv_a_proj's N; 8-row blocks, k-steps of two groups, split K
-        (9, 128, 256, 64, False),  # 16-row blocks, one partly used
-        (70, 576, 256, 128, True),  # 128-row blocks (bf16 weights), halved, one consumer
-        (3, 128, 256, -1, True),  # per-channel scales
+        (1, 576, 512, 128, True, 4),  # kv_a_proj's N; 8-row blocks, k-steps of two groups, split
+        (9, 128, 256, 64, False, 4),  # 16-row blocks, one partly used
+        (70, 576, 256, 128, True, 4),  # 128-row blocks (bf16 weights), halved, one consumer
+        (3, 128, 256, -1, True, 4),  # per-channel scales
+        (1, 576, 512, -1, False, 8),  # int8 per channel (W8A16): k-steps of 256, split K
+        (70, 576, 256, 128, True, 8),  # int8 on 128-row blocks (bf16 weights), one consumer
     ],
 )
-def test_mgpu_matches_numpy(rng, rows, n, k, group, has_zp):
-    """The Mosaic GPU GEMM with one expert on weights in its layout, at the heuristic's
-    configs for decode and prefill row counts, against float64 numpy on the same weights."""
-    w = helpers.random_quantized_experts(rng, 1, n, k, 4, group, has_zp, jnp.bfloat16)
-    mgpu = wj.layouts.to_kernel_layout(w, "mgpu_int4")
+def test_mgpu_matches_numpy(rng, rows, n, k, group, has_zp, bits):
+    """The Mosaic GPU GEMM with one expert on weights in its layout (int4 or int8), at the
+    heuristic's configs for decode and prefill row counts, against float64 numpy on the same
+    weights."""
+    w = helpers.random_quantized_experts(rng, 1, n, k, bits, group, has_zp, jnp.bfloat16)
+    mgpu = wj.layouts.to_kernel_layout(w, f"mgpu_int{bits}")
     x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
     assert linear.select_implementation(mgpu, implementation=[MGPU, "xla"]) == MGPU
     out = linear.quantized_matmul(x, mgpu, implementation=MGPU)
     assert out.shape == (rows, n) and out.dtype == jnp.bfloat16
     helpers.assert_close(out, numpy_linear(x, w), jnp.bfloat16, "mgpu linear")
     xla = linear.quantized_matmul(x, mgpu, implementation="xla")  # reads the layout back
-    helpers.assert_close(xla, numpy_linear(x, w), jnp.bfloat16, "xla linear on mgpu_int4")
+    helpers.assert_close(xla, numpy_linear(x, w), jnp.bfloat16, f"xla linear on {mgpu.layout}")
 
 
 def numpy_silu_and_mul(h) -> np.ndarray:
@@ -177,22 +180,25 @@ def test_mgpu_linear_configs():
 
 def test_preferred_layout(rng, monkeypatch):
     """The layout a linear's weight is converted to once: canonical on CPU unless a backend
-    that reads another is named (its layout where it holds the weight); int8 weights and
+    that reads another is named (its layout where it holds the weight: mgpu_int8 for int8);
     shapes not in 64 x 64 tiles stay canonical; with the interpreter standing in for 'mgpu',
-    the automatic choice is mgpu_int4 for bf16 and canonical for f32 activations."""
+    the automatic choice is mgpu_int4 (mgpu_int8) for bf16 and canonical for f32
+    activations."""
     w = helpers.random_quantized_experts(rng, 1, 128, 256, 4, 128, True, jnp.bfloat16)
     w8 = helpers.random_quantized_experts(rng, 1, 128, 256, 8, 128, True, jnp.bfloat16)
     odd = helpers.random_quantized_experts(rng, 1, 96, 256, 4, 128, True, jnp.bfloat16)
     assert linear.preferred_layout(w, implementation="mgpu_interpret") == "mgpu_int4"
     assert linear.preferred_layout(w, implementation="pallas_interpret") == "canonical"
-    assert linear.preferred_layout(w8, implementation="mgpu_interpret") == "canonical"
+    assert linear.preferred_layout(w8, implementation="mgpu_interpret") == "mgpu_int8"
     assert linear.preferred_layout(odd, implementation="mgpu_interpret") == "canonical"
     f32 = linear.preferred_layout(w, dtype=jnp.float32, implementation="mgpu_interpret")
     assert f32 == "canonical"
     if not ON_GPU:
         assert linear.preferred_layout(w) == "canonical"
-        monkeypatch.setattr(wj._dispatch, "PREFERRED_LAYOUTS", (("mgpu_int4", "mgpu_interpret"),))
+        preferred = (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret"))
+        monkeypatch.setattr(wj._dispatch, "PREFERRED_LAYOUTS", preferred)
         assert linear.preferred_layout(w) == "mgpu_int4"
+        assert linear.preferred_layout(w8) == "mgpu_int8"
         assert linear.preferred_layout(w, dtype=jnp.float32) == "canonical"
     with pytest.raises(ValueError, match="unknown implementation 'nope'"):
         linear.preferred_layout(w, implementation="nope")
@@ -205,10 +211,12 @@ def test_preferred_layout(rng, monkeypatch):
         (1, 64, "xla", ValueError, "x has 64 input features, the weight K=128"),
         (1, 128, "no_such", ValueError, "unknown implementation 'no_such'"),
         (1, 128, "mgpu_interpret", NotImplementedError, "reads weights in the 'mgpu_int4' layout"),
+        (1, 128, "mgpu_interpret", NotImplementedError, "reads weights in the 'mgpu_int8' layout"),
     ],
 )
 def test_errors(rng, e, k_x, implementation, error, message):
-    w = helpers.random_quantized_experts(rng, e, 64, 128, 4, 128, True, jnp.bfloat16)
+    bits = 8 if "int8" in message else 4
+    w = helpers.random_quantized_experts(rng, e, 64, 128, bits, 128, True, jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(2, k_x)), jnp.bfloat16)
     with pytest.raises(error, match=message):
         linear.quantized_matmul(x, w, implementation=implementation)

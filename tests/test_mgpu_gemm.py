@@ -1,5 +1,5 @@
-"""Tests of the Mosaic GPU int4 GEMM (pallas_kernels/mosaic_gpu/wna16_gemm.py), the 'mgpu' backend's
-MoE layer built on it (pallas_kernels/mosaic_gpu/fused_moe.py) and its weight layout
+"""Tests of the Mosaic GPU int4 / int8 GEMM (pallas_kernels/mosaic_gpu/wna16_gemm.py), the 'mgpu'
+backend's MoE layer built on it (pallas_kernels/mosaic_gpu/fused_moe.py) and its weight layouts
 (wna16_jax/layouts.py).
 
 Outputs are compared with float64 numpy on the dequantized weights of the same packed words
@@ -11,7 +11,7 @@ How to run:
         takes A from shared memory only, so there the dequantized tile goes through shared
         memory, and the register path is proven only on the GPU.
     GPU (sm_90): `pytest tests/test_mgpu_gemm.py` runs the same cases compiled, plus the
-        gpu-marked DeepSeek-V3-sized GEMMs and layers.
+        gpu-marked DeepSeek-V3-sized GEMMs and layers (int4 and int8).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from pallas_kernels.mosaic_gpu.wna16_gemm import (  # noqa: E402
 
 
 def prepare_weights(qw):
-    return wj.layouts.to_kernel_layout(qw, "mgpu_int4")
+    """qw in the mgpu layout of its bits."""
+    return wj.layouts.to_kernel_layout(qw, f"mgpu_int{qw.bits}")
 
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -68,9 +69,9 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
 
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
-    stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False,
+    stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False, bits=4,
 ):  # fmt: skip
-    qw = helpers.random_quantized_experts(rng, e, n, k, 4, group_size, has_zp, BF16)
+    qw = helpers.random_quantized_experts(rng, e, n, k, bits, group_size, has_zp, BF16)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
     w = prepare_weights(qw)
@@ -243,6 +244,63 @@ def test_gemm_wide_steps(rng, has_zp, block_k, consumers, splits, gated):
     )  # fmt: skip
 
 
+# int8 (the mgpu_int8 layout): each path of the int4 cases above, zero points and symmetric,
+# grouped and per-channel (group_size -1: one group of K) scales; e=3, blocks [1, -1, 0, 2, 1]
+# (128-row blocks: [1, -1, 0, 2]).
+INT8_GEMM_CASES = (
+    # k-steps inside a group, of one whole group, of several, per-channel
+    dict(n=128, k=256, group_size=128, has_zp=True, block_m=8, block_k=128),
+    dict(n=128, k=256, group_size=128, has_zp=False, block_m=16, block_k=64),
+    dict(n=128, k=256, group_size=-1, has_zp=True, block_m=64, block_k=128),
+    dict(n=128, k=256, group_size=-1, has_zp=False, block_m=8, block_k=256),
+    dict(n=128, k=256, group_size=64, has_zp=True, block_m=32, block_k=256),
+    # warp specialization, K splits
+    dict(n=256, k=512, group_size=128, has_zp=False, block_m=16, block_k=128, consumers=1),
+    dict(n=256, k=512, group_size=128, has_zp=True, block_m=32, block_k=128, consumers=2, splits=4),
+    dict(n=256, k=512, group_size=-1, has_zp=True, block_m=16, block_k=128, splits=2),
+    # 128-256 features per warpgroup
+    dict(n=512, k=512, group_size=128, has_zp=True, block_m=8, block_k=256, block_n=256, splits=2),
+    dict(n=512, k=512, group_size=-1, has_zp=False, block_m=8, block_k=128, block_n=128,
+         consumers=2),
+    # gated (silu * up in the epilogue)
+    dict(n=256, k=512, group_size=128, has_zp=True, block_m=8, block_k=128, gated=True),
+    dict(n=512, k=512, group_size=-1, has_zp=False, block_m=32, block_k=128, consumers=2,
+         gated=True),
+    # runs of output tiles per program
+    dict(n=512, k=512, group_size=128, has_zp=False, block_m=8, block_k=256, gated=True,
+         tiles_per_program=2, stages=3),
+    dict(n=512, k=512, group_size=128, has_zp=True, block_m=8, block_k=128, splits=2,
+         tiles_per_program=4, stages=3),
+    dict(n=512, k=512, group_size=-1, has_zp=True, block_m=8, block_k=128, consumers=2,
+         gated=True, tiles_per_program=2, stages=3),
+    # bf16_weights: the M=4096 default's GEMMs (128-row blocks, GEMM1 gated, GEMM2 at 128
+    # features per consumer) and 16-row blocks
+    dict(n=256, k=512, group_size=128, has_zp=True, block_m=16, block_k=128, consumers=2,
+         bf16_weights=True, stages=3),
+    dict(n=512, k=512, group_size=-1, has_zp=False, block_m=128, block_k=128, consumers=2,
+         gated=True, bf16_weights=True, stages=3),
+    dict(n=512, k=512, group_size=128, has_zp=True, block_m=128, block_k=128, block_n=128,
+         consumers=2, bf16_weights=True, stages=3),
+    # k-steps of 512 inputs: 256 TMA rows of 128 bytes, the most a copy takes
+    dict(n=128, k=1024, group_size=128, has_zp=True, block_m=8, block_k=512, stages=2),
+    dict(n=256, k=1024, group_size=-1, has_zp=False, block_m=8, block_k=512, consumers=2,
+         splits=2, stages=2),
+)  # fmt: skip
+
+
+def case_id(case: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in case.items())
+
+
+@pytest.mark.parametrize("case", INT8_GEMM_CASES, ids=case_id)
+def test_int8_gemm_matches_numpy(rng, case):
+    """int8 weights on every path of the GEMM: the converted tile (q - 128, less z - 128 with
+    zero points) in the products, exact integer sums scaled per group or per channel, or the
+    bf16_weights path."""
+    blocks = [1, -1, 0, 2] if case["block_m"] == 128 else [1, -1, 0, 2, 1]
+    run_gemm_case(rng, e=3, blocks=blocks, bits=8, **case)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
 @pytest.mark.parametrize(
@@ -282,6 +340,33 @@ def test_gemm_deepseek_v3_wide_warpgroups(rng, has_zp, block_m, block_n, consume
     )  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "group_size,has_zp", [(-1, False), (128, True)], ids=["channel-sym", "g128-zp"]
+)
+@pytest.mark.parametrize(
+    "block_m,block_k,consumers,splits,block_n,gated,stages,bf16_weights",
+    [(8, 256, 0, 1, 64, False, 2, False), (8, 256, 0, 4, 64, False, 3, False),
+     (8, 512, 0, 1, 64, False, 2, False), (8, 256, 0, 1, 64, True, 2, False),
+     (8, 256, 0, 1, 128, False, 3, False), (16, 128, 0, 1, 128, True, 3, False),
+     (16, 128, 1, 7, 64, False, 4, False), (64, 256, 2, 1, 64, True, 2, False),
+     (64, 256, 2, 1, 128, False, 2, False), (64, 128, 2, 1, 64, False, 3, False),
+     (128, 128, 2, 1, 64, True, 3, True), (128, 128, 2, 1, 128, False, 3, True)],
+    ids=str,
+)  # fmt: skip
+def test_int8_gemm_deepseek_v3_shapes(rng, group_size, has_zp, block_m, block_k, consumers,
+                                      splits, block_n, gated, stages, bf16_weights):  # fmt: skip
+    """GEMM1 of DeepSeek-V3 TP=1 (N=4096, K=7168) on 16 int8 experts, per-channel symmetric (as
+    W8A16 checkpoints hold them) and g128 with zero points, on the paths and stages of int8's
+    defaults, compiled: the in-register conversion (inline PTX) that the interpreter does not
+    run."""
+    run_gemm_case(
+        rng, e=16, n=4096, k=7168, group_size=group_size, has_zp=has_zp, block_m=block_m,
+        block_k=block_k, blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits,
+        block_n=block_n, gated=gated, stages=stages, bf16_weights=bf16_weights, bits=8,
+    )  # fmt: skip
+
+
 IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
 # INTERPRETER_DISPATCH: a test blocks on an interpreted kernel's result before it dispatches
 # another computation. The Mosaic GPU interpreter's callbacks run jax operations themselves (jax
@@ -290,22 +375,31 @@ IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
 # dispatched back to back hung now and then; blocking in between, never.
 
 
-# The fused_moe checks of every backend (tests/backend_cases.py): int4 bf16 weights in the
-# mgpu_int4 layout, silu; tiny problems (the interpreter is slow).
+# The fused_moe checks of every backend (tests/backend_cases.py): int4 and int8 bf16 weights in
+# the mgpu_int4 / mgpu_int8 layout, silu; tiny problems (the interpreter is slow).
 MGPU_CASES = (
     MoeCase(1, 8, 2, 128, 128),  # one token: a block per slot, no alignment kernel
     MoeCase(7, 8, 3, 128, 64, has_zp=False),
     MoeCase(13, 16, 2, 128, 128, group_size=128, distinct=False),
+    # the grid's int8 cases (backend_cases.CASES) in bf16, their groups in whole k-tiles of 64:
+    # symmetric g64, and zero points per channel
+    MoeCase(7, 16, 4, 128, 128, 8, 64, False),
+    MoeCase(5, 8, 6, 128, 128, 8, -1, True),
+    # DeepSeek-V3 scaled down (top-8 of 32 experts, H = 2 I) as a W8A16 checkpoint holds it:
+    # symmetric int8 per channel
+    MoeCase(3, 32, 8, 256, 128, 8, -1, False),
 )
 
 
 class TestMgpuInterpreted(FusedMoeCases):
     IMPLEMENTATION = "mgpu_interpret"
     BACKEND_FUSED_MOE = staticmethod(functools.partial(mgpu_fused_moe.fused_moe, interpret=True))
-    LAYOUT = "mgpu_int4"
-    BITS = (4,)
+    BITS = (4, 8)
     DTYPES = ("bfloat16",)
     CASES = MGPU_CASES
+
+    def prepare(self, w):
+        return prepare_weights(w)  # mgpu_int4 or mgpu_int8 by its bits
 
 
 @pytest.mark.gpu
@@ -339,6 +433,27 @@ def test_fused_moe_matches_numpy(rng, has_zp, t, config):
 
 
 @pytest.mark.parametrize(
+    "t,config,group_size,has_zp",
+    [
+        (1, wj.BlockConfig(block_m=8, block_k=64), -1, False),
+        (9, None, 64, True),
+        (7, MgpuConfig(block_m=8, block_k=64, consumers=2), -1, True),
+        (11, MgpuConfig(block_m=8, block_k=64, block_n=128), 64, False),
+        (30, MgpuConfig(block_m=32, block_k=64, block_halvings=3), -1, False),
+        # int8's defaults: 64-row blocks (GEMM1 at 2 stages), 128-row blocks on bf16 weights
+        (40, default_config(48 * 256, 256, 128, 2048, bits=8), 64, True),
+        (40, default_config(4096 * 8, 256, 64, bits=8), -1, False),
+    ],
+    ids=str,
+)
+def test_int8_fused_moe_matches_numpy(rng, t, config, group_size, has_zp):
+    """The layer on int8 weights (the mgpu_int8 layout) at explicit and default configs,
+    grouped and per-channel scales."""
+    bf16_weights = isinstance(config, MgpuConfig) and config.bf16_weights
+    run_layer_case(rng, has_zp, t, config, bf16_weights, bits=8, group_size=group_size)
+
+
+@pytest.mark.parametrize(
     "t,config",
     [(40, MgpuConfig(block_m=16, block_k=64, consumers=2, block_halvings=1, bf16_weights=True)),
      (9, MgpuConfig(block_m=16, block_k=64, consumers=2, bf16_weights=True)),
@@ -355,10 +470,10 @@ def test_fused_moe_on_bf16_weights(rng, t, config):
     run_layer_case(rng, True, t, config, bf16_weights=True)
 
 
-def run_layer_case(rng, has_zp, t, config, bf16_weights=False):
+def run_layer_case(rng, has_zp, t, config, bf16_weights=False, bits=4, group_size=64):
     e, top_k, h, i = 8, 2, 128, 64
-    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, has_zp, BF16)
-    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, has_zp, BF16)
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, bits, group_size, has_zp, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, bits, group_size, has_zp, BF16)
     x = jnp.asarray(rng.standard_normal((t, h)), BF16)
     topk_weights, topk_ids = helpers.random_routing(rng, t, top_k, e)
     out = wj.fused_moe(
@@ -445,12 +560,13 @@ def test_used_blocks_hold_every_slot(rng, t, k, e, block_m):
     assert np.all(np.asarray(routing.expert_ids)[experts.shape[0] :] == -1)
 
 
-def test_xla_reads_the_layout_exactly(rng):
-    """'xla' on mgpu_int4 weights converts back losslessly: the same output bits as on the
-    canonical weights."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_xla_reads_the_layout_exactly(rng, bits):
+    """'xla' on mgpu_int4 / mgpu_int8 weights converts back losslessly: the same output bits as
+    on the canonical weights."""
     e, top_k, t, h, i = 4, 2, 3, 128, 64
-    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
-    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, bits, 64, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, bits, 64, True, BF16)
     x = jnp.asarray(rng.standard_normal((t, h)), BF16)
     tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, top_k, e))
     canonical = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
@@ -462,16 +578,18 @@ def test_xla_reads_the_layout_exactly(rng):
     )
 
 
-def test_backends_name_the_layout(rng):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_backends_name_the_layout(rng, bits):
     e, h, i = 4, 128, 64
-    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, False, BF16)
-    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, False, BF16)
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, bits, 64, False, BF16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, bits, 64, False, BF16)
     x = jnp.zeros((2, h), BF16)
     tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, 2, 2, e))
-    with pytest.raises(NotImplementedError, match="'mgpu_int4' layout"):
+    layout = f"mgpu_int{bits}"
+    with pytest.raises(NotImplementedError, match=f"'{layout}' layout"):
         wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
                      implementation="pallas_interpret")  # fmt: skip
-    with pytest.raises(NotImplementedError, match="reads weights in the 'mgpu_int4' layout"):
+    with pytest.raises(NotImplementedError, match=f"reads weights in the '{layout}' layout"):
         wj.fused_moe(x, w13, w2, tw, ids, implementation="mgpu_interpret")
     with pytest.raises(ValueError, match="layout"):
         wj.fused_moe(x, prepare_weights(w13), w2, tw, ids)
@@ -502,14 +620,16 @@ def test_bf16_weights_meet_the_layer_contract(seed):
     )
 
 
-def deepseek_v3_layer_problem(key, t: int, intermediate: int):
-    """(w13, w2, x, topk_weights, topk_ids) of a DeepSeek-V3 layer (E=256, top-8, H=7168, int4
-    g128 with zero points, bf16) with `intermediate` features per expert (2048 at TP=1, 256 in
-    the TP=8 slice), for t tokens, made on the device."""
+def deepseek_v3_layer_problem(
+    key, t: int, intermediate: int, bits: int = 4, group_size: int = 128, has_zp: bool = True
+):  # fmt: skip
+    """(w13, w2, x, topk_weights, topk_ids) of a DeepSeek-V3 layer (E=256, top-8, H=7168, bf16;
+    by default int4 g128 with zero points) with `intermediate` features per expert (2048 at
+    TP=1, 256 in the TP=8 slice), for t tokens, made on the device."""
     w13 = helpers.device_quantized_experts(jax.random.fold_in(key, 1), 256, 2 * intermediate,
-                                           7168, 4, 128, True, BF16)  # fmt: skip
+                                           7168, bits, group_size, has_zp, BF16)  # fmt: skip
     w2 = helpers.device_quantized_experts(jax.random.fold_in(key, 2), 256, 7168, intermediate,
-                                          4, 128, True, BF16)  # fmt: skip
+                                          bits, group_size, has_zp, BF16)  # fmt: skip
     x = jax.random.normal(jax.random.fold_in(key, 3), (t, 7168), BF16)
     scores = jax.random.uniform(jax.random.fold_in(key, 4), (t, 256))
     tw, ids = jax.lax.top_k(scores, 8)
@@ -554,6 +674,34 @@ def test_fused_moe_deepseek_v3_tp8_gpu(t):
     helpers.assert_finite_and_close(
         out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 TP=8 layer",
         require_signal=True,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "intermediate,t", [(2048, 1), (2048, 16), (2048, 256), (2048, 1536), (2048, 4096), (256, 1),
+                       (256, 16)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "group_size,has_zp", [(-1, False), (128, True)], ids=["channel-sym", "g128-zp"]
+)
+def test_int8_fused_moe_deepseek_v3_gpu(intermediate, t, group_size, has_zp):
+    """The layer on int8 experts at DeepSeek-V3 TP=1 (w13's int8 array has 7.5e9 elements) and
+    the TP=8 slice at int8's defaults (8-, 16-, 64- and 128-row blocks: 1536 tokens run 64-row
+    blocks, GEMM1 at 2 stages), against 'xla' on the same weights; 128-row blocks run on bf16
+    weights: the fused_moe contract (LAYER_SLACK)."""
+    key = jax.random.key(200 + t + intermediate)
+    w13, w2, x, tw, ids = deepseek_v3_layer_problem(key, t, intermediate, 8, group_size, has_zp)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, implementation="xla")
+    group = mgpu_config.layer_group(w13, w2)
+    default = mgpu_config.default_config(8 * t, 256, group, intermediate, 8)
+    out = wj.fused_moe(x, prepare_weights(w13), prepare_weights(w2), tw, ids,
+                       implementation="mgpu")  # fmt: skip
+    slack = LAYER_SLACK if default.bf16_weights else 1.0
+    helpers.assert_finite_and_close(
+        out, np.asarray(ref, np.float64), helpers.tolerance(BF16), "DeepSeek-V3 int8 layer",
+        slack=slack, require_signal=True,
     )  # fmt: skip
 
 
@@ -658,44 +806,61 @@ def test_ragged_expert_parallel_fixed_inputs_gpu():
         (4, 128, BF16, "mgpu_int4"),
         (4, 32, BF16, "canonical"),  # the k-tile (64) does not divide the group
         (4, 64, jnp.float16, "canonical"),
-        (8, 64, BF16, "canonical"),
+        (8, 64, BF16, "mgpu_int8"),
+        (8, -1, BF16, "mgpu_int8"),
+        (8, 32, BF16, "canonical"),
     ],
     ids=str,
 )
 def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
-    """mgpu_int4 exactly where its backend takes the experts (the interpreter stands in for
-    'mgpu', which needs an sm_90 GPU), canonical elsewhere."""
+    """mgpu_int4 / mgpu_int8 exactly where their backend takes the experts (the interpreter
+    stands in for 'mgpu', which needs an sm_90 GPU), canonical elsewhere."""
     w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, group_size, True, BF16)
     w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, group_size, True, BF16)
     if not ON_GPU:
         assert wj.preferred_layout(w13, w2, dtype=dtype) == "canonical"
-    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", (("mgpu_int4", "mgpu_interpret"),))
+    monkeypatch.setattr(
+        _dispatch,
+        "PREFERRED_LAYOUTS",
+        (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret")),
+    )
     assert wj.preferred_layout(w13, w2, dtype=dtype) == want
     with pytest.raises(ValueError, match="activation='gelu'"):
         wj.preferred_layout(w13, w2, dtype=dtype, activation="gelu")
 
 
 @pytest.mark.gpu
-def test_preferred_layout_on_this_gpu(rng):
-    """On an sm_90 GPU the preferred layout of int4 bf16 experts is mgpu_int4 (the 'mgpu'
-    backend runs them); on other GPUs canonical."""
-    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, 4, 128, True, BF16)
-    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, 4, 128, True, BF16)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_preferred_layout_on_this_gpu(rng, bits):
+    """On an sm_90 GPU the preferred layout of int4 (int8) bf16 experts is mgpu_int4 (mgpu_int8):
+    the 'mgpu' backend runs them; on other GPUs canonical."""
+    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, 128, True, BF16)
+    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, 128, True, BF16)
     sm90 = str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
-    want = "mgpu_int4" if sm90 else "canonical"
+    want = f"mgpu_int{bits}" if sm90 else "canonical"
     assert wj.preferred_layout(w13, w2, dtype=BF16) == want
 
 
+@pytest.mark.parametrize("group_size", [64, -1])
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-def test_layout_round_trip_is_lossless(rng, has_zp):
-    qw = helpers.random_quantized_experts(rng, 3, 64, 256, 4, 64, has_zp, BF16)
-    back = wj.layouts.to_canonical_layout(prepare_weights(qw))
-    assert back.layout == "canonical"
-    for field in ("qweight", "scales", "zeros"):
-        a, b = getattr(back, field), getattr(qw, field)
-        assert (a is None) == (b is None), field
-        if a is not None:
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
+def test_layout_round_trip_is_lossless(rng, has_zp, bits, group_size):
+    """Canonical -> mgpu_int4 / mgpu_int8 -> canonical is bit-identical: random words, zero
+    points (0 and 2^bits - 1 among them) or none, grouped and per-channel scales; the scales
+    cast to f32 on the way (the zeros follow them) change nothing."""
+    qw = helpers.random_quantized_experts(rng, 3, 128, 256, bits, group_size, has_zp, BF16)
+    kernel = prepare_weights(qw)
+    assert kernel.layout == f"mgpu_int{bits}" and kernel.bits == bits
+    assert kernel.qweight.dtype == jnp.dtype(f"int{bits}")
+    back = wj.layouts.to_canonical_layout(kernel)
+    via_f32 = wj.layouts.to_canonical_layout(kernel.astype(jnp.float32)).astype(BF16)
+    for got in (back, via_f32):
+        assert got.layout == "canonical"
+        for field in ("qweight", "scales", "zeros"):
+            a, b = getattr(got, field), getattr(qw, field)
+            assert (a is None) == (b is None), field
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
 
 
 def test_tile_order_is_the_wgmma_register_order(rng):
@@ -722,17 +887,56 @@ def test_tile_order_is_the_wgmma_register_order(rng):
     np.testing.assert_array_equal(np.asarray(wj.layouts.from_tile_order(stored)), tile)
 
 
-def test_layout_dequantizes_to_the_canonical_weights(rng):
-    """The kernel's int4 values, scales and zero offsets dequantize to the canonical weights."""
-    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, jnp.float32)
+def bf16_bits_value(bits16):
+    """float64 values of bf16 bit patterns (uint32 holding 16 bits)."""
+    return (np.asarray(bits16, np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def test_int8_tile_order_is_the_wgmma_register_order(rng):
+    """An int8 tile decoded as the kernel's threads do (`_converted_tile`: thread t reads words
+    0-3 at byte 16 t and 4-7 at 2048 + 16 t; word i, shifted down by 8 s bits, becomes the
+    bf16 pair of register 2 i + s by two lop3 with 0x43004300 and a subtraction: emulated here
+    bit for bit) gives each thread the elements of the wgmma A operand's register layout (PTX
+    ISA, "Register fragment" of wgmma .m64nNk16: thread 32 w + 4 lr + lc, register 2 ct + rh
+    holds row 16 w + 8 rh + lr, columns 8 ct + 2 lc + {0, 1}), their values the stored
+    q - 128, every byte value among them."""
+    tile = rng.permutation(np.resize(np.arange(-128, 128), 64 * 64)).reshape(64, 64)
+    stored = np.asarray(wj.layouts.to_tile_order(jnp.asarray(tile, jnp.int8), 8))
+    words = np.ascontiguousarray(stored.reshape(-1)).view(np.uint32)  # 1024 little-endian words
+    decoded = np.full((64, 64), 999.0)
+    for t in range(128):
+        w, lr, lc = t // 32, t % 32 // 4, t % 4
+        thread_words = np.concatenate([words[4 * t : 4 * t + 4], words[512 + 4 * t : 516 + 4 * t]])
+        for i, word in enumerate(thread_words):
+            for s in range(2):
+                x = int(word) >> (8 * s)
+                low = (x & 0x007F007F) | 0x43004300  # lop3 (a & b) | c
+                sign = (x & 0x00800080) | 0x43004300
+                for v in range(2):  # the 16-bit halves: sub.bf16x2
+                    value = bf16_bits_value((low >> 16 * v) & 0xFFFF) - bf16_bits_value(
+                        (sign >> 16 * v) & 0xFFFF
+                    )
+                    ct, rh = divmod(2 * i + s, 2)
+                    decoded[16 * w + 8 * rh + lr, 8 * ct + 2 * lc + v] = value
+    np.testing.assert_array_equal(decoded, tile)
+    np.testing.assert_array_equal(np.asarray(wj.layouts.from_tile_order(stored, 8)), tile)
+    order = wj.layouts.tile_order(8)
+    np.testing.assert_array_equal(tile.reshape(-1)[order], stored.reshape(-1))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_layout_dequantizes_to_the_canonical_weights(rng, bits):
+    """The kernel's int4 / int8 values, scales and zero offsets dequantize to the canonical
+    weights: (qweight + zeros) * scales."""
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, bits, 128, True, jnp.float32)
     w = prepare_weights(qw)
     w.validate("w")
     assert w.shape == qw.shape
     assert w.qweight.shape == (2, 1, 4, 64, 64)  # [E, N/64, K/64, 64, 64] tiles
-    q = np.asarray(wj.layouts.untiled(w.qweight).astype(jnp.int32), np.float64)  # nibble - 8
-    # Tile (i, j) holds rows 64i.. and inputs 64j.. of the [E, N, K] matrix, in TILE_ORDER.
+    q = np.asarray(wj.layouts.untiled(w.qweight).astype(jnp.int32), np.float64)  # q - 8 / 128
+    # Tile (i, j) holds rows 64i.. and inputs 64j.. of the [E, N, K] matrix, in tile order.
     tile = np.asarray(w.qweight[:, 0, 2], np.float64).reshape(2, -1)
-    want = q[:, :64, 128:192].reshape(2, -1)[:, wj.layouts.TILE_ORDER]
+    want = q[:, :64, 128:192].reshape(2, -1)[:, wj.layouts.tile_order(bits)]
     np.testing.assert_array_equal(tile, want)
     g = 128
     scales = np.repeat(np.swapaxes(np.asarray(w.scales, np.float64), 1, 2), g, axis=2)
@@ -761,11 +965,14 @@ def test_bad_configs_are_refused(rng, kwargs, match):
         check_config(prepare_weights(qw), x_rows, **kwargs)
 
 
-def test_steps_past_one_copy_are_refused(rng):
-    """A k-step of 2048 inputs takes 512 TMA rows of weight tiles: a copy holds at most 256."""
-    qw = prepare_weights(helpers.random_quantized_experts(rng, 1, 64, 2048, 4, 128, False, BF16))
-    with pytest.raises(ValueError, match="takes 512 weight rows of 256 nibbles: a TMA box"):
-        check_config(qw, jnp.zeros((16, 2048), BF16), block_m=16, block_k=2048)
+@pytest.mark.parametrize("bits,block_k", [(4, 2048), (8, 1024)])
+def test_steps_past_one_copy_are_refused(rng, bits, block_k):
+    """A k-step of 2048 int4 or 1024 int8 inputs takes 512 TMA rows of 128 bytes of weight
+    tiles: a copy holds at most 256."""
+    qw = helpers.random_quantized_experts(rng, 1, 64, 2048, bits, 128, False, BF16)
+    with pytest.raises(ValueError, match="takes 512 weight rows of 128 bytes: a TMA box"):
+        check_config(prepare_weights(qw), jnp.zeros((16, 2048), BF16), block_m=16,
+                     block_k=block_k)  # fmt: skip
 
 
 def test_layout_needs_whole_tiles(rng):
@@ -774,11 +981,15 @@ def test_layout_needs_whole_tiles(rng):
         prepare_weights(qw)
 
 
-def test_int8_is_refused(rng):
-    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 8, 128, False, BF16)
+@pytest.mark.parametrize("bits,layout", [(8, "mgpu_int4"), (4, "mgpu_int8")])
+def test_layout_holds_its_bits(rng, bits, layout):
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, bits, 128, False, BF16)
     assert isinstance(qw, QuantizedExperts)
-    with pytest.raises(ValueError, match="int4"):
-        prepare_weights(qw)
+    with pytest.raises(ValueError, match=f"the {layout} layout holds int{12 - bits} weights"):
+        wj.layouts.to_kernel_layout(qw, layout)
+    wrong = dataclasses.replace(prepare_weights(qw), layout=layout)
+    with pytest.raises(ValueError, match=f"the {layout} layout holds int{12 - bits} weights"):
+        wrong.validate("w")
 
 
 @pytest.mark.parametrize(
@@ -854,20 +1065,16 @@ def lowers_for_cuda(
     narrow=0,
     stages=4,
     bf16_weights=False,
+    bits=4,
+    group_size=128,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
-    the inline code's types and the copies' shapes are checked here; ptxas and the run only on
-    a GPU."""
-    e, n, k, g = 4, 256, 1024, 128
-    w = QuantizedExperts(
-        jax.ShapeDtypeStruct((e, n // 64, k // 64, 64, 64), jnp.int4),
-        jax.ShapeDtypeStruct((e, k // g, n), BF16),
-        jax.ShapeDtypeStruct((e, k // g, n), BF16) if has_zp else None,
-        bits=4,
-        group_size=g,
-        layout="mgpu_int4",
-    )
+    the inline code's types, the copies' shapes and the shared memory (at most 227 KiB, Mosaic
+    GPU's limit when it cannot ask a device) are checked here; ptxas and the run only on a
+    GPU."""
+    e, n, k = 4, 256, 1024
+    w = abstract_mgpu_weights(e, n, k, bits, group_size, has_zp)
     blocks = 3
     x = jax.ShapeDtypeStruct((blocks * block_m, k), BF16)
     experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
@@ -879,6 +1086,84 @@ def lowers_for_cuda(
     args = (x, w, experts, experts) if narrow else (x, w, experts)
     lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def abstract_mgpu_weights(e, n, k, bits, group_size, has_zp):
+    """QuantizedExperts [E, N, K] in the mgpu layout of `bits` as shapes only (bf16 scales)."""
+    groups = 1 if group_size == -1 else k // group_size
+    return QuantizedExperts(
+        jax.ShapeDtypeStruct((e, n // 64, k // 64, 64, 64), jnp.dtype(f"int{bits}")),
+        jax.ShapeDtypeStruct((e, groups, n), BF16),
+        jax.ShapeDtypeStruct((e, groups, n), BF16) if has_zp else None,
+        bits=bits,
+        group_size=group_size,
+        layout=f"mgpu_int{bits}",
+    )
+
+
+@pytest.mark.parametrize(
+    "has_zp,group_size,block_m,block_k,consumers,splits,block_n,gated,tiles,narrow,stages,bf16",
+    [(True, 128, 8, 256, 0, 1, 64, False, 1, 0, 4, False),
+     (False, -1, 16, 128, 0, 2, 128, False, 1, 1, 4, False),
+     (True, 128, 8, 512, 0, 2, 64, False, 1, 0, 2, False),
+     (False, -1, 8, 256, 0, 1, 256, False, 1, 0, 2, False),
+     (True, 128, 8, 256, 0, 1, 64, True, 2, 0, 2, False),
+     (True, -1, 16, 128, 1, 1, 128, True, 1, 1, 3, False),
+     (True, 128, 64, 256, 2, 1, 64, True, 1, 2, 2, False),
+     (False, 128, 64, 256, 2, 1, 128, False, 1, 2, 2, False),
+     (True, 128, 64, 128, 2, 1, 64, False, 2, 0, 3, False),
+     (True, 128, 128, 128, 2, 1, 64, True, 1, 3, 3, True),
+     (False, -1, 128, 128, 2, 1, 128, False, 1, 3, 3, True)],
+    ids=str,
+)  # fmt: skip
+def test_int8_gemm_lowers_for_cuda(has_zp, group_size, block_m, block_k, consumers, splits,
+                                   block_n, gated, tiles, narrow, stages, bf16):  # fmt: skip
+    """int8's compiled path (two 16-byte loads, the inline PTX pairs) lowers on every path the
+    int4 GEMM has, at int8's stages: 64-row blocks' k-steps of 256 at 2 stages (GEMM1 gated,
+    GEMM2 at 128 features per consumer), 128-row blocks on bf16 weights at 3."""
+    lowers_for_cuda(
+        has_zp, block_m, block_k, consumers, splits, block_n, gated, tiles=tiles, narrow=narrow,
+        stages=stages, bf16_weights=bf16, bits=8, group_size=group_size,
+    )  # fmt: skip
+
+
+def test_int8_at_int4_stages_overflows_shared_memory():
+    """Why int8's defaults cut stages (`config.fitted_stages`): 64-row blocks' GEMM1 with
+    k-steps of 256 at int4's 3 stages takes 3 x 98 KB of shared memory, more than the 227 KiB
+    an sm_90 block has (Mosaic GPU refuses it when lowering)."""
+    cfg = MgpuConfig(64, 256, stages=3, consumers=2)
+    assert mgpu_config.stages_that_fit(cfg, 128, 4, gated=True) >= 3
+    assert mgpu_config.stages_that_fit(cfg, 128, 8, gated=True) == 2
+    lowers_for_cuda(True, 64, 256, 2, 1, 64, True, stages=2, bits=8)
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lowers_for_cuda(True, 64, 256, 2, 1, 64, True, stages=3, bits=8)
+
+
+@pytest.mark.parametrize(
+    "group_size,has_zp,intermediate,m",
+    [*((-1, False, 2048, m) for m in (1, 16, 256, 1536, 4096)),
+     *((128, True, 2048, m) for m in (1, 16, 256, 1536, 4096)),
+     (-1, False, 256, 1), (-1, False, 256, 16)],
+    ids=str,
+)  # fmt: skip
+def test_int8_default_configs_lower_for_cuda(group_size, has_zp, intermediate, m):
+    """Both GEMMs of a DeepSeek-V3 layer (E=256, top-8, H=7168) on int8 experts at the
+    heuristic's config for m tokens, as the layer plans them (K splits, gated GEMM1, runs of
+    tiles, halved blocks), lower for sm_90 and fit in its shared memory."""
+    w13 = abstract_mgpu_weights(256, 2 * intermediate, 7168, 8, group_size, has_zp)
+    w2 = abstract_mgpu_weights(256, 7168, intermediate, 8, group_size, has_zp)
+    slots = 8 * m
+    cfg = mgpu_config.layer_config(None, slots, 256, w13, w2)
+    assert cfg == default_config(slots, 256, mgpu_config.layer_group(w13, w2), intermediate, 8)
+    blocks = min(slots, -(-(slots + 256 * (cfg.block_m - 1)) // cfg.block_m))
+    experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
+    for w, act in ((w13, BF16), (w2, None)):
+        *_, options = mgpu_config.gemm_plan(cfg, w, blocks, act)
+        x = jax.ShapeDtypeStruct((blocks * cfg.block_m, w.k), BF16)
+        in_use = experts if mgpu_config.halvings(cfg) else None
+        gemm = functools.partial(mgpu_wna16_gemm, **options)
+        lowered = jax.jit(gemm).trace(x, w, experts, in_use).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_gemm_refuses_the_canonical_layout(rng):
@@ -955,6 +1240,29 @@ def test_default_config_takes_two_stages_for_gemm1_of_8_row_blocks(
     without = default_config(m * 8, 256, 128, down_k)
     assert (without.stages, without.down_stages) == (3, None)
     assert dataclasses.replace(cfg, stages=3, down_stages=None) == without
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 128, 256, 1536, 2048, 4096])
+@pytest.mark.parametrize("down_k", [2048, 256])
+def test_int8_default_config_is_int4s_where_it_fits(m, down_k):
+    """int8 (DeepSeek-V3, top-8 of 256): int4's config at g128, but 64-row blocks run GEMM1 at 2
+    stages (3 k-steps of 256 do not fit in shared memory); per channel (the layer's group
+    gcd(H, I) = 1024 or 256) the same, its k-steps of 256 inside the group where int4 per
+    channel takes 128. Each GEMM's stages fit at the heuristic's config (`stages_that_fit`);
+    int4's defaults are as they were."""
+    int4 = default_config(m * 8, 256, 128, down_k)
+    int8 = default_config(m * 8, 256, 128, down_k, bits=8)
+    want = int4
+    if int4.block_m == 64:
+        want = dataclasses.replace(int4, stages=2, down_stages=2)
+    assert int8 == want
+    group = 1024 if down_k == 2048 else 256
+    assert default_config(m * 8, 256, group, down_k, bits=8) == int8
+    if int4.block_k == 256:
+        assert default_config(m * 8, 256, group, down_k).block_k == 128
+    for gemm, gated in ((int8, True), (mgpu_config.down_config(int8), False)):
+        assert gemm.stages <= mgpu_config.stages_that_fit(gemm, 128, 8, gated=gated), gemm
+    assert mgpu_config.fitted_stages(int4, 128, 4) == int4
 
 
 def test_default_config_takes_128_rows_on_bf16_weights():
@@ -1123,12 +1431,13 @@ def test_auto_splits(programs, splits):
     assert mgpu_config.auto_splits(programs, 132) == splits
 
 
-@pytest.mark.parametrize("layout", ["canonical", "mgpu_int4"])
+@pytest.mark.parametrize("layout", ["canonical", "mgpu_int4", "mgpu_int8"])
 def test_export_serializes_the_layout(rng, layout):
     """jax.export round-trips QuantizedExperts with its layout; an auxdata written before the
     layout field existed (two meta fields) reads as canonical."""
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
-    qw = helpers.random_quantized_experts(rng, 2, 64, 256, 4, 128, True, BF16)
+    bits = 8 if layout == "mgpu_int8" else 4
+    qw = helpers.random_quantized_experts(rng, 2, 64, 256, bits, 128, True, BF16)
     qw = wj.layouts.to_kernel_layout(qw, layout)
     exported = jax.export.export(jax.jit(lambda w: w))(qw)
     back = jax.export.deserialize(exported.serialize())
@@ -1157,18 +1466,20 @@ def test_tiles_per_program_divide_the_tiles(rng, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "consumers,block_m,block_n,gated,splits,tiles,narrow",
-    [(0, 16, 64, False, 1, 1, 1), (2, 32, 64, True, 1, 1, 1), (1, 16, 128, False, 2, 1, 1),
-     (0, 32, 64, False, 1, 2, 1), (0, 32, 64, False, 1, 1, 2), (2, 64, 64, True, 1, 1, 3)],
+    "consumers,block_m,block_n,gated,splits,tiles,narrow,bits",
+    [(0, 16, 64, False, 1, 1, 1, 4), (2, 32, 64, True, 1, 1, 1, 4),
+     (1, 16, 128, False, 2, 1, 1, 4), (0, 32, 64, False, 1, 2, 1, 4),
+     (0, 32, 64, False, 1, 1, 2, 4), (2, 64, 64, True, 1, 1, 3, 4),
+     (0, 16, 128, True, 1, 1, 1, 8), (2, 64, 64, False, 2, 1, 2, 8)],
     ids=str,
 )  # fmt: skip
-def test_gemm_narrow_blocks(rng, consumers, block_m, block_n, gated, splits, tiles, narrow):
+def test_gemm_narrow_blocks(rng, consumers, block_m, block_n, gated, splits, tiles, narrow, bits):
     """rows_in_use: a block using at most block_m / 2^j rows (j <= block_halvings) computes the
     first block_m / 2^j rows alone, for the largest such j (the rest of its output rows
-    unwritten: NaN in the interpreter); the rows in use match numpy."""
+    unwritten: NaN in the interpreter); the rows in use match numpy (int4 and int8)."""
     e, k, g = 3, 512, 128
     n = block_n * max(consumers, 1) * tiles * 2 * (2 if gated else 1)
-    qw = helpers.random_quantized_experts(rng, e, n, k, 4, g, True, BF16)
+    qw = helpers.random_quantized_experts(rng, e, n, k, bits, g, True, BF16)
     block_experts = np.asarray([1, 0, -1, 2, 1, 0], np.int32)
     half = block_m // 2
     used = np.asarray([block_m, half, 0, 1, half + 1, block_m >> narrow], np.int32)
@@ -1264,13 +1575,16 @@ def test_gemm_stores_through_a_smaller_buffer(rng, consumers, block_m, block_n, 
 
 
 def test_output_buffer_takes_the_rows_that_fit():
-    """The layer's M=4096 GEMMs on DeepSeek-V3 (scales and zero points bf16): GEMM1 (gated,
-    3 stages) and GEMM2 at 2 stages keep the block's 64 rows; GEMM2 at 3 stages halves them."""
+    """The layer's GEMMs of 64-row blocks on DeepSeek-V3 (scales and zero points bf16): int4
+    GEMM1 (gated, 3 stages) and GEMM2 at 2 stages keep the block's 64 rows; GEMM2 at 3 stages
+    halves them. int8's k-steps take twice the weight bytes: GEMM2 at 2 stages halves them."""
     rows = functools.partial(
         output_buffer_rows, block_m=64, block_k=256,
         tile_n=256, groups_per_step=2, has_offset=True, scale_bytes=2, warpgroups=2,
     )  # fmt: skip
-    assert rows(halves=2, stages=3, out_bytes=2, tile_n=128) == 64  # GEMM1
-    assert rows(halves=1, stages=2, out_bytes=4) == 64  # GEMM2 (the default)
-    assert rows(halves=1, stages=3, out_bytes=4) == 32
-    assert rows(halves=1, stages=4, out_bytes=4) == 8  # does not fit at all: the least
+    assert rows(halves=2, stages=3, out_bytes=2, tile_n=128, bits=4) == 64  # GEMM1
+    assert rows(halves=1, stages=2, out_bytes=4, bits=4) == 64  # GEMM2 (the default)
+    assert rows(halves=1, stages=3, out_bytes=4, bits=4) == 32
+    assert rows(halves=1, stages=4, out_bytes=4, bits=4) == 8  # does not fit at all: the least
+    assert rows(halves=2, stages=2, out_bytes=2, tile_n=128, bits=8) == 64  # int8 GEMM1
+    assert rows(halves=1, stages=2, out_bytes=4, bits=8) == 32  # int8 GEMM2

@@ -593,24 +593,26 @@ def test_kernel_layout_ep2(rng, devices8, mode):
     check_against_unsharded(f(x, w13s, w2s, wts, ids), x, w13, w2, wts, ids)
 
 
-def test_kernel_layout_tensor_shards_hold_whole_tiles(rng):
-    """The mgpu_int4 layout's 64x64 tiles cannot be cut: I/n = 32 is refused with the way out
-    (shard canonical weights, then convert), in the row interleave and in the TP check; the
-    canonical layout takes it."""
-    w13 = helpers.random_quantized_experts(rng, 2, 128, 128, 4, 32, True, jnp.bfloat16)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_layout_tensor_shards_hold_whole_tiles(rng, bits):
+    """The mgpu_int4 / mgpu_int8 layout's 64x64 tiles cannot be cut: I/n = 32 is refused with
+    the way out (shard canonical weights, then convert), in the row interleave and in the TP
+    check; the canonical layout takes it."""
+    layout = f"mgpu_int{bits}"
+    w13 = helpers.random_quantized_experts(rng, 2, 128, 128, bits, 32, True, jnp.bfloat16)
     sh.tp_interleave_w13(w13, 2)  # canonical: I/n = 32 is whole packed words and groups
-    tiled = wj.layouts.to_kernel_layout(w13, "mgpu_int4")
-    with pytest.raises(ValueError, match="I/n = 64/2 = 32 is not a multiple of 64.*convert each"):
+    tiled = wj.layouts.to_kernel_layout(w13, layout)
+    with pytest.raises(ValueError, match=f"32 is not a multiple of 64.*{layout}.*convert each"):
         sh.tp_interleave_w13(tiled, 2)
     w2 = wj.layouts.to_kernel_layout(
-        helpers.random_quantized_experts(rng, 2, 128, 64, 4, 32, True, jnp.bfloat16), "mgpu_int4"
+        helpers.random_quantized_experts(rng, 2, 128, 64, bits, 32, True, jnp.bfloat16), layout
     )
     with pytest.raises(ValueError, match="w2: I/n = 64/2 = 32 is not a multiple of 64"):
         sh._check_tp(w2.k, 2, w2, "w2")
     # Whole tiles interleave as the canonical rows do.
-    w13 = helpers.random_quantized_experts(rng, 2, 256, 128, 4, 64, True, jnp.bfloat16)
-    got = sh.tp_interleave_w13(wj.layouts.to_kernel_layout(w13, "mgpu_int4"), 2)
-    want = wj.layouts.to_kernel_layout(sh.tp_interleave_w13(w13, 2), "mgpu_int4")
+    w13 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, 64, True, jnp.bfloat16)
+    got = sh.tp_interleave_w13(wj.layouts.to_kernel_layout(w13, layout), 2)
+    want = wj.layouts.to_kernel_layout(sh.tp_interleave_w13(w13, 2), layout)
     for field in ("qweight", "scales", "zeros"):
         np.testing.assert_array_equal(
             np.asarray(getattr(got, field)), np.asarray(getattr(want, field))

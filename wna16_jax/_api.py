@@ -14,6 +14,7 @@ from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
 from wna16_jax._types import (
     ACTIVATION_QUANT_SCHEMES,
+    KERNEL_LAYOUT_BITS,
     MAX_ARRAY_ELEMENTS,
     ActivationQuant,
     AlignedRouting,
@@ -451,9 +452,10 @@ def preferred_layout(
     w13: QuantizedExperts, w2: QuantizedExperts, *, dtype, activation: str = "silu"
 ) -> str:
     """The layout to convert these experts to once (at load) for the fastest backend that runs
-    them on this platform: the first of _dispatch.PREFERRED_LAYOUTS whose backend accepts them
-    here (for mgpu_int4: an sm_90 GPU, int4, bfloat16 activations, silu, feature counts and
-    groups in multiples of 64), else "canonical".
+    them on this platform: the first of _dispatch.PREFERRED_LAYOUTS that holds their bits and
+    whose backend accepts them here (for mgpu_int4 / mgpu_int8: an sm_90 GPU, int4 / int8 for
+    both weights, bfloat16 activations, silu, feature counts and groups in multiples of 64),
+    else "canonical".
 
     Raises:
         ValueError: experts (or a dtype, activation) that fused_moe itself would refuse.
@@ -463,9 +465,10 @@ def preferred_layout(
     ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
     problem, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, None)
-    if w13.bits != 4 or w2.bits != 4:
-        return "canonical"  # every kernel layout holds int4
     for layout, name in _dispatch.PREFERRED_LAYOUTS:
+        bits = KERNEL_LAYOUT_BITS[layout]
+        if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width
+            continue
         candidate = dataclasses.replace(problem, layout=layout)
         backend = _dispatch.get_backend(name)
         if _dispatch.backend_reason(backend, candidate) is None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from wna16_jax import _activations, _backend_order, _configs, _reference, layouts
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import LAYOUTS, BlockConfig
+from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig
 
 logger = logging.getLogger("wna16_jax")
 
@@ -153,9 +153,11 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 DEFAULT_PRIORITY: tuple[str, ...] = ("xla",)
 
 # Kernel layouts that wna16_jax.preferred_layout picks, in order, with the backend that reads
-# each, where that backend runs the experts here: 'mgpu' on mgpu_int4 beat 'pallas' on the
-# canonical layout for DeepSeek-V3 on the H200 (docs/performance.md, 'Mosaic GPU layer').
-PREFERRED_LAYOUTS: tuple[tuple[str, str], ...] = (("mgpu_int4", "mgpu"),)
+# each, where that backend runs the experts here (each layout holds weights of one bit width,
+# _types.KERNEL_LAYOUT_BITS): 'mgpu' on mgpu_int4 beat 'pallas' on the canonical layout for
+# DeepSeek-V3 on the H200 (docs/performance.md, 'Mosaic GPU layer'); mgpu_int8, the same GEMM
+# on int8 weights, is preferred to 'pallas' by the same reasoning (not yet measured).
+PREFERRED_LAYOUTS: tuple[tuple[str, str], ...] = (("mgpu_int4", "mgpu"), ("mgpu_int8", "mgpu"))
 
 _logged: set[tuple[str, tuple[str, ...]]] = set()
 
@@ -192,7 +194,9 @@ def layout_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | 
             f"the weights are in the {problem.layout!r} layout, which this backend does not "
             f"read (wna16_jax.layouts.to_canonical_layout converts back)"
         )
-    want = backend.layouts[0]
+    bits = problem.shape.bits if isinstance(problem, GemmProblem) else problem.bits
+    holding = [lay for lay in backend.layouts if KERNEL_LAYOUT_BITS.get(lay) == bits]
+    want = (holding or backend.layouts)[0]  # the one that holds these weights' bits
     return (
         f"reads weights in the {want!r} layout, not {problem.layout!r} (convert once at "
         f"load: wna16_jax.layouts.to_kernel_layout(qw, {want!r}))"

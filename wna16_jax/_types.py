@@ -18,10 +18,13 @@ MAX_ARRAY_ELEMENTS = 2**31 - 1
 UNPACK_MODES = ("slices", "tile", "join")
 # BlockConfig.dot values.
 DOT_MODES = ("mma", "fma")
-# QuantizedExperts.layout values: "canonical" (docs/design.md, every backend) and "mgpu_int4" (the
-# Mosaic GPU GEMM's private layout, made once by wna16_jax.layouts.to_kernel_layout).
-LAYOUTS = ("canonical", "mgpu_int4")
-# The mgpu_int4 layout's weight tiles: MGPU_TILE x MGPU_TILE (features x inputs).
+# QuantizedExperts.layout values: "canonical" (docs/design.md, every backend), "mgpu_int4" and
+# "mgpu_int8" (the Mosaic GPU GEMM's private layouts, made once by
+# wna16_jax.layouts.to_kernel_layout).
+LAYOUTS = ("canonical", "mgpu_int4", "mgpu_int8")
+# The bits of the weights each kernel layout holds.
+KERNEL_LAYOUT_BITS = {"mgpu_int4": 4, "mgpu_int8": 8}
+# The mgpu layouts' weight tiles: MGPU_TILE x MGPU_TILE (features x inputs).
 MGPU_TILE = 64
 
 
@@ -41,10 +44,10 @@ class QuantizedExperts:
         bits: 4 or 8 (static).
         group_size: G, or -1 for one group spanning K (static).
         layout: "canonical" (static).
-    Layout "mgpu_int4" (int4 only; read by the 'mgpu' backend, and by 'xla' through
-    wna16_jax.layouts.to_canonical_layout): qweight int4 [E, N/64, K/64, 64, 64] holding q - 8
-    in 64x64 tiles (N and K multiples of 64); scales [E, K//G, N]; zeros None or 8 - z as
-    [E, K//G, N] in the scales' dtype.
+    Layouts "mgpu_int4" and "mgpu_int8" (read by the 'mgpu' backend, and by 'xla' through
+    wna16_jax.layouts.to_canonical_layout): qweight int4 (int8) [E, N/64, K/64, 64, 64] holding
+    q - 8 (q - 128) in 64x64 tiles (N and K multiples of 64); scales [E, K//G, N]; zeros None
+    or 8 - z (128 - z) as [E, K//G, N] in the scales' dtype.
     """
 
     qweight: Any
@@ -63,7 +66,7 @@ class QuantizedExperts:
     @property
     def shape(self) -> tuple[int, int, int]:
         """Logical [E, N, K]."""
-        if self.layout == "mgpu_int4":  # [E, N/64, K/64, 64, 64] tiles
+        if self.layout in KERNEL_LAYOUT_BITS:  # [E, N/64, K/64, 64, 64] tiles
             e, n_tiles, k_tiles, tile_n, tile_k = (int(d) for d in self.qweight.shape)
             return (e, n_tiles * tile_n, k_tiles * tile_k)
         e, n, kw = self.qweight.shape
@@ -104,8 +107,8 @@ class QuantizedExperts:
         shapes and dtypes."""
         if self.layout not in LAYOUTS:
             raise ValueError(f"{name}: layout={self.layout!r} is not one of {LAYOUTS}")
-        if self.layout == "mgpu_int4":
-            return self._validate_mgpu_int4(name)
+        if self.layout in KERNEL_LAYOUT_BITS:
+            return self._validate_mgpu(name)
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"{name}: bits={self.bits} is not supported (supported: 4, 8)")
         if self.qweight.ndim != 3:
@@ -250,8 +253,8 @@ class QuantizedExperts:
     def astype(self, dtype) -> QuantizedExperts:
         """The same weights with the scales (the activation dtype) cast to `dtype`.
 
-        Canonical zero points are integers and stay as they are; the mgpu_int4 layout's
-        (8 - z in the scales' dtype) are small integers, exact in every float dtype, and follow
+        Canonical zero points are integers and stay as they are; the mgpu layouts' (8 - z or
+        128 - z in the scales' dtype) are small integers, exact in every float dtype, and follow
         the scales.
 
         Raises:
@@ -285,14 +288,17 @@ class QuantizedExperts:
             "(N, K)" if axis == 0 else "(E, K)": (n, k) if axis == 0 else (e, k),
         }
 
-    def _validate_mgpu_int4(self, name: str) -> None:
-        if self.bits != 4:
-            raise ValueError(f"{name}: the mgpu_int4 layout holds int4 weights, not int{self.bits}")
+    def _validate_mgpu(self, name: str) -> None:
+        layout, bits = self.layout, KERNEL_LAYOUT_BITS[self.layout]
+        if self.bits != bits:
+            raise ValueError(
+                f"{name}: the {layout} layout holds int{bits} weights, not int{self.bits}"
+            )
         tile = (MGPU_TILE, MGPU_TILE)
         q = self.qweight
-        if q.ndim != 5 or tuple(q.shape[3:]) != tile or q.dtype != jnp.int4:
+        if q.ndim != 5 or tuple(q.shape[3:]) != tile or q.dtype != jnp.dtype(f"int{bits}"):
             raise ValueError(
-                f"{name}: mgpu_int4 qweight must be int4 [E, N/64, K/64, 64, 64], got "
+                f"{name}: {layout} qweight must be int{bits} [E, N/64, K/64, 64, 64], got "
                 f"{q.dtype} {tuple(q.shape)}"
             )
         e, n, k = self.shape
@@ -305,7 +311,7 @@ class QuantizedExperts:
                 continue
             if tuple(arr.shape) != want or not jnp.issubdtype(arr.dtype, jnp.floating):
                 raise ValueError(
-                    f"{name}: mgpu_int4 {field} must be float [E, K//G, N] = {want}, got "
+                    f"{name}: {layout} {field} must be float [E, K//G, N] = {want}, got "
                     f"{arr.dtype} {tuple(arr.shape)}"
                 )
 

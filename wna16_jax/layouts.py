@@ -8,7 +8,7 @@ Which layout runs fastest here: wj.preferred_layout(w13, w2, dtype=jnp.bfloat16)
 "mgpu_int4" (pallas_kernels/mosaic_gpu/wna16_gemm.py's operands; int4 only):
   qweight  int4 [E, N/64, K/64, 64, 64]: the canonical nibbles minus 8 (xor 8), in 64x64
            tiles (features x inputs), the k-tiles of each row of tiles consecutive: a k-step of
-           the GEMM reads one contiguous run of memory (copied in TMA rows of 256 nibbles, a
+           the GEMM reads one contiguous run of memory (copied in TMA rows of 128 bytes, a
            free reshape of the tiles). N and K must be multiples of 64.
            Within a tile the 4096 nibbles are in wgmma register order (`TILE_ORDER`): thread t
            of the converting warpgroup reads its 32 weights as the 16 bytes at 16 t, and
@@ -18,6 +18,20 @@ Which layout runs fastest here: wj.preferred_layout(w13, w2, dtype=jnp.bfloat16)
   scales   [E, K//G, N]: a group's scales for consecutive features are one TMA row.
   zeros    None, or 8 - z as [E, K//G, N] in the scales' dtype (exact: small integers),
            so that w = (qweight + zeros) * scales is the canonical (q - z) * scale.
+
+"mgpu_int8" (the same GEMM's; int8 only): as mgpu_int4, with
+  qweight  int8 [E, N/64, K/64, 64, 64]: the canonical bytes minus 128 (xor 0x80), tiles as
+           above. Within a tile the 4096 bytes are in wgmma register order (`tile_order(8)`):
+           thread t reads its 32 weights as its words 0-3, the 16 bytes at 16 t, and 4-7, the
+           16 at 2048 + 16 t (each half of the tile read by a warpgroup's loads as 2048
+           consecutive bytes: no bank conflicts), and bytes s and s + 2 of its word i are the
+           two bf16 of its register 2 i + s (word i holds the wgmma's column tile i, s its row
+           half), so each pair is made from one word (shifted down by 8 bits for s = 1)
+           without shuffles or permutes: two lop3 set its low-7-bit fields and its sign bits
+           into the bf16 bits of 128, and one subtraction gives q - 128
+           (pallas_kernels/mosaic_gpu/wna16_gemm.py).
+  scales   as mgpu_int4's; per channel (group_size -1) or grouped.
+  zeros    None, or 128 - z as [E, K//G, N] in the scales' dtype: w = (qweight + zeros) * scales.
 """
 
 from __future__ import annotations
@@ -26,9 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from wna16_jax._types import LAYOUTS, MGPU_TILE, QuantizedExperts
+from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, MGPU_TILE, QuantizedExperts
 
-_XOR_8 = 0x88888888  # flips bit 3 of each nibble: u -> u - 8 read as signed int4
+# Flips the top bit of each value of a canonical word: u -> u - 2^(bits-1) read as signed.
+_FLIP_TOP_BIT = {4: 0x88888888, 8: 0x80808080}
 
 
 def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
@@ -42,25 +57,29 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     if layout == "canonical":
         return qw
     qw.validate("weights")
-    if qw.bits != 4:
-        raise ValueError(f"the {layout} layout holds int4 weights, not int{qw.bits}")
+    bits = KERNEL_LAYOUT_BITS[layout]
+    if qw.bits != bits:
+        raise ValueError(f"the {layout} layout holds int{bits} weights, not int{qw.bits}")
     e, n, k = qw.shape
     if n % MGPU_TILE or k % MGPU_TILE:
         raise ValueError(
             f"the {layout} layout holds {MGPU_TILE}x{MGPU_TILE} tiles: N={n} and K={k} must be "
             f"multiples of {MGPU_TILE}"
         )
-    q = lax.bitcast_convert_type(qw.qweight ^ jnp.uint32(_XOR_8), jnp.int4).reshape(e, n, k)
-    q = tiled(q)
+    stored = jnp.dtype(f"int{bits}")  # q - 2^(bits-1)
+    words = qw.qweight ^ jnp.uint32(_FLIP_TOP_BIT[bits])
+    q = tiled(lax.bitcast_convert_type(words, stored).reshape(e, n, k))
     offset = None
     if qw.zeros is not None:
-        z = jnp.stack([qw.zeros & 0xF, qw.zeros >> 4], axis=2).reshape(e, n, -1)
-        offset = jnp.swapaxes((8 - z.astype(jnp.int32)).astype(qw.scales.dtype), 1, 2)
+        z = qw.zeros.astype(jnp.int32)
+        if bits == 4:  # [E, N//2, K//G], even n in the low nibble
+            z = jnp.stack([z & 0xF, z >> 4], axis=2).reshape(e, n, -1)
+        offset = jnp.swapaxes(((1 << (bits - 1)) - z).astype(qw.scales.dtype), 1, 2)
     return QuantizedExperts(
         qweight=q,
         scales=jnp.swapaxes(qw.scales, 1, 2),
         zeros=offset,
-        bits=4,
+        bits=bits,
         group_size=qw.group_size,
         layout=layout,
     )
@@ -71,71 +90,87 @@ def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
     if qw.layout == "canonical":
         return qw
     qw.validate("weights")
+    bits = qw.bits
     e, n, k = qw.shape
-    words = untiled(qw.qweight).reshape(e, n, k // 8, 8)
+    words = untiled(qw.qweight).reshape(e, n, k * bits // 32, 32 // bits)
     words = lax.bitcast_convert_type(words, jnp.uint32)
     zeros = None
     if qw.zeros is not None:
-        z = (8 - jnp.swapaxes(qw.zeros, 1, 2).astype(jnp.int32)).astype(jnp.uint8)  # [E, N, g]
-        zeros = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(jnp.uint8)
+        z = (1 << (bits - 1)) - jnp.swapaxes(qw.zeros, 1, 2).astype(jnp.int32)  # [E, N, K//G]
+        zeros = z.astype(jnp.uint8)
+        if bits == 4:  # even n in the low nibble
+            zeros = (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(jnp.uint8)
     return QuantizedExperts(
-        qweight=words ^ jnp.uint32(_XOR_8),
+        qweight=words ^ jnp.uint32(_FLIP_TOP_BIT[bits]),
         scales=jnp.swapaxes(qw.scales, 1, 2),
         zeros=zeros,
-        bits=4,
+        bits=bits,
         group_size=qw.group_size,
     )
 
 
 # A 64x64 tile (row r, column c) as the indices of the wgmma A operand's registers
 # (WGMMA_LAYOUT: thread 32 w + 4 lr + lc holds rows 16 w + 8 rh + lr, columns 8 ct + 2 lc + v,
-# register 2 ct + rh holding v = 0, 1) with ct = 2 i + ct_lo:
-#   r = (w, rh, lr) [4, 2, 8],  c = (i, ct_lo, lc, v) [4, 2, 4, 2].
-_TILE_AXES = (4, 2, 8, 4, 2, 4, 2)
-# Stored order (major to minor): thread (w, lr, lc), its word i, then the nibble p = s + 4 v of
-# that word, s = 2 ct_lo + rh: the register 4 i + s = 2 ct + rh.
-_TO_STORED = (0, 2, 5, 3, 6, 4, 1)
-_FROM_STORED = tuple(int(a) for a in np.argsort(_TO_STORED))
-_STORED_AXES = tuple(_TILE_AXES[a] for a in _TO_STORED)
+# register 2 ct + rh holding v = 0, 1), per bits: (the tile's axes, the stored order of them).
+# int4, ct = 2 i + ct_lo: r = (w, rh, lr) [4, 2, 8], c = (i, ct_lo, lc, v) [4, 2, 4, 2]; stored
+# (major to minor): thread (w, lr, lc), its word i, then the nibble p = s + 4 v of that word,
+# s = 2 ct_lo + rh: the register 4 i + s = 2 ct + rh.
+# int8, ct = 4 h + i: r = (w, rh, lr) [4, 2, 8], c = (h, i, lc, v) [2, 4, 4, 2]; stored: the half
+# h, thread (w, lr, lc), its word i of the half's 16 bytes, then the byte s + 2 v of that word,
+# s = rh: the register 2 (4 h + i) + s = 2 ct + rh.
+_TILE_ORDERS = {
+    4: ((4, 2, 8, 4, 2, 4, 2), (0, 2, 5, 3, 6, 4, 1)),
+    8: ((4, 2, 8, 2, 4, 4, 2), (3, 0, 2, 5, 4, 6, 1)),
+}
 
 
-def _tile_order() -> np.ndarray:
-    tile = np.arange(MGPU_TILE * MGPU_TILE).reshape(_TILE_AXES)
-    return tile.transpose(_TO_STORED).reshape(-1)
+def tile_order(bits: int) -> np.ndarray:
+    """[f]: the row-major index (64 r + c) of the weight at position f of a stored tile of
+    `bits`-bit values."""
+    axes, to_stored = _TILE_ORDERS[bits]
+    return np.arange(MGPU_TILE * MGPU_TILE).reshape(axes).transpose(to_stored).reshape(-1)
 
 
-# TILE_ORDER[f]: the row-major index (64 r + c) of the weight at nibble f of a stored tile.
-TILE_ORDER = _tile_order()
+# TILE_ORDER[f]: the row-major index (64 r + c) of the weight at nibble f of a stored int4 tile.
+TILE_ORDER = tile_order(4)
 
 
-def to_tile_order(tiles):
-    """[..., 64, 64] tiles (features x inputs) -> the same tiles in wgmma register order."""
+def to_tile_order(tiles, bits: int = 4):
+    """[..., 64, 64] tiles (features x inputs) of `bits`-bit values -> the same tiles in wgmma
+    register order."""
+    axes, to_stored = _TILE_ORDERS[bits]
     lead = tiles.shape[:-2]
-    t = tiles.reshape(lead + _TILE_AXES).transpose(
-        tuple(range(len(lead))) + tuple(len(lead) + a for a in _TO_STORED)
+    t = tiles.reshape(lead + axes).transpose(
+        tuple(range(len(lead))) + tuple(len(lead) + a for a in to_stored)
     )
     return t.reshape(lead + (MGPU_TILE, MGPU_TILE))
 
 
-def from_tile_order(tiles):
+def from_tile_order(tiles, bits: int = 4):
     """The inverse of `to_tile_order`."""
+    axes, to_stored = _TILE_ORDERS[bits]
     lead = tiles.shape[:-2]
-    t = tiles.reshape(lead + _STORED_AXES).transpose(
-        tuple(range(len(lead))) + tuple(len(lead) + a for a in _FROM_STORED)
+    from_stored = tuple(int(a) for a in np.argsort(to_stored))
+    t = tiles.reshape(lead + tuple(axes[a] for a in to_stored)).transpose(
+        tuple(range(len(lead))) + tuple(len(lead) + a for a in from_stored)
     )
     return t.reshape(lead + (MGPU_TILE, MGPU_TILE))
+
+
+def _bits(q) -> int:
+    return jnp.iinfo(q.dtype).bits
 
 
 def tiled(q):
-    """int4 [E, N, K] -> [E, N/64, K/64, 64, 64]: the mgpu_int4 qweight (tiles in register
-    order)."""
+    """int4 or int8 [E, N, K] -> [E, N/64, K/64, 64, 64]: the mgpu_int4 / mgpu_int8 qweight
+    (tiles in register order)."""
     e, n, k = q.shape
     t = MGPU_TILE
-    return to_tile_order(q.reshape(e, n // t, t, k // t, t).transpose(0, 1, 3, 2, 4))
+    return to_tile_order(q.reshape(e, n // t, t, k // t, t).transpose(0, 1, 3, 2, 4), _bits(q))
 
 
 def untiled(q):
     """The inverse of `tiled`: [E, N/64, K/64, 64, 64] -> [E, N, K]."""
     e, n_tiles, k_tiles, tn, tk = q.shape
-    q = from_tile_order(q)
+    q = from_tile_order(q, _bits(q))
     return q.transpose(0, 1, 3, 2, 4).reshape(e, n_tiles * tn, k_tiles * tk)

@@ -12,8 +12,8 @@ layout:
   what a float model of x's dtype computes);
 - "pallas" / "pallas_interpret", "triton": that backend's dequant-fused grouped GEMM, compiled
   on an NVIDIA GPU (or in the interpreter), weights in the canonical layout;
-- "mgpu" / "mgpu_interpret": the Mosaic GPU GEMM (Hopper), weights in the mgpu_int4 layout
-  (`preferred_layout` says which layout to convert a weight to once, at load).
+- "mgpu" / "mgpu_interpret": the Mosaic GPU GEMM (Hopper), weights in the mgpu_int4 or
+  mgpu_int8 layout (`preferred_layout` says which layout to convert a weight to once, at load).
 
 Under GSPMD sharding (jit with sharded weights, no shard_map) a kernel call cannot be
 partitioned: XLA would gather the whole weight to every device. Use "xla" there.
@@ -99,8 +99,9 @@ def preferred_layout(
 ) -> str:
     """The layout to convert the linear weight `w` to once (at load) so that `implementation`
     runs it here: for None (the automatic choice) the first of _dispatch.PREFERRED_LAYOUTS
-    whose backend's grouped GEMM takes it (mgpu_int4 for the 'mgpu' GEMM: an sm_90 GPU, int4,
-    bfloat16 activations, N, K and the group multiples of 64), for a backend name the first of
+    whose backend's grouped GEMM takes it (mgpu_int4 / mgpu_int8 for the 'mgpu' GEMM: an sm_90
+    GPU, int4 / int8, bfloat16 activations, N, K and the group multiples of 64), for a backend
+    name the first of
     its layouts in which it takes it; else "canonical" (where 'pallas' or 'xla' run it).
 
     Raises:
@@ -120,7 +121,7 @@ def preferred_layout(
             converted = jax.eval_shape(
                 functools.partial(layouts.to_kernel_layout, layout=layout), w
             )
-        except ValueError:  # the layout cannot hold this weight (int8, N or K not in tiles)
+        except ValueError:  # the layout cannot hold this weight (its bits, N or K not in tiles)
             continue
         if _dispatch.backend_reason(_dispatch.get_backend(name), _problem(converted, 1, dtype)):
             continue
@@ -148,7 +149,8 @@ def quantized_matmul(
         out_dtype: y's dtype (default x.dtype).
         implementation: None (the platform's priority among the backends that read w's
             layout: on an NVIDIA GPU the Pallas GEMM for the canonical layout, the Mosaic GPU
-            GEMM for mgpu_int4, where it runs this weight; else "xla"), a backend name with a
+            GEMM for mgpu_int4 / mgpu_int8, where it runs this weight; else "xla"), a backend
+            name with a
             grouped GEMM, or names tried in order (e.g. ("pallas", "xla"): the kernel where it
             tiles the weight).
         config: the kernel's config, a BlockConfig (or the 'mgpu' GEMM's MgpuConfig); None:

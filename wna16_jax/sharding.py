@@ -121,7 +121,7 @@ def _specs(
     bits, group_size, has_zeros, expert_axis, n_axis, k_axis, layout="canonical"
 ) -> QuantizedExperts:
     k_groups = None if group_size == -1 else k_axis
-    # Per-group arrays: [E, N, K//G] canonically, [E, K//G, N] in the mgpu_int4 layout.
+    # Per-group arrays: [E, N, K//G] canonically, [E, K//G, N] in the mgpu layouts.
     per_group = (
         P(expert_axis, n_axis, k_groups)
         if layout == "canonical"
@@ -223,15 +223,14 @@ def _check_tp(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
 
 
 def _check_whole_tiles(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
-    """A tensor shard of the mgpu_int4 layout (I/n rows of w13's gate and up, or I/n of w2's
-    K) must hold whole tiles."""
+    """A tensor shard of an mgpu layout (I/n rows of w13's gate and up, or I/n of w2's K) must
+    hold whole tiles."""
     per = i // num_shards
-    if qw.layout == "mgpu_int4" and per % MGPU_TILE:
+    if qw.layout != "canonical" and per % MGPU_TILE:
         raise ValueError(
             f"{what}: I/n = {i}/{num_shards} = {per} is not a multiple of {MGPU_TILE}: each "
-            f"tensor shard of the "
-            f"mgpu_int4 layout must hold whole {MGPU_TILE}x{MGPU_TILE} weight tiles (shard "
-            f"canonical weights, then convert each shard)"
+            f"tensor shard of the {qw.layout} layout must hold whole {MGPU_TILE}x{MGPU_TILE} "
+            f"weight tiles (shard canonical weights, then convert each shard)"
         )
 
 
@@ -256,7 +255,7 @@ def tp_interleave_w13(w13: QuantizedExperts, num_shards: int) -> QuantizedExpert
     first shards only gate rows. After this reorder rows are [gate_0; up_0; gate_1; up_1; ...]
     with gate_s = gate rows [s*I/n, (s+1)*I/n), so block s of 2I/n rows is a valid w13 of the
     intermediate slice s (gate first, then up). Works on numpy (host) and jax arrays, in any
-    layout (wna16_jax.layouts; the rows of the mgpu_int4 layout's per-group arrays are their
+    layout (wna16_jax.layouts; the rows of the mgpu layouts' per-group arrays are their
     last dim).
 
     Args:
@@ -348,7 +347,8 @@ def shard_w2_for_tp(
     qweight [E, H, I//pf] and the scales / zeros [E, *, I//G] are split on their K dim
     (replicated when group_size=-1: one group spans the row), so I/n must be a multiple of
     the packing (8 for int4, 4 for int8) and of group_size. Any layout: the shard specs follow
-    it (mgpu_int4: qweight tiles [E, H/64, I/64, 64, 64], per-group arrays [E, I//G, H]).
+    it (mgpu_int4 / mgpu_int8: qweight tiles [E, H/64, I/64, 64, 64], per-group arrays
+    [E, I//G, H]).
 
     Args:
         w2: QuantizedExperts [E, H, I].

@@ -1,5 +1,6 @@
-"""The 'mgpu' and 'mgpu_interpret' backends (the Mosaic GPU GEMM, weights in the mgpu_int4
-layout): fused_moe, moe_align_block_size and the grouped GEMM (the quantized linear's)."""
+"""The 'mgpu' and 'mgpu_interpret' backends (the Mosaic GPU GEMM, weights in the mgpu_int4 or
+mgpu_int8 layout): fused_moe, moe_align_block_size and the grouped GEMM (the quantized
+linear's)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ MGPU_SPAN = 64
 
 
 def _mgpu_shape_reason(problem: MoEProblem) -> str | None:
-    # The layout (mgpu_int4 only) is checked by selection: Backend.layouts.
+    # The layout (mgpu_int4 or mgpu_int8: int4 or int8 weights) is checked by selection:
+    # Backend.layouts.
     if problem.dtype != "bfloat16":
         return f"activation dtype {problem.dtype} is not bfloat16"
     if problem.activation != "silu":
@@ -58,7 +60,7 @@ BACKENDS = compiled_and_interpreted(
     _mgpu_reason,
     _mgpu_shape_reason,
     moe_align_block_size,
-    ("mgpu_int4",),
+    ("mgpu_int4", "mgpu_int8"),
     gemm=mgpu_grouped_matmul.grouped_matmul,
     gemm_config=mgpu_grouped_matmul.gemm_config,
     gemm_shape_reason=_gemm_shape_reason,

@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic_gpu.wna16_gemm import takes_bf16_weights
+from pallas_kernels.mosaic_gpu.wna16_gemm import SMEM_BYTES, TILE, stage_bytes, takes_bf16_weights
 from wna16_jax import _configs
 from wna16_jax._types import BlockConfig, MgpuConfig, QuantizedExperts
 
@@ -66,7 +66,7 @@ TWO_STAGES_MAX_SLOTS = 128
 
 
 def default_config(
-    num_slots: int, num_experts: int, group: int, down_k: int | None = None
+    num_slots: int, num_experts: int, group: int, down_k: int | None = None, bits: int = 4
 ) -> MgpuConfig:
     """The heuristic config for num_slots (T*k) slots over num_experts experts: the layer's
     config where the tuned table has no entry for the problem.
@@ -80,17 +80,22 @@ def default_config(
     to a quarter). From ROWS_FOR_128: 128-row blocks on bf16 weights (the exact group sums of
     128 rows do not fit in registers), k-steps of one group, halved down to 16 rows, GEMM2 at
     128 features per consumer and 3 stages. down_k, GEMM2's K (the experts' intermediate size;
-    None: unknown), decides the rules of 8-row blocks (DOWN_128_*, TWO_STAGES_*). The figures
-    behind each rule: docs/performance.md, 'Mosaic GPU configs'."""
+    None: unknown), decides the rules of 8-row blocks (DOWN_128_*, TWO_STAGES_*). int8 weights
+    (bits=8) take int4's rules, with k-steps of 256 also inside larger groups (per-channel
+    scales: the layer's group is gcd(H, I)), and each GEMM's stages cut to those that fit in
+    shared memory (`fitted_stages`: an int8 k-step takes twice int4's weight bytes; 64-row
+    blocks run GEMM1 at 2 stages): guesses from int4's rules, not measured. The figures behind
+    each rule: docs/performance.md, 'Mosaic GPU configs'."""
     rows = num_slots / num_experts
     if rows >= ROWS_FOR_128:
-        return MgpuConfig(
+        cfg = MgpuConfig(
             128, one_group_block_k(group), stages=3, consumers=2, block_n=64, down_block_n=128,
             down_stages=3, block_halvings=3, bf16_weights=True,
         )  # fmt: skip
+        return fitted_stages(cfg, group, bits)
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)
-    if group == 128 and block_m in (8, 64):
+    if block_m in (8, 64) and (group == 128 or (bits == 8 and group % 256 == 0)):
         block_k = 256
     consumers = 2 if block_m == 64 else 0
     block_n = 128 if block_m == 16 else 64
@@ -101,10 +106,34 @@ def default_config(
             down = dict(down_block_n=128)
         if down_k >= TWO_STAGES_MIN_DOWN_K or num_slots <= TWO_STAGES_MAX_SLOTS:
             stages, down = 2, dict(down, down_stages=3)
-    return MgpuConfig(
+    cfg = MgpuConfig(
         block_m, block_k, stages=stages, consumers=consumers, block_n=block_n, **down,
         block_halvings=2 if block_m == 64 else 1,
     )  # fmt: skip
+    return fitted_stages(cfg, group, bits)
+
+
+def stages_that_fit(cfg: MgpuConfig, group: int, bits: int, *, gated: bool) -> int:
+    """The most pipeline stages of a GEMM at cfg on `bits`-bit weights with groups of `group`
+    (gated: GEMM1's two halves) that fit in a program's shared memory beside its output
+    buffers at their least (8 f32 rows per warpgroup; `output_buffer_rows` takes the rows the
+    stages leave), for the most bytes a group's row takes (zero points and f32 scales)."""
+    one = stage_bytes(
+        block_m=cfg.block_m, block_k=cfg.block_k, tile_n=tile_n(cfg), halves=2 if gated else 1,
+        groups_per_step=max(cfg.block_k // group, 1), has_offset=True, scale_bytes=4, bits=bits,
+    )  # fmt: skip
+    return (SMEM_BYTES - max(cfg.consumers, 1) * 8 * TILE * 4) // one
+
+
+def fitted_stages(cfg: MgpuConfig, group: int, bits: int) -> MgpuConfig:
+    """cfg with GEMM1's stages (gated) and GEMM2's (`down_config`) cut to `stages_that_fit`
+    (int4's defaults fit as they are; int8's k-steps take twice the weight bytes)."""
+    down = down_config(cfg)
+    stages = min(cfg.stages, stages_that_fit(cfg, group, bits, gated=True))
+    down_stages = min(down.stages, stages_that_fit(down, group, bits, gated=False))
+    if (stages, down_stages) == (cfg.stages, down.stages):
+        return cfg
+    return dataclasses.replace(cfg, stages=stages, down_stages=down_stages)
 
 
 def from_block_config(config: BlockConfig) -> MgpuConfig:
@@ -148,7 +177,7 @@ def layer_config(
     cfg = _configs.lookup_tuned(TUNED_TABLE, problem, num_slots, kind)
     source = f"tuned:{kind}"
     if cfg is None:
-        cfg = default_config(num_slots, num_experts, problem["group"], w2.k)
+        cfg = default_config(num_slots, num_experts, problem["group"], w2.k, w13.bits)
         source = "heuristic"
     key = (num_slots, tuple(problem.items()), cfg)
     if key not in _logged:

@@ -3,7 +3,8 @@ gathered in block order, GEMM1 with silu * up, GEMM2, and the routed weights in 
 
 Unlike the Triton-lowered GEMMs, these take rows already in block order (x gathered once), write
 rows in block order, and the top-k sum gathers each slot's row back and applies its routed
-weight. Weights are QuantizedExperts in the "mgpu_int4" layout (wna16_jax.layouts).
+weight. Weights are QuantizedExperts in the "mgpu_int4" or "mgpu_int8" layout
+(wna16_jax.layouts).
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ def fused_moe(
     chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
     interpret: bool = False,
 ) -> jax.Array:
-    """The 'mgpu' backend's fused_moe (silu only; weights in the mgpu_int4 layout), [T, H].
+    """The 'mgpu' backend's fused_moe (silu only; weights in the mgpu_int4 or mgpu_int8 layout),
+    [T, H].
 
     config: an MgpuConfig, a BlockConfig (`from_block_config`) or None: for each chunk the
     tuned table's config at its token slots, else `default_config`'s (`layer_config`; no

@@ -1,6 +1,6 @@
 """The 'mgpu' backend's grouped GEMM on its own (wna16_dispatch.GroupedMatmul) on weights in the
-mgpu_int4 layout: `grouped_matmul` on any AlignedRouting, and `linear`, the quantized linear's
-GEMM (wna16_jax.linear: one expert).
+mgpu_int4 or mgpu_int8 layout: `grouped_matmul` on any AlignedRouting, and `linear`, the
+quantized linear's GEMM (wna16_jax.linear: one expert).
 
 grouped_matmul gathers the rows in block order (as the MoE layer does), the GEMM writes rows in
 block order, and each slot's row is read back from its block position. A linear needs neither
@@ -31,13 +31,13 @@ from wna16_jax._configs import GemmShape
 from wna16_jax._types import BlockConfig, MgpuConfig
 
 # The Mosaic GPU GEMM's output features per program and k-tile: a multiple of this tiles N and
-# the group (the mgpu_int4 layout's tiles are 64 x 64).
+# the group (the mgpu layouts' tiles are 64 x 64).
 SPAN = 64
 
 
 def gemm_shape_reason(shape: GemmShape, dtype: str) -> str | None:
     """Why the Mosaic GPU GEMM cannot run a GEMM of `shape` on activations of `dtype` (any
-    platform; the layout, int4 in 64 x 64 tiles, is checked by selection)."""
+    platform; the layout, int4 or int8 in 64 x 64 tiles, is checked by selection)."""
     if dtype != "bfloat16":
         return f"activation dtype {dtype} is not bfloat16"
     if shape.group % SPAN:
@@ -49,7 +49,7 @@ def linear_config(shape: GemmShape) -> MgpuConfig:
     """The heuristic config of a GEMM of `shape` (a linear: shape.m rows on one expert):
     `default_config` at its rows per expert, with a program's features narrowed (block_n 64,
     then one consumer) until they tile N (e.g. kv_a_proj's 576 = 9 x 64 at 128-row blocks)."""
-    cfg = default_config(max(shape.m, 1), shape.num_experts, shape.group)
+    cfg = default_config(max(shape.m, 1), shape.num_experts, shape.group, bits=shape.bits)
     if shape.n % tile_n(cfg):
         cfg = dataclasses.replace(cfg, block_n=SPAN)
     if shape.n % tile_n(cfg) and cfg.consumers > 1:

@@ -1,13 +1,16 @@
-"""The int4 grouped expert GEMM on Hopper tensor cores through Pallas' Mosaic GPU backend (the
-'mgpu' backend's GEMM; the layer is pallas_kernels/mosaic_gpu/fused_moe.py).
+"""The int4 / int8 grouped expert GEMM on Hopper tensor cores through Pallas' Mosaic GPU backend
+(the 'mgpu' backend's GEMM; the layer is pallas_kernels/mosaic_gpu/fused_moe.py).
 
 Swap-AB: each program computes out[rows of one block, block_n features] as the transpose of
 W[e][features, :] @ x[rows, :]^T. The dequantized weight tile is the wgmma's A operand, taken
-from registers: int4 is loaded from shared memory, converted to bf16 and shifted by the zero
-point in registers, never written back to shared memory. The layout stores each 64x64 tile in
-the order of the A operand's registers, so a thread loads its 32 weights with one 16-byte
-shared-memory load and makes each bf16 pair with one shift and one lop3 (128 + q), and one
-subtraction of 128 + z (`_biased_tile`): no shuffles or permutes. (q - z) is a small integer,
+from registers: int4 or int8 is loaded from shared memory, converted to bf16 and shifted by the
+zero point in registers, never written back to shared memory. The layouts store each 64x64
+tile in the order of the A operand's registers, so a thread loads its 32 weights with 16-byte
+shared-memory loads (one for int4, two for int8) and converts them without shuffles or
+permutes (`_converted_tile`): int4 makes each bf16 pair with one shift and one lop3 (128 + q)
+and one subtraction of 128 + z; int8 with two lop3 (128 plus the pair's low 7 bits; 128 or 256
+by their sign bits) and one subtraction (q - 128, signed), after a shift for every other pair,
+and one subtraction of z - 128 with zero points. (q - z) is a small integer (|q - z| <= 255),
 exact in bf16, so the products of a group's k-tiles are exact in their f32 sum; that sum is
 then scaled by the group's scale (block_k divides the group, or a k-step spans whole groups,
 each scaled on its own). bf16_weights (warp-specialized GEMMs): the converted tile is scaled
@@ -33,14 +36,14 @@ and the program stores silu(gate) * up: each sub-tile's gate and up sums sit in 
 registers of two accumulators, so the activation costs no data movement, and the f32 [P, N]
 output and the activation's pass over it disappear.
 
-It reads QuantizedExperts in the "mgpu_int4" layout (wna16_jax/layouts.py, made once):
-qweight int4 [E, N/64, K/64, 64, 64] holding q - 8 in 64x64 tiles (their nibbles in register
-order, layouts.TILE_ORDER), k-tiles of a row of tiles consecutive, so that each k-step's
-block_n x block_k weights are one contiguous run of memory, copied in TMA rows of
-TMA_ROW_NIBBLES nibbles (faster than rows [E, N, K], and than a tile's own 64-nibble rows:
+It reads QuantizedExperts in the "mgpu_int4" or "mgpu_int8" layout (wna16_jax/layouts.py, made
+once): qweight int4 [E, N/64, K/64, 64, 64] holding q - 8 (int8: q - 128) in 64x64 tiles (their
+values in register order, layouts.tile_order), k-tiles of a row of tiles consecutive, so that
+each k-step's block_n x block_k weights are one contiguous run of memory, copied in TMA rows of
+TMA_ROW_BYTES bytes (faster than rows [E, N, K], and than a tile's own 32-byte int4 rows:
 docs/performance.md, 'Mosaic GPU GEMM');
-scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 8 - z as
-[E, K//G, N], so that w = (qweight + zeros) * scales.
+scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 8 - z (int8:
+128 - z) as [E, K//G, N], so that w = (qweight + zeros) * scales.
 
 Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
 p // block_m), one expert id per block (-1 or an id past the experts: the block's output
@@ -60,17 +63,25 @@ from jax.experimental import pallas as pl
 from wna16_jax import layouts
 from wna16_jax._types import MGPU_TILE, QuantizedExperts
 
-# The mgpu_int4 layout's weight tiles are TILE x TILE; TILE features are one wgmma's M.
+# The mgpu layouts' weight tiles are TILE x TILE; TILE features are one wgmma's M.
 TILE = MGPU_TILE
 
 
-# The int4 weight tiles are copied in TMA rows of this many nibbles (128 bytes: a free reshape of
-# the contiguous tiles); the TMA unit streams a tile's own 64-nibble rows slower
+# The weight tiles are copied in TMA rows of this many bytes (256 int4 or 128 int8 values: a free
+# reshape of the contiguous tiles); the TMA unit streams a tile's own 32-byte int4 rows slower
 # (docs/performance.md, 'Mosaic GPU GEMM'). A TMA box holds at most 256 rows, so a k-step takes
-# at most 256 * TMA_ROW_NIBBLES / TILE = 1024 inputs.
-TMA_ROW_NIBBLES = 4 * TILE
-# A 64x64 tile's TMA rows.
-ROWS_PER_TILE = TILE * TILE // TMA_ROW_NIBBLES
+# at most 256 * TMA_ROW_BYTES / TILE / (bits / 8) = 1024 int4 or 512 int8 inputs.
+TMA_ROW_BYTES = 128
+
+
+def row_values(bits: int) -> int:
+    """The weights of one TMA row of `bits`-bit values."""
+    return TMA_ROW_BYTES * 8 // bits
+
+
+def rows_per_tile(bits: int) -> int:
+    """A 64x64 tile's TMA rows."""
+    return TILE * TILE // row_values(bits)
 
 
 def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
@@ -96,9 +107,9 @@ def check_config(
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
     w.validate("weights")
-    if w.layout != "mgpu_int4":
+    if w.layout not in ("mgpu_int4", "mgpu_int8"):
         raise NotImplementedError(
-            f"the Mosaic GPU GEMM reads the mgpu_int4 layout, got {w.layout!r} "
+            f"the Mosaic GPU GEMM reads the mgpu_int{w.bits} layout, got {w.layout!r} "
             f"(wna16_jax.layouts.to_kernel_layout converts)"
         )
     e, n, k = w.shape
@@ -147,16 +158,16 @@ def check_config(
             f"tiles_per_program={tiles_per_program} must divide the {n_tiles} output tiles of "
             f"{tile_n} features"
         )
-    step_rows = block_k // TILE * ROWS_PER_TILE
+    step_rows = block_k // TILE * rows_per_tile(w.bits)
     if step_rows > 256:
         raise ValueError(
-            f"a k-step of {block_k} takes {step_rows} weight rows of {TMA_ROW_NIBBLES} nibbles: "
-            f"a TMA box holds at most 256"
+            f"a k-step of {block_k} int{w.bits} inputs takes {step_rows} weight rows of "
+            f"{TMA_ROW_BYTES} bytes: a TMA box holds at most 256"
         )
 
 
-# The kernel's named regions (jax.named_scope: the in-kernel profiler's): "convert" (int4 ->
-# bf16 and the zero point), "wgmma" (issue a group's k-tile products), "wait" (for them), "scale"
+# The kernel's named regions (jax.named_scope: the in-kernel profiler's): "convert" (int4 / int8
+# -> bf16 and the zero point), "wgmma" (issue a group's k-tile products), "wait" (for them), "scale"
 # (group scale, accumulate), "store" (the output tile's rows, all of it), its parts "store_smem"
 # (registers to the shared-memory buffer), "store_reuse" (wait until the last copy has read the
 # buffer) and "store_wait" (the program's final wait for its copies' writes), and "program" (a
@@ -168,11 +179,16 @@ REGIONS = (
 PROFILE_REGIONS = ("convert", "wgmma", "wait", "scale", "store")
 
 
-# Symmetric weights subtract 136 (128 + 8) from each converted weight, computed from a loaded row
-# of scales as a zero point's offset is (136 - 0 * scale): taken as a constant (folded into the
-# subtraction, or made by inline PTX) the symmetric layer ran slower than the same weights with
-# zero points of 8, for a reason not found (docs/performance.md, 'Mosaic GPU GEMM').
-SYMMETRIC_OFFSET = 136
+# What a converted weight holds beyond the stored value (`_converted_tile`), per bits: int4's
+# 128 + q = (q - 8) + 136; int8's q - 128, the stored value itself. The kernel subtracts this bias
+# less the layout's zeros (q - z), or for symmetric weights the bias alone.
+CONVERTED_BIAS = {4: 136, 8: 0}
+# Symmetric int4 weights subtract 136 (128 + 8) from each converted weight, computed from a loaded
+# row of scales as a zero point's offset is (136 - 0 * scale): taken as a constant (folded into
+# the subtraction, or made by inline PTX) the symmetric layer ran slower than the same weights
+# with zero points of 8, for a reason not found (docs/performance.md, 'Mosaic GPU GEMM').
+# Symmetric int8 weights subtract nothing.
+SYMMETRIC_OFFSET = CONVERTED_BIAS[4]
 
 
 # Shared memory a block may take on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin of the H100 /
@@ -182,22 +198,29 @@ SM90_SHARED_MEMORY_BYTES = 232448
 SMEM_BYTES = SM90_SHARED_MEMORY_BYTES - 2048
 
 
-def output_buffer_rows(
+def stage_bytes(
     *, block_m: int, block_k: int, tile_n: int, halves: int, groups_per_step: int,
-    has_offset: bool, scale_bytes: int, stages: int, warpgroups: int, out_bytes: int,
+    has_offset: bool, scale_bytes: int, bits: int,
 ) -> int:  # fmt: skip
-    """Rows of each warpgroup's output buffer ([rows, 64]): the block's, or half of them (then a
-    quarter, ...; at least 8) where the pipeline's stages leave no room for the whole block's.
-    E.g. GEMM2 of 64-row blocks with 256 features per program and 3 stages of 256-wide k-steps:
-    198 KB of stages leave no room for two [64, 64] f32 buffers (32 KB), so they take 32 rows
-    and a sub-tile is stored in two copies."""
-    stage = (
-        halves * tile_n * block_k // 2  # int4 weights
+    """Shared memory of one pipeline stage (a k-step's copies): the weight tiles of each half,
+    the block's rows and each half's scales (and zero offsets) of the step's groups."""
+    return (
+        halves * tile_n * block_k * bits // 8  # int4 / int8 weights
         + block_m * block_k * 2  # bf16 rows
         + halves * groups_per_step * tile_n * scale_bytes * (2 if has_offset else 1)
     )
-    rows = block_m
-    while rows % 16 == 0 and stages * stage + warpgroups * rows * TILE * out_bytes > SMEM_BYTES:
+
+
+def output_buffer_rows(*, stages: int, warpgroups: int, out_bytes: int, **stage) -> int:
+    """Rows of each warpgroup's output buffer ([rows, 64]): the block's, or half of them (then a
+    quarter, ...; at least 8) where the pipeline's stages (`stage_bytes` of the keyword
+    arguments `stage`) leave no room for the whole block's. E.g. int4 GEMM2 of 64-row blocks
+    with 256 features per program and 3 stages of 256-wide k-steps: 198 KB of stages leave no
+    room for two [64, 64] f32 buffers (32 KB), so they take 32 rows and a sub-tile is stored in
+    two copies."""
+    one_stage = stage_bytes(**stage)
+    rows = stage["block_m"]
+    while rows % 16 == 0 and stages * one_stage + warpgroups * rows * TILE * out_bytes > SMEM_BYTES:
         rows //= 2
     return rows
 
@@ -205,16 +228,36 @@ def output_buffer_rows(
 # bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
 # the mantissa counts units); the xor also flips the stored nibble's bit 3: (q - 8) ^ 8 = q.
 _BF16_128_XOR_8 = 0x43084308
-# lop3's truth table for (a & b) ^ c.
+# lop3's truth tables for (a & b) ^ c and (a & b) | c.
 _AND_XOR = (0xF0 & 0xCC) ^ 0xAA
+_AND_OR = (0xF0 & 0xCC) | 0xAA
+# int8: a bf16 pair of the signed bytes b = q - 128 in the low bytes of a word's 16-bit halves
+# (bytes 0 and 2). bf16 holds 7 mantissa bits, so the byte is split: its low 7 bits set into the
+# bits of 128 (the mantissa counts units: 128 + (b & 127)), its sign bit into those of 128 as the
+# exponent's lowest bit (128, or 256 for a negative b), and the difference is b, exact. Two lop3
+# and one subtraction per pair (the other pair of the word shifted down by 8 bits first: 3.5
+# instructions per pair), against upstream Mosaic GPU's prmt, two and and a subtraction.
+_INT8_PAIR = f"""{{
+.reg .b32 s<2>;
+lop3.b32 s0, $1, 0x007F007F, 0x43004300, {_AND_OR:#x};  // 128 + (b & 127)
+lop3.b32 s1, $1, 0x00800080, 0x43004300, {_AND_OR:#x};  // 128, or 256 for b < 0
+sub.bf16x2 $0, s0, s1;
+}}"""
 
 
-def _biased_tile(q_tile):
-    """128 + q (bf16, exact) for the stored 64x64 int4 tile q_tile (shared memory, nibbles in
-    register order: layouts.TILE_ORDER) in the wgmma A operand's register layout (Mosaic GPU's
-    WGMMA_LAYOUT). Thread t of the warpgroup loads its 16 bytes at 16 t; nibbles s and s + 4 of
-    its word i become the bf16 pair of register 4 i + s. Compiled code only (inline Mosaic GPU).
-    """
+def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
+    """The stored 64x64 tile q_tile (shared memory, in register order: layouts.tile_order(bits))
+    in bf16 plus CONVERTED_BIAS[bits], exact: 128 + q for int4, q - 128 for int8 (q the
+    canonical value). Compiled: in the wgmma A operand's register layout (Mosaic GPU's
+    WGMMA_LAYOUT) through inline Mosaic GPU: thread t of the warpgroup loads its int4 16 bytes at
+    16 t, and nibbles s and s + 4 of its word i become the bf16 pair of register 4 i + s; or its
+    int8 16 bytes at 16 t and 16 at 2048 + 16 t (words 0-3 and 4-7), and bytes s and s + 2 of
+    its word i the pair of register 2 i + s. interpret: the same values as a jnp array (the
+    interpreter's wgmma takes A from shared memory only)."""
+    if interpret:
+        q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
+        return layouts.from_tile_order(q, bits).astype(dtype) + CONVERTED_BIAS[bits]
+
     import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -222,36 +265,49 @@ def _biased_tile(q_tile):
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    bf16 = jnp.bfloat16
-
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),),
-        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), bf16, layout=plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )
     def convert(_, ref):
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
-        byte = arith.muli(thread, mgpu_utils.c(16, i32))  # thread t's 16 bytes
-        offset = arith.extui(ir.IntegerType.get_signless(64), byte)
-        ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
-        words = llvm.load(ir.VectorType.get((4,), i32), ptr, alignment=16)
+
+        def words(first: int):  # the 4 words at byte first + 16 t
+            byte = arith.muli(thread, mgpu_utils.c(16, i32))
+            if first:
+                byte = arith.addi(byte, mgpu_utils.c(first, i32))
+            offset = arith.extui(ir.IntegerType.get_signless(64), byte)
+            ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+            loaded = llvm.load(ir.VectorType.get((4,), i32), ptr, alignment=16)
+            return [
+                vector.extract(
+                    loaded, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
+                )
+                for i in range(4)
+            ]
+
         layout = mgpu.WGMMA_LAYOUT
         registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
-        for i in range(4):
-            word = vector.extract(
-                words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
-            )
-            for s in range(4):
-                shifted = arith.shrui(word, mgpu_utils.c(4 * s, i32)) if s else word
-                bits = llvm.inline_asm(
-                    i32,
-                    [shifted],
-                    f"lop3.b32 $0, $1, 0x000F000F, {_BF16_128_XOR_8:#x}, {_AND_XOR:#x};",
-                    "=r,r",
-                )
-                ct, rh = divmod(4 * i + s, 2)  # register (column tile, row half)
-                registers[0, ct, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, pair)
+
+        def place(register: int, value):
+            ct, rh = divmod(register, 2)  # register (column tile, row half)
+            registers[0, ct, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(value, pair)
+
+        def shifted(word, by: int):
+            return arith.shrui(word, mgpu_utils.c(by, i32)) if by else word
+
+        if bits == 4:  # nibbles s and s + 4 of word i: register 4 i + s, by a shift and a lop3
+            asm = f"lop3.b32 $0, $1, 0x000F000F, {_BF16_128_XOR_8:#x}, {_AND_XOR:#x};"
+            for i, word in enumerate(words(0)):
+                for s in range(4):
+                    place(4 * i + s, llvm.inline_asm(i32, [shifted(word, 4 * s)], asm, "=r,r"))
+        else:  # bytes s and s + 2 of word i (0-3 at 16 t, 4-7 at 2048 + 16 t): register 2 i + s
+            for i, word in enumerate(words(0) + words(TILE * TILE // 2)):
+                for s in range(2):
+                    value = llvm.inline_asm(i32, [shifted(word, 8 * s)], _INT8_PAIR, "=r,r")
+                    place(2 * i + s, value)
         return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
 
     return convert(q_tile)
@@ -322,9 +378,10 @@ def mgpu_wna16_gemm(
     serves more features (fewer bytes through L2 per weight byte). splits > 1: each program
     takes one of `splits` equal runs of k-steps (more programs for few rows). block_k: inputs
     per k-step, a multiple of 64 that divides the group or spans whole groups (256 = two groups
-    of 128: fewer, larger copies). gated: a warpgroup's block_n output features take a gate
-    and an up accumulator each (the same register positions: silu * up in registers), their
-    weights copied from both halves of W.
+    of 128: fewer, larger copies), at most 1024 for int4 and 512 for int8 (one TMA copy; an int8
+    k-step takes twice int4's shared memory). gated: a warpgroup's block_n output features take
+    a gate and an up accumulator each (the same register positions: silu * up in registers),
+    their weights copied from both halves of W.
 
     Output tiles (a block's rows x block_n * max(consumers, 1) features x one split's k-steps)
     are numbered split-major, then block, then N tile, one program each: the programs running
@@ -405,6 +462,8 @@ def mgpu_wna16_gemm(
     groups_per_step = max(bk // w.group, 1)
     tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
     has_offset = w.zeros is not None
+    bias = CONVERTED_BIAS[w.bits]
+    tile_rows = rows_per_tile(w.bits)  # a weight tile's TMA rows
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
     n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
@@ -412,9 +471,8 @@ def mgpu_wna16_gemm(
     if buffer_rows is None:
         buffer_rows = output_buffer_rows(
             block_m=bm, block_k=bk, tile_n=tile_n, halves=halves, groups_per_step=groups_per_step,
-            has_offset=has_offset, scale_bytes=w.scales.dtype.itemsize,
-            stages=stages, warpgroups=wgs,
-            out_bytes=out_dtype.itemsize,
+            has_offset=has_offset, scale_bytes=w.scales.dtype.itemsize, bits=w.bits,
+            stages=stages, warpgroups=wgs, out_bytes=out_dtype.itemsize,
         )  # fmt: skip
     elif buffer_rows % 8 or bm % buffer_rows:
         raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
@@ -489,20 +547,15 @@ def mgpu_wna16_gemm(
                     return dequantized(q_smem, offset, s, j, scale)
 
             def dequantized(q_smem, offset, s, j, scale):
-                # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: (128 + q) - offset,
-                # offset = 128 + z of the tile's features (136 without zero points): q - z, a
-                # small integer, exact in bf16.
-                q_tile = q_smem.at[sub_tile(s), pl.ds(j * ROWS_PER_TILE, ROWS_PER_TILE)]
-                if interpret:  # the interpreter's wgmma takes A from shared memory only
-                    q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
-                    q = layouts.from_tile_order(q)  # q - 8
-                    biased = q.astype(dtype) + 136
-                else:
-                    biased = _biased_tile(q_tile)
-                if offset is None:  # the interpreter, symmetric
-                    wt = biased - 136
-                else:
-                    wt = biased - lax.broadcast_in_dim(offset, biased.shape, [0])
+                # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: the converted tile
+                # (the stored value plus CONVERTED_BIAS) less offset, the bias less the zeros of
+                # the tile's features: q - z, a small integer, exact in bf16.
+                q_tile = q_smem.at[sub_tile(s), pl.ds(j * tile_rows, tile_rows)]
+                wt = _converted_tile(q_tile, w.bits, dtype, interpret)
+                if offset is not None:
+                    wt = wt - lax.broadcast_in_dim(offset, wt.shape, [0])
+                elif bias:  # symmetric int4 in the interpreter: the constant
+                    wt = wt - bias
                 if scale is not None:  # bf16_weights: (q - z) * s, rounded once
                     wt = wt * lax.broadcast_in_dim(scale.astype(dtype), wt.shape, [0])
                 if interpret:
@@ -512,13 +565,15 @@ def mgpu_wna16_gemm(
 
             def group_offset(s_refs, z_refs, g, h, s, scale=None):
                 # What the conversion subtracts from sub-tile s's features in group g, once per
-                # group of the step: 136 - (8 - z) = 128 + z <= 143, exact; symmetric: 136 -
-                # 0 * scale = 136 (exact for finite scales), computed as a zero point's offset
-                # is (see SYMMETRIC_OFFSET; scale: the group's row where already loaded); None
-                # in the interpreter without zero points.
+                # group of the step: the bias less the zeros, int4 136 - (8 - z) = 128 + z <=
+                # 143, int8 0 - (128 - z) = z - 128, exact; symmetric int4: 136 - 0 * scale =
+                # 136 (exact for finite scales), computed as a zero point's offset is (see
+                # SYMMETRIC_OFFSET; scale: the group's row where already loaded); None where
+                # the bias is subtracted as a constant (symmetric: int8's 0, int4's in the
+                # interpreter).
                 if z_refs:
-                    return 136 - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
-                if interpret:
+                    return bias - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                if interpret or not bias:
                     return None
                 if scale is None:
                     scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
@@ -645,9 +700,9 @@ def mgpu_wna16_gemm(
             def row_tile(*idx):
                 return bi * (bm // rows), si * steps + tile_and_step(idx)[1]
 
-            q_spec = (None, wgs * subs, bk // TILE * ROWS_PER_TILE, TMA_ROW_NIBBLES)
+            q_spec = (None, wgs * subs, bk // TILE * tile_rows, row_values(w.bits))
             g_spec = (None, groups_per_step, tile_n)
-            in_specs = [  # weight tiles [64-feature tiles, the k-step's rows of TMA_ROW_NIBBLES]:
+            in_specs = [  # weight tiles [64-feature tiles, the k-step's rows of TMA_ROW_BYTES]:
                 # contiguous and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
                 # no bank conflicts
                 *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
@@ -728,8 +783,8 @@ def mgpu_wna16_gemm(
                 store(zero_acc()[:subs], n_run * tiles + j)
             plgpu.wait_smem_to_gmem(0)
 
-    # A free reshape of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * ROWS_PER_TILE, TMA_ROW_NIBBLES].
-    q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // TILE * ROWS_PER_TILE, TMA_ROW_NIBBLES)
+    # A free reshape of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * tile_rows, row_values(bits)].
+    q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // TILE * tile_rows, row_values(w.bits))
     operands = [block_experts.astype(jnp.int32)]
     if narrow:
         operands.append(rows_in_use.astype(jnp.int32))
