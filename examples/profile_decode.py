@@ -8,14 +8,14 @@ loop (e.g. the absorbed kv_b weights) are the same in both and cancel.
 
     python examples/profile_decode.py --steps 8 --full-width-layers 8 --batch-size 1
 
-Printed: the step's time untraced (the same difference of the decode times) beside the sum of
-its kernels (the rest is the GPU waiting between kernels); the weight bytes a step reads at
-least (every non-expert weight, and num_experts_per_tok routed experts per MoE layer: the
-batch-1 bytes; a batch reads more experts the more its rows route apart) against the copy
-ceiling measured in the same run; then the kernels, longest first: launches per step, us per
-step, their share, the kernel name. On a CPU (the tiny default, kernels in the interpreters)
-the XLA CPU runtime's op events stand in for the kernels: a check of this script, not a
-profile (its step time, a difference of two noisy timings, can even come out negative).
+Printed: the untraced ms per step of the longer call (GenerateStats.step_s, as generate.py
+prints it: the decode call's own work spread over its steps) beside the sum of the step's
+kernels; the weight bytes a step reads at least (every non-expert weight, and
+num_experts_per_tok routed experts per MoE layer: the batch-1 bytes; a batch reads more experts
+the more its rows route apart) against the copy ceiling measured in the same run; then the
+kernels, longest first: launches per step, us per step, their share, the kernel name. On a CPU
+(the tiny default, kernels in the interpreters) the XLA CPU runtime's op events stand in for
+the kernels: a check of this script, not a profile.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     print(f"model: {what}")
     prompts = [tokenizer.encode(args.prompt)] * args.batch_size[0]
 
-    def decode_s(new_tokens):  # runs generate; the decode loop's seconds
+    def stats_of(new_tokens):  # runs generate
         _, stats = generate(
             model,
             prompts,
@@ -133,14 +133,14 @@ def main(argv=None) -> int:
             seed=args.seed,
             return_stats=True,
         )
-        return stats.decode_s
+        return stats
 
     base, more = 2, 2 + ours.steps
     for n in (base, more):  # compile and load both programs before timing
-        decode_s(n)
-    step_s = min(decode_s(more) - decode_s(base) for _ in range(3)) / ours.steps
+        stats_of(n)
+    step_s = min(stats_of(more).step_s for _ in range(3))
     rows = per_step(
-        traced_kernels(lambda: decode_s(base)), traced_kernels(lambda: decode_s(more)), ours.steps
+        traced_kernels(lambda: stats_of(base)), traced_kernels(lambda: stats_of(more)), ours.steps
     )
     step_us = sum(r["us"] for r in rows)
     launches = sum(r["launches"] for r in rows)

@@ -360,7 +360,7 @@ def test_profile_decode_tiny(tmp_path, capsys):
     record = json.loads(out_json.read_text())
     assert (record["batch_size"], record["steps"]) == (2, 2)
     assert record["kernel_us_per_step"] == pytest.approx(sum(r["us"] for r in record["kernels"]))
-    assert record["weight_bytes_per_step"] > 0 and np.isfinite(record["step_us"])
+    assert record["weight_bytes_per_step"] > 0 and record["step_us"] > 0
     out = capsys.readouterr().out
     assert "2 decode steps traced" in out and "others)" in out
 
