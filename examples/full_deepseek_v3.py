@@ -92,7 +92,7 @@ def main(argv=None):
     p.add_argument("--implementation", default=None, help="fused_moe backend (default auto)")
     p.add_argument(
         "--expert-layout",
-        choices=("auto", "canonical", "mgpu_int4"),  # wna16_jax.layouts.LAYOUTS; jax loads later
+        choices=("auto", "canonical", "mgpu_int4", "mgpu_int8"),  # wna16_jax.layouts.LAYOUTS
         default="auto",
         help="the routed experts' weight layout, converted per shard after drawing them; auto: "
         "as generate.py (mgpu_int4 with --implementation mgpu*, else the fastest backend's "

@@ -79,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--implementation",
         default=None,
         help="fused_moe backend (xla, pallas, pallas_interpret, mgpu, mgpu_interpret, ...); "
-        "default auto. mgpu* convert the experts to the mgpu_int4 layout (see --expert-layout)",
+        "default auto. mgpu* convert the experts to the mgpu_int4 / mgpu_int8 layout (see "
+        "--expert-layout)",
     )
     p.add_argument(
         "--expert-layout",

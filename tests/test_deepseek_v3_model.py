@@ -466,7 +466,8 @@ def test_preferred_expert_layout(monkeypatch):
 
 def test_resolve_expert_layout(monkeypatch):
     """generate.py's --expert-layout: a named layout as is; auto follows a named
-    implementation (mgpu* -> mgpu_int4, another -> canonical), else the preferred layout."""
+    implementation (mgpu* -> mgpu_int4 or mgpu_int8 by the experts' bits, another ->
+    canonical), else the preferred layout."""
     model = tiny_model(num_hidden_layers=2)
     assert model.resolve_expert_layout("mgpu_int4", "pallas") == "mgpu_int4"
     assert model.resolve_expert_layout("auto", "mgpu_interpret") == "mgpu_int4"
@@ -474,6 +475,8 @@ def test_resolve_expert_layout(monkeypatch):
     assert model.resolve_expert_layout("auto", "xla") == "canonical"
     monkeypatch.setattr(model, "preferred_expert_layout", lambda: "mgpu_int4")
     assert model.resolve_expert_layout("auto", None) == "mgpu_int4"
+    int8 = tiny_model(num_hidden_layers=2, quant=QuantSpec(bits=8, group_size=32))
+    assert int8.resolve_expert_layout("auto", "mgpu_interpret") == "mgpu_int8"
 
 
 def test_mgpu_expert_layout_matches_canonical(rng):
