@@ -14,6 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from wna16_jax import _api
+from wna16_jax import linear as _linear
 from wna16_jax._quant import random_quantized_experts
 from wna16_jax._types import MGPU_TILE, BlockConfig, QuantizedExperts
 
@@ -893,3 +894,103 @@ def fused_moe_tp(
         implementation=implementation,
         config=config,
     )
+
+
+# ---- the quantized linear under a mesh ----------------------------------------------------------
+
+
+def linear_specs(w: QuantizedExperts, *, n_axis: str | None = None, k_axis: str | None = None):
+    """The PartitionSpecs of a linear weight [1, N, K] with N over n_axis (column parallel)
+    and K over k_axis (row parallel), in its layout: `expert_specs` with no expert axis."""
+    return expert_specs(w, n_axis=n_axis, k_axis=k_axis)
+
+
+def _check_linear_shards(w: QuantizedExperts, n_n: int, n_k: int) -> None:
+    """Each shard must hold whole packed words, groups and (kernel layouts) 64 x 64 tiles."""
+    _, n, k = w.shape
+    problems = []
+    per_word = 32 // w.bits
+    tile = 1 if w.layout == "canonical" else MGPU_TILE
+    if n % (n_n * tile) or (w.has_zeros and w.layout == "canonical" and n // n_n % 2):
+        problems.append(f"N={n} does not split into {n_n} shards of whole {tile}-row tiles")
+    unit = max(per_word if w.layout == "canonical" else MGPU_TILE, 1)
+    if w.group_size != -1:
+        unit = max(unit, w.group_size)
+    if k % (n_k * unit):
+        problems.append(f"K={k} does not split into {n_k} shards of whole units of {unit}")
+    if problems:
+        raise ValueError(f"linear weight {w.shape} ({w.layout}): " + "; ".join(problems))
+
+
+def quantized_matmul_sharded(
+    x,
+    w: QuantizedExperts,
+    *,
+    mesh: Mesh,
+    row_axis: str | None = None,
+    n_axis: str | None = None,
+    k_axis: str | None = None,
+    activation: str | None = None,
+    out_dtype=None,
+    implementation: str | Sequence[str] | None = None,
+    config=None,
+):
+    """`wj.linear.quantized_matmul` per device through `jax.shard_map`: each device runs the
+    kernel on its own rows and its own slice of the weight (a kernel call cannot be partitioned
+    by GSPMD, which would gather the whole weight to every device).
+
+    x's leading dim is split over row_axis (data parallel); the weight [1, N, K] (placed with
+    `linear_specs`) has N over n_axis (column parallel: each device computes its slice of the
+    output features) and K over k_axis (row parallel: x's features are split the same way, each
+    device's partial sums are added in f32 by a psum over k_axis, then rounded once).
+
+    Args:
+        x: [R, ..., K]; R split over row_axis, K over k_axis.
+        w: QuantizedExperts [1, N, K] in any layout its implementation reads.
+        mesh: the device mesh; row_axis, n_axis, k_axis: its axes (None: not split).
+        activation: as in quantized_matmul (a gated weight): with n_axis each shard's rows
+            must be its own [gate; up] (`tp_interleave_w13`); not with k_axis (the activation
+            needs whole sums).
+        out_dtype, implementation, config: as in quantized_matmul.
+
+    Returns:
+        [R, ..., N] (N/2 with activation) in out_dtype (default x.dtype), R over row_axis and the
+        features over n_axis.
+
+    Raises:
+        ValueError: an axis not in the mesh, axes repeated, activation with k_axis, or a weight
+            that does not split into whole words, groups and tiles (values quoted).
+    """
+    named = {"row_axis": row_axis, "n_axis": n_axis, "k_axis": k_axis}
+    named = {key: a for key, a in named.items() if a is not None}
+    if len(set(named.values())) < len(named):
+        raise ValueError(f"the mesh axes must differ, got {named}")
+    sizes = {key: _axis_size(mesh, a, key) for key, a in named.items()}
+    if activation is not None and k_axis is not None:
+        raise ValueError(
+            f"activation={activation!r} needs whole sums: it cannot run with K split over "
+            f"k_axis={k_axis!r}"
+        )
+    _check_linear_shards(w, sizes.get("n_axis", 1), sizes.get("k_axis", 1))
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    lead = (None,) * (x.ndim - 2)
+    x_spec = P(row_axis, *lead, k_axis)
+    out_spec = P(row_axis, *lead, n_axis)
+
+    def body(x, w):
+        partial_dtype = jnp.float32 if k_axis is not None else out_dtype
+        y = _linear.quantized_matmul(
+            x, w, activation=activation, out_dtype=partial_dtype,
+            implementation=implementation, config=config,
+        )  # fmt: skip
+        if k_axis is not None:
+            y = jax.lax.psum(y, k_axis).astype(out_dtype)
+        return y
+
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(x_spec, linear_specs(w, n_axis=n_axis, k_axis=k_axis)),
+        out_specs=out_spec,
+        check_vma=False,
+    )(_place(x, mesh, x_spec), w)
