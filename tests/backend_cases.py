@@ -4,7 +4,7 @@ Each check compares the backend with the 'xla' reference on the *same* quantized
 on the grid, with the float64 numpy layer of tests/helpers.py), so quantization error never
 hides inside a tolerance: a grid of (T, E, k, H, I) in the spirit of vLLM's test_fused_moe
 (odd T, duplicate experts, several formats), an expert_map with -1 experts, ids out of range,
-token chunks, jit, an f32 output and zero tokens.
+token chunks, jit, an f32 output, act-order w13 (an input permutation) and zero tokens.
 
 A subclass names the backend and says what it runs:
 
@@ -265,6 +265,28 @@ class FusedMoeCases:
         )
         assert np.any(np.asarray(full) != np.asarray(out, np.float32))  # not just x.dtype values
         self.assert_close(full, ref, case.dtype, "f32 output vs xla")
+
+    def test_act_order_w13(self, rng):
+        """w13 with an input permutation per expert (GPTQ act-order, QuantizedExperts.perm):
+        one token (a block per slot where the backend has one) and several, an expert_map
+        with -1 experts and a dropped id; matches 'xla' and the float64 layer."""
+        case = self.SMALL
+        x, w13, w2, tw, _ = self.inputs(rng, case)
+        w13 = helpers.with_random_perm(rng, w13)
+        e_global = 2 * case.E
+        expert_map = np.full(e_global, -1, np.int32)
+        local = rng.choice(e_global, size=case.E, replace=False)
+        expert_map[local] = rng.permutation(case.E)
+        _, ids = helpers.random_routing(rng, case.T, case.k, e_global)
+        ids[0] = rng.choice(local, size=case.k, replace=False)  # the one-token call's token
+        ids[1, 0] = -1
+        for t in (1, case.T):
+            args = (x[:t], w13, w2, tw[:t], jnp.asarray(ids[:t]))
+            out, ref = self.run_both(*args, case, expert_map=jnp.asarray(expert_map))
+            self.assert_close(out, ref, case.dtype, f"act-order w13, T={t}, vs xla")
+            want = self.oracle(*args, case, expert_map=expert_map)
+            if want is not None:
+                self.assert_close(out, want, case.dtype, f"act-order w13, T={t}, vs oracle")
 
     def test_zero_tokens(self, rng):
         case = self.SMALL

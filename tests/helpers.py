@@ -8,6 +8,7 @@ the same oracle. Random quantized weights come from the library's one generator,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import pathlib
 import sys
@@ -222,7 +223,8 @@ def numpy_unpack_zeros(zeros, bits: int) -> np.ndarray:
 
 
 def numpy_dequantize(qw: QuantizedExperts) -> np.ndarray:
-    """float64 [E, N, K]: w = (q - z) * scale[e, n, k // G], with z = 8 / 128 without zeros."""
+    """float64 [E, N, K]: w = (q - z) * scale[e, n, k // G], with z = 8 / 128 without zeros, K
+    in the activations' order (stored input j is input qw.perm[e, j])."""
     bits = qw.bits
     q = numpy_unpack_k(qw.qweight, bits)  # [E, N, K]
     e, n, k = q.shape
@@ -232,7 +234,29 @@ def numpy_dequantize(qw: QuantizedExperts) -> np.ndarray:
         z = np.full(s.shape, 1 << (bits - 1), np.int64)
     else:
         z = numpy_unpack_zeros(qw.zeros, bits)
-    return ((q - np.repeat(z, g, axis=-1)) * np.repeat(s, g, axis=-1)).reshape(e, n, k)
+    w = ((q - np.repeat(z, g, axis=-1)) * np.repeat(s, g, axis=-1)).reshape(e, n, k)
+    if qw.perm is None:
+        return w
+    out = np.empty_like(w)
+    np.put_along_axis(out, np.broadcast_to(np.asarray(qw.perm)[:, None, :], w.shape), w, axis=2)
+    return out
+
+
+def numpy_gptq_weight(qweight, qzeros, scales, g_idx, bits: int) -> np.ndarray:
+    """float64 [N, K] of GPTQ v1 checkpoint tensors: w[k, n] = (q[k, n] - z[g_idx[k], n]) *
+    scales[g_idx[k], n], q packed along K (qweight [K*b/32, N]) and zero - 1 along N (qzeros
+    [K/G, N*b/32]), low bits first."""
+    q = numpy_unpack_k(np.asarray(qweight).view(np.uint32).T, bits)  # [N, K]
+    z = (numpy_unpack_k(np.asarray(qzeros).view(np.uint32), bits) + 1) % (1 << bits)  # [G, N]
+    s = np.asarray(scales).astype(np.float64)  # [G, N]
+    g_idx = np.asarray(g_idx)
+    return (q - z[g_idx].T) * s[g_idx].T
+
+
+def with_random_perm(rng: np.random.Generator, qw: QuantizedExperts) -> QuantizedExperts:
+    """qw with a random input permutation per expert (int32 [E, K] on the host)."""
+    perm = np.argsort(rng.random((qw.num_experts, qw.k)), axis=1).astype(np.int32)
+    return dataclasses.replace(qw, perm=perm)
 
 
 def _silu(v: np.ndarray) -> np.ndarray:

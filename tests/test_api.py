@@ -50,6 +50,13 @@ def _replace(qw, **changes):
     return dataclasses.replace(qw, **changes)
 
 
+def _identity_perm_but(e, j, value):
+    """Host int32 [E, H]: every expert's inputs in order, but perm[e, j] = value."""
+    perm = np.tile(np.arange(H, dtype=np.int32), (E, 1))
+    perm[e, j] = value
+    return perm
+
+
 # Each case: (id, function of the valid problem dict -> the broken one, substrings of the error).
 INVALID = [
     ("x_rank3", lambda p: p | {"x": p["x"][..., None]}, ["x must be [T, H]", "(5, 64, 1)"]),
@@ -223,6 +230,26 @@ INVALID = [
         "activation",
         lambda p: p | {"kw": {"activation": "gelu"}},
         ["activation='gelu' is not supported", "silu"],
+    ),
+    (
+        "perm_shape",
+        lambda p: p | {"w13": _replace(p["w13"], perm=jnp.zeros((E, H + 1), jnp.int32))},
+        ["w13", "perm must be int32 [E, K] = (4, 64)", "(4, 65)"],
+    ),
+    (
+        "perm_dtype",
+        lambda p: p | {"w13": _replace(p["w13"], perm=np.zeros((E, H), np.int64))},
+        ["w13", "perm must be int32", "int64"],
+    ),
+    (
+        "perm_not_a_permutation",
+        lambda p: p | {"w13": _replace(p["w13"], perm=_identity_perm_but(2, 5, 7))},
+        ["w13", "perm[2] is not a permutation of range(K=64)", "1 of 4 rows"],
+    ),
+    (
+        "w2_perm",
+        lambda p: p | {"w2": helpers.with_random_perm(np.random.default_rng(0), p["w2"])},
+        ["w2 has an input permutation", "wna16_jax.formats.fold_w2_act_order"],
     ),
 ]
 
@@ -399,11 +426,16 @@ def test_export_round_trip_plain_arrays(problem):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(direct, np.float32))
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["in_order", "act_order"])
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-def test_export_round_trip_quantized_experts(rng, has_zp):
-    """DESIGN: everything works with jax.export, QuantizedExperts arguments included."""
+def test_export_round_trip_quantized_experts(rng, has_zp, act_order):
+    """DESIGN: everything works with jax.export, QuantizedExperts arguments included (an
+    act-order w13's input permutation too)."""
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
     args = helpers.random_moe_inputs(rng, T=T, H=H, I=I, E=E, k=K_TOP, has_zp=has_zp)
+    if act_order:
+        w13 = helpers.with_random_perm(rng, args[1])
+        args = (args[0], dataclasses.replace(w13, perm=jnp.asarray(w13.perm)), *args[2:])
     f = jax.jit(lambda *a: wj.fused_moe(*a))
     exported = jax.export.export(f)(*args)
     restored = jax.export.deserialize(exported.serialize())

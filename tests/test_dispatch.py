@@ -424,16 +424,26 @@ def test_grouped_matmul_shape_reasons():
 
 
 @pytest.mark.parametrize(
-    "implementation, n",
-    [("pallas_interpret", 64), ("xla", 64), ("mgpu_interpret", 64), ("mgpu_interpret", 128)],
+    "implementation, n, act_order",
+    [
+        ("pallas_interpret", 64, False),
+        ("xla", 64, False),
+        ("mgpu_interpret", 64, False),
+        ("mgpu_interpret", 128, False),
+        ("pallas_interpret", 64, True),
+        ("xla", 64, True),
+        ("mgpu_interpret", 128, True),
+    ],
 )
 @pytest.mark.parametrize("activation", [None, "silu"])
-def test_public_grouped_matmul_matches_numpy(rng, implementation, n, activation):
+def test_public_grouped_matmul_matches_numpy(rng, implementation, n, act_order, activation):
     """wj.grouped_matmul on a routing from wj.moe_align_block_size at the config
     wj.gemm_config gives, with routed weights; with activation, silu(gate) * up times them
     (the 'mgpu' GEMM: weights in its layout; silu in its epilogue where a half of w's rows is
-    whole tiles, n=128, else after it)."""
+    whole tiles, n=128, else after it); act_order: w with an input permutation per expert."""
     a, w, ids = _gemm_inputs(rng, n=n)
+    if act_order:
+        w = helpers.with_random_perm(rng, w)
     t, top_k = ids.shape
     layout = "mgpu_int4" if implementation.startswith("mgpu") else "canonical"
     wk = wj.layouts.to_kernel_layout(w, layout)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from backend_cases import ELEMENT_SLACK
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,6 +135,9 @@ def assert_same(a, b):
     if a.zeros is not None:
         assert a.zeros.dtype == jnp.uint8
         np.testing.assert_array_equal(np.asarray(a.zeros), np.asarray(b.zeros))
+    assert (a.perm is None) == (b.perm is None)
+    if a.perm is not None:
+        np.testing.assert_array_equal(np.asarray(a.perm), np.asarray(b.perm))
 
 
 def canonical_q(qw):
@@ -443,54 +449,69 @@ def test_compressed_tensors_symmetric_zero_point_dropped(rng):
 
 
 def act_order_g_idx(rng, k, group_size):
+    """An AutoGPTQ act-order g_idx: groups formed in a random order of the inputs, G each."""
     perm0 = rng.permutation(k)
     g_idx = np.empty(k, np.int32)
     g_idx[perm0] = np.arange(k) // group_size
     return g_idx
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gptq_act_order_refused(rng, bits):
-    per = 32 // bits
-    qweight, qzeros = random_words(rng, (K // per, N)), random_words(rng, (K // 64, N // per))
-    scales = random_scales(rng, (K // 64, N), np.float16)
-    g_idx = act_order_g_idx(rng, K, 64)
-    kw = dict(bits=bits, group_size=64, sym=False)
-    with pytest.raises(ValueError, match=r"act-order \(desc_act\).*from_gptq_act_order"):
-        formats.from_gptq(qweight, qzeros, scales, g_idx, desc_act=True, **kw)
-    with pytest.raises(ValueError, match="act-order"):  # the data decides, not the flag
-        formats.from_gptq(qweight, qzeros, scales, g_idx, desc_act=False, **kw)
-    with pytest.raises(ValueError, match="desc_act=True needs g_idx"):
-        formats.from_gptq(qweight, qzeros, scales, None, desc_act=True, **kw)
-    # desc_act with a trivial g_idx (static groups) loads.
-    trivial = group_of(K, 64).astype(np.int32)
-    qw = formats.from_gptq(qweight, qzeros, scales, trivial, desc_act=True, **kw)
-    assert qw.shape == (1, N, K)
-
-
 @pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gptq_act_order_permutation(rng, bits, checkpoint_format):
+def test_gptq_act_order(rng, bits, checkpoint_format):
+    """A non-trivial g_idx loads on K sorted by group, that order kept as perm [1, K]: the
+    stored weight is the checkpoint's W[:, perm], dequantize_experts gives W itself; the g_idx
+    decides, not desc_act; to_gptq writes the same tensors back."""
     per, g = 32 // bits, 64
     qweight, qzeros = random_words(rng, (K // per, N)), random_words(rng, (K // g, N // per))
     scales = random_scales(rng, (K // g, N), np.float32)
     g_idx = act_order_g_idx(rng, K, g)
-    qw, perm = formats.from_gptq_act_order(
-        qweight,
-        qzeros,
-        scales,
-        g_idx,
-        bits=bits,
-        group_size=g,
-        sym=False,
-        checkpoint_format=checkpoint_format,
-    )
+    kw = dict(bits=bits, group_size=g, sym=False, checkpoint_format=checkpoint_format)
+    qw = formats.from_gptq(qweight, qzeros, scales, g_idx, desc_act=True, **kw)
+    assert qw.perm.dtype == jnp.int32 and qw.perm.shape == (1, K)
+    perm = np.asarray(qw.perm[0])
+    np.testing.assert_array_equal(perm, formats.gptq_act_order_permutation(g_idx, group_size=g))
     np.testing.assert_array_equal(g_idx[perm], np.arange(K) // g)
     qz, s = ref_gptq(qweight, qzeros, scales, g_idx, bits, checkpoint_format)
     w = qz * s  # [N, K] in the checkpoint's K order
-    np.testing.assert_allclose(dequant(qw), w[:, perm], **TOL["dequant"])
-    x = rng.standard_normal((3, K))
-    np.testing.assert_allclose(x[:, perm] @ dequant(qw).T, x @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dequant(qw), w, **TOL["dequant"])
+    stored = dequant(dataclasses.replace(qw, perm=None))
+    np.testing.assert_allclose(stored, w[:, perm], **TOL["dequant"])
+    assert_same(formats.from_gptq(qweight, qzeros, scales, g_idx, desc_act=False, **kw), qw)
+    out = formats.to_gptq(qw, checkpoint_format=checkpoint_format)
+    for name, want in dict(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx).items():
+        np.testing.assert_array_equal(out[name], want, err_msg=name)
+
+
+def test_gptq_g_idx_errors(rng):
+    """desc_act needs a g_idx; a trivial one (static groups) loads without perm; groups of
+    unequal sizes are refused, naming the g_idx."""
+    qweight, qzeros = random_words(rng, (K // 8, N)), random_words(rng, (K // 64, N // 8))
+    scales = random_scales(rng, (K // 64, N), np.float16)
+    kw = dict(bits=4, group_size=64, sym=False)
+    with pytest.raises(ValueError, match="desc_act=True needs g_idx"):
+        formats.from_gptq(qweight, qzeros, scales, None, desc_act=True, **kw)
+    trivial = group_of(K, 64).astype(np.int32)
+    assert formats.from_gptq(qweight, qzeros, scales, trivial, desc_act=True, **kw).perm is None
+    unequal = act_order_g_idx(rng, K, 64)
+    unequal[unequal == 0] = 1  # group 0 empty, group 1 twice its size
+    with pytest.raises(ValueError, match=r"from_gptq: g_idx must assign exactly 64 features"):
+        formats.from_gptq(qweight, qzeros, scales, unequal, desc_act=True, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors", "compressed-tensors-int"])
+def test_act_order_weights_refused_by_formats_without_it(rng, fmt):
+    qweight, qzeros = random_words(rng, (K // 8, N)), random_words(rng, (K // 64, N // 8))
+    scales = random_scales(rng, (K // 64, N), np.float16)
+    g_idx = act_order_g_idx(rng, K, 64)
+    qw = formats.from_gptq(qweight, qzeros, scales, g_idx, bits=4, group_size=64, sym=False)
+    write = {
+        "awq": formats.to_awq,
+        "compressed-tensors": formats.to_compressed_tensors,
+        "compressed-tensors-int": formats.to_compressed_tensors_int,
+    }[fmt]
+    with pytest.raises(ValueError, match=r"input permutation \(GPTQ act-order\).*to_gptq"):
+        write(qw)
 
 
 @pytest.mark.parametrize(
@@ -504,6 +525,79 @@ def test_gptq_act_order_permutation(rng, bits, checkpoint_format):
 def test_gptq_act_order_permutation_errors(g_idx, match):
     with pytest.raises(ValueError, match=match):
         formats.gptq_act_order_permutation(g_idx, group_size=32)
+
+
+# --- act-order experts through fused_moe -----------------------------------------------------
+
+# E experts of int4 g64 act-order layers: H, I multiples of 128 and of 64 (the Pallas int4
+# k-tile, the Mosaic GPU tiles), two groups per row.
+AO_E, AO_H, AO_I, AO_G = 4, 128, 128, 64
+
+
+def autogptq_layer(rng, n, k, g_idx):
+    """AutoGPTQ (v1) tensors of one int4 layer W [N, K] with this g_idx (bf16 scales about
+    1/(8 sqrt(K)): the layer's outputs stay O(1)), and W float64 [N, K] straight from them."""
+    qweight, qzeros = random_words(rng, (k // 8, n)), random_words(rng, (k // AO_G, n // 8))
+    scales = (rng.uniform(0.5, 1.5, (k // AO_G, n)) / (8 * np.sqrt(k))).astype(jnp.bfloat16)
+    qz, s = ref_gptq(qweight, qzeros, scales, g_idx, 4, "gptq")
+    return dict(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx), qz * s
+
+
+def act_order_experts(rng, which):
+    """E experts' AutoGPTQ gate / up / down tensors, act-order where `which` says (w13: gate
+    and up, which share an expert's g_idx as they share its input; w2: down), each expert its
+    own g_idx; loaded by from_gptq, stacked, w2's order folded into w13's rows. Returns (w13
+    [E, 2I, H], w2 [E, H, I], their float64 weights from the tensors)."""
+    loaded, dense = {p: [] for p in ("gate", "up", "down")}, {p: [] for p in ("gate", "up", "down")}
+    for _ in range(AO_E):
+        g13 = act_order_g_idx(rng, AO_H, AO_G) if "w13" in which else group_of(AO_H, AO_G)
+        g2 = act_order_g_idx(rng, AO_I, AO_G) if "w2" in which else group_of(AO_I, AO_G)
+        for proj, n, k, g_idx in (
+            ("gate", AO_I, AO_H, g13), ("up", AO_I, AO_H, g13), ("down", AO_H, AO_I, g2)
+        ):  # fmt: skip
+            tensors, w = autogptq_layer(rng, n, k, g_idx.astype(np.int32))
+            loaded[proj].append(
+                formats.from_gptq(**tensors, bits=4, group_size=AO_G, sym=False, desc_act=True)
+            )
+            dense[proj].append(w)
+    gate, up, down = (formats.stack(loaded[p]) for p in ("gate", "up", "down"))
+    w13, w2 = formats.fold_w2_act_order(wj.QuantizedExperts.concatenate([gate, up], axis=1), down)
+    w13_f = np.concatenate([np.stack(dense["gate"]), np.stack(dense["up"])], axis=1)
+    return w13, w2, w13_f, np.stack(dense["down"])
+
+
+@pytest.mark.parametrize("which", ["w13", "w2", "w13+w2"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", "mgpu_interpret"])
+def test_act_order_experts_in_fused_moe(rng, implementation, which):
+    """AutoGPTQ act-order experts (w13's, w2's or both) through fused_moe on each backend the
+    tests interpret on CPU, with an expert_map (-1 experts) and a dropped id, against the
+    float64 layer on the weights dequantized straight from the checkpoint tensors."""
+    w13, w2, w13_f, w2_f = act_order_experts(rng, which)
+    assert w13.has_perm == ("w13" in which) and not w2.has_perm  # w2's folded into w13
+    t, k, e_global = 5, 2, 2 * AO_E
+    expert_map = np.full(e_global, -1, np.int32)
+    local = rng.choice(e_global, AO_E, replace=False)
+    expert_map[local] = rng.permutation(AO_E)
+    tw, ids = helpers.random_routing(rng, t, k, e_global)
+    ids[0] = rng.choice(local, k, replace=False)  # a token only on this shard
+    ids[1, 1] = -1
+    x = jnp.asarray(rng.standard_normal((t, AO_H)), jnp.bfloat16)
+    layout = "mgpu_int4" if implementation.startswith("mgpu") else "canonical"
+    w13k, w2k = (wj.layouts.to_kernel_layout(w, layout) for w in (w13, w2))
+    out = wj.fused_moe(
+        x, w13k, w2k, jnp.asarray(tw), jnp.asarray(ids), expert_map=jnp.asarray(expert_map),
+        implementation=implementation,
+    )  # fmt: skip
+    # The kernels read GEMM2's input in x's dtype (their contract); the reference in f32.
+    act_dtype = None if implementation == "xla" else jnp.bfloat16
+    ref = helpers.numpy_fused_moe(
+        np.asarray(x, np.float64), w13_f, w2_f, tw, ids, expert_map=expert_map,
+        activation_dtype=act_dtype,
+    )  # fmt: skip
+    helpers.assert_finite_and_close(
+        np.asarray(out, np.float32), ref, helpers.tolerance(jnp.bfloat16),
+        f"{implementation} act-order {which}", slack=ELEMENT_SLACK, require_signal=True,
+    )  # fmt: skip
 
 
 # --- validation errors quote the values ------------------------------------------------------
@@ -656,9 +750,9 @@ def _drop(tensors, suffix):
     return {name: v for name, v in tensors.items() if not name.endswith(suffix)}
 
 
-def _act_order(tensors, key):
+def _unequal_groups(tensors, key):
     g_idx = np.asarray(tensors[key]).copy()
-    g_idx[[0, -1]] = g_idx[[-1, 0]]
+    g_idx[0] = g_idx[-1]  # one input moved from the first group to the last
     return {**tensors, key: g_idx}
 
 
@@ -684,8 +778,8 @@ def _act_order(tensors, key):
         ),
         (
             "gptq",
-            lambda t, c: (_act_order(t, f"{PREFIX}.g_idx"), {**c, "desc_act": True}),
-            "act-order",
+            lambda t, c: (_unequal_groups(t, f"{PREFIX}.g_idx"), {**c, "desc_act": True}),
+            "g_idx must assign exactly 128 features",
         ),
         ("gptq", lambda t, c: (t, {**c, "quant_method": "exl2"}), "quant_method='exl2'"),
         (
@@ -775,6 +869,28 @@ def test_stack_errors(change, match):
     layers = [random_qw(i, **base) for i in range(2)] + [random_qw(2, **{**base, **change})]
     with pytest.raises(ValueError, match=match):
         formats.stack(layers)
+
+
+def test_stack_and_join_act_order_layers(rng):
+    """Layers with and without an input permutation stack along E (None is the identity) and
+    slice back; rows join along N only under one permutation."""
+    base = dict(bits=4, group_size=32, n=16, k=64, has_zeros=True, dtype=np.float16)
+    plain = random_qw(1, **base)
+    ordered = dataclasses.replace(random_qw(2, **base), perm=rng.permutation(64)[None])
+    ordered = dataclasses.replace(ordered, perm=ordered.perm.astype(np.int32))
+    qw = formats.stack([ordered, plain])
+    np.testing.assert_array_equal(np.asarray(qw.perm), [ordered.perm[0], np.arange(64)])
+    for e, layer in enumerate((ordered, plain)):
+        np.testing.assert_array_equal(
+            np.asarray(wj.dequantize_experts(qw))[e], np.asarray(wj.dequantize_experts(layer))[0]
+        )
+        back = qw.slice(e, e + 1, axis=0)  # the plain layer's order made explicit
+        np.testing.assert_array_equal(np.asarray(back.perm), qw.perm[e : e + 1])
+        assert_same(dataclasses.replace(back, perm=layer.perm), layer)
+    rows = wj.QuantizedExperts.concatenate([ordered, ordered], axis=1)
+    np.testing.assert_array_equal(np.asarray(rows.perm), ordered.perm)
+    with pytest.raises(ValueError, match=r"parts\[1\] has another input permutation"):
+        wj.QuantizedExperts.concatenate([ordered, plain], axis=1)
 
 
 def test_stack_empty():

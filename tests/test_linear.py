@@ -46,6 +46,21 @@ def test_matches_numpy(rng, implementation, bits, group, has_zp, dtype):
     helpers.assert_close(out, numpy_linear(x, w), dtype, f"{implementation} linear")
 
 
+@pytest.mark.parametrize("implementation", ["xla", KERNEL, "mgpu_interpret"])
+def test_act_order_weight(rng, implementation):
+    """A weight with an input permutation (a GPTQ act-order linear): x's features are taken in
+    its order, on every path (the mgpu GEMM: weight in its layout)."""
+    w = helpers.with_random_perm(
+        rng, helpers.random_quantized_experts(rng, 1, 128, 256, 4, 64, True, jnp.bfloat16)
+    )
+    layout = "mgpu_int4" if implementation.startswith("mgpu") else "canonical"
+    x = jnp.asarray(rng.normal(size=(3, 256)), jnp.bfloat16)
+    out = linear.quantized_matmul(
+        x, wj.layouts.to_kernel_layout(w, layout), implementation=implementation
+    )
+    helpers.assert_close(out, numpy_linear(x, w), jnp.bfloat16, f"{implementation} act-order")
+
+
 def test_kernel_with_fma_config_and_zero_rows(rng):
     w = helpers.random_quantized_experts(rng, 1, 64, 256, 4, 128, True, jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(3, 256)), jnp.bfloat16)

@@ -503,14 +503,18 @@ def run_layer_case(rng, has_zp, t, config, bf16_weights=False, bits=4, group_siz
     helpers.assert_close(out, ref, BF16, "fused_moe")
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["in_order", "act_order"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["all_experts", "expert_map"])
-def test_one_token_blocks_match_the_aligned_blocks(rng, sharded):
+def test_one_token_blocks_match_the_aligned_blocks(rng, sharded, act_order):
     """A chunk of one token runs a block per slot without the alignment kernel
-    (`one_token_blocks`): the same output, bit for bit, as the aligned blocks, and numpy's, also
-    with an out-of-range id (dropped) and an expert shard (off-shard slots give nothing)."""
+    (`one_token_blocks`; with act-order w13, on the slots' rows in their experts' input
+    orders): the same output, bit for bit, as the aligned blocks, and numpy's, also with an
+    out-of-range id (dropped) and an expert shard (off-shard slots give nothing)."""
     e_global, top_k, h, i = 8, 3, 128, 64
     e_local = 4 if sharded else e_global
     w13 = helpers.random_quantized_experts(rng, e_local, 2 * i, h, 4, 64, True, BF16)
+    if act_order:
+        w13 = helpers.with_random_perm(rng, w13)
     w2 = helpers.random_quantized_experts(rng, e_local, h, i, 4, 64, True, BF16)
     x = jnp.asarray(rng.standard_normal((1, h)), BF16)
     topk_weights, topk_ids = helpers.random_routing(rng, 1, top_k, e_global)
@@ -841,14 +845,18 @@ def test_preferred_layout_on_this_gpu(rng, bits):
     assert wj.preferred_layout(w13, w2, dtype=BF16) == want
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["in_order", "act_order"])
 @pytest.mark.parametrize("group_size", [64, -1])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
-def test_layout_round_trip_is_lossless(rng, has_zp, bits, group_size):
+def test_layout_round_trip_is_lossless(rng, has_zp, bits, group_size, act_order):
     """Canonical -> mgpu_int4 / mgpu_int8 -> canonical is bit-identical: random words, zero
-    points (0 and 2^bits - 1 among them) or none, grouped and per-channel scales; the scales
-    cast to f32 on the way (the zeros follow them) change nothing."""
+    points (0 and 2^bits - 1 among them) or none, grouped and per-channel scales, an input
+    permutation (act-order) or none; the scales cast to f32 on the way (the zeros follow them)
+    change nothing."""
     qw = helpers.random_quantized_experts(rng, 3, 128, 256, bits, group_size, has_zp, BF16)
+    if act_order:
+        qw = helpers.with_random_perm(rng, qw)
     kernel = prepare_weights(qw)
     assert kernel.layout == f"mgpu_int{bits}" and kernel.bits == bits
     assert kernel.qweight.dtype == jnp.dtype(f"int{bits}")
@@ -856,7 +864,7 @@ def test_layout_round_trip_is_lossless(rng, has_zp, bits, group_size):
     via_f32 = wj.layouts.to_canonical_layout(kernel.astype(jnp.float32)).astype(BF16)
     for got in (back, via_f32):
         assert got.layout == "canonical"
-        for field in ("qweight", "scales", "zeros"):
+        for field in ("qweight", "scales", "zeros", "perm"):
             a, b = getattr(got, field), getattr(qw, field)
             assert (a is None) == (b is None), field
             if a is not None:

@@ -326,6 +326,24 @@ def test_sharded_matches_unsharded(rng, devices8, layout_name, T, mode):
     assert out.sharding.spec == (P(token_axis, None) if sharded_out else P(None, None))
 
 
+@pytest.mark.parametrize("layout_name", ["ep2", "ep2xtp2"])
+def test_act_order_w13(rng, devices8, layout_name):
+    """w13 with an input permutation (act-order): perm [E, H] is split on E only (a tensor
+    shard holds every input), and the sharded layer equals the unsharded one. w2's cannot be
+    split on K."""
+    layout = LAYOUTS[layout_name]
+    mesh = make_mesh(layout, devices8)
+    x, w13, w2, wts, ids = make_problem(rng, layout, 13)
+    w13 = helpers.with_random_perm(rng, w13)
+    w13s, w2s = place(layout, mesh, w13, w2)
+    assert w13s.perm.sharding.spec == P("e", None)
+    out = sharded_fn(layout, mesh, mode="replicated", implementation="xla")(x, w13s, w2s, wts, ids)
+    check_against_unsharded(out, x, w13, w2, wts, ids)
+    if layout.tensor_axis is not None:
+        with pytest.raises(ValueError, match="K cannot be split over k_axis='t'"):
+            sh.shard_w2_for_tp(helpers.with_random_perm(rng, w2), mesh, "t", expert_axis="e")
+
+
 @pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
 @pytest.mark.parametrize(
     "shape,axes", [((2, 2), ("d", "e")), ((2, 2, 2), ("d", "e", "t")), ((2,), ("d",))]

@@ -12,6 +12,8 @@ import numpy as np
 from wna16_jax import _activations, _dispatch
 from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
+from wna16_jax._pipeline import rows_in_input_order
+from wna16_jax._routing import slot_experts
 from wna16_jax._types import (
     ACTIVATION_QUANT_SCHEMES,
     KERNEL_LAYOUT_BITS,
@@ -114,6 +116,11 @@ def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, ac
         w.validate(name)
     if w13.layout != w2.layout:
         raise ValueError(f"w13 is in the {w13.layout!r} layout but w2 in {w2.layout!r}")
+    if w2.has_perm:
+        raise ValueError(
+            "w2 has an input permutation (perm, act-order): fused_moe applies w13's only; move "
+            "w2's into w13's rows once, at load (wna16_jax.formats.fold_w2_act_order)"
+        )
     t, h = _shape(x)
     e, two_i, h13 = w13.shape
     if h13 != h:
@@ -166,6 +173,7 @@ def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, act
         w2_has_zeros=w2.has_zeros,
         activation_quant=None if activation_quant is None else activation_quant.scheme,
         layout=w13.layout,
+        act_order=w13.has_perm,
     )
     return problem, activation_quant
 
@@ -386,6 +394,7 @@ def grouped_matmul(
     out[s] = a[s // top_k] @ dequant(w[e(s)]).T * routed_weights[s] for each slot s of the
     routing, e(s) the expert of the block holding s (zeros for blocks of expert -1); with
     activation, out[s] = activation(a[s // top_k] @ dequant(w[e(s)]).T) * routed_weights[s].
+    dequant is `dequantize_experts` (an input permutation w.perm is applied to each slot's row).
 
     Args:
         a: [R, K] bf16, f16 or f32 rows; the routing's slots number R * top_k.
@@ -436,6 +445,10 @@ def grouped_matmul(
             f"block_m={config.block_m} ({config}); align with the config's block_m "
             f"(gemm_config) or pass a config"
         )
+    if w.has_perm:  # act-order: each slot's row in its block's expert's input order
+        experts = slot_experts(routing, num_slots)
+        a = rows_in_input_order(jnp.repeat(a, top_k, axis=0), experts, w.perm)
+        w, top_k = dataclasses.replace(w, perm=None), 1
     return backend.grouped_matmul.run(
         inference_only(a),
         w,

@@ -46,6 +46,9 @@ class MoEProblem:
     activation_quant: str | None = None
     # QuantizedExperts.layout of both weights ("canonical" or a kernel's private layout).
     layout: str = "canonical"
+    # w13 has an input permutation (GPTQ act-order, QuantizedExperts.perm): the pipeline
+    # (_pipeline.moe_chunk) applies it; a backend that does not run the pipeline refuses it.
+    act_order: bool = False
 
     @property
     def gemm_input_dtype(self) -> str:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from wna16_jax import _configs
 from wna16_jax._activations import quantize_activations
-from wna16_jax._routing import placed_slots
+from wna16_jax._routing import local_expert_of, placed_slots
 from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
@@ -52,9 +52,11 @@ class MoeStages:
 
     plan(num_slots, num_experts, w13, w2) -> plan: the chunk's static choices (its GEMMs'
         configs) for its T*k slots; passed on to the other stages.
-    route(a, topk_ids, plan, *, num_experts, expert_map) -> (Routed, a1): the slots aligned
-        into blocks, and GEMM1's input rows a1 (a itself, or its rows in block order). a is x
-        [T, H], or its Int8Rows under activation_quant.
+    route(a, topk_ids, plan, *, num_experts, expert_map, distinct_experts) -> (Routed, a1):
+        the slots aligned into blocks, and GEMM1's input rows a1 (a itself, or its rows in
+        block order). a is x [T, H], or its Int8Rows under activation_quant. distinct_experts
+        (static): no two of the chunk's slots go to one expert (one token: its k experts are
+        distinct), so a block per slot holds what the alignment's blocks would.
     gemm1(a1, w13, routed, plan) -> [R, I]: the activation of GEMM1's products (fused in
         GEMM1 where the backend can), one row per slot or per block row; f32 when a1 is
         Int8Rows (it is quantized again for GEMM2), else in the backend's GEMM2 input dtype.
@@ -75,9 +77,12 @@ class MoeStages:
     activation_quant: ActivationQuant | None = None
 
 
-def slots_in_blocks(align, a, topk_ids, *, block_m: int, num_experts: int, expert_map):
+def slots_in_blocks(
+    align, a, topk_ids, *, block_m: int, num_experts: int, expert_map, distinct_experts=False
+):
     """The `route` stage of GEMMs that read x's rows by slot and write a row per slot: the
-    routing of `align` (an moe_align_block_size), every placed slot kept; a unchanged."""
+    routing of `align` (an moe_align_block_size), every placed slot kept; a unchanged. The
+    alignment takes any slots (distinct_experts is not read)."""
     routing = align(topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map)
     return Routed(routing, topk_ids.shape[1], placed_slots(topk_ids, num_experts)), a
 
@@ -101,14 +106,55 @@ def sum_over_top_k(y, routed: Routed, topk_weights=None):
     return rows.sum(axis=1)
 
 
+def rows_in_input_order(rows, experts, perm):
+    """rows [S, K], row s in the input order of its expert: rows[s, perm[experts[s]]].
+
+    experts: int32 [S] local experts; -1 (a row no expert reads) takes expert 0's order.
+    perm: int32 [E, K] (QuantizedExperts.perm)."""
+    return jnp.take_along_axis(rows, perm[jnp.maximum(experts, 0)], axis=1)
+
+
+def act_order_rows(x, topk_ids, perm, *, num_experts: int, expert_map=None):
+    """x's row of each slot in its expert's input order: [T*k, H], row t*k + j = x[t, perm[e]]
+    with e the slot's local expert.
+
+    Args:
+        x: [T, H].  topk_ids: [T, k] global ids.  perm: int32 [E_local, H] (w13.perm).
+        num_experts: E_global.  expert_map: optional int32 [E_global] global -> local.
+    """
+    local, _ = local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
+    return rows_in_input_order(jnp.repeat(x, topk_ids.shape[1], axis=0), local, perm)
+
+
 def moe_chunk(stages: MoeStages, x, *, w13, w2, topk_weights, topk_ids, expert_map=None):
-    """One chunk of tokens through `stages`: [t, H] f32, before the output's rounding."""
+    """One chunk of tokens through `stages`: [t, H] f32, before the output's rounding.
+
+    Experts with an input order (w13.perm, act-order) take each slot's row of x in their
+    order (`act_order_rows`): the chunk's T*k slots run as tokens of one slot each (the same
+    GEMM rows as before), and their rows are summed over k in f32 after."""
+    t, k = topk_ids.shape
+    distinct = t == 1  # a token's k experts are distinct
+    if w13.perm is None:
+        return _slots(stages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct)
+    num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
+    rows = act_order_rows(x, topk_ids, w13.perm, num_experts=num_experts, expert_map=expert_map)
+    w13 = dataclasses.replace(w13, perm=None)  # applied to the rows
+    ids, weights = topk_ids.reshape(-1, 1), topk_weights.reshape(-1, 1)
+    y = _slots(stages, rows, w13, w2, weights, ids, expert_map, distinct)  # [T*k, H] f32
+    return y.reshape(t, k, -1).sum(axis=1)
+
+
+def _slots(stages: MoeStages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct_experts):
+    """The stages on x [T, H] and its slots [T, k]: f32 [T, H]."""
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     plan = stages.plan(t * k, num_experts, w13, w2)
     quant = stages.activation_quant
     a = x if quant is None else quantize_activations(x, quant, 1)  # [T, H], or int8 rows
-    routed, a = stages.route(a, topk_ids, plan, num_experts=num_experts, expert_map=expert_map)
+    routed, a = stages.route(
+        a, topk_ids, plan, num_experts=num_experts, expert_map=expert_map,
+        distinct_experts=distinct_experts,
+    )  # fmt: skip
     act = stages.gemm1(a, w13, routed, plan)  # [R, I]
     if quant is not None:
         act = quantize_activations(act, quant, 2)  # int8 rows, a scale per row (per token)

@@ -157,7 +157,9 @@ def zero_points(qw: QuantizedExperts):
 
 
 def dequantize_experts(qw: QuantizedExperts, dtype=jnp.float32):
-    """Dequantizes to [E, N, K]: w = (q - z) * scale[e, n, k // G], computed in f32.
+    """Dequantizes to [E, N, K]: w = (q - z) * scale[e, n, k // G], computed in f32, with K
+    in the activations' order (an input permutation, `qw.perm`, undone: x @ w[e].T is expert
+    e's product).
 
     Args:
         qw: quantized experts in the canonical layout.
@@ -173,7 +175,11 @@ def dequantize_experts(qw: QuantizedExperts, dtype=jnp.float32):
     s = qw.scales.astype(jnp.float32)  # [E, N, G]
     g = qw.group
     w = (q.reshape(e, n, k // g, g) - z[..., None]) * s[..., None]
-    return w.reshape(e, n, k).astype(dtype)
+    w = w.reshape(e, n, k)
+    if qw.perm is not None:  # stored column j is input perm[e, j]: input k is column inv[e, k]
+        inv = jnp.argsort(jnp.asarray(qw.perm), axis=1)  # [E, K]
+        w = jnp.take_along_axis(w, inv[:, None, :], axis=2)
+    return w.astype(dtype)
 
 
 def check_finite(w, name: str = "w") -> None:

@@ -214,7 +214,7 @@ def _plan(num_slots, num_experts, w13, w2, *, block_m: int) -> int:
     return block_m
 
 
-def _route(a, topk_ids, block_m: int, *, num_experts: int, expert_map):
+def _route(a, topk_ids, block_m: int, *, num_experts: int, expert_map, distinct_experts):
     return _pipeline.slots_in_blocks(
         moe_align_block_size,
         a,
@@ -222,6 +222,7 @@ def _route(a, topk_ids, block_m: int, *, num_experts: int, expert_map):
         block_m=block_m,
         num_experts=num_experts,
         expert_map=expert_map,
+        distinct_experts=distinct_experts,
     )
 
 

@@ -76,3 +76,16 @@ def placed_slots(topk_ids, num_experts: int):
     """bool [T*k]: the slots the alignment places in a block (ids in [0, num_experts))."""
     flat = topk_ids.reshape(-1)
     return (flat >= 0) & (flat < num_experts)
+
+
+def slot_experts(routing: AlignedRouting, num_slots: int):
+    """int32 [num_slots]: the expert of the block holding each slot; -1 for the slots in no
+    block (dropped) and those in blocks of expert -1."""
+    bm = routing.block_m
+    block_of_position = jnp.repeat(routing.expert_ids, bm)  # [max_padded]
+    # Padding positions hold the sentinel num_slots: dropped.
+    return (
+        jnp.full((num_slots,), -1, jnp.int32)
+        .at[routing.sorted_token_ids]
+        .set(block_of_position, mode="drop")
+    )

@@ -44,6 +44,11 @@ class QuantizedExperts:
         bits: 4 or 8 (static).
         group_size: G, or -1 for one group spanning K (static).
         layout: "canonical" (static).
+        perm: int32 [E, K], or None: each expert's input order (GPTQ act-order). The packed
+            arrays hold expert e's weight with its inputs in the order perm[e] (each group's
+            inputs contiguous), so that its product is x[..., perm[e]] @ W_stored[e].T, and
+            its weight in x's order W[e, :, perm[e, j]] = W_stored[e, :, j]. None: K in x's
+            order. Any layout (it orders the inputs, not the packed words).
     Layouts "mgpu_int4" and "mgpu_int8" (read by the 'mgpu' backend, and by 'xla' through
     wna16_jax.layouts.to_canonical_layout): qweight int4 (int8) [E, N/64, K/64, 64, 64] holding
     q - 8 (q - 128) in 64x64 tiles (N and K multiples of 64); scales [E, K//G, N]; zeros None
@@ -56,6 +61,7 @@ class QuantizedExperts:
     bits: int = 4
     group_size: int = 128
     layout: str = "canonical"
+    perm: Any = None
 
     # --- static shape facts -------------------------------------------------------------
     @property
@@ -98,6 +104,10 @@ class QuantizedExperts:
         return self.zeros is not None
 
     @property
+    def has_perm(self) -> bool:
+        return self.perm is not None
+
+    @property
     def dtype(self):
         """The scales' (activation) dtype."""
         return self.scales.dtype
@@ -108,7 +118,12 @@ class QuantizedExperts:
         if self.layout not in LAYOUTS:
             raise ValueError(f"{name}: layout={self.layout!r} is not one of {LAYOUTS}")
         if self.layout in KERNEL_LAYOUT_BITS:
-            return self._validate_mgpu(name)
+            self._validate_mgpu(name)
+        else:
+            self._validate_canonical(name)
+        self._validate_perm(name)
+
+    def _validate_canonical(self, name: str) -> None:
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"{name}: bits={self.bits} is not supported (supported: 4, 8)")
         if self.qweight.ndim != 3:
@@ -151,6 +166,25 @@ class QuantizedExperts:
                     f"so each device holds fewer"
                 )
 
+    def _validate_perm(self, name: str) -> None:
+        """perm is int32 [E, K]; held on the host (numpy), each row is a permutation of
+        range(K) (device arrays are not read back: no host sync)."""
+        p = self.perm
+        if p is None:
+            return
+        e, _, k = self.shape
+        if tuple(p.shape) != (e, k) or p.dtype != jnp.int32:
+            raise ValueError(
+                f"{name}: perm must be int32 [E, K] = {(e, k)}, got {p.dtype} {tuple(p.shape)}"
+            )
+        if isinstance(p, np.ndarray):
+            bad = np.flatnonzero(~(np.sort(p, axis=1) == np.arange(k)).all(axis=1))
+            if bad.size:
+                raise ValueError(
+                    f"{name}: perm[{bad[0]}] is not a permutation of range(K={k}) "
+                    f"({bad.size} of {e} rows are not; perm[{bad[0]}][:8]={p[bad[0], :8].tolist()})"
+                )
+
     # --- whole-array operations (no caller repacks by hand) ------------------------------
     @classmethod
     def concatenate(cls, parts, *, axis: int) -> QuantizedExperts:
@@ -161,7 +195,9 @@ class QuantizedExperts:
         Args:
             parts: a non-empty sequence of QuantizedExperts in the canonical layout with equal
                 bits, group_size, zero-point presence and scales dtype, and equal sizes along
-                the other two logical dims.
+                the other two logical dims. Input permutations (perm; None is the identity)
+                join along E; joined along N they must be equal (an expert's rows share its
+                input order), compared on the host (outside jit; device arrays are read back).
             axis: 0 (E) or 1 (N). K cannot be joined: its words and groups are packed.
 
         Returns:
@@ -199,12 +235,27 @@ class QuantizedExperts:
         xp = np if host else jnp  # host (numpy) weights stay on the host
         join = lambda field: xp.concatenate([getattr(p, field) for p in parts], axis=axis)
         ref = parts[0]
+        perm = None
+        if any(p.has_perm for p in parts):
+            identity = xp.arange(ref.k, dtype=np.int32)
+            orders = [
+                p.perm if p.has_perm else xp.broadcast_to(identity, (p.num_experts, ref.k))
+                for p in parts
+            ]  # [E_i, K]
+            perm = xp.concatenate(orders, axis=0) if axis == 0 else orders[0]
+            for i, order in enumerate(orders[1:] if axis == 1 else (), start=1):
+                if not _same_values(order, perm, f"{what} along N: parts[{i}].perm"):
+                    raise ValueError(
+                        f"{what} along N: parts[{i}] has another input permutation (perm) than "
+                        f"parts[0]: rows joined along N share their expert's input order"
+                    )
         out = cls(
             qweight=join("qweight"),
             scales=join("scales"),
             zeros=join("zeros") if ref.has_zeros else None,
             bits=ref.bits,
             group_size=ref.group_size,
+            perm=perm,
         )
         out.validate(what)
         return out
@@ -213,7 +264,7 @@ class QuantizedExperts:
         """Experts [start, stop) (axis=0) or output features [start, stop) (axis=1).
 
         Canonical layout only. int4 zero points hold two rows of N per byte, so with them an N
-        slice must start and stop on even rows.
+        slice must start and stop on even rows. An input permutation follows its experts.
 
         Raises:
             ValueError: a kernel layout, an axis other than 0 or 1, bounds outside the dim, or
@@ -243,11 +294,15 @@ class QuantizedExperts:
             zeros = zeros[:, start // 2 : stop // 2]  # [E, N//2, G]
         elif zeros is not None:
             zeros = zeros[lead + (slice(start, stop),)]
+        perm = self.perm
+        if perm is not None and axis == 0:
+            perm = perm[start:stop]  # [E, K]
         return dataclasses.replace(
             self,
             qweight=self.qweight[lead + (slice(start, stop),)],
             scales=self.scales[lead + (slice(start, stop),)],
             zeros=zeros,
+            perm=perm,
         )
 
     def astype(self, dtype) -> QuantizedExperts:
@@ -316,9 +371,18 @@ class QuantizedExperts:
                 )
 
 
+def _same_values(a, b, what: str) -> bool:
+    """Whether two concrete arrays hold the same values (compared on the host)."""
+    if a is b:
+        return True
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        raise ValueError(f"{what}: traced values cannot be compared; call this outside jit")
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
 jax.tree_util.register_dataclass(
     QuantizedExperts,
-    data_fields=["qweight", "scales", "zeros"],
+    data_fields=["qweight", "scales", "zeros", "perm"],
     meta_fields=["bits", "group_size", "layout"],
 )
 

@@ -32,6 +32,7 @@ Which layout runs fastest here: wj.preferred_layout(w13, w2, dtype=jnp.bfloat16)
            (pallas_kernels/mosaic_gpu/wna16_gemm.py).
   scales   as mgpu_int4's; per channel (group_size -1) or grouped.
   zeros    None, or 128 - z as [E, K//G, N] in the scales' dtype: w = (qweight + zeros) * scales.
+  perm     as in the canonical layout (the input order is not part of the packing).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
         bits=bits,
         group_size=qw.group_size,
         layout=layout,
+        perm=qw.perm,
     )
 
 
@@ -106,6 +108,7 @@ def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
         zeros=zeros,
         bits=bits,
         group_size=qw.group_size,
+        perm=qw.perm,
     )
 
 

@@ -110,16 +110,33 @@ def expert_specs(
             group_size=-1 the scales and zeros (one group per row) are replicated over it.
 
     Returns:
-        QuantizedExperts whose qweight/scales/zeros are PartitionSpecs (zeros None when qw has
-        none): usable as shard_map in_specs and, mapped to NamedShardings, as jit shardings.
+        QuantizedExperts whose qweight/scales/zeros/perm are PartitionSpecs (zeros, perm None
+        when qw has none; perm [E, K] is split on E only): usable as shard_map in_specs and,
+        mapped to NamedShardings, as jit shardings.
+
+    Raises:
+        ValueError: k_axis with an input permutation (it spans all of K).
     """
+    if qw.has_perm and k_axis is not None:
+        raise ValueError(
+            f"the weights have an input permutation (perm, act-order), which spans all of K: "
+            f"K cannot be split over k_axis={k_axis!r}. For w2, fold it into w13's rows first "
+            f"(wna16_jax.formats.fold_w2_act_order)"
+        )
     return _specs(
-        qw.bits, qw.group_size, qw.has_zeros, expert_axis, n_axis, k_axis, layout=qw.layout
+        qw.bits,
+        qw.group_size,
+        qw.has_zeros,
+        expert_axis,
+        n_axis,
+        k_axis,
+        layout=qw.layout,
+        has_perm=qw.has_perm,
     )
 
 
 def _specs(
-    bits, group_size, has_zeros, expert_axis, n_axis, k_axis, layout="canonical"
+    bits, group_size, has_zeros, expert_axis, n_axis, k_axis, layout="canonical", has_perm=False
 ) -> QuantizedExperts:
     k_groups = None if group_size == -1 else k_axis
     # Per-group arrays: [E, N, K//G] canonically, [E, K//G, N] in the mgpu layouts.
@@ -135,6 +152,7 @@ def _specs(
         bits=bits,
         group_size=group_size,
         layout=layout,
+        perm=P(expert_axis, None) if has_perm else None,
     )
 
 
@@ -152,7 +170,7 @@ def tensor_shard(qw: QuantizedExperts, num_shards: int, split: str) -> Quantized
                 return jax.lax.slice_in_dim(a, 0, a.shape[axis] // num_shards, axis=axis)
         return a
 
-    fields = ("qweight", "scales", "zeros")
+    fields = ("qweight", "scales", "zeros", "perm")
     return dataclasses.replace(
         qw,
         **{f: cut(getattr(qw, f), getattr(specs, f)) for f in fields if getattr(qw, f) is not None},

@@ -22,7 +22,7 @@ def _plan(num_slots, num_experts, w13, w2, *, config) -> tuple[BlockConfig, Bloc
     return _pipeline.block_configs(num_slots, w13, w2, config, rules=RULES)
 
 
-def _route(a, topk_ids, plan, *, num_experts, expert_map, interpret):
+def _route(a, topk_ids, plan, *, num_experts, expert_map, distinct_experts, interpret):
     return _pipeline.slots_in_blocks(
         functools.partial(moe_align_block_size, interpret=interpret),
         a,
@@ -30,6 +30,7 @@ def _route(a, topk_ids, plan, *, num_experts, expert_map, interpret):
         block_m=plan[0].block_m,
         num_experts=num_experts,
         expert_map=expert_map,
+        distinct_experts=distinct_experts,
     )
 
 

@@ -84,18 +84,21 @@ def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, inter
 
 
 def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
-    """For one token ([1, H], topk_ids [1, k]): the block experts [k], rows [k * block_m, H]
-    of one block per slot, slot j's row first in block j (the rest zero), each slot's row
-    position j * block_m and the rows in use per block (ones). No alignment kernel (at decode
-    it is a large part of a small layer): a token's k experts are distinct, so these are the
-    blocks the alignment gives (in slot order, not expert order), and their rows are the same
-    products. Slots the alignment drops (ids out of range, or off this shard through
+    """For one token's S slots (x [1, H], topk_ids [1, S]; or the pipeline's act-order rows,
+    one per slot: x [S, H], topk_ids [S, 1]): the block experts [S], rows [S * block_m, H] of
+    one block per slot, slot s's row (x[s // k]) first in block s (the rest zero), each slot's
+    row position s * block_m and the rows in use per block (ones). No alignment kernel (at
+    decode it is a large part of a small layer): a token's experts are distinct, so these are
+    the blocks the alignment gives (in slot order, not expert order), and their rows are the
+    same products. Slots the alignment drops (ids out of range, or off this shard through
     expert_map) get expert -1 (zero rows, not kept by the top-k sum)."""
-    k, h = topk_ids.shape[1], x.shape[1]
+    t, k = topk_ids.shape
+    slots, h = t * k, x.shape[1]
     block_experts, _ = local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    x_rows = jnp.zeros((k, block_m, h), x.dtype).at[:, 0].set(x[0]).reshape(k * block_m, h)
-    position = jnp.arange(k, dtype=jnp.int32) * block_m
-    return block_experts, x_rows, position, jnp.ones(k, jnp.int32)
+    rows = jnp.broadcast_to(x[:, None], (t, k, h)).reshape(slots, h)  # [S, H]: x[s // k]
+    x_rows = jnp.zeros((slots, block_m, h), x.dtype).at[:, 0].set(rows)
+    position = jnp.arange(slots, dtype=jnp.int32) * block_m
+    return block_experts, x_rows.reshape(slots * block_m, h), position, jnp.ones(slots, jnp.int32)
 
 
 def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret):
@@ -130,12 +133,15 @@ def _plan(num_slots, num_experts, w13, w2, *, config) -> MgpuConfig:
     return layer_config(config, num_slots, num_experts, w13, w2)
 
 
-def _route(x, topk_ids, cfg: MgpuConfig, *, num_experts, expert_map, interpret, one_token):
-    """The blocks, and x's rows in their order: a chunk of one token takes `one_token_blocks`
-    (unless one_token is False), any other `aligned_blocks`. Only the slots on this shard are
-    kept (their rows are the GEMMs' zeros elsewhere)."""
+def _route(
+    x, topk_ids, cfg: MgpuConfig, *, num_experts, expert_map, distinct_experts, interpret,
+    one_token,
+):  # fmt: skip
+    """The blocks, and x's rows in their order: a chunk of one token's slots (distinct
+    experts) takes `one_token_blocks` (unless one_token is False), any other `aligned_blocks`.
+    Only the slots on this shard are kept (their rows are the GEMMs' zeros elsewhere)."""
     blocks = dict(num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map)
-    if topk_ids.shape[0] == 1 and one_token:
+    if distinct_experts and one_token:
         experts, x_rows, position, in_use = one_token_blocks(x, topk_ids, **blocks)
     else:
         experts, x_rows, position, in_use = aligned_blocks(

@@ -127,7 +127,7 @@ def _plan(num_slots, num_experts, w13, w2, *, config, activation, activation_qua
     return Plan(c1, c2)
 
 
-def _route(a, topk_ids, plan: Plan, *, num_experts, expert_map, interpret):
+def _route(a, topk_ids, plan: Plan, *, num_experts, expert_map, distinct_experts, interpret):
     return _pipeline.slots_in_blocks(
         functools.partial(align, interpret=interpret),
         a,
@@ -135,6 +135,7 @@ def _route(a, topk_ids, plan: Plan, *, num_experts, expert_map, interpret):
         block_m=plan.c1.block_m,
         num_experts=num_experts,
         expert_map=expert_map,
+        distinct_experts=distinct_experts,
     )
 
 

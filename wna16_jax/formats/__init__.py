@@ -14,8 +14,8 @@ from wna16_jax.formats.config import (
     static_input_scale,
 )
 from wna16_jax.formats.gptq import (
+    fold_w2_act_order,
     from_gptq,
-    from_gptq_act_order,
     gptq_act_order_permutation,
     to_gptq,
 )
@@ -23,11 +23,11 @@ from wna16_jax.formats.gptq import (
 __all__ = [
     "AWQ_ORDER",
     "activation_quant_from_config",
+    "fold_w2_act_order",
     "from_awq",
     "from_compressed_tensors",
     "from_compressed_tensors_int",
     "from_gptq",
-    "from_gptq_act_order",
     "from_quantization_config",
     "gptq_act_order_permutation",
     "stack",

@@ -79,7 +79,9 @@ def trivial_g_idx(g_idx: np.ndarray | None, k: int, group_size: int) -> bool:
     return bool(np.array_equal(g_idx, np.arange(k) // g))
 
 
-def check_single(qw: QuantizedExperts, what: str) -> None:
+def check_single(qw: QuantizedExperts, what: str, *, act_order: bool = False) -> None:
+    """qw is one linear layer [1, N, K]; with an input permutation only where the format
+    stores act-order (act_order: GPTQ)."""
     if not isinstance(qw, QuantizedExperts):
         raise ValueError(f"{what}: expected a QuantizedExperts, got {type(qw).__name__}")
     qw.validate(what)
@@ -87,6 +89,11 @@ def check_single(qw: QuantizedExperts, what: str) -> None:
         raise ValueError(
             f"{what}: a checkpoint holds one linear layer; got E={qw.num_experts} "
             f"(take one expert with qw.slice(e, e + 1, axis=0))"
+        )
+    if qw.has_perm and not act_order:
+        raise ValueError(
+            f"{what}: the weights have an input permutation (GPTQ act-order), which this "
+            f"format cannot store; write them as GPTQ (to_gptq)"
         )
 
 
@@ -107,8 +114,11 @@ def build(
     bits: int,
     group_size: int,
     what: str,
+    *,
+    perm: np.ndarray | None = None,
 ) -> QuantizedExperts:
-    """Canonical QuantizedExperts (E=1) from qweight uint32 [N, K*b/32], scales/zeros [N, G]."""
+    """Canonical QuantizedExperts (E=1) from qweight uint32 [N, K*b/32], scales/zeros [N, G]
+    and the input permutation perm int32 [K] or None."""
     if zeros is not None:
         if bits == 4 and zeros.shape[0] % 2:
             raise ValueError(f"{what}: int4 zero points need an even N, got N={zeros.shape[0]}")
@@ -119,6 +129,7 @@ def build(
         zeros=zeros,
         bits=bits,
         group_size=group_size,
+        perm=None if perm is None else jnp.asarray(perm[None].astype(np.int32)),
     )
     qw.validate(what)
     return qw

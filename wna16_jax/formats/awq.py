@@ -85,7 +85,7 @@ def to_awq(qw: QuantizedExperts) -> dict[str, np.ndarray]:
         arrays, scales in qw's scale dtype.
 
     Raises:
-        ValueError: if qw is not int4, has zeros=None, or E != 1.
+        ValueError: if qw is not int4, has zeros=None or an input permutation, or E != 1.
     """
     what = "to_awq"
     check_single(qw, what)

@@ -216,7 +216,8 @@ def to_compressed_tensors(qw: QuantizedExperts) -> dict[str, np.ndarray]:
         group_size == -1). numpy arrays.
 
     Raises:
-        ValueError: if E != 1, or qw has zeros and N is not a multiple of 32/bits.
+        ValueError: if E != 1, qw has an input permutation (act-order), or qw has zeros and N
+            is not a multiple of 32/bits.
     """
     what = "to_compressed_tensors"
     check_single(qw, what)
@@ -245,7 +246,7 @@ def to_compressed_tensors_int(qw: QuantizedExperts) -> dict[str, np.ndarray]:
         "weight_zero_point": int8 [N, K/G] (signed) when qw has zeros. numpy arrays.
 
     Raises:
-        ValueError: if E != 1.
+        ValueError: if E != 1 or qw has an input permutation (act-order).
     """
     what = "to_compressed_tensors_int"
     check_single(qw, what)

@@ -216,7 +216,7 @@ def from_quantization_config(
       - "gptq": keys bits (4, 8), group_size, sym, desc_act, checkpoint_format (or format;
         "gptq" or "gptq_v2"), dynamic (GPTQModel per-module overrides: "-:" excludes refuse,
         other matches override keys). Tensors .qweight, .qzeros, .scales, optional .g_idx
-        (a non-trivial g_idx is refused, see `from_gptq`).
+        (act-order: a non-trivial g_idx loads with an input permutation, see `from_gptq`).
       - "compressed-tensors": the config group whose targets match (regex "re:..." targets
         first; otherwise the single group with class-name targets); weights type "int",
         num_bits 4/8, strategy group/channel (and tensor for int-quantized), group_size,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from wna16_jax._quant import pack, unpack, zero_points
+from wna16_jax._quant import pack, pack_zeros, unpack, unpack_zeros, zero_points
 from wna16_jax._types import QuantizedExperts
 from wna16_jax.formats._common import (
     GPTQ_FORMATS,
@@ -87,10 +90,14 @@ def from_gptq(
     stored as 2**(b-1) - 1 in v1): they become zeros=None when every one equals the implicit
     zero, and are kept otherwise, so the weights always dequantize as the checkpoint says.
 
-    Act-order (desc_act): a g_idx other than arange(K) // G puts each group's input features at
-    scattered k, which the canonical layout cannot express without permuting the activations.
-    Such a g_idx is refused; `from_gptq_act_order` loads it on a permuted K instead. A desc_act
-    checkpoint whose g_idx is trivial (e.g. GPTQModel's static_groups) loads here.
+    Act-order (desc_act): a g_idx other than arange(K) // G puts each group's inputs at
+    scattered k. The weights are then stored with K sorted by group (perm =
+    `gptq_act_order_permutation(g_idx)`, a group's inputs contiguous) and carry that order as
+    their input permutation, `perm` [1, K]: x @ W.T == x[..., perm] @ W_stored.T, which
+    fused_moe (w13) and the quantized linear apply to the activations, and
+    dequantize_experts gives W in the checkpoint's order. The g_idx decides, not the flag: a
+    desc_act checkpoint whose g_idx is trivial (e.g. GPTQModel's static_groups) loads with
+    perm None.
 
     Args:
         qweight: int32 [K*bits/32, N].
@@ -104,11 +111,11 @@ def from_gptq(
         checkpoint_format: "gptq" (v1, stores zero - 1) or "gptq_v2" (stores the true zero).
 
     Returns:
-        QuantizedExperts of shape [1, N, K].
+        QuantizedExperts of shape [1, N, K] (perm [1, K] int32 for act-order, else None).
 
     Raises:
-        ValueError: on unsupported bits/format, mismatched shapes or dtypes, or a non-trivial
-            g_idx (act-order).
+        ValueError: on unsupported bits/format, mismatched shapes or dtypes, desc_act without
+            g_idx, or a g_idx whose groups do not each have G inputs.
     """
     what = "from_gptq"
     qweight, scales, z, g_idx, group_size, bits = _gptq_parts(
@@ -117,15 +124,11 @@ def from_gptq(
     k = qweight.shape[1] * (32 // bits)
     if desc_act and g_idx is None:
         raise ValueError(f"{what}: desc_act=True needs g_idx to know each input's group")
-    if not trivial_g_idx(g_idx, k, group_size):
-        raise ValueError(
-            f"{what}: act-order (desc_act) GPTQ with a non-trivial g_idx is not supported: the "
-            f"canonical layout needs each group's {group_size} input features to be contiguous "
-            f"in K (g_idx[:8]={g_idx[:8].tolist()}, expected arange(K) // {group_size}). Use "
-            f"from_gptq_act_order, which loads the weights on a permuted K and returns the "
-            f"permutation to apply to the activations"
-        )
-    return build(qweight, scales, z, bits, group_size, what)
+    if trivial_g_idx(g_idx, k, group_size):
+        return build(qweight, scales, z, bits, group_size, what)
+    perm = _act_order_permutation(g_idx, group_size, what)
+    q = unpack(qweight, bits, axis=1)[:, perm]  # [N, K], K sorted by group
+    return build(pack(q, bits, axis=1), scales, z, bits, group_size, what, perm=perm)
 
 
 def gptq_act_order_permutation(g_idx: Any, *, group_size: int) -> np.ndarray:
@@ -142,7 +145,10 @@ def gptq_act_order_permutation(g_idx: Any, *, group_size: int) -> np.ndarray:
     Raises:
         ValueError: if g_idx is not [K] integers or its groups do not each have G members.
     """
-    what = "gptq_act_order_permutation"
+    return _act_order_permutation(g_idx, group_size, "gptq_act_order_permutation")
+
+
+def _act_order_permutation(g_idx: Any, group_size: Any, what: str) -> np.ndarray:
     g_idx = np.asarray(g_idx)
     if g_idx.ndim != 1 or not np.issubdtype(g_idx.dtype, np.integer):
         raise ValueError(
@@ -161,49 +167,57 @@ def gptq_act_order_permutation(g_idx: Any, *, group_size: int) -> np.ndarray:
     return np.argsort(g_idx, kind="stable").astype(np.int32)
 
 
-def from_gptq_act_order(
-    qweight: Any,
-    qzeros: Any,
-    scales: Any,
-    g_idx: Any,
-    *,
-    bits: int,
-    group_size: int,
-    sym: bool,
-    checkpoint_format: str = "gptq",
-) -> tuple[QuantizedExperts, np.ndarray]:
-    """Act-order GPTQ -> QuantizedExperts on a permuted K, plus the permutation.
+def fold_w2_act_order(
+    w13: QuantizedExperts, w2: QuantizedExperts
+) -> tuple[QuantizedExperts, QuantizedExperts]:
+    """Moves w2's input permutation (act-order down projections) into w13's output rows.
 
-    With W the checkpoint's dequantized [N, K] weight and perm =
-    gptq_act_order_permutation(g_idx): dequantize_experts(qw)[0] == W[:, perm], so
-    x @ W.T == x[..., perm] @ dequantize_experts(qw)[0].T. The caller must permute the
-    activations. In an MoE this is exact for w2 (permute the rows of the same expert's w13,
-    gate and up alike, by w2's perm); w13's input is shared by all experts, so its g_idx must be
-    trivial (load it with `from_gptq`).
+    w2's inputs are silu(gate) * up, elementwise in I, so ordering expert e's gate rows and up
+    rows alike by w2.perm[e] gives w2 its inputs in its own order: the layer computes the same
+    function with w2.perm None, as fused_moe needs (it applies w13's permutation only). w13's
+    own input permutation is kept. Done once, at load.
 
     Args:
-        qweight, qzeros, scales, bits, group_size, sym, checkpoint_format: as in `from_gptq`.
-        g_idx: int [K], the group of each input feature (any order, G members per group).
+        w13: canonical QuantizedExperts [E, 2I, H], rows [gate; up].
+        w2: canonical QuantizedExperts [E, H, I], with or without perm.
 
     Returns:
-        (qw [1, N, K] on the permuted K, perm int32 [K] numpy).
+        (w13 with rows [gate[perm]; up[perm]] per expert, w2 without perm); the inputs
+        unchanged when w2 has none.
 
     Raises:
-        ValueError: as `from_gptq`, or if g_idx's groups do not each have G members.
+        ValueError: a kernel layout, or shapes that are not an expert pair (values quoted).
     """
-    what = "from_gptq_act_order"
-    qweight, scales, z, g_idx, group_size, bits = _gptq_parts(
-        qweight, qzeros, scales, g_idx, bits, group_size, sym, checkpoint_format, what
-    )
-    if g_idx is None:
-        raise ValueError(f"{what}: g_idx is required")
-    perm = gptq_act_order_permutation(g_idx, group_size=group_size)
-    q = unpack(qweight, bits, axis=1)[:, perm]  # [N, K], permuted K
-    return build(pack(q, bits, axis=1), scales, z, bits, group_size, what), perm
+    what = "fold_w2_act_order"
+    if w2.perm is None:
+        return w13, w2
+    for name, w in (("w13", w13), ("w2", w2)):
+        w.validate(f"{what}: {name}")
+        if w.layout != "canonical":
+            raise ValueError(
+                f"{what}: {name} is in the {w.layout!r} layout; fold the canonical weights "
+                f"(wna16_jax.layouts.to_canonical_layout), then convert"
+            )
+    e, two_i, _ = w13.shape
+    if w2.shape[0] != e or w2.k * 2 != two_i:
+        raise ValueError(
+            f"{what}: w13 {w13.shape} and w2 {w2.shape} are not [E, 2I, H] and [E, H, I]"
+        )
+    host = all(isinstance(a, np.ndarray) for a in (*jax.tree.leaves(w13), w2.perm))
+    xp = np if host else jnp  # host (numpy) weights stay on the host
+    p = xp.asarray(w2.perm)  # [E, I]
+    rows = xp.concatenate([p, p + two_i // 2], axis=1)[:, :, None]  # [E, 2I, 1]
+    take = lambda a: xp.take_along_axis(a, rows, axis=1)
+    zeros = w13.zeros
+    if zeros is not None:  # int4 packs two rows per byte: reorder the unpacked zero points
+        zeros = pack_zeros(take(unpack_zeros(zeros, w13.bits)), w13.bits)
+    w13 = dataclasses.replace(w13, qweight=take(w13.qweight), scales=take(w13.scales), zeros=zeros)
+    return w13, dataclasses.replace(w2, perm=None)
 
 
 def to_gptq(qw: QuantizedExperts, *, checkpoint_format: str = "gptq") -> dict[str, np.ndarray]:
-    """QuantizedExperts (E=1) -> GPTQ checkpoint tensors (no act-order).
+    """QuantizedExperts (E=1) -> GPTQ checkpoint tensors; weights with an input permutation
+    (perm) are written as act-order (K in the activations' order, each input's group in g_idx).
 
     Symmetric weights (zeros=None) get the implicit zero points written out, as GPTQ does.
 
@@ -213,13 +227,14 @@ def to_gptq(qw: QuantizedExperts, *, checkpoint_format: str = "gptq") -> dict[st
 
     Returns:
         {"qweight": int32 [K*bits/32, N], "qzeros": int32 [K/G, N*bits/32],
-        "scales": [K/G, N] (qw's scale dtype), "g_idx": int32 [K] = arange(K) // G} (numpy).
+        "scales": [K/G, N] (qw's scale dtype), "g_idx": int32 [K]} (numpy); g_idx is
+        arange(K) // G without perm, else g_idx[perm[j]] = j // G.
 
     Raises:
         ValueError: if E != 1, N is not a multiple of 32/bits, or the format is unknown.
     """
     what = "to_gptq"
-    check_single(qw, what)
+    check_single(qw, what, act_order=True)
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(
             f"{what}: checkpoint_format={checkpoint_format!r} is not supported "
@@ -232,9 +247,17 @@ def to_gptq(qw: QuantizedExperts, *, checkpoint_format: str = "gptq") -> dict[st
     z = np.asarray(zero_points(qw)[0]).astype(np.int16)  # [N, G]
     if checkpoint_format == "gptq":
         z = (z - 1) & ((1 << bits) - 1)
+    words = np.asarray(qw.qweight[0])  # [N, K*bits/32], the stored K order
+    g_idx = (np.arange(k) // qw.group).astype(np.int32)
+    if qw.perm is not None:  # stored input j is input perm[j]
+        perm = np.asarray(qw.perm[0])
+        q = np.empty((n, k), np.uint8)
+        q[:, perm] = unpack(words, bits, axis=1)
+        words = pack(q, bits, axis=1)
+        g_idx[perm] = g_idx.copy()
     return {
-        "qweight": np.ascontiguousarray(np.asarray(qw.qweight[0]).T).view(np.int32),
+        "qweight": np.ascontiguousarray(words.T).view(np.int32),
         "qzeros": pack(z.T, bits, axis=1).view(np.int32),
         "scales": np.ascontiguousarray(np.asarray(qw.scales[0]).T),
-        "g_idx": (np.arange(k) // qw.group).astype(np.int32),
+        "g_idx": g_idx,
     }
