@@ -6,11 +6,13 @@ import json
 import logging
 import os
 
+import helpers
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from test_deepseek_v3_common import (
+    assert_close,
     logits_of,
     random_ids,
     tiny_model,
@@ -68,6 +70,75 @@ def test_save_load_round_trip_gives_identical_logits(case, tmp_path, rng):
     assert (loaded.lm_head is None) == model.cfg.tie_word_embeddings
     ids = random_ids(rng, (2, 8), model.cfg)
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(model, ids))
+
+
+def _act_order_gptq(model, path, rng, *, unlike_up: bool = False):
+    """`model` saved as GPTQ at `path`, then every quantized linear made act-order (desc_act):
+    a random g_idx of G inputs per group, one per expert's gate and up (unless unlike_up),
+    down its own. Returns the tensors."""
+    save_pretrained(model, path, format="gptq")
+    tensors = load_file(str(path / "model.safetensors"))
+    hf = json.loads((path / "config.json").read_text())
+    group = hf["quantization_config"]["group_size"]
+    for name in sorted(n for n in tensors if n.endswith(".g_idx")):  # gate_proj before up_proj
+        gate = name.replace("up_proj", "gate_proj")
+        if name != gate and not unlike_up:
+            tensors[name] = tensors[gate]
+        else:
+            k = tensors[name].shape[0]
+            tensors[name] = rng.permutation(np.arange(k) // group).astype(np.int32)
+    hf["quantization_config"]["desc_act"] = True
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf))
+    return tensors
+
+
+def test_gptq_act_order_checkpoint(tmp_path, rng):
+    """A GPTQ desc_act checkpoint, every linear act-order: it loads (the routed experts' down
+    order folded into w13's rows, w13's kept as its input permutation) and computes what the
+    float model of its weights, decoded straight from the tensors, computes."""
+    model = tiny_model()
+    tensors = _act_order_gptq(model, tmp_path / "gptq", rng)
+    hf = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    bits = hf.pop("quantization_config")["bits"]
+    floats = {n: v for n, v in tensors.items() if not n.endswith(("qweight", "qzeros", "scales"))}
+    floats = {n: v for n, v in floats.items() if not n.endswith(".g_idx")}
+    for name in (n for n in tensors if n.endswith(".qweight")):
+        prefix = name.removesuffix(".qweight")
+        parts = (tensors[f"{prefix}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx"))
+        floats[f"{prefix}.weight"] = helpers.numpy_gptq_weight(*parts, bits).astype(np.float32)
+    (tmp_path / "float").mkdir()
+    save_file(floats, str(tmp_path / "float" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "float" / "config.json").write_text(json.dumps(hf))
+
+    loaded = load_pretrained(tmp_path / "gptq", dtype=jnp.float32, progress=False)
+    experts = loaded.model.layers[1].mlp.experts
+    assert isinstance(experts, RoutedExperts)
+    assert experts.w13.get().has_perm and not experts.w2.get().has_perm
+    want = load_pretrained(tmp_path / "float", dtype=jnp.float32, progress=False)
+    assert isinstance(want.model.layers[1].mlp.experts, FloatExperts)
+    ids = random_ids(rng, (2, 8), model.cfg)
+    assert_close(_logits(loaded, ids), _logits(want, ids), "f32_reordered")
+    # Saved again (desc_act, the input orders as g_idx), it loads the same model.
+    save_pretrained(loaded, tmp_path / "again", format="gptq")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert saved["quantization_config"]["desc_act"] is True
+    again = load_pretrained(tmp_path / "again", dtype=jnp.float32, progress=False)
+    np.testing.assert_array_equal(_logits(again, ids), _logits(loaded, ids))
+
+
+def test_gptq_act_order_errors_name_the_tensor(tmp_path, rng):
+    """An expert whose up_proj g_idx differs from its gate_proj's (w13 reads one input order)
+    and a g_idx whose groups are not G inputs each are refused, naming the tensor."""
+    tensors = _act_order_gptq(tiny_model(), tmp_path, rng, unlike_up=True)
+    bad = "model.layers.2.self_attn.o_proj.g_idx"
+    tensors[bad][tensors[bad] == 0] = 1
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        load_pretrained(tmp_path, dtype=jnp.float32, progress=False)
+    msg = str(err.value)
+    assert "model.layers.1.mlp.experts.0.up_proj: its act-order g_idx orders the inputs" in msg
+    assert "model.layers.2.self_attn.o_proj: " in msg and "g_idx must assign exactly" in msg
 
 
 def test_v2_lite_style_checkpoint(tmp_path, rng):

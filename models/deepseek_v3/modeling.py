@@ -40,8 +40,8 @@ def progress_bar(items, *, desc: str, unit: str, enabled: bool = True):
 
 
 class QuantParam(nnx.Variable):
-    """Packed quantized weight data (qweight / scales / zeros): not trained, kept apart from
-    float `nnx.Param`s so filters (dtype casts, sharding rules) can tell them apart."""
+    """Packed quantized weight data (qweight / scales / zeros / perm): not trained, kept apart
+    from float `nnx.Param`s so filters (dtype casts, sharding rules) can tell them apart."""
 
 
 class ModelSharding(Protocol):
@@ -99,6 +99,7 @@ class QuantizedTensor(nnx.Module):
         self.qweight = QuantParam(qe.qweight)
         self.scales = QuantParam(qe.scales)
         self.zeros = QuantParam(qe.zeros) if qe.zeros is not None else None
+        self.perm = QuantParam(qe.perm) if qe.perm is not None else None  # act-order
         self.bits = int(qe.bits)
         self.group_size = int(qe.group_size)
         self.layout = str(qe.layout)
@@ -111,6 +112,7 @@ class QuantizedTensor(nnx.Module):
             bits=self.bits,
             group_size=self.group_size,
             layout=self.layout,
+            perm=None if self.perm is None else self.perm.get_value(),
         )
 
     @property

@@ -657,9 +657,19 @@ def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range
     if not ok:
         return None
     if isinstance(parts["gate_proj"][0], wj.QuantizedExperts):
+        # GPTQ act-order: w13 reads one input order per expert; down_proj's folds into w13.
+        pairs = zip(experts, parts["gate_proj"], parts["up_proj"], strict=True)
+        unlike = [j for j, gate, up in pairs if not _same_order(gate, up)]
+        for j in unlike:
+            problems.append(
+                f"{entry.name}.{j}.up_proj: its act-order g_idx orders the inputs unlike "
+                f"gate_proj's (one input order per expert: the same g_idx)"
+            )
+        if unlike:
+            return None
         gate, up, down = (wj.QuantizedExperts.concatenate(parts[p], axis=0) for p in _PROJS)
         w13 = wj.QuantizedExperts.concatenate([gate, up], axis=1).astype(cfg.dtype)  # [gate; up]
-        w2 = down.astype(cfg.dtype)
+        w13, w2 = wj.formats.fold_w2_act_order(w13, down.astype(cfg.dtype))
     else:
         w13 = np.concatenate([np.stack(parts["gate_proj"]), np.stack(parts["up_proj"])], axis=1)
         w2 = np.stack(parts["down_proj"])
@@ -670,6 +680,13 @@ def _read_experts(cfg, ckpt, qcfg, entry: WeightEntry, form: str, experts: range
             f"{(n, 2 * i, hdim)} / {(n, hdim, i)}"
         )
     return w13, w2
+
+
+def _same_order(a: wj.QuantizedExperts, b: wj.QuantizedExperts) -> bool:
+    """Whether two layers [1, N, K] take their inputs in the same order (perm, act-order)."""
+    if a.perm is None or b.perm is None:
+        return a.perm is None and b.perm is None
+    return bool(np.array_equal(np.asarray(a.perm), np.asarray(b.perm)))
 
 
 def _experts_module(cfg, ckpt, qcfg, entry: WeightEntry, form: str, implementation, problems):
@@ -995,7 +1012,9 @@ def _named_linears(model, cfg) -> Iterator[tuple[str, object]]:
                     yield f"{entry.name}.{j}.down_proj", w2[j]
 
 
-def _quantization_config(fmt: str, key: tuple[int, int, bool], float_linears: list[str]):
+def _quantization_config(
+    fmt: str, key: tuple[int, int, bool], float_linears: list[str], act_order: bool = False
+):
     bits, group_size, has_zeros = key
     if fmt == "awq":
         return {
@@ -1012,7 +1031,7 @@ def _quantization_config(fmt: str, key: tuple[int, int, bool], float_linears: li
             "bits": bits,
             "group_size": group_size,
             "sym": not has_zeros,
-            "desc_act": False,
+            "desc_act": act_order,  # to_gptq writes act-order layers' g_idx
             "checkpoint_format": "gptq",
             "dynamic": {f"-:^{re.escape(n)}$": {} for n in float_linears if n != "lm_head"} or None,
         }
@@ -1078,7 +1097,7 @@ def save_pretrained(
             put(f"{entry.name}.weight", _get(model, entry.path).weight.get_value(), float_dtype)
         elif entry.kind == "bias":
             put(entry.name, _get(model, entry.path).get_value(), np.float32)
-    keys, float_linears = set(), []
+    keys, float_linears, act_order = set(), [], False
     for name, value in _named_linears(model, cfg):
         if not isinstance(value, wj.QuantizedExperts):
             put(f"{name}.weight", value, float_dtype)
@@ -1087,6 +1106,7 @@ def save_pretrained(
             put(f"{name}.weight", wj.dequantize_experts(value, jnp.float32)[0], ml_dtypes.bfloat16)
         else:
             keys.add(_quant_key(value))
+            act_order |= value.has_perm
             writer = {
                 "awq": wj.formats.to_awq,
                 "gptq": wj.formats.to_gptq,
@@ -1102,7 +1122,9 @@ def save_pretrained(
             f"zero points): {sorted(keys)}; one quantization_config cannot say so"
         )
     if keys:
-        hf["quantization_config"] = _quantization_config(format, keys.pop(), float_linears)
+        hf["quantization_config"] = _quantization_config(
+            format, keys.pop(), float_linears, act_order
+        )
     if format == "bf16":
         hf["torch_dtype"] = "bfloat16"
     with open(os.path.join(path, CONFIG_FILE), "w") as f:

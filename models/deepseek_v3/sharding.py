@@ -540,6 +540,8 @@ def _linear_spec(mesh: Mesh, spec2, shape, qt: QuantizedTensor | None, what: str
 
 
 def _quant_leaf_spec(leaf: str, qt: QuantizedTensor, e_ax, n_ax, k_ax) -> P:
+    if leaf == "perm":  # [E, K]: an input order spans all of K
+        return _clean((e_ax, None))
     groups = None if qt.group_size == -1 else k_ax
     return _clean((e_ax, n_ax, k_ax if leaf == "qweight" else groups))
 
