@@ -7,15 +7,16 @@ Each row is one backend at one token count M, timed two ways:
   step  with --straight N: N layer calls written out in one jit, each on the last one's output,
         as a model step runs its layers, steps queued back to back (`time_model_step`).
 The host time of one jitted call (dispatch included) is reported beside them. The copy (HBM read
-+ write) and dense bf16 matmul ceilings are measured in the same run; each row's weight
++ write) and dense bf16 matmul (int8 x int8 -> int32 for W8A8) ceilings are measured in the same
+run; each row's weight
 bandwidth and FLOP/s are quoted against them in a table, written as JSON (--json) and drawn as a
 roofline (--plot). --search also times candidate configs through `config=` (wj.MgpuConfig for
 the mgpu backends, wj.BlockConfig for the others) and prints the best config per M.
 
 On a GPU the default problem is DeepSeek-V3's MoE layer (E=256, top-8, H=7168, I=2048, int4
 g128 with zero points); on a CPU a tiny one in the kernel interpreters, so the script doubles as
-a smoke test. A backend that reads only a kernel layout (mgpu: mgpu_int4) gets the weights
-converted once, untimed.
+a smoke test. A backend that reads only a kernel layout (mgpu: mgpu_int4 or mgpu_int8) gets the
+weights converted once, untimed.
 
 Examples (GPU):
     python examples/benchmark.py --implementations mgpu pallas --m 1 16 256 4096 --straight 32
@@ -256,20 +257,29 @@ def time_copy(n, *, iters, repeats):
     return statistics.median(times)
 
 
-def measure_ceilings(on_gpu: bool, repeats: int):
-    """HBM copy bandwidth (read + write bytes) and dense bf16 matmul FLOP/s, measured now."""
+def time_matmul(dtype, d: int, repeats: int) -> float:
+    """Operations per second of a dense d^3 `jnp.dot` of `dtype` operands: bf16 accumulated in
+    f32 and rounded to bf16, int8 accumulated in int32."""
+    key = jax.random.key(10)
+    if jnp.issubdtype(dtype, jnp.integer):
+        ms = [jax.random.randint(jax.random.fold_in(key, i), (d, d), -127, 128, dtype)
+              for i in range(2)]  # fmt: skip
+        dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.int32).astype(dtype)
+    else:
+        ms = [jax.random.normal(jax.random.fold_in(key, i), (d, d), dtype) for i in range(2)]
+        dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)
+    t_mm, _ = time_loop(dot, [(ms[0], ms[1]), (ms[1], ms[0])], iters=10, repeats=repeats,
+                        host=False)  # fmt: skip
+    return 2 * d**3 / t_mm
+
+
+def measure_ceilings(on_gpu: bool, repeats: int, int8: bool = False):
+    """HBM copy bandwidth (read + write bytes) and dense matmul operations per second, measured
+    now: bf16, or int8 x int8 -> int32 (int8: the W8A8 GEMMs' ceiling)."""
     n = (1 << 28) if on_gpu else (1 << 22)  # f32 elements: 1 GiB on GPU
     copy_bps = 2 * n * 4 / time_copy(n, iters=20, repeats=repeats)
     d = 8192 if on_gpu else 512
-    ms = [jax.random.normal(jax.random.key(10 + i), (d, d), jnp.bfloat16) for i in range(2)]
-    t_mm, _ = time_loop(
-        lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
-        [(ms[0], ms[1]), (ms[1], ms[0])],
-        iters=10,
-        repeats=repeats,
-        host=False,
-    )
-    return copy_bps, 2 * d**3 / t_mm
+    return copy_bps, time_matmul(jnp.int8 if int8 else jnp.bfloat16, d, repeats)
 
 
 def kernel_layout(implementation: str, w13, w2, dtype, activation_quant=None) -> str:
@@ -701,11 +711,12 @@ def main(argv=None):
         given = args.mgpu_config if impl.startswith("mgpu") else args.block_config
         if given is not None:
             configs[impl] = given
-    copy_bps, mm_flops = measure_ceilings(on_gpu, repeats)
+    int8 = problem.activation_quant is not None  # %mm: of the int8 matmul's ceiling
+    copy_bps, mm_flops = measure_ceilings(on_gpu, repeats, int8=int8)
     print(
         f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  "
-        f"copy ceiling {copy_bps / 1e12:.2f} TB/s  bf16 matmul ceiling "
-        f"{mm_flops / 1e12:.1f} TFLOP/s",
+        f"copy ceiling {copy_bps / 1e12:.2f} TB/s  {'int8' if int8 else 'bf16'} matmul ceiling "
+        f"{mm_flops / 1e12:.1f} {'TOP/s' if int8 else 'TFLOP/s'}",
         flush=True,
     )
     print(f"problem: {problem}", flush=True)
@@ -733,6 +744,7 @@ def main(argv=None):
         problem=dataclasses.asdict(problem),
         copy_bytes_per_s=copy_bps,
         matmul_flops_per_s=mm_flops,
+        matmul_dtype="int8" if int8 else "bfloat16",
         rows=rows,
         best=best,
         failed=failures,

@@ -39,6 +39,7 @@ from pallas_kernels.mosaic_gpu.wna16_gemm import (  # noqa: E402
     check_config,
     mgpu_wna16_gemm,
     output_buffer_rows,
+    w8a8_input_order,
 )
 
 
@@ -365,6 +366,90 @@ def test_int8_gemm_deepseek_v3_shapes(rng, group_size, has_zp, block_m, block_k,
         block_k=block_k, blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, stages=stages, bf16_weights=bf16_weights, bits=8,
     )  # fmt: skip
+
+
+# W8A8: int32 sums are exact; what remains is f32 rounding of the scaled sums and their sum over
+# k-steps (a few dozen roundings of 2^-24 at most).
+W8A8_TOL = 1e-5
+
+
+def run_w8a8_gemm_case(
+    rng, *, e, n, k, group_size, block_m, block_k, blocks, consumers=0, splits=1, stages=4,
+    block_n=64, gated=False, tiles_per_program=1, out_dtype=jnp.float32,
+):  # fmt: skip
+    """int8 rows (in the W8A8 input order) with f32 row scales on symmetric int8 weights,
+    against float64 numpy of (q_x * s_x) @ dequant(w).T."""
+    qw = helpers.random_quantized_experts(rng, e, n, k, 8, group_size, False, BF16)
+    block_experts = np.asarray(blocks, np.int32)
+    p = len(blocks) * block_m
+    q = rng.integers(-127, 128, (p, k), dtype=np.int8)
+    x_scales = rng.uniform(0.5, 1.5, p).astype(np.float32) / 127
+    out = mgpu_wna16_gemm(
+        w8a8_input_order(jnp.asarray(q)), prepare_weights(qw), jnp.asarray(block_experts),
+        x_scales=jnp.asarray(x_scales), block_m=block_m, block_k=block_k, block_n=block_n,
+        consumers=consumers, splits=splits, gated=gated, tiles_per_program=tiles_per_program,
+        max_concurrent_steps=stages, out_dtype=out_dtype, interpret=INTERPRET,
+    )  # fmt: skip
+    out = np.asarray(out, np.float64)
+    x = q.astype(np.float64) * x_scales.astype(np.float64)[:, None]
+    ref = numpy_block_gemm(x, helpers.numpy_dequantize(qw), block_experts, block_m)
+    if gated:
+        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+        ref = gate / (1 + np.exp(-gate)) * up
+    if splits > 1:
+        assert out.shape == (splits, *ref.shape)
+        out = out.sum(axis=0)
+    empty = np.repeat(block_experts < 0, block_m)
+    assert np.all(out[empty] == 0), "rows of expert -1 blocks must be zeros"
+    tol = W8A8_TOL if jnp.dtype(out_dtype) == jnp.float32 else TOL
+    helpers.assert_finite_and_close(
+        out[~empty], ref[~empty], tol, "W8A8 GEMM rows", slack=ELEMENT_SLACK,
+        require_signal=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    [dict(block_m=8, block_k=128, group_size=-1),
+     dict(block_m=16, block_k=256, group_size=-1, block_n=128),
+     dict(block_m=8, block_k=128, group_size=64),
+     dict(block_m=64, block_k=128, group_size=-1, consumers=2),
+     dict(block_m=16, block_k=128, group_size=-1, consumers=1, splits=2),
+     dict(block_m=8, block_k=128, group_size=-1, gated=True, out_dtype=BF16),
+     dict(block_m=8, block_k=64, group_size=-1, tiles_per_program=2)],
+    ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()),
+)  # fmt: skip
+def test_w8a8_gemm_matches_numpy(rng, case):
+    """W8A8 (int8 x int8 on the int8 tensor cores) on the GEMM's paths: per channel and grouped
+    scales, warp specialization, K splits, gated silu * up, runs of output tiles."""
+    run_w8a8_gemm_case(rng, e=3, n=256, k=256, blocks=[1, -1, 0, 2], **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "block_m,block_k,consumers,splits,block_n,gated,stages",
+    [(8, 256, 0, 1, 64, True, 2), (8, 256, 0, 1, 64, False, 3), (16, 256, 0, 1, 128, True, 3),
+     (64, 256, 2, 1, 64, True, 2), (64, 128, 2, 1, 128, False, 3), (8, 256, 0, 4, 64, False, 3)],
+    ids=str,
+)  # fmt: skip
+def test_w8a8_gemm_deepseek_v3_shapes(rng, block_m, block_k, consumers, splits, block_n, gated,
+                                      stages):  # fmt: skip
+    """W8A8 GEMM1 of DeepSeek-V3 TP=1 (N=4096, K=7168, per channel) on 16 experts at the
+    configs int8 rows take, compiled: the A operand's registers (prmt) that the interpreter
+    does not run."""
+    run_w8a8_gemm_case(
+        rng, e=16, n=4096, k=7168, group_size=-1, block_m=block_m, block_k=block_k,
+        blocks=[3, 15, -1, 0, 7], consumers=consumers, splits=splits, block_n=block_n,
+        gated=gated, stages=stages, out_dtype=BF16 if gated else jnp.float32,
+    )  # fmt: skip
+
+
+def test_w8a8_input_order_is_a_permutation_within_16_columns():
+    """Position 16 b + 4 lc + 2 hi + v holds column 16 b + 8 hi + 2 lc + v."""
+    cols = np.asarray(w8a8_input_order(jnp.arange(32, dtype=jnp.int32)[None]))[0]
+    b, lc, hi, v = np.meshgrid(range(2), range(4), range(2), range(2), indexing="ij")
+    expected = (16 * b + 8 * hi + 2 * lc + v).reshape(-1)
+    np.testing.assert_array_equal(cols, expected)
 
 
 IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"

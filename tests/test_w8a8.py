@@ -33,6 +33,7 @@ from backend_cases import FusedMoeCases, MoeCase
 from jax.experimental import pallas as pl
 
 import wna16_jax as wj
+from pallas_kernels.mosaic_gpu import fused_moe as mgpu_moe
 from pallas_kernels.triton import fused_moe as pallas_moe
 from pallas_kernels.triton import w8a8_gemm as w8a8_module
 from wna16_jax import _activations, _dispatch, _pipeline, _reference, formats
@@ -350,6 +351,22 @@ class TestW8A8Compiled(TestW8A8Interpreted):
         FusedMoeCases.assert_close(self, out, ref, dtype, what)
 
 
+class TestW8A8MosaicGpu(FusedMoeCases):
+    """W8A8 on the Mosaic GPU GEMM (int8 x int8 wgmma, weights in the mgpu_int8 layout): in its
+    interpreter on CPU, compiled on an sm_90 GPU. Its f32 sums are scaled per k-step (the
+    oracle's once per row), so only the tolerance, not bitwise equality, holds."""
+
+    IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
+    BACKEND_FUSED_MOE = staticmethod(functools.partial(mgpu_moe.fused_moe, interpret=INTERPRET))
+    LAYOUT = "mgpu_int8"
+    ACTIVATION_QUANTS = ("int8_per_token", "int8_static")
+    CASES = W8A8_CASES
+    SMALL = MoeCase(9, 8, 2, 128, 128, 8, -1, False, act_quant="int8_per_token")
+
+    def tolerance(self, dtype) -> float:
+        return W8A8_VS_ORACLE[jnp.dtype(dtype)]
+
+
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_w8a8_gemm_matches_reference_gemm(rng, split_k):
     """The GEMM alone: bitwise equal to the oracle's GEMM without split-K, f32-close with it."""
@@ -621,6 +638,23 @@ def test_backend_reasons_for_w8a8():
     assert "I=48 is not a multiple of 32" in interp(_problem(intermediate=48, w2_group=48))
     # group_size equal to K is per-channel too.
     assert interp(_problem(group_size=128, w2_group_size=64)) is None
+
+
+def test_mgpu_reasons_for_w8a8():
+    """The Mosaic GPU backend runs W8A8 on symmetric int8 weights, per channel or in groups of
+    whole k-tiles, whatever x's dtype; int4 weights or zero points are refused by name."""
+    mgpu = _dispatch.get_backend("mgpu_interpret").unsupported_reason
+    ok = dict(layout="mgpu_int8")
+    assert mgpu(_problem(**ok)) is None
+    assert mgpu(_problem(**ok, dtype="float32")) is None
+    assert mgpu(_problem(**ok, group_size=64, w13_group=64, w2_group=64)) is None
+    assert mgpu(_problem(**ok, activation_quant=None, dtype="float32")) is not None  # WNA16 f32
+    reason = mgpu(_problem(**ok, has_zeros=True))
+    assert "need symmetric int8 weights" in reason and "w13 is int8 with zero points" in reason
+    reason = mgpu(_problem(layout="mgpu_int4", bits=4, w2_bits=4, group_size=64, w13_group=64,
+                           w2_group_size=64, w2_group=64))  # fmt: skip
+    assert "w13 is int4" in reason and "w2 is int4" in reason
+    assert "not a multiple of 64" in mgpu(_problem(**ok, group_size=32, w13_group=32))
 
 
 def test_w8a8_with_int4_weights_names_every_reason(rng, monkeypatch):

@@ -18,12 +18,24 @@ MGPU_SPAN = 64
 def _mgpu_shape_reason(problem: MoEProblem) -> str | None:
     # The layout (mgpu_int4 or mgpu_int8: int4 or int8 weights) is checked by selection:
     # Backend.layouts.
-    if problem.dtype != "bfloat16":
+    if problem.dtype != "bfloat16" and problem.activation_quant is None:
         return f"activation dtype {problem.dtype} is not bfloat16"
     if problem.activation != "silu":
         return f"activation {problem.activation!r} is not supported (only 'silu')"
     if problem.activation_quant is not None:
-        return f"int8 activations ({problem.activation_quant!r}) are not supported"
+        # W8A8 takes int8 weights without zero points (grouped along K in whole k-tiles, or
+        # per channel: the group checks below); its rows are int8 whatever x's dtype (the
+        # output is rounded from f32 sums to x's).
+        bad = [
+            f"{name} is int{bits}{' with zero points' if has_zeros else ''}"
+            for name, bits, _, has_zeros in problem.weight_schemes()
+            if bits != 8 or has_zeros
+        ]
+        if bad:
+            return (
+                f"int8 activations ({problem.activation_quant}) need symmetric int8 weights "
+                f"(bits=8, zeros=None), but {'; '.join(bad)}"
+            )
     for what, n in (("2I", 2 * problem.intermediate), ("H", problem.hidden)):
         if n % MGPU_SPAN:
             return f"{what}={n} output features are not a multiple of {MGPU_SPAN}"

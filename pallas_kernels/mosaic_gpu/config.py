@@ -66,8 +66,9 @@ TWO_STAGES_MAX_SLOTS = 128
 
 
 def default_config(
-    num_slots: int, num_experts: int, group: int, down_k: int | None = None, bits: int = 4
-) -> MgpuConfig:
+    num_slots: int, num_experts: int, group: int, down_k: int | None = None, bits: int = 4,
+    int8_rows: bool = False,
+) -> MgpuConfig:  # fmt: skip
     """The heuristic config for num_slots (T*k) slots over num_experts experts: the layer's
     config where the tuned table has no entry for the problem.
 
@@ -84,10 +85,12 @@ def default_config(
     (bits=8) take int4's rules, with k-steps of 256 also inside larger groups (per-channel
     scales: the layer's group is gcd(H, I)), and each GEMM's stages cut to those that fit in
     shared memory (`fitted_stages`: an int8 k-step takes twice int4's weight bytes; 64-row
-    blocks run GEMM1 at 2 stages): guesses from int4's rules, not measured. The figures behind
-    each rule: docs/performance.md, 'Mosaic GPU configs'."""
+    blocks run GEMM1 at 2 stages): guesses from int4's rules, not measured. int8 rows (W8A8)
+    take int8's rules below ROWS_FOR_128 and 64-row blocks from there (their exact int32 sums
+    need no bf16 weights). The figures behind each rule: docs/performance.md, 'Mosaic GPU
+    configs'."""
     rows = num_slots / num_experts
-    if rows >= ROWS_FOR_128:
+    if rows >= ROWS_FOR_128 and not int8_rows:
         cfg = MgpuConfig(
             128, one_group_block_k(group), stages=3, consumers=2, block_n=64, down_block_n=128,
             down_stages=3, block_halvings=3, bf16_weights=True,
@@ -117,7 +120,8 @@ def stages_that_fit(cfg: MgpuConfig, group: int, bits: int, *, gated: bool) -> i
     """The most pipeline stages of a GEMM at cfg on `bits`-bit weights with groups of `group`
     (gated: GEMM1's two halves) that fit in a program's shared memory beside its output
     buffers at their least (8 f32 rows per warpgroup; `output_buffer_rows` takes the rows the
-    stages leave), for the most bytes a group's row takes (zero points and f32 scales)."""
+    stages leave), for the most bytes a group's row takes (zero points and f32 scales) and
+    bf16 rows (int8 rows, W8A8, take fewer)."""
     one = stage_bytes(
         block_m=cfg.block_m, block_k=cfg.block_k, tile_n=tile_n(cfg), halves=2 if gated else 1,
         groups_per_step=max(cfg.block_k // group, 1), has_offset=True, scale_bytes=4, bits=bits,
@@ -161,11 +165,13 @@ def layer_config(
     num_experts: int,
     w13: QuantizedExperts,
     w2: QuantizedExperts,
+    *,
+    int8_rows: bool = False,
 ) -> MgpuConfig:
     """The layer's config for a chunk of num_slots (T*k) slots over num_experts (the routing's)
     experts: the caller's (a BlockConfig: `from_block_config`), else the device's tuned table's
-    (the nearest M of exactly this problem), else `default_config`. Logs each new choice once
-    at INFO with where it came from."""
+    (the nearest M of exactly this problem; not for int8 rows, W8A8, which it does not hold),
+    else `default_config`. Logs each new choice once at INFO with where it came from."""
     if isinstance(config, MgpuConfig):
         return config
     if isinstance(config, BlockConfig):
@@ -174,10 +180,12 @@ def layer_config(
         raise ValueError(f"config must be an MgpuConfig, a BlockConfig or None, got {config!r}")
     kind = _configs.device_kind()
     problem = table_problem(num_experts, w13, w2)
-    cfg = _configs.lookup_tuned(TUNED_TABLE, problem, num_slots, kind)
+    cfg = None if int8_rows else _configs.lookup_tuned(TUNED_TABLE, problem, num_slots, kind)
     source = f"tuned:{kind}"
     if cfg is None:
-        cfg = default_config(num_slots, num_experts, problem["group"], w2.k, w13.bits)
+        cfg = default_config(
+            num_slots, num_experts, problem["group"], w2.k, w13.bits, int8_rows=int8_rows
+        )
         source = "heuristic"
     key = (num_slots, tuple(problem.items()), cfg)
     if key not in _logged:

@@ -5,6 +5,10 @@ Unlike the Triton-lowered GEMMs, these take rows already in block order (x gathe
 rows in block order, and the top-k sum gathers each slot's row back and applies its routed
 weight. Weights are QuantizedExperts in the "mgpu_int4" or "mgpu_int8" layout
 (wna16_jax.layouts).
+
+W8A8 (activation_quant, symmetric mgpu_int8 weights): x is quantized to int8 rows per the
+scheme and put in the W8A8 GEMM's input order once, before its rows are gathered; GEMM1's f32
+activation is quantized again for GEMM2 (the pipeline's step) and put in that order.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ import jax.numpy as jnp
 from pallas_kernels.common import gather_rows
 from pallas_kernels.common.align import moe_align_block_size
 from pallas_kernels.mosaic_gpu.config import gemm_plan, gemm_rows_in_use, layer_config
-from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
+from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm, w8a8_input_order
 from wna16_jax import _pipeline
-from wna16_jax._activations import activate
+from wna16_jax._activations import Int8Rows, activate
 from wna16_jax._routing import local_expert_of
-from wna16_jax._types import BlockConfig, MgpuConfig, QuantizedExperts
+from wna16_jax._types import ActivationQuant, BlockConfig, MgpuConfig, QuantizedExperts
 
 
 def rows_in_block_order(x, slots, top_k: int, *, interpret: bool = False):
     """x's row of each aligned slot ([P, H]; padding slots, ids >= T*k, get zero rows): the
     gather_rows kernel where its tiles fit (faster than XLA's gather and select: docs/
-    performance.md, 'Mosaic GPU layer'), else `xla_rows_in_block_order`."""
+    performance.md, 'Mosaic GPU layer'), else `xla_rows_in_block_order`. Int8Rows: their rows
+    and scales (a padding slot's scale 0)."""
+    if isinstance(x, Int8Rows):
+        placed = slots < x.scale.shape[0] * top_k
+        scale = jnp.where(placed, x.scale[jnp.where(placed, slots // top_k, 0)], 0.0)
+        return Int8Rows(rows_in_block_order(x.q, slots, top_k, interpret=interpret), scale)
     if gather_rows.tile_shape(slots.shape[0], x.shape[1]) is None:
         return xla_rows_in_block_order(x, slots, top_k)
     ids = jnp.where(slots < x.shape[0] * top_k, slots // top_k, -1)
@@ -58,8 +67,14 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
     `fuses_activation`)."""
 
     def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None):
+        x_scales = None
+        if isinstance(rows, Int8Rows):  # W8A8: rows in the GEMM's input order
+            rows, x_scales = rows.q, rows.scale
         _, splits, gated, options = gemm_plan(cfg, w, block_experts.shape[0], activation_dtype)
-        out = mgpu_wna16_gemm(rows, w, block_experts, rows_in_use, **options, interpret=interpret)
+        out = mgpu_wna16_gemm(
+            rows, w, block_experts, rows_in_use, x_scales=x_scales, **options,
+            interpret=interpret,
+        )  # fmt: skip
         if gated:
             return out
         out = out.sum(axis=0) if splits > 1 else out
@@ -93,12 +108,17 @@ def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map)
     same products. Slots the alignment drops (ids out of range, or off this shard through
     expert_map) get expert -1 (zero rows, not kept by the top-k sum)."""
     t, k = topk_ids.shape
-    slots, h = t * k, x.shape[1]
+    slots = t * k
     block_experts, _ = local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    rows = jnp.broadcast_to(x[:, None], (t, k, h)).reshape(slots, h)  # [S, H]: x[s // k]
-    x_rows = jnp.zeros((slots, block_m, h), x.dtype).at[:, 0].set(rows)
+
+    def first_rows(v):  # [T, ...] -> [S * block_m, ...]: v[s // k] first in block s, zeros after
+        rows = jnp.repeat(v, k, axis=0)
+        blocks = jnp.zeros((slots, block_m, *v.shape[1:]), v.dtype).at[:, 0].set(rows)
+        return blocks.reshape(slots * block_m, *v.shape[1:])
+
+    x_rows = Int8Rows(*map(first_rows, x)) if isinstance(x, Int8Rows) else first_rows(x)
     position = jnp.arange(slots, dtype=jnp.int32) * block_m
-    return block_experts, x_rows.reshape(slots * block_m, h), position, jnp.ones(slots, jnp.int32)
+    return block_experts, x_rows, position, jnp.ones(slots, jnp.int32)
 
 
 def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, interpret):
@@ -129,8 +149,8 @@ class Blocks(NamedTuple):
     rows_in_use: jax.Array | None
 
 
-def _plan(num_slots, num_experts, w13, w2, *, config) -> MgpuConfig:
-    return layer_config(config, num_slots, num_experts, w13, w2)
+def _plan(num_slots, num_experts, w13, w2, *, config, int8_rows) -> MgpuConfig:
+    return layer_config(config, num_slots, num_experts, w13, w2, int8_rows=int8_rows)
 
 
 def _route(
@@ -139,7 +159,10 @@ def _route(
 ):  # fmt: skip
     """The blocks, and x's rows in their order: a chunk of one token's slots (distinct
     experts) takes `one_token_blocks` (unless one_token is False), any other `aligned_blocks`.
-    Only the slots on this shard are kept (their rows are the GEMMs' zeros elsewhere)."""
+    Only the slots on this shard are kept (their rows are the GEMMs' zeros elsewhere). Int8Rows
+    (W8A8) are put in the GEMM's input order first (T rows, before they are gathered)."""
+    if isinstance(x, Int8Rows):
+        x = Int8Rows(w8a8_input_order(x.q), x.scale)
     blocks = dict(num_experts=num_experts, block_m=cfg.block_m, expert_map=expert_map)
     if distinct_experts and one_token:
         experts, x_rows, position, in_use = one_token_blocks(x, topk_ids, **blocks)
@@ -156,35 +179,50 @@ def _route(
 def _gemm1(x_rows, w13, routed, cfg: MgpuConfig, *, interpret):
     """[P, H] -> silu(gate) * up [P, I] in x's dtype: the activation sees unrounded f32 sums
     and is rounded for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference
-    keeps it in f32). With halved blocks, a block's unused rows may be unwritten; GEMM2 reads
-    none of them."""
+    keeps it in f32); f32 from int8 rows (W8A8: quantized again for GEMM2). With halved
+    blocks, a block's unused rows may be unwritten; GEMM2 reads none of them."""
     blocks = routed.blocks
     gemm = block_gemm(cfg, interpret)
-    return gemm(x_rows, w13, blocks.experts, blocks.rows_in_use, activation_dtype=x_rows.dtype)
+    dtype = jnp.float32 if isinstance(x_rows, Int8Rows) else x_rows.dtype
+    return gemm(x_rows, w13, blocks.experts, blocks.rows_in_use, activation_dtype=dtype)
 
 
 def _gemm2(act, w2, routed, cfg: MgpuConfig, routed_weights, *, interpret):
-    """[P, I] -> f32 [P, H] in block order (the routed weights come in the top-k sum)."""
+    """[P, I] -> f32 [P, H] in block order (the routed weights come in the top-k sum). Int8Rows
+    (W8A8) are put in the GEMM's input order."""
+    if isinstance(act, Int8Rows):
+        act = Int8Rows(w8a8_input_order(act.q), act.scale)
     blocks = routed.blocks
     return block_gemm(cfg, interpret)(act, w2, blocks.experts, blocks.rows_in_use)
 
 
-def stages(config=None, *, interpret: bool = False, one_token: bool = True):
+def stages(
+    config=None, *, interpret: bool = False, one_token: bool = True,
+    activation_quant: ActivationQuant | None = None,
+):  # fmt: skip
     """This backend's MoeStages at config (each chunk's: `layer_config`, for None the tuned
     table's or `default_config`'s). one_token=False: a chunk of one token takes the aligned
-    blocks too."""
+    blocks too. activation_quant: W8A8 (both GEMMs' inputs int8)."""
     return _pipeline.MoeStages(
-        plan=functools.partial(_plan, config=config),
+        plan=functools.partial(_plan, config=config, int8_rows=activation_quant is not None),
         route=functools.partial(_route, interpret=interpret, one_token=one_token),
         gemm1=functools.partial(_gemm1, interpret=interpret),
         gemm2=functools.partial(_gemm2, interpret=interpret),
         routed_weights="sum",
+        activation_quant=activation_quant,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("activation", "config", "out_dtype", "chunk_tokens", "interpret"),
+    static_argnames=(
+        "activation",
+        "config",
+        "out_dtype",
+        "chunk_tokens",
+        "activation_quant",
+        "interpret",
+    ),
 )
 def fused_moe(
     x: jax.Array,
@@ -198,10 +236,11 @@ def fused_moe(
     config: BlockConfig | MgpuConfig | None = None,
     out_dtype=None,
     chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
+    activation_quant: ActivationQuant | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """The 'mgpu' backend's fused_moe (silu only; weights in the mgpu_int4 or mgpu_int8 layout),
-    [T, H].
+    [T, H]. activation_quant: W8A8 on symmetric mgpu_int8 weights.
 
     config: an MgpuConfig, a BlockConfig (`from_block_config`) or None: for each chunk the
     tuned table's config at its token slots, else `default_config`'s (`layer_config`; no
@@ -209,7 +248,7 @@ def fused_moe(
     if activation != "silu":
         raise NotImplementedError(f"the mgpu backend runs silu only, not {activation!r}")
     return _pipeline.fused_moe(
-        stages(config, interpret=interpret),
+        stages(config, interpret=interpret, activation_quant=activation_quant),
         x,
         w13,
         w2,

@@ -103,6 +103,7 @@ def check_config(
     gated: bool = False,
     tiles_per_program: int = 1,
     bf16_weights: bool = False,
+    x_scales=None,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -116,8 +117,23 @@ def check_config(
     p, kx = x_rows.shape
     if kx != k:
         raise ValueError(f"x_rows has K={kx}, the weights K={k}")
-    if x_rows.dtype != jnp.bfloat16:
-        raise NotImplementedError(f"activations must be bfloat16, got {x_rows.dtype}")
+    if x_rows.dtype == jnp.int8:  # W8A8
+        if w.bits != 8 or w.zeros is not None:
+            raise NotImplementedError(
+                f"int8 rows (W8A8) take symmetric int8 weights, got int{w.bits}"
+                f"{' with zero points' if w.zeros is not None else ''}"
+            )
+        if x_scales is None or x_scales.shape != (p,) or x_scales.dtype != jnp.float32:
+            raise ValueError(
+                f"int8 rows take their f32 scales [{p}], got "
+                f"{None if x_scales is None else (x_scales.shape, x_scales.dtype)}"
+            )
+        if bf16_weights:
+            raise ValueError("bf16_weights takes bf16 rows, not int8 (W8A8)")
+    elif x_rows.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"activations must be bfloat16 or int8, got {x_rows.dtype}")
+    elif x_scales is not None:
+        raise ValueError("x_scales are the scales of int8 rows (W8A8); these rows are bfloat16")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
     if p % block_m:
@@ -200,13 +216,15 @@ SMEM_BYTES = SM90_SHARED_MEMORY_BYTES - 2048
 
 def stage_bytes(
     *, block_m: int, block_k: int, tile_n: int, halves: int, groups_per_step: int,
-    has_offset: bool, scale_bytes: int, bits: int,
+    has_offset: bool, scale_bytes: int, bits: int, int8_rows: bool = False,
 ) -> int:  # fmt: skip
     """Shared memory of one pipeline stage (a k-step's copies): the weight tiles of each half,
-    the block's rows and each half's scales (and zero offsets) of the step's groups."""
+    the block's rows (bf16, or int8 and their f32 scales: int8_rows) and each half's scales
+    (and zero offsets) of the step's groups."""
+    rows = block_m * (block_k + 4) if int8_rows else block_m * block_k * 2
     return (
         halves * tile_n * block_k * bits // 8  # int4 / int8 weights
-        + block_m * block_k * 2  # bf16 rows
+        + rows
         + halves * groups_per_step * tile_n * scale_bytes * (2 if has_offset else 1)
     )
 
@@ -245,6 +263,27 @@ sub.bf16x2 $0, s0, s1;
 }}"""
 
 
+def _thread_words(ref, first: int):
+    """Inside inline Mosaic GPU: the 4 words (i32) at byte first + 16 t of the shared-memory
+    tile `ref`, t this thread's index in its warpgroup (one 16-byte load)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+    thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+    byte = arith.muli(thread, mgpu_utils.c(16, i32))
+    if first:
+        byte = arith.addi(byte, mgpu_utils.c(first, i32))
+    offset = arith.extui(ir.IntegerType.get_signless(64), byte)
+    ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+    loaded = llvm.load(ir.VectorType.get((4,), i32), ptr, alignment=16)
+    return [
+        vector.extract(loaded, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+        for i in range(4)
+    ]
+
+
 def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
     """The stored 64x64 tile q_tile (shared memory, in register order: layouts.tile_order(bits))
     in bf16 plus CONVERTED_BIAS[bits], exact: 128 + q for int4, q - 128 for int8 (q the
@@ -260,7 +299,7 @@ def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
 
     import numpy as np
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -270,23 +309,7 @@ def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
         return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )
     def convert(_, ref):
-        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-        thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
-
-        def words(first: int):  # the 4 words at byte first + 16 t
-            byte = arith.muli(thread, mgpu_utils.c(16, i32))
-            if first:
-                byte = arith.addi(byte, mgpu_utils.c(first, i32))
-            offset = arith.extui(ir.IntegerType.get_signless(64), byte)
-            ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
-            loaded = llvm.load(ir.VectorType.get((4,), i32), ptr, alignment=16)
-            return [
-                vector.extract(
-                    loaded, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
-                )
-                for i in range(4)
-            ]
-
+        i32 = ir.IntegerType.get_signless(32)
         layout = mgpu.WGMMA_LAYOUT
         registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -300,17 +323,73 @@ def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
 
         if bits == 4:  # nibbles s and s + 4 of word i: register 4 i + s, by a shift and a lop3
             asm = f"lop3.b32 $0, $1, 0x000F000F, {_BF16_128_XOR_8:#x}, {_AND_XOR:#x};"
-            for i, word in enumerate(words(0)):
+            for i, word in enumerate(_thread_words(ref, 0)):
                 for s in range(4):
                     place(4 * i + s, llvm.inline_asm(i32, [shifted(word, 4 * s)], asm, "=r,r"))
         else:  # bytes s and s + 2 of word i (0-3 at 16 t, 4-7 at 2048 + 16 t): register 2 i + s
-            for i, word in enumerate(words(0) + words(TILE * TILE // 2)):
+            for i, word in enumerate(_thread_words(ref, 0) + _thread_words(ref, TILE * TILE // 2)):
                 for s in range(2):
                     value = llvm.inline_asm(i32, [shifted(word, 8 * s)], _INT8_PAIR, "=r,r")
                     place(2 * i + s, value)
         return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
 
     return convert(q_tile)
+
+
+# W8A8: the int8 wgmma's A operand (WGMMA_LAYOUT_8BIT) holds, in register (16-column tile c16,
+# row half rh), 4 consecutive k-positions 16 c16 + 4 lc + q of one row; a thread of the
+# mgpu_int8 layout holds, in its word i of half h, the columns 8 (4 h + i) + 2 lc + v of both
+# row halves (byte rh + 2 v). One prmt of words 2 j and 2 j + 1 of half h makes register
+# (2 h + j, rh) from the row half's 4 bytes: k-position 16 c16 + 4 lc + q then holds column
+# 16 c16 + 8 (q // 2) + 2 lc + q % 2. The products are a sum over k, so the rows (the B operand)
+# take the same order (`w8a8_input_order`) and the weights keep their one layout.
+_INT8_ROW_HALF = {0: 0x6420, 1: 0x7531}  # prmt selectors: bytes rh and rh + 2 of each word
+
+
+def w8a8_input_order(q):
+    """int8 rows [..., K] (K a multiple of 16) in the W8A8 GEMM's k-order: position
+    16 b + 4 lc + 2 hi + v holds column 16 b + 8 hi + 2 lc + v (the order in which a thread's
+    register of the mgpu_int8 layout's weights holds them: see _INT8_ROW_HALF)."""
+    *lead, k = q.shape
+    t = q.reshape(*lead, k // 16, 2, 4, 2)  # (b, hi, lc, v)
+    return jnp.swapaxes(t, -3, -2).reshape(*lead, k)
+
+
+def _int8_operand_tile(q_tile, interpret: bool):
+    """W8A8: the stored mgpu_int8 tile q_tile (symmetric: the stored byte is the signed weight)
+    as the int8 wgmma's A operand, its k in `w8a8_input_order`. Compiled: registers of
+    WGMMA_LAYOUT_8BIT, each one prmt of two words a thread loads (_INT8_ROW_HALF); interpret:
+    the same values as a jnp array."""
+    if interpret:
+        q = layouts.from_tile_order(q_tile[...].reshape(TILE, TILE), 8)
+        return w8a8_input_order(q)
+
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.int8, layout=plgpu.Layout.WGMMA_8BIT),
+    )
+    def operand(_, ref):
+        i32 = ir.IntegerType.get_signless(32)
+        layout = mgpu.WGMMA_LAYOUT_8BIT
+        registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
+        quad = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
+        for h in range(2):
+            words = _thread_words(ref, h * TILE * TILE // 2)
+            for j in range(2):
+                for rh, selector in _INT8_ROW_HALF.items():
+                    asm = f"prmt.b32 $0, $1, $2, {selector:#x};"
+                    value = llvm.inline_asm(i32, [words[2 * j], words[2 * j + 1]], asm, "=r,r,r")
+                    registers[0, 2 * h + j, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(value, quad)
+        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=True)
+
+    return operand(q_tile)
 
 
 def _swizzled(shape, dtype, what: str):
@@ -348,6 +427,7 @@ def mgpu_wna16_gemm(
     block_experts: jax.Array,
     rows_in_use: jax.Array | None = None,
     *,
+    x_scales: jax.Array | None = None,
     block_m: int,
     block_k: int = 128,
     block_n: int = 64,
@@ -364,10 +444,17 @@ def mgpu_wna16_gemm(
     profile_dir: str | None = None,
     profile_regions: tuple[str, ...] = PROFILE_REGIONS,
 ) -> jax.Array:
-    """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows'),
-    [P, N]; with splits > 1 the K-split partial products, [splits, P, N], to be summed; gated:
-    W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and out[p] =
-    silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to out_dtype.
+    """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows',
+    f32 for int8 rows), [P, N]; with splits > 1 the K-split partial products, [splits, P, N],
+    to be summed; gated: W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and
+    out[p] = silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to
+    out_dtype.
+
+    W8A8: x_rows int8 in `w8a8_input_order` with their f32 scales x_scales [P] (x_rows[p] *
+    x_scales[p] the rows), on symmetric mgpu_int8 weights: int8 x int8 products on the int8
+    tensor cores, exact in an int32 sum per group (or k-step), scaled in f32 by the weight's
+    scale and the row's. The weight tile goes from shared memory to the A operand's registers
+    by one prmt per register, no conversion (_int8_operand_tile).
 
     consumers=0: one warpgroup per program issues the copies and does the math on block_n
     features (`plgpu.emit_pipeline`). consumers=1 or 2: warp specialization
@@ -433,7 +520,7 @@ def mgpu_wna16_gemm(
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
-        bf16_weights=bf16_weights,
+        bf16_weights=bf16_weights, x_scales=x_scales,
     )  # fmt: skip
     narrow = rows_in_use is not None
     if narrow and (
@@ -449,7 +536,9 @@ def mgpu_wna16_gemm(
     _, n, k = w.shape
     p = x_rows.shape[0]
     dtype = x_rows.dtype
-    out_dtype = jnp.dtype(out_dtype or dtype)
+    w8a8 = dtype == jnp.int8
+    out_dtype = jnp.dtype(out_dtype or (jnp.float32 if w8a8 else dtype))
+    sums = jnp.int32 if w8a8 else jnp.float32  # a group's exact products
     wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
     subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
     halves = 2 if gated else 1  # weight halves a program reads: (gate, up) or the one
@@ -472,17 +561,19 @@ def mgpu_wna16_gemm(
         buffer_rows = output_buffer_rows(
             block_m=bm, block_k=bk, tile_n=tile_n, halves=halves, groups_per_step=groups_per_step,
             has_offset=has_offset, scale_bytes=w.scales.dtype.itemsize, bits=w.bits,
-            stages=stages, warpgroups=wgs, out_bytes=out_dtype.itemsize,
+            stages=stages, warpgroups=wgs, out_bytes=out_dtype.itemsize, int8_rows=w8a8,
         )  # fmt: skip
     elif buffer_rows % 8 or bm % buffer_rows:
         raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
     wgmma = plgpu.Layout.WGMMA
-    row = plgpu.Layout.WGMMA.reduce(1)
+    row = plgpu.Layout.WGMMA.reduce(1)  # a value per feature (the sums' rows)
+    column = plgpu.Layout.WGMMA.reduce(0)  # a value per row of x (the sums' columns)
 
     def kernel(experts_gmem, *rest):
         rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
         x_gmem, q_gmem, s_gmem, *rest = rest
         z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
+        xs_gmem, rest = (list(rest[:1]), rest[1:]) if w8a8 else ([], rest)
         o_gmem, o_smem, *rest = rest
         a_smem = rest[0] if interpret else None
         wg = lax.axis_index("wg") if consumers else 0
@@ -551,7 +642,10 @@ def mgpu_wna16_gemm(
                 # (the stored value plus CONVERTED_BIAS) less offset, the bias less the zeros of
                 # the tile's features: q - z, a small integer, exact in bf16.
                 q_tile = q_smem.at[sub_tile(s), pl.ds(j * tile_rows, tile_rows)]
-                wt = _converted_tile(q_tile, w.bits, dtype, interpret)
+                if w8a8:  # the stored signed bytes are the weights
+                    wt = _int8_operand_tile(q_tile, interpret)
+                else:
+                    wt = _converted_tile(q_tile, w.bits, dtype, interpret)
                 if offset is not None:
                     wt = wt - lax.broadcast_in_dim(offset, wt.shape, [0])
                 elif bias:  # symmetric int4 in the interpreter: the constant
@@ -585,11 +679,12 @@ def mgpu_wna16_gemm(
                     for _ in range(halves * subs)
                 )
 
-            def products(accs, q_refs, x_smem, s_refs, z_refs):
-                # The products of a group's k-tiles are exact in their f32 sum (its own
-                # accumulator); the group scale multiplies the sum. Units (group, half, sub-tile)
-                # run in order: unit u's tiles are converted while unit u-1's wgmmas run, and
-                # u-1's sum is scaled while u's run.
+            def products(accs, q_refs, x_smem, s_refs, z_refs, xs_ref=None):
+                # The products of a group's k-tiles are exact in their f32 (W8A8: int32) sum
+                # (its own accumulator); the group scale (W8A8: times each row's, xs_ref)
+                # multiplies the sum. Units (group, half, sub-tile) run in order: unit u's tiles
+                # are converted while unit u-1's wgmmas run, and u-1's sum is scaled while u's
+                # run.
                 units = [
                     (g, h, s)
                     for g in range(groups_per_step)
@@ -612,8 +707,12 @@ def mgpu_wna16_gemm(
                     with region("scale"):
                         scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                         scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
+                        if xs_ref is not None:
+                            row_scale = plgpu.load(xs_ref, (), layout=column)
+                            scale = scale * lax.broadcast_in_dim(row_scale, part.shape, [1])
                         a = h * subs + s
-                        return accs[:a] + (accs[a] + part * scale,) + accs[a + 1 :]
+                        part = part.astype(jnp.float32) * scale
+                        return accs[:a] + (accs[a] + part,) + accs[a + 1 :]
 
                 def unit_products(*part_refs):
                     out = accs
@@ -623,9 +722,7 @@ def mgpu_wna16_gemm(
                             out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
                     return add_scaled(out, part_refs[-1], *units[-1], 0)
 
-                return pl.run_scoped(
-                    unit_products, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in units]
-                )
+                return pl.run_scoped(unit_products, *[plgpu.ACC((TILE, rows), sums) for _ in units])
 
             def tile_and_step(idx):
                 # The pipeline's step idx: (k-step,), or (tile of the run, k-step) with
@@ -657,21 +754,23 @@ def mgpu_wna16_gemm(
 
             def step(idx, *refs):
                 # refs: the weight tiles of each half, the rows' tile, the scales of each half,
-                # the zero points of each half (with them), the carried sums
+                # the zero points of each half (with them), the rows' scales (W8A8), the
+                # carried sums
                 *refs, accs = refs
+                xs_ref = refs.pop() if w8a8 else None
                 q_refs, x_smem = refs[:halves], refs[halves]
                 s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
                 if bf16_weights:  # accs: the sums' accumulator refs
                     return rounded_products(accs, q_refs, x_smem, s_refs, z_refs)
                 if tiles == 1:
-                    return products(accs, q_refs, x_smem, s_refs, z_refs)
+                    return products(accs, q_refs, x_smem, s_refs, z_refs, xs_ref)
                 # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
                 # them (the next tile's copies are already in flight).
                 ni, kk = tile_and_step(idx)
                 keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, rows), ())
                 keep = plgpu.layout_cast(keep, wgmma)
                 accs = tuple(a * keep for a in accs)
-                accs = products(accs, q_refs, x_smem, s_refs, z_refs)
+                accs = products(accs, q_refs, x_smem, s_refs, z_refs, xs_ref)
 
                 @pl.when(kk == steps - 1)
                 def _store():
@@ -709,13 +808,21 @@ def mgpu_wna16_gemm(
                 plgpu.BlockSpec(
                     (rows, bk),
                     row_tile,
-                    transforms=_swizzled((rows, bk), dtype, "x"),
+                    # swizzled as a 64-wide k-tile is (the wgmma's slices): 128 bytes of bf16,
+                    # 64 of int8
+                    transforms=_swizzled((rows, TILE), dtype, "x"),
                 ),
                 *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
             ]
             if has_offset:
                 in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
+            if w8a8:  # the block's row scales, with each k-step's rows (a few bytes; the
+                # warp-specialized pipeline takes only inputs that follow its steps)
+                in_specs.append(
+                    plgpu.BlockSpec((rows,), lambda *idx: (bi * (bm // rows) + 0 * idx[-1],))
+                )
             operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
+            operands += xs_gmem
             grid = (steps,) if tiles == 1 else (tiles, steps)
 
             def pipeline(compute_context=None):
@@ -791,6 +898,8 @@ def mgpu_wna16_gemm(
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
+    if w8a8:
+        operands.append(x_scales)
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
