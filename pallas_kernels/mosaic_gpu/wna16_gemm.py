@@ -214,6 +214,12 @@ SM90_SHARED_MEMORY_BYTES = 232448
 SMEM_BYTES = SM90_SHARED_MEMORY_BYTES - 2048
 
 
+# W8A8: each block's f32 row scales are copied padded to this many bytes (a TMA copy's shared
+# memory destination is 128-byte aligned, and each pipeline stage's copy lands one block after
+# the last).
+XS_BYTES = 128
+
+
 def stage_bytes(
     *, block_m: int, block_k: int, tile_n: int, halves: int, groups_per_step: int,
     has_offset: bool, scale_bytes: int, bits: int, int8_rows: bool = False,
@@ -221,7 +227,7 @@ def stage_bytes(
     """Shared memory of one pipeline stage (a k-step's copies): the weight tiles of each half,
     the block's rows (bf16, or int8 and their f32 scales: int8_rows) and each half's scales
     (and zero offsets) of the step's groups."""
-    rows = block_m * (block_k + 4) if int8_rows else block_m * block_k * 2
+    rows = block_m * block_k + max(4 * block_m, XS_BYTES) if int8_rows else block_m * block_k * 2
     return (
         halves * tile_n * block_k * bits // 8  # int4 / int8 weights
         + rows
@@ -556,6 +562,7 @@ def mgpu_wna16_gemm(
     steps = k // bk // splits
     n_tiles, blocks = out_n // tile_n, p // bm
     n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
+    xs_width = max(bm, XS_BYTES // 4)  # W8A8: f32 row scales per block, padded
     stages = min(max_concurrent_steps, tiles * steps)  # k-steps in flight in a pipeline
     if buffer_rows is None:
         buffer_rows = output_buffer_rows(
@@ -708,7 +715,7 @@ def mgpu_wna16_gemm(
                         scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                         scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
                         if xs_ref is not None:
-                            row_scale = plgpu.load(xs_ref, (), layout=column)
+                            row_scale = plgpu.load(xs_ref.at[pl.ds(0, rows)], layout=column)
                             scale = scale * lax.broadcast_in_dim(row_scale, part.shape, [1])
                         a = h * subs + s
                         part = part.astype(jnp.float32) * scale
@@ -819,7 +826,7 @@ def mgpu_wna16_gemm(
             if w8a8:  # the block's row scales, with each k-step's rows (a few bytes; the
                 # warp-specialized pipeline takes only inputs that follow its steps)
                 in_specs.append(
-                    plgpu.BlockSpec((rows,), lambda *idx: (bi * (bm // rows) + 0 * idx[-1],))
+                    plgpu.BlockSpec((None, xs_width), lambda *idx: (bi + 0 * idx[-1], 0))
                 )
             operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
             operands += xs_gmem
@@ -898,8 +905,8 @@ def mgpu_wna16_gemm(
     operands += [x_rows, q_rows, w.scales]
     if has_offset:
         operands.append(w.zeros)
-    if w8a8:
-        operands.append(x_scales)
+    if w8a8:  # [blocks, xs_width]: a block's scales, then zeros to XS_BYTES
+        operands.append(jnp.pad(x_scales.reshape(blocks, bm), ((0, 0), (0, xs_width - bm))))
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
