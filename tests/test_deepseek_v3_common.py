@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,6 +83,22 @@ def v2_lite_tiny(**overrides) -> DeepseekV3Config:
 def tiny_model(seed: int = 0, **overrides):
     """A random tiny model, cached: build once per process (read-only in tests)."""
     return init_random(tiny_config(**overrides), seed=seed)
+
+
+# The kernel linears' models: the Pallas GEMM (interpreted everywhere: compiled on the H200 the
+# f32 model missed the f32 tolerance against the XLA dot, not yet examined) on the f32 tiny
+# model; the Mosaic GPU GEMM (compiled on a GPU, interpreted elsewhere; bf16 activations, groups
+# of 64 or more) on a bf16 one with groups of 64. implementation -> (tiny_model overrides, the
+# layout its linears take, the TOLERANCES kind of its logits against the xla path's).
+MGPU = "mgpu" if jax.default_backend() == "gpu" else "mgpu_interpret"
+KERNEL_LINEAR_MODELS = {
+    "pallas_interpret": ({}, "canonical", "f32_reordered"),
+    MGPU: (
+        dict(dtype="bfloat16", quant=QuantSpec(bits=4, group_size=64)),
+        "mgpu_int4",
+        "bf16",
+    ),
+}
 
 
 @nnx.jit

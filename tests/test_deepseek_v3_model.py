@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_deepseek_v3_common import (
+    KERNEL_LINEAR_MODELS,
+    MGPU,
     assert_close,
     logits_of,
     random_ids,
@@ -329,21 +331,6 @@ def test_pallas_interpret_matches_xla(rng):
     assert_close(logits_of(interp, ids, mask), logits_of(model_xla, ids, mask), "pallas_interpret")
 
 
-# The kernel linears' models: the Pallas GEMM (interpreted everywhere: compiled on the H200 the
-# f32 model missed the f32 tolerance against the XLA dot, not yet examined) on the f32 tiny
-# model; the Mosaic GPU GEMM (compiled on a GPU, interpreted elsewhere; bf16 activations, groups
-# of 64 or more) on a bf16 one with groups of 64.
-_SUFFIX = "" if jax.default_backend() == "gpu" else "_interpret"
-KERNEL_LINEAR_MODELS = {
-    "pallas_interpret": ({}, "canonical", "f32_reordered"),
-    f"mgpu{_SUFFIX}": (
-        dict(dtype="bfloat16", quant=QuantSpec(bits=4, group_size=64)),
-        "mgpu_int4",
-        "bf16",
-    ),
-}
-
-
 @pytest.mark.parametrize("implementation", sorted(KERNEL_LINEAR_MODELS))
 def test_kernel_linears_match_xla(rng, implementation):
     """The quantized non-expert linears through a backend's one-expert GEMM (interpreted), their
@@ -395,12 +382,12 @@ def test_quantized_lm_head(rng, spec, bits):
 
 
 def test_quantized_lm_head_on_the_kernel(rng):
-    overrides, _, kind = KERNEL_LINEAR_MODELS[f"mgpu{_SUFFIX}"]
+    overrides, _, kind = KERNEL_LINEAR_MODELS[MGPU]
     model = nnx.clone(tiny_model(num_hidden_layers=1, **overrides))
     model.quantize_lm_head("int4")
     kernel = nnx.clone(model)
-    kernel.set_linear_implementation(f"mgpu{_SUFFIX}")
-    assert kernel.lm_head.kernel(model.cfg.dtype) == f"mgpu{_SUFFIX}"
+    kernel.set_linear_implementation(MGPU)
+    assert kernel.lm_head.kernel(model.cfg.dtype) == MGPU
     ids = random_ids(rng, (2, 5), model.cfg)
     mask = np.ones(ids.shape, bool)
     out = logits_of(kernel, ids, mask)
