@@ -206,13 +206,29 @@ class QuantizedLinear(nnx.Module):
         name = wj.linear.select_implementation(self.weight.get(), dtype=dtype, implementation=names)
         return None if name == "xla" else name
 
-    def __call__(self, x, *, out_dtype=None):
-        """x [..., K] -> [..., N] in out_dtype (default x.dtype), from f32 sums."""
+    def set_implementation(self, implementation: str | None, *, dtype) -> None:
+        """Runs this layer on `implementation` ("xla", None: automatic, or a backend name) for
+        activations of `dtype`, its weight converted to the layout that reads
+        (`wna16_jax.linear.preferred_layout`)."""
+        self.implementation = implementation
+        w = jax.eval_shape(self.canonical_weight)  # the layout needs shapes only
+        self.set_layout(wj.linear.preferred_layout(w, dtype=dtype, implementation=implementation))
+
+    def __call__(self, x, *, activation: str | None = None, out_dtype=None):
+        """x [..., K] -> [..., N] in out_dtype (default x.dtype), from f32 sums.
+
+        activation: None, or "silu" for a gated MLP's weight with rows [gate; up] (N = 2F):
+        -> silu(gate) * up [..., F], computed from the f32 sums (in the kernel's epilogue).
+        """
         kernel = self.kernel(x.dtype)
-        if kernel is None:
+        if kernel is None and activation is None:
             return _matmul_nk(x, self.dense_weight(x.dtype), out_dtype)
         return wj.linear.quantized_matmul(
-            x, self.weight.get(), out_dtype=out_dtype, implementation=kernel
+            x,
+            self.weight.get(),
+            activation=activation,
+            out_dtype=out_dtype,
+            implementation=kernel or "xla",
         )
 
 
@@ -860,9 +876,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         linears = [m for _, m in nnx.iter_modules(self) if isinstance(m, QuantizedLinear)]
         desc = f"linears for {implementation}"
         for m in progress_bar(linears, desc=desc, unit="linear", enabled=progress):
-            m.implementation = chosen
-            w = jax.eval_shape(m.canonical_weight)  # the layout needs shapes only
-            m.set_layout(wj.linear.preferred_layout(w, dtype=self.cfg.dtype, implementation=chosen))
+            m.set_implementation(chosen, dtype=self.cfg.dtype)
             jax.block_until_ready(m.weight.qweight.get_value())  # the bar follows the device
 
     def quantize_lm_head(self, spec: QuantSpec | str) -> None:
