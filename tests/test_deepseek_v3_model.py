@@ -335,12 +335,13 @@ def test_pallas_interpret_matches_xla(rng):
 def test_kernel_linears_match_xla(rng, implementation):
     """The quantized non-expert linears through a backend's one-expert GEMM (interpreted), their
     weights converted to the layout it reads, give the logits of the dequantize-and-dot path;
-    "xla" converts them back (bit-identical), and so does saving (the canonical weight)."""
+    "xla" converts them back (bit-identical), and so does saving (the canonical weight). Each
+    linear on its own (fuse=False): test_deepseek_v3_fused_linears.py runs them fused."""
     overrides, layout, kind = KERNEL_LINEAR_MODELS[implementation]
     model = tiny_model(num_hidden_layers=2, **overrides)
     linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
     kernel = nnx.clone(model)
-    kernel.set_linear_implementation(implementation)
+    kernel.set_linear_implementation(implementation, fuse=False)
     converted = [m for _, m in nnx.iter_modules(kernel) if isinstance(m, QuantizedLinear)]
     on_kernel = [m for m in converted if m.kernel(model.cfg.dtype) == implementation]
     assert len(on_kernel) >= len(linears) // 2, "most linears must run through the kernel"

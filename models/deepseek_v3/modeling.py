@@ -8,10 +8,12 @@ E experts, k top-k, I intermediate, R kv_lora_rank, dr rope dim, dn nope dim, dv
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import jax
@@ -23,6 +25,8 @@ from tqdm.auto import tqdm
 
 import wna16_jax as wj
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, yarn_get_mscale
+
+logger = logging.getLogger("models.deepseek_v3")
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -232,6 +236,137 @@ class QuantizedLinear(nnx.Module):
         )
 
 
+# ---- fused linears (a serving form) ---------------------------------------------------------
+
+
+class FusedLinear(QuantizedLinear):
+    """Quantized linears that read the same input, run as one: their weights' rows stacked
+    [W_0; W_1; ...] into one WNA16 weight [1, N_0 + N_1 + ..., K].
+
+    A serving form (`DeepseekV3ForCausalLM.set_linear_implementation` makes it for a kernel):
+    at decode a GEMM launch's ramp and drain cost more than the bytes it reads, so two linears
+    of one x are one launch instead of two, and a gated MLP's silu(gate) * up runs in that
+    GEMM's epilogue (`__call__(x, activation="silu")`). Exact: the packed words, scales and
+    zero points are the parts' own, joined along N in the canonical layout
+    (`wj.QuantizedExperts.concatenate`); `split` gives each part back bit-identically.
+
+    Attributes:
+        parts: static ((HF name, rows N_i), ...) of the parts, in row order.
+    """
+
+    def __init__(self, cfg: DeepseekV3Config, parts: Mapping[str, QuantizedLinear]):
+        weights = [p.canonical_weight() for p in parts.values()]
+        qe = wj.QuantizedExperts.concatenate(weights, axis=1)  # [1, sum N_i, K] canonical
+        super().__init__(cfg, qe.k, qe.n, rngs=None, qe=qe)
+        self.cfg = cfg
+        self.parts = tuple((name, w.n) for name, w in zip(parts, weights, strict=True))
+
+    def split(self) -> dict[str, QuantizedLinear]:
+        """{HF name: the part}, each a QuantizedLinear in the canonical layout on this
+        layer's implementation, its weight bit-identical to the one fused."""
+        w = self.canonical_weight()
+        out, start = {}, 0
+        for name, n in self.parts:
+            part = w.slice(start, start + n, axis=1)  # rows [start, start + n)
+            out[name] = QuantizedLinear(self.cfg, w.k, n, rngs=None, qe=part)
+            out[name].implementation = self.implementation
+            start += n
+        return out
+
+
+def fusion_reason(parts: Mapping[str, Linear | QuantizedLinear]) -> str | None:
+    """Why the linears `parts` (HF name -> layer, one input) cannot be one FusedLinear, or
+    None: all must be QuantizedLinears with the same bits, group size, zero points (int4 ones
+    on an even N: two rows per byte), scales dtype, K and input order (act-order perm)."""
+    for name, m in parts.items():
+        if not isinstance(m, QuantizedLinear):
+            return f"{name} is a {type(m).__name__}, not a QuantizedLinear"
+        w = m.weight
+        if w.bits == 4 and w.zeros is not None and w.shape[1] % 2:
+            return f"{name} has N={w.shape[1]}: int4 zero points pack two rows per byte"
+
+    def facts(w: wj.QuantizedExperts) -> dict:
+        return {
+            "bits": w.bits,
+            "group_size": w.group_size,
+            "zero points": w.has_zeros,
+            "scales dtype": jnp.dtype(w.scales.dtype).name,
+            "K": w.k,
+        }
+
+    (first, a), *rest = ((name, m.weight.get()) for name, m in parts.items())
+    want = facts(a)
+    for name, b in rest:
+        for key, value in facts(b).items():
+            if value != want[key]:
+                return f"{name} has {key} {value}, {first} {want[key]}"
+        same_order = (a.perm is None and b.perm is None) or (
+            a.perm is not None
+            and b.perm is not None
+            and np.array_equal(np.asarray(a.perm), np.asarray(b.perm))
+        )
+        if not same_order:
+            return f"{name} orders its inputs (act-order perm) unlike {first}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """Linears of one module that read the same input and may run as one FusedLinear.
+
+    `fused` names the module's FusedLinear attribute (None while unfused), `parts` the HF
+    linears it stacks, in row order (each None while fused). The HF module tree is the
+    unfused one: loading, saving and sharding see `parts`.
+    """
+
+    fused: str
+    parts: tuple[str, ...]
+
+    def unfused(self, owner) -> dict[str, Linear | QuantizedLinear] | None:
+        """{name: part} of `owner` while it holds every part (unfused); None when fused or
+        when the module has no such parts (MLA without q LoRA)."""
+        parts = {name: getattr(owner, name, None) for name in self.parts}
+        return None if any(m is None for m in parts.values()) else parts
+
+    def fuse(self, owner, implementation: str | None, *, cfg: DeepseekV3Config) -> str | None:
+        """Replaces the parts of `owner` by one FusedLinear on `implementation`, its weight in
+        the layout that reads for cfg.dtype activations, where the parts fuse and a kernel
+        runs the fused weight; else returns why they stay apart, leaving them as they are."""
+        parts = self.unfused(owner)
+        if parts is None:
+            raise ValueError(f"{type(owner).__name__} holds no unfused {self.parts}")
+        why = fusion_reason(parts)
+        if why is None:
+            fused = FusedLinear(cfg, parts)
+            fused.set_implementation(implementation, dtype=cfg.dtype)
+            if fused.kernel(cfg.dtype) is None:
+                name = implementation or "auto"
+                why = f"no {name!r} kernel runs the fused weight {fused.weight.shape}"
+        if why is not None:
+            return f"{' and '.join(self.parts)} stay two GEMMs: {why}"
+        setattr(owner, self.fused, fused)
+        for name in self.parts:
+            setattr(owner, name, None)
+        return None
+
+    def unfuse(self, owner) -> None:
+        """Puts the parts of `owner`'s FusedLinear back in their places (canonical layout)."""
+        fused = getattr(owner, self.fused)
+        if fused is None:
+            return
+        for name, part in fused.split().items():
+            setattr(owner, name, part)
+        setattr(owner, self.fused, None)
+
+    def part(self, owner, name: str):
+        """The HF linear `name` of `owner`: itself, or split off the FusedLinear holding it."""
+        linear = getattr(owner, name)
+        fused = getattr(owner, self.fused)
+        if linear is None and fused is not None:
+            return fused.split()[name]
+        return linear
+
+
 def make_linear(cfg: DeepseekV3Config, k: int, n: int, *, target: str | None, rngs: Rng):
     """A QuantizedLinear when `cfg.quant` targets `target`, else a float Linear."""
     if target is not None and cfg.quantizes(target):
@@ -351,6 +486,9 @@ class KVCache:
 class MLAttention(nnx.Module):
     """Multi-head latent attention (HF DeepseekV3Attention) with an absorbed decode path."""
 
+    # q_a_proj and kv_a_proj_with_mqa both read x: one GEMM when served on a kernel.
+    FUSION = Fusion("qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"))
+
     def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
         self.cfg = cfg
         h, hd = cfg.num_attention_heads, cfg.qk_head_dim
@@ -366,6 +504,8 @@ class MLAttention(nnx.Module):
         self.kv_a_layernorm = RMSNorm(cfg, cfg.kv_lora_rank, eps=1e-6, rngs=rngs)
         self.kv_b_proj = lin(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = lin(h * cfg.v_head_dim, cfg.hidden_size)
+        # [q_a; kv_a] rows [Q + R + dr, H] while fused (FUSION), else None.
+        self.qkv_a_proj: FusedLinear | None = nnx.data(None)
         self.sharding: ModelSharding | None = None  # heads split over the tensor axis
 
     def _project(self, x, cos, sin):
@@ -373,14 +513,20 @@ class MLAttention(nnx.Module):
         (q_pe and k_pe roped)."""
         cfg = self.cfg
         b, s, _ = x.shape
+        # q_a [B, S, Q] (q LoRA only), kv_a [B, S, R + dr]
+        if self.qkv_a_proj is not None:  # both from one GEMM
+            q_a, kv_a = jnp.split(self.qkv_a_proj(x), [cfg.q_lora_rank], axis=-1)
+        elif cfg.q_lora_rank is not None:
+            q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        else:
+            q_a, kv_a = None, self.kv_a_proj_with_mqa(x)
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
         q = _constrain(self.sharding, q, "act_btnk")
         q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-        kv_a = self.kv_a_proj_with_mqa(x)  # [B, S, R + dr]
         c_kv = self.kv_a_layernorm(kv_a[..., : cfg.kv_lora_rank])
         k_pe = kv_a[..., cfg.kv_lora_rank :]
         return q_nope, apply_rope(q_pe, cos, sin), c_kv, apply_rope(k_pe, cos, sin)
@@ -473,13 +619,20 @@ class MLAttention(nnx.Module):
 class MLP(nnx.Module):
     """down(silu(gate(x)) * up(x)); dense layers and shared experts."""
 
+    # gate_proj and up_proj both read x: one GEMM when served on a kernel, silu(gate) * up in
+    # its epilogue.
+    FUSION = Fusion("gate_up_proj", ("gate_proj", "up_proj"))
+
     def __init__(self, cfg: DeepseekV3Config, intermediate: int, *, target: str, rngs: Rng):
         lin = lambda k, n: make_linear(cfg, k, n, target=target, rngs=rngs)
         self.gate_proj = lin(cfg.hidden_size, intermediate)
         self.up_proj = lin(cfg.hidden_size, intermediate)
         self.down_proj = lin(intermediate, cfg.hidden_size)
+        self.gate_up_proj: FusedLinear | None = nnx.data(None)  # [gate; up] [2F, H] (FUSION)
 
     def __call__(self, x):
+        if self.gate_up_proj is not None:
+            return self.down_proj(self.gate_up_proj(x, activation="silu"))
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -853,7 +1006,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 return wj.preferred_layout(w13, w2, dtype=self.cfg.dtype)
         return "canonical"
 
-    def set_linear_implementation(self, implementation: str, *, progress: bool = True) -> None:
+    def set_linear_implementation(
+        self, implementation: str, *, fuse: bool = True, progress: bool = True
+    ) -> None:
         """Selects how every quantized non-expert linear runs, converting its weight to the
         layout that implementation reads (`wna16_jax.linear.preferred_layout`):
         - "xla" (the default): dequantize + dot, canonical layout; works under any sharding;
@@ -864,6 +1019,13 @@ class DeepseekV3ForCausalLM(nnx.Module):
         Kernels run only on models not sharded by GSPMD; layers a kernel does not take here
         stay on "xla". `progress`: a tqdm bar over the linears (`progress_bar`).
 
+        On an unsharded model a kernel also runs the linears that read one input as one GEMM
+        (`FusedLinear`): MLP's gate_proj and up_proj as gate_up_proj (silu(gate) * up in the
+        GEMM's epilogue), MLA's q_a_proj and kv_a_proj_with_mqa as qkv_a_proj, where both
+        parts are QuantizedLinears of one format (`fusion_reason`) and the kernel takes the
+        fused weight (why a pair stays apart is logged); `fuse=False` keeps them apart. "xla"
+        splits them back into the HF module tree, bit-identically.
+
         Raises:
             ValueError: `implementation` is neither "auto" nor a registered backend.
         """
@@ -873,11 +1035,54 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 f"backend {wj.registered_backends()}"
             )
         chosen = None if implementation == "auto" else implementation
-        linears = [m for _, m in nnx.iter_modules(self) if isinstance(m, QuantizedLinear)]
+        self._unfuse_linears()
+        pairs = []  # (owner, {name: part}): linears that may run as one GEMM
+        if fuse and implementation != "xla" and self.sharding is None:
+            for owner in self._fusing_modules():
+                parts = owner.FUSION.unfused(owner)
+                if parts and any(isinstance(m, QuantizedLinear) for m in parts.values()):
+                    pairs.append((owner, parts))
+        paired = {id(m) for _, parts in pairs for m in parts.values()}
+        singles = [
+            m
+            for _, m in nnx.iter_modules(self)
+            if isinstance(m, QuantizedLinear) and id(m) not in paired
+        ]
+        apart = collections.Counter()  # why pairs stay two GEMMs
         desc = f"linears for {implementation}"
-        for m in progress_bar(linears, desc=desc, unit="linear", enabled=progress):
-            m.set_implementation(chosen, dtype=self.cfg.dtype)
-            jax.block_until_ready(m.weight.qweight.get_value())  # the bar follows the device
+        for item in progress_bar(pairs + singles, desc=desc, unit="linear", enabled=progress):
+            if isinstance(item, QuantizedLinear):
+                module, alone = item, [item]
+            else:
+                module, parts = item
+                why = module.FUSION.fuse(module, chosen, cfg=self.cfg)  # converts the fused one
+                alone = []
+                if why is not None:
+                    apart[why] += 1
+                    alone = [m for m in parts.values() if isinstance(m, QuantizedLinear)]
+            for m in alone:
+                m.set_implementation(chosen, dtype=self.cfg.dtype)
+            jax.block_until_ready(nnx.state(module))  # the bar follows the device
+        for why, count in apart.items():
+            logger.info("%s (%d modules)", why, count)
+
+    def _fusing_modules(self) -> list[MLP | MLAttention]:
+        """The modules with a `Fusion` (their linears that read one input)."""
+        return [m for _, m in nnx.iter_modules(self) if isinstance(m, (MLP, MLAttention))]
+
+    def _unfuse_linears(self) -> None:
+        """Every FusedLinear split back into its parts (the HF module tree)."""
+        for owner in self._fusing_modules():
+            owner.FUSION.unfuse(owner)
+
+    def fused_linears(self) -> list[str]:
+        """The module paths of the FusedLinears this model runs (e.g.
+        "model.layers.0.mlp.gate_up_proj"); empty on "xla" or a sharded model."""
+        return [
+            ".".join(map(str, path))
+            for path, m in nnx.iter_modules(self)
+            if isinstance(m, FusedLinear)
+        ]
 
     def quantize_lm_head(self, spec: QuantSpec | str) -> None:
         """Replaces the float lm_head with a QuantizedLinear of `spec` ("int4", "int8" or a
@@ -1103,6 +1308,16 @@ def set_module(root: nnx.Module, path: tuple, value) -> None:
         setattr(parent, path[-1], value)
 
 
+def linear_at(root: DeepseekV3ForCausalLM, path: tuple):
+    """The linear at the HF module path `path` (e.g. ("model", "layers", 0, "mlp",
+    "gate_proj")), also while it runs fused: then split off its FusedLinear (canonical
+    layout, bit-identical)."""
+    owner = module_at(root, path[:-1])
+    if isinstance(owner, (MLP, MLAttention)) and path[-1] in owner.FUSION.parts:
+        return owner.FUSION.part(owner, path[-1])
+    return getattr(owner, path[-1])
+
+
 def param_bytes(cfg: DeepseekV3Config) -> int:
     """Bytes of the model's weights (from an abstract model: nothing is allocated)."""
     abstract = abstract_model(cfg)
@@ -1122,6 +1337,7 @@ def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
     if model.sharding is not None:
         raise ValueError("dequantize_model needs an unsharded model: shard_model(model, None)")
     new = nnx.clone(model)
+    new._unfuse_linears()  # the HF module tree: a float Linear per part
     cfg = new.cfg
     for path, module in list(nnx.iter_modules(new)):
         if isinstance(module, QuantizedLinear):

@@ -38,6 +38,7 @@ from models.deepseek_v3.modeling import (
     Linear,
     QuantizedLinear,
     RoutedExperts,
+    linear_at,
 )
 from models.deepseek_v3.sharding import (
     ShardingSpecs,
@@ -985,10 +986,11 @@ def _quant_key(qe: wj.QuantizedExperts) -> tuple[int, int, bool]:
 
 
 def _named_linears(model, cfg) -> Iterator[tuple[str, object]]:
-    """(HF prefix, float [N, K] array or QuantizedExperts [1, N, K]) for every linear."""
+    """(HF prefix, float [N, K] array or QuantizedExperts [1, N, K]) for every linear (the
+    parts of a FusedLinear under their own names)."""
     for entry in weight_table(cfg):
         if entry.kind == "linear":
-            mod = _get(model, entry.path)
+            mod = linear_at(model, entry.path)
             if isinstance(mod, QuantizedLinear):
                 yield entry.name, mod.canonical_weight()
             else:

@@ -684,8 +684,17 @@ def shard_model(
         moe_mode, token_threshold: see ModelSharding.
 
     Raises:
-        ValueError: the routed experts cannot be split as the specs say (values quoted).
+        ValueError: the routed experts cannot be split as the specs say (values quoted), or
+            linears run fused for a kernel (`set_linear_implementation`; no GSPMD rule splits
+            them and a kernel call cannot be partitioned).
     """
+    fused = model.fused_linears()
+    if mesh is not None and fused:
+        raise ValueError(
+            f"shard_model: {len(fused)} linears run fused for a kernel ({fused[0]}, ...), "
+            f"which GSPMD sharding cannot partition; call model.set_linear_implementation('xla') "
+            f"first (it splits them back into the checkpoint's linears)"
+        )
     if mesh is None:
         for m in _experts_modules(model):
             _set_w13(m, reorder_w13(_w13_value(m), m.w13_tp_shards, 1))
