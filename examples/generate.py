@@ -104,6 +104,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "on CPU and with --mesh (kernels need an unsharded model)",
     )
     p.add_argument(
+        "--no-fuse-linears",
+        action="store_true",
+        help="run every quantized linear as its own GEMM. By default a kernel "
+        "(--linear-implementation other than xla, unsharded) runs the linears that read one "
+        "input as one GEMM: gate_proj and up_proj (silu(gate) * up in its epilogue), and "
+        "q_a_proj and kv_a_proj_with_mqa",
+    )
+    p.add_argument(
         "--no-warmup",
         action="store_true",
         help="time the first executions of prefill and decode (default: run each once "
@@ -343,7 +351,7 @@ def prepare_model(model, args, linears: str, *, progress: bool):
             raise SystemExit("--quantize-lm-head needs an unsharded model (no --mesh)")
         model.quantize_lm_head(args.quantize_lm_head)
         print(f"lm_head quantized to {args.quantize_lm_head}")
-    model.set_linear_implementation(linears, progress=progress)
+    model.set_linear_implementation(linears, fuse=not args.no_fuse_linears, progress=progress)
     counts, reasons = linear_backends(model)
     print(f"quantized linears: {counts}")
     for reason in reasons:
@@ -395,7 +403,8 @@ def chosen_backend(model, tokens: int) -> tuple[str, list[str]]:
 
 def linear_backends(model) -> tuple[str, list[str]]:
     """How many quantized non-expert linears each backend runs, e.g. "40 on 'mgpu', 8 on
-    'xla'" (a layer no kernel takes stays on the float dot, 'xla'), by
+    'xla'" (a layer no kernel takes stays on the float dot, 'xla'; a fused pair counts once,
+    and the fused ones are named: "; fused: 4 gate_up_proj, 3 qkv_a_proj"), by
     wj.linear.select_implementation; with the automatic choice, why the other backends cannot
     run the first linear left on 'xla' (`unavailable`)."""
     linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
@@ -404,6 +413,9 @@ def linear_backends(model) -> tuple[str, list[str]]:
     kernels = [m.kernel(model.cfg.dtype) or "xla" for m in linears]
     counts = collections.Counter(kernels)
     text = ", ".join(f"{n} on {name!r}" for name, n in counts.most_common())
+    fused = collections.Counter(path.rsplit(".", 1)[1] for path in model.fused_linears())
+    if fused:
+        text += "; fused: " + ", ".join(f"{n} {name}" for name, n in sorted(fused.items()))
     left = [m for m, k in zip(linears, kernels, strict=True) if k == "xla"]
     if not left or left[0].implementation is not None:
         return text, []

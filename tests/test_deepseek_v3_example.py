@@ -38,6 +38,24 @@ def test_example_main_tiny(capsys):
     assert "[1] tokens:" in out and "tokens/s" in out and "ms per step" in out
 
 
+def test_example_fuses_linears_for_a_kernel(capsys):
+    """A kernel runs each MLP's gate_proj and up_proj as one GEMM (the tiny model's 3: its
+    q_a_proj and kv_a_proj_with_mqa, N = 64 + 40, no kernel tiles), --no-fuse-linears keeps
+    every linear apart; the printed counts say so."""
+    example = _load_example()
+    outs = []
+    for extra in ([], ["--no-fuse-linears"]):
+        args = example.parse_args(["--linear-implementation", "pallas_interpret", *extra])
+        model, _, _ = example.build_model(args)
+        example.prepare_model(model, args, args.linear_implementation, progress=False)
+        outs.append(capsys.readouterr().out)
+    fused, apart = outs
+    assert "quantized linears: 18 on 'pallas_interpret', 3 on 'xla'; fused: 3 gate_up_proj" in (
+        fused
+    )
+    assert "quantized linears: 21 on 'pallas_interpret', 3 on 'xla'\n" in apart
+
+
 def _tokens(out: str) -> list[str]:
     return [line for line in out.splitlines() if "] tokens:" in line]
 
