@@ -416,15 +416,12 @@ def run_w8a8_gemm_case(
      dict(block_m=64, block_k=128, group_size=-1, consumers=2),
      dict(block_m=16, block_k=128, group_size=-1, consumers=1, splits=2),
      dict(block_m=8, block_k=128, group_size=-1, gated=True, out_dtype=BF16),
-     dict(block_m=8, block_k=64, group_size=-1, tiles_per_program=2),
-     dict(block_m=128, block_k=128, group_size=-1, consumers=2, gated=True, out_dtype=BF16),
-     dict(block_m=16, block_k=64, group_size=64, consumers=2)],
+     dict(block_m=8, block_k=64, group_size=-1, tiles_per_program=2)],
     ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()),
 )  # fmt: skip
 def test_w8a8_gemm_matches_numpy(rng, case):
     """W8A8 (int8 x int8 on the int8 tensor cores) on the GEMM's paths: per channel and grouped
-    scales, warp specialization (per channel: the int32 sums carried over all k-steps, scaled
-    once; grouped: scaled per group), K splits, gated silu * up, runs of output tiles."""
+    scales, warp specialization, K splits, gated silu * up, runs of output tiles."""
     run_w8a8_gemm_case(rng, e=3, n=256, k=256, blocks=[1, -1, 0, 2], **case)
 
 
@@ -432,8 +429,7 @@ def test_w8a8_gemm_matches_numpy(rng, case):
 @pytest.mark.parametrize(
     "block_m,block_k,consumers,splits,block_n,gated,stages",
     [(8, 256, 0, 1, 64, True, 2), (8, 256, 0, 1, 64, False, 3), (16, 256, 0, 1, 128, True, 3),
-     (64, 256, 2, 1, 64, True, 2), (64, 128, 2, 1, 128, False, 3), (8, 256, 0, 4, 64, False, 3),
-     (128, 128, 2, 1, 64, True, 3), (128, 128, 2, 1, 128, False, 3)],
+     (64, 256, 2, 1, 64, True, 2), (64, 128, 2, 1, 128, False, 3), (8, 256, 0, 4, 64, False, 3)],
     ids=str,
 )  # fmt: skip
 def test_w8a8_gemm_deepseek_v3_shapes(rng, block_m, block_k, consumers, splits, block_n, gated,
