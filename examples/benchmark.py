@@ -112,10 +112,17 @@ def experts_touched(idss) -> float:
     return float(np.mean([len(np.unique(np.asarray(ids))) for ids in idss]))
 
 
+def array_bytes(a) -> int:
+    """The bytes an array takes in memory: an int4 array holds two values per byte (its
+    `nbytes` counts one byte per value)."""
+    return a.size * jax.dtypes.itemsize_bits(a.dtype) // 8
+
+
 def weight_bytes(qw: wj.QuantizedExperts, experts: float) -> float:
-    """The bytes of `experts` experts of qw (packed weights, scales and zero points)."""
+    """The bytes of `experts` experts of qw (packed weights, scales and zero points), in any
+    layout."""
     per_expert = sum(
-        a.nbytes // a.shape[0] for a in (qw.qweight, qw.scales, qw.zeros) if a is not None
+        array_bytes(a) // a.shape[0] for a in (qw.qweight, qw.scales, qw.zeros) if a is not None
     )
     return per_expert * experts
 

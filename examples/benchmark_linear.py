@@ -29,7 +29,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from benchmark import measure_ceilings, time_model_step
+from benchmark import array_bytes, measure_ceilings, time_model_step
 
 import wna16_jax as wj
 
@@ -53,11 +53,7 @@ MAX_COPIES = 64
 
 def weight_bytes(w) -> int:
     """Bytes of a weight's arrays in memory (an int4 array holds two values per byte)."""
-
-    def bits(dtype):
-        return (jnp.iinfo if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo)(dtype).bits
-
-    return sum(a.size * bits(a.dtype) // 8 for a in jax.tree.leaves(w))
+    return sum(array_bytes(a) for a in jax.tree.leaves(w))
 
 
 def linear_fn(implementation: str):

@@ -36,6 +36,7 @@ def _set_cpu_devices(n: int | None) -> None:
 def _weight_bytes(model):
     """(routed expert bytes per expert per layer summed over layers, other weight bytes)."""
     import jax
+    from benchmark import array_bytes
     from flax import nnx
 
     from models.deepseek_v3.modeling import RoutedExperts
@@ -45,11 +46,11 @@ def _weight_bytes(model):
     for _, module in nnx.iter_modules(model):
         if isinstance(module, RoutedExperts):
             for leaf in jax.tree.leaves(nnx.state(module)):
-                expert_bytes += leaf.nbytes // model.cfg.n_routed_experts
+                expert_bytes += array_bytes(leaf) // model.cfg.n_routed_experts
                 expert_ids.add(id(leaf))
-    total = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
+    total = sum(array_bytes(leaf) for leaf in jax.tree.leaves(nnx.state(model)))
     expert_total = sum(
-        leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)) if id(leaf) in expert_ids
+        array_bytes(leaf) for leaf in jax.tree.leaves(nnx.state(model)) if id(leaf) in expert_ids
     )
     return expert_bytes, total - expert_total
 

@@ -95,7 +95,7 @@ def per_step(base: list[dict], more: list[dict], steps: int) -> list[dict]:
 
 
 def _nbytes(tree) -> int:
-    return sum(a.nbytes for a in jax.tree.leaves(tree))
+    return sum(benchmark.array_bytes(a) for a in jax.tree.leaves(tree))
 
 
 def step_bytes(model) -> float:

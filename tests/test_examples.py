@@ -113,6 +113,18 @@ def test_kernel_layout_asks_the_backend():
         bench.kernel_layout("mgpu_interpret", w13, w2, jnp.float32)  # bf16 activations only
 
 
+def test_weight_bytes_are_the_same_in_every_layout():
+    """An expert's bytes in the mgpu_int4 layout (int4 arrays, two values per byte; zero points
+    in the scales' dtype) against its canonical words: the qweight the same, the zero points
+    4x (16-bit against 4-bit)."""
+    bench = _load("benchmark")
+    w13, _ = _tiny_experts(bench)
+    mgpu = wj.layouts.to_kernel_layout(w13, "mgpu_int4")
+    assert bench.array_bytes(mgpu.qweight) == w13.qweight.nbytes == mgpu.qweight.size // 2
+    per_expert_zeros = w13.zeros.nbytes // w13.num_experts  # 4-bit, packed in pairs
+    assert bench.weight_bytes(mgpu, 2) == bench.weight_bytes(w13, 2) + 2 * 3 * per_expert_zeros
+
+
 def test_mgpu_candidates_follow_the_rows_per_expert():
     bench = _load("benchmark")
     cands = bench.mgpu_candidates
