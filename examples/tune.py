@@ -294,7 +294,7 @@ def tune_layer(
     x = jax.random.normal(key, (m, h), jnp.bfloat16)
     tw, ids = benchmark.random_routing(jax.random.fold_in(key, 1), m, e, top_k, 1)
     sets = [(x, tw[0], ids[0])]
-    kernel_weights = tuple(wj.layouts.to_kernel_layout(w, "mgpu_int4") for w in (w13, w2))
+    kernel_weights = tuple(wj.layouts.to_kernel_layout(w, f"mgpu_int{w.bits}") for w in (w13, w2))
 
     def layer(config):
         def run(w13, w2, x, tw, ids):
@@ -392,7 +392,19 @@ def main(argv=None) -> dict[str, list[dict]]:
         "--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3" if on_gpu else "tiny"
     )
     p.add_argument("--m", type=int, nargs="+", default=None, help="token counts")
-    p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="(pallas only)")
+    p.add_argument(
+        "--bits",
+        type=int,
+        choices=(4, 8),
+        default=4,
+        help="int4 or int8 weights (mgpu: in the mgpu_int4 / mgpu_int8 layout)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="quantization group along K (default: the preset's; -1: per channel)",
+    )
     p.add_argument("--no-zp", action="store_true", help="symmetric weights")
     p.add_argument(
         "--full",
@@ -435,16 +447,17 @@ def tune(args: argparse.Namespace) -> dict[str, list[dict]]:
     on_gpu = jax.default_backend() == "gpu"
     progress = not args.no_progress
     e, top_k, h, i, g = benchmark.PRESETS[args.preset]
+    if args.group_size is not None:
+        g = args.group_size
     ms = args.m or ([1, 16, 256, 4096] if on_gpu else [1])
     iters = args.iters or (10 if on_gpu else 1)
     device = jax.devices()[0].device_kind
     key = jax.random.key(0)
-    bits = {"pallas": args.bits, "mgpu": 4}  # the mgpu_int4 layout holds int4
     entries, trials = {}, []
     print(f"{'table':>6} {'gemm':>5} {'M':>6} {'us':>10} {'default us':>10} {'rel err':>8}  config")
     for table in args.backends:
         impl = TABLES[table][0 if on_gpu else 1]
-        scheme = dict(bits=bits[table], group_size=g, has_zeros=not args.no_zp)
+        scheme = dict(bits=args.bits, group_size=g, has_zeros=not args.no_zp)
         w13 = wj.random_quantized_experts(jax.random.fold_in(key, 1), (e, 2 * i, h), **scheme)
         w2 = wj.random_quantized_experts(jax.random.fold_in(key, 2), (e, h, i), **scheme)
         written = []
@@ -465,7 +478,7 @@ def tune(args: argparse.Namespace) -> dict[str, list[dict]]:
                     w13, w2, m, top_k, impl=impl, iters=iters, repeats=args.repeats,
                     budget_s=args.budget_s, progress=progress, desc=f"{table} layer M={m}",
                 )  # fmt: skip
-                shape = dict(E=e, H=h, I=i, bits=4, group=math.gcd(w13.group, w2.group))
+                shape = dict(E=e, H=h, I=i, bits=w13.bits, group=math.gcd(w13.group, w2.group))
                 runs = [("layer", shape, best, times, err, today)]
             for name, shape, best, times, err, today in runs:
                 t = times[best]

@@ -409,6 +409,20 @@ def test_tune_tiny(tmp_path, capsys):
     assert "wrote 2 entries" in printed.out
 
 
+def test_tune_mgpu_int8_layer(tmp_path, capsys):
+    """The mgpu table's search for int8 per-channel experts (the mgpu_int8 layout) at M=1: its
+    configs timed on the problem keyed by bits 8 and the layer's group (K: per channel)."""
+    trials = tmp_path / "trials.json"
+    argv = ["--backends", "mgpu", "--bits", "8", "--group-size", "-1", "--no-zp", "--m", "1",
+            "--repeats", "1", "--budget-s", "5", "--trials", str(trials),
+            "--no-progress"]  # fmt: skip
+    _load("tune").main(argv)
+    (search,) = json.loads(trials.read_text())
+    assert search["table"] == "mgpu" and search["gemm"] == "layer"
+    assert search["problem"]["bits"] == 8 and search["tried"]
+    assert re.search(r"mgpu layer +1 ", capsys.readouterr().out)
+
+
 def test_tune_bar_counts_every_config_timed():
     """with_bar: one step per config timed (failures too), the best time so far beside it;
     a disabled bar prints nothing."""
