@@ -424,6 +424,81 @@ def test_pallas_interpret_ep_x_tp(rng, devices8):
     check_against_unsharded(f(x, w13s, w2s, wts, ids), x, w13, w2, wts, ids)
 
 
+# W8A8 (int8 activations) needs int8 per-channel symmetric weights on the kernels; I = 64 keeps
+# the TP 2 slice (32) a whole int8 k-tile of the Pallas W8A8 GEMM.
+W8A8_LAYOUTS = {
+    "ep4": Layout((4,), ("e",), bits=8, group_size=-1, has_zp=False),
+    "ep2xtp2": Layout((2, 2), ("e", "t"), bits=8, group_size=-1, has_zp=False),
+}
+STATIC = wj.ActivationQuant("int8_static", gemm1_scale=0.03, gemm2_scale=0.002)
+
+
+@pytest.mark.parametrize(
+    "layout_name,aq,implementation",
+    [
+        ("ep4", "int8_per_token", "xla"),
+        ("ep4", "int8_per_token", "pallas_interpret"),
+        ("ep4", STATIC, "xla"),
+        ("ep2xtp2", STATIC, "xla"),
+    ],
+    ids=["ep4-token-xla", "ep4-token-pallas", "ep4-static-xla", "ep2xtp2-static-xla"],
+)
+def test_activation_quant_reaches_every_shard(rng, devices8, layout_name, aq, implementation):
+    """activation_quant is forwarded to each shard's fused_moe: the sharded W8A8 layer equals
+    the unsharded one (the same int8 rows on every shard: per token, the rows of x are whole on
+    each shard; static scales are one value), and differs from the W8A16 layer."""
+    layout = W8A8_LAYOUTS[layout_name]
+    mesh = make_mesh(layout, devices8)
+    x, w13, w2, wts, ids = make_problem(rng, layout, 13, h=128, i=64)
+    w13s, w2s = place(layout, mesh, w13, w2)
+    f = sharded_fn(
+        layout, mesh, mode="replicated", implementation=implementation, activation_quant=aq
+    )
+    out = f(x, w13s, w2s, wts, ids)
+    want = wj.fused_moe(x, w13, w2, wts, ids, implementation="xla", activation_quant=aq)
+    helpers.assert_close(out, want, x.dtype, "sharded W8A8 vs unsharded W8A8 xla")
+    w8a16 = wj.fused_moe(x, w13, w2, wts, ids, implementation="xla")
+    assert helpers.relative_error(out, w8a16) > 1e-4  # the activations were quantized
+
+
+def test_tensor_parallel_per_token_scales_per_shard(rng, devices8):
+    """Under a tensor axis "int8_per_token" quantizes GEMM2's rows with each shard's own maximum
+    (over its I/n slice): not the unsharded layer's rounding, but W8A8 all the same (as close
+    to the unsharded W8A8 layer as W8A8 is to W8A16)."""
+    layout = W8A8_LAYOUTS["ep2xtp2"]
+    mesh = make_mesh(layout, devices8)
+    x, w13, w2, wts, ids = make_problem(rng, layout, 13, h=128, i=64)
+    w13s, w2s = place(layout, mesh, w13, w2)
+    f = sharded_fn(
+        layout, mesh, mode="replicated", implementation="xla", activation_quant="int8_per_token"
+    )
+    out = f(x, w13s, w2s, wts, ids)
+    want = wj.fused_moe(
+        x, w13, w2, wts, ids, implementation="xla", activation_quant="int8_per_token"
+    )
+    w8a16 = wj.fused_moe(x, w13, w2, wts, ids, implementation="xla")
+    rel, quant_error = helpers.relative_error(out, want), helpers.relative_error(want, w8a16)
+    assert rel < quant_error, (rel, quant_error)
+
+
+def test_sharded_activation_quant_is_validated(rng, devices8):
+    layout = W8A8_LAYOUTS["ep4"]
+    mesh = make_mesh(layout, devices8)
+    x, w13, w2, wts, ids = make_problem(rng, layout, 4, h=128, i=64)
+    w13s, w2s = place(layout, mesh, w13, w2)
+    with pytest.raises(ValueError, match="needs both gemm1_scale and gemm2_scale"):
+        sh.fused_moe_ep(
+            x,
+            w13s,
+            w2s,
+            wts,
+            ids,
+            mesh=mesh,
+            expert_axis="e",
+            activation_quant=wj.ActivationQuant("int8_static"),
+        )
+
+
 def test_bf16_ep(rng, devices8):
     """bf16: the shards' f32 partial outputs are summed, then rounded once to bf16."""
     layout = LAYOUTS["ep4"]

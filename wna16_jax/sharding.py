@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from wna16_jax import _api
 from wna16_jax import linear as _linear
 from wna16_jax._quant import random_quantized_experts
-from wna16_jax._types import MGPU_TILE, BlockConfig, QuantizedExperts
+from wna16_jax._types import MGPU_TILE, ActivationQuant, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -442,7 +442,9 @@ def random_sharded_experts(
 # ---- the per-shard body ---------------------------------------------------------------------
 
 
-def _local_moe(x, w13, w2, topk_weights, local_ids, *, activation, implementation, config):
+def _local_moe(
+    x, w13, w2, topk_weights, local_ids, *, activation, implementation, config, activation_quant
+):
     """This shard's partial layer in f32 (the shards' partials are summed before rounding).
 
     local_ids already hold local expert ids (-1 = not here): the alignment then pads only the
@@ -457,6 +459,7 @@ def _local_moe(x, w13, w2, topk_weights, local_ids, *, activation, implementatio
         activation=activation,
         implementation=implementation,
         config=config,
+        activation_quant=activation_quant,
         out_dtype=jnp.float32,
     )
 
@@ -598,6 +601,7 @@ def fused_moe_local_shard(
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | None = None,
+    activation_quant: str | ActivationQuant | None = None,
 ):
     """The per-shard body of sharded fused_moe: call it inside your own `jax.shard_map`.
 
@@ -621,12 +625,20 @@ def fused_moe_local_shard(
         dispatch: for mode "all_to_all": "all_gather" (gather all tokens, reduce-scatter the
             partial outputs) or "ragged" (`jax.lax.ragged_all_to_all`: each token is sent once
             to each shard holding one of its experts; not implemented by XLA:CPU).
-        activation, implementation, config: as for `wna16_jax.fused_moe` on the local shard.
+        activation, implementation, config, activation_quant: as for `wna16_jax.fused_moe` on
+            the local shard. Under `tensor_axis`, "int8_per_token" scales GEMM2's input rows by
+            their maximum over this shard's I/n slice (each shard quantizes the activations it
+            holds); static scales are the same on every shard.
 
     Returns:
         [T, H] (replicated) or [T/n, H] (this shard's tokens) in x.dtype: the whole layer.
     """
-    moe_kwargs = dict(activation=activation, implementation=implementation, config=config)
+    moe_kwargs = dict(
+        activation=activation,
+        implementation=implementation,
+        config=config,
+        activation_quant=activation_quant,
+    )
     if mode not in ("replicated", "all_to_all"):
         raise ValueError(f"mode={mode!r} must be 'replicated' or 'all_to_all' inside a shard")
     if dispatch not in DISPATCHES:
@@ -691,8 +703,10 @@ def _sharded(
     activation: str,
     implementation,
     config,
+    activation_quant,
 ):
     _api.validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, None, activation)
+    activation_quant = _api.normalize_activation_quant(activation_quant)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {MODES}")
     named = {"expert_axis": expert_axis, "tensor_axis": tensor_axis, "data_axis": data_axis}
@@ -757,6 +771,7 @@ def _sharded(
         activation=activation,
         implementation=implementation,
         config=config,
+        activation_quant=activation_quant,
     )
     w13 = jax.tree.map(lambda a, spec: _place(a, mesh, spec), w13, w13_specs)
     w2 = jax.tree.map(lambda a, spec: _place(a, mesh, spec), w2, w2_specs)
@@ -791,6 +806,7 @@ def fused_moe_ep(
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | None = None,
+    activation_quant: str | ActivationQuant | None = None,
 ):
     """fused_moe with the experts sharded over a mesh axis (expert parallelism).
 
@@ -829,7 +845,9 @@ def fused_moe_ep(
         mode: "replicated", "all_to_all" or "auto".
         dispatch: "all_gather" or "ragged" for mode "all_to_all"; None = DEFAULT_DISPATCH.
         token_threshold: the largest T that mode "auto" runs replicated.
-        activation, implementation, config: as for `wna16_jax.fused_moe` per shard.
+        activation, implementation, config, activation_quant: as for `wna16_jax.fused_moe`
+            per shard (`fused_moe_local_shard`: with tensor_axis, "int8_per_token" scales
+            GEMM2's rows per shard).
 
     Returns:
         [T, H] in x.dtype.
@@ -855,6 +873,7 @@ def fused_moe_ep(
         activation=activation,
         implementation=implementation,
         config=config,
+        activation_quant=activation_quant,
     )
 
 
@@ -872,6 +891,7 @@ def fused_moe_tp(
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | None = None,
+    activation_quant: str | ActivationQuant | None = None,
 ):
     """fused_moe with the intermediate dim I sharded over a mesh axis (tensor parallelism).
 
@@ -887,7 +907,8 @@ def fused_moe_tp(
             `shard_w2_for_tp`.  topk_weights, topk_ids: [T, k].
         mesh: the device mesh.  tensor_axis: the mesh axis sharding I (size n): I/n must be a
             multiple of the packing (8 for int4, 4 for int8) and of group_size.
-        mode, token_threshold, activation, implementation, config: as in `fused_moe_ep`.
+        mode, token_threshold, activation, implementation, config, activation_quant: as in
+            `fused_moe_ep`.
 
     Returns:
         [T, H] in x.dtype.
@@ -911,6 +932,7 @@ def fused_moe_tp(
         activation=activation,
         implementation=implementation,
         config=config,
+        activation_quant=activation_quant,
     )
 
 
