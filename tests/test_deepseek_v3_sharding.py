@@ -29,6 +29,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from test_deepseek_v3_common import assert_close, tiny_config, tiny_model
 
+import wna16_jax as wj
 from models.deepseek_v3 import (
     QuantSpec,
     generate,
@@ -415,6 +416,53 @@ def test_save_pretrained_of_a_sharded_model(devices8, tmp_path):
         np.testing.assert_array_equal(
             np.asarray(var.get_value()), np.asarray(want[path].get_value()), err_msg=str(path)
         )
+
+
+# ---- W8A8 routed experts --------------------------------------------------------------------
+
+W8A8_QUANT = QuantSpec(bits=8, group_size=-1, has_zp=False)
+# The tiny model's expert inputs reach about 3.9 (GEMM1) and 10 (GEMM2): scales near max / 127,
+# exact in float32 (the input_scale tensors' dtype: saved and loaded unchanged).
+W8A8_STATIC = wj.ActivationQuant("int8_static", gemm1_scale=0.03125, gemm2_scale=0.078125)
+
+
+def w8a8_model(aq, layout: str | None = None):
+    """The tiny int8 per-channel symmetric model with `aq` on its experts, on `layout`'s
+    mesh (None: one device); a copy."""
+    model = nnx.clone(tiny_model(quant=W8A8_QUANT))
+    model.set_activation_quant(aq)
+    return model if layout is None else sh.shard_model(model, sh.make_mesh(**LAYOUTS[layout]))
+
+
+@pytest.mark.parametrize(
+    "layout,aq,implementation",
+    [
+        ("ep4", "int8_per_token", "xla"),
+        ("ep4", "int8_per_token", "pallas_interpret"),
+        ("ep2xtp2", W8A8_STATIC, "xla"),
+    ],
+    ids=["ep4-token-xla", "ep4-token-pallas", "ep2xtp2-static-xla"],
+)
+def test_w8a8_experts_on_a_mesh(devices8, layout, aq, implementation):
+    """The sharded model passes its experts' activation_quant to every shard: its logits
+    equal the unsharded W8A8 model's (per token the rows of x are whole on every shard; under
+    a tensor axis GEMM2's per-token scales would be each shard's own, so the static scheme
+    runs there) and differ from the W8A16 model's."""
+    sharded = w8a8_model(aq, layout)
+    sharded.set_implementation(implementation)
+    got = logits(sharded)
+    assert_close(got, logits(w8a8_model(aq)), "f32_reordered")
+    assert helpers.relative_error(got, logits(w8a8_model(None))) > 1e-4
+
+
+def test_w8a8_checkpoint_loads_onto_a_mesh(devices8, tmp_path):
+    """Each layer's static scales reach the experts loaded shard by shard."""
+    save_pretrained(w8a8_model(W8A8_STATIC), tmp_path, format="compressed-tensors")
+    mesh = sh.make_mesh(**LAYOUTS["ep2xtp2"])
+    loaded = load_pretrained(tmp_path, dtype=jnp.float32, mesh=mesh, progress=False)
+    experts = [m for _, m in nnx.iter_modules(loaded) if isinstance(m, RoutedExperts)]
+    assert experts and all(m.activation_quant == W8A8_STATIC for m in experts)
+    assert_close(logits(loaded), logits(w8a8_model(W8A8_STATIC)), "f32_reordered")
 
 
 def test_back_to_one_device(devices8):

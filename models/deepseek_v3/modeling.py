@@ -65,7 +65,9 @@ class ModelSharding(Protocol):
 
     def constrain(self, x, field: str): ...
 
-    def quantized_moe(self, x, w13, w2, topk_weights, topk_ids, *, implementation=None): ...
+    def quantized_moe(
+        self, x, w13, w2, topk_weights, topk_ids, *, implementation=None, activation_quant=None
+    ): ...
 
     def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids): ...
 
@@ -711,16 +713,55 @@ def _check_w13_layout(module, ms: ModelSharding | None) -> None:
         )
 
 
+def activation_quant_of(value) -> wj.ActivationQuant | None:
+    """None (16-bit activations), "int8_per_token" or a wj.ActivationQuant -> the
+    ActivationQuant the routed experts hold (None stays None).
+
+    Raises:
+        ValueError: another value, or "int8_static" without both scales (a static scheme's
+            scales are part of the model: the checkpoint's input_scale tensors).
+    """
+    if value is None or isinstance(value, wj.ActivationQuant):
+        aq = value
+    elif isinstance(value, str):
+        aq = wj.ActivationQuant(value)  # an unknown scheme raises, naming the known ones
+    else:
+        raise ValueError(
+            f"activation_quant={value!r} is not None, 'int8_per_token' or a wj.ActivationQuant"
+        )
+    if aq is not None and not aq.has_scales:
+        raise ValueError(
+            f"activation_quant={aq} needs both static scales (gemm1_scale, gemm2_scale): "
+            f"wj.ActivationQuant('int8_static', gemm1_scale=..., gemm2_scale=...)"
+        )
+    return aq
+
+
 class RoutedExperts(nnx.Module):
     """WNA16 routed experts through wna16_jax.fused_moe: w13 [E, 2I, H] (gate rows then up
     rows), w2 [E, H, I].
+
+    `activation_quant` (a static attribute, not an array: each value compiles its own
+    program) is fused_moe's: None runs 16-bit activations (WNA16), a wj.ActivationQuant int8
+    activations (W8A8: per token, or the layer's static scales), as a compressed-tensors W8A8
+    checkpoint says (`params.load_pretrained`) or `DeepseekV3ForCausalLM.set_activation_quant`
+    sets it.
 
     On a mesh (`sharding` set) the experts are split over the expert axis and I over the
     tensor axis, w13's rows interleaved for `w13_tp_shards` tensor shards
     (wna16_jax.sharding.tp_interleave_w13); `canonical_w13()` undoes that.
     """
 
-    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng, w13=None, w2=None, implementation=None):
+    def __init__(
+        self,
+        cfg: DeepseekV3Config,
+        *,
+        rngs: Rng,
+        w13=None,
+        w2=None,
+        implementation=None,
+        activation_quant: str | wj.ActivationQuant | None = None,
+    ):
         e, i, hdim = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         if w13 is None:
             w13 = random_quantized(rngs, (e, 2 * i, hdim), cfg.quant, dtype=cfg.dtype)
@@ -729,6 +770,7 @@ class RoutedExperts(nnx.Module):
         self.w13 = QuantizedTensor(w13)
         self.w2 = QuantizedTensor(w2)
         self.implementation = implementation
+        self.activation_quant = activation_quant_of(activation_quant)
         self.sharding: ModelSharding | None = None
         self.w13_tp_shards = 1
 
@@ -781,6 +823,7 @@ class RoutedExperts(nnx.Module):
                 topk_weights,
                 topk_ids,
                 implementation=self.implementation,
+                activation_quant=self.activation_quant,
             )
         return wj.fused_moe(
             x,
@@ -789,6 +832,7 @@ class RoutedExperts(nnx.Module):
             topk_weights,
             topk_ids,
             implementation=self.implementation,
+            activation_quant=self.activation_quant,
         )
 
 
@@ -961,6 +1005,31 @@ class DeepseekV3ForCausalLM(nnx.Module):
         for _, m in nnx.iter_modules(self):
             if isinstance(m, RoutedExperts):
                 m.implementation = implementation
+
+    def set_activation_quant(self, activation_quant: str | wj.ActivationQuant | None) -> None:
+        """Sets how every routed-expert layer quantizes its activations (fused_moe's
+        activation_quant): None (16-bit activations), "int8_per_token" or a
+        wj.ActivationQuant (static scales: the same in every layer). A checkpoint's own
+        (per-layer static scales included) is set by `params.load_pretrained`.
+
+        W8A8 kernels need int8 per-channel symmetric experts (QuantSpec(bits=8,
+        group_size=-1, has_zp=False)); the 'xla' backend runs any weights, and fused_moe
+        names the reason where a backend cannot. The non-expert linears keep 16-bit
+        activations.
+
+        Raises:
+            ValueError: a value `activation_quant_of` refuses, or int8 activations on a model
+                without quantized routed experts (float experts run 16-bit activations).
+        """
+        aq = activation_quant_of(activation_quant)
+        experts = [m for _, m in nnx.iter_modules(self) if isinstance(m, RoutedExperts)]
+        if aq is not None and not experts:
+            raise ValueError(
+                f"activation_quant={aq}: the model has no quantized routed experts (float "
+                f"experts run 16-bit activations)"
+            )
+        for m in experts:
+            m.activation_quant = aq
 
     def set_expert_layout(self, layout: str, *, progress: bool = True) -> None:
         """Converts every routed-expert layer's weights to `layout` (wna16_jax.layouts):
@@ -1329,7 +1398,8 @@ def param_bytes(cfg: DeepseekV3Config) -> int:
 
 def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
     """A float copy of `model`: every quantized linear and the routed experts replaced by float
-    modules holding the dequantized weights (in cfg.dtype). The test oracle for WNA16 layers.
+    modules holding the dequantized weights (in cfg.dtype). The test oracle for WNA16 layers;
+    float experts run 16-bit activations (a W8A8 model's activation_quant is not kept).
 
     Raises:
         ValueError: the model is sharded (move it to one device with sharding.shard_model).

@@ -83,6 +83,9 @@ _QUANT_TENSORS = {
     ),
 }
 QUANT_METHODS = (*_QUANT_TENSORS, "fp8")
+# A compressed-tensors linear's input quantization (W8A8): read only where the model runs int8
+# activations (the routed experts' static scales), never taken as used by its prefix alone.
+_ACTIVATION_TENSORS = ("input_scale", "input_zero_point")
 
 # FP8 checkpoints (quant_method "fp8", HF's FineGrainedFP8Config; DeepSeek-V3 / R1): each
 # quantized linear holds `weight` float8 [N, K] and `weight_scale_inv` float [ceil(N / bn),
@@ -454,8 +457,9 @@ def _linear_form(
 
 def _count_tensors(ckpt: Checkpoint, prefix: str, form: str) -> int:
     """The tensors loading reads for one linear (the progress bar's unit)."""
-    if form == "quantized":
-        return len(ckpt.children.get(prefix, ()))
+    if form == "quantized":  # a linear's input_scale is not among them (`activation_plan`)
+        children = ckpt.children.get(prefix, ())
+        return sum(name.rpartition(".")[2] not in _ACTIVATION_TENSORS for name in children)
     return 2 if form == "fp8" else 1  # fp8: weight and weight_scale_inv
 
 
@@ -520,6 +524,119 @@ def _raise_problems(path, problems: list[str]) -> None:
     if problems:
         listed = "\n  - ".join(problems)
         raise ValueError(f"cannot load {path}: {len(problems)} problem(s):\n  - {listed}")
+
+
+# ---- activation quantization (W8A8) ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ActivationPlan:
+    """How the model runs what a checkpoint's input_activations ask for.
+
+    experts: experts entry name (e.g. "model.layers.3.mlp.experts") -> that layer's
+        wj.ActivationQuant, static scales filled; absent for weight-only (W8A16) experts.
+    read: the input_scale tensors those static scales were read from.
+    linears: the quantized non-expert linears whose inputs the checkpoint quantizes: they run
+        cfg.dtype activations (QuantizedLinear has no int8-activation path).
+    """
+
+    experts: dict[str, wj.ActivationQuant] = dataclasses.field(default_factory=dict)
+    read: set[str] = dataclasses.field(default_factory=set)
+    linears: list[str] = dataclasses.field(default_factory=list)
+
+
+def _scheme_name(aq: wj.ActivationQuant | None) -> str:
+    return "none (16-bit activations)" if aq is None else aq.scheme
+
+
+def activation_plan(ckpt: Checkpoint, qcfg, plans: list[_Plan], problems: list[str]):
+    """The activation quantization of a compressed-tensors checkpoint's quantized layers.
+
+    The routed experts of every layer take `formats.activation_quant_from_config` at each of
+    their gate, up and down prefixes: one scheme per layer and per model (a layer whose experts
+    differ, or layers that differ, are problems naming them). A static ("int8_static") layer
+    takes its own scales: GEMM1's the largest input_scale of its experts' gate_proj and
+    up_proj, GEMM2's of their down_proj (`formats.static_input_scale`, as vLLM does: no
+    expert's activations clip); each layer keeps its own values. Problems are appended to
+    `problems`; other quant_methods ask for none (ActivationPlan()).
+    """
+    out = ActivationPlan()
+    if _quant_method(qcfg) != "compressed-tensors":
+        return out
+    layers: dict[str, wj.ActivationQuant | None] = {}
+    for plan in plans:
+        entry = plan.entry
+        if plan.form != "quantized":
+            continue
+        if entry.kind == "linear":
+            try:
+                wants = wj.formats.activation_quant_from_config(qcfg, entry.name) is not None
+            except ValueError:  # input_activations no kernel runs: 16-bit all the same
+                wants = True
+            if wants:
+                out.linears.append(entry.name)
+            continue
+        if entry.kind != "experts":
+            continue
+        found: dict[wj.ActivationQuant | None, str] = {}  # scheme -> its first prefix
+        try:
+            for _, _, prefix in entry.expert_names(entry.shape[0]):
+                found.setdefault(wj.formats.activation_quant_from_config(qcfg, prefix), prefix)
+        except ValueError as err:
+            problems.append(str(err))
+            continue
+        if len(found) > 1:
+            listed = ", ".join(f"{_scheme_name(aq)} at {p}" for aq, p in found.items())
+            problems.append(
+                f"{entry.name}: its experts' input_activations differ ({listed}); fused_moe "
+                f"quantizes a layer's activations one way"
+            )
+            continue
+        layers[entry.name] = next(iter(found))
+    by_scheme: dict[str, list[str]] = {}
+    for name, aq in layers.items():
+        by_scheme.setdefault(_scheme_name(aq), []).append(name)
+    if len(by_scheme) > 1:
+        listed = "; ".join(f"{k}: {', '.join(names)}" for k, names in by_scheme.items())
+        problems.append(
+            f"the routed experts' input_activations differ between layers ({listed}); the "
+            f"model runs one activation scheme in every layer"
+        )
+        return out
+    e = {plan.entry.name: plan.entry.shape[0] for plan in plans}
+    for name, aq in layers.items():
+        if aq is None:
+            continue
+        if aq.scheme == "int8_static":
+            gate_up = [f"{name}.{j}.{p}" for j in range(e[name]) for p in _PROJS[:2]]
+            down = [f"{name}.{j}.down_proj" for j in range(e[name])]
+            try:
+                aq = dataclasses.replace(
+                    aq,
+                    gemm1_scale=wj.formats.static_input_scale(ckpt, gate_up),
+                    gemm2_scale=wj.formats.static_input_scale(ckpt, down),
+                )
+            except ValueError as err:
+                problems.append(f"{name}: {err}")
+                continue
+            out.read.update(f"{p}.input_scale" for p in gate_up + down)
+        out.experts[name] = aq
+    return out
+
+
+def _warn_16_bit_linears(path, cfg, linears: list[str]) -> None:
+    """One warning for the quantized linears that run 16-bit activations although the
+    checkpoint quantizes their inputs."""
+    if linears:
+        logger.warning(
+            "%s: %d quantized linears run with %s activations although the checkpoint's "
+            "quantization_config quantizes their inputs (only the routed experts run int8 "
+            "activations; their input_scale tensors, if any, are not read), e.g. %s",
+            path,
+            len(linears),
+            jnp.dtype(cfg.dtype).name,
+            linears[0],
+        )
 
 
 # ---- building modules -----------------------------------------------------------------------
@@ -690,19 +807,29 @@ def _same_order(a: wj.QuantizedExperts, b: wj.QuantizedExperts) -> bool:
     return bool(np.array_equal(np.asarray(a.perm), np.asarray(b.perm)))
 
 
-def _experts_module(cfg, ckpt, qcfg, entry: WeightEntry, form: str, implementation, problems):
-    """Stacks the E experts of a layer into one module (None when some cannot be converted)."""
+def _experts_module(
+    cfg, ckpt, qcfg, entry: WeightEntry, form: str, implementation, problems, activation_quant
+):
+    """Stacks the E experts of a layer into one module (None when some cannot be converted);
+    quantized experts run `activation_quant` (None: 16-bit activations)."""
     read = _read_experts(cfg, ckpt, qcfg, entry, form, range(entry.shape[0]), problems)
     if read is None:
         return None
     w13, w2 = read
     if isinstance(w13, wj.QuantizedExperts):
-        return RoutedExperts(cfg, rngs=None, w13=w13, w2=w2, implementation=implementation)
+        return RoutedExperts(
+            cfg,
+            rngs=None,
+            w13=w13,
+            w2=w2,
+            implementation=implementation,
+            activation_quant=activation_quant,
+        )
     return FloatExperts(cfg, rngs=None, w13=w13, w2=w2)
 
 
 def _sharded_experts_module(
-    cfg, ckpt, qcfg, entry: WeightEntry, form: str, implementation, ms, problems
+    cfg, ckpt, qcfg, entry: WeightEntry, form: str, implementation, ms, problems, activation_quant
 ):
     """The experts of a layer placed on the mesh block by block: each device receives only its
     slice, and the host holds one block of E/n experts (one expert shard) at a time. Only the
@@ -758,7 +885,14 @@ def _sharded_experts_module(
     ]
     w13, w2 = jax.tree.unflatten(treedef, arrays)
     if isinstance(w13, wj.QuantizedExperts):
-        module = RoutedExperts(cfg, rngs=None, w13=w13, w2=w2, implementation=implementation)
+        module = RoutedExperts(
+            cfg,
+            rngs=None,
+            w13=w13,
+            w2=w2,
+            implementation=implementation,
+            activation_quant=activation_quant,
+        )
     else:
         module = FloatExperts(cfg, rngs=None, w13=w13, w2=w2)
     module.w13_tp_shards = n_t
@@ -878,8 +1012,10 @@ def load_pretrained(
     ms = None if mesh is None else model_sharding(mesh, cfg, specs=specs, moe_mode=moe_mode)
     ckpt = Checkpoint(path)
     plans, problems = check_checkpoint(cfg, ckpt, qcfg)
+    acts = activation_plan(ckpt, qcfg, plans, problems)
     _raise_problems(path, problems)
-    _report_unused(cfg, ckpt, plans)
+    _report_unused(cfg, ckpt, plans, read=acts.read, explained=acts.linears)
+    _warn_16_bit_linears(path, cfg, acts.linears)
 
     # An abstract model (no memory) whose parts are replaced by the loaded ones.
     model = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
@@ -894,8 +1030,9 @@ def load_pretrained(
         with jax.default_device(host) if host is not None else contextlib.nullcontext():
             for plan in plans:
                 entry = plan.entry
+                aq = acts.experts.get(entry.name)
                 try:
-                    _install(model, cfg, ckpt, qcfg, plan, implementation, problems, ms)
+                    _install(model, cfg, ckpt, qcfg, plan, implementation, problems, ms, aq)
                 except ValueError as err:
                     problems.append(f"{entry.name}: {err}")
     finally:
@@ -914,23 +1051,27 @@ def load_pretrained(
     if left:  # a NAME_TABLE row without a loader: a bug here, not in the checkpoint
         raise RuntimeError(f"weights never loaded: {left}")
     method = _quant_method(qcfg)
+    schemes = sorted({aq.scheme for aq in acts.experts.values()})
     logger.info(
-        "loaded %s: %d tensors, %d layers, quantization %s",
+        "loaded %s: %d tensors, %d layers, quantization %s%s",
         path,
         ckpt.reads,
         cfg.num_hidden_layers,
         f"fp8 -> {cfg.quant}" if method == "fp8" else method or quantize or "none",
+        f", routed experts with {schemes[0]} activations (W8A8)" if schemes else "",
     )
     return model
 
 
-def _install(model, cfg, ckpt, qcfg, plan: _Plan, implementation, problems, ms=None) -> None:
+def _install(
+    model, cfg, ckpt, qcfg, plan: _Plan, implementation, problems, ms=None, activation_quant=None
+) -> None:
     """Reads one plan entry and puts it into the (abstract) model; with a ModelSharding `ms`,
-    placed on its mesh."""
+    placed on its mesh; routed experts run `activation_quant` (None: 16-bit activations)."""
     entry = plan.entry
     if entry.kind == "experts" and ms is not None:
         module = _sharded_experts_module(
-            cfg, ckpt, qcfg, entry, plan.form, implementation, ms, problems
+            cfg, ckpt, qcfg, entry, plan.form, implementation, ms, problems, activation_quant
         )
         if module is not None:
             _set(model, entry.path, module)
@@ -944,7 +1085,9 @@ def _install(model, cfg, ckpt, qcfg, plan: _Plan, implementation, problems, ms=N
         value = _load_linear(cfg, ckpt, qcfg, entry.name, plan.form, entry.target)
         _set(model, entry.path, _linear_module(cfg, value, entry.shape))
     elif entry.kind == "experts":
-        module = _experts_module(cfg, ckpt, qcfg, entry, plan.form, implementation, problems)
+        module = _experts_module(
+            cfg, ckpt, qcfg, entry, plan.form, implementation, problems, activation_quant
+        )
         if module is not None:
             _set(model, entry.path, module)
     else:  # pragma: no cover
@@ -953,13 +1096,22 @@ def _install(model, cfg, ckpt, qcfg, plan: _Plan, implementation, problems, ms=N
         place_variables(model, entry.path, ms)
 
 
-def _report_unused(cfg, ckpt: Checkpoint, plans: list[_Plan]) -> None:
+def _report_unused(
+    cfg, ckpt: Checkpoint, plans: list[_Plan], *, read=frozenset(), explained=()
+) -> None:
+    """Logs the tensors loading leaves unread: a planned weight's tensors are its prefix's,
+    but a linear's input quantization (_ACTIVATION_TENSORS) only where `read`, or under a
+    linear of `explained` (named by `_warn_16_bit_linears` instead)."""
     used_prefixes = tuple(p.entry.name + "." for p in plans)
     used = {p.entry.name for p in plans}
+    explained_prefixes = tuple(name + "." for name in explained)
     layer = re.compile(r"model\.layers\.(\d+)\.")
     extra_layers, unknown = 0, []
     for name in ckpt:
-        if name in used or name.startswith(used_prefixes):
+        if name.rpartition(".")[2] in _ACTIVATION_TENSORS:
+            if name in read or name.startswith(explained_prefixes):
+                continue
+        elif name in used or name.startswith(used_prefixes):
             continue
         m = layer.match(name)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
@@ -1014,8 +1166,30 @@ def _named_linears(model, cfg) -> Iterator[tuple[str, object]]:
                     yield f"{entry.name}.{j}.down_proj", w2[j]
 
 
+# The config group of a W8A8 model's routed experts (compressed-tensors "re:" targets match a
+# module name from its start); the other quantized linears keep class-name targets.
+EXPERTS_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
+
+
+def _input_activations(aq: wj.ActivationQuant) -> dict:
+    """compressed-tensors input_activations for an ActivationQuant (what
+    `formats.activation_quant_from_config` reads back)."""
+    static = aq.scheme == "int8_static"
+    return {
+        "num_bits": 8,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "tensor" if static else "token",
+        "dynamic": not static,
+    }
+
+
 def _quantization_config(
-    fmt: str, key: tuple[int, int, bool], float_linears: list[str], act_order: bool = False
+    fmt: str,
+    key: tuple[int, int, bool],
+    float_linears: list[str],
+    act_order: bool = False,
+    experts_aq: wj.ActivationQuant | None = None,
 ):
     bits, group_size, has_zeros = key
     if fmt == "awq":
@@ -1037,28 +1211,73 @@ def _quantization_config(
             "checkpoint_format": "gptq",
             "dynamic": {f"-:^{re.escape(n)}$": {} for n in float_linears if n != "lm_head"} or None,
         }
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": not has_zeros,
+        "strategy": "group" if group_size > 0 else "channel",
+        "group_size": group_size if group_size > 0 else None,
+        "dynamic": False,
+        "actorder": None,
+    }
+    groups = {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": weights,
+            "input_activations": None,
+            "output_activations": None,
+        }
+    }
+    if experts_aq is not None:  # W8A8 experts: their own group (regex targets match first)
+        groups = {
+            "group_0": {
+                "targets": [EXPERTS_TARGET],
+                "weights": weights,
+                "input_activations": _input_activations(experts_aq),
+                "output_activations": None,
+            },
+            "group_1": groups["group_0"],
+        }
     return {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        # W8A8 checkpoints hold unpacked int8 weights ("int-quantized", as vLLM's W8A8 schemes
+        # read them); weight-only ones packed words.
+        "format": "pack-quantized" if experts_aq is None else "int-quantized",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": bits,
-                    "type": "int",
-                    "symmetric": not has_zeros,
-                    "strategy": "group" if group_size > 0 else "channel",
-                    "group_size": group_size if group_size > 0 else None,
-                    "dynamic": False,
-                    "actorder": None,
-                },
-                "input_activations": None,
-                "output_activations": None,
-            }
-        },
+        "config_groups": groups,
         "ignore": float_linears,
     }
+
+
+def _experts_activation_quant(model, cfg, fmt: str) -> wj.ActivationQuant | None:
+    """The routed experts' activation quantization one config can say: their scheme (static
+    scales cleared: each layer writes its own input_scale tensors), or None (16-bit).
+
+    Raises:
+        ValueError: layers with different schemes, or int8 activations in a weight-only
+            format (awq, gptq).
+    """
+    by_scheme: dict[str, list[str]] = {}
+    for entry in weight_table(cfg):
+        mod = _get(model, entry.path) if entry.kind == "experts" else None
+        if isinstance(mod, RoutedExperts):
+            by_scheme.setdefault(_scheme_name(mod.activation_quant), []).append(entry.name)
+    if len(by_scheme) > 1:
+        listed = "; ".join(f"{k}: {', '.join(names)}" for k, names in by_scheme.items())
+        raise ValueError(
+            f"the routed experts' activation quantization differs between layers ({listed}); "
+            f"one quantization_config cannot say so"
+        )
+    scheme = next(iter(by_scheme), None)
+    if scheme is None or scheme == _scheme_name(None):
+        return None
+    if fmt in ("awq", "gptq"):
+        raise ValueError(
+            f"format={fmt!r} is weight-only: it cannot say that the routed experts run {scheme} "
+            f"activations (W8A8); save as 'compressed-tensors', or call "
+            f"model.set_activation_quant(None) first"
+        )
+    return wj.ActivationQuant(scheme)
 
 
 def save_pretrained(
@@ -1073,18 +1292,25 @@ def save_pretrained(
     Args:
         model: the model.
         path: output directory (created).
-        format: "bf16" (every weight as bfloat16; quantized ones dequantized), or "awq",
-            "gptq", "compressed-tensors" (quantized linears in that format, float ones in
-            their own dtype). All quantized linears must share bits / group size / zero points.
+        format: "bf16" (every weight as bfloat16; quantized ones dequantized: a float
+            checkpoint, without activation quantization either), or "awq", "gptq",
+            "compressed-tensors" (quantized linears in that format, float ones in their own
+            dtype). All quantized linears must share bits / group size / zero points. Routed
+            experts with int8 activations (W8A8) need "compressed-tensors" (or "bf16"): their
+            config group says input_activations, with each layer's static scales as
+            {expert}.input_scale tensors, and the weights are written unpacked
+            ("int-quantized"); the other linears run 16-bit activations and are written so.
         max_shard_bytes: when set, shards the weights into files of about this size with a
             model.safetensors.index.json (else one model.safetensors).
 
     Raises:
-        ValueError: unknown format, or weights the format cannot express.
+        ValueError: unknown format, or weights (or activation quantization) the format cannot
+            express.
     """
     if format not in SAVE_FORMATS:
         raise ValueError(f"format={format!r} is not one of {SAVE_FORMATS}")
     cfg = model.cfg
+    experts_aq = None if format == "bf16" else _experts_activation_quant(model, cfg, format)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
@@ -1099,6 +1325,12 @@ def save_pretrained(
             put(f"{entry.name}.weight", _get(model, entry.path).weight.get_value(), float_dtype)
         elif entry.kind == "bias":
             put(entry.name, _get(model, entry.path).get_value(), np.float32)
+        elif entry.kind == "experts" and experts_aq is not None:
+            aq = _get(model, entry.path).activation_quant
+            if aq.scheme == "int8_static":  # this layer's scales, on each of its experts
+                for _, proj, prefix in entry.expert_names(entry.shape[0]):
+                    scale = aq.gemm2_scale if proj == "down_proj" else aq.gemm1_scale
+                    put(f"{prefix}.input_scale", np.array([scale], np.float32))
     keys, float_linears, act_order = set(), [], False
     for name, value in _named_linears(model, cfg):
         if not isinstance(value, wj.QuantizedExperts):
@@ -1112,7 +1344,9 @@ def save_pretrained(
             writer = {
                 "awq": wj.formats.to_awq,
                 "gptq": wj.formats.to_gptq,
-                "compressed-tensors": wj.formats.to_compressed_tensors,
+                "compressed-tensors": wj.formats.to_compressed_tensors
+                if experts_aq is None
+                else wj.formats.to_compressed_tensors_int,
             }[format]
             for suffix, arr in writer(value).items():
                 put(f"{name}.{suffix}", arr)
@@ -1125,7 +1359,7 @@ def save_pretrained(
         )
     if keys:
         hf["quantization_config"] = _quantization_config(
-            format, keys.pop(), float_linears, act_order
+            format, keys.pop(), float_linears, act_order, experts_aq
         )
     if format == "bf16":
         hf["torch_dtype"] = "bfloat16"

@@ -435,7 +435,9 @@ class ModelSharding:
         return _place(host_array, self.named(spec))
 
     # --- routed experts ------------------------------------------------------------------
-    def quantized_moe(self, x, w13, w2, topk_weights, topk_ids, *, implementation=None):
+    def quantized_moe(
+        self, x, w13, w2, topk_weights, topk_ids, *, implementation=None, activation_quant=None
+    ):
         """The routed experts of one layer: `wna16_jax.sharding.fused_moe_ep` over this mesh's
         expert, tensor and data axes (each device runs its own experts; no weight moves).
 
@@ -444,6 +446,8 @@ class ModelSharding:
                 interleaved for the tensor axis).  w2: [E, H, I] sharded as moe_w2_edf.
             topk_weights: f32 [T, k].  topk_ids: int32 [T, k] global expert ids.
             implementation: the fused_moe backend.
+            activation_quant: None or the experts' W8A8 activation quantization (fused_moe's),
+                run on every shard.
 
         Returns:
             [T, H] in x.dtype.
@@ -461,6 +465,7 @@ class ModelSharding:
             mode=self.moe_mode,
             token_threshold=self.token_threshold,
             implementation=implementation,
+            activation_quant=activation_quant,
         )
 
     def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids):
