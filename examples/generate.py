@@ -4,6 +4,7 @@ python examples/generate.py                         # tiny random int4 model on 
 python examples/generate.py --model /path/to/hf_dir --max-new-tokens 64
 python examples/generate.py --model /path/to/hf_dir --chat --prompt "Why is the sky blue?"
 python examples/generate.py --full-width-layers 4   # V3 width, 4 layers, random int4
+python examples/generate.py --activation-quant int8_per_token  # random W8A8 experts
 
 Sharded (expert parallel over "expert", tensor parallel over "tensor", batch over "data"):
 python examples/generate.py --mesh expert=2 --cpu-devices 8            # 8 fake CPU devices
@@ -134,6 +135,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "random model's weights (default int4)",
     )
     p.add_argument(
+        "--activation-quant",
+        choices=("int8_per_token",),
+        default=None,
+        help="random models (tiny or --full-width-layers): int8 per-channel symmetric weights "
+        "(what W8A8 kernels take; --quantize int4 is refused) and routed experts that quantize "
+        "their activations to int8 per token (W8A8); the non-expert linears keep 16-bit "
+        "activations. A checkpoint (--model) says its own in its quantization_config",
+    )
+    p.add_argument(
         "--quantize-lm-head",
         choices=("int4", "int8"),
         default=None,
@@ -232,7 +242,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (several hosts)")
     dist.add_argument("--num-processes", type=int, default=None, help="number of hosts")
     dist.add_argument("--process-id", type=int, default=None, help="this host's index")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.activation_quant is not None:
+        why = activation_quant_conflict(args)
+        if why:
+            p.error(f"--activation-quant {args.activation_quant}: {why}")
+    return args
+
+
+def activation_quant_conflict(args) -> str | None:
+    """Why --activation-quant cannot run with the other flags, or None."""
+    if args.model:
+        return (
+            "a checkpoint's quantization_config says how its experts' activations are "
+            "quantized (compressed-tensors input_activations); the flag is for random models"
+        )
+    if args.quantize == "int4":
+        return (
+            "W8A8 needs int8 per-channel symmetric experts (bits=8, group_size=-1, no zero "
+            "points); --quantize int4 gives int4 experts"
+        )
+    if args.float_weights:
+        return "--float-weights runs float experts, with 16-bit activations"
+    return None
 
 
 def checkpoint_dir(args) -> str | None:
@@ -311,20 +343,28 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
             moe_mode=args.moe_mode,
             progress=progress,
         )
-        return model, load_tokenizer(local, cfg=model.cfg), args.model
+        what = args.model
+        aq = next((m.activation_quant for m in _quantized_experts(model)), None)
+        if aq is not None:  # one scheme in every layer (load_pretrained refuses others)
+            what += f" (routed experts W8A8: {aq.scheme} activations)"
+        return model, load_tokenizer(local, cfg=model.cfg), what
     bits = 8 if args.quantize == "int8" else 4
+    if args.activation_quant:  # W8A8: the weights its kernels take
+        quant, weights = QuantSpec(bits=8, group_size=-1, has_zp=False), "int8 per channel"
+    elif args.full_width_layers:
+        quant, weights = QuantSpec(bits=bits, group_size=128), f"int{bits}"
+    else:
+        quant, weights = QuantSpec(bits=bits, group_size=32), f"int{bits}"
     if args.full_width_layers:
         cfg = DeepseekV3Config.full_width(
-            args.full_width_layers,
-            dtype=args.dtype or "bfloat16",
-            quant=QuantSpec(bits=bits, group_size=128),
+            args.full_width_layers, dtype=args.dtype or "bfloat16", quant=quant
         )
-        what = f"random DeepSeek-V3 width, {args.full_width_layers} layers, int{bits}"
+        what = f"random DeepSeek-V3 width, {args.full_width_layers} layers, {weights}"
     else:
-        cfg = DeepseekV3Config.tiny(
-            dtype=args.dtype or "float32", quant=QuantSpec(bits=bits, group_size=32)
-        )
-        what = f"tiny random model, int{bits}"
+        cfg = DeepseekV3Config.tiny(dtype=args.dtype or "float32", quant=quant)
+        what = f"tiny random model, {weights}"
+    if args.activation_quant:
+        what += f", routed experts W8A8 ({args.activation_quant} activations)"
     model = init_random(
         cfg,
         seed=args.seed,
@@ -333,7 +373,12 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
         moe_mode=args.moe_mode,
         progress=progress,
     )
+    model.set_activation_quant(args.activation_quant)
     return model, load_tokenizer(None, cfg=cfg), what
+
+
+def _quantized_experts(model) -> list[RoutedExperts]:
+    return [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
 
 
 def prepare_model(model, args, linears: str, *, progress: bool):
@@ -382,7 +427,7 @@ def chosen_backend(model, tokens: int) -> tuple[str, list[str]]:
     """The fused_moe backend of the routed experts for `tokens` tokens, as each device sees
     them (its own shard of the experts), by wj.select_implementation; with the automatic
     choice also why each other backend cannot run them (`unavailable`)."""
-    experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
+    experts = _quantized_experts(model)
     if not experts:
         return "none (float experts)", []
     m = experts[0]
@@ -396,6 +441,7 @@ def chosen_backend(model, tokens: int) -> tuple[str, list[str]]:
         w2,
         jax.ShapeDtypeStruct((tokens, k), jnp.float32),
         jax.ShapeDtypeStruct((tokens, k), jnp.int32),
+        activation_quant=m.activation_quant,
     )
     name = select(implementation=m.implementation)
     return repr(name), unavailable(select, name) if m.implementation is None else []

@@ -11,7 +11,11 @@ import helpers
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from test_deepseek_v3_common import assert_close, logits_of, random_ids, tiny_model
+
+import wna16_jax as wj
+from models.deepseek_v3.modeling import RoutedExperts
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "generate.py"
 
@@ -25,7 +29,13 @@ def test_example_help(capsys):
         _load_example().main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--full-width-layers", "--chat", "--eos-id", "--no-progress"):
+    for flag in (
+        "--full-width-layers",
+        "--chat",
+        "--eos-id",
+        "--no-progress",
+        "--activation-quant",
+    ):
         assert flag in out
     assert "generation_config.json" in out
 
@@ -83,6 +93,32 @@ def test_example_quantize_lm_head(capsys):
     count = lambda out: int(out.split("quantized linears: ")[1].split()[0])  # noqa: E731
     assert count(after) == count(before) + 1
     assert len(_tokens(after)) == 1
+
+
+def test_example_activation_quant(capsys):
+    """--activation-quant int8_per_token: a random model with int8 per-channel symmetric
+    weights whose routed experts run W8A8 on the kernel asked for; the flags it cannot go with
+    are refused, saying why."""
+    example = _load_example()
+    argv = ["--activation-quant", "int8_per_token", "--implementation", "pallas_interpret"]
+    assert example.main([*argv, "--max-new-tokens", "2", "--no-warmup"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny random model, int8 per channel, routed experts W8A8 (int8_per_token" in out
+    assert "fused_moe backend: 'pallas_interpret'" in out and len(_tokens(out)) == 1
+    model, _, _ = example.build_model(example.parse_args(argv))
+    experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
+    assert {m.activation_quant for m in experts} == {wj.ActivationQuant("int8_per_token")}
+    w13 = experts[0].w13.get()
+    assert (w13.bits, w13.group_size, w13.zeros) == (8, -1, None)
+    for extra, message in [
+        (["--quantize", "int4"], "W8A8 needs int8 per-channel symmetric experts"),
+        (["--model", "org/name"], "a checkpoint's quantization_config says"),
+        (["--float-weights"], "--float-weights runs float experts"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            example.parse_args(["--activation-quant", "int8_per_token", *extra])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_example_distinct_prompts(capsys):
