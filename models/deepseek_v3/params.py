@@ -603,13 +603,14 @@ def activation_plan(ckpt: Checkpoint, qcfg, plans: list[_Plan], problems: list[s
             f"model runs one activation scheme in every layer"
         )
         return out
-    e = {plan.entry.name: plan.entry.shape[0] for plan in plans}
+    num_experts = {plan.entry.name: plan.entry.shape[0] for plan in plans}
     for name, aq in layers.items():
         if aq is None:
             continue
         if aq.scheme == "int8_static":
-            gate_up = [f"{name}.{j}.{p}" for j in range(e[name]) for p in _PROJS[:2]]
-            down = [f"{name}.{j}.down_proj" for j in range(e[name])]
+            experts = range(num_experts[name])
+            gate_up = [f"{name}.{j}.{p}" for j in experts for p in ("gate_proj", "up_proj")]
+            down = [f"{name}.{j}.down_proj" for j in experts]
             try:
                 aq = dataclasses.replace(
                     aq,
@@ -1240,8 +1241,8 @@ def _quantization_config(
         }
     return {
         "quant_method": "compressed-tensors",
-        # W8A8 checkpoints hold unpacked int8 weights ("int-quantized", as vLLM's W8A8 schemes
-        # read them); weight-only ones packed words.
+        # W8A8 checkpoints hold unpacked int8 weights ("int-quantized"); weight-only ones
+        # packed words.
         "format": "pack-quantized" if experts_aq is None else "int-quantized",
         "quantization_status": "compressed",
         "config_groups": groups,
