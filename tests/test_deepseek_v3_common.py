@@ -111,6 +111,27 @@ def random_ids(rng: np.random.Generator, shape, cfg: DeepseekV3Config) -> np.nda
     return rng.integers(3, cfg.vocab_size, shape, dtype=np.int32)
 
 
+@functools.partial(nnx.jit, static_argnames="max_len")
+def _prefill(model, ids, mask, *, max_len):
+    return model.prefill(ids, mask, max_len=max_len)
+
+
+@nnx.jit
+def _decode(model, tokens, cache):
+    return model.decode(tokens, cache)
+
+
+def prefill_and_decode(model, ids, next_tokens) -> np.ndarray:
+    """f32 [B, 1 + steps, V]: the prefill's logits of ids' last column, then those of each
+    decode step fed next_tokens [B, steps] (the same tokens for every model compared)."""
+    logits, cache = _prefill(model, ids, np.ones(ids.shape, bool), max_len=ids.shape[1] + 4)
+    out = [logits]
+    for step in range(next_tokens.shape[1]):
+        logits, cache = _decode(model, next_tokens[:, step], cache)
+        out.append(logits)
+    return np.stack([np.asarray(x) for x in out], axis=1)
+
+
 # ---- config tests ---------------------------------------------------------------------------
 
 V3_CONFIG_JSON = {

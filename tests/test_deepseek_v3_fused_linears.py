@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 
@@ -17,6 +16,7 @@ from test_deepseek_v3_common import (
     KERNEL_LINEAR_MODELS,
     MGPU,
     assert_close,
+    prefill_and_decode,
     random_ids,
     tiny_model,
 )
@@ -67,27 +67,6 @@ def assert_same_weights(got, want) -> None:
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
-
-
-@functools.partial(nnx.jit, static_argnames="max_len")
-def _prefill(model, ids, mask, *, max_len):
-    return model.prefill(ids, mask, max_len=max_len)
-
-
-@nnx.jit
-def _decode(model, tokens, cache):
-    return model.decode(tokens, cache)
-
-
-def prefill_and_decode(model, ids, next_tokens) -> np.ndarray:
-    """f32 [B, 1 + steps, V]: the prefill's logits of ids' last column, then those of each
-    decode step fed next_tokens [B, steps] (the same tokens for every model compared)."""
-    logits, cache = _prefill(model, ids, np.ones(ids.shape, bool), max_len=ids.shape[1] + 4)
-    out = [logits]
-    for step in range(next_tokens.shape[1]):
-        logits, cache = _decode(model, next_tokens[:, step], cache)
-        out.append(logits)
-    return np.stack([np.asarray(x) for x in out], axis=1)
 
 
 @pytest.mark.parametrize("implementation", sorted(KERNEL_LINEAR_MODELS))
@@ -228,11 +207,12 @@ def test_fused_model_saves_the_unfused_checkpoint(tmp_path):
 
 def test_other_walkers_of_a_fused_model():
     """dequantize_model splits the fused linears first (the float model of the HF tree);
-    shard_model refuses a mesh, naming the call that unfuses; to one device it moves as is."""
+    shard_model refuses a mesh, naming the call that unfuses (keeping the kernel); to one
+    device it moves as is."""
     model, _ = fusable_model(MGPU)
     fused = served(model, MGPU)
     assert_same_weights(dequantize_model(fused), dequantize_model(model))
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
-    with pytest.raises(ValueError, match=r"call model.set_linear_implementation\('xla'\) first"):
+    with pytest.raises(ValueError, match=r"set_linear_implementation\(<implementation>, fuse"):
         sharding.shard_model(fused, mesh)
     assert sharding.shard_model(fused, None).fused_linears() == FUSED

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 import wna16_jax as wj
@@ -70,6 +70,63 @@ class ModelSharding(Protocol):
     ): ...
 
     def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids): ...
+
+    def linear(self, path: tuple, weight: QuantizedTensor) -> LinearSharding: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSharding:
+    """How a QuantizedLinear's weight [1, N, K] is split over a mesh and its kernel run there.
+
+    Static (hashable), held by the linear (`sharding.ModelSharding.linear` makes it from the
+    ShardingSpecs field of the linear's weight): N over `n_axis` (column parallel: each device
+    computes its slice of the output features), K over `k_axis` (row parallel: x's features
+    split the same way, the partial sums added in f32), x's leading dim (the batch) over
+    `row_axis`. A kernel runs per device through `wj.sharding.quantized_matmul_sharded`; the
+    float dot ("xla") stays a GSPMD einsum on the placed weight.
+    """
+
+    mesh: Mesh
+    row_axis: str | None = None
+    n_axis: str | None = None
+    k_axis: str | None = None
+
+    def specs(self, w: wj.QuantizedExperts) -> wj.QuantizedExperts:
+        """The PartitionSpec of each array of `w` in its layout (`wj.sharding.linear_specs`)."""
+        return wj.sharding.linear_specs(w, n_axis=self.n_axis, k_axis=self.k_axis)
+
+    def shardings(self, w: wj.QuantizedExperts) -> wj.QuantizedExperts:
+        """`specs` as NamedShardings (jit out_shardings of a conversion)."""
+        return wj.sharding.named_shardings(self.mesh, self.specs(w))
+
+    def shard_shapes(self, w: wj.QuantizedExperts) -> wj.QuantizedExperts:
+        """The arrays one device holds of `w`, as jax.ShapeDtypeStructs (nothing is moved)."""
+        return jax.tree.map(
+            lambda a, spec: jax.ShapeDtypeStruct(
+                NamedSharding(self.mesh, spec).shard_shape(a.shape), a.dtype
+            ),
+            w,
+            self.specs(w),
+        )
+
+    def describe(self) -> str:
+        """E.g. "N over 'tensor'", "K over 'tensor'", "replicated"."""
+        split = [f"{dim} over {a!r}" for dim, a in (("N", self.n_axis), ("K", self.k_axis)) if a]
+        return ", ".join(split) or "replicated"
+
+    def matmul(self, x, w, *, activation, out_dtype, implementation):
+        """x [B, ..., K] @ dequant(w).T per device (`wj.sharding.quantized_matmul_sharded`)."""
+        return wj.sharding.quantized_matmul_sharded(
+            x,
+            w,
+            mesh=self.mesh,
+            row_axis=self.row_axis,
+            n_axis=self.n_axis,
+            k_axis=self.k_axis,
+            activation=activation,
+            out_dtype=out_dtype,
+            implementation=implementation,
+        )
 
 
 def _constrain(ms: ModelSharding | None, x, field: str):
@@ -169,11 +226,13 @@ class QuantizedLinear(nnx.Module):
     """y = x @ dequant(weight).T for a WNA16 weight [1, N, K].
 
     `implementation` (DeepseekV3ForCausalLM.set_linear_implementation): "xla" (default)
-    dequantizes on the fly inside jit and runs one float dot; None (automatic) or a backend
-    with a grouped GEMM ("mgpu", "pallas", their "_interpret" twins, ...) runs the
-    dequant-fused GEMM with one expert (`wna16_jax.linear.quantized_matmul`) where it takes the
-    weight in its layout (`set_layout`), for models that are not sharded by GSPMD (a kernel
-    call cannot be partitioned).
+    dequantizes on the fly inside jit and runs one float dot (on a mesh, a GSPMD dot of the
+    placed weight); None (automatic) or a backend with a grouped GEMM ("mgpu", "pallas", their
+    "_interpret" twins, ...) runs the dequant-fused GEMM with one expert
+    (`wna16_jax.linear.quantized_matmul`) where it takes the weight in its layout
+    (`set_layout`). On a mesh (`sharding` set: a LinearSharding) the kernel runs per device
+    on its shard of the weight (`wna16_jax.sharding.quantized_matmul_sharded`: a kernel call
+    cannot be partitioned by GSPMD), and the layout and kernel are chosen for that shard.
     """
 
     def __init__(
@@ -189,15 +248,47 @@ class QuantizedLinear(nnx.Module):
             qe = random_quantized(rngs, (1, n, k), cfg.quant, dtype=cfg.dtype)
         self.weight = QuantizedTensor(qe)
         self.implementation: str | None = "xla"
+        self.sharding: LinearSharding | None = None  # set by set_sharding on a mesh
 
     def canonical_weight(self) -> wj.QuantizedExperts:
         """The weight in the canonical layout, whatever the kernel layout it is held in."""
         return wj.layouts.to_canonical_layout(self.weight.get())
 
+    def shard_shapes(self, w: wj.QuantizedExperts | None = None) -> wj.QuantizedExperts:
+        """The arrays of `w` (default: the weight) one device holds, as jax.ShapeDtypeStructs:
+        the whole weight unsharded, its shard on a mesh. Kernels and layouts are chosen on it."""
+        w = self.weight.get() if w is None else w
+        if self.sharding is None:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
+        return self.sharding.shard_shapes(w)
+
     def set_layout(self, layout: str) -> None:
-        """Converts the weight to `layout` (wna16_jax.layouts), replacing it."""
-        if layout != self.weight.layout:
-            self.weight = QuantizedTensor(wj.layouts.to_kernel_layout(self.weight.get(), layout))
+        """Converts the weight to `layout` (wna16_jax.layouts), replacing it. On a mesh each
+        device converts its own shard: the converted arrays are placed by
+        `wj.sharding.linear_specs` of the converted weight (the layouts are tile-local, so a
+        shard of the converted weight is the converted shard).
+
+        Raises:
+            ValueError: on a mesh, a shard of the weight cannot hold `layout` (e.g. N or K per
+                device not a multiple of the mgpu layouts' 64-row tiles).
+        """
+        if layout == self.weight.layout:
+            return
+        convert = functools.partial(wj.layouts.to_kernel_layout, layout=layout)
+        w = self.weight.get()
+        if self.sharding is None:
+            self.weight = QuantizedTensor(convert(w))
+            return
+        shard = self.shard_shapes(w)
+        try:
+            jax.eval_shape(convert, shard)
+        except ValueError as err:
+            raise ValueError(
+                f"a shard {shard.shape} of the linear weight {w.shape} ({self.sharding.describe()})"
+                f" cannot take the {layout} layout: {err}"
+            ) from None
+        out = self.sharding.shardings(jax.eval_shape(convert, w))
+        self.weight = QuantizedTensor(jax.jit(convert, out_shardings=out)(w))
 
     def dense_weight(self, dtype) -> jax.Array:
         """float [N, K], dequantized."""
@@ -205,30 +296,71 @@ class QuantizedLinear(nnx.Module):
 
     def kernel(self, dtype) -> str | None:
         """The backend that runs this layer for activations of `dtype`, None for the float dot:
-        "xla", or a weight no requested kernel takes here (e.g. N not a multiple of 16)."""
+        "xla", or a weight (on a mesh: a shard) no requested kernel takes here (e.g. N not a
+        multiple of 16)."""
         if self.implementation == "xla":
             return None
         names = None if self.implementation is None else (self.implementation, "xla")
-        name = wj.linear.select_implementation(self.weight.get(), dtype=dtype, implementation=names)
+        name = wj.linear.select_implementation(
+            self.shard_shapes(), dtype=dtype, implementation=names
+        )
         return None if name == "xla" else name
+
+    def kernel_reason(self, dtype) -> str | None:
+        """Why this layer's named `implementation` does not run it (it runs on the float dot
+        instead); None when it does, on "xla", and for the automatic choice."""
+        if self.implementation in (None, "xla") or self.kernel(dtype) is not None:
+            return None
+        shard, whole = self.shard_shapes(), self.weight.get().shape
+        where = f"its weight {whole}"
+        if shard.shape != whole:
+            where = f"its shard {shard.shape} of {whole} ({self.sharding.describe()})"
+        # The layout the implementation reads for the whole weight, which the shard may not
+        # hold (a shard not in whole tiles).
+        canonical = jax.eval_shape(self.canonical_weight)
+        want = wj.linear.preferred_layout(
+            canonical, dtype=dtype, implementation=self.implementation
+        )
+        if want != self.weight.layout:
+            convert = functools.partial(wj.layouts.to_kernel_layout, layout=want)
+            try:
+                jax.eval_shape(convert, self.shard_shapes(canonical))
+            except ValueError as err:
+                return f"{where} cannot take the {want} layout: {err}"
+        try:
+            wj.linear.select_implementation(shard, dtype=dtype, implementation=self.implementation)
+        except NotImplementedError as err:
+            return f"{where}: {err}"
+        return None
 
     def set_implementation(self, implementation: str | None, *, dtype) -> None:
         """Runs this layer on `implementation` ("xla", None: automatic, or a backend name) for
         activations of `dtype`, its weight converted to the layout that reads
-        (`wna16_jax.linear.preferred_layout`)."""
+        (`wna16_jax.linear.preferred_layout`; on a mesh, of one device's shard)."""
         self.implementation = implementation
-        w = jax.eval_shape(self.canonical_weight)  # the layout needs shapes only
-        self.set_layout(wj.linear.preferred_layout(w, dtype=dtype, implementation=implementation))
+        shard = self.shard_shapes(jax.eval_shape(self.canonical_weight))  # shapes suffice
+        self.set_layout(
+            wj.linear.preferred_layout(shard, dtype=dtype, implementation=implementation)
+        )
 
     def __call__(self, x, *, activation: str | None = None, out_dtype=None):
         """x [..., K] -> [..., N] in out_dtype (default x.dtype), from f32 sums.
 
         activation: None, or "silu" for a gated MLP's weight with rows [gate; up] (N = 2F):
         -> silu(gate) * up [..., F], computed from the f32 sums (in the kernel's epilogue).
+        On a mesh x's leading dim is the batch (split over the LinearSharding's row_axis).
         """
         kernel = self.kernel(x.dtype)
         if kernel is None and activation is None:
             return _matmul_nk(x, self.dense_weight(x.dtype), out_dtype)
+        if self.sharding is not None:
+            return self.sharding.matmul(
+                x,
+                self.weight.get(),
+                activation=activation,
+                out_dtype=out_dtype,
+                implementation=kernel or "xla",
+            )
         return wj.linear.quantized_matmul(
             x,
             self.weight.get(),
@@ -1085,15 +1217,25 @@ class DeepseekV3ForCausalLM(nnx.Module):
           choice: the Mosaic GPU GEMM on mgpu_int4 weights on an H100/H200, the Pallas GEMM
           on other NVIDIA GPUs, else "xla");
         - a backend with a grouped GEMM ("mgpu", "pallas", "mgpu_interpret", ...).
-        Kernels run only on models not sharded by GSPMD; layers a kernel does not take here
-        stay on "xla". `progress`: a tqdm bar over the linears (`progress_bar`).
+        Layers a kernel does not take here stay on "xla" (why, for a named backend, is
+        logged). `progress`: a tqdm bar over the linears (`progress_bar`).
+
+        On a sharded model (`sharding.shard_model`, `init_random` / `load_pretrained` with a
+        mesh) each kernel runs per device on its shard of the weight (`LinearSharding`,
+        `wna16_jax.sharding.quantized_matmul_sharded`): the layout and the kernel are chosen
+        for the shard, and each device converts its own shard. A shard a kernel cannot run
+        (e.g. q_b_proj's rows per device not whole 64-row tiles of the mgpu layout) leaves
+        that linear on "xla", the reason logged.
 
         On an unsharded model a kernel also runs the linears that read one input as one GEMM
         (`FusedLinear`): MLP's gate_proj and up_proj as gate_up_proj (silu(gate) * up in the
         GEMM's epilogue), MLA's q_a_proj and kv_a_proj_with_mqa as qkv_a_proj, where both
         parts are QuantizedLinears of one format (`fusion_reason`) and the kernel takes the
         fused weight (why a pair stays apart is logged); `fuse=False` keeps them apart. "xla"
-        splits them back into the HF module tree, bit-identically.
+        splits them back into the HF module tree, bit-identically. A sharded model never
+        fuses: a fused weight has no ShardingSpecs field of its own, and a [gate; up] weight
+        split column-parallel would need each shard's gate and up rows side by side
+        (TP-interleaved halves, as the routed experts' w13).
 
         Raises:
             ValueError: `implementation` is neither "auto" nor a registered backend.
@@ -1117,6 +1259,8 @@ class DeepseekV3ForCausalLM(nnx.Module):
             for _, m in nnx.iter_modules(self)
             if isinstance(m, QuantizedLinear) and id(m) not in paired
         ]
+        paths = {id(m): ".".join(map(str, p)) for p, m in nnx.iter_modules(self)}
+        on_xla = collections.defaultdict(list)  # why a named kernel does not run a linear
         apart = collections.Counter()  # why pairs stay two GEMMs
         desc = f"linears for {implementation}"
         for item in progress_bar(pairs + singles, desc=desc, unit="linear", enabled=progress):
@@ -1131,9 +1275,14 @@ class DeepseekV3ForCausalLM(nnx.Module):
                     alone = [m for m in parts.values() if isinstance(m, QuantizedLinear)]
             for m in alone:
                 m.set_implementation(chosen, dtype=self.cfg.dtype)
+                if (why := m.kernel_reason(self.cfg.dtype)) is not None:
+                    on_xla[why].append(paths[id(m)])
             jax.block_until_ready(nnx.state(module))  # the bar follows the device
         for why, count in apart.items():
             logger.info("%s (%d modules)", why, count)
+        for why, where in on_xla.items():
+            more = f" and {len(where) - 1} more linears stay" if len(where) > 1 else " stays"
+            logger.info("%s%s on 'xla': %s", where[0], more, why)
 
     def _fusing_modules(self) -> list[MLP | MLAttention]:
         """The modules with a `Fusion` (their linears that read one input)."""
@@ -1216,9 +1365,13 @@ class DeepseekV3ForCausalLM(nnx.Module):
         """Records the mesh and specs the model runs with on every module that uses them.
 
         Low level: it moves no weight; `sharding.shard_model` places the weights and calls it.
+        Each QuantizedLinear gets its own LinearSharding (`ModelSharding.linear`: the split of
+        its weight by the ShardingSpecs field of its name).
         """
-        for _, m in nnx.iter_modules(self):
-            if hasattr(m, "sharding"):
+        for path, m in nnx.iter_modules(self):
+            if isinstance(m, QuantizedLinear):
+                m.sharding = None if sharding is None else sharding.linear(path, m.weight)
+            elif hasattr(m, "sharding"):
                 m.sharding = sharding
 
     # --- forward -------------------------------------------------------------------------

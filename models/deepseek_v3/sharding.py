@@ -6,8 +6,9 @@ E/n experts and runs them through `wna16_jax.sharding.fused_moe_ep`, the library
 `wna16_jax.sharding.tp_interleave_w13` does) and the attention heads (q_b_proj / q_proj /
 kv_b_proj rows, o_proj columns), `data` shards the batch. Everything else is replicated.
 The specs are data (`ShardingSpecs`): the model runs under `jax.jit` with in/out shardings on
-an Auto-axis mesh, so XLA's partitioner follows whatever the specs say; only the routed
-experts run in an explicit `jax.shard_map`, so no expert weight byte ever moves.
+an Auto-axis mesh, so XLA's partitioner follows whatever the specs say; the routed experts
+and the quantized linears on a kernel run in an explicit `jax.shard_map` (a kernel call cannot
+be partitioned), so no expert weight byte ever moves and each kernel reads its own shard.
 
     mesh = make_mesh(expert=8)                       # or expert=4, tensor=2, ...
     model = init_random(cfg, mesh=mesh)              # weights generated in their shards
@@ -46,6 +47,8 @@ from models.deepseek_v3.modeling import (
     DeepseekV3ForCausalLM,
     FloatExperts,
     KVCache,
+    LinearSharding,
+    QuantizedLinear,
     QuantizedTensor,
     RoutedExperts,
     abstract_model,
@@ -434,6 +437,29 @@ class ModelSharding:
         """A host (numpy) array placed on the mesh, each device given only its slice."""
         return _place(host_array, self.named(spec))
 
+    # --- quantized linears ---------------------------------------------------------------
+    def linear(self, path: tuple, weight: QuantizedTensor) -> LinearSharding:
+        """The LinearSharding of the QuantizedLinear at module path `path` (its name picks the
+        ShardingSpecs field, `_WEIGHT_FIELDS`): N and K over the axes that field names where
+        they split evenly (`_linear_spec`: else replicated on that dim, logged), the rows over
+        the data axis. Exactly the axes `param_specs` places the weight with.
+
+        Raises:
+            ValueError: a linear name with no sharding rule (e.g. a FusedLinear's).
+        """
+        what = ".".join(map(str, path))
+        field = _WEIGHT_FIELDS.get(path[-1])
+        if field is None:
+            raise ValueError(
+                f"{what}: no sharding rule for the linear {path[-1]!r} (fused linears are not "
+                f"split per shard: set_linear_implementation(..., fuse=False) first)"
+            )
+        _, n, k = weight.shape
+        n_ax, k_ax = _linear_spec(
+            self.mesh, getattr(self.specs, field), (n, k), weight, f"{what}.weight"
+        )
+        return LinearSharding(self.mesh, row_axis=self.data_axis, n_axis=n_ax, k_axis=k_ax)
+
     # --- routed experts ------------------------------------------------------------------
     def quantized_moe(
         self, x, w13, w2, topk_weights, topk_ids, *, implementation=None, activation_quant=None
@@ -527,18 +553,28 @@ def _check_experts(mesh: Mesh, spec3, shape, qt: QuantizedTensor | None, what: s
 
 
 def _linear_spec(mesh: Mesh, spec2, shape, qt: QuantizedTensor | None, what: str):
-    """(N axis, K axis) of a [N, K] weight, an axis dropped (logged) when it cannot split."""
+    """(N axis, K axis) of a [N, K] weight, an axis dropped (logged) when it cannot split:
+    into whole packed words, groups and int4 zero-point row pairs (canonical layout) or whole
+    64 x 64 tiles (the kernel layouts); K also when an input order (act-order perm) spans it."""
     n_ax, k_ax = _at(spec2, 0), _at(spec2, 1)
     n, k = shape
     s_n, s_k = _entry_size(mesh, n_ax), _entry_size(mesh, k_ax)
-    if n % s_n or (qt is not None and qt.zeros is not None and qt.bits == 4 and (n // s_n) % 2):
+    tile = 1 if qt is None or qt.layout == "canonical" else wj.layouts.MGPU_TILE
+    pairs = qt is not None and qt.layout == "canonical" and qt.zeros is not None and qt.bits == 4
+    if n % s_n or (n // s_n) % tile or (pairs and (n // s_n) % 2):
         _log_once((what, "n"), "%s: N=%d cannot split %d ways; replicated on N", what, n, s_n)
         n_ax = None
     ok_k = k % s_k == 0
     if ok_k and qt is not None:
         per = k // s_k
-        ok_k = per % (32 // qt.bits) == 0 and (qt.group_size == -1 or per % qt.group_size == 0)
-    if not ok_k:
+        ok_k = per % max(32 // qt.bits, tile) == 0 and (
+            qt.group_size == -1 or per % qt.group_size == 0
+        )
+    if s_k > 1 and qt is not None and qt.perm is not None:
+        why = "%s: its input order (act-order) spans all of K; replicated on K"
+        _log_once((what, "perm"), why, what)
+        k_ax = None
+    elif not ok_k:
         _log_once((what, "k"), "%s: K=%d cannot split %d ways; replicated on K", what, k, s_k)
         k_ax = None
     return n_ax, k_ax
@@ -575,8 +611,11 @@ def _variable_spec(mesh: Mesh, specs: ShardingSpecs, path: tuple, var, parent) -
     spec = getattr(specs, field)
     if quantized:
         _, n, k = parent.shape
-        n_ax, k_ax = _linear_spec(mesh, spec, (n, k), parent, what)
-        return _quant_leaf_spec(path[-1], parent, None, n_ax, k_ax)
+        weight = ".".join(str(p) for p in path[:-1])  # logged once per weight, not per array
+        n_ax, k_ax = _linear_spec(mesh, spec, (n, k), parent, weight)
+        # The weight's own layout: the kernel layouts hold per-group arrays as [1, K//G, N].
+        specs = wj.sharding.linear_specs(parent.get(), n_axis=n_ax, k_axis=k_ax)
+        return _clean(getattr(specs, path[-1]))
     if len(shape) == 2:
         return _clean(_linear_spec(mesh, spec, shape, None, what))
     return spec
@@ -681,6 +720,11 @@ def shard_model(
     in their shards by `init_random(cfg, mesh=)` or `load_pretrained(path, mesh=)`. With a
     tensor axis the routed experts' w13 rows are reordered (`tp_interleave_w13`).
 
+    Quantized linears keep their implementation: one on a kernel is placed in the canonical
+    layout, then converted again on the new placement (`QuantizedLinear.set_implementation`:
+    the layout and kernel of one device's shard, each device converting its own), so a model
+    sharded after `set_linear_implementation` ends as one sharded before it.
+
     Args:
         model: the model (on one device, or sharded for another mesh).
         mesh: a mesh from `make_mesh`; None moves the model back to one device (default
@@ -690,33 +734,46 @@ def shard_model(
 
     Raises:
         ValueError: the routed experts cannot be split as the specs say (values quoted), or
-            linears run fused for a kernel (`set_linear_implementation`; no GSPMD rule splits
-            them and a kernel call cannot be partitioned).
+            linears run fused (`set_linear_implementation`: a fused weight is not split per
+            shard).
     """
     fused = model.fused_linears()
     if mesh is not None and fused:
         raise ValueError(
-            f"shard_model: {len(fused)} linears run fused for a kernel ({fused[0]}, ...), "
-            f"which GSPMD sharding cannot partition; call model.set_linear_implementation('xla') "
-            f"first (it splits them back into the checkpoint's linears)"
+            f"shard_model: {len(fused)} linears run fused ({fused[0]}, ...), which are not "
+            f"split per shard; call model.set_linear_implementation(<implementation>, "
+            f"fuse=False) first (it splits them back into the checkpoint's linears and keeps "
+            f"their kernel)"
         )
-    if mesh is None:
+    ms = None
+    if mesh is not None:
+        ms = model_sharding(
+            mesh, model.cfg, specs=specs, moe_mode=moe_mode, token_threshold=token_threshold
+        )
+        param_specs(model, ms)  # validates the experts' split before anything changes
+    on_kernel = [
+        m
+        for _, m in nnx.iter_modules(model)
+        if isinstance(m, QuantizedLinear) and m.implementation != "xla"
+    ]
+    for m in on_kernel:
+        m.set_layout("canonical")  # placed as the canonical weight, converted again below
+    if ms is None:
         for m in _experts_modules(model):
             _set_w13(m, reorder_w13(_w13_value(m), m.w13_tp_shards, 1))
             m.w13_tp_shards = 1
         device = jax.devices()[0]
         nnx.update(model, jax.device_put(nnx.state(model), device))
         model.set_sharding(None)
-        return model
-    ms = model_sharding(
-        mesh, model.cfg, specs=specs, moe_mode=moe_mode, token_threshold=token_threshold
-    )
-    shardings = param_shardings(model, ms)  # validates the experts' split first
-    for m in _experts_modules(model):
-        _set_w13(m, reorder_w13(_w13_value(m), m.w13_tp_shards, ms.tensor_shards))
-        m.w13_tp_shards = ms.tensor_shards
-    nnx.update(model, jax.tree.map(_place, nnx.state(model), shardings))
-    model.set_sharding(ms)
+    else:
+        shardings = param_shardings(model, ms)
+        for m in _experts_modules(model):
+            _set_w13(m, reorder_w13(_w13_value(m), m.w13_tp_shards, ms.tensor_shards))
+            m.w13_tp_shards = ms.tensor_shards
+        nnx.update(model, jax.tree.map(_place, nnx.state(model), shardings))
+        model.set_sharding(ms)
+    for m in on_kernel:
+        m.set_implementation(m.implementation, dtype=model.cfg.dtype)
     return model
 
 
