@@ -8,17 +8,20 @@ On a CPU the default is the tiny preset on the one device (a smoke test); on 8 f
     python examples/full_deepseek_v3.py --cpu-devices 8 --mesh expert=4
 
 Weights are drawn on the devices, each device only its shard (models.deepseek_v3.init_random
-with a mesh), so no device ever holds all experts. For each batch size it generates
---max-new-tokens tokens greedily from random prompts and reports decode tokens/s, the
-memory each device holds (peak where the runtime reports it), and the bytes one decode step must
-read per device (the routed experts the step touches, at most min(E, B*k) per layer, split over
-the expert axis, plus every other weight as it is sharded) over the measured copy ceiling: the
-bandwidth bound of the step, beside the measured step time.
+with a mesh), so no device ever holds all experts; the quantized non-expert linears run on
+--linear-implementation (default auto: the fastest kernel here, per device on its shard of each
+weight). For each batch size it generates --max-new-tokens tokens greedily from random prompts
+and reports decode tokens/s, the memory each device holds (peak where the runtime reports it),
+and the bytes one decode step must read per device (the routed experts the step touches, at
+most min(E, B*k) per layer, split over the expert axis, plus every other weight as it is
+sharded) over the measured copy ceiling: the bandwidth bound of the step, beside the measured
+step time.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -99,6 +102,13 @@ def main(argv=None):
         "as generate.py (mgpu_int4 with --implementation mgpu*, else the fastest backend's "
         "layout here: mgpu_int4 on H100/H200)",
     )
+    p.add_argument(
+        "--linear-implementation",
+        choices=("auto", "xla", "mgpu", "pallas", "mgpu_interpret", "pallas_interpret"),
+        default="auto",
+        help="the quantized non-expert linears, as generate.py's flag: a kernel runs per device "
+        "on its shard of each weight (auto: the fastest kernel here, xla on a CPU)",
+    )
     p.add_argument("--cpu-devices", type=int, default=None, help="N fake CPU devices")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -112,6 +122,7 @@ def main(argv=None):
     import benchmark
 
     from models.deepseek_v3 import DeepseekV3Config, generate, init_random, sharding
+    from models.deepseek_v3.modeling import QuantizedLinear
 
     on_gpu = jax.default_backend() == "gpu"
     preset = args.preset or ("deepseek-v3" if on_gpu else "tiny")
@@ -134,6 +145,16 @@ def main(argv=None):
     model = init_random(cfg, mesh=mesh, on_device=True, implementation=args.implementation)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     print(f"weights drawn on the devices in {time.perf_counter() - t0:.1f} s", flush=True)
+    t1 = time.perf_counter()
+    model.set_linear_implementation(args.linear_implementation)
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    linears = collections.Counter(
+        m.kernel(cfg.dtype) or "xla"
+        for _, m in nnx.iter_modules(model)
+        if isinstance(m, QuantizedLinear)
+    )
+    linears = ", ".join(f"{n} on {name!r}" for name, n in linears.most_common()) or "none"
+    print(f"quantized linears: {linears} ({time.perf_counter() - t1:.1f} s)", flush=True)
     layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
     if layout != "canonical":
         t1 = time.perf_counter()
@@ -186,6 +207,7 @@ def main(argv=None):
         jax=jax.__version__,
         copy_bytes_per_s=copy_bps,
         expert_layout=layout,
+        linears=linears,
         routed_expert_bytes_per_expert_all_layers=expert_bytes_per_expert,
         other_weight_bytes=other_bytes,
         rows=rows,

@@ -9,6 +9,8 @@ python examples/generate.py --activation-quant int8_per_token  # random W8A8 exp
 Sharded (expert parallel over "expert", tensor parallel over "tensor", batch over "data"):
 python examples/generate.py --mesh expert=2 --cpu-devices 8            # 8 fake CPU devices
 python examples/generate.py --mesh expert=2,tensor=2 --cpu-devices 8
+python examples/generate.py --mesh data=2,tensor=2 --cpu-devices 8 --linear-implementation \
+    pallas_interpret                                                   # kernels per shard
 python examples/generate.py --mesh expert=8 --full-width-layers 61     # 8 GPUs, DeepSeek-V3 size
 --cpu-devices N sets XLA_FLAGS=--xla_force_host_platform_device_count=N and JAX_PLATFORMS=cpu
 at the top of main(), before JAX starts its backend (importing jax is fine; a JAX that already
@@ -102,14 +104,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "kernel's dequant-fused GEMM with one expert, its weights converted once to the "
         "layout it reads (mgpu: the Mosaic GPU GEMM, H100/H200; pallas: any NVIDIA GPU), or "
         "xla (dequantize + dot in every step). auto (default): the fastest kernel here, xla "
-        "on CPU and with --mesh (kernels need an unsharded model)",
+        "on CPU. With --mesh a kernel runs per device on its shard of each weight (a linear "
+        "whose shard it cannot run stays on xla)",
     )
     p.add_argument(
         "--no-fuse-linears",
         action="store_true",
         help="run every quantized linear as its own GEMM. By default a kernel "
-        "(--linear-implementation other than xla, unsharded) runs the linears that read one "
-        "input as one GEMM: gate_proj and up_proj (silu(gate) * up in its epilogue), and "
+        "(--linear-implementation other than xla, without --mesh) runs the linears that read "
+        "one input as one GEMM: gate_proj and up_proj (silu(gate) * up in its epilogue), and "
         "q_a_proj and kv_a_proj_with_mqa",
     )
     p.add_argument(
@@ -451,8 +454,10 @@ def linear_backends(model) -> tuple[str, list[str]]:
     """How many quantized non-expert linears each backend runs, e.g. "40 on 'mgpu', 8 on
     'xla'" (a layer no kernel takes stays on the float dot, 'xla'; a fused pair counts once,
     and the fused ones are named: "; fused: 4 gate_up_proj, 3 qkv_a_proj"), by
-    wj.linear.select_implementation; with the automatic choice, why the other backends cannot
-    run the first linear left on 'xla' (`unavailable`)."""
+    wj.linear.select_implementation on the weight each device holds (its shard on a mesh);
+    why linears are left on 'xla': with a named backend, each distinct reason
+    (`QuantizedLinear.kernel_reason`, e.g. a shard the kernel does not tile), with the automatic
+    choice, why each other backend cannot run the first of them (`unavailable`)."""
     linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
     if not linears:
         return "none (float linears)", []
@@ -463,10 +468,14 @@ def linear_backends(model) -> tuple[str, list[str]]:
     if fused:
         text += "; fused: " + ", ".join(f"{n} {name}" for name, n in sorted(fused.items()))
     left = [m for m, k in zip(linears, kernels, strict=True) if k == "xla"]
-    if not left or left[0].implementation is not None:
+    if not left or left[0].implementation == "xla":
         return text, []
+    if left[0].implementation is not None:  # a named backend: each distinct reason, counted
+        whys = collections.Counter(m.kernel_reason(model.cfg.dtype) for m in left)
+        return text, [f"{n} not on {left[0].implementation!r}: {why}"
+                      for why, n in whys.items() if why is not None]  # fmt: skip
     select = functools.partial(
-        wj.linear.select_implementation, left[0].weight.get(), dtype=model.cfg.dtype
+        wj.linear.select_implementation, left[0].shard_shapes(), dtype=model.cfg.dtype
     )
     return text, unavailable(select, "xla")
 
@@ -488,12 +497,6 @@ def main(argv=None) -> int:
         sharding.use_cpu_devices(args.cpu_devices)
     sharding.maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh)) if args.mesh else None
-    if mesh is not None and args.linear_implementation not in ("auto", "xla"):
-        raise SystemExit(
-            f"--linear-implementation {args.linear_implementation} cannot run under --mesh (a "
-            f"Pallas call is not partitioned by GSPMD); use xla"
-        )
-    linears = "xla" if mesh is not None else args.linear_implementation
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     progress = not args.no_progress
 
@@ -504,7 +507,7 @@ def main(argv=None) -> int:
     settings = sampling_settings(args, checkpoint)
     text, add_bos = prompt_text(args, checkpoint)
     model, tokenizer, what = build_model(args, mesh, checkpoint)
-    model = prepare_model(model, args, linears, progress=progress)
+    model = prepare_model(model, args, args.linear_implementation, progress=progress)
     print(
         f"model: {what} ({time.perf_counter() - t0:.1f} s to build); "
         f"JAX platform {jax.default_backend()}, {jax.device_count()} device(s)"

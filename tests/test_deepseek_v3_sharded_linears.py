@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import helpers
 import jax
@@ -38,6 +42,7 @@ from models.deepseek_v3 import sharding as sh
 from models.deepseek_v3.modeling import QuantizedLinear
 
 NUM_DEVICES = 8
+ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "pallas_interpret"
 
 # Meshes whose every linear shard the Pallas GEMM tiles (q_b_proj's 96 rows in 48-row shards,
@@ -276,3 +281,30 @@ def test_mgpu_linears_on_a_mesh_equal_unsharded(rng):
         prefill_and_decode(unsharded, ids, next_tokens),
         KERNEL_LINEAR_MODELS[MGPU][2],
     )
+
+
+# ---- the example ----------------------------------------------------------------------------
+
+
+def test_example_generate_with_kernel_linears_on_a_mesh(capsys):
+    """examples/generate.py --mesh data=2,tensor=2 --linear-implementation pallas_interpret on
+    8 CPU devices (a fresh process: the flag must reach XLA before JAX starts): the linears run
+    on the kernel per shard, as the printed counts say, and generate the unsharded tokens."""
+    if os.environ.get(helpers.CPU_DEVICES_CHILD_ENV):
+        pytest.skip("run once, by the parent process")
+    argv = ["--linear-implementation", KERNEL, "--batch-size", "2", "--max-new-tokens", "3"]
+    argv += ["--no-warmup"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(ROOT / "examples/generate.py"), *argv]
+    cmd += ["--mesh", "data=2,tensor=2", "--cpu-devices", "8"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "mesh: data=2 x expert=1 x tensor=2 on 4 cpu devices" in out, out
+    assert f"quantized linears: 21 on {KERNEL!r}, 3 on 'xla'\n" in out, out
+    assert f"3 not on {KERNEL!r}: its weight (1, 40, 128): " in out, out
+    example = helpers.load_script(ROOT / "examples/generate.py", "example_generate")
+    assert example.main(argv) == 0  # unsharded, in this process
+    token_lines = lambda text: re.findall(r"\[\d\] tokens: .*", text)  # noqa: E731
+    assert token_lines(out) == token_lines(capsys.readouterr().out) != []
