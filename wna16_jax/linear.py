@@ -16,7 +16,8 @@ layout:
   mgpu_int8 layout (`preferred_layout` says which layout to convert a weight to once, at load).
 
 Under GSPMD sharding (jit with sharded weights, no shard_map) a kernel call cannot be
-partitioned: XLA would gather the whole weight to every device. Use "xla" there.
+partitioned: XLA would gather the whole weight to every device. Use "xla" there, or run the
+kernel per device on its shard: `wna16_jax.sharding.quantized_matmul_sharded`.
 """
 
 from __future__ import annotations
