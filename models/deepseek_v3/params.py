@@ -816,7 +816,12 @@ def _experts_module(
     read = _read_experts(cfg, ckpt, qcfg, entry, form, range(entry.shape[0]), problems)
     if read is None:
         return None
-    w13, w2 = read
+    return _experts(cfg, *read, implementation, activation_quant)
+
+
+def _experts(cfg, w13, w2, implementation, activation_quant):
+    """RoutedExperts of quantized w13 and w2 (on `implementation`, with `activation_quant`),
+    else FloatExperts."""
     if isinstance(w13, wj.QuantizedExperts):
         return RoutedExperts(
             cfg,
@@ -885,17 +890,7 @@ def _sharded_experts_module(
         for n, (shape, sh) in enumerate(zip(shapes, shardings, strict=True))
     ]
     w13, w2 = jax.tree.unflatten(treedef, arrays)
-    if isinstance(w13, wj.QuantizedExperts):
-        module = RoutedExperts(
-            cfg,
-            rngs=None,
-            w13=w13,
-            w2=w2,
-            implementation=implementation,
-            activation_quant=activation_quant,
-        )
-    else:
-        module = FloatExperts(cfg, rngs=None, w13=w13, w2=w2)
+    module = _experts(cfg, w13, w2, implementation, activation_quant)
     module.w13_tp_shards = n_t
     return module
 
