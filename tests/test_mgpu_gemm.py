@@ -690,6 +690,11 @@ LAYER_SLACK = 5.0
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.skipif(
+    INTERPRET,
+    reason="the Mosaic GPU interpreter crashed the pytest-xdist worker in this test (two-consumer "
+    "bf16_weights, 48 tokens) in two clean-clone CI runs, while it passes alone: compiled on GPU",
+)
 def test_bf16_weights_meet_the_layer_contract(seed):
     """bf16_weights (the default from ROWS_FOR_128 rows per expert) against the float64 layer on
     the exact weights: within the fused_moe contract that the 'pallas' backend meets (its
