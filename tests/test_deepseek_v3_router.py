@@ -8,7 +8,11 @@ import jax
 import numpy as np
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from models.deepseek_v3 import DeepseekV3Config, route
+from models.deepseek_v3.modeling import RANKED_TOP_K_MAX_COMPARISONS, descending_ranks, top_k
 
 CASES = {
     # V3 at tiny size: sigmoid, bias, 16 experts in 4 groups, keep 2, top-4, normalized.
@@ -68,10 +72,13 @@ def route_oracle(logits: np.ndarray, bias: np.ndarray | None, cfg: DeepseekV3Con
     return np.asarray(w_out), np.asarray(ids_out)
 
 
+@pytest.mark.parametrize("t", [96, 300], ids=["ranked", "sorted"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_route_matches_oracle(case, rng):
+def test_route_matches_oracle(case, t, rng):
+    """96 tokens pick experts by rank (`top_k`); 300 of V3's 256 experts are over
+    RANKED_TOP_K_MAX_COMPARISONS: lax.top_k's sort."""
     cfg = CASES[case]
-    t, e = 96, cfg.n_routed_experts
+    e = cfg.n_routed_experts
     logits = rng.standard_normal((t, e)).astype(np.float32) * 2.0
     bias = None
     if cfg.topk_method == "noaux_tc":
@@ -109,3 +116,40 @@ def test_noaux_tc_weights_ignore_the_bias(rng):
     weights, ids = route(logits, bias, cfg=cfg)
     sig = 1 / (1 + np.exp(-logits.astype(np.float64)))
     np.testing.assert_allclose(weights, np.take_along_axis(sig, np.asarray(ids), 1), rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    n=st.integers(1, 40),
+    data=st.data(),
+)
+def test_top_k_by_rank_is_lax_top_k(rows, n, data):
+    """Values and indices equal lax.top_k's exactly, ties (drawn from few values, -inf among
+    them) placed by position as lax.top_k places them."""
+    k = data.draw(st.integers(1, n))
+    pool = [-np.inf, -1.5, 0.0, 0.25, 2.0, 3.0e38]
+    values = data.draw(st.lists(st.sampled_from(pool), min_size=rows * n, max_size=rows * n))
+    x = np.asarray(values, np.float32).reshape(rows, n)
+    assert x.size * n <= RANKED_TOP_K_MAX_COMPARISONS  # the ranked path
+    got_v, got_i = top_k(x, k)
+    want_v, want_i = jax.lax.top_k(x, k)
+    assert got_i.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    ranks = np.asarray(descending_ranks(x))
+    assert all(sorted(r) == list(range(n)) for r in ranks.tolist())  # a permutation per row
+
+
+def test_top_k_sorts_over_the_comparison_budget(monkeypatch):
+    """Over RANKED_TOP_K_MAX_COMPARISONS top_k is lax.top_k (no [rows, n, n] comparisons)."""
+    from models.deepseek_v3 import modeling
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 16))
+    calls = []
+    monkeypatch.setattr(modeling, "descending_ranks", lambda v: calls.append(v) or v)
+    monkeypatch.setattr(modeling, "RANKED_TOP_K_MAX_COMPARISONS", 4 * 16 * 16 - 1)
+    got_v, got_i = modeling.top_k(x, 3)
+    want_v, want_i = jax.lax.top_k(x, 3)
+    assert not calls
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))

@@ -770,6 +770,36 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Comparisons up to which `top_k` ranks scores pairwise instead of sorting them: XLA:GPU runs
+# each lax.top_k as a sort kernel, three per MoE layer (~45 us of a batch-1 decode step of 8
+# layers on the H200), where ranks are a few fused compare-and-count kernels. Ranks take
+# rows x width^2 comparisons: up to 256 rows of DeepSeek-V3's 256 experts; more (a prefill) sort.
+RANKED_TOP_K_MAX_COMPARISONS = 256**3
+
+
+def descending_ranks(x):
+    """int32 [..., n]: each entry's place along x's last axis in descending order (0: the
+    largest), equal values placed by position (the first first): lax.top_k's order. x must
+    hold no NaN (a NaN compares false and would share a place)."""
+    pos = jnp.arange(x.shape[-1])
+    after = x[..., None, :] > x[..., :, None]  # [..., i, j]: x[j] comes before x[i]
+    after |= (x[..., None, :] == x[..., :, None]) & (pos[None, :] < pos[:, None])
+    return after.sum(axis=-1, dtype=jnp.int32)
+
+
+def top_k(x, k: int):
+    """lax.top_k(x, k) along the last axis ((values, int32 indices), largest first, ties by
+    position) for x without NaN: by `descending_ranks` up to RANKED_TOP_K_MAX_COMPARISONS."""
+    if x.size * x.shape[-1] > RANKED_TOP_K_MAX_COMPARISONS:
+        return jax.lax.top_k(x, k)
+    ranks = descending_ranks(x)
+    places = jnp.arange(k, dtype=jnp.int32)[:, None]  # [k, 1]
+    pos = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    # The entry of each place 0..k-1 (places are a permutation: exactly one entry each).
+    ids = jnp.where(ranks[..., None, :] == places, pos, 0).sum(axis=-1, dtype=jnp.int32)
+    return jnp.take_along_axis(x, ids, axis=-1), ids
+
+
 def route(logits, bias, *, cfg: DeepseekV3Config):
     """DeepSeek routing in f32: which experts each token uses, and with what weight.
 
@@ -803,13 +833,13 @@ def route(logits, bias, *, cfg: DeepseekV3Config):
         g = cfg.n_group
         grouped = choice.reshape(t, g, e // g)
         if cfg.topk_method == "noaux_tc":
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)  # [T, g]
+            group_scores = top_k(grouped, 2)[0].sum(axis=-1)  # [T, g]
         else:
             group_scores = grouped.max(axis=-1)
-        _, group_idx = jax.lax.top_k(group_scores, cfg.topk_group)  # [T, topk_group]
-        keep = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], group_idx].set(True)
+        # The topk_group best groups (top_k's), by rank: a mask with no scatter.
+        keep = descending_ranks(group_scores) < cfg.topk_group  # [T, g]
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
-    _, ids = jax.lax.top_k(choice, k)
+    _, ids = top_k(choice, k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.norm_topk_prob and k > 1:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
