@@ -33,18 +33,26 @@ from benchmark import array_bytes, measure_ceilings, time_model_step
 
 import wna16_jax as wj
 
-# name: (N, K) of DeepSeek-V3's non-expert linears (y = x @ W.T, W [N, K]).
+# name: (N, K, activation) of DeepSeek-V3's non-expert linears (y = x @ W.T, W [N, K]) as the
+# model runs them on a kernel: q_a_proj and kv_a_proj_with_mqa as one GEMM (qkv_a), gate_proj
+# and up_proj as one [gate; up] GEMM with silu(gate) * up in its epilogue (activation "silu").
 SHAPES = {
-    "q_a": (1536, 7168),
-    "q_b": (24576, 1536),  # 128 heads x (128 nope + 64 rope)
-    "kv_a": (576, 7168),  # kv_lora_rank 512 + rope 64
-    "o_proj": (7168, 16384),
-    "mlp_gate_up": (18432, 7168),  # the dense layers' gate (and up) projection
-    "mlp_down": (7168, 18432),
-    "shared_gate_up": (2048, 7168),  # the shared expert's gate (and up) projection
-    "shared_down": (7168, 2048),
+    "q_a": (1536, 7168, None),
+    "q_b": (24576, 1536, None),  # 128 heads x (128 nope + 64 rope)
+    "kv_a": (576, 7168, None),  # kv_lora_rank 512 + rope 64
+    "qkv_a": (2112, 7168, None),  # q_a and kv_a fused
+    "o_proj": (7168, 16384, None),
+    "mlp_gate_up": (36864, 7168, "silu"),  # the dense layers' gate and up projections, fused
+    "mlp_down": (7168, 18432, None),
+    "shared_gate_up": (4096, 7168, "silu"),  # the shared expert's gate and up, fused
+    "shared_down": (7168, 2048, None),
+    "lm_head": (129280, 7168, None),  # the vocabulary projection, quantized (--quantize-lm-head)
 }
-TINY_SHAPES = {"tiny_a": (128, 256), "tiny_b": (64, 128)}
+TINY_SHAPES = {
+    "tiny_a": (128, 256, None),
+    "tiny_b": (64, 128, None),
+    "tiny_gated": (128, 128, "silu"),
+}
 
 # Bytes of the weight copies a timed step reads: several times the H200's 50 MB L2.
 STEP_WEIGHT_BYTES = 256 << 20
@@ -56,15 +64,21 @@ def weight_bytes(w) -> int:
     return sum(array_bytes(a) for a in jax.tree.leaves(w))
 
 
-def linear_fn(implementation: str):
+def linear_fn(implementation: str, activation: str | None = None):
     """(x, w) -> x + 1e-30 x the sum of each row of the linear's output (the whole output
-    read, so no implementation computes less than all of it; the result feeds the next call)."""
+    read, so no implementation computes less than all of it; the result feeds the next call).
+    activation "silu": w's rows are [gate; up] and the output silu(gate) * up."""
 
     def fn(x, w):
         if implementation == "bf16":
             y = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+            if activation is not None:  # "silu", as the kernels' epilogue computes it
+                gate, up = jnp.split(y, 2, axis=-1)
+                y = jax.nn.silu(gate) * up
         else:
-            y = wj.linear.quantized_matmul(x, w, implementation=implementation)
+            y = wj.linear.quantized_matmul(
+                x, w, activation=activation, implementation=implementation
+            )
         return x + (jnp.sum(y.astype(jnp.float32), axis=1, keepdims=True) * 1e-30).astype(x.dtype)
 
     return fn
@@ -78,7 +92,7 @@ def weights_for(implementation: str, w: wj.QuantizedExperts, dtype):
     return wj.layouts.to_kernel_layout(w, layout)
 
 
-def bench_shape(name, n, k, ms, implementations, args, copy_bps):
+def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
     """The rows of one shape: each implementation at each M."""
     dtype = jnp.bfloat16
     key = jax.random.key(args.seed)
@@ -110,12 +124,14 @@ def bench_shape(name, n, k, ms, implementations, args, copy_bps):
                   for c in range(copies)]  # fmt: skip
             try:
                 seconds = time_model_step(
-                    linear_fn(impl), list(zip(xs, held, strict=True)), repeats=args.repeats
+                    linear_fn(impl, activation),
+                    list(zip(xs, held, strict=True)),
+                    repeats=args.repeats,
                 )
             except (ValueError, NotImplementedError) as err:
                 print(f"{name} {impl} M={m}: cannot run ({err})", file=sys.stderr)
                 continue
-            read = step_bytes + m * k * 2 + m * n * 2
+            read = step_bytes + m * k * 2 + m * (n // 2 if activation else n) * 2
             rows.append(dict(
                 shape=name, N=n, K=k, M=m, implementation=impl, seconds=seconds,
                 bytes=read, copy_fraction=read / seconds / copy_bps, weight_copies=copies,
@@ -165,8 +181,8 @@ def main(argv=None):
     )
     rows = []
     for name in args.shapes:
-        n, k = (SHAPES | TINY_SHAPES)[name]
-        rows += bench_shape(name, n, k, args.m, args.implementations, args, copy_bps)
+        n, k, activation = (SHAPES | TINY_SHAPES)[name]
+        rows += bench_shape(name, n, k, activation, args.m, args.implementations, args, copy_bps)
     result = dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, copy_bytes_per_s=copy_bps,
         matmul_flops_per_s=mm_flops, rows=rows,

@@ -265,6 +265,18 @@ def test_benchmark_linear_tiny(tmp_path, capsys):
     assert 0 < rows["mgpu_interpret"]["bytes"] - rows["xla"]["bytes"] <= n * (k // 128) * 2
 
 
+def test_benchmark_linear_gated_rows(capsys):
+    """A gated shape ([gate; up] rows, silu(gate) * up) runs on the kernel and on the bf16 dot;
+    a call writes N/2 outputs per row."""
+    argv = ["--shapes", "tiny_gated", "--implementations", "mgpu_interpret", "bf16",
+            "--m", "2", "--repeats", "1"]  # fmt: skip
+    result = _load("benchmark_linear").main(argv)
+    rows = {r["implementation"]: r for r in result["rows"]}
+    assert sorted(rows) == ["bf16", "mgpu_interpret"]
+    n, k, m = 128, 128, 2
+    assert rows["bf16"]["bytes"] == n * k * 2 + m * k * 2 + m * (n // 2) * 2
+
+
 # ---- profile.py -------------------------------------------------------------------------------
 
 
