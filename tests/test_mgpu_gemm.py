@@ -416,20 +416,52 @@ def run_w8a8_gemm_case(
      dict(block_m=64, block_k=128, group_size=-1, consumers=2),
      dict(block_m=16, block_k=128, group_size=-1, consumers=1, splits=2),
      dict(block_m=8, block_k=128, group_size=-1, gated=True, out_dtype=BF16),
-     dict(block_m=8, block_k=64, group_size=-1, tiles_per_program=2)],
+     dict(block_m=8, block_k=64, group_size=-1, tiles_per_program=2),
+     dict(block_m=128, block_k=128, group_size=-1, consumers=2, gated=True, out_dtype=BF16),
+     dict(block_m=16, block_k=64, group_size=64, consumers=2)],
     ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()),
 )  # fmt: skip
 def test_w8a8_gemm_matches_numpy(rng, case):
     """W8A8 (int8 x int8 on the int8 tensor cores) on the GEMM's paths: per channel and grouped
-    scales, warp specialization, K splits, gated silu * up, runs of output tiles."""
+    scales, warp specialization (per channel: the int32 sums carried over all k-steps, scaled
+    once; grouped: scaled per group), K splits, gated silu * up, runs of output tiles."""
     run_w8a8_gemm_case(rng, e=3, n=256, k=256, blocks=[1, -1, 0, 2], **case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [dict(block_m=64, block_k=128, group_size=-1, consumers=2),
+     dict(block_m=128, block_k=128, group_size=-1, consumers=2, gated=True, out_dtype=BF16),
+     dict(block_m=16, block_k=64, group_size=64, consumers=2)],
+    ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()),
+)  # fmt: skip
+def test_w8a8_gemm_lowers_for_sm90(rng, case):
+    """The W8A8 GEMM's Pallas -> Mosaic GPU lowering for the "cuda" platform, on any machine
+    (nothing runs): it rejects what the interpreter accepts, e.g. an optimized load from global
+    memory (the carried int32 sums read their scales there after the pipeline)."""
+    case = dict(case)
+    out_dtype = case.pop("out_dtype", jnp.float32)
+    group_size = case.pop("group_size")
+    qw = prepare_weights(helpers.random_quantized_experts(rng, 3, 256, 256, 8, group_size,
+                                                          False, BF16))  # fmt: skip
+    blocks = jnp.asarray([1, -1, 0, 2], jnp.int32)
+    rows = jax.ShapeDtypeStruct((4 * case["block_m"], 256), jnp.int8)
+    scales = jax.ShapeDtypeStruct((4 * case["block_m"],), jnp.float32)
+
+    def gemm(x, w, block_experts, x_scales):
+        return mgpu_wna16_gemm(x, w, block_experts, x_scales=x_scales, out_dtype=out_dtype,
+                               max_concurrent_steps=4, interpret=False, **case)  # fmt: skip
+
+    lowered = jax.jit(gemm).trace(rows, qw, blocks, scales).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "block_m,block_k,consumers,splits,block_n,gated,stages",
     [(8, 256, 0, 1, 64, True, 2), (8, 256, 0, 1, 64, False, 3), (16, 256, 0, 1, 128, True, 3),
-     (64, 256, 2, 1, 64, True, 2), (64, 128, 2, 1, 128, False, 3), (8, 256, 0, 4, 64, False, 3)],
+     (64, 256, 2, 1, 64, True, 2), (64, 128, 2, 1, 128, False, 3), (8, 256, 0, 4, 64, False, 3),
+     (128, 128, 2, 1, 64, True, 3), (128, 128, 2, 1, 128, False, 3)],
     ids=str,
 )  # fmt: skip
 def test_w8a8_gemm_deepseek_v3_shapes(rng, block_m, block_k, consumers, splits, block_n, gated,

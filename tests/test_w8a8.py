@@ -33,6 +33,7 @@ from backend_cases import FusedMoeCases, MoeCase
 from jax.experimental import pallas as pl
 
 import wna16_jax as wj
+from pallas_kernels.mosaic_gpu import config as mgpu_config
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_moe
 from pallas_kernels.triton import fused_moe as pallas_moe
 from pallas_kernels.triton import w8a8_gemm as w8a8_module
@@ -638,6 +639,19 @@ def test_backend_reasons_for_w8a8():
     assert "I=48 is not a multiple of 32" in interp(_problem(intermediate=48, w2_group=48))
     # group_size equal to K is per-channel too.
     assert interp(_problem(group_size=128, w2_group_size=64)) is None
+
+
+def test_mgpu_w8a8_from_64_rows_per_expert(rng):
+    """From 64 rows per expert, per-channel W8A8 on mgpu takes 128-row blocks (halved down to 16
+    rows) whose int32 sums are carried over all k-steps and scaled once."""
+    x, w13, w2, tw, ti = w8a8_inputs(rng, T=264, H=128, I=64, E=8, k=2)
+    mgpu = [wj.layouts.to_kernel_layout(w, "mgpu_int8") for w in (w13, w2)]
+    cfg = mgpu_config.layer_config(None, 264 * 2, 8, *mgpu, int8_rows=True)
+    assert (cfg.block_m, cfg.consumers, cfg.bf16_weights) == (128, 2, False)
+    out = wj.fused_moe(x, *mgpu, tw, ti, activation_quant=PER_TOKEN,
+                       implementation=TestW8A8MosaicGpu.IMPLEMENTATION)  # fmt: skip
+    ref = wj.fused_moe(x, w13, w2, tw, ti, activation_quant=PER_TOKEN, implementation="xla")
+    assert_moe_close(out, ref, W8A8_VS_ORACLE[BF16], "128-row W8A8 layer")
 
 
 def test_mgpu_reasons_for_w8a8():

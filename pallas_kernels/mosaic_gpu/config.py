@@ -67,7 +67,7 @@ TWO_STAGES_MAX_SLOTS = 128
 
 def default_config(
     num_slots: int, num_experts: int, group: int, down_k: int | None = None, bits: int = 4,
-    int8_rows: bool = False,
+    int8_rows: bool = False, per_channel: bool = False,
 ) -> MgpuConfig:  # fmt: skip
     """The heuristic config for num_slots (T*k) slots over num_experts experts: the layer's
     config where the tuned table has no entry for the problem.
@@ -86,14 +86,14 @@ def default_config(
     scales: the layer's group is gcd(H, I)), and each GEMM's stages cut to those that fit in
     shared memory (`fitted_stages`: an int8 k-step takes twice int4's weight bytes; 64-row
     blocks run GEMM1 at 2 stages): guesses from int4's rules, not measured. int8 rows (W8A8)
-    take int8's rules below ROWS_FOR_128 and 64-row blocks from there (their exact int32 sums
-    need no bf16 weights). The figures behind each rule: docs/performance.md, 'Mosaic GPU
-    configs'."""
+    take int8's rules; from ROWS_FOR_128 the 128-row blocks carry exact int32 sums instead of
+    bf16 weights where both weights are per channel (per_channel), else 64-row blocks. The
+    figures behind each rule: docs/performance.md, 'Mosaic GPU configs'."""
     rows = num_slots / num_experts
-    if rows >= ROWS_FOR_128 and not int8_rows:
+    if rows >= ROWS_FOR_128 and (per_channel or not int8_rows):
         cfg = MgpuConfig(
             128, one_group_block_k(group), stages=3, consumers=2, block_n=64, down_block_n=128,
-            down_stages=3, block_halvings=3, bf16_weights=True,
+            down_stages=3, block_halvings=3, bf16_weights=not int8_rows,
         )  # fmt: skip
         return fitted_stages(cfg, group, bits)
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
@@ -183,9 +183,11 @@ def layer_config(
     cfg = None if int8_rows else _configs.lookup_tuned(TUNED_TABLE, problem, num_slots, kind)
     source = f"tuned:{kind}"
     if cfg is None:
+        per_channel = w13.group == w13.k and w2.group == w2.k
         cfg = default_config(
-            num_slots, num_experts, problem["group"], w2.k, w13.bits, int8_rows=int8_rows
-        )
+            num_slots, num_experts, problem["group"], w2.k, w13.bits, int8_rows=int8_rows,
+            per_channel=per_channel,
+        )  # fmt: skip
         source = "heuristic"
     key = (num_slots, tuple(problem.items()), cfg)
     if key not in _logged:

@@ -545,6 +545,10 @@ def mgpu_wna16_gemm(
     w8a8 = dtype == jnp.int8
     out_dtype = jnp.dtype(out_dtype or (jnp.float32 if w8a8 else dtype))
     sums = jnp.int32 if w8a8 else jnp.float32  # a group's exact products
+    # W8A8 per channel, warp-specialized, one tile per program: the exact int32 sums of all
+    # k-steps carried in the accumulators (one scale per feature and row: applied once, at the
+    # end), as bf16_weights carries its sums.
+    carried_int32 = w8a8 and w.group == k and takes_bf16_weights(consumers, tiles_per_program)
     wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
     subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
     halves = 2 if gated else 1  # weight halves a program reads: (gate, up) or the one
@@ -741,11 +745,14 @@ def mgpu_wna16_gemm(
             def rounded_products(acc_refs, q_refs, x_smem, s_refs, z_refs):
                 # bf16_weights: each weight's (q - z) * s rounded to bf16 once (as a bf16 model's
                 # dequantized weights), multiplied straight into the sums (acc_refs): no f32 sum
-                # per group to hold, wait for and scale.
+                # per group to hold, wait for and scale. carried_int32: the int8 products
+                # straight into the int32 sums (scaled at the end: `scaled_sums`).
                 for g in range(groups_per_step):
                     for h in range(halves):
                         for s in range(subs):
-                            scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
+                            scale = None
+                            if not carried_int32:
+                                scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                             offset = group_offset(s_refs, z_refs, g, h, s, scale)
                             for j in range(g * tiles_per_part, (g + 1) * tiles_per_part):
                                 wt = dequantized_tile(q_refs[h], offset, s, j, scale)
@@ -767,7 +774,7 @@ def mgpu_wna16_gemm(
                 xs_ref = refs.pop() if w8a8 else None
                 q_refs, x_smem = refs[:halves], refs[halves]
                 s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
-                if bf16_weights:  # accs: the sums' accumulator refs
+                if bf16_weights or carried_int32:  # accs: the sums' accumulator refs
                     return rounded_products(accs, q_refs, x_smem, s_refs, z_refs)
                 if tiles == 1:
                     return products(accs, q_refs, x_smem, s_refs, z_refs, xs_ref)
@@ -856,15 +863,40 @@ def mgpu_wna16_gemm(
                 with region("program"):
                     body()
 
+            def scaled_sums(acc_refs):
+                """The carried sums in f32: carried_int32's scaled by each feature's weight
+                scale and each row's scale (read from global memory: the pipeline's copies are
+                gone; optimized=False: Mosaic GPU lowers optimized loads from shared memory
+                only), bf16_weights' as they are."""
+                values = tuple(acc[...] for acc in acc_refs)
+                if not carried_int32:
+                    return values
+                row_scale = plgpu.load(
+                    xs_gmem[0].at[bi, pl.ds(0, rows)], layout=column, optimized=False
+                )
+                out = []
+                for h in range(halves):
+                    for s in range(subs):
+                        first = (h * n_tiles + n_run) * tile_n + sub_tile(s) * TILE
+                        scale = plgpu.load(
+                            s_gmem.at[e, 0, pl.ds(first, TILE)], layout=row, optimized=False
+                        )
+                        value = values[h * subs + s].astype(jnp.float32)
+                        value = value * lax.broadcast_in_dim(
+                            scale.astype(jnp.float32), value.shape, [0]
+                        )
+                        out.append(value * lax.broadcast_in_dim(row_scale, value.shape, [1]))
+                return tuple(out)
+
             def run():
-                if bf16_weights:  # the sums in accumulator refs, the pipeline's carry
+                if bf16_weights or carried_int32:  # the sums in accumulator refs, the carry
 
                     def rounded(run):
                         def scope(*acc_refs):
                             run(acc_refs)
-                            store_all(epilogue(tuple(acc[...] for acc in acc_refs)), n_run)
+                            store_all(epilogue(scaled_sums(acc_refs)), n_run)
 
-                        accs = [plgpu.ACC((TILE, rows), jnp.float32) for _ in range(halves * subs)]
+                        accs = [plgpu.ACC((TILE, rows), sums) for _ in range(halves * subs)]
                         program(lambda: pl.run_scoped(scope, *accs))
 
                     pipeline(rounded)
