@@ -181,8 +181,9 @@ def gated_weights_in_bf16(implementation, w, rows) -> bool:
 
 
 def test_mgpu_linear_configs():
-    """The heuristic narrows a program's features until they tile N (576 = 9 x 64)."""
-    from pallas_kernels.mosaic_gpu.config import tile_n
+    """The heuristic narrows a program's features until they tile N (576 = 9 x 64), and keeps
+    more k-steps in flight for a decode row's long K."""
+    from pallas_kernels.mosaic_gpu.config import default_config, tile_n
     from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
 
     for m in (1, 8, 64, 4096):
@@ -191,6 +192,14 @@ def test_mgpu_linear_configs():
         assert 576 % tile_n(cfg) == 0, (m, cfg)
     wide = linear_config(dataclasses.replace(shape, n=7168))
     assert wide.block_m == 128 and wide.consumers == 2
+    # Decode rows: a long K keeps 4 k-steps in flight (int4 and int8), a short one the layer's.
+    from pallas_kernels.mosaic_gpu.grouped_matmul import DEEP_PIPELINE_STAGES
+
+    for bits in (4, 8):
+        long_k = dataclasses.replace(shape, m=1, n=7168, k=16384, bits=bits)
+        assert linear_config(long_k).stages == DEEP_PIPELINE_STAGES, bits
+    short_k = dataclasses.replace(shape, m=1, n=24576, k=1536)
+    assert linear_config(short_k).stages == default_config(1, 1, 128).stages
 
 
 def test_preferred_layout(rng, monkeypatch):

@@ -19,6 +19,7 @@ import numpy as np
 
 from pallas_kernels.mosaic_gpu.config import (
     default_config,
+    fitted_stages,
     from_block_config,
     gemm_plan,
     gemm_rows_in_use,
@@ -34,6 +35,13 @@ from wna16_jax._types import BlockConfig, MgpuConfig
 # the group (the mgpu layouts' tiles are 64 x 64).
 SPAN = 64
 
+# A linear of 8-row blocks (decode) streams its weight: from this many k-steps its programs keep
+# 4 in flight, not the layer's 3 (one H200, M=1, 256-wide k-steps: o_proj 26.0 -> 18.4 us,
+# q_a + kv_a 17.2 -> 13.1, the shared expert's gate + up 16.2 -> 9.6; shorter K, q_b's 1536
+# and the shared down's 2048, measured no better).
+DEEP_PIPELINE_MIN_STEPS = 16
+DEEP_PIPELINE_STAGES = 4
+
 
 def gemm_shape_reason(shape: GemmShape, dtype: str) -> str | None:
     """Why the Mosaic GPU GEMM cannot run a GEMM of `shape` on activations of `dtype` (any
@@ -48,8 +56,13 @@ def gemm_shape_reason(shape: GemmShape, dtype: str) -> str | None:
 def linear_config(shape: GemmShape) -> MgpuConfig:
     """The heuristic config of a GEMM of `shape` (a linear: shape.m rows on one expert):
     `default_config` at its rows per expert, with a program's features narrowed (block_n 64,
-    then one consumer) until they tile N (e.g. kv_a_proj's 576 = 9 x 64 at 128-row blocks)."""
+    then one consumer) until they tile N (e.g. kv_a_proj's 576 = 9 x 64 at 128-row blocks);
+    8-row blocks over DEEP_PIPELINE_MIN_STEPS k-steps or more keep DEEP_PIPELINE_STAGES in
+    flight (where they fit)."""
     cfg = default_config(max(shape.m, 1), shape.num_experts, shape.group, bits=shape.bits)
+    if cfg.block_m == 8 and shape.k // cfg.block_k >= DEEP_PIPELINE_MIN_STEPS:
+        deep = dataclasses.replace(cfg, stages=max(cfg.stages, DEEP_PIPELINE_STAGES))
+        cfg = fitted_stages(deep, shape.group, shape.bits)
     if shape.n % tile_n(cfg):
         cfg = dataclasses.replace(cfg, block_n=SPAN)
     if shape.n % tile_n(cfg) and cfg.consumers > 1:
