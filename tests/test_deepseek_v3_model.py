@@ -31,6 +31,7 @@ from models.deepseek_v3.modeling import (
     MLAttention,
     QuantizedLinear,
     RoutedExperts,
+    apply_rope,
     dequantize_model,
     rope_cos_sin,
 )
@@ -52,9 +53,12 @@ def _left_padded(rows, pad_id):
 
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "q_proj"])
 def test_absorbed_attention_equals_naive(q_lora, rng):
-    """Scores against the latent cache (q absorbed into W_UK, output through W_UV) equal the
-    attention with keys and values expanded through kv_b_proj, left padding included."""
+    """Scores against the latent cache (q absorbed into W_UK, [q_lat, q_pe] against [c_kv,
+    k_pe] in one product, output through W_UV) equal the attention with keys and values
+    expanded through kv_b_proj, left padding included; the cache's slots hold c_kv then the
+    roped k_pe of the written tokens."""
     cfg = tiny_config(q_lora_rank=64 if q_lora else None)
+    r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     attn = MLAttention(cfg, rngs=rng)
     b, s, extra = 2, 7, 3
     x = jnp.asarray(rng.standard_normal((b, s, cfg.hidden_size)), jnp.float32)
@@ -65,10 +69,7 @@ def test_absorbed_attention_equals_naive(q_lora, rng):
     causal = np.tril(np.ones((s, s), bool))
     mask = (causal[None] & key_valid[:, None, :]) | np.eye(s, dtype=bool)[None]
     # The same queries against a cache of s + extra slots (the extra ones empty).
-    cache = (
-        jnp.zeros((b, s + extra, cfg.kv_lora_rank)),
-        jnp.zeros((b, s + extra, cfg.qk_rope_head_dim)),
-    )
+    cache = jnp.zeros((b, s + extra, r + dr), cfg.dtype)
     mask_l = np.concatenate([mask, np.zeros((b, s, extra), bool)], axis=2)
 
     @nnx.jit
@@ -77,14 +78,17 @@ def test_absorbed_attention_equals_naive(q_lora, rng):
         absorbed, new_cache = attn(
             x, cos=cos, sin=sin, mask=mask_l, mode="decode", cache=cache, index=jnp.int32(0)
         )
-        return naive, absorbed, new_cache
+        kv_a = attn.kv_a_proj_with_mqa(x)  # [B, S, R + dr]
+        c_kv = attn.kv_a_layernorm(kv_a[..., :r])
+        k_pe = apply_rope(kv_a[..., r:], cos, sin)
+        return naive, absorbed, new_cache, c_kv, k_pe
 
-    naive, absorbed, (c_kv, k_pe) = both(attn, x, cos, sin, mask, mask_l, cache)
+    naive, absorbed, latent, c_kv, k_pe = both(attn, x, cos, sin, mask, mask_l, cache)
     assert_close(absorbed, naive, "f32_reordered")
-    # The cache holds exactly the latent (kv_lora_rank) and rope key (qk_rope_head_dim).
-    assert c_kv.shape == (b, s + extra, cfg.kv_lora_rank)
-    assert k_pe.shape == (b, s + extra, cfg.qk_rope_head_dim)
-    assert np.all(np.asarray(c_kv[:, s:]) == 0) and np.any(np.asarray(c_kv[:, :s]) != 0)
+    assert latent.shape == (b, s + extra, r + dr) and latent.dtype == cache.dtype
+    assert_close(latent[:, :s, :r], c_kv, "f32_reordered")
+    assert_close(latent[:, :s, r:], k_pe, "f32_reordered")
+    np.testing.assert_array_equal(np.asarray(latent[:, s:]), 0)
 
 
 @pytest.fixture(scope="module")

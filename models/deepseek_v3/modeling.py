@@ -596,18 +596,18 @@ def apply_rope(x, cos, sin):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """The compressed MLA cache: per layer the normalized latent and the rotated rope key.
+    """The compressed MLA cache: per layer one array of the normalized latent and the rotated
+    rope key side by side (DeepSeek's and vLLM's MLA layout: keys of R + dr, the first R also
+    the values).
 
     Attributes:
-        c_kv: per layer [B, L, R] (model dtype).
-        k_pe: per layer [B, L, dr] (model dtype).
+        latent: per layer [B, L, R + dr] (model dtype): [..., :R] c_kv, [..., R:] roped k_pe.
         valid: bool [B, L]: the slot holds a real token (left padding is False).
         next_pos: int32 [B]: rope position of each row's next token.
         index: int32 []: the next slot to write (shared by all rows).
     """
 
-    c_kv: tuple
-    k_pe: tuple
+    latent: tuple
     valid: jax.Array
     next_pos: jax.Array
     index: jax.Array
@@ -691,18 +691,20 @@ class MLAttention(nnx.Module):
         p = self._softmax(scores, mask[:, None]).astype(v.dtype)
         return jnp.einsum("bhst,bthv->bshv", p, v)
 
-    def absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
+    def absorbed(self, q_nope, q_pe, latent, mask):
         """The same attention computed against the latent cache (decode form).
 
-        q_nope is absorbed into W_UK so scores are taken against c_kv directly; the output is
-        the probability-weighted latent, mapped through W_UV. Shapes as in `naive`.
+        q_nope is absorbed into W_UK, so [q_lat, q_pe] scores against the whole latent (c_kv
+        and k_pe) in one product; the output is the probability-weighted c_kv, mapped through
+        W_UV. q_nope [B,S,h,dn], q_pe [B,S,h,dr]; latent [B,T,R + dr]; mask bool [B,S,T].
+        Returns [B, S, h, dv].
         """
         w_uk, w_uv = self._split_kv_b(q_nope.dtype)
         q_lat = jnp.einsum("bshd,hdr->bshr", q_nope, w_uk)  # [B, S, h, R]
-        scores = jnp.einsum("bshr,btr->bhst", q_lat, c_kv, preferred_element_type=_F32)
-        scores += jnp.einsum("bshd,btd->bhst", q_pe, k_pe, preferred_element_type=_F32)
-        p = self._softmax(scores, mask[:, None]).astype(c_kv.dtype)
-        o_lat = jnp.einsum("bhst,btr->bshr", p, c_kv)  # [B, S, h, R]
+        q = jnp.concatenate([q_lat, q_pe], axis=-1)  # [B, S, h, R + dr]
+        scores = jnp.einsum("bshk,btk->bhst", q, latent, preferred_element_type=_F32)
+        p = self._softmax(scores, mask[:, None]).astype(latent.dtype)
+        o_lat = jnp.einsum("bhst,btr->bshr", p, latent[..., : self.cfg.kv_lora_rank])
         return jnp.einsum("bshr,hvr->bshv", o_lat, w_uv)
 
     def __call__(self, x, *, cos, sin, mask, mode: str, cache=None, index=None):
@@ -712,11 +714,11 @@ class MLAttention(nnx.Module):
             mode: "full" (no cache), "prefill" (write slots 0..S-1 of an empty cache, attend
                 over this chunk) or "decode" (write slots index..index+S-1, attend over the
                 cache in the absorbed form).
-            cache: (c_kv [B, L, R], k_pe [B, L, dr]) for prefill / decode.
+            cache: the layer's latent [B, L, R + dr] (KVCache.latent) for prefill / decode.
             index: int32 [] first slot written by decode.
 
         Returns:
-            ([B, S, H], new (c_kv, k_pe) or None).
+            ([B, S, H], the new latent [B, L, R + dr] or None).
         """
         b, s, _ = x.shape
         q_nope, q_pe, c_kv, k_pe = self._project(x, cos, sin)
@@ -724,22 +726,13 @@ class MLAttention(nnx.Module):
         if mode == "full":
             out = self.naive(q_nope, q_pe, c_kv, k_pe, mask)
         elif mode == "prefill":
-            c_cache, pe_cache = cache
-            new_cache = (
-                jax.lax.dynamic_update_slice(c_cache, c_kv.astype(c_cache.dtype), (0, 0, 0)),
-                jax.lax.dynamic_update_slice(pe_cache, k_pe.astype(pe_cache.dtype), (0, 0, 0)),
-            )
+            latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [B, S, R + dr]
+            new_cache = jax.lax.dynamic_update_slice(cache, latent, (0, 0, 0))
             out = self.naive(q_nope, q_pe, c_kv, k_pe, mask)
         elif mode == "decode":
-            c_cache, pe_cache = cache
-            c_cache = jax.lax.dynamic_update_slice(
-                c_cache, c_kv.astype(c_cache.dtype), (0, index, 0)
-            )
-            pe_cache = jax.lax.dynamic_update_slice(
-                pe_cache, k_pe.astype(pe_cache.dtype), (0, index, 0)
-            )
-            new_cache = (c_cache, pe_cache)
-            out = self.absorbed(q_nope, q_pe, c_cache, pe_cache, mask)
+            latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [B, S, R + dr]
+            new_cache = jax.lax.dynamic_update_slice(cache, latent, (0, index, 0))
+            out = self.absorbed(q_nope, q_pe, new_cache, mask)
         else:
             raise ValueError(f"mode={mode!r} is not one of 'full', 'prefill', 'decode'")
         out = _constrain(self.sharding, out, "act_btnk")
@@ -1419,7 +1412,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         x = _constrain(self.sharding, self.model.embed_tokens(ids), "act_btd")
         new = []
         for i, layer in enumerate(self.model.layers):
-            layer_cache = None if cache is None else (cache.c_kv[i], cache.k_pe[i])
+            layer_cache = None if cache is None else cache.latent[i]
             x, nc = layer(x, cos=cos, sin=sin, mask=mask, mode=mode, cache=layer_cache, index=index)
             x = _constrain(self.sharding, x, "act_btd")
             new.append(nc)
@@ -1447,11 +1440,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         cfg = self.cfg
         n = cfg.num_hidden_layers
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim  # R + dr
         return KVCache(
-            c_kv=tuple(jnp.zeros((batch, max_len, cfg.kv_lora_rank), cfg.dtype) for _ in range(n)),
-            k_pe=tuple(
-                jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), cfg.dtype) for _ in range(n)
-            ),
+            latent=tuple(jnp.zeros((batch, max_len, width), cfg.dtype) for _ in range(n)),
             valid=jnp.zeros((batch, max_len), bool),
             next_pos=jnp.zeros((batch,), jnp.int32),
             index=jnp.zeros((), jnp.int32),
@@ -1481,8 +1472,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
             cache=cache,
         )
         cache = KVCache(
-            c_kv=tuple(c for c, _ in new),
-            k_pe=tuple(p for _, p in new),
+            latent=tuple(new),
             valid=jax.lax.dynamic_update_slice(cache.valid, key_valid, (0, 0)),
             next_pos=key_valid.sum(axis=1).astype(jnp.int32),
             index=jnp.asarray(s, jnp.int32),
@@ -1509,8 +1499,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         mask = valid[:, None, :] & (slots[None, None, :] <= query_slot[None, :, None])
         x, new = self._run(tokens, positions, mask, mode="decode", cache=cache, index=idx)
         cache = KVCache(
-            c_kv=tuple(c for c, _ in new),
-            k_pe=tuple(p for _, p in new),
+            latent=tuple(new),
             valid=valid,
             next_pos=cache.next_pos + s,
             index=idx + s,

@@ -253,7 +253,7 @@ class ShardingSpecs:
     act_btnk: P = P()  # q and the attention output per head [B, S, h, dk]
     logits_btv: P = P()
     logits_bv: P = P()  # generation's logits of one position
-    cache_blr: P = P()  # c_kv [B, L, R] and k_pe [B, L, dr]
+    cache_blr: P = P()  # the latent cache [B, L, R + dr] (c_kv and k_pe side by side)
     cache_bl: P = P()  # which cache slots hold a token
     cache_b: P = P()  # next rope position per row
     # weights
@@ -424,10 +424,8 @@ class ModelSharding:
 
     def cache_shardings(self, num_layers: int) -> KVCache:
         """NamedShardings of a KVCache (a KVCache of shardings)."""
-        blr = self.named(self.specs.cache_blr)
         return KVCache(
-            c_kv=(blr,) * num_layers,
-            k_pe=(blr,) * num_layers,
+            latent=(self.named(self.specs.cache_blr),) * num_layers,
             valid=self.named(self.specs.cache_bl),
             next_pos=self.named(self.specs.cache_b),
             index=self.named(P()),
