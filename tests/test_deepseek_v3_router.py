@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
