@@ -2,9 +2,14 @@
 
 The model is built as examples/generate.py builds it (the same flags after ours), then
 `generate` runs under `jax.profiler.trace` twice: with 2 new tokens (the prefill and a decode
-loop of one step) and with 2 + --steps. Per kernel name, the difference of the two traces
-divided by --steps is one decode step: the prefill and the decode call's own work before its
-loop (e.g. the absorbed kv_b weights) are the same in both and cancel.
+loop of one step) and with 2 + --steps. The difference of the two traces' launches, divided by
+--steps, is the kernels one loop iteration launches; the longer trace holds 1 + --steps such
+iterations back to back, the same kernel names in the same order each time, and a step's
+kernels are their mean (`loop_step`): names within one compiled program, so each row is one
+kernel of the loop. Where no such repetition is found (a loop whose launches vary per
+iteration) the rows fall back to the difference of the two traces per kernel name
+(`per_step`), which can pair different kernels: XLA numbers the fusions of each compiled
+program on its own (the two calls' decode loops have different trip counts, so two programs).
 
     python examples/profile_decode.py --steps 8 --full-width-layers 8 --batch-size 1
 
@@ -94,6 +99,39 @@ def per_step(base: list[dict], more: list[dict], steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def loop_start(names: list[str], period: int, iterations: int) -> int | None:
+    """The first index at which `names` holds `iterations` repetitions of one sequence of
+    `period` names back to back (the last such run if several: the decode loop comes after the
+    prefill), or None."""
+    span = period * iterations
+    found = None
+    for start in range(len(names) - span + 1):
+        if all(names[i] == names[i + period] for i in range(start, start + span - period)):
+            found = start
+    return found
+
+
+def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | None:
+    """Per kernel name: launches and us of one iteration of the decode loop, the mean of the
+    1 + steps iterations in the kernels of the longer call (`more`; `base`: the call with a
+    one-step loop, whose launch count sets the iteration's length); longest first. None where
+    the launches do not split into equal iterations that repeat."""
+    extra = len(more) - len(base)
+    if extra <= 0 or extra % steps:
+        return None
+    period, iterations = extra // steps, steps + 1
+    names = [k["name"] for k in more]
+    start = loop_start(names, period, iterations)
+    if start is None:
+        return None
+    out: dict[str, list[float]] = {}
+    for k in more[start : start + period * iterations]:
+        n, t = out.get(k["name"], (0, 0.0))
+        out[k["name"]] = [n + 1, t + k["dur"]]
+    rows = [dict(name=n, launches=c / iterations, us=t / iterations) for n, (c, t) in out.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
 def _nbytes(tree) -> int:
     return sum(benchmark.array_bytes(a) for a in jax.tree.leaves(tree))
 
@@ -139,9 +177,13 @@ def main(argv=None) -> int:
     for n in (base, more):  # compile and load both programs before timing
         stats_of(n)
     step_s = min(stats_of(more).step_s for _ in range(3))
-    rows = per_step(
-        traced_kernels(lambda: stats_of(base)), traced_kernels(lambda: stats_of(more)), ours.steps
-    )
+    base_kernels = traced_kernels(lambda: stats_of(base))
+    more_kernels = traced_kernels(lambda: stats_of(more))
+    rows = loop_step(base_kernels, more_kernels, ours.steps)
+    method = "one loop iteration, mean of the traced ones"
+    if rows is None:
+        rows = per_step(base_kernels, more_kernels, ours.steps)
+        method = "the two traces' difference per kernel name (no repeating loop iteration found)"
     step_us = sum(r["us"] for r in rows)
     launches = sum(r["launches"] for r in rows)
     copy_bps, _ = benchmark.measure_ceilings(on_gpu, repeats=3)
@@ -150,7 +192,7 @@ def main(argv=None) -> int:
     print(
         f"batch {args.batch_size[0]}, {ours.steps} decode steps traced: kernels "
         f"{step_us:.1f} us per step in {launches:.0f} launches; untraced step "
-        f"{step_s * 1e6:.1f} us"
+        f"{step_s * 1e6:.1f} us ({method})"
     )
     print(
         f"weights read per step >= {nbytes / 1e9:.3f} GB = {floor_us:.1f} us at the measured "
@@ -171,6 +213,7 @@ def main(argv=None) -> int:
                 batch_size=args.batch_size[0],
                 steps=ours.steps,
                 kernel_us_per_step=step_us,
+                method=method,
                 step_us=step_s * 1e6,
                 weight_bytes_per_step=nbytes,
                 copy_bytes_per_s=copy_bps,

@@ -377,6 +377,27 @@ def test_profile_decode_takes_the_difference_per_step():
     ]
 
 
+def test_profile_decode_takes_one_loop_iteration():
+    """The longer call's loop holds 1 + steps iterations of the same kernels in the same order:
+    a step is their mean. The names of the other call's program do not enter (here "f.7" is a
+    different kernel in each program: a per-name difference would count it)."""
+    k = lambda name, dur: dict(name=name, ts=0.0, dur=dur)  # noqa: E731
+    prefill = [k("f.7", 9.0), k("gemm", 3.0)]
+    loop = lambda n: [k("f.1", 1.0 + i) if j == 0 else k("mosaic", 2.0)  # noqa: E731
+                      for i in range(n) for j in range(3)]  # fmt: skip
+    base = prefill + [k("f.7", 4.0)] + loop(1) + [k("out", 0.5)]
+    more = prefill + [k("f.2", 4.0)] + loop(3) + [k("out", 0.5)]
+    module = _load("profile_decode")
+    rows = module.loop_step(base, more, steps=2)
+    assert rows == [
+        dict(name="mosaic", launches=2.0, us=pytest.approx(4.0)),
+        dict(name="f.1", launches=1.0, us=pytest.approx(2.0)),  # (1 + 2 + 3) / 3
+    ]
+    # Launches that do not split into equal repeating iterations: no loop step.
+    assert module.loop_step(base, more[:-2] + [k("x", 1.0), k("out", 0.5)], steps=2) is None
+    assert module.loop_step(base, more + [k("extra", 1.0)], steps=2) is None
+
+
 def test_profile_decode_tiny(tmp_path, capsys):
     out_json = tmp_path / "decode.json"
     argv = ["--steps", "2", "--top", "3", "--json", str(out_json), "--batch-size", "2"]
