@@ -280,13 +280,18 @@ def time_matmul(dtype, d: int, repeats: int) -> float:
     return 2 * d**3 / t_mm
 
 
-def measure_ceilings(on_gpu: bool, repeats: int, int8: bool = False):
-    """HBM copy bandwidth (read + write bytes) and dense matmul operations per second, measured
-    now: bf16, or int8 x int8 -> int32 (int8: the W8A8 GEMMs' ceiling)."""
+def measure_copy(on_gpu: bool, repeats: int) -> float:
+    """HBM copy bandwidth (read + write bytes per second), measured now."""
     n = (1 << 28) if on_gpu else (1 << 22)  # f32 elements: 1 GiB on GPU
-    copy_bps = 2 * n * 4 / time_copy(n, iters=20, repeats=repeats)
+    return 2 * n * 4 / time_copy(n, iters=20, repeats=repeats)
+
+
+def measure_ceilings(on_gpu: bool, repeats: int, int8: bool = False):
+    """HBM copy bandwidth (`measure_copy`) and dense matmul operations per second, measured
+    now: bf16, or int8 x int8 -> int32 (int8: the W8A8 GEMMs' ceiling)."""
     d = 8192 if on_gpu else 512
-    return copy_bps, time_matmul(jnp.int8 if int8 else jnp.bfloat16, d, repeats)
+    matmul = time_matmul(jnp.int8 if int8 else jnp.bfloat16, d, repeats)
+    return measure_copy(on_gpu, repeats), matmul
 
 
 def kernel_layout(implementation: str, w13, w2, dtype, activation_quant=None) -> str:

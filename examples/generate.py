@@ -29,6 +29,8 @@ import argparse
 import collections
 import functools
 import logging
+import os
+import sys
 import time
 
 import jax
@@ -49,7 +51,17 @@ from models.deepseek_v3 import (
     resolve_checkpoint,
     sharding,
 )
-from models.deepseek_v3.modeling import QuantizedLinear, RoutedExperts, dequantize_model
+from models.deepseek_v3.modeling import (
+    Embed,
+    FloatExperts,
+    QuantizedLinear,
+    RoutedExperts,
+    dequantize_model,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import benchmark  # noqa: E402  (the copy ceiling, arrays' bytes)
 
 # Tokens per row where neither --max-new-tokens nor the checkpoint's generation_config.json
 # says (the other sampling settings default to generate()'s: greedy, no nucleus).
@@ -516,6 +528,8 @@ def main(argv=None) -> int:
     print("generation: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     prompt_ids = tokenizer.encode(text, add_bos=add_bos)
     shown_reasons = None
+    # One device: the copy ceiling for the roofline line (a mesh's bytes per device vary).
+    copy_bps = None if mesh else benchmark.measure_copy(jax.default_backend() == "gpu", 3)
     for batch_size in args.batch_size:
         if len(args.batch_size) > 1:
             print(f"=== batch size {batch_size}")
@@ -544,8 +558,37 @@ def main(argv=None) -> int:
             print(f"[{b}] tokens: {new}{end}")
             print(f"[{b}] text:   {args.prompt!r} -> {tokenizer.decode(new)!r}")
         print(f"speed: {stats}")
+        if copy_bps and stats.step_s:
+            print(roofline(model, stats, copy_bps))
         print(f"decode: {stats.decode_tokens_per_s:.1f} tokens/s")
     return 0
+
+
+def step_bytes(model) -> float:
+    """Weight bytes a decode step reads at least: every array of the model but the embedding
+    table (a row per token) and the routed experts, of which num_experts_per_tok per MoE layer
+    (one token's; rows that route apart read more)."""
+
+    def nbytes(module) -> int:
+        return sum(benchmark.array_bytes(a) for a in jax.tree.leaves(nnx.state(module)))
+
+    modules = [m for _, m in nnx.iter_modules(model)]
+    experts = [m for m in modules if isinstance(m, RoutedExperts | FloatExperts)]
+    skipped = sum(nbytes(m) for m in modules if isinstance(m, Embed)) + sum(map(nbytes, experts))
+    share = model.cfg.num_experts_per_tok / model.cfg.n_routed_experts
+    return nbytes(model) - skipped + share * sum(map(nbytes, experts))
+
+
+def roofline(model, stats, copy_bps: float) -> str:
+    """A decode step's weight bytes (`step_bytes`) and its time against the copy ceiling."""
+    nbytes = step_bytes(model)
+    floor_s = nbytes / copy_bps
+    return (
+        f"step reads >= {nbytes / 1e9:.3f} GB of weights = {floor_s * 1e3:.3f} ms at the copy "
+        f"ceiling measured now ({copy_bps / 1e12:.2f} TB/s): the step runs at "
+        f"{100 * floor_s / stats.step_s:.0f}% of it"
+        + (" (batch > 1: rows that route apart read more experts)" if stats.batch > 1 else "")
+    )
 
 
 def first_tokens(model, tokenizer, n: int, seed: int) -> list[int]:

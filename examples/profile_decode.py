@@ -34,7 +34,6 @@ import sys
 import tempfile
 
 import jax
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +43,6 @@ import benchmark  # noqa: E402
 import generate as generate_example  # noqa: E402
 
 from models.deepseek_v3 import generate  # noqa: E402
-from models.deepseek_v3.modeling import Embed, RoutedExperts  # noqa: E402
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -132,25 +130,6 @@ def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | No
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def _nbytes(tree) -> int:
-    return sum(benchmark.array_bytes(a) for a in jax.tree.leaves(tree))
-
-
-def step_bytes(model) -> float:
-    """Weight bytes a batch-1 decode step reads: every array of the model but the embedding
-    table (one row read) and the routed experts, and num_experts_per_tok experts of each MoE
-    layer."""
-    experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
-    embed = [m for _, m in nnx.iter_modules(model) if isinstance(m, Embed)]
-    k = model.cfg.num_experts_per_tok
-    routed = sum(
-        benchmark.weight_bytes(m.w13.get(), k) + benchmark.weight_bytes(m.w2.get(), k)
-        for m in experts
-    )
-    skipped = sum(_nbytes(nnx.state(m)) for m in experts + embed)
-    return float(_nbytes(nnx.state(model)) - skipped + routed)
-
-
 def main(argv=None) -> int:
     ours, args = parse_args(argv)
     model, tokenizer, what = generate_example.build_model(args)
@@ -187,7 +166,7 @@ def main(argv=None) -> int:
     step_us = sum(r["us"] for r in rows)
     launches = sum(r["launches"] for r in rows)
     copy_bps, _ = benchmark.measure_ceilings(on_gpu, repeats=3)
-    nbytes = step_bytes(model)
+    nbytes = generate_example.step_bytes(model)
     floor_us = nbytes / copy_bps * 1e6
     print(
         f"batch {args.batch_size[0]}, {ours.steps} decode steps traced: kernels "

@@ -66,6 +66,30 @@ def test_example_fuses_linears_for_a_kernel(capsys):
     assert "quantized linears: 21 on 'pallas_interpret', 3 on 'xla'\n" in apart
 
 
+def test_example_step_bytes_and_roofline(capsys):
+    """A step's weight bytes: every weight but the embedding table and the routed experts, and
+    num_experts_per_tok of each MoE layer's experts (packed weights, scales, zero points); the
+    roofline line puts them against the copy ceiling, and main prints it per batch size."""
+    example = _load_example()
+    args = example.parse_args([])
+    model, _, _ = example.build_model(args)
+    cfg = model.cfg
+    everything = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)))  # no int4 arrays here
+    embed = model.model.embed_tokens.weight.get_value().nbytes
+    experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
+    assert experts
+    routed = sum(a.nbytes for m in experts for a in jax.tree.leaves(nnx.state(m)))
+    k_of_e = cfg.num_experts_per_tok / cfg.n_routed_experts
+    want = everything - embed - routed + k_of_e * routed
+    assert example.step_bytes(model) == pytest.approx(want)
+    stats = type("Stats", (), dict(step_s=want / 1e9, batch=1))()
+    line = example.roofline(model, stats, copy_bps=2e9)
+    assert "at the copy ceiling measured now (0.00 TB/s): the step runs at 50% of it" in line
+    assert example.main(["--max-new-tokens", "3", "--batch-size", "1", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("step reads >= ") == 2 and "rows that route apart read more experts" in out
+
+
 def _tokens(out: str) -> list[str]:
     return [line for line in out.splitlines() if "] tokens:" in line]
 
