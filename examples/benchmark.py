@@ -289,9 +289,8 @@ def measure_copy(on_gpu: bool, repeats: int) -> float:
 def measure_ceilings(on_gpu: bool, repeats: int, int8: bool = False):
     """HBM copy bandwidth (`measure_copy`) and dense matmul operations per second, measured
     now: bf16, or int8 x int8 -> int32 (int8: the W8A8 GEMMs' ceiling)."""
-    d = 8192 if on_gpu else 512
-    matmul = time_matmul(jnp.int8 if int8 else jnp.bfloat16, d, repeats)
-    return measure_copy(on_gpu, repeats), matmul
+    copy_bps, d = measure_copy(on_gpu, repeats), 8192 if on_gpu else 512
+    return copy_bps, time_matmul(jnp.int8 if int8 else jnp.bfloat16, d, repeats)
 
 
 def kernel_layout(implementation: str, w13, w2, dtype, activation_quant=None) -> str:
