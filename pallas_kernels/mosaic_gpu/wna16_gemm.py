@@ -290,6 +290,30 @@ def _thread_words(ref, first: int):
     ]
 
 
+def _register_tile(q_tile, dtype, fill, *, eight_bit: bool, is_signed):
+    """Inside inline Mosaic GPU: a TILE x TILE array of `dtype` in the wgmma A operand's register
+    layout (WGMMA_LAYOUT, or WGMMA_LAYOUT_8BIT for eight_bit), built from the shared-memory tile
+    q_tile by fill(ref, registers): it sets every entry of `registers` (the layout's array of
+    register values) from ref."""
+    import numpy as np
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    layout = mgpu.WGMMA_LAYOUT_8BIT if eight_bit else mgpu.WGMMA_LAYOUT
+    pallas_layout = plgpu.Layout.WGMMA_8BIT if eight_bit else plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), dtype, layout=pallas_layout),
+    )
+    def tile(_, ref):
+        registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
+        fill(ref, registers)
+        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=is_signed)
+
+    return tile(q_tile)
+
+
 def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
     """The stored 64x64 tile q_tile (shared memory, in register order: layouts.tile_order(bits))
     in bf16 plus CONVERTED_BIAS[bits], exact: 128 + q for int4, q - 128 for int8 (q the
@@ -303,21 +327,12 @@ def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
         q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
         return layouts.from_tile_order(q, bits).astype(dtype) + CONVERTED_BIAS[bits]
 
-    import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),),
-        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    )
-    def convert(_, ref):
+    def fill(ref, registers):
         i32 = ir.IntegerType.get_signless(32)
-        layout = mgpu.WGMMA_LAYOUT
-        registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
 
         def place(register: int, value):
@@ -337,9 +352,8 @@ def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
                 for s in range(2):
                     value = llvm.inline_asm(i32, [shifted(word, 8 * s)], _INT8_PAIR, "=r,r")
                     place(2 * i + s, value)
-        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
 
-    return convert(q_tile)
+    return _register_tile(q_tile, jnp.bfloat16, fill, eight_bit=False, is_signed=None)
 
 
 # W8A8: the int8 wgmma's A operand (WGMMA_LAYOUT_8BIT) holds, in register (16-column tile c16,
@@ -370,21 +384,12 @@ def _int8_operand_tile(q_tile, interpret: bool):
         q = layouts.from_tile_order(q_tile[...].reshape(TILE, TILE), 8)
         return w8a8_input_order(q)
 
-    import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),),
-        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.int8, layout=plgpu.Layout.WGMMA_8BIT),
-    )
-    def operand(_, ref):
+    def fill(ref, registers):
         i32 = ir.IntegerType.get_signless(32)
-        layout = mgpu.WGMMA_LAYOUT_8BIT
-        registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
         quad = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
         for h in range(2):
             words = _thread_words(ref, h * TILE * TILE // 2)
@@ -393,9 +398,8 @@ def _int8_operand_tile(q_tile, interpret: bool):
                     asm = f"prmt.b32 $0, $1, $2, {selector:#x};"
                     value = llvm.inline_asm(i32, [words[2 * j], words[2 * j + 1]], asm, "=r,r,r")
                     registers[0, 2 * h + j, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(value, quad)
-        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=True)
 
-    return operand(q_tile)
+    return _register_tile(q_tile, jnp.int8, fill, eight_bit=True, is_signed=True)
 
 
 def _swizzled(shape, dtype, what: str):
