@@ -429,30 +429,40 @@ def test_w8a8_gemm_matches_numpy(rng, case):
 
 
 @pytest.mark.parametrize(
-    "case",
-    [dict(block_m=64, block_k=128, group_size=-1, consumers=2),
-     dict(block_m=128, block_k=128, group_size=-1, consumers=2, gated=True, out_dtype=BF16),
-     dict(block_m=16, block_k=64, group_size=64, consumers=2)],
-    ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()),
+    "bits,w8a8,case",
+    [(4, False, dict(block_m=8, block_k=256, group_size=128)),
+     (4, False, dict(block_m=16, block_k=128, group_size=128, block_n=128, gated=True)),
+     (4, False, dict(block_m=128, block_k=128, group_size=128, consumers=2, bf16_weights=True)),
+     (4, False, dict(block_m=8, block_k=128, group_size=128, splits=2)),
+     (8, False, dict(block_m=8, block_k=256, group_size=-1)),
+     (8, False, dict(block_m=64, block_k=128, group_size=-1, consumers=2)),
+     (8, True, dict(block_m=8, block_k=128, group_size=-1)),
+     (8, True, dict(block_m=64, block_k=128, group_size=-1, consumers=2)),
+     (8, True, dict(block_m=128, block_k=128, group_size=-1, consumers=2, gated=True,
+                    out_dtype=BF16)),
+     (8, True, dict(block_m=16, block_k=64, group_size=64, consumers=2))],
+    ids=lambda c: c if not isinstance(c, dict) else "-".join(f"{k}{v}" for k, v in c.items()),
 )  # fmt: skip
-def test_w8a8_gemm_lowers_for_sm90(rng, case):
-    """The W8A8 GEMM's Pallas -> Mosaic GPU lowering for the "cuda" platform, on any machine
-    (nothing runs): it rejects what the interpreter accepts, e.g. an optimized load from global
-    memory (the carried int32 sums read their scales there after the pipeline)."""
+def test_gemm_lowers_for_sm90(rng, bits, w8a8, case):
+    """The GEMM's Pallas -> Mosaic GPU lowering for the "cuda" platform, on any machine (nothing
+    runs): it rejects what the interpreter accepts, e.g. an optimized load from global memory
+    (the W8A8 carried int32 sums read their scales there after the pipeline), and it builds the
+    register tiles (inline PTX) that the interpreter replaces by jnp arithmetic."""
     case = dict(case)
-    out_dtype = case.pop("out_dtype", jnp.float32)
     group_size = case.pop("group_size")
-    qw = prepare_weights(helpers.random_quantized_experts(rng, 3, 256, 256, 8, group_size,
-                                                          False, BF16))  # fmt: skip
+    qw = helpers.random_quantized_experts(rng, 3, 256, 256, bits, group_size, bits == 4, BF16)
+    rows = 4 * case["block_m"]
     blocks = jnp.asarray([1, -1, 0, 2], jnp.int32)
-    rows = jax.ShapeDtypeStruct((4 * case["block_m"], 256), jnp.int8)
-    scales = jax.ShapeDtypeStruct((4 * case["block_m"],), jnp.float32)
+    args = [jax.ShapeDtypeStruct((rows, 256), jnp.int8 if w8a8 else BF16), prepare_weights(qw),
+            blocks]  # fmt: skip
+    if w8a8:
+        args.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
 
-    def gemm(x, w, block_experts, x_scales):
-        return mgpu_wna16_gemm(x, w, block_experts, x_scales=x_scales, out_dtype=out_dtype,
-                               max_concurrent_steps=4, interpret=False, **case)  # fmt: skip
+    def gemm(x, w, block_experts, x_scales=None):
+        return mgpu_wna16_gemm(x, w, block_experts, x_scales=x_scales, max_concurrent_steps=3,
+                               interpret=False, **case)  # fmt: skip
 
-    lowered = jax.jit(gemm).trace(rows, qw, blocks, scales).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
