@@ -8,13 +8,18 @@ problems at token-slot counts M (T*k); fused_moe takes the entry at the nearest 
   it); the best is written.
 - "mgpu": the Mosaic GPU layer's MgpuConfig per M. A coordinate search over MgpuConfigs, each
   timed through `wj.fused_moe`; the best is written where it beat the layer without a config
-  (its tuned entry or heuristic today).
+  (its tuned entry or heuristic today). With --activation-quant int8_per_token the layer runs
+  W8A8 (int8 per-token activations, int8 per-channel symmetric weights) and its entries are
+  keyed activations="int8", apart from the W8A16 entries of the same weights.
 Candidates that do not compile or run (shared memory, registers, validity rules) are skipped;
-each winner is checked against the 'xla' reference before it is written.
+each winner is checked against the 'xla' reference (under the same activation quantization)
+before it is written.
 
 Example (GPU):
     python examples/tune.py --backends pallas mgpu --m 1 16 256 4096 \\
         --out wna16_jax/data/tuned/nvidia_h200.json
+    python examples/tune.py --backends mgpu --activation-quant int8_per_token \\
+        --m 1 16 256 4096 --out wna16_jax/data/tuned/nvidia_h200.json    # W8A8
 On a CPU the default is a tiny problem in the Pallas interpreter ('pallas_interpret'; with
 --backends mgpu also 'mgpu_interpret'): a smoke test, no file written unless --out is given.
 """
@@ -81,6 +86,13 @@ MGPU_AXES = {
     "bf16_weights": (False, True),
 }
 MGPU_QUICK_AXES = {"block_m": (8, 16), "stages": (2, 3), "block_halvings": (0, 1)}
+# The most relative error (norm-wise) of a winner against 'xla' on bf16 outputs: the tests'
+# tolerance of the kernels against the reference (tests/helpers.py: TOLERANCES; W8A8 under the
+# same activation quantization: tests/test_w8a8.py: W8A8_VS_ORACLE), the output's bf16 rounding.
+MAX_RELATIVE_ERROR = 1e-2
+# The problem key of the mgpu table's W8A8 entries (pallas_kernels/mosaic_gpu/config.py:
+# table_problem, which the layer's lookup builds): int8 rows, whatever their scheme.
+INT8_ROWS_PROBLEM = {"activations": "int8"}
 
 
 def coordinate_search(starts, time_config, *, axes, valid, passes=2, budget_s=None):
@@ -248,7 +260,7 @@ def tune_gemm(
     out = wj.grouped_matmul(a, w, routing, implementation=impl, **gemm)
     ref = wj.grouped_matmul(a, w, routing, implementation="xla", **gemm)
     err = _relative_error(out, ref)
-    if not err < 1e-2:
+    if not err < MAX_RELATIVE_ERROR:
         raise RuntimeError(f"best config {best} is wrong: relative error {err}")
     return best, times, err
 
@@ -281,10 +293,12 @@ def layer_starting_points(slots: int, num_experts: int, group: int) -> list:
 
 
 def tune_layer(
-    w13, w2, m, top_k, *, impl, iters, repeats, budget_s=None, progress=True, desc="layer"
-):
+    w13, w2, m, top_k, *, impl, iters, repeats, budget_s=None, progress=True, desc="layer",
+    activation_quant=None,
+):  # fmt: skip
     """Searches MgpuConfigs of the Mosaic GPU layer over canonical w13, w2 at m tokens;
-    `progress`: a tqdm bar (named `desc`) over the configs timed.
+    `progress`: a tqdm bar (named `desc`) over the configs timed; activation_quant: None
+    (16-bit activations) or "int8_per_token" (W8A8, on symmetric int8 weights).
 
     Returns (best, {config: seconds}, seconds of the layer without a config, relative error of
     the best against 'xla').
@@ -298,7 +312,10 @@ def tune_layer(
 
     def layer(config):
         def run(w13, w2, x, tw, ids):
-            return wj.fused_moe(x, w13, w2, tw, ids, implementation=impl, config=config)
+            return wj.fused_moe(
+                x, w13, w2, tw, ids, implementation=impl, config=config,
+                activation_quant=activation_quant,
+            )  # fmt: skip
 
         return run
 
@@ -323,9 +340,11 @@ def tune_layer(
         raise RuntimeError(f"no candidate config ran for the layer at M={m}")
     best = min(times, key=times.get)
     out = layer(best)(*kernel_weights, *sets[0])
-    ref = wj.fused_moe(x, w13, w2, tw[0], ids[0], implementation="xla")
+    ref = wj.fused_moe(
+        x, w13, w2, tw[0], ids[0], implementation="xla", activation_quant=activation_quant
+    )
     err = _relative_error(out, ref)
-    if not err < 1e-2:
+    if not err < MAX_RELATIVE_ERROR:
         raise RuntimeError(f"best config {best} is wrong: relative error {err}")
     return best, times, today, err
 
@@ -384,9 +403,10 @@ def main(argv=None) -> dict[str, list[dict]]:
         "--backends",
         nargs="+",
         choices=sorted(TABLES),
-        default=["pallas"],
+        default=None,
         help="the tables to tune: pallas (the Pallas-Triton GEMMs), mgpu (the Mosaic GPU "
-        "layer, sm_90); on a CPU their interpreters run",
+        "layer, sm_90); on a CPU their interpreters run (default: pallas; mgpu with "
+        "--activation-quant)",
     )
     p.add_argument(
         "--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3" if on_gpu else "tiny"
@@ -396,8 +416,9 @@ def main(argv=None) -> dict[str, list[dict]]:
         "--bits",
         type=int,
         choices=(4, 8),
-        default=4,
-        help="int4 or int8 weights (mgpu: in the mgpu_int4 / mgpu_int8 layout)",
+        default=None,
+        help="int4 or int8 weights (mgpu: in the mgpu_int4 / mgpu_int8 layout; default 4, 8 "
+        "with --activation-quant)",
     )
     p.add_argument(
         "--group-size",
@@ -406,6 +427,14 @@ def main(argv=None) -> dict[str, list[dict]]:
         help="quantization group along K (default: the preset's; -1: per channel)",
     )
     p.add_argument("--no-zp", action="store_true", help="symmetric weights")
+    p.add_argument(
+        "--activation-quant",
+        choices=("int8_per_token",),
+        default=None,
+        help="mgpu: W8A8, int8 per-token activations with int8 per-channel symmetric weights "
+        "(implies --bits 8 --group-size -1 --no-zp; other values are refused); its entries "
+        'are keyed activations="int8"',
+    )
     p.add_argument(
         "--full",
         action="store_true",
@@ -437,6 +466,22 @@ def main(argv=None) -> dict[str, list[dict]]:
         help="also write every config timed, per search, to this JSON",
     )
     args = p.parse_args(argv)
+    if args.activation_quant:
+        args.backends = args.backends or ["mgpu"]
+        if "pallas" in args.backends:
+            p.error(
+                f"--activation-quant {args.activation_quant} tunes the mgpu table only; the "
+                f"pallas table holds configs of the weight-only GEMM (--backends mgpu)"
+            )
+        for flag, value, want in (("--bits", args.bits, 8), ("--group-size", args.group_size, -1)):
+            if value not in (None, want):
+                p.error(
+                    f"--activation-quant {args.activation_quant} runs int8 per-channel symmetric "
+                    f"weights ({flag} {want}), got {flag} {value}"
+                )
+        args.bits, args.group_size, args.no_zp = 8, -1, True
+    args.backends = args.backends or ["pallas"]
+    args.bits = args.bits or 4
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with logging_redirect_tqdm():  # log lines printed above the bars, not through them
         return tune(args)
@@ -477,8 +522,11 @@ def tune(args: argparse.Namespace) -> dict[str, list[dict]]:
                 best, times, today, err = tune_layer(
                     w13, w2, m, top_k, impl=impl, iters=iters, repeats=args.repeats,
                     budget_s=args.budget_s, progress=progress, desc=f"{table} layer M={m}",
+                    activation_quant=args.activation_quant,
                 )  # fmt: skip
                 shape = dict(E=e, H=h, I=i, bits=w13.bits, group=math.gcd(w13.group, w2.group))
+                if args.activation_quant:
+                    shape |= INT8_ROWS_PROBLEM
                 runs = [("layer", shape, best, times, err, today)]
             for name, shape, best, times, err, today in runs:
                 t = times[best]

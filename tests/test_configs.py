@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import types
 from importlib import resources
 
+import jax
 import pytest
 
+import wna16_jax as wj
+from pallas_kernels.mosaic_gpu import config as mgpu_config
 from wna16_jax import BlockConfig, MgpuConfig, _configs
 from wna16_jax._configs import GemmShape
 
@@ -342,6 +346,65 @@ def test_resolve_config_without_fma(monkeypatch):
 def test_resolve_config_rejects_invalid_caller_config():
     with pytest.raises(ValueError, match="split_k=5 does not divide the 56 k-tiles"):
         _configs.resolve_config(_shape(), BlockConfig(block_k=128, split_k=5))
+
+
+# ---- the mgpu table: W8A8 entries apart from W8A16 -------------------------------------------
+
+
+def _int8_layer(e=4, h=128, i=64):
+    """Symmetric int8 per-channel w13 [E, 2I, H] and w2 [E, H, I] (the weights W8A8 runs)."""
+    scheme = dict(bits=8, group_size=-1, has_zeros=False)
+    key = jax.random.key(0)
+    w13 = wj.random_quantized_experts(jax.random.fold_in(key, 1), (e, 2 * i, h), **scheme)
+    w2 = wj.random_quantized_experts(jax.random.fold_in(key, 2), (e, h, i), **scheme)
+    return w13, w2
+
+
+def test_mgpu_w8a8_problem_differs_from_w8a16():
+    """int8 rows (W8A8) add activations="int8" to the layer's key; 16-bit activations keep the
+    keys the table files have always held."""
+    w13, w2 = _int8_layer()
+    w8a16 = mgpu_config.table_problem(4, w13, w2)
+    w8a8 = mgpu_config.table_problem(4, w13, w2, int8_rows=True)
+    assert w8a16 == dict(E=4, H=128, I=64, bits=8, group=64)
+    assert w8a8 == w8a16 | dict(activations="int8") and w8a8 != w8a16
+
+
+def test_mgpu_layer_config_reads_w8a8_entries(tuned, monkeypatch, caplog):
+    """layer_config(int8_rows=True) takes the W8A8 entry of its problem (source "tuned:<kind>"),
+    16-bit activations the entry without the activations key (as the shipped entries are
+    written); neither reads the other's, falling back to default_config."""
+    w13, w2 = _int8_layer()
+    w8a16 = mgpu_config.table_problem(4, w13, w2)
+    w8a8 = mgpu_config.table_problem(4, w13, w2, int8_rows=True)
+    old_style = _entry(8, dict(E=4, H=128, I=64, bits=8, group=64), block_m=8, stages=5)
+    new_entry = _entry(8, w8a8, block_m=16, block_n=128, stages=4)
+    w8a16_cfg, w8a8_cfg = MgpuConfig(8, stages=5), MgpuConfig(16, block_n=128, stages=4)
+    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
+    monkeypatch.setattr(mgpu_config, "_logged", set())
+    caplog.set_level(logging.INFO, logger="wna16_jax")
+    heuristic = {
+        rows: mgpu_config.default_config(8, 4, 64, 64, 8, int8_rows=rows, per_channel=True)
+        for rows in (False, True)
+    }
+    assert {w8a16_cfg, w8a8_cfg}.isdisjoint(heuristic.values())  # a hit is told apart
+
+    def config(int8_rows):
+        return mgpu_config.layer_config(None, 8, 4, w13, w2, int8_rows=int8_rows)
+
+    tuned(mgpu=[old_style, new_entry])
+    assert _configs.lookup_tuned("mgpu", w8a16, 8, DEVICE) == w8a16_cfg
+    assert config(False) == w8a16_cfg
+    assert config(True) == w8a8_cfg
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("'activations': 'int8'" in m and f"[tuned:{DEVICE}]" in m for m in logged)
+    tuned(mgpu=[old_style])  # W8A16 only: W8A8 takes the heuristic
+    assert _configs.lookup_tuned("mgpu", w8a8, 8, DEVICE) is None
+    assert config(True) == heuristic[True]
+    assert any("'activations': 'int8'" in m and "[heuristic]" in m for m in
+               [r.getMessage() for r in caplog.records])  # fmt: skip
+    tuned(mgpu=[new_entry])  # W8A8 only: W8A16 takes the heuristic
+    assert config(False) == heuristic[False]
 
 
 # ---- the shipped tables ---------------------------------------------------------------------

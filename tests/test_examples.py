@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.mosaic_gpu import config as mgpu_config
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -454,6 +455,50 @@ def test_tune_mgpu_int8_layer(tmp_path, capsys):
     assert search["table"] == "mgpu" and search["gemm"] == "layer"
     assert search["problem"]["bits"] == 8 and search["tried"]
     assert re.search(r"mgpu layer +1 ", capsys.readouterr().out)
+
+
+def test_tune_mgpu_w8a8_layer(tmp_path, monkeypatch):
+    """--activation-quant int8_per_token: the mgpu table (the default then) searched on W8A8
+    (int8 per-channel symmetric weights implied) at M=1, its winner checked against 'xla' and
+    written under the key the layer's lookup builds for int8 rows. The layer without a config
+    is reported 1000x slower here, so that the entry is written whatever the interpreter's
+    timings."""
+    tune = _load("tune")
+    timed = tune._timed
+
+    def default_loses(run, sets, *, what, **kwargs):
+        t = timed(run, sets, what=what, **kwargs)
+        return t * 1e3 if t is not None and what == "the layer without a config" else t
+
+    monkeypatch.setattr(tune, "_timed", default_loses)
+    out = tmp_path / "tuned.json"
+    argv = ["--activation-quant", "int8_per_token", "--m", "1", "--repeats", "1",
+            "--budget-s", "5", "--out", str(out), "--no-progress"]  # fmt: skip
+    entries = tune.main(argv)
+    (entry,) = entries["mgpu"]
+    assert json.loads(out.read_text())["tables"]["mgpu"]["entries"] == [entry]
+    e, top_k, h, i, _ = tune.benchmark.PRESETS["tiny"]
+    scheme = dict(bits=8, group_size=-1, has_zeros=False)
+    w13 = wj.random_quantized_experts(jax.random.key(0), (e, 2 * i, h), **scheme)
+    w2 = wj.random_quantized_experts(jax.random.key(0), (e, h, i), **scheme)
+    assert entry["problem"] == mgpu_config.table_problem(e, w13, w2, int8_rows=True)
+    assert entry["problem"]["activations"] == "int8" and entry["M"] == top_k
+    wj.MgpuConfig(**entry["config"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--backends", "pallas", "mgpu"], "tunes the mgpu table only"),
+        (["--bits", "4"], "(--bits 8), got --bits 4"),
+        (["--group-size", "128"], "(--group-size -1), got --group-size 128"),
+    ],
+)
+def test_tune_w8a8_refuses_other_tables_and_weights(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _load("tune").main(["--activation-quant", "int8_per_token", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_tune_bar_counts_every_config_timed():

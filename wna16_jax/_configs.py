@@ -118,8 +118,10 @@ def check_gemm_operands(config: BlockConfig, routing, k: int, qw) -> None:
 #
 # A table holds one kernel's configs: "pallas" (the Pallas-Triton grouped GEMM's BlockConfig per
 # GEMM; problem E, N, K, bits, group_size; M the GEMM's rows, T*k token slots) and "mgpu" (the
-# Mosaic GPU layer's MgpuConfig; problem E, H, I, bits, group; M the layer's T*k token slots).
-# An entry serves the problem it names exactly, at the nearest M (ties: the smaller M).
+# Mosaic GPU layer's MgpuConfig; problem E, H, I, bits, group, and activations="int8" for
+# W8A8's int8 rows, absent for 16-bit activations; M the layer's T*k token slots). An entry
+# serves the problem it names exactly (the same keys, the same values), at the nearest M (ties:
+# the smaller M).
 
 TUNED_DIR = "data/tuned"
 # Table name -> the config class of its entries.

@@ -150,10 +150,23 @@ def layer_group(w13: QuantizedExperts, w2: QuantizedExperts) -> int:
     return math.gcd(w13.group, w2.group)
 
 
-def table_problem(num_experts: int, w13: QuantizedExperts, w2: QuantizedExperts) -> dict:
+# problem["activations"] of the tuned table's entries for int8 rows (W8A8); an entry without
+# the key is for 16-bit activations.
+INT8_ROWS_KEY = "int8"
+
+
+def table_problem(
+    num_experts: int, w13: QuantizedExperts, w2: QuantizedExperts, *, int8_rows: bool = False
+) -> dict:
     """The problem keys of a layer's entries in the tuned table: E (the routing's experts),
-    H, I, bits and the group of `layer_group`."""
-    return dict(E=num_experts, H=w13.k, I=w2.k, bits=w13.bits, group=layer_group(w13, w2))
+    H, I, bits and the group of `layer_group`; with int8 rows (W8A8) also
+    activations=INT8_ROWS_KEY, so that W8A8 and W8A16 entries of the same weights stay apart.
+    Both W8A8 schemes (per token, static) give the GEMMs the same int8 rows with an f32 scale
+    per row, so one entry serves both."""
+    problem = dict(E=num_experts, H=w13.k, I=w2.k, bits=w13.bits, group=layer_group(w13, w2))
+    if int8_rows:
+        problem["activations"] = INT8_ROWS_KEY
+    return problem
 
 
 _logged: set = set()
@@ -170,8 +183,9 @@ def layer_config(
 ) -> MgpuConfig:
     """The layer's config for a chunk of num_slots (T*k) slots over num_experts (the routing's)
     experts: the caller's (a BlockConfig: `from_block_config`), else the device's tuned table's
-    (the nearest M of exactly this problem; not for int8 rows, W8A8, which it does not hold),
-    else `default_config`. Logs each new choice once at INFO with where it came from."""
+    (the nearest M of exactly this problem, `table_problem`: int8 rows, W8A8, have entries of
+    their own), else `default_config`. Logs each new choice once at INFO with where it came
+    from."""
     if isinstance(config, MgpuConfig):
         return config
     if isinstance(config, BlockConfig):
@@ -179,8 +193,8 @@ def layer_config(
     if config is not None:
         raise ValueError(f"config must be an MgpuConfig, a BlockConfig or None, got {config!r}")
     kind = _configs.device_kind()
-    problem = table_problem(num_experts, w13, w2)
-    cfg = None if int8_rows else _configs.lookup_tuned(TUNED_TABLE, problem, num_slots, kind)
+    problem = table_problem(num_experts, w13, w2, int8_rows=int8_rows)
+    cfg = _configs.lookup_tuned(TUNED_TABLE, problem, num_slots, kind)
     source = f"tuned:{kind}"
     if cfg is None:
         per_channel = w13.group == w13.k and w2.group == w2.k
