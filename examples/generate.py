@@ -102,11 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("auto", *wj.layouts.LAYOUTS),
         default="auto",
         help="the routed experts' weight layout (wna16_jax.layouts), converted once after "
-        "building or loading: mgpu_int4 for the Mosaic GPU backend (H100/H200; int4, bf16). "
-        "auto (default): mgpu_int4 with --implementation mgpu*, canonical "
-        "with another --implementation, else the layout of the fastest backend that runs the "
-        "experts here (wna16_jax.preferred_layout: mgpu_int4 on H100/H200 for int4 "
-        "bf16 experts, canonical elsewhere)",
+        "building or loading: mgpu_int4 / mgpu_int8 for the Mosaic GPU backend (H100/H200; "
+        "int4 or int8 with bf16 activations, or W8A8). auto (default): the mgpu layout of the "
+        "experts' bits with --implementation mgpu*, canonical with another --implementation, "
+        "else the layout of the fastest backend that runs the experts here, for their "
+        "activations (wna16_jax.preferred_layout: mgpu_int4 / mgpu_int8 on H100/H200 for "
+        "bf16 int4 / int8 experts and for W8A8 ones of any dtype, canonical elsewhere)",
     )
     p.add_argument(
         "--linear-implementation",

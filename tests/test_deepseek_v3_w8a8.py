@@ -97,6 +97,20 @@ def test_set_activation_quant():
         dequantize_model(model).set_activation_quant(PER_TOKEN)
 
 
+def test_preferred_expert_layout_of_a_w8a8_model(monkeypatch):
+    """The f32 model's W8A8 experts prefer mgpu_int8 where the Mosaic GPU backend runs W8A8
+    (its GEMMs read int8 rows, whatever x's dtype; the interpreter stands in for 'mgpu', which
+    needs an sm_90 GPU), as automatic selection then runs them; with 16-bit activations the
+    same f32 experts stay canonical (the mgpu GEMM takes bfloat16 rows only)."""
+    model = nnx.clone(tiny_model(quant=W8A8_QUANT))
+    assert model.cfg.dtype == "float32"
+    monkeypatch.setattr(wj._dispatch, "PREFERRED_LAYOUTS", (("mgpu_int8", "mgpu_interpret"),))
+    assert model.preferred_expert_layout() == "canonical"
+    model.set_activation_quant(PER_TOKEN)
+    assert model.preferred_expert_layout() == "mgpu_int8"
+    assert model.resolve_expert_layout("auto") == "mgpu_int8"
+
+
 # ---- checkpoints ----------------------------------------------------------------------------
 
 

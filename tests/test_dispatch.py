@@ -535,6 +535,46 @@ def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
         wj.preferred_layout(w13, w2, dtype=dtype, activation="gelu")
 
 
+@pytest.mark.parametrize(
+    "bits,group_size,has_zp,dtype,want",
+    [
+        (8, -1, False, jnp.float32, "mgpu_int8"),  # int8 rows from any x dtype
+        (8, -1, False, jnp.float16, "mgpu_int8"),
+        (8, 128, False, jnp.float32, "mgpu_int8"),  # groups of whole k-tiles
+        (8, -1, True, jnp.float32, "canonical"),  # zero points: not symmetric
+        (4, 64, False, jnp.bfloat16, "canonical"),  # W8A8 needs int8 weights
+    ],
+    ids=str,
+)
+def test_preferred_layout_of_w8a8_experts(rng, monkeypatch, bits, group_size, has_zp, dtype, want):
+    """With activation_quant the layout is the one whose backend runs the W8A8 problem (int8
+    activations whatever x's dtype: an f32 or f16 model's W8A8 experts take mgpu_int8), as
+    fused_moe would select it; without it, 16-bit activations (mgpu: bfloat16 only)."""
+    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, group_size, has_zp, dtype)
+    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, group_size, has_zp, dtype)
+    aq = "int8_per_token"
+    if _dispatch.current_platform() != "gpu":
+        assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=aq) == "canonical"
+    preferred = (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret"))
+    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", preferred)
+    assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=aq) == want
+    static = wj.ActivationQuant("int8_static", gemm1_scale=0.5, gemm2_scale=0.5)
+    assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=static) == want
+    if dtype != jnp.bfloat16:  # 16-bit activations: the mgpu GEMM takes bfloat16 only
+        assert wj.preferred_layout(w13, w2, dtype=dtype) == "canonical"
+    if want != "canonical":  # what selection runs in that layout
+        convert = functools.partial(wj.layouts.to_kernel_layout, layout=want)
+        x = jax.ShapeDtypeStruct((1, 256), dtype)
+        tw, ids = jax.ShapeDtypeStruct((1, 2), jnp.float32), jax.ShapeDtypeStruct((1, 2), jnp.int32)
+        chosen = wj.select_implementation(
+            x, convert(w13), convert(w2), tw, ids, activation_quant=aq,
+            implementation=("mgpu_interpret", "xla"),
+        )  # fmt: skip
+        assert chosen == "mgpu_interpret"
+    with pytest.raises(ValueError, match="activation_quant"):
+        wj.preferred_layout(w13, w2, dtype=dtype, activation_quant="int4_per_token")
+
+
 @pytest.mark.gpu
 def test_preferred_layout_on_this_gpu(rng):
     """On an sm_90 GPU the preferred layout of int4 bf16 experts is mgpu_int4 (the 'mgpu'

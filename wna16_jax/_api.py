@@ -462,22 +462,37 @@ def grouped_matmul(
 
 
 def preferred_layout(
-    w13: QuantizedExperts, w2: QuantizedExperts, *, dtype, activation: str = "silu"
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    *,
+    dtype,
+    activation: str = "silu",
+    activation_quant: str | ActivationQuant | None = None,
 ) -> str:
     """The layout to convert these experts to once (at load) for the fastest backend that runs
     them on this platform: the first of _dispatch.PREFERRED_LAYOUTS that holds their bits and
-    whose backend accepts them here (for mgpu_int4 / mgpu_int8: an sm_90 GPU, int4 / int8 for
-    both weights, bfloat16 activations, silu, feature counts and groups in multiples of 64),
-    else "canonical".
+    whose backend accepts the fused_moe problem of these arguments here, else "canonical".
+
+    For mgpu_int4 / mgpu_int8 (the 'mgpu' backend) that is an sm_90 GPU, int4 / int8 for both
+    weights, silu, feature counts and groups in multiples of 64, and either bfloat16
+    activations or, with activation_quant (W8A8), symmetric int8 weights and any x dtype (the
+    GEMMs read int8 rows).
+
+    Args:
+        w13, w2: the experts, as fused_moe takes them (arrays may be jax.ShapeDtypeStruct).
+        dtype: the activation dtype x will have.
+        activation: fused_moe's activation.
+        activation_quant: fused_moe's activation_quant (None: 16-bit activations).
 
     Raises:
-        ValueError: experts (or a dtype, activation) that fused_moe itself would refuse.
+        ValueError: experts (or a dtype, activation, activation_quant) that fused_moe itself
+            would refuse.
     """
     top_k = 1
     x = jax.ShapeDtypeStruct((1, w13.shape[2]), dtype)
     ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
-    problem, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, None)
+    problem, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
     for layout, name in _dispatch.PREFERRED_LAYOUTS:
         bits = KERNEL_LAYOUT_BITS[layout]
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width

@@ -1216,9 +1216,10 @@ class DeepseekV3ForCausalLM(nnx.Module):
         return self.preferred_expert_layout()
 
     def preferred_expert_layout(self) -> str:
-        """wna16_jax.preferred_layout for the routed experts on this platform (for one
-        tensor shard's slice when they are split over a tensor axis); "canonical" for a model
-        without routed experts."""
+        """wna16_jax.preferred_layout for the routed experts on this platform, for the
+        activations they run (cfg.dtype, their activation_quant: W8A8 experts take int8 rows
+        whatever the dtype) and for one tensor shard's slice when they are split over a tensor
+        axis; "canonical" for a model without routed experts."""
         for _, m in nnx.iter_modules(self):
             if isinstance(m, RoutedExperts):
                 w13, w2 = m.w13.get(), m.w2.get()
@@ -1227,7 +1228,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
                     shard = functools.partial(wj.sharding.tensor_shard, num_shards=n)
                     w13 = jax.eval_shape(functools.partial(shard, split="n"), w13)
                     w2 = jax.eval_shape(functools.partial(shard, split="k"), w2)
-                return wj.preferred_layout(w13, w2, dtype=self.cfg.dtype)
+                return wj.preferred_layout(
+                    w13, w2, dtype=self.cfg.dtype, activation_quant=m.activation_quant
+                )
         return "canonical"
 
     def set_linear_implementation(
