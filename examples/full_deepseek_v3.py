@@ -122,7 +122,6 @@ def main(argv=None):
     import benchmark
 
     from models.deepseek_v3 import DeepseekV3Config, generate, init_random, sharding
-    from models.deepseek_v3.modeling import QuantizedLinear
 
     on_gpu = jax.default_backend() == "gpu"
     preset = args.preset or ("deepseek-v3" if on_gpu else "tiny")
@@ -148,10 +147,9 @@ def main(argv=None):
     t1 = time.perf_counter()
     model.set_linear_implementation(args.linear_implementation)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    # kv_b_proj runs no GEMM (attention reads its dequantized weight): not counted.
     linears = collections.Counter(
-        m.kernel(cfg.dtype) or "xla"
-        for _, m in nnx.iter_modules(model)
-        if isinstance(m, QuantizedLinear)
+        m.kernel(cfg.dtype) or "xla" for m in model.gemm_linears().values()
     )
     linears = ", ".join(f"{n} on {name!r}" for name, n in linears.most_common()) or "none"
     print(f"quantized linears: {linears} ({time.perf_counter() - t1:.1f} s)", flush=True)

@@ -54,7 +54,6 @@ from models.deepseek_v3 import (
 from models.deepseek_v3.modeling import (
     Embed,
     FloatExperts,
-    QuantizedLinear,
     RoutedExperts,
     dequantize_model,
 )
@@ -464,22 +463,29 @@ def chosen_backend(model, tokens: int) -> tuple[str, list[str]]:
 
 
 def linear_backends(model) -> tuple[str, list[str]]:
-    """How many quantized non-expert linears each backend runs, e.g. "40 on 'mgpu', 8 on
-    'xla'" (a layer no kernel takes stays on the float dot, 'xla'; a fused pair counts once,
-    and the fused ones are named: "; fused: 4 gate_up_proj, 3 qkv_a_proj"), by
+    """How many quantized non-expert linears each backend runs as a GEMM, e.g. "40 on 'mgpu',
+    8 on 'xla'" (a layer no kernel takes stays on the float dot, 'xla'; a fused pair counts
+    once, and the fused ones are named: "; fused: 4 gate_up_proj, 3 qkv_a_proj"), by
     wj.linear.select_implementation on the weight each device holds (its shard on a mesh);
-    why linears are left on 'xla': with a named backend, each distinct reason
-    (`QuantizedLinear.kernel_reason`, e.g. a shard the kernel does not tile), with the automatic
-    choice, why each other backend cannot run the first of them (`unavailable`)."""
-    linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
-    if not linears:
+    the linears attention reads only as a dequantized weight are named apart, as they run no
+    GEMM ("; dequantized for attention: 4 kv_b_proj"); why linears are left on 'xla': with a
+    named backend, each distinct reason (`QuantizedLinear.kernel_reason`, e.g. a shard the
+    kernel does not tile), with the automatic choice, why each other backend cannot run the
+    first of them (`unavailable`)."""
+    linears = list(model.gemm_linears().values())
+    dequantized = collections.Counter(p.rsplit(".", 1)[1] for p in model.dequantized_linears())
+    if not linears and not dequantized:
         return "none (float linears)", []
     kernels = [m.kernel(model.cfg.dtype) or "xla" for m in linears]
     counts = collections.Counter(kernels)
-    text = ", ".join(f"{n} on {name!r}" for name, n in counts.most_common())
+    text = ", ".join(f"{n} on {name!r}" for name, n in counts.most_common()) or "none as GEMMs"
     fused = collections.Counter(path.rsplit(".", 1)[1] for path in model.fused_linears())
     if fused:
         text += "; fused: " + ", ".join(f"{n} {name}" for name, n in sorted(fused.items()))
+    if dequantized:
+        text += "; dequantized for attention: " + ", ".join(
+            f"{n} {name}" for name, n in sorted(dequantized.items())
+        )
     left = [m for m, k in zip(linears, kernels, strict=True) if k == "xla"]
     if not left or left[0].implementation == "xla":
         return text, []

@@ -44,14 +44,16 @@ def test_example_main_tiny(capsys):
     assert _load_example().main(["--max-new-tokens", "3", "--batch-size", "1", "2"]) == 0
     out = capsys.readouterr().out
     if jax.default_backend() == "cpu":
-        assert "fused_moe backend: 'xla'" in out and "quantized linears: 24 on 'xla'" in out
+        assert "fused_moe backend: 'xla'" in out
+        assert "quantized linears: 21 on 'xla'; dequantized for attention: 3 kv_b_proj" in out
     assert "[1] tokens:" in out and "tokens/s" in out and "ms per step" in out
 
 
 def test_example_fuses_linears_for_a_kernel(capsys):
     """A kernel runs each MLP's gate_proj and up_proj as one GEMM (the tiny model's 3: its
     q_a_proj and kv_a_proj_with_mqa, N = 64 + 40, no kernel tiles), --no-fuse-linears keeps
-    every linear apart; the printed counts say so."""
+    every linear apart; kv_b_proj, which attention reads only as its dequantized weight, runs
+    no GEMM and stays canonical. The printed counts say so."""
     example = _load_example()
     outs = []
     for extra in ([], ["--no-fuse-linears"]):
@@ -59,11 +61,15 @@ def test_example_fuses_linears_for_a_kernel(capsys):
         model, _, _ = example.build_model(args)
         example.prepare_model(model, args, args.linear_implementation, progress=False)
         outs.append(capsys.readouterr().out)
+        kv_b = [m.self_attn.kv_b_proj for m in model.model.layers]
+        assert all(m.weight.layout == "canonical" and m.kernel("float32") is None for m in kv_b)
     fused, apart = outs
-    assert "quantized linears: 18 on 'pallas_interpret', 3 on 'xla'; fused: 3 gate_up_proj" in (
-        fused
-    )
-    assert "quantized linears: 21 on 'pallas_interpret', 3 on 'xla'\n" in apart
+    dequantized = "; dequantized for attention: 3 kv_b_proj\n"
+    assert (
+        "quantized linears: 15 on 'pallas_interpret', 3 on 'xla'; fused: 3 gate_up_proj"
+        + dequantized
+    ) in fused
+    assert "quantized linears: 18 on 'pallas_interpret', 3 on 'xla'" + dequantized in apart
 
 
 def test_example_step_bytes_and_roofline(capsys):

@@ -318,7 +318,8 @@ def test_example_generates_from_an_fp8_checkpoint(fp8, flags, bits, capsys, monk
     assert example.main(argv + flags) == 0
     out = capsys.readouterr().out
     assert "[0] tokens:" in out
-    assert "quantized linears: 24 on" in out  # every attention / MLP linear of the 3 layers
+    # Every attention / MLP linear of the 3 layers: 21 GEMMs and kv_b_proj, read dequantized.
+    assert "quantized linears: 21 on" in out and "dequantized for attention: 3 kv_b_proj" in out
     (model,) = models
     assert model.model.layers[1].mlp.experts.w13.get().bits == bits
 

@@ -350,7 +350,8 @@ def test_kernel_linears_match_xla(rng, implementation):
     on_kernel = [m for m in converted if m.kernel(model.cfg.dtype) == implementation]
     assert len(on_kernel) >= len(linears) // 2, "most linears must run through the kernel"
     assert all(m.weight.layout == layout for m in on_kernel)
-    assert all(m.implementation == implementation for m in converted)
+    gemms = kernel.gemm_linears().values()  # kv_b_proj stays on "xla": test_kv_b_runs_no_gemm
+    assert all(m.implementation == implementation for m in gemms)
     ids = random_ids(rng, (2, 5), model.cfg)
     mask = np.ones(ids.shape, bool)
     assert_close(logits_of(kernel, ids, mask), logits_of(model, ids, mask), kind)
@@ -364,6 +365,33 @@ def test_kernel_linears_match_xla(rng, implementation):
     )
     with pytest.raises(ValueError, match="linear implementation 'tpu' is neither 'auto' nor"):
         kernel.set_linear_implementation("tpu")
+
+
+def test_kv_b_runs_no_gemm():
+    """kv_b_proj is read only as its dequantized weight (attention's W_UK and W_UV): a kernel's
+    linears leave it canonical on "xla" (its 128 x 64 weight would fit the mgpu_int4 tiles, for
+    a GEMM it never runs), its dense weight unchanged, and the model lists it apart from the
+    linears it runs as GEMMs."""
+    overrides, layout, _ = KERNEL_LINEAR_MODELS[MGPU]
+    model = tiny_model(num_hidden_layers=2, kv_lora_rank=64, **overrides)
+    dtype = model.cfg.dtype
+    kernel = nnx.clone(model)
+    kernel.set_linear_implementation(MGPU, progress=False)
+    for before, after in zip(model.model.layers, kernel.model.layers, strict=True):
+        kv_b = after.self_attn.kv_b_proj
+        assert kv_b.weight.layout == "canonical"
+        assert kv_b.implementation == "xla" and kv_b.kernel(dtype) is None
+        np.testing.assert_array_equal(
+            kv_b.dense_weight(dtype), before.self_attn.kv_b_proj.dense_weight(dtype)
+        )
+        assert after.self_attn.o_proj.weight.layout == layout  # the GEMMs are converted
+    paths = [f"model.layers.{i}.self_attn.kv_b_proj" for i in range(2)]
+    assert list(kernel.dequantized_linears()) == paths
+    gemms = kernel.gemm_linears()
+    assert not set(paths) & set(gemms)
+    assert set(gemms) | set(paths) == {
+        ".".join(map(str, p)) for p, m in nnx.iter_modules(kernel) if isinstance(m, QuantizedLinear)
+    }
 
 
 @pytest.mark.parametrize("spec, bits", [("int4", 4), (QuantSpec(bits=8, group_size=-1), 8)])
@@ -414,8 +442,8 @@ def test_auto_linears_take_the_platforms_choice():
     model = nnx.clone(tiny_model(num_hidden_layers=2))
     model.set_linear_implementation("auto")
     linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
-    assert linears and all(m.implementation is None for m in linears)
-    assert all(
+    assert all(m.implementation is None for m in model.gemm_linears().values())
+    assert linears and all(
         m.weight.layout == "canonical" and m.kernel(model.cfg.dtype) is None for m in linears
     )
 
@@ -538,7 +566,7 @@ def test_progress_bars(monkeypatch, capsys):
     parts = cfg.num_hidden_layers + 3  # the embedding, each layer, the norm, the head
     monkeypatch.setattr(modeling_module, "PROGRESS_DELAY_S", 0.0)
     model = init_random(cfg, on_device=False)
-    linears = sum(isinstance(m, QuantizedLinear) for _, m in nnx.iter_modules(model))
+    linears = len(model.gemm_linears())  # kv_b_proj runs no GEMM: not converted, no step
     moe_layers = sum(isinstance(m, RoutedExperts) for _, m in nnx.iter_modules(model))
     model.set_linear_implementation("xla")
     model.set_expert_layout("mgpu_int4")

@@ -54,7 +54,8 @@ LAYOUTS = {
 }
 # A bf16 model whose linears (groups of 64) hold whole 64 x 64 tiles of the mgpu_int4 layout
 # per device at tensor=2: q_b_proj 4 x (48 + 16) = 256 rows, o_proj 4 x 32 = 128 inputs;
-# kv_b_proj's 4 x (48 + 32) = 320 rows do as a whole (5 tiles), not in 160-row shards.
+# kv_b_proj's 4 x (48 + 32) = 320 rows would as a whole (5 tiles), not in 160-row shards (it
+# runs no GEMM: set on a kernel by hand only).
 MGPU_MESH_MODEL = dict(
     dtype="bfloat16",
     quant=QuantSpec(bits=4, group_size=64),
@@ -99,7 +100,8 @@ def linears(model) -> dict[str, QuantizedLinear]:
 
 
 def kernels(model) -> dict[str, str | None]:
-    return {path: m.kernel(model.cfg.dtype) for path, m in linears(model).items()}
+    """The backend of each linear the model runs as a GEMM (None: the float dot)."""
+    return {path: m.kernel(model.cfg.dtype) for path, m in model.gemm_linears().items()}
 
 
 def tokens(rng, cfg):
@@ -209,9 +211,10 @@ def _arrays(model) -> dict:
 def test_kernel_layouts_are_placed_per_shard(devices8):
     """The Mosaic GPU layouts on a mesh (converted, not run): each device converts and holds its
     shard ([1, N/64, K/64, 64, 64] tiles, per-group arrays [1, K//G, N]: N over "tensor" on
-    their last dim); a shard not in whole tiles stays canonical on the float dot. A model
-    sharded after set_linear_implementation ends as one sharded before it, and back on one
-    device as one never sharded; the canonical weights are the same bits throughout."""
+    their last dim); kv_b_proj (no GEMM) stays canonical, and set on the kernel by hand its
+    shard, not in whole tiles, stays canonical on the float dot. A model sharded after
+    set_linear_implementation ends as one sharded before it, and back on one device as one
+    never sharded; the canonical weights are the same bits throughout."""
     mesh_axes = (("data", 2), ("tensor", 2))
     model = served(MGPU, mesh_axes, **MGPU_MESH_MODEL)
     dtype = model.cfg.dtype
@@ -225,9 +228,12 @@ def test_kernel_layouts_are_placed_per_shard(devices8):
     assert shard.shape == (1, 2, 1, 64, 64)  # 128 of 256 rows, all 64 inputs
     assert spec(o_proj.weight.qweight) == P(None, None, "tensor")
     assert spec(o_proj.weight.scales) == P(None, "tensor", None)  # K's groups
-    assert kv_b.weight.layout == "canonical" and kv_b.kernel(dtype) is None
+    assert kv_b.weight.layout == "canonical" and kv_b.implementation == "xla"
+    by_hand = nnx.clone(kv_b)
+    by_hand.set_implementation(MGPU, dtype=dtype)
+    assert by_hand.weight.layout == "canonical" and by_hand.kernel(dtype) is None
     assert "its shard (1, 160, 64) of (1, 320, 64) (N over 'tensor') cannot take the " in (
-        kv_b.kernel_reason(dtype)
+        by_hand.kernel_reason(dtype)
     )
     # Sharded after the conversion: converted back, placed, converted per shard again.
     later = sh.shard_model(
@@ -238,9 +244,10 @@ def test_kernel_layouts_are_placed_per_shard(devices8):
     for path, got in _arrays(later).items():
         assert got.sharding == want[path].sharding, path
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want[path]), err_msg=str(path))
-    # Back to one device: the layouts of the whole weights (kv_b_proj's 320 rows are 5 tiles).
+    # Back to one device: the layouts of the whole weights.
     alone = sh.shard_model(later, None)
-    assert alone.model.layers[0].self_attn.kv_b_proj.weight.layout == "mgpu_int4"
+    assert alone.model.layers[0].self_attn.q_b_proj.weight.layout == "mgpu_int4"
+    assert alone.model.layers[0].self_attn.kv_b_proj.weight.layout == "canonical"
     assert nnx.graphdef(alone) == nnx.graphdef(served(MGPU, **MGPU_MESH_MODEL))
     want = _arrays(served(MGPU, **MGPU_MESH_MODEL))
     for path, got in _arrays(alone).items():
@@ -302,7 +309,8 @@ def test_example_generate_with_kernel_linears_on_a_mesh(capsys):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     assert "mesh: data=2 x expert=1 x tensor=2 on 4 cpu devices" in out, out
-    assert f"quantized linears: 21 on {KERNEL!r}, 3 on 'xla'\n" in out, out
+    counts = f"18 on {KERNEL!r}, 3 on 'xla'; dequantized for attention: 3 kv_b_proj\n"
+    assert f"quantized linears: {counts}" in out, out
     assert f"3 not on {KERNEL!r}: its weight (1, 40, 128): " in out, out
     example = helpers.load_script(ROOT / "examples/generate.py", "example_generate")
     assert example.main(argv) == 0  # unsharded, in this process

@@ -622,6 +622,10 @@ class MLAttention(nnx.Module):
 
     # q_a_proj and kv_a_proj_with_mqa both read x: one GEMM when served on a kernel.
     FUSION = Fusion("qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"))
+    # Linears read only as their dequantized weight, never as a GEMM of an input: kv_b_proj's
+    # halves W_UK and W_UV (`_split_kv_b`) expand the latent (prefill) or absorb into the
+    # queries and outputs (decode). They stay canonical on "xla" whatever the others run on.
+    DEQUANTIZED = ("kv_b_proj",)
 
     def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
         self.cfg = cfg
@@ -1253,6 +1257,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
         (e.g. q_b_proj's rows per device not whole 64-row tiles of the mgpu layout) leaves
         that linear on "xla", the reason logged.
 
+        kv_b_proj runs no GEMM (attention reads its dequantized weight:
+        `dequantized_linears`): it stays canonical on "xla", converted for no kernel.
+
         On an unsharded model a kernel also runs the linears that read one input as one GEMM
         (`FusedLinear`): MLP's gate_proj and up_proj as gate_up_proj (silu(gate) * up in the
         GEMM's epilogue), MLA's q_a_proj and kv_a_proj_with_mqa as qkv_a_proj, where both
@@ -1273,6 +1280,8 @@ class DeepseekV3ForCausalLM(nnx.Module):
             )
         chosen = None if implementation == "auto" else implementation
         self._unfuse_linears()
+        for m in self.dequantized_linears().values():
+            m.set_implementation("xla", dtype=self.cfg.dtype)
         pairs = []  # (owner, {name: part}): linears that may run as one GEMM
         if fuse and implementation != "xla" and self.sharding is None:
             for owner in self._fusing_modules():
@@ -1280,11 +1289,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 if parts and any(isinstance(m, QuantizedLinear) for m in parts.values()):
                     pairs.append((owner, parts))
         paired = {id(m) for _, parts in pairs for m in parts.values()}
-        singles = [
-            m
-            for _, m in nnx.iter_modules(self)
-            if isinstance(m, QuantizedLinear) and id(m) not in paired
-        ]
+        singles = [m for m in self.gemm_linears().values() if id(m) not in paired]
         paths = {id(m): ".".join(map(str, p)) for p, m in nnx.iter_modules(self)}
         on_xla = collections.defaultdict(list)  # why a named kernel does not run a linear
         apart = collections.Counter()  # why pairs stay two GEMMs
@@ -1309,6 +1314,32 @@ class DeepseekV3ForCausalLM(nnx.Module):
         for why, where in on_xla.items():
             more = f" and {len(where) - 1} more linears stay" if len(where) > 1 else " stays"
             logger.info("%s%s on 'xla': %s", where[0], more, why)
+
+    def _quantized_linears(self, *, dequantized: bool) -> dict[str, QuantizedLinear]:
+        """{module path: layer} of the QuantizedLinears read only as a dequantized weight
+        (`dequantized`), or of the others."""
+        read_dense = {
+            id(getattr(m, name))
+            for _, m in nnx.iter_modules(self)
+            if isinstance(m, MLAttention)
+            for name in m.DEQUANTIZED
+        }
+        return {
+            ".".join(map(str, path)): m
+            for path, m in nnx.iter_modules(self)
+            if isinstance(m, QuantizedLinear) and (id(m) in read_dense) == dequantized
+        }
+
+    def gemm_linears(self) -> dict[str, QuantizedLinear]:
+        """{module path: layer} of the quantized linears the model runs as a GEMM of their
+        input, on their `implementation` (FusedLinears included, in place of their parts)."""
+        return self._quantized_linears(dequantized=False)
+
+    def dequantized_linears(self) -> dict[str, QuantizedLinear]:
+        """{module path: layer} of the quantized linears the model reads only as their
+        dequantized weight, never as a GEMM (MLA's kv_b_proj: `MLAttention.DEQUANTIZED`);
+        `set_linear_implementation` leaves them canonical on "xla"."""
+        return self._quantized_linears(dequantized=True)
 
     def _fusing_modules(self) -> list[MLP | MLAttention]:
         """The modules with a `Fusion` (their linears that read one input)."""
