@@ -24,11 +24,14 @@ from test_deepseek_v3_common import (
 import wna16_jax as wj
 from models.deepseek_v3 import load_pretrained, save_pretrained, sharding
 from models.deepseek_v3.modeling import (
+    MLP,
     FusedLinear,
     Linear,
+    MLAttention,
     QuantizedLinear,
     QuantizedTensor,
     dequantize_model,
+    fusion_reason,
 )
 
 # Two layers (a dense MLP, then a MoE layer with a shared expert); kv_lora_rank and
@@ -114,6 +117,43 @@ def test_each_pair_is_one_quantized_matmul(monkeypatch, implementation):
     assert not any(activation == "silu" for _, activation, _ in calls)
     # Apart, each pair is two GEMMs (kv_a_proj's N = 128: whole tiles of either kernel).
     assert len(calls) == fused_calls + len(FUSED)
+
+
+def fused_on_xla(model):
+    """A copy of `model` whose pairs are FusedLinears on "xla" (a FusedLinear's default: set by
+    hand, as set_linear_implementation fuses only for a kernel)."""
+    out = nnx.clone(model)
+    for _, owner in nnx.iter_modules(out):
+        if isinstance(owner, (MLP, MLAttention)):
+            parts = owner.FUSION.unfused(owner)
+            assert parts is not None and fusion_reason(parts) is None
+            setattr(owner, owner.FUSION.fused, FusedLinear(out.cfg, parts))
+            for name in owner.FUSION.parts:
+                setattr(owner, name, None)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_linears_on_xla_compute_the_unfused_model(rng, dtype):
+    """On "xla" a FusedLinear computes what its parts do on the float dot: one dot rounded to
+    the activation dtype, silu(gate) * up of the rounded halves (the unfused MLP's), so the
+    fused and unfused "xla" models give the same prefill and decode logits: bit for bit on
+    the CPU (each output's sum over K in one order); a GPU's dot may order the sums of a
+    [2F, K] weight otherwise than of two [F, K] ones (then the model's tolerance of another
+    order of sums: f32_reordered, and bf16's for a bf16 model, as a kernel's fused pairs)."""
+    model = tiny_model(dtype=dtype, **FUSABLE)
+    fused = fused_on_xla(model)
+    assert fused.fused_linears() == FUSED
+    assert all(m.implementation == "xla" and m.kernel(model.cfg.dtype) is None
+               for _, m in nnx.iter_modules(fused) if isinstance(m, FusedLinear))  # fmt: skip
+    ids = random_ids(rng, (2, 5), model.cfg)
+    next_tokens = random_ids(rng, (2, 2), model.cfg)
+    got = prefill_and_decode(fused, ids, next_tokens)
+    want = prefill_and_decode(model, ids, next_tokens)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert_close(got, want, "f32_reordered" if dtype == "float32" else "bf16")
 
 
 def _with_perm(linear: QuantizedLinear, perm: np.ndarray) -> None:

@@ -347,26 +347,33 @@ class QuantizedLinear(nnx.Module):
         """x [..., K] -> [..., N] in out_dtype (default x.dtype), from f32 sums.
 
         activation: None, or "silu" for a gated MLP's weight with rows [gate; up] (N = 2F):
-        -> silu(gate) * up [..., F], computed from the f32 sums (in the kernel's epilogue).
+        -> silu(gate) * up [..., F]. A kernel computes it from the f32 sums (in its epilogue);
+        the float dot ("xla", or a weight no kernel takes) as the unfused MLP does, from gate
+        and up rounded to x.dtype, so that a FusedLinear on it is its parts' model exactly.
         On a mesh x's leading dim is the batch (split over the LinearSharding's row_axis).
         """
         kernel = self.kernel(x.dtype)
-        if kernel is None and activation is None:
-            return _matmul_nk(x, self.dense_weight(x.dtype), out_dtype)
+        if kernel is None:
+            if activation is None:
+                return _matmul_nk(x, self.dense_weight(x.dtype), out_dtype)
+            if activation != "silu":
+                raise ValueError(f"activation={activation!r} is not None or 'silu'")
+            gate, up = jnp.split(_matmul_nk(x, self.dense_weight(x.dtype)), 2, axis=-1)
+            return (jax.nn.silu(gate) * up).astype(out_dtype or x.dtype)  # MLP.__call__'s
         if self.sharding is not None:
             return self.sharding.matmul(
                 x,
                 self.weight.get(),
                 activation=activation,
                 out_dtype=out_dtype,
-                implementation=kernel or "xla",
+                implementation=kernel,
             )
         return wj.linear.quantized_matmul(
             x,
             self.weight.get(),
             activation=activation,
             out_dtype=out_dtype,
-            implementation=kernel or "xla",
+            implementation=kernel,
         )
 
 
