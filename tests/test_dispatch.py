@@ -382,6 +382,65 @@ def test_grouped_matmul_selection_on_cpu_logs_once(rng, caplog, fresh_log):
     assert _records(caplog) == ["wna16_jax: grouped_matmul uses 'xla' (candidates: xla)"]
 
 
+@pytest.mark.parametrize(
+    "w13_bits,w2_bits,hidden,holds",
+    [
+        (4, 4, 128, "mgpu_int4"),
+        (8, 8, 128, "mgpu_int8"),
+        # the reasons of the layouts that cannot hold the experts (the first weight each refuses)
+        (4, 4, 96, "w13: the mgpu_int4 layout holds 64x64 tiles: N=128 and K=96 must be "
+                   "multiples of 64; w13: the mgpu_int8 layout holds int8 weights, not int4"),
+        (4, 8, 128, "w2: the mgpu_int4 layout holds int4 weights, not int8; "
+                    "w13: the mgpu_int8 layout holds int8 weights, not int4"),
+    ],
+    ids=["int4", "int8", "H_not_in_tiles", "mixed_bits"],
+)  # fmt: skip
+def test_layout_reason_says_whether_the_experts_convert(rng, w13_bits, w2_bits, hidden, holds):
+    """A backend that reads kernel layouts only, refusing canonical experts: where one of its
+    layouts holds both weights, it names the conversion; where none does, each layout's
+    reason, and that the experts run canonical on the backends that read it (no conversion
+    advised that would fail)."""
+    w13 = helpers.random_quantized_experts(rng, 2, 128, hidden, w13_bits, 32, True, jnp.bfloat16)
+    w2 = helpers.random_quantized_experts(rng, 2, hidden, 64, w2_bits, 32, True, jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, hidden), jnp.bfloat16)
+    tw, ids = jax.ShapeDtypeStruct((1, 2), jnp.float32), jax.ShapeDtypeStruct((1, 2), jnp.int32)
+    with pytest.raises(NotImplementedError) as err:
+        wj.select_implementation(x, w13, w2, tw, ids, implementation="mgpu_interpret")
+    message = str(err.value)
+    if holds.startswith("mgpu_int"):
+        assert message.endswith(
+            f"reads weights in the '{holds}' layout, not 'canonical' (convert once at load: "
+            f"wna16_jax.layouts.to_kernel_layout(qw, '{holds}'))"
+        )
+        convert = functools.partial(wj.layouts.to_kernel_layout, layout=holds)
+        jax.eval_shape(convert, w13)  # both convert
+        jax.eval_shape(convert, w2)
+    else:
+        assert "convert" not in message, message
+        assert message.endswith(
+            f"reads weights only in the 'mgpu_int4' or 'mgpu_int8' layout, which cannot hold "
+            f"these ({holds}): they stay in the canonical layout, which 'pallas', 'triton' "
+            f"and 'xla' read"
+        ), message
+    names = ("mgpu_interpret", "xla")
+    assert wj.select_implementation(x, w13, w2, tw, ids, implementation=names) == "xla"
+
+
+def test_layout_reason_of_a_linear_no_layout_holds(rng):
+    """A linear weight no mgpu layout tiles (N=40: kv_a_proj_with_mqa's in the tiny model):
+    the reason names the tiles, not a conversion; the same weight converted is refused by
+    to_kernel_layout with that reason."""
+    w = helpers.random_quantized_experts(rng, 1, 40, 128, 4, 64, True, jnp.bfloat16)
+    tiles = "the mgpu_int4 layout holds 64x64 tiles: N=40 and K=128 must be multiples of 64"
+    with pytest.raises(NotImplementedError) as err:
+        wj.linear.select_implementation(w, implementation="mgpu_interpret")
+    assert f"({tiles}; the mgpu_int8 layout holds int8" in str(err.value)
+    assert "convert" not in str(err.value)
+    assert "they stay in the canonical layout, which 'pallas', " in str(err.value)
+    with pytest.raises(ValueError, match=tiles):
+        wj.layouts.to_kernel_layout(w, "mgpu_int4")
+
+
 def test_grouped_matmul_refuses_backends_without_one(register):
     """A backend without a grouped GEMM is refused with that reason; the compiled kernels need
     a GPU; the interpreters run; the 'mgpu' GEMM reads its own layout only."""

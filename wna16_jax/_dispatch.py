@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from wna16_jax import _activations, _backend_order, _configs, _reference, layouts
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig
+from wna16_jax._types import LAYOUTS, BlockConfig
 
 logger = logging.getLogger("wna16_jax")
 
@@ -197,12 +197,54 @@ def layout_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | 
             f"the weights are in the {problem.layout!r} layout, which this backend does not "
             f"read (wna16_jax.layouts.to_canonical_layout converts back)"
         )
-    bits = problem.shape.bits if isinstance(problem, GemmProblem) else problem.bits
-    holding = [lay for lay in backend.layouts if KERNEL_LAYOUT_BITS.get(lay) == bits]
-    want = (holding or backend.layouts)[0]  # the one that holds these weights' bits
+    # Kernel layouts only: the first that holds the weights (their bits, N and K in its tiles)
+    # is the conversion to make; where none does, each one's reason.
+    weights = _weight_shapes(problem)
+    reasons = []
+    for lay in backend.layouts:
+        why = next(
+            (
+                f"{name}: {r}" if len(weights) > 1 else r
+                for name, bits, n, k in weights
+                if (r := layouts.kernel_layout_reason(lay, bits=bits, n=n, k=k))
+            ),
+            None,
+        )
+        if why is None:
+            return (
+                f"reads weights in the {lay!r} layout, not {problem.layout!r} (convert once at "
+                f"load: wna16_jax.layouts.to_kernel_layout(qw, {lay!r}))"
+            )
+        reasons.append(why)
+    readers = [
+        name
+        for name, b in sorted(_REGISTRY.items())
+        if "canonical" in b.layouts and not name.endswith("_interpret")
+    ]
     return (
-        f"reads weights in the {want!r} layout, not {problem.layout!r} (convert once at "
-        f"load: wna16_jax.layouts.to_kernel_layout(qw, {want!r}))"
+        f"reads weights only in the {_listed(backend.layouts, 'or')} layout, which cannot hold "
+        f"these ({'; '.join(reasons)}): they stay in the canonical layout, which "
+        f"{_listed(readers, 'and')} read"
+    )
+
+
+def _listed(names: Sequence[str], conjunction: str) -> str:
+    """The names quoted and listed: 'a', 'b' and 'c' (conjunction "and")."""
+    quoted = [repr(name) for name in names]
+    if len(quoted) < 2:
+        return "".join(quoted)
+    return f"{', '.join(quoted[:-1])} {conjunction} {quoted[-1]}"
+
+
+def _weight_shapes(problem: MoEProblem | GemmProblem) -> tuple[tuple[str, int, int, int], ...]:
+    """((name, bits, N, K), ...) of the weights of `problem`: w13 [E, 2I, H] and w2 [E, H, I]
+    of fused_moe, the [E, N, K] weight of a grouped GEMM."""
+    if isinstance(problem, GemmProblem):
+        return (("w", problem.shape.bits, problem.shape.n, problem.shape.k),)
+    w2_bits = problem.bits if problem.w2_bits is None else problem.w2_bits
+    return (
+        ("w13", problem.bits, 2 * problem.intermediate, problem.hidden),
+        ("w2", w2_bits, problem.hidden, problem.intermediate),
     )
 
 

@@ -47,6 +47,20 @@ from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, MGPU_TILE, QuantizedEx
 _FLIP_TOP_BIT = {4: 0x88888888, 8: 0x80808080}
 
 
+def kernel_layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | None:
+    """Why the kernel layout `layout` cannot hold weights [E, N, K] of `bits` bits (None when
+    it can): the reason `to_kernel_layout` raises."""
+    held = KERNEL_LAYOUT_BITS[layout]
+    if bits != held:
+        return f"the {layout} layout holds int{held} weights, not int{bits}"
+    if n % MGPU_TILE or k % MGPU_TILE:
+        return (
+            f"the {layout} layout holds {MGPU_TILE}x{MGPU_TILE} tiles: N={n} and K={k} must be "
+            f"multiples of {MGPU_TILE}"
+        )
+    return None
+
+
 def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     """`qw` (canonical) in `layout`, one of LAYOUTS."""
     if layout not in LAYOUTS:
@@ -58,15 +72,10 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     if layout == "canonical":
         return qw
     qw.validate("weights")
-    bits = KERNEL_LAYOUT_BITS[layout]
-    if qw.bits != bits:
-        raise ValueError(f"the {layout} layout holds int{bits} weights, not int{qw.bits}")
     e, n, k = qw.shape
-    if n % MGPU_TILE or k % MGPU_TILE:
-        raise ValueError(
-            f"the {layout} layout holds {MGPU_TILE}x{MGPU_TILE} tiles: N={n} and K={k} must be "
-            f"multiples of {MGPU_TILE}"
-        )
+    if reason := kernel_layout_reason(layout, bits=qw.bits, n=n, k=k):
+        raise ValueError(reason)
+    bits = KERNEL_LAYOUT_BITS[layout]
     stored = jnp.dtype(f"int{bits}")  # q - 2^(bits-1)
     words = qw.qweight ^ jnp.uint32(_FLIP_TOP_BIT[bits])
     q = tiled(lax.bitcast_convert_type(words, stored).reshape(e, n, k))
