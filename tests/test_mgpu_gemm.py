@@ -428,44 +428,6 @@ def test_w8a8_gemm_matches_numpy(rng, case):
     run_w8a8_gemm_case(rng, e=3, n=256, k=256, blocks=[1, -1, 0, 2], **case)
 
 
-@pytest.mark.parametrize(
-    "bits,w8a8,case",
-    [(4, False, dict(block_m=8, block_k=256, group_size=128)),
-     (4, False, dict(block_m=16, block_k=128, group_size=128, block_n=128, gated=True)),
-     (4, False, dict(block_m=128, block_k=128, group_size=128, consumers=2, bf16_weights=True)),
-     (4, False, dict(block_m=8, block_k=128, group_size=128, splits=2)),
-     (8, False, dict(block_m=8, block_k=256, group_size=-1)),
-     (8, False, dict(block_m=64, block_k=128, group_size=-1, consumers=2)),
-     (8, True, dict(block_m=8, block_k=128, group_size=-1)),
-     (8, True, dict(block_m=64, block_k=128, group_size=-1, consumers=2)),
-     (8, True, dict(block_m=128, block_k=128, group_size=-1, consumers=2, gated=True,
-                    out_dtype=BF16)),
-     (8, True, dict(block_m=16, block_k=64, group_size=64, consumers=2))],
-    ids=lambda c: c if not isinstance(c, dict) else "-".join(f"{k}{v}" for k, v in c.items()),
-)  # fmt: skip
-def test_gemm_lowers_for_sm90(rng, bits, w8a8, case):
-    """The GEMM's Pallas -> Mosaic GPU lowering for the "cuda" platform, on any machine (nothing
-    runs): it rejects what the interpreter accepts, e.g. an optimized load from global memory
-    (the W8A8 carried int32 sums read their scales there after the pipeline), and it builds the
-    register tiles (inline PTX) that the interpreter replaces by jnp arithmetic."""
-    case = dict(case)
-    group_size = case.pop("group_size")
-    qw = helpers.random_quantized_experts(rng, 3, 256, 256, bits, group_size, bits == 4, BF16)
-    rows = 4 * case["block_m"]
-    blocks = jnp.asarray([1, -1, 0, 2], jnp.int32)
-    args = [jax.ShapeDtypeStruct((rows, 256), jnp.int8 if w8a8 else BF16), prepare_weights(qw),
-            blocks]  # fmt: skip
-    if w8a8:
-        args.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
-
-    def gemm(x, w, block_experts, x_scales=None):
-        return mgpu_wna16_gemm(x, w, block_experts, x_scales=x_scales, max_concurrent_steps=3,
-                               interpret=False, **case)  # fmt: skip
-
-    lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "block_m,block_k,consumers,splits,block_n,gated,stages",
@@ -1207,24 +1169,30 @@ def lowers_for_cuda(
     bf16_weights=False,
     bits=4,
     group_size=128,
+    w8a8=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types, the copies' shapes and the shared memory (at most 227 KiB, Mosaic
     GPU's limit when it cannot ask a device) are checked here; ptxas and the run only on a
-    GPU."""
+    GPU. w8a8: int8 rows with f32 row scales (bits 8)."""
     e, n, k = 4, 256, 1024
     w = abstract_mgpu_weights(e, n, k, bits, group_size, has_zp)
     blocks = 3
-    x = jax.ShapeDtypeStruct((blocks * block_m, k), BF16)
+    x = jax.ShapeDtypeStruct((blocks * block_m, k), jnp.int8 if w8a8 else BF16)
     experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
+    x_scales = jax.ShapeDtypeStruct((blocks * block_m,), jnp.float32) if w8a8 else None
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
         block_halvings=max(narrow, 1), bf16_weights=bf16_weights,
     )  # fmt: skip
-    args = (x, w, experts, experts) if narrow else (x, w, experts)
-    lowered = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",))
+    in_use = experts if narrow else None
+    lowered = (
+        jax.jit(lambda x, w, b, u, s: gemm(x, w, b, u, x_scales=s))
+        .trace(x, w, experts, in_use, x_scales)
+        .lower(lowering_platforms=("cuda",))
+    )
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -1264,6 +1232,25 @@ def test_int8_gemm_lowers_for_cuda(has_zp, group_size, block_m, block_k, consume
     lowers_for_cuda(
         has_zp, block_m, block_k, consumers, splits, block_n, gated, tiles=tiles, narrow=narrow,
         stages=stages, bf16_weights=bf16, bits=8, group_size=group_size,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "group_size,block_m,block_k,consumers,splits,block_n,gated,narrow,stages",
+    [(-1, 8, 256, 0, 1, 64, True, 0, 2), (-1, 16, 256, 0, 2, 128, False, 1, 3),
+     (-1, 64, 128, 2, 1, 128, False, 2, 3), (-1, 128, 128, 2, 1, 64, True, 3, 3),
+     (64, 16, 64, 2, 1, 64, False, 1, 3)],
+    ids=str,
+)  # fmt: skip
+def test_w8a8_gemm_lowers_for_cuda(group_size, block_m, block_k, consumers, splits, block_n,
+                                   gated, narrow, stages):  # fmt: skip
+    """W8A8's compiled path (the A operand by prmt, int32 wgmma sums) lowers on its paths: per
+    channel in 8- and 16-row blocks, warp-specialized 64- and 128-row blocks whose int32 sums
+    are carried over all k-steps and scaled at the end from global memory (an optimized load
+    from there fails to lower; the interpreter accepts it), grouped weights scaled per group."""
+    lowers_for_cuda(
+        False, block_m, block_k, consumers, splits, block_n, gated, narrow=narrow, stages=stages,
+        bits=8, group_size=group_size, w8a8=True,
     )  # fmt: skip
 
 
