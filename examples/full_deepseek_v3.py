@@ -99,8 +99,9 @@ def main(argv=None):
         choices=("auto", "canonical", "mgpu_int4", "mgpu_int8"),  # wna16_jax.layouts.LAYOUTS
         default="auto",
         help="the routed experts' weight layout, converted per shard after drawing them; auto: "
-        "as generate.py (mgpu_int4 with --implementation mgpu*, else the fastest backend's "
-        "layout here: mgpu_int4 on H100/H200)",
+        "as generate.py (the mgpu layout of the experts' bits, mgpu_int4 or mgpu_int8, with "
+        "--implementation mgpu*, else the fastest backend's layout here: mgpu_int4 / mgpu_int8 "
+        "on H100/H200)",
     )
     p.add_argument(
         "--linear-implementation",
