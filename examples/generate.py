@@ -580,10 +580,10 @@ def step_bytes(model) -> float:
         return sum(benchmark.array_bytes(a) for a in jax.tree.leaves(nnx.state(module)))
 
     modules = [m for _, m in nnx.iter_modules(model)]
-    experts = [m for m in modules if isinstance(m, RoutedExperts | FloatExperts)]
-    skipped = sum(nbytes(m) for m in modules if isinstance(m, Embed)) + sum(map(nbytes, experts))
+    embed = sum(nbytes(m) for m in modules if isinstance(m, Embed))
+    experts = sum(nbytes(m) for m in modules if isinstance(m, RoutedExperts | FloatExperts))
     share = model.cfg.num_experts_per_tok / model.cfg.n_routed_experts
-    return nbytes(model) - skipped + share * sum(map(nbytes, experts))
+    return nbytes(model) - embed - (1 - share) * experts
 
 
 def roofline(model, stats, copy_bps: float) -> str:

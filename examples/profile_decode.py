@@ -77,17 +77,18 @@ def traced_kernels(run) -> list[dict]:
             return profile_example.device_kernels(json.load(f))
 
 
+def totals(kernels: list[dict]) -> dict[str, list[float]]:
+    """Per kernel name: [launches, us] over `kernels`."""
+    out: dict[str, list[float]] = {}
+    for k in kernels:
+        n, t = out.get(k["name"], (0, 0.0))
+        out[k["name"]] = [n + 1, t + k["dur"]]
+    return out
+
+
 def per_step(base: list[dict], more: list[dict], steps: int) -> list[dict]:
     """Per kernel name: launches and us of one decode step, from the kernels of a generate call
     and of one with `steps` more decode steps; longest first."""
-
-    def totals(kernels):
-        out: dict[str, list[float]] = {}
-        for k in kernels:
-            n, t = out.get(k["name"], (0, 0.0))
-            out[k["name"]] = [n + 1, t + k["dur"]]
-        return out
-
     before, after = totals(base), totals(more)
     rows = []
     for name, (n, t) in after.items():
@@ -98,15 +99,14 @@ def per_step(base: list[dict], more: list[dict], steps: int) -> list[dict]:
 
 
 def loop_start(names: list[str], period: int, iterations: int) -> int | None:
-    """The first index at which `names` holds `iterations` repetitions of one sequence of
-    `period` names back to back (the last such run if several: the decode loop comes after the
+    """The index at which `names` holds `iterations` repetitions of one sequence of `period`
+    names back to back (the last such run if several: the decode loop comes after the
     prefill), or None."""
     span = period * iterations
-    found = None
-    for start in range(len(names) - span + 1):
+    for start in range(len(names) - span, -1, -1):
         if all(names[i] == names[i + period] for i in range(start, start + span - period)):
-            found = start
-    return found
+            return start
+    return None
 
 
 def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | None:
@@ -122,11 +122,8 @@ def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | No
     start = loop_start(names, period, iterations)
     if start is None:
         return None
-    out: dict[str, list[float]] = {}
-    for k in more[start : start + period * iterations]:
-        n, t = out.get(k["name"], (0, 0.0))
-        out[k["name"]] = [n + 1, t + k["dur"]]
-    rows = [dict(name=n, launches=c / iterations, us=t / iterations) for n, (c, t) in out.items()]
+    loop = totals(more[start : start + period * iterations])
+    rows = [dict(name=n, launches=c / iterations, us=t / iterations) for n, (c, t) in loop.items()]
     return sorted(rows, key=lambda r: -r["us"])
 
 

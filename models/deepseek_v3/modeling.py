@@ -736,14 +736,14 @@ class MLAttention(nnx.Module):
         new_cache = None
         if mode == "full":
             out = self.naive(q_nope, q_pe, c_kv, k_pe, mask)
-        elif mode == "prefill":
+        elif mode in ("prefill", "decode"):
             latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [B, S, R + dr]
-            new_cache = jax.lax.dynamic_update_slice(cache, latent, (0, 0, 0))
-            out = self.naive(q_nope, q_pe, c_kv, k_pe, mask)
-        elif mode == "decode":
-            latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [B, S, R + dr]
-            new_cache = jax.lax.dynamic_update_slice(cache, latent, (0, index, 0))
-            out = self.absorbed(q_nope, q_pe, new_cache, mask)
+            first = 0 if mode == "prefill" else index
+            new_cache = jax.lax.dynamic_update_slice(cache, latent, (0, first, 0))
+            if mode == "prefill":
+                out = self.naive(q_nope, q_pe, c_kv, k_pe, mask)
+            else:
+                out = self.absorbed(q_nope, q_pe, new_cache, mask)
         else:
             raise ValueError(f"mode={mode!r} is not one of 'full', 'prefill', 'decode'")
         out = _constrain(self.sharding, out, "act_btnk")
