@@ -64,10 +64,11 @@ def weight_bytes(w) -> int:
     return sum(array_bytes(a) for a in jax.tree.leaves(w))
 
 
-def linear_fn(implementation: str, activation: str | None = None):
+def linear_fn(implementation: str, activation: str | None = None, config=None):
     """(x, w) -> x + 1e-30 x the sum of each row of the linear's output (the whole output
     read, so no implementation computes less than all of it; the result feeds the next call).
-    activation "silu": w's rows are [gate; up] and the output silu(gate) * up."""
+    activation "silu": w's rows are [gate; up] and the output silu(gate) * up. config: the
+    kernel's (None: the backend's tuned table or heuristic)."""
 
     def fn(x, w):
         if implementation == "bf16":
@@ -77,7 +78,7 @@ def linear_fn(implementation: str, activation: str | None = None):
                 y = jax.nn.silu(gate) * up
         else:
             y = wj.linear.quantized_matmul(
-                x, w, activation=activation, implementation=implementation
+                x, w, activation=activation, implementation=implementation, config=config
             )
         return x + (jnp.sum(y.astype(jnp.float32), axis=1, keepdims=True) * 1e-30).astype(x.dtype)
 
@@ -92,25 +93,37 @@ def weights_for(implementation: str, w: wj.QuantizedExperts, dtype):
     return wj.layouts.to_kernel_layout(w, layout)
 
 
+def random_weights(
+    key, n, k, *, group_size, has_zeros, step_bytes, bits=4, dtype=jnp.bfloat16
+):  # fmt: skip
+    """Random [1, N, K] weights of `bits`, as many copies (2..MAX_COPIES) as make `step_bytes`."""
+
+    def one(c):
+        return wj.random_quantized_experts(
+            jax.random.fold_in(key, c), (1, n, k), bits=bits, group_size=group_size,
+            has_zeros=has_zeros, dtype=dtype,
+        )  # fmt: skip
+
+    first = one(0)
+    copies = max(2, min(MAX_COPIES, math.ceil(step_bytes / weight_bytes(first))))
+    return [first] + [one(c) for c in range(1, copies)]
+
+
+def random_rows(key, m, k, copies, dtype=jnp.bfloat16):
+    """One [m, K] input per weight copy."""
+    return [jax.random.normal(jax.random.fold_in(key, 1000 + c), (m, k), dtype)
+            for c in range(copies)]  # fmt: skip
+
+
 def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
     """The rows of one shape: each implementation at each M."""
     dtype = jnp.bfloat16
     key = jax.random.key(args.seed)
-    first = wj.random_quantized_experts(
-        key, (1, n, k), bits=4, group_size=args.group_size, has_zeros=not args.no_zp, dtype=dtype
-    )
-    copies = max(2, min(MAX_COPIES, math.ceil(args.step_bytes / weight_bytes(first))))
-    ws = [first] + [
-        wj.random_quantized_experts(
-            jax.random.fold_in(key, c),
-            (1, n, k),
-            bits=4,
-            group_size=args.group_size,
-            has_zeros=not args.no_zp,
-            dtype=dtype,
-        )  # fmt: skip
-        for c in range(1, copies)
-    ]
+    ws = random_weights(
+        key, n, k, group_size=args.group_size, has_zeros=not args.no_zp,
+        step_bytes=args.step_bytes, dtype=dtype,
+    )  # fmt: skip
+    copies = len(ws)
     rows = []
     for impl in implementations:
         try:
@@ -120,8 +133,7 @@ def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
             continue
         step_bytes = weight_bytes(held[0])
         for m in ms:
-            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + c), (m, k), dtype)
-                  for c in range(copies)]  # fmt: skip
+            xs = random_rows(key, m, k, copies, dtype)
             try:
                 seconds = time_model_step(
                     linear_fn(impl, activation),

@@ -7,10 +7,16 @@ problems at token-slot counts M (T*k); fused_moe takes the entry at the nearest 
   candidate timed through `wj.grouped_matmul` (GEMM1 with its silu fused, as fused_moe runs
   it); the best is written.
 - "mgpu": the Mosaic GPU layer's MgpuConfig per M. A coordinate search over MgpuConfigs, each
-  timed through `wj.fused_moe`; the best is written where it beat the layer without a config
-  (its tuned entry or heuristic today). With --activation-quant int8_per_token the layer runs
-  W8A8 (int8 per-token activations, int8 per-channel symmetric weights) and its entries are
-  keyed activations="int8", apart from the W8A16 entries of the same weights.
+  timed through `wj.fused_moe`, starting from the config the layer runs today (its tuned
+  entry or heuristic); the best is written where it beat that config. With --activation-quant
+  int8_per_token the layer runs W8A8 (int8 per-token activations, int8 per-channel symmetric
+  weights) and its entries are keyed activations="int8", apart from the W8A16 entries of the
+  same weights.
+- "mgpu_gemm": the Mosaic GPU GEMM's MgpuConfig per quantized linear (one expert: N, K, bits,
+  group_size) and rows M. A coordinate search from the config the linear runs today, each
+  candidate timed as benchmark_linear.py times a linear (a model step of calls on copies of
+  the weight that do not fit in L2 together); the best is written where it beat the config
+  the linear runs today. --linears names the shapes (benchmark_linear.py's).
 Candidates that do not compile or run (shared memory, registers, validity rules) are skipped;
 each winner is checked against the 'xla' reference (under the same activation quantization)
 before it is written.
@@ -20,6 +26,8 @@ Example (GPU):
         --out wna16_jax/data/tuned/nvidia_h200.json
     python examples/tune.py --backends mgpu --activation-quant int8_per_token \\
         --m 1 16 256 4096 --out wna16_jax/data/tuned/nvidia_h200.json    # W8A8
+    python examples/tune.py --backends mgpu_gemm --linears qkv_a o_proj --m 1 8 \\
+        --out wna16_jax/data/tuned/nvidia_h200.json    # DeepSeek-V3's linears
 On a CPU the default is a tiny problem in the Pallas interpreter ('pallas_interpret'; with
 --backends mgpu also 'mgpu_interpret'): a smoke test, no file written unless --out is given.
 """
@@ -45,13 +53,19 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchmark  # noqa: E402
+import benchmark_linear  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
+from pallas_kernels.mosaic_gpu import config as mgpu_config  # noqa: E402
 
 logger = logging.getLogger("tune")
 
 # The tables this script tunes, by the backend that runs them (its interpreter on a CPU).
-TABLES = {"pallas": ("pallas", "pallas_interpret"), "mgpu": ("mgpu", "mgpu_interpret")}
+TABLES = {
+    "pallas": ("pallas", "pallas_interpret"),
+    "mgpu": ("mgpu", "mgpu_interpret"),
+    "mgpu_gemm": ("mgpu", "mgpu_interpret"),
+}
 
 # The axes of the GEMM search and their values (the validity rules drop what cannot run a
 # shape), in the order the coordinate search visits them: the ones that change the work in
@@ -86,6 +100,17 @@ MGPU_AXES = {
     "bf16_weights": (False, True),
 }
 MGPU_QUICK_AXES = {"block_m": (8, 16), "stages": (2, 3), "block_halvings": (0, 1)}
+# The axes of a linear's GEMM search (blocks of at most twice its rows, at least 16: `tune_linear`).
+LINEAR_AXES = {
+    "stages": (2, 3, 4, 5, 6),
+    "block_k": (128, 256, 512),
+    "block_m": (8, 16, 32, 64, 128),
+    "block_n": (64, 128),
+    "consumers": (0, 2),
+}
+LINEAR_QUICK_AXES = {"stages": (2, 3), "block_m": (8, 16)}
+# Seconds each linear's timing runs it before timing (the GPU's clocks up to speed).
+LINEAR_WARMUP_S = 0.2
 # The most relative error (norm-wise) of a winner against 'xla' on bf16 outputs: the tests'
 # tolerance of the kernels against the reference (tests/helpers.py: TOLERANCES; W8A8 under the
 # same activation quantization: tests/test_w8a8.py: W8A8_VS_ORACLE), the output's bf16 rounding.
@@ -140,18 +165,35 @@ def coordinate_search(starts, time_config, *, axes, valid, passes=2, budget_s=No
     return times
 
 
-def _timed(run, sets, *, consts, iters, repeats, what):
-    """Seconds per call of run(*consts, *set) (the benchmark's jitted loop), or None where it
-    does not compile or run on this device."""
+def _measured(measure, what):
+    """measure() (seconds per call), or None where it does not compile or run on this device."""
     try:
-        t, _ = benchmark.time_loop(
-            run, sets, iters=iters, repeats=repeats, consts=consts, host=False
-        )
+        t = measure()
     except Exception as err:  # does not compile or run here: skip it
         logger.info("skip %s: %s", what, str(err).splitlines()[0][:200])
         return None
     logger.info("%10.1f us  %s", t * 1e6, what)
     return t
+
+
+def _timed(run, sets, *, consts, iters, repeats, what):
+    """Seconds per call of run(*consts, *set) (the benchmark's jitted loop), or None where it
+    does not compile or run on this device."""
+    return _measured(
+        lambda: benchmark.time_loop(
+            run, sets, iters=iters, repeats=repeats, consts=consts, host=False
+        )[0],
+        what,
+    )
+
+
+def _timed_step(fn, sets, *, repeats, what):
+    """Seconds per call of fn(*set) in a model step (benchmark.time_model_step), or None where
+    it does not compile or run on this device."""
+    warmup_s = LINEAR_WARMUP_S if jax.default_backend() == "gpu" else 0.0
+    return _measured(
+        lambda: benchmark.time_model_step(fn, sets, repeats=repeats, warmup_s=warmup_s), what
+    )
 
 
 def with_bar(time_config, bar):
@@ -268,16 +310,19 @@ def tune_gemm(
 # ---- the Mosaic GPU layer ("mgpu") ------------------------------------------------------------
 
 
-def layer_starting_points(slots: int, num_experts: int, group: int) -> list:
-    """One config per block size up to twice the mean rows per expert (at least 8): each with
-    k-steps of one group (at most 128 inputs), 3 stages, and two consumer warpgroups from 64
-    rows (128 rows on bf16 weights, whose exact group sums do not fit in registers)."""
+def layer_starting_points(slots: int, num_experts: int, group: int, today=None) -> list:
+    """The config the layer runs today (`today`, its tuned entry or heuristic), then one config
+    per block size from half to twice the mean rows per expert (at least 8): each with k-steps
+    of one group (at most 128 inputs), 3 stages, and two consumer warpgroups from 64 rows (128
+    rows on bf16 weights, whose exact group sums do not fit in registers)."""
     rows = slots / num_experts
     block_k = 128 if group % 128 == 0 else 64
-    starts = []
+    starts = [] if today is None else [today]
     for block_m in MGPU_AXES["block_m"]:
         if block_m > max(8, 2 * rows):
             break
+        if 2 * block_m < rows:
+            continue
         big = block_m >= 64
         starts.append(
             wj.MgpuConfig(
@@ -289,7 +334,7 @@ def layer_starting_points(slots: int, num_experts: int, group: int) -> list:
                 bf16_weights=block_m == 128,
             )  # fmt: skip
         )
-    return starts
+    return list(dict.fromkeys(starts))
 
 
 def tune_layer(
@@ -300,8 +345,8 @@ def tune_layer(
     `progress`: a tqdm bar (named `desc`) over the configs timed; activation_quant: None
     (16-bit activations) or "int8_per_token" (W8A8, on symmetric int8 weights).
 
-    Returns (best, {config: seconds}, seconds of the layer without a config, relative error of
-    the best against 'xla').
+    Returns (best, {config: seconds}, seconds of the config the layer runs today (its tuned
+    entry or heuristic; None: it did not run), relative error of the best against 'xla').
     """
     e, _, h = w13.shape
     key = jax.random.key(m)
@@ -324,12 +369,11 @@ def tune_layer(
             layer(cfg), sets, consts=kernel_weights, iters=iters, repeats=repeats, what=str(cfg)
         )
 
-    today = _timed(
-        layer(None), sets, consts=kernel_weights, iters=iters, repeats=repeats,
-        what="the layer without a config",
-    )  # fmt: skip
     group = math.gcd(w13.group, w2.group)
-    starts = layer_starting_points(m * top_k, e, group)
+    today_config = mgpu_config.layer_config(
+        None, m * top_k, e, w13, w2, int8_rows=activation_quant is not None
+    )
+    starts = layer_starting_points(m * top_k, e, group, today_config)
     axes = MGPU_AXES if jax.default_backend() == "gpu" else MGPU_QUICK_AXES
     with tqdm(desc=desc, unit=" configs", disable=not progress) as bar:
         times = coordinate_search(
@@ -339,10 +383,59 @@ def tune_layer(
     if not times:
         raise RuntimeError(f"no candidate config ran for the layer at M={m}")
     best = min(times, key=times.get)
+    today = times.get(today_config)
     out = layer(best)(*kernel_weights, *sets[0])
     ref = wj.fused_moe(
         x, w13, w2, tw[0], ids[0], implementation="xla", activation_quant=activation_quant
     )
+    err = _relative_error(out, ref)
+    if not err < MAX_RELATIVE_ERROR:
+        raise RuntimeError(f"best config {best} is wrong: relative error {err}")
+    return best, times, today, err
+
+
+# ---- the Mosaic GPU linear ("mgpu_gemm") -------------------------------------------------------
+
+
+def tune_linear(
+    n, k, activation, m, *, impl, bits, group_size, has_zeros, repeats, step_bytes,
+    budget_s=None, progress=True, desc="linear",
+):  # fmt: skip
+    """Searches MgpuConfigs of the quantized linear [1, N, K] (activation "silu": [gate; up],
+    silu(gate) * up fused as the model runs it) at m rows, from the config it runs today
+    (`wj.gemm_config`), over LINEAR_AXES with blocks of at most max(16, 2m) rows. Each
+    candidate is timed on copies of the weight making `step_bytes` (benchmark_linear.py's
+    method). Returns (best, {config: seconds}, seconds of today's config (None: it did not
+    run), the best's relative error against 'xla').
+    """
+    key = jax.random.key(m)
+    canonical = benchmark_linear.random_weights(
+        key, n, k, bits=bits, group_size=group_size, has_zeros=has_zeros, step_bytes=step_bytes
+    )
+    held = [benchmark_linear.weights_for(impl, w, jnp.bfloat16) for w in canonical]
+    sets = list(zip(benchmark_linear.random_rows(key, m, k, len(held)), held, strict=True))
+
+    def time_config(cfg):
+        fn = benchmark_linear.linear_fn(impl, activation, cfg)
+        return _timed_step(fn, sets, repeats=repeats, what=str(cfg))
+
+    start = wj.gemm_config(held[0], m, implementation=impl)  # what the linear runs today
+    axes = LINEAR_AXES if jax.default_backend() == "gpu" else LINEAR_QUICK_AXES
+    most_rows = max(16, 2 * m)
+    with tqdm(desc=desc, unit=" configs", disable=not progress) as bar:
+        times = coordinate_search(
+            [start], with_bar(time_config, bar), axes=axes,
+            valid=lambda cfg: cfg.block_m <= most_rows, budget_s=budget_s,
+        )  # fmt: skip
+    if not times:
+        raise RuntimeError(f"no candidate config ran for the linear [{n}, {k}] at M={m}")
+    best = min(times, key=times.get)
+    today = times.get(start)
+    x = sets[0][0]
+    out = wj.linear.quantized_matmul(
+        x, held[0], activation=activation, implementation=impl, config=best
+    )
+    ref = wj.linear.quantized_matmul(x, canonical[0], activation=activation, implementation="xla")
     err = _relative_error(out, ref)
     if not err < MAX_RELATIVE_ERROR:
         raise RuntimeError(f"best config {best} is wrong: relative error {err}")
@@ -387,11 +480,14 @@ def _about(table: str, device: str) -> str:
         "pallas": "The Pallas-Triton grouped GEMM's BlockConfig per GEMM (microseconds: the "
         "GEMM alone)",
         "mgpu": "The Mosaic GPU layer's MgpuConfig (microseconds: the layer; "
-        "default_microseconds: the layer without a config)",
+        "default_microseconds: the layer at the config it ran before)",
+        "mgpu_gemm": "The Mosaic GPU GEMM's MgpuConfig per quantized linear (microseconds: "
+        "the linear in a model step; default_microseconds: the linear at the config it ran "
+        "before)",
     }[table]
     return (
-        f"{what}; M: token slots (T*k). Measured on {device}, jax {jax.__version__}, by "
-        f"examples/tune.py."
+        f"{what}; M: {'rows' if table == 'mgpu_gemm' else 'token slots (T*k)'}. Measured on "
+        f"{device}, jax {jax.__version__}, by examples/tune.py."
     )
 
 
@@ -405,13 +501,23 @@ def main(argv=None) -> dict[str, list[dict]]:
         choices=sorted(TABLES),
         default=None,
         help="the tables to tune: pallas (the Pallas-Triton GEMMs), mgpu (the Mosaic GPU "
-        "layer, sm_90); on a CPU their interpreters run (default: pallas; mgpu with "
-        "--activation-quant)",
+        "layer, sm_90), mgpu_gemm (the Mosaic GPU GEMM of the quantized linears); on a CPU "
+        "their interpreters run (default: pallas; mgpu with --activation-quant)",
     )
     p.add_argument(
         "--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3" if on_gpu else "tiny"
     )
-    p.add_argument("--m", type=int, nargs="+", default=None, help="token counts")
+    p.add_argument(
+        "--m", type=int, nargs="+", default=None,
+        help="token counts (mgpu_gemm: the linear's rows; default 1 16 256 4096 on a GPU, 1 on "
+        "a CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--linears", nargs="+", default=None,
+        choices=sorted(benchmark_linear.SHAPES | benchmark_linear.TINY_SHAPES),
+        help="mgpu_gemm: the linears to tune, benchmark_linear.py's shapes (default: "
+        "DeepSeek-V3's on a GPU, the tiny ones on a CPU)",
+    )  # fmt: skip
     p.add_argument(
         "--bits",
         type=int,
@@ -468,10 +574,10 @@ def main(argv=None) -> dict[str, list[dict]]:
     args = p.parse_args(argv)
     if args.activation_quant:
         args.backends = args.backends or ["mgpu"]
-        if "pallas" in args.backends:
+        if set(args.backends) - {"mgpu"}:
             p.error(
                 f"--activation-quant {args.activation_quant} tunes the mgpu table only; the "
-                f"pallas table holds configs of the weight-only GEMM (--backends mgpu)"
+                f"pallas and mgpu_gemm tables hold configs of weight-only GEMMs (--backends mgpu)"
             )
         for flag, value, want in (("--bits", args.bits, 8), ("--group-size", args.group_size, -1)):
             if value not in (None, want):
@@ -487,61 +593,85 @@ def main(argv=None) -> dict[str, list[dict]]:
         return tune(args)
 
 
+def searches(args, table: str, m: int, w13, w2):
+    """Each search of `table` at m tokens (rows of a linear), as it ends: (name, problem, M,
+    best, {config: seconds}, relative error, seconds of today's config or None)."""
+    on_gpu = jax.default_backend() == "gpu"
+    impl = TABLES[table][0 if on_gpu else 1]
+    progress = not args.no_progress
+    e, top_k, h, i, _ = benchmark.PRESETS[args.preset]  # the layer's (w13, w2: its weights)
+    iters = args.iters or (10 if on_gpu else 1)
+    if table == "pallas":
+        for name in args.gemms:
+            w = w13 if name == "w13" else w2
+            best, times, err = tune_gemm(
+                w, m, top_k, impl=impl, full=args.full, iters=iters,
+                repeats=args.repeats, gated=name == "w13", budget_s=args.budget_s,
+                progress=progress, desc=f"{table} {name} M={m}",
+            )  # fmt: skip
+            shape = dict(E=e, N=w.n, K=w.k, bits=w.bits, group_size=w.group_size)
+            yield name, shape, m * top_k, best, times, err, None
+    elif table == "mgpu":
+        best, times, today, err = tune_layer(
+            w13, w2, m, top_k, impl=impl, iters=iters, repeats=args.repeats,
+            budget_s=args.budget_s, progress=progress, desc=f"{table} layer M={m}",
+            activation_quant=args.activation_quant,
+        )  # fmt: skip
+        shape = dict(E=e, H=h, I=i, bits=w13.bits, group=math.gcd(w13.group, w2.group))
+        if args.activation_quant:
+            shape |= INT8_ROWS_PROBLEM
+        yield "layer", shape, m * top_k, best, times, err, today
+    else:  # "mgpu_gemm": the linears, m rows each
+        shapes = benchmark_linear.SHAPES | benchmark_linear.TINY_SHAPES
+        step_bytes = benchmark_linear.STEP_WEIGHT_BYTES if on_gpu else 0
+        for name in args.linears:
+            n, k, activation = shapes[name]
+            best, times, today, err = tune_linear(
+                n, k, activation, m, impl=impl, bits=w13.bits, group_size=w13.group_size,
+                has_zeros=w13.has_zeros, repeats=args.repeats, step_bytes=step_bytes,
+                budget_s=args.budget_s, progress=progress, desc=f"{table} {name} M={m}",
+            )  # fmt: skip
+            shape = dict(E=1, N=n, K=k, bits=w13.bits, group_size=w13.group_size)
+            yield name, shape, m, best, times, err, today
+
+
 def tune(args: argparse.Namespace) -> dict[str, list[dict]]:
     """main() after parsing its arguments."""
     on_gpu = jax.default_backend() == "gpu"
-    progress = not args.no_progress
-    e, top_k, h, i, g = benchmark.PRESETS[args.preset]
+    e, _, h, i, g = benchmark.PRESETS[args.preset]
     if args.group_size is not None:
         g = args.group_size
     ms = args.m or ([1, 16, 256, 4096] if on_gpu else [1])
-    iters = args.iters or (10 if on_gpu else 1)
     device = jax.devices()[0].device_kind
     key = jax.random.key(0)
+    args.linears = args.linears or sorted(
+        benchmark_linear.SHAPES if on_gpu else benchmark_linear.TINY_SHAPES
+    )
     entries, trials = {}, []
     print(f"{'table':>6} {'gemm':>5} {'M':>6} {'us':>10} {'default us':>10} {'rel err':>8}  config")
     for table in args.backends:
-        impl = TABLES[table][0 if on_gpu else 1]
         scheme = dict(bits=args.bits, group_size=g, has_zeros=not args.no_zp)
         w13 = wj.random_quantized_experts(jax.random.fold_in(key, 1), (e, 2 * i, h), **scheme)
         w2 = wj.random_quantized_experts(jax.random.fold_in(key, 2), (e, h, i), **scheme)
         written = []
         for m in ms:
-            if table == "pallas":
-                runs = []
-                for name in args.gemms:
-                    w = w13 if name == "w13" else w2
-                    best, times, err = tune_gemm(
-                        w, m, top_k, impl=impl, full=args.full, iters=iters,
-                        repeats=args.repeats, gated=name == "w13", budget_s=args.budget_s,
-                        progress=progress, desc=f"{table} {name} M={m}",
-                    )  # fmt: skip
-                    shape = dict(E=e, N=w.n, K=w.k, bits=w.bits, group_size=w.group_size)
-                    runs.append((name, shape, best, times, err, None))
-            else:
-                best, times, today, err = tune_layer(
-                    w13, w2, m, top_k, impl=impl, iters=iters, repeats=args.repeats,
-                    budget_s=args.budget_s, progress=progress, desc=f"{table} layer M={m}",
-                    activation_quant=args.activation_quant,
-                )  # fmt: skip
-                shape = dict(E=e, H=h, I=i, bits=w13.bits, group=math.gcd(w13.group, w2.group))
-                if args.activation_quant:
-                    shape |= INT8_ROWS_PROBLEM
-                runs = [("layer", shape, best, times, err, today)]
-            for name, shape, best, times, err, today in runs:
+            for name, shape, slots, best, times, err, today in searches(args, table, m, w13, w2):
                 t = times[best]
                 trials.append(
                     dict(
                         table=table,
                         gemm=name,
                         problem=shape,
-                        M=m * top_k,
+                        M=slots,
                         tried=[
                             dict(config=dataclasses.asdict(c), microseconds=s * 1e6)
                             for c, s in sorted(times.items(), key=lambda cs: cs[1])
                         ],
                     )  # fmt: skip
                 )
+                if args.trials:  # after each search, as the entries
+                    with open(args.trials, "w") as f:
+                        json.dump(trials, f, indent=1)
                 shown = "-" if today is None else f"{today * 1e6:.1f}"
                 print(
                     f"{table:>6} {name:>5} {m:>6} {t * 1e6:>10.1f} {shown:>10} {err:>8.1e}  "
@@ -549,20 +679,17 @@ def tune(args: argparse.Namespace) -> dict[str, list[dict]]:
                     flush=True,
                 )
                 if today is not None and not t < today:
-                    print(f"{'':>6} no candidate beat the layer's own config at M={m}: kept")
+                    print(f"{'':>6} no candidate beat the {name}'s own config at M={m}: kept")
                     continue
                 entry = dict(
-                    problem=shape, M=m * top_k, config=dataclasses.asdict(best),
+                    problem=shape, M=slots, config=dataclasses.asdict(best),
                     microseconds=round(t * 1e6, 1),
                 )  # fmt: skip
                 if today is not None:
                     entry["default_microseconds"] = round(today * 1e6, 1)
                 written.append(entry)
-            if args.out and written:  # after each M: a run cut short keeps what it found
-                merge_table(args.out, device, table, written, about=_about(table, device))
-            if args.trials:
-                with open(args.trials, "w") as f:
-                    json.dump(trials, f, indent=1)
+                if args.out:  # after each search: a run cut short keeps what it found
+                    merge_table(args.out, device, table, [entry], about=_about(table, device))
         entries[table] = written
     if args.out:
         print(f"wrote {sum(map(len, entries.values()))} entries to {args.out}")

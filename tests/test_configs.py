@@ -292,6 +292,23 @@ def test_lookup_reads_only_its_table(tuned):
     assert _configs.lookup_tuned("mgpu", PROBLEM, 16, DEVICE) == MgpuConfig(block_m=8)
 
 
+def test_mgpu_gemm_reads_its_table(tuned, monkeypatch):
+    """The Mosaic GPU GEMM's config (the quantized linear's): the caller's, else its table's
+    entry for exactly this GEMM at the nearest M, else the heuristic (`linear_config`)."""
+    from pallas_kernels.mosaic_gpu.grouped_matmul import gemm_config, linear_config
+
+    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
+    shape = GemmShape(m=1, n=2112, k=7168, num_experts=1, bits=4, group=128, group_size=128)
+    fields = dict(block_m=16, block_k=128, stages=5, block_n=64)
+    tuned(mgpu_gemm=[_entry(1, shape.table_problem(), **fields)])
+    assert gemm_config(shape, None) == (MgpuConfig(**fields), f"tuned:{DEVICE}")
+    assert gemm_config(dataclasses.replace(shape, m=64), None)[0] == MgpuConfig(**fields)
+    for other in (dataclasses.replace(shape, n=4096), dataclasses.replace(shape, num_experts=8)):
+        assert gemm_config(other, None) == (linear_config(other), "heuristic")
+    caller = MgpuConfig(block_m=8)
+    assert gemm_config(shape, caller) == (caller, "caller")
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -6,6 +6,7 @@ examples/generate.py has its own smoke tests in test_deepseek_v3_example.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -22,6 +23,7 @@ import pytest
 
 import wna16_jax as wj
 from pallas_kernels.mosaic_gpu import config as mgpu_config
+from wna16_jax._configs import GemmShape
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -460,15 +462,20 @@ def test_tune_mgpu_int8_layer(tmp_path, capsys):
 def test_tune_mgpu_w8a8_layer(tmp_path, monkeypatch):
     """--activation-quant int8_per_token: the mgpu table (the default then) searched on W8A8
     (int8 per-channel symmetric weights implied) at M=1, its winner checked against 'xla' and
-    written under the key the layer's lookup builds for int8 rows. The layer without a config
-    is reported 1000x slower here, so that the entry is written whatever the interpreter's
-    timings."""
+    written under the key the layer's lookup builds for int8 rows. The config the layer runs
+    today is reported 1000x slower here, so that the entry is written whatever the
+    interpreter's timings."""
     tune = _load("tune")
     timed = tune._timed
+    e, top_k, h, i, _ = tune.benchmark.PRESETS["tiny"]
+    scheme = dict(bits=8, group_size=-1, has_zeros=False)
+    w13 = wj.random_quantized_experts(jax.random.key(0), (e, 2 * i, h), **scheme)
+    w2 = wj.random_quantized_experts(jax.random.key(0), (e, h, i), **scheme)
+    today = mgpu_config.layer_config(None, top_k, e, w13, w2, int8_rows=True)
 
     def default_loses(run, sets, *, what, **kwargs):
         t = timed(run, sets, what=what, **kwargs)
-        return t * 1e3 if t is not None and what == "the layer without a config" else t
+        return t * 1e3 if t is not None and what == str(today) else t
 
     monkeypatch.setattr(tune, "_timed", default_loses)
     out = tmp_path / "tuned.json"
@@ -477,13 +484,40 @@ def test_tune_mgpu_w8a8_layer(tmp_path, monkeypatch):
     entries = tune.main(argv)
     (entry,) = entries["mgpu"]
     assert json.loads(out.read_text())["tables"]["mgpu"]["entries"] == [entry]
-    e, top_k, h, i, _ = tune.benchmark.PRESETS["tiny"]
-    scheme = dict(bits=8, group_size=-1, has_zeros=False)
-    w13 = wj.random_quantized_experts(jax.random.key(0), (e, 2 * i, h), **scheme)
-    w2 = wj.random_quantized_experts(jax.random.key(0), (e, h, i), **scheme)
+    assert entry["config"] != dataclasses.asdict(today)
     assert entry["problem"] == mgpu_config.table_problem(e, w13, w2, int8_rows=True)
     assert entry["problem"]["activations"] == "int8" and entry["M"] == top_k
     wj.MgpuConfig(**entry["config"])
+
+
+def test_tune_mgpu_gemm_linear(tmp_path, monkeypatch):
+    """The mgpu_gemm table at M=1: a tiny gated linear's search from the config it runs today,
+    its winner checked against 'xla' and written under the problem the GEMM's lookup builds
+    (GemmShape.table_problem, one expert) at M = its rows. Today's config is reported 1000x
+    slower here, so that the entry is written whatever the interpreter's timings."""
+    from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
+
+    tune = _load("tune")
+    n, k, activation = tune.benchmark_linear.TINY_SHAPES["tiny_gated"]
+    group = tune.benchmark.PRESETS["tiny"][4]
+    shape = GemmShape(m=1, n=n, k=k, num_experts=1, bits=4, group=group, group_size=group)
+    today = linear_config(shape)
+    timed = tune._timed_step
+
+    def today_loses(fn, sets, *, what, **kwargs):
+        t = timed(fn, sets, what=what, **kwargs)
+        return t * 1e3 if t is not None and what == str(today) else t
+
+    monkeypatch.setattr(tune, "_timed_step", today_loses)
+    out = tmp_path / "tuned.json"
+    argv = ["--backends", "mgpu_gemm", "--linears", "tiny_gated", "--m", "1", "--repeats", "1",
+            "--budget-s", "5", "--out", str(out), "--no-progress"]  # fmt: skip
+    entries = tune.main(argv)
+    (entry,) = entries["mgpu_gemm"]
+    assert json.loads(out.read_text())["tables"]["mgpu_gemm"]["entries"] == [entry]
+    assert entry["problem"] == shape.table_problem() and entry["M"] == 1
+    assert entry["config"] != dataclasses.asdict(today)
+    assert entry["microseconds"] < entry["default_microseconds"]
 
 
 @pytest.mark.parametrize(

@@ -117,15 +117,17 @@ def check_gemm_operands(config: BlockConfig, routing, k: int, qw) -> None:
 #          {"problem": {...}, "M": 8, "config": {...}, ...}, ...]}}}
 #
 # A table holds one kernel's configs: "pallas" (the Pallas-Triton grouped GEMM's BlockConfig per
-# GEMM; problem E, N, K, bits, group_size; M the GEMM's rows, T*k token slots) and "mgpu" (the
-# Mosaic GPU layer's MgpuConfig; problem E, H, I, bits, group, and activations="int8" for
-# W8A8's int8 rows, absent for 16-bit activations; M the layer's T*k token slots). An entry
-# serves the problem it names exactly (the same keys, the same values), at the nearest M (ties:
-# the smaller M).
+# GEMM; problem E, N, K, bits, group_size (`GemmShape.table_problem`); M the GEMM's rows, T*k
+# token slots), "mgpu" (the Mosaic GPU layer's MgpuConfig; problem E, H, I, bits, group, and
+# activations="int8" for W8A8's int8 rows, absent for 16-bit activations; M the layer's T*k
+# token slots) and "mgpu_gemm" (the Mosaic GPU GEMM on its own, the quantized linear's
+# (E = 1) and wj.grouped_matmul's: its MgpuConfig per GEMM; problem and M as "pallas"'s). An
+# entry serves the problem it names exactly (the same keys, the same values), at the nearest M
+# (ties: the smaller M).
 
 TUNED_DIR = "data/tuned"
 # Table name -> the config class of its entries.
-TABLE_CONFIGS = {"pallas": BlockConfig, "mgpu": MgpuConfig}
+TABLE_CONFIGS = {"pallas": BlockConfig, "mgpu": MgpuConfig, "mgpu_gemm": MgpuConfig}
 
 
 def device_file_name(device_kind: str) -> str:

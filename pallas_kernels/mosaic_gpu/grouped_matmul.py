@@ -27,9 +27,14 @@ from pallas_kernels.mosaic_gpu.config import (
 )
 from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
 from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
+from wna16_jax import _configs
 from wna16_jax._activations import activate
 from wna16_jax._configs import GemmShape
 from wna16_jax._types import BlockConfig, MgpuConfig
+
+# The name of the GEMM's table in the tuned files (wna16_jax/data/tuned/<device>.json): configs
+# per GEMM (the quantized linear's, wj.grouped_matmul's), written by examples/tune.py.
+TUNED_TABLE = "mgpu_gemm"
 
 # The Mosaic GPU GEMM's output features per program and k-tile: a multiple of this tiles N and
 # the group (the mgpu layouts' tiles are 64 x 64).
@@ -72,7 +77,8 @@ def linear_config(shape: GemmShape) -> MgpuConfig:
 
 def gemm_config(shape: GemmShape, config: MgpuConfig | BlockConfig | None):
     """GroupedMatmul.config: (the caller's config, "caller") (a BlockConfig:
-    `from_block_config`), else (`linear_config`, "heuristic"). The GEMM checks a caller's
+    `from_block_config`), else (the device's TUNED_TABLE entry for exactly this GEMM at the
+    nearest M, "tuned:<device>"), else (`linear_config`, "heuristic"). The GEMM checks a
     config against the shapes when it runs (mgpu_wna16_gemm's check_config)."""
     if isinstance(config, MgpuConfig):
         return config, "caller"
@@ -80,6 +86,10 @@ def gemm_config(shape: GemmShape, config: MgpuConfig | BlockConfig | None):
         return from_block_config(config), "caller"
     if config is not None:
         raise ValueError(f"config must be an MgpuConfig, a BlockConfig or None, got {config!r}")
+    kind = _configs.device_kind()
+    tuned = _configs.lookup_tuned(TUNED_TABLE, shape.table_problem(), shape.m, kind)
+    if tuned is not None:
+        return tuned, f"tuned:{kind}"
     return linear_config(shape), "heuristic"
 
 
