@@ -1155,6 +1155,37 @@ def test_gemm_bf16_weights_lower_for_cuda(has_zp, block_m, block_k, block_n, gat
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "rows,block_m,block_k,consumers,splits,block_n,gated,narrow,bf16_weights",
+    [(1, 8, 256, 0, 2, 64, False, 0, False), (1, 8, 256, 0, 1, 64, True, 0, False),
+     (5, 8, 128, 0, 4, 64, False, 0, False), (7, 16, 128, 0, 1, 128, False, 1, False),
+     (3, 128, 128, 2, 1, 64, True, 3, True)],
+    ids=str,
+)  # fmt: skip
+def test_partial_block_lowers_for_cuda(rows, block_m, block_k, consumers, splits, block_n, gated,
+                                       narrow, bf16_weights):  # fmt: skip
+    """A decode step's rows as they are, fewer than PARTIAL_BLOCK_ROWS in one block (1 row
+    in an 8-row block, 3 in a block of 128): the x copies past the rows and the stores of
+    their outputs lower (TMA reads them as zeros and skips the stores; the GPU run of
+    test_linear's row counts checks the values)."""
+    lowers_for_cuda(
+        True, block_m, block_k, consumers, splits, block_n, gated, narrow=narrow, stages=2,
+        bf16_weights=bf16_weights, rows=rows,
+    )  # fmt: skip
+
+
+def test_partial_block_rows_are_checked():
+    """Fewer than PARTIAL_BLOCK_ROWS bf16 rows may fill part of a block, more come in whole
+    blocks; block_experts names one expert per block, the partial one counted."""
+    w = helpers.random_quantized_experts(np.random.default_rng(0), 1, 64, 128, 4, 64, True, BF16)
+    w = wj.layouts.to_kernel_layout(w, "mgpu_int4")
+    gemm = functools.partial(mgpu_wna16_gemm, w=w, block_k=64, interpret=True)
+    with pytest.raises(ValueError, match=r"9 rows are not whole blocks of 8 \(a partial block"):
+        gemm(jnp.ones((9, 128), BF16), block_experts=jnp.zeros(2, jnp.int32), block_m=8)
+    with pytest.raises(ValueError, match=r"want \(1,\): one expert per block of 16 of the 3"):
+        gemm(jnp.ones((3, 128), BF16), block_experts=jnp.zeros(2, jnp.int32), block_m=16)
+
+
 def lowers_for_cuda(
     has_zp,
     block_m,
@@ -1170,18 +1201,21 @@ def lowers_for_cuda(
     bits=4,
     group_size=128,
     w8a8=False,
+    rows=None,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types, the copies' shapes and the shared memory (at most 227 KiB, Mosaic
     GPU's limit when it cannot ask a device) are checked here; ptxas and the run only on a
-    GPU. w8a8: int8 rows with f32 row scales (bits 8)."""
+    GPU. w8a8: int8 rows with f32 row scales (bits 8). rows: x's rows (default 3 whole
+    blocks; else a partial last block)."""
     e, n, k = 4, 256, 1024
     w = abstract_mgpu_weights(e, n, k, bits, group_size, has_zp)
-    blocks = 3
-    x = jax.ShapeDtypeStruct((blocks * block_m, k), jnp.int8 if w8a8 else BF16)
+    rows = rows or 3 * block_m
+    blocks = -(-rows // block_m)
+    x = jax.ShapeDtypeStruct((rows, k), jnp.int8 if w8a8 else BF16)
     experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
-    x_scales = jax.ShapeDtypeStruct((blocks * block_m,), jnp.float32) if w8a8 else None
+    x_scales = jax.ShapeDtypeStruct((rows,), jnp.float32) if w8a8 else None
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,

@@ -4,10 +4,10 @@ quantized linear's GEMM (wna16_jax.linear: one expert).
 
 grouped_matmul gathers the rows in block order (as the MoE layer does), the GEMM writes rows in
 block order, and each slot's row is read back from its block position. A linear needs neither
-gather: its rows in order, padded to whole blocks, are already in block order. A linear's rows
-are the small wgmma operand (8..256 per block), so a decode step of one row reads the weight
-once; K splits give a narrow weight (kv_a_proj, N = 576) programs for every SM
-(config.gemm_splits).
+gather: its rows in order are already in block order (a decode step's few rows fill part of
+one block). A linear's rows are the small wgmma operand (8..256 per block), so a decode step
+of one row reads the weight once; K splits give a narrow weight (kv_a_proj, N = 576) programs
+for every SM (config.gemm_splits).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pallas_kernels.mosaic_gpu.config import (
     tile_n,
 )
 from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
-from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
+from pallas_kernels.mosaic_gpu.wna16_gemm import PARTIAL_BLOCK_ROWS, mgpu_wna16_gemm
 from wna16_jax import _configs
 from wna16_jax._activations import activate
 from wna16_jax._configs import GemmShape
@@ -130,20 +130,23 @@ def linear(x, w, *, config: MgpuConfig, out_dtype=None, activation=None, interpr
     """GroupedMatmul.linear: x [R, K] @ dequant(w[0]).T -> [R, N] in out_dtype (default x's),
     rounded once from the f32 sums (in the GEMM where it is not K-split); with activation
     ("silu") w's rows are [gate; up] and the result silu(gate) * up [R, N/2] (in the GEMM's
-    epilogue where it fuses it, as GEMM1). x's rows padded to whole blocks are the GEMM's rows
-    in block order, all of expert 0; the rows in use per block are static (all, the last
-    block's remainder)."""
+    epilogue where it fuses it, as GEMM1). x's rows are the GEMM's rows in block order, all of
+    expert 0: fewer than PARTIAL_BLOCK_ROWS as they are (part of one block: no padded copy of
+    x, no slice of the output, a decode step's two kernels fewer per linear), more padded to
+    whole blocks. The rows in use per block are static (all, the last block's remainder)."""
     rows, block_m = x.shape[0], config.block_m
     blocks = -(-rows // block_m)
-    x_rows = jnp.pad(x, ((0, blocks * block_m - rows), (0, 0)))
+    x_rows = x
+    if rows % block_m and rows >= PARTIAL_BLOCK_ROWS:
+        x_rows = jnp.pad(x, ((0, blocks * block_m - rows), (0, 0)))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     in_use = np.minimum(block_m, rows - block_m * np.arange(blocks)).astype(np.int32)
     in_use = gemm_rows_in_use(config, jnp.asarray(in_use))
     experts = jnp.zeros(blocks, jnp.int32)
     if activation is not None:
         if activation != "silu":  # the epilogue computes silu only
-            return activate(block_gemm(config, interpret)(x_rows, w, experts), activation,
-                            out_dtype)[:rows]  # fmt: skip
+            out = activate(block_gemm(config, interpret)(x_rows, w, experts), activation, out_dtype)
+            return out[:rows]
         out = block_gemm(config, interpret)(x_rows, w, experts, in_use, activation_dtype=out_dtype)
         return out[:rows]
     _, splits, _, options = gemm_plan(config, w, blocks, out_dtype=out_dtype)

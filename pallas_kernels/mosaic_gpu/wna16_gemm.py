@@ -91,6 +91,12 @@ def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
     return consumers > 0 and tiles_per_program == 1
 
 
+# Rows that may fill part of a block (one block: P < this): Mosaic GPU tiles the rows' copies
+# by the block's least width (8 rows, a wgmma's least) and takes a dimension shorter than its
+# tile or a multiple of it; more rows come in whole blocks.
+PARTIAL_BLOCK_ROWS = 8
+
+
 def check_config(
     w: QuantizedExperts,
     x_rows,
@@ -136,8 +142,11 @@ def check_config(
         raise ValueError("x_scales are the scales of int8 rows (W8A8); these rows are bfloat16")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
-    if p % block_m:
-        raise ValueError(f"{p} rows are not whole blocks of {block_m}")
+    if p % block_m and (p >= PARTIAL_BLOCK_ROWS or x_rows.dtype == jnp.int8):
+        raise ValueError(
+            f"{p} rows are not whole blocks of {block_m} (a partial block: bf16 rows, fewer "
+            f"than {PARTIAL_BLOCK_ROWS})"
+        )
     if consumers not in (0, 1, 2):
         raise ValueError(f"consumers={consumers} must be 0 (no warp specialization), 1 or 2")
     if bf16_weights and not takes_bf16_weights(consumers, tiles_per_program):
@@ -456,9 +465,10 @@ def mgpu_wna16_gemm(
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows',
     f32 for int8 rows), [P, N]; with splits > 1 the K-split partial products, [splits, P, N],
-    to be summed; gated: W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and
-    out[p] = silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to
-    out_dtype.
+    to be summed. Fewer than PARTIAL_BLOCK_ROWS bf16 rows may fill part of one block (a decode
+    step's rows as they are): TMA reads the missing rows as zeros and skips their stores.
+    gated: W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and out[p] =
+    silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to out_dtype.
 
     W8A8: x_rows int8 in `w8a8_input_order` with their f32 scales x_scales [P] (x_rows[p] *
     x_scales[p] the rows), on symmetric mgpu_int8 weights: int8 x int8 products on the int8
@@ -568,7 +578,12 @@ def mgpu_wna16_gemm(
     bias = CONVERTED_BIAS[w.bits]
     tile_rows = rows_per_tile(w.bits)  # a weight tile's TMA rows
     steps = k // bk // splits
-    n_tiles, blocks = out_n // tile_n, p // bm
+    n_tiles, blocks = out_n // tile_n, -(-p // bm)  # the last block may be partial
+    if block_experts.shape != (blocks,):
+        raise ValueError(
+            f"block_experts has shape {block_experts.shape}, want ({blocks},): one expert per "
+            f"block of {bm} of the {p} rows"
+        )
     n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
     xs_width = max(bm, XS_BYTES // 4)  # W8A8: f32 row scales per block, padded
     stages = min(max_concurrent_steps, tiles * steps)  # k-steps in flight in a pipeline
