@@ -278,6 +278,17 @@ def test_lookup_picks_nearest_m(tuned, m, want_m):
 
 
 @pytest.mark.parametrize(
+    "m, want_m", [(1, 1), (2, 1), (3, None), (8, 16), (32, 16), (33, None), (4096, 4096)]
+)
+def test_lookup_within_a_factor(tuned, m, want_m):
+    """within=2: the nearest entry whose M is at most twice or half m, else None."""
+    tuned(pallas=TABLE)
+    got = _configs.lookup_tuned("pallas", PROBLEM, m, DEVICE, within=2)
+    want = next((BlockConfig(**e["config"]) for e in TABLE if e["M"] == want_m), None)
+    assert got == want
+
+
+@pytest.mark.parametrize(
     "change", [dict(e=128), dict(n=2048), dict(k=2048), dict(bits=8), dict(group_size=-1)]
 )
 def test_lookup_needs_exact_problem(tuned, change):
@@ -294,7 +305,8 @@ def test_lookup_reads_only_its_table(tuned):
 
 def test_mgpu_gemm_reads_its_table(tuned, monkeypatch):
     """The Mosaic GPU GEMM's config (the quantized linear's): the caller's, else its table's
-    entry for exactly this GEMM at the nearest M, else the heuristic (`linear_config`)."""
+    entry for exactly this GEMM at the nearest M within a factor of 2, else the heuristic
+    (`linear_config`)."""
     from pallas_kernels.mosaic_gpu.grouped_matmul import gemm_config, linear_config
 
     monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
@@ -302,7 +314,10 @@ def test_mgpu_gemm_reads_its_table(tuned, monkeypatch):
     fields = dict(block_m=16, block_k=128, stages=5, block_n=64)
     tuned(mgpu_gemm=[_entry(1, shape.table_problem(), **fields)])
     assert gemm_config(shape, None) == (MgpuConfig(**fields), f"tuned:{DEVICE}")
-    assert gemm_config(dataclasses.replace(shape, m=64), None)[0] == MgpuConfig(**fields)
+    assert gemm_config(dataclasses.replace(shape, m=2), None)[0] == MgpuConfig(**fields)
+    # Rows more than TUNED_M_RATIO from the entry's take the heuristic's blocks.
+    far = dataclasses.replace(shape, m=3)
+    assert gemm_config(far, None) == (linear_config(far), "heuristic")
     for other in (dataclasses.replace(shape, n=4096), dataclasses.replace(shape, num_experts=8)):
         assert gemm_config(other, None) == (linear_config(other), "heuristic")
     caller = MgpuConfig(block_m=8)

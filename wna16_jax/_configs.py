@@ -123,7 +123,8 @@ def check_gemm_operands(config: BlockConfig, routing, k: int, qw) -> None:
 # token slots) and "mgpu_gemm" (the Mosaic GPU GEMM on its own, the quantized linear's
 # (E = 1) and wj.grouped_matmul's: its MgpuConfig per GEMM; problem and M as "pallas"'s). An
 # entry serves the problem it names exactly (the same keys, the same values), at the nearest M
-# (ties: the smaller M).
+# (ties: the smaller M); a "mgpu_gemm" entry only Ms within a factor of 2 of its own (a
+# config's blocks are sized for its rows).
 
 TUNED_DIR = "data/tuned"
 # Table name -> the config class of its entries.
@@ -157,10 +158,15 @@ def tuned_entries(device_kind: str, table: str) -> tuple[tuple[dict, int, object
     return tuple((dict(e["problem"]), int(e["M"]), make(**e["config"])) for e in entries)
 
 
-def lookup_tuned(table: str, problem: dict, m: int, device_kind: str):
+def lookup_tuned(table: str, problem: dict, m: int, device_kind: str, within: float | None = None):
     """The config of `table`'s entry for exactly `problem` at the M nearest to `m` (ties: the
-    smaller M), or None when the device's table has no entry for the problem."""
-    matches = [(em, cfg) for p, em, cfg in tuned_entries(device_kind, table) if p == problem]
+    smaller M), or None when the device's table has no entry for the problem; within: only
+    entries whose M is at most that factor from m (max(M, m) / min(M, m) <= within)."""
+    matches = [
+        (em, cfg)
+        for p, em, cfg in tuned_entries(device_kind, table)
+        if p == problem and (within is None or max(em, m) <= within * max(min(em, m), 1))
+    ]
     if not matches:
         return None
     return min(matches, key=lambda mc: (abs(mc[0] - m), mc[0]))[1]
