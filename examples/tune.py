@@ -7,8 +7,8 @@ problems at token-slot counts M (T*k); fused_moe takes the entry at the nearest 
   candidate timed through `wj.grouped_matmul` (GEMM1 with its silu fused, as fused_moe runs
   it); the best is written.
 - "mgpu": the Mosaic GPU layer's MgpuConfig per M. A coordinate search over MgpuConfigs, each
-  timed through `wj.fused_moe`, starting from the config the layer runs today (its tuned
-  entry or heuristic); the best is written where it beat that config. With --activation-quant
+  timed through `wj.fused_moe`; the best is written where it beat the layer without a config
+  (its tuned entry or heuristic today). With --activation-quant
   int8_per_token the layer runs W8A8 (int8 per-token activations, int8 per-channel symmetric
   weights) and its entries are keyed activations="int8", apart from the W8A16 entries of the
   same weights.
@@ -57,7 +57,6 @@ import benchmark  # noqa: E402
 import benchmark_linear  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
-from pallas_kernels.mosaic_gpu import config as mgpu_config  # noqa: E402
 
 logger = logging.getLogger("tune")
 
@@ -315,14 +314,14 @@ def tune_gemm(
 # ---- the Mosaic GPU layer ("mgpu") ------------------------------------------------------------
 
 
-def layer_starting_points(slots: int, num_experts: int, group: int, today=None) -> list:
-    """The config the layer runs today (`today`, its tuned entry or heuristic), then one config
-    per block size from half to twice the mean rows per expert (at least 8): each with k-steps
-    of one group (at most 128 inputs), 3 stages, and two consumer warpgroups from 64 rows (128
-    rows on bf16 weights, whose exact group sums do not fit in registers)."""
+def layer_starting_points(slots: int, num_experts: int, group: int) -> list:
+    """One config per block size from half to twice the mean rows per expert (at least 8):
+    each with k-steps of one group (at most 128 inputs), 3 stages, and two consumer
+    warpgroups from 64 rows (128 rows on bf16 weights, whose exact group sums do not fit in
+    registers)."""
     rows = slots / num_experts
     block_k = 128 if group % 128 == 0 else 64
-    starts = [] if today is None else [today]
+    starts = []
     for block_m in MGPU_AXES["block_m"]:
         if block_m > max(8, 2 * rows):
             break
@@ -339,7 +338,7 @@ def layer_starting_points(slots: int, num_experts: int, group: int, today=None) 
                 bf16_weights=block_m == 128,
             )  # fmt: skip
         )
-    return list(dict.fromkeys(starts))
+    return starts
 
 
 def tune_layer(
@@ -350,8 +349,8 @@ def tune_layer(
     `progress`: a tqdm bar (named `desc`) over the configs timed; activation_quant: None
     (16-bit activations) or "int8_per_token" (W8A8, on symmetric int8 weights).
 
-    Returns (best, {config: seconds}, seconds of the config the layer runs today (its tuned
-    entry or heuristic; None: it did not run), relative error of the best against 'xla').
+    Returns (best, {config: seconds}, seconds of the layer without a config (its tuned entry
+    or heuristic today), relative error of the best against 'xla').
     """
     e, _, h = w13.shape
     key = jax.random.key(m)
@@ -374,11 +373,12 @@ def tune_layer(
             layer(cfg), sets, consts=kernel_weights, iters=iters, repeats=repeats, what=str(cfg)
         )
 
+    today = _timed(
+        layer(None), sets, consts=kernel_weights, iters=iters, repeats=repeats,
+        what="the layer without a config",
+    )  # fmt: skip
     group = math.gcd(w13.group, w2.group)
-    today_config = mgpu_config.layer_config(
-        None, m * top_k, e, w13, w2, int8_rows=activation_quant is not None
-    )
-    starts = layer_starting_points(m * top_k, e, group, today_config)
+    starts = layer_starting_points(m * top_k, e, group)
     axes = MGPU_AXES if jax.default_backend() == "gpu" else MGPU_QUICK_AXES
     with tqdm(desc=desc, unit=" configs", disable=not progress) as bar:
         times = coordinate_search(
@@ -388,7 +388,6 @@ def tune_layer(
     if not times:
         raise RuntimeError(f"no candidate config ran for the layer at M={m}")
     best = min(times, key=times.get)
-    today = times.get(today_config)
     out = layer(best)(*kernel_weights, *sets[0])
     ref = wj.fused_moe(
         x, w13, w2, tw[0], ids[0], implementation="xla", activation_quant=activation_quant
@@ -496,7 +495,7 @@ def _about(table: str, device: str) -> str:
         "pallas": "The Pallas-Triton grouped GEMM's BlockConfig per GEMM (microseconds: the "
         "GEMM alone)",
         "mgpu": "The Mosaic GPU layer's MgpuConfig (microseconds: the layer; "
-        "default_microseconds: the layer at the config it ran before)",
+        "default_microseconds: the layer without a config)",
         "mgpu_gemm": "The Mosaic GPU GEMM's MgpuConfig per quantized linear (microseconds: "
         "the linear in a model step; default_microseconds: the linear at the config it ran "
         "before)",
