@@ -8,15 +8,16 @@ problems at token-slot counts M (T*k); fused_moe takes the entry at the nearest 
   it); the best is written.
 - "mgpu": the Mosaic GPU layer's MgpuConfig per M. A coordinate search over MgpuConfigs, each
   timed through `wj.fused_moe`; the best is written where it beat the layer without a config
-  (its tuned entry or heuristic today). With --activation-quant
-  int8_per_token the layer runs W8A8 (int8 per-token activations, int8 per-channel symmetric
-  weights) and its entries are keyed activations="int8", apart from the W8A16 entries of the
-  same weights.
+  (its tuned entry or heuristic today). With --activation-quant int8_per_token the layer runs
+  W8A8 (int8 per-token activations, int8 per-channel symmetric weights) and its entries are
+  keyed activations="int8", apart from the W8A16 entries of the same weights.
 - "mgpu_gemm": the Mosaic GPU GEMM's MgpuConfig per quantized linear (one expert: N, K, bits,
   group_size) and rows M. A coordinate search from the config the linear runs today, each
   candidate timed as benchmark_linear.py times a linear (a model step of calls on copies of
-  the weight that do not fit in L2 together); the best is written where it beat the config
-  the linear runs today. --linears names the shapes (benchmark_linear.py's).
+  the weight that do not fit in L2 together); the best, timed again in turn with the config
+  the linear runs today, is written where it beat it. An entry serves rows within a factor of
+  2 of its own: tune each row count the model runs. --linears names the shapes
+  (benchmark_linear.py's).
 Candidates that do not compile or run (shared memory, registers, validity rules) are skipped;
 each winner is checked against the 'xla' reference (under the same activation quantization)
 before it is written.
