@@ -26,7 +26,7 @@ from pallas_kernels.mosaic_gpu.config import (
     tile_n,
 )
 from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
-from pallas_kernels.mosaic_gpu.wna16_gemm import PARTIAL_BLOCK_ROWS, mgpu_wna16_gemm
+from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm, takes_rows
 from wna16_jax import _configs
 from wna16_jax._activations import activate
 from wna16_jax._configs import GemmShape
@@ -137,13 +137,14 @@ def linear(x, w, *, config: MgpuConfig, out_dtype=None, activation=None, interpr
     rounded once from the f32 sums (in the GEMM where it is not K-split); with activation
     ("silu") w's rows are [gate; up] and the result silu(gate) * up [R, N/2] (in the GEMM's
     epilogue where it fuses it, as GEMM1). x's rows are the GEMM's rows in block order, all of
-    expert 0: fewer than PARTIAL_BLOCK_ROWS as they are (part of one block: no padded copy of
-    x, no slice of the output, a decode step's two kernels fewer per linear), more padded to
-    whole blocks. The rows in use per block are static (all, the last block's remainder)."""
+    expert 0: as they are where the GEMM takes them (`takes_rows`: fewer than 8, part of one
+    block: no padded copy of x, no slice of the output, a decode step's two kernels fewer per
+    linear), else padded to whole blocks. The rows in use per block are static (all, the last
+    block's remainder)."""
     rows, block_m = x.shape[0], config.block_m
     blocks = -(-rows // block_m)
     x_rows = x
-    if rows % block_m and rows >= PARTIAL_BLOCK_ROWS:
+    if not takes_rows(rows, block_m):
         x_rows = jnp.pad(x, ((0, blocks * block_m - rows), (0, 0)))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     in_use = np.minimum(block_m, rows - block_m * np.arange(blocks)).astype(np.int32)

@@ -97,6 +97,12 @@ def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
 PARTIAL_BLOCK_ROWS = 8
 
 
+def takes_rows(rows: int, block_m: int, int8_rows: bool = False) -> bool:
+    """Whether the GEMM takes `rows` rows as they are in blocks of block_m: whole blocks, or
+    fewer than PARTIAL_BLOCK_ROWS bf16 rows (part of one block)."""
+    return rows % block_m == 0 or (rows < PARTIAL_BLOCK_ROWS and not int8_rows)
+
+
 def check_config(
     w: QuantizedExperts,
     x_rows,
@@ -142,7 +148,7 @@ def check_config(
         raise ValueError("x_scales are the scales of int8 rows (W8A8); these rows are bfloat16")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
-    if p % block_m and (p >= PARTIAL_BLOCK_ROWS or x_rows.dtype == jnp.int8):
+    if not takes_rows(p, block_m, x_rows.dtype == jnp.int8):
         raise ValueError(
             f"{p} rows are not whole blocks of {block_m} (a partial block: bf16 rows, fewer "
             f"than {PARTIAL_BLOCK_ROWS})"
