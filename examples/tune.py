@@ -609,9 +609,10 @@ def main(argv=None) -> dict[str, list[dict]]:
         return tune(args)
 
 
-def searches(args, table: str, m: int, w13, w2):
+def searches(args, table: str, m: int, scheme: dict, w13=None, w2=None):
     """Each search of `table` at m tokens (rows of a linear), as it ends: (name, problem, M,
-    best, {config: seconds}, relative error, seconds of today's config or None)."""
+    best, {config: seconds}, relative error, seconds of today's config or None). scheme: the
+    weights' bits, group_size, has_zeros; w13, w2: the layer's experts (not for mgpu_gemm)."""
     on_gpu = jax.default_backend() == "gpu"
     impl = TABLES[table][0 if on_gpu else 1]
     progress = not args.no_progress
@@ -643,11 +644,11 @@ def searches(args, table: str, m: int, w13, w2):
         for name in args.linears:
             n, k, activation = shapes[name]
             best, times, today, err = tune_linear(
-                n, k, activation, m, impl=impl, bits=w13.bits, group_size=w13.group_size,
-                has_zeros=w13.has_zeros, repeats=args.repeats, step_bytes=step_bytes,
-                budget_s=args.budget_s, progress=progress, desc=f"{table} {name} M={m}",
+                n, k, activation, m, impl=impl, **scheme, repeats=args.repeats,
+                step_bytes=step_bytes, budget_s=args.budget_s, progress=progress,
+                desc=f"{table} {name} M={m}",
             )  # fmt: skip
-            shape = dict(E=1, N=n, K=k, bits=w13.bits, group_size=w13.group_size)
+            shape = dict(E=1, N=n, K=k, bits=scheme["bits"], group_size=scheme["group_size"])
             yield name, shape, m, best, times, err, today
 
 
@@ -667,11 +668,19 @@ def tune(args: argparse.Namespace) -> dict[str, list[dict]]:
     print(f"{'table':>6} {'gemm':>5} {'M':>6} {'us':>10} {'default us':>10} {'rel err':>8}  config")
     for table in args.backends:
         scheme = dict(bits=args.bits, group_size=g, has_zeros=not args.no_zp)
-        w13 = wj.random_quantized_experts(jax.random.fold_in(key, 1), (e, 2 * i, h), **scheme)
-        w2 = wj.random_quantized_experts(jax.random.fold_in(key, 2), (e, h, i), **scheme)
+        experts = {}  # the layer's experts: the linears' searches make weights of their own
+        if table != "mgpu_gemm":
+            experts = dict(
+                w13=wj.random_quantized_experts(
+                    jax.random.fold_in(key, 1), (e, 2 * i, h), **scheme
+                ),
+                w2=wj.random_quantized_experts(jax.random.fold_in(key, 2), (e, h, i), **scheme),
+            )
         written = []
         for m in ms:
-            for name, shape, slots, best, times, err, today in searches(args, table, m, w13, w2):
+            for name, shape, slots, best, times, err, today in searches(
+                args, table, m, scheme, **experts
+            ):
                 t = times[best]
                 trials.append(
                     dict(
