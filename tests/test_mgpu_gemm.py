@@ -95,8 +95,8 @@ def run_gemm_case(
     )
     out = np.asarray(out)  # INTERPRETER_DISPATCH: the partials summed in numpy
     w_deq = helpers.numpy_dequantize(qw)
-    if bf16_weights:  # the oracle takes the kernel's weights: (q - z) * s rounded to bf16 once
-        w_deq = helpers.bf16_rounded(w_deq)
+    if bf16_weights and qw.group < k:  # the kernel's weights: (q - z) * s rounded to bf16 once
+        w_deq = helpers.bf16_rounded(w_deq)  # (per channel: exact, the scale on the sums)
     ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
     if gated:  # silu(gate) * up of the halves, in float64
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
@@ -226,6 +226,20 @@ def test_gemm_bf16_weights(rng, has_zp, block_m, block_k, block_n, consumers, ga
         group_size=128, has_zp=has_zp, block_m=block_m, block_k=block_k, blocks=[1, -1, 0, 2],
         consumers=consumers, block_n=block_n, gated=gated, tiles_per_program=tiles,
         splits=splits, stages=3, bf16_weights=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])
+@pytest.mark.parametrize("block_n,gated", [(64, True), (128, False)], ids=str)
+def test_gemm_bf16_weights_per_channel(rng, bits, has_zp, block_n, gated):
+    """bf16_weights on per-channel weights (W8A16's usual scheme) at the M=4096 default's
+    blocks: the exact (q - z) summed and each feature's scale applied to its sum once, so the
+    products match numpy on the unrounded weights."""
+    run_gemm_case(
+        rng, e=3, n=block_n * 2 * (2 if gated else 1), k=512, group_size=-1, has_zp=has_zp,
+        block_m=128, block_k=128, blocks=[1, -1, 0, 2], consumers=2, block_n=block_n,
+        gated=gated, stages=3, bf16_weights=True, bits=bits,
     )  # fmt: skip
 
 
@@ -575,10 +589,11 @@ def run_layer_case(rng, has_zp, t, config, bf16_weights=False, bits=4, group_siz
         config=config,
     )
     deq = helpers.numpy_dequantize
-    if bf16_weights:  # the oracle takes the GEMMs' weights, rounded to bf16
+    if bf16_weights:  # the oracle takes the GEMMs' weights: rounded to bf16 (per channel: exact)
 
         def deq(qw):
-            return helpers.bf16_rounded(helpers.numpy_dequantize(qw))
+            w = helpers.numpy_dequantize(qw)
+            return helpers.bf16_rounded(w) if qw.group < qw.shape[2] else w
 
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64),
@@ -1311,7 +1326,8 @@ def abstract_mgpu_weights(e, n, k, bits, group_size, has_zp):
      (False, 128, 64, 256, 2, 1, 128, False, 1, 2, 2, False),
      (True, 128, 64, 128, 2, 1, 64, False, 2, 0, 3, False),
      (True, 128, 128, 128, 2, 1, 64, True, 1, 3, 3, True),
-     (False, -1, 128, 128, 2, 1, 128, False, 1, 3, 3, True)],
+     (False, -1, 128, 128, 2, 1, 128, False, 1, 3, 3, True),
+     (True, -1, 128, 128, 2, 1, 64, True, 1, 3, 3, True)],
     ids=str,
 )  # fmt: skip
 def test_int8_gemm_lowers_for_cuda(has_zp, group_size, block_m, block_k, consumers, splits,

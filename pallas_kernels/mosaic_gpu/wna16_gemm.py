@@ -536,7 +536,9 @@ def mgpu_wna16_gemm(
     bf16_weights (consumers >= 1, tiles_per_program 1): each weight (q - z) * s rounded to bf16
     once, multiplied straight into the sums (wgmma accumulator refs carried through the
     pipeline) instead of exact integer products summed per group in f32 and then scaled: no
-    group sums in registers or waits for them, at the cost of one rounding.
+    group sums in registers or waits for them, at the cost of one rounding. Per-channel weights
+    (one group: W8A16's usual scheme) need no rounding: the exact (q - z) go into the sums and
+    each feature's scale multiplies its sum once, at the end.
 
     Blocks whose expert is outside [0, E) (-1, or an id past the experts) give zero rows
     (leaving them unwritten measured no faster).
@@ -577,10 +579,15 @@ def mgpu_wna16_gemm(
     w8a8 = dtype == jnp.int8
     out_dtype = jnp.dtype(out_dtype or (jnp.float32 if w8a8 else dtype))
     sums = jnp.int32 if w8a8 else jnp.float32  # a group's exact products
-    # W8A8 per channel, warp-specialized, one tile per program: the exact int32 sums of all
-    # k-steps carried in the accumulators (one scale per feature and row: applied once, at the
-    # end), as bf16_weights carries its sums.
-    carried_int32 = w8a8 and w.group == k and takes_bf16_weights(consumers, tiles_per_program)
+    # Per-channel weights, warp-specialized, one tile per program, W8A8 or bf16_weights: the
+    # exact sums of all k-steps carried in the accumulators (int32 of int8 products; f32 of
+    # the bf16 (q - z), exact), scaled once at the end by each feature's scale (W8A8: and each
+    # row's): no scale per weight, nor per k-step.
+    carried = (
+        w.group == k
+        and takes_bf16_weights(consumers, tiles_per_program)
+        and (w8a8 or bf16_weights)
+    )
     wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
     subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
     halves = 2 if gated else 1  # weight halves a program reads: (gate, up) or the one
@@ -785,13 +792,13 @@ def mgpu_wna16_gemm(
             def rounded_products(acc_refs, q_refs, x_smem, s_refs, z_refs):
                 # bf16_weights: each weight's (q - z) * s rounded to bf16 once (as a bf16 model's
                 # dequantized weights), multiplied straight into the sums (acc_refs): no f32 sum
-                # per group to hold, wait for and scale. carried_int32: the int8 products
-                # straight into the int32 sums (scaled at the end: `scaled_sums`).
+                # per group to hold, wait for and scale. carried: the products of the weights
+                # (q - z) straight into the sums (scaled at the end: `scaled_sums`).
                 for g in range(groups_per_step):
                     for h in range(halves):
                         for s in range(subs):
                             scale = None
-                            if not carried_int32:
+                            if not carried:
                                 scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                             offset = group_offset(s_refs, z_refs, g, h, s, scale)
                             for j in range(g * tiles_per_part, (g + 1) * tiles_per_part):
@@ -814,7 +821,7 @@ def mgpu_wna16_gemm(
                 xs_ref = refs.pop() if w8a8 else None
                 q_refs, x_smem = refs[:halves], refs[halves]
                 s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
-                if bf16_weights or carried_int32:  # accs: the sums' accumulator refs
+                if bf16_weights or carried:  # accs: the sums' accumulator refs
                     return rounded_products(accs, q_refs, x_smem, s_refs, z_refs)
                 if tiles == 1:
                     return products(accs, q_refs, x_smem, s_refs, z_refs, xs_ref)
@@ -905,16 +912,18 @@ def mgpu_wna16_gemm(
                     body()
 
             def scaled_sums(acc_refs):
-                """The carried sums in f32: carried_int32's scaled by each feature's weight
-                scale and each row's scale (read from global memory: the pipeline's copies are
-                gone; optimized=False: Mosaic GPU lowers optimized loads from shared memory
-                only), bf16_weights' as they are."""
+                """The carried sums in f32: `carried`'s scaled by each feature's weight scale
+                (W8A8: and each row's scale; read from global memory: the pipeline's copies
+                are gone; optimized=False: Mosaic GPU lowers optimized loads from shared memory
+                only), bf16_weights' scaled ones as they are."""
                 values = tuple(acc[...] for acc in acc_refs)
-                if not carried_int32:
+                if not carried:
                     return values
-                row_scale = plgpu.load(
-                    xs_gmem[0].at[bi, pl.ds(0, rows)], layout=column, optimized=False
-                )
+                row_scale = None
+                if w8a8:
+                    row_scale = plgpu.load(
+                        xs_gmem[0].at[bi, pl.ds(0, rows)], layout=column, optimized=False
+                    )
                 out = []
                 for h in range(halves):
                     for s in range(subs):
@@ -926,11 +935,13 @@ def mgpu_wna16_gemm(
                         value = value * lax.broadcast_in_dim(
                             scale.astype(jnp.float32), value.shape, [0]
                         )
-                        out.append(value * lax.broadcast_in_dim(row_scale, value.shape, [1]))
+                        if row_scale is not None:
+                            value = value * lax.broadcast_in_dim(row_scale, value.shape, [1])
+                        out.append(value)
                 return tuple(out)
 
             def run():
-                if bf16_weights or carried_int32:  # the sums in accumulator refs, the carry
+                if bf16_weights or carried:  # the sums in accumulator refs, the carry
 
                     def rounded(run):
                         def scope(*acc_refs):
