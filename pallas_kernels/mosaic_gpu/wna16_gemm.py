@@ -584,9 +584,7 @@ def mgpu_wna16_gemm(
     # the bf16 (q - z), exact), scaled once at the end by each feature's scale (W8A8: and each
     # row's): no scale per weight, nor per k-step.
     carried = (
-        w.group == k
-        and takes_bf16_weights(consumers, tiles_per_program)
-        and (w8a8 or bf16_weights)
+        w.group == k and takes_bf16_weights(consumers, tiles_per_program) and (w8a8 or bf16_weights)
     )
     wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
     subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
