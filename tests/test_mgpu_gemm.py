@@ -1201,61 +1201,6 @@ def test_partial_block_rows_are_checked():
         gemm(jnp.ones((3, 128), BF16), block_experts=jnp.zeros(2, jnp.int32), block_m=16)
 
 
-@pytest.mark.parametrize(
-    "rows,block_m,splits,gated,consumers,bf16_weights",
-    [(1, 8, 1, True, 0, False), (3, 16, 2, False, 0, False), (1, 8, 1, True, 1, True)],
-    ids=str,
-)  # fmt: skip
-def test_same_rows_match_the_rows_copied_per_block(rng, rows, block_m, splits, gated, consumers,
-                                                   bf16_weights):  # fmt: skip
-    """same_rows: every block reads x's few rows (a decode token's row for each of its
-    experts, no copy per block): bit for bit the GEMM of the rows copied to the start of each
-    block (the rest zero), zeros for an expert -1 block, and numpy's products."""
-    e, n, k = 3, 128, 256
-    qw = helpers.random_quantized_experts(rng, e, n, k, 4, 128, True, BF16)
-    w = prepare_weights(qw)
-    experts = jnp.asarray([2, -1, 0, 1], jnp.int32)
-    x = jnp.asarray(rng.standard_normal((rows, k)), BF16)
-    copied = jnp.zeros((len(experts), block_m, k), BF16).at[:, :rows].set(x)
-    gemm = functools.partial(
-        mgpu_wna16_gemm, w=w, block_experts=experts, block_m=block_m, block_k=128,
-        splits=splits, gated=gated, consumers=consumers, bf16_weights=bf16_weights,
-        out_dtype=jnp.float32, interpret=INTERPRET,
-    )  # fmt: skip
-    out = np.asarray(gemm(x, same_rows=True))  # INTERPRETER_DISPATCH
-    np.testing.assert_array_equal(out, np.asarray(gemm(copied.reshape(-1, k))))
-    out = out.sum(axis=0) if splits > 1 else out
-    w_deq = helpers.numpy_dequantize(qw)
-    if bf16_weights:
-        w_deq = helpers.bf16_rounded(w_deq)
-    ref = numpy_block_gemm(copied.reshape(-1, k), w_deq, experts, block_m)
-    if gated:
-        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
-        ref = gate / (1 + np.exp(-gate)) * up
-    assert np.abs(out).max() > 0 and np.all(out[block_m : 2 * block_m] == 0)
-    helpers.assert_close(out.astype(BF16), ref, BF16, "same rows")
-
-
-def test_same_rows_are_checked(rng):
-    """same_rows takes fewer than PARTIAL_BLOCK_ROWS bf16 rows."""
-    w = helpers.random_quantized_experts(rng, 1, 64, 128, 4, 64, True, BF16)
-    w = wj.layouts.to_kernel_layout(w, "mgpu_int4")
-    with pytest.raises(ValueError, match="same_rows takes fewer than 8 bf16 rows"):
-        mgpu_wna16_gemm(
-            jnp.ones((8, 128), BF16), w, jnp.zeros(2, jnp.int32), block_m=8, block_k=64,
-            same_rows=True, interpret=True,
-        )  # fmt: skip
-
-
-@pytest.mark.parametrize("block_m,consumers,gated", [(8, 0, True), (16, 2, False)], ids=str)
-def test_same_rows_lower_for_cuda(block_m, consumers, gated):
-    """One row read by each of 3 blocks lowers for cuda (the GPU run of
-    test_same_rows_match_the_rows_copied_per_block checks the values)."""
-    lowers_for_cuda(
-        True, block_m, 128, consumers, 1, 64, gated, stages=2, rows=1, same_rows=True
-    )  # fmt: skip
-
-
 def lowers_for_cuda(
     has_zp,
     block_m,
@@ -1272,25 +1217,24 @@ def lowers_for_cuda(
     group_size=128,
     w8a8=False,
     rows=None,
-    same_rows=False,
 ):
     """The compiled path (the register-order conversion through inline Mosaic GPU, which the
     interpreter never runs) lowers for the "cuda" platform without a GPU: layout inference,
     the inline code's types, the copies' shapes and the shared memory (at most 227 KiB, Mosaic
     GPU's limit when it cannot ask a device) are checked here; ptxas and the run only on a
     GPU. w8a8: int8 rows with f32 row scales (bits 8). rows: x's rows (default 3 whole
-    blocks; else a partial last block, or with same_rows, read by each of 3 blocks)."""
+    blocks; else a partial last block)."""
     e, n, k = 4, 256, 1024
     w = abstract_mgpu_weights(e, n, k, bits, group_size, has_zp)
     rows = rows or 3 * block_m
-    blocks = 3 if same_rows else -(-rows // block_m)
+    blocks = -(-rows // block_m)
     x = jax.ShapeDtypeStruct((rows, k), jnp.int8 if w8a8 else BF16)
     experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
     x_scales = jax.ShapeDtypeStruct((rows,), jnp.float32) if w8a8 else None
     gemm = functools.partial(
         mgpu_wna16_gemm, block_m=block_m, block_k=block_k, consumers=consumers, splits=splits,
         block_n=block_n, gated=gated, tiles_per_program=tiles, max_concurrent_steps=stages,
-        block_halvings=max(narrow, 1), bf16_weights=bf16_weights, same_rows=same_rows,
+        block_halvings=max(narrow, 1), bf16_weights=bf16_weights,
     )  # fmt: skip
     in_use = experts if narrow else None
     lowered = (

@@ -61,19 +61,19 @@ def used_blocks(routing, num_slots: int, block_m: int):
 
 def block_gemm(cfg: MgpuConfig, interpret: bool):
     """gemm(rows, w, block_experts, rows_in_use) -> [P, N] f32: the Mosaic GPU GEMM at cfg
-    (rows_in_use and same_rows: mgpu_wna16_gemm's; GEMM2's config: `down_config`),
+    (rows_in_use: mgpu_wna16_gemm's, or None; GEMM2's config: `down_config`),
     K-split partial products summed in f32; with activation_dtype, w's rows are [gate; up] and
     the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue where
     `fuses_activation`)."""
 
-    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None, same_rows=False):
+    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None):
         x_scales = None
         if isinstance(rows, Int8Rows):  # W8A8: rows in the GEMM's input order
             rows, x_scales = rows.q, rows.scale
         _, splits, gated, options = gemm_plan(cfg, w, block_experts.shape[0], activation_dtype)
         out = mgpu_wna16_gemm(
-            rows, w, block_experts, rows_in_use, x_scales=x_scales, same_rows=same_rows,
-            **options, interpret=interpret,
+            rows, w, block_experts, rows_in_use, x_scales=x_scales, **options,
+            interpret=interpret,
         )  # fmt: skip
         if gated:
             return out
@@ -100,11 +100,9 @@ def block_rows(x, topk_ids, *, num_experts: int, block_m: int, expert_map, inter
 
 def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map):
     """For one token's S slots (x [1, H], topk_ids [1, S]; or the pipeline's act-order rows,
-    one per slot: x [S, H], topk_ids [S, 1]): the block experts [S], GEMM1's rows, each slot's
-    row position s * block_m and the rows in use per block (ones). GEMM1's rows: one token's
-    bf16 row as it is (every block reads it: mgpu_wna16_gemm's same_rows), else rows
-    [S * block_m, H] of one block per slot, slot s's row (x[s // k]) first in block s (the
-    rest zero). No alignment kernel (at
+    one per slot: x [S, H], topk_ids [S, 1]): the block experts [S], rows [S * block_m, H] of
+    one block per slot, slot s's row (x[s // k]) first in block s (the rest zero), each slot's
+    row position s * block_m and the rows in use per block (ones). No alignment kernel (at
     decode it is a large part of a small layer): a token's experts are distinct, so these are
     the blocks the alignment gives (in slot order, not expert order), and their rows are the
     same products. Slots the alignment drops (ids out of range, or off this shard through
@@ -118,10 +116,7 @@ def one_token_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map)
         blocks = jnp.zeros((slots, block_m, *v.shape[1:]), v.dtype).at[:, 0].set(rows)
         return blocks.reshape(slots * block_m, *v.shape[1:])
 
-    if isinstance(x, Int8Rows):
-        x_rows = Int8Rows(*map(first_rows, x))
-    else:
-        x_rows = x if t == 1 else first_rows(x)
+    x_rows = Int8Rows(*map(first_rows, x)) if isinstance(x, Int8Rows) else first_rows(x)
     position = jnp.arange(slots, dtype=jnp.int32) * block_m
     return block_experts, x_rows, position, jnp.ones(slots, jnp.int32)
 
@@ -188,14 +183,8 @@ def _gemm1(x_rows, w13, routed, cfg: MgpuConfig, *, interpret):
     blocks, a block's unused rows may be unwritten; GEMM2 reads none of them."""
     blocks = routed.blocks
     gemm = block_gemm(cfg, interpret)
-    int8_rows = isinstance(x_rows, Int8Rows)
-    dtype = jnp.float32 if int8_rows else x_rows.dtype
-    # Fewer rows than the blocks hold: one token's row, read by every block (one_token_blocks).
-    same_rows = not int8_rows and x_rows.shape[0] < blocks.experts.shape[0] * cfg.block_m
-    return gemm(
-        x_rows, w13, blocks.experts, blocks.rows_in_use, activation_dtype=dtype,
-        same_rows=same_rows,
-    )  # fmt: skip
+    dtype = jnp.float32 if isinstance(x_rows, Int8Rows) else x_rows.dtype
+    return gemm(x_rows, w13, blocks.experts, blocks.rows_in_use, activation_dtype=dtype)
 
 
 def _gemm2(act, w2, routed, cfg: MgpuConfig, routed_weights, *, interpret):

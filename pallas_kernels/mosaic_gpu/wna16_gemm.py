@@ -116,7 +116,6 @@ def check_config(
     tiles_per_program: int = 1,
     bf16_weights: bool = False,
     x_scales=None,
-    same_rows: bool = False,
 ) -> None:
     """Raises ValueError (NotImplementedError for unsupported operands) for a config or operands
     this GEMM cannot take."""
@@ -149,11 +148,6 @@ def check_config(
         raise ValueError("x_scales are the scales of int8 rows (W8A8); these rows are bfloat16")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
-    if same_rows and not (p < PARTIAL_BLOCK_ROWS and x_rows.dtype == jnp.bfloat16):
-        raise ValueError(
-            f"same_rows takes fewer than {PARTIAL_BLOCK_ROWS} bf16 rows (part of each block), "
-            f"got {p} {x_rows.dtype} rows"
-        )
     if not takes_rows(p, block_m, x_rows.dtype == jnp.int8):
         raise ValueError(
             f"{p} rows are not whole blocks of {block_m} (a partial block: bf16 rows, fewer "
@@ -446,7 +440,6 @@ def _swizzled(shape, dtype, what: str):
         "block_halvings",
         "buffer_rows",
         "bf16_weights",
-        "same_rows",
         "out_dtype",
         "interpret",
         "profile_dir",
@@ -471,7 +464,6 @@ def mgpu_wna16_gemm(
     block_halvings: int = 1,
     buffer_rows: int | None = None,
     bf16_weights: bool = False,
-    same_rows: bool = False,
     out_dtype=None,
     interpret: bool = False,
     profile_dir: str | None = None,
@@ -481,10 +473,6 @@ def mgpu_wna16_gemm(
     f32 for int8 rows), [P, N]; with splits > 1 the K-split partial products, [splits, P, N],
     to be summed. Fewer than PARTIAL_BLOCK_ROWS bf16 rows may fill part of one block (a decode
     step's rows as they are): TMA reads the missing rows as zeros and skips their stores.
-    same_rows: every block multiplies the same rows, x_rows (fewer than PARTIAL_BLOCK_ROWS bf16
-    rows, read as part of each block: a decode token's row for each of its experts, no copy
-    per block); out has block_m rows per block of block_experts, block b's first
-    x_rows.shape[0] the products with b's expert and the rest zeros.
     gated: W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and out[p] =
     silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to out_dtype.
 
@@ -560,7 +548,7 @@ def mgpu_wna16_gemm(
     check_config(
         w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
         splits=splits, gated=gated, tiles_per_program=tiles_per_program,
-        bf16_weights=bf16_weights, x_scales=x_scales, same_rows=same_rows,
+        bf16_weights=bf16_weights, x_scales=x_scales,
     )  # fmt: skip
     narrow = rows_in_use is not None
     if narrow and (
@@ -601,10 +589,7 @@ def mgpu_wna16_gemm(
     bias = CONVERTED_BIAS[w.bits]
     tile_rows = rows_per_tile(w.bits)  # a weight tile's TMA rows
     steps = k // bk // splits
-    n_tiles = out_n // tile_n
-    # The last block may be partial; same_rows: block_experts gives the blocks.
-    blocks = block_experts.shape[0] if same_rows else -(-p // bm)
-    p_out = blocks * bm if same_rows else p  # output rows
+    n_tiles, blocks = out_n // tile_n, -(-p // bm)  # the last block may be partial
     if block_experts.shape != (blocks,):
         raise ValueError(
             f"block_experts has shape {block_experts.shape}, want ({blocks},): one expert per "
@@ -856,8 +841,7 @@ def mgpu_wna16_gemm(
                 return index
 
             def row_tile(*idx):
-                first = 0 if same_rows else bi * (bm // rows)
-                return first, si * steps + tile_and_step(idx)[1]
+                return bi * (bm // rows), si * steps + tile_and_step(idx)[1]
 
             q_spec = (None, wgs * subs, bk // TILE * tile_rows, row_values(w.bits))
             g_spec = (None, groups_per_step, tile_n)
@@ -989,7 +973,7 @@ def mgpu_wna16_gemm(
         operands.append(w.zeros)
     if w8a8:  # [blocks, xs_width]: a block's scales, then zeros to XS_BYTES
         operands.append(jnp.pad(x_scales.reshape(blocks, bm), ((0, 0), (0, xs_width - bm))))
-    out_shape = (splits, p_out, out_n) if splits > 1 else (p_out, out_n)
+    out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
