@@ -492,7 +492,9 @@ class MgpuConfig:
         it (0: never; 1: halves; 2: also quarters; each width stays a multiple of 8).
     bf16_weights: the warp-specialized GEMMs multiply the weights rounded to bf16 once,
         (q - z) * s, straight into their sums, instead of exact integer products summed per
-        group in f32 and then scaled (room in registers for 128-row blocks; one more rounding).
+        group in f32 and then scaled (room in registers for 128-row blocks; one more rounding;
+        per-channel weights are not rounded: their exact (q - z) go into the sums, each
+        feature's scale multiplies its sum at the end).
     K splits, output tiles per program and whether GEMM1 applies the activation in its epilogue
     are chosen per GEMM from the shapes (pallas_kernels/mosaic_gpu/config.py).
     """
