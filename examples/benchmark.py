@@ -198,7 +198,10 @@ def time_model_step(fn, args_sets, *, repeats, consts=(), runs=5, warmup_s=0.0):
     that time against its calls. Queued behind another step, that host work overlaps the GPU's:
     the figure is the marginal time of a queued step, (T(runs) - T(1)) / ((runs - 1) x calls),
     T(r) the wall time of r steps queued at once and awaited together; the median over
-    `repeats`. warmup_s: as time_loop's.
+    `repeats`. Where noise makes a repeat's marginal time zero or negative (steps shorter than
+    the host's jitter: a CPU, the interpreters), that repeat takes T(runs) / (runs x calls)
+    instead, the queued steps' mean, host time included: an upper bound, never a figure that
+    would rank a call faster than free. warmup_s: as time_loop's.
     """
     if runs < 2:
         raise ValueError(f"time_model_step needs runs >= 2 (a marginal step), got {runs}")
@@ -213,8 +216,9 @@ def time_model_step(fn, args_sets, *, repeats, consts=(), runs=5, warmup_s=0.0):
 
     times = []
     for _ in range(repeats):
-        one = queued(1)
-        times.append((queued(runs) - one) / ((runs - 1) * calls))
+        one, many = queued(1), queued(runs)
+        marginal = (many - one) / ((runs - 1) * calls)
+        times.append(marginal if marginal > 0 else many / (runs * calls))
     return statistics.median(times)
 
 
