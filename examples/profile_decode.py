@@ -4,7 +4,8 @@ The model is built as examples/generate.py builds it (the same flags after ours)
 `generate` runs under `jax.profiler.trace` twice: with 2 new tokens (the prefill and a decode
 loop of one step) and with 2 + --steps. The difference of the two traces' launches, divided by
 --steps, is the kernels one loop iteration launches; the longer trace holds 1 + --steps such
-iterations back to back, the same kernel names in the same order each time, and a step's
+iterations back to back, the same kernel names in the same order each time (copies aside,
+`COPY_EVENTS`), and a step's
 kernels are their mean (`loop_step`): names within one compiled program, so each row is one
 kernel of the loop. Where no such repetition is found (a loop whose launches vary per
 iteration) the rows fall back to the difference of the two traces per kernel name
@@ -109,11 +110,23 @@ def loop_start(names: list[str], period: int, iterations: int) -> int | None:
     return None
 
 
+# Copies between kernels (CUDA memcpy / memset events): their count varies from one loop
+# iteration to the next on the H200 (2.4 per step in one trace), so a loop's kernels repeat
+# only without them.
+COPY_EVENTS = ("memcpy", "memset")
+
+
+def without_copies(kernels: list[dict]) -> list[dict]:
+    return [k for k in kernels if not k["name"].lower().startswith(COPY_EVENTS)]
+
+
 def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | None:
     """Per kernel name: launches and us of one iteration of the decode loop, the mean of the
     1 + steps iterations in the kernels of the longer call (`more`; `base`: the call with a
-    one-step loop, whose launch count sets the iteration's length); longest first. None where
-    the launches do not split into equal iterations that repeat."""
+    one-step loop, whose launch count sets the iteration's length); longest first; copies
+    (COPY_EVENTS) left out. None where the launches do not split into equal iterations that
+    repeat."""
+    base, more = without_copies(base), without_copies(more)
     extra = len(more) - len(base)
     if extra <= 0 or extra % steps:
         return None
@@ -156,7 +169,7 @@ def main(argv=None) -> int:
     base_kernels = traced_kernels(lambda: stats_of(base))
     more_kernels = traced_kernels(lambda: stats_of(more))
     rows = loop_step(base_kernels, more_kernels, ours.steps)
-    method = "one loop iteration, mean of the traced ones"
+    method = "one loop iteration, mean of the traced ones, copies left out"
     if rows is None:
         rows = per_step(base_kernels, more_kernels, ours.steps)
         method = "the two traces' difference per kernel name (no repeating loop iteration found)"

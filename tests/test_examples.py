@@ -412,6 +412,9 @@ def test_profile_decode_takes_one_loop_iteration():
         dict(name="mosaic", launches=2.0, us=pytest.approx(4.0)),
         dict(name="f.1", launches=1.0, us=pytest.approx(2.0)),  # (1 + 2 + 3) / 3
     ]
+    # Copies come and go between iterations: left out, the loop is found the same.
+    copied = more[:5] + [k("memcpy32_post", 1.0)] + more[5:9] + [k("Memset", 1.0)] + more[9:]
+    assert module.loop_step(base + [k("memcpy32_post", 1.0)], copied, steps=2) == rows
     # Launches that do not split into equal repeating iterations: no loop step.
     assert module.loop_step(base, more[:-2] + [k("x", 1.0), k("out", 0.5)], steps=2) is None
     assert module.loop_step(base, more + [k("extra", 1.0)], steps=2) is None
