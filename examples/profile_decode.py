@@ -57,6 +57,13 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument("--steps", type=int, default=4, help="decode steps traced (default 4)")
     p.add_argument("--top", type=int, default=25, help="kernels listed (default 25)")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
+    p.add_argument(
+        "--order",
+        action="store_true",
+        help="also list one loop iteration's kernels in launch order, each with its mean us "
+        "over the traced iterations (each GEMM of the step on its own line; needs the loop "
+        "iteration to be found)",
+    )
     ours, rest = p.parse_known_args(argv)
     if ours.steps < 1:
         p.error(f"--steps must be >= 1, got {ours.steps}")
@@ -120,24 +127,41 @@ def without_copies(kernels: list[dict]) -> list[dict]:
     return [k for k in kernels if not k["name"].lower().startswith(COPY_EVENTS)]
 
 
-def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | None:
-    """Per kernel name: launches and us of one iteration of the decode loop, the mean of the
-    1 + steps iterations in the kernels of the longer call (`more`; `base`: the call with a
-    one-step loop, whose launch count sets the iteration's length); longest first; copies
-    (COPY_EVENTS) left out. None where the launches do not split into equal iterations that
-    repeat."""
+def loop_iterations(base: list[dict], more: list[dict], steps: int) -> list[list[dict]] | None:
+    """The 1 + steps iterations of the decode loop in the kernels of the longer call (`more`;
+    `base`: the call with a one-step loop, whose launch count sets the iteration's length), each
+    its kernels in launch order, copies (COPY_EVENTS) left out; None where the launches do not
+    split into equal iterations that repeat."""
     base, more = without_copies(base), without_copies(more)
     extra = len(more) - len(base)
     if extra <= 0 or extra % steps:
         return None
     period, iterations = extra // steps, steps + 1
-    names = [k["name"] for k in more]
-    start = loop_start(names, period, iterations)
+    start = loop_start([k["name"] for k in more], period, iterations)
     if start is None:
         return None
-    loop = totals(more[start : start + period * iterations])
-    rows = [dict(name=n, launches=c / iterations, us=t / iterations) for n, (c, t) in loop.items()]
+    return [more[start + i * period : start + (i + 1) * period] for i in range(iterations)]
+
+
+def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | None:
+    """Per kernel name: launches and us of one iteration of the decode loop, the mean of the
+    iterations (`loop_iterations`); longest first. None where there is no loop iteration."""
+    iterations = loop_iterations(base, more, steps)
+    if iterations is None:
+        return None
+    loop = totals([k for it in iterations for k in it])
+    n = len(iterations)
+    rows = [dict(name=name, launches=c / n, us=t / n) for name, (c, t) in loop.items()]
     return sorted(rows, key=lambda r: -r["us"])
+
+
+def launch_order(iterations: list[list[dict]]) -> list[dict]:
+    """One loop iteration's kernels in launch order: each position's name and its mean us over
+    the iterations (which launch the same names in the same order)."""
+    return [
+        dict(name=kernels[0]["name"], us=sum(k["dur"] for k in kernels) / len(kernels))
+        for kernels in zip(*iterations, strict=True)
+    ]
 
 
 def main(argv=None) -> int:
@@ -168,6 +192,7 @@ def main(argv=None) -> int:
     step_s = min(stats_of(more).step_s for _ in range(3))
     base_kernels = traced_kernels(lambda: stats_of(base))
     more_kernels = traced_kernels(lambda: stats_of(more))
+    iterations = loop_iterations(base_kernels, more_kernels, ours.steps)
     rows = loop_step(base_kernels, more_kernels, ours.steps)
     method = "one loop iteration, mean of the traced ones, copies left out"
     if rows is None:
@@ -195,6 +220,14 @@ def main(argv=None) -> int:
     if rest:
         rest_us = sum(r["us"] for r in rest)
         print(f"{'':8} {rest_us:9.1f} {100 * rest_us / step_us:5.1f}%  ({len(rest)} others)")
+    order = launch_order(iterations) if iterations is not None else None
+    if ours.order:
+        if order is None:
+            print("launch order: no repeating loop iteration found in the trace")
+        else:
+            print(f"one loop iteration in launch order ({len(order)} kernels):")
+            for i, r in enumerate(order):
+                print(f"{i:5d} {r['us']:9.1f}  {r['name']}")
     if ours.json:
         with open(ours.json, "w") as f:
             record = dict(
@@ -209,6 +242,7 @@ def main(argv=None) -> int:
                 device=str(jax.devices()[0].device_kind),
                 jax=jax.__version__,
                 kernels=rows,
+                launch_order=order,
             )
             json.dump(record, f, indent=1)
     return 0

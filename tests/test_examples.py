@@ -412,6 +412,11 @@ def test_profile_decode_takes_one_loop_iteration():
         dict(name="mosaic", launches=2.0, us=pytest.approx(4.0)),
         dict(name="f.1", launches=1.0, us=pytest.approx(2.0)),  # (1 + 2 + 3) / 3
     ]
+    # In launch order: each position's mean over the 3 iterations.
+    assert module.launch_order(module.loop_iterations(base, more, steps=2)) == [
+        dict(name="f.1", us=pytest.approx(2.0)), dict(name="mosaic", us=2.0),
+        dict(name="mosaic", us=2.0),
+    ]  # fmt: skip
     # Copies come and go between iterations: left out, the loop is found the same.
     copied = more[:5] + [k("memcpy32_post", 1.0)] + more[5:9] + [k("Memset", 1.0)] + more[9:]
     assert module.loop_step(base + [k("memcpy32_post", 1.0)], copied, steps=2) == rows
@@ -422,7 +427,8 @@ def test_profile_decode_takes_one_loop_iteration():
 
 def test_profile_decode_tiny(tmp_path, capsys):
     out_json = tmp_path / "decode.json"
-    argv = ["--steps", "2", "--top", "3", "--json", str(out_json), "--batch-size", "2"]
+    argv = ["--steps", "2", "--top", "3", "--json", str(out_json), "--batch-size", "2",
+            "--order"]  # fmt: skip
     assert _load("profile_decode").main(argv) == 0
     record = json.loads(out_json.read_text())
     assert (record["batch_size"], record["steps"]) == (2, 2)
@@ -430,6 +436,12 @@ def test_profile_decode_tiny(tmp_path, capsys):
     assert record["weight_bytes_per_step"] > 0 and record["step_us"] > 0
     out = capsys.readouterr().out
     assert "2 decode steps traced" in out and "others)" in out
+    if record["launch_order"] is None:  # the loop not found: said, and the per-name rows
+        assert "launch order: no repeating loop iteration found" in out
+    else:  # the same iteration's kernels, in order
+        assert "one loop iteration in launch order" in out
+        order_us = sum(r["us"] for r in record["launch_order"])
+        assert order_us == pytest.approx(record["kernel_us_per_step"])
 
 
 def test_profile_decode_refuses_several_batch_sizes():
