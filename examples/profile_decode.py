@@ -143,16 +143,20 @@ def loop_iterations(base: list[dict], more: list[dict], steps: int) -> list[list
     return [more[start + i * period : start + (i + 1) * period] for i in range(iterations)]
 
 
-def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | None:
-    """Per kernel name: launches and us of one iteration of the decode loop, the mean of the
-    iterations (`loop_iterations`); longest first. None where there is no loop iteration."""
-    iterations = loop_iterations(base, more, steps)
-    if iterations is None:
-        return None
+def per_name(iterations: list[list[dict]]) -> list[dict]:
+    """Per kernel name: launches and us of one loop iteration, the mean of `iterations`;
+    longest first."""
     loop = totals([k for it in iterations for k in it])
     n = len(iterations)
     rows = [dict(name=name, launches=c / n, us=t / n) for name, (c, t) in loop.items()]
     return sorted(rows, key=lambda r: -r["us"])
+
+
+def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | None:
+    """`per_name` of the decode loop's iterations (`loop_iterations`); None where there is no
+    loop iteration."""
+    iterations = loop_iterations(base, more, steps)
+    return None if iterations is None else per_name(iterations)
 
 
 def launch_order(iterations: list[list[dict]]) -> list[dict]:
@@ -193,9 +197,10 @@ def main(argv=None) -> int:
     base_kernels = traced_kernels(lambda: stats_of(base))
     more_kernels = traced_kernels(lambda: stats_of(more))
     iterations = loop_iterations(base_kernels, more_kernels, ours.steps)
-    rows = loop_step(base_kernels, more_kernels, ours.steps)
     method = "one loop iteration, mean of the traced ones, copies left out"
-    if rows is None:
+    if iterations is not None:
+        rows = per_name(iterations)
+    else:
         rows = per_step(base_kernels, more_kernels, ours.steps)
         method = "the two traces' difference per kernel name (no repeating loop iteration found)"
     step_us = sum(r["us"] for r in rows)

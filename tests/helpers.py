@@ -58,6 +58,13 @@ def bf16_rounded(w_deq):
     return np.asarray(jnp.asarray(w_deq.astype(np.float32)).astype(jnp.bfloat16), np.float64)
 
 
+def bf16_weights_of(qw: QuantizedExperts) -> np.ndarray:
+    """float64 weights the Mosaic GPU GEMM's bf16_weights path multiplies: (q - z) * s rounded
+    to bf16 once; per-channel weights exact (their scales multiply the sums at the end)."""
+    w = numpy_dequantize(qw)
+    return bf16_rounded(w) if qw.group < qw.shape[2] else w
+
+
 def assert_close(actual, expected, dtype, what: str = "output") -> None:
     """Checks `actual` against a float64 oracle with the tolerance of activation `dtype`.
 

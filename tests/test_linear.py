@@ -169,7 +169,7 @@ def test_gated_linear(rng, implementation, layout, rows, n, k, group):
 def gated_weights_in_bf16(implementation, w, rows) -> bool:
     """Whether a gated linear multiplies weights rounded to bf16: xla and the Pallas GEMM
     dequantize to the activations' dtype; the Mosaic GPU GEMM where its plan runs bf16_weights
-    (else f32 sums per group)."""
+    on grouped weights (else f32 sums per group, or per-channel sums scaled at the end)."""
     if implementation != MGPU:
         return True
     from pallas_kernels.mosaic_gpu.config import gemm_plan
@@ -177,7 +177,8 @@ def gated_weights_in_bf16(implementation, w, rows) -> bool:
 
     cfg = linear_config(GemmShape.of_weights(w, m=rows))
     blocks = -(-rows // cfg.block_m)
-    return gemm_plan(cfg, w, blocks, activation_dtype=jnp.bfloat16)[3]["bf16_weights"]
+    bf16_weights = gemm_plan(cfg, w, blocks, activation_dtype=jnp.bfloat16)[3]["bf16_weights"]
+    return bf16_weights and w.group < w.shape[2]
 
 
 def test_mgpu_linear_configs():

@@ -94,9 +94,8 @@ def run_gemm_case(
         interpret=INTERPRET,
     )
     out = np.asarray(out)  # INTERPRETER_DISPATCH: the partials summed in numpy
-    w_deq = helpers.numpy_dequantize(qw)
-    if bf16_weights and qw.group < k:  # the kernel's weights: (q - z) * s rounded to bf16 once
-        w_deq = helpers.bf16_rounded(w_deq)  # (per channel: exact, the scale on the sums)
+    # the oracle takes the kernel's weights
+    w_deq = helpers.bf16_weights_of(qw) if bf16_weights else helpers.numpy_dequantize(qw)
     ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
     if gated:  # silu(gate) * up of the halves, in float64
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
@@ -588,12 +587,8 @@ def run_layer_case(rng, has_zp, t, config, bf16_weights=False, bits=4, group_siz
         implementation=IMPLEMENTATION,
         config=config,
     )
-    deq = helpers.numpy_dequantize
-    if bf16_weights:  # the oracle takes the GEMMs' weights: rounded to bf16 (per channel: exact)
-
-        def deq(qw):
-            w = helpers.numpy_dequantize(qw)
-            return helpers.bf16_rounded(w) if qw.group < qw.shape[2] else w
+    # the oracle takes the GEMMs' weights
+    deq = helpers.bf16_weights_of if bf16_weights else helpers.numpy_dequantize
 
     ref = helpers.numpy_fused_moe(
         np.asarray(x, np.float64),
