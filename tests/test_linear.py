@@ -138,7 +138,7 @@ def numpy_silu_and_mul(h) -> np.ndarray:
     [
         ("xla", "canonical", 3, 192, 256, 128),
         (KERNEL, "canonical", 5, 192, 256, 64),
-        (MGPU, "mgpu_int4", 1, 256, 512, 128),  # decode: 8-row blocks, K split
+        (MGPU, "mgpu_int4", 1, 256, 2048, 128),  # decode: 8-row blocks, K split (2)
         (MGPU, "mgpu_int4", 9, 1024, 256, 64),  # 16-row blocks, silu in the epilogue
         (MGPU, "mgpu_int4", 70, 256, 256, 128),  # 128-row blocks
         (MGPU, "mgpu_int4", 128, 512, 256, 128),  # one program's tile: bf16_weights
@@ -179,6 +179,34 @@ def gated_weights_in_bf16(implementation, w, rows) -> bool:
     blocks = -(-rows // cfg.block_m)
     bf16_weights = gemm_plan(cfg, w, blocks, activation_dtype=jnp.bfloat16)[3]["bf16_weights"]
     return bf16_weights and w.group < w.shape[2]
+
+
+def test_linear_splits(monkeypatch):
+    """A decode linear (8-row blocks) splits K for 4 programs per SM of 132, counting a gated
+    weight's programs as it runs them unsplit (one per gate and up tile pair), each split
+    keeping 4 k-steps of 256; larger blocks leave it to the layer's rule (None)."""
+    from pallas_kernels.mosaic_gpu import config as mgpu_config
+    from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
+
+    monkeypatch.setattr(mgpu_config, "_num_sms", lambda: 132)
+
+    def splits(n, k, gated, m=1):
+        w = jax.eval_shape(
+            lambda: wj.layouts.to_kernel_layout(
+                wj.random_quantized_experts(
+                    jax.random.key(0), (1, n, k), bits=4, group_size=128, has_zeros=True
+                ),
+                "mgpu_int4",
+            )
+        )
+        return mgpu_config.linear_splits(linear_config(GemmShape.of_weights(w, m=m)), w, gated)
+
+    assert splits(36864, 7168, gated=True) == 2  # 288 gated programs: 528 / 288 -> 2
+    assert splits(36864, 7168, gated=False) == 1  # 576 programs
+    assert splits(7168, 16384, gated=False) == 4  # 112 programs -> 5: 4 divides 64 steps
+    assert splits(24576, 1536, gated=False) == 1  # 2 splits would leave 3 of 6 k-steps
+    assert splits(2112, 7168, gated=False) == 7  # at most 8: 7 divides 28 steps
+    assert splits(7168, 16384, gated=False, m=8) is None  # 16-row blocks
 
 
 def test_mgpu_linear_configs():

@@ -1534,6 +1534,7 @@ def test_layer_config_takes_the_nearest_m_then_the_heuristic(on_h200, monkeypatc
         (dict(block_m=8, down_stages=0), "down_stages=0 must be at least 1"),
         (dict(block_m=8, block_halvings=-1), "block_halvings=-1 must be a non-negative int"),
         (dict(block_m=8, bf16_weights=1), "bf16_weights=1 must be a bool"),
+        (dict(block_m=8, splits=0), "splits=0 must be at least 1"),
     ],
 )
 def test_mgpu_config_refuses_values_no_gemm_takes(kwargs, match):
@@ -1575,6 +1576,10 @@ def test_gemm_plan_is_the_layers_gemms(rng, monkeypatch):
     assert options["splits"] == 2 and options["out_dtype"] == jnp.float32  # partials in f32
     _, splits, gated, options = mgpu_config.gemm_plan(cfg, w13, 4, BF16)
     assert (splits, gated, options["gated"], options["out_dtype"]) == (2, False, False, jnp.float32)
+    # The config's splits, where set, over the shapes' rule: many blocks, yet 2 splits
+    split = dataclasses.replace(cfg, splits=2)
+    _, splits, gated, options = mgpu_config.gemm_plan(split, w13, many, BF16)
+    assert (splits, gated, options["splits"]) == (2, False, 2)
 
 
 def test_fitted_config_keeps_whole_features(rng):

@@ -495,8 +495,11 @@ class MgpuConfig:
         group in f32 and then scaled (room in registers for 128-row blocks; one more rounding;
         per-channel weights are not rounded: their exact (q - z) go into the sums, each
         feature's scale multiplies its sum at the end).
-    K splits, output tiles per program and whether GEMM1 applies the activation in its epilogue
-    are chosen per GEMM from the shapes (pallas_kernels/mosaic_gpu/config.py).
+    splits: each GEMM's K splits (a divisor of its k-steps; each program sums one run of
+        k-steps and the f32 partial products are summed after; a split GEMM1 applies the
+        activation after that sum); None: chosen per GEMM from the shapes.
+    Output tiles per program and whether GEMM1 applies the activation in its epilogue are
+    chosen per GEMM from the shapes (pallas_kernels/mosaic_gpu/config.py).
     """
 
     block_m: int
@@ -508,6 +511,7 @@ class MgpuConfig:
     down_stages: int | None = None
     block_halvings: int = 0
     bf16_weights: bool = False
+    splits: int | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -515,7 +519,7 @@ class MgpuConfig:
             if f.name == "bf16_weights":
                 if not isinstance(v, bool):
                     raise ValueError(f"MgpuConfig.bf16_weights={v!r} must be a bool")
-            elif not (v is None and f.name.startswith("down_")):
+            elif not (v is None and (f.name.startswith("down_") or f.name == "splits")):
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise ValueError(f"MgpuConfig.{f.name}={v!r} must be a non-negative int")
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -524,7 +528,7 @@ class MgpuConfig:
             )
         if self.block_k % MGPU_TILE or not self.block_k:
             raise ValueError(f"MgpuConfig.block_k={self.block_k} must be a multiple of {MGPU_TILE}")
-        for name in ("stages", "down_stages"):
+        for name in ("stages", "down_stages", "splits"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"MgpuConfig.{name}={v} must be at least 1")

@@ -214,12 +214,35 @@ PROGRAMS_PER_SM = 2
 MAX_AUTO_SPLITS = 8
 
 
-def auto_splits(programs: int, num_sms: int) -> int:
+def auto_splits(programs: int, num_sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Most K splits for a GEMM of `programs` (N tiles x blocks) programs: enough to give each
-    SM PROGRAMS_PER_SM, at most MAX_AUTO_SPLITS. On 132 SMs DeepSeek-V3's TP=8 GEMM1 at M=1 (8
-    N tiles x 8 blocks) gets 4; at TP=1 (512 programs) none, where a split measured slower
+    SM `per_sm` programs, at most MAX_AUTO_SPLITS. On 132 SMs DeepSeek-V3's TP=8 GEMM1 at M=1
+    (8 N tiles x 8 blocks) gets 4; at TP=1 (512 programs) none, where a split measured slower
     (docs/performance.md, 'Mosaic GPU configs')."""
-    return max(1, min(MAX_AUTO_SPLITS, -(-PROGRAMS_PER_SM * num_sms // programs)))
+    return max(1, min(MAX_AUTO_SPLITS, -(-per_sm * num_sms // programs)))
+
+
+# A linear's GEMM of one 8-row block (decode of up to 4 rows) splits K for this many programs
+# per SM, counting the programs it runs unsplit (a gated weight's: one per pair of gate and up
+# tiles), each split keeping MIN_STEPS_PER_PROGRAM k-steps: one H200, M=1, the dense MLP's gate
+# and up (288 gated programs) 59.1 -> 43.3 us at 2 splits, o_proj 24.3 -> 22.1 at 4
+# (docs/performance.md, 'Quantized linears').
+LINEAR_PROGRAMS_PER_SM = 4
+
+
+def linear_splits(cfg: MgpuConfig, w: QuantizedExperts, gated: bool) -> int | None:
+    """The K splits of a linear's GEMM on `w` ([1, N, K]; gated: [gate; up]) at cfg: for 8-row
+    blocks the largest divisor of its k-steps up to `auto_splits` at LINEAR_PROGRAMS_PER_SM
+    that leaves each split MIN_STEPS_PER_PROGRAM k-steps (or 1); None (`gemm_splits`) for
+    larger blocks."""
+    if cfg.block_m != 8:
+        return None
+    cfg = fitted_config(cfg, w)
+    steps = w.shape[2] // cfg.block_k
+    programs = w.shape[1] // (2 if gated else 1) // tile_n(cfg)
+    most = auto_splits(programs, _num_sms(), LINEAR_PROGRAMS_PER_SM)
+    fits = [d for d in range(1, most + 1) if steps % d == 0 and steps // d >= MIN_STEPS_PER_PROGRAM]
+    return max(fits, default=1)
 
 
 def _num_sms() -> int:
@@ -264,10 +287,13 @@ def tiles_per_program(n_tiles: int, steps: int) -> int:
 
 
 def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
-    """The K splits a GEMM of `num_blocks` blocks on `w` takes at cfg: the largest divisor of
-    its k-step count up to `auto_splits` for its programs."""
+    """The K splits a GEMM of `num_blocks` blocks on `w` takes at cfg: cfg.splits where set
+    (mgpu_wna16_gemm checks that it divides the k-steps), else the largest divisor of its
+    k-step count up to `auto_splits` for its programs."""
     if w.shape[2] % cfg.block_k:
         raise ValueError(f"block_k={cfg.block_k} must divide the GEMM's K={w.shape[2]}")
+    if cfg.splits is not None:
+        return cfg.splits
     steps = w.shape[2] // cfg.block_k
     most = auto_splits(w.shape[1] // tile_n(cfg) * num_blocks, _num_sms())
     return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)

@@ -23,6 +23,7 @@ from pallas_kernels.mosaic_gpu.config import (
     from_block_config,
     gemm_plan,
     gemm_rows_in_use,
+    linear_splits,
     tile_n,
 )
 from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
@@ -140,7 +141,11 @@ def linear(x, w, *, config: MgpuConfig, out_dtype=None, activation=None, interpr
     expert 0: as they are where the GEMM takes them (`takes_rows`: fewer than 8, part of one
     block: no padded copy of x, no slice of the output, a decode step's two kernels fewer per
     linear), else padded to whole blocks. The rows in use per block are static (all, the last
-    block's remainder)."""
+    block's remainder). K splits: config.splits, else `linear_splits` (a split gated GEMM
+    applies silu * up to the summed f32 partial products)."""
+    if config.splits is None:
+        splits = linear_splits(config, w, gated=activation is not None)
+        config = dataclasses.replace(config, splits=splits)
     rows, block_m = x.shape[0], config.block_m
     blocks = -(-rows // block_m)
     x_rows = x
