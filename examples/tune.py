@@ -108,6 +108,7 @@ LINEAR_AXES = {
     "block_m": (8, 16, 32, 64, 128),
     "block_n": (64, 128),
     "consumers": (0, 2),
+    "splits": (None, 1, 2, 4, 7, 8),  # None: the linear's rule (a value must divide the k-steps)
 }
 LINEAR_QUICK_AXES = {"stages": (2, 3), "block_m": (8, 16)}
 # Seconds each linear's timing runs it before timing (the GPU's clocks up to speed).
