@@ -7,10 +7,13 @@ loop of one step) and with 2 + --steps. The difference of the two traces' launch
 iterations back to back, the same kernel names in the same order each time (copies aside,
 `COPY_EVENTS`), and a step's
 kernels are their mean (`loop_step`): names within one compiled program, so each row is one
-kernel of the loop. Where no such repetition is found (a loop whose launches vary per
-iteration) the rows fall back to the difference of the two traces per kernel name
-(`per_step`), which can pair different kernels: XLA numbers the fusions of each compiled
-program on its own (the two calls' decode loops have different trip counts, so two programs).
+kernel of the loop. Where the iterations differ (on the H200 some kernels come a fractional
+number of times per step) the longer trace's last --steps iterations are cut at an anchor
+instead, a long kernel launched once per step (`anchored_iterations`: the lm_head's GEMM in a
+decode step), and a step is their mean. Where neither is found the rows fall back to the
+difference of the two traces per kernel name (`per_step`), which can pair different kernels:
+XLA numbers the fusions of each compiled program on its own (the two calls' decode loops have
+different trip counts, so two programs).
 
     python examples/profile_decode.py --steps 8 --full-width-layers 8 --batch-size 1
 
@@ -143,6 +146,36 @@ def loop_iterations(base: list[dict], more: list[dict], steps: int) -> list[list
     return [more[start + i * period : start + (i + 1) * period] for i in range(iterations)]
 
 
+# Kernels within this fraction of an anchor candidate's duration count as its launches (the
+# prefill's launch of the same GEMM takes longer; other kernels of its name far less).
+ANCHOR_SHARE = 0.9
+# The longest kernels tried as anchors, longest first.
+ANCHOR_CANDIDATES = 16
+
+
+def anchored_iterations(base: list[dict], more: list[dict], steps: int) -> list[list[dict]] | None:
+    """The decode loop's last `steps` iterations in the longer call's kernels (`more`), cut at
+    an anchor: the longest kernel (of the ANCHOR_CANDIDATES longest) whose launches of its name
+    and at least ANCHOR_SHARE of its duration number exactly `steps` more in `more` than in
+    `base` (one per decode step; a step's largest GEMM, the lm_head, at batch 1). Each
+    iteration runs from after one launch of the anchor to the next, copies (COPY_EVENTS) left
+    out; the iterations may differ. None where no kernel is such an anchor."""
+    base, more = without_copies(base), without_copies(more)
+
+    def launches(kernels, anchor):
+        least = ANCHOR_SHARE * anchor["dur"]
+        return [
+            i for i, k in enumerate(kernels) if k["name"] == anchor["name"] and k["dur"] >= least
+        ]
+
+    for anchor in sorted(more, key=lambda k: -k["dur"])[:ANCHOR_CANDIDATES]:
+        at = launches(more, anchor)
+        if len(at) - len(launches(base, anchor)) == steps and len(at) > steps:
+            at = at[-(steps + 1) :]
+            return [more[a + 1 : b + 1] for a, b in zip(at, at[1:], strict=False)]
+    return None
+
+
 def per_name(iterations: list[list[dict]]) -> list[dict]:
     """Per kernel name: launches and us of one loop iteration, the mean of `iterations`;
     longest first."""
@@ -161,7 +194,12 @@ def loop_step(base: list[dict], more: list[dict], steps: int) -> list[dict] | No
 
 def launch_order(iterations: list[list[dict]]) -> list[dict]:
     """One loop iteration's kernels in launch order: each position's name and its mean us over
-    the iterations (which launch the same names in the same order)."""
+    the iterations where they launch the same names in the same order, else the kernels of the
+    iteration of the median launch count as they are."""
+    names = {tuple(k["name"] for k in it) for it in iterations}
+    if len(names) > 1:
+        one = sorted(iterations, key=len)[len(iterations) // 2]
+        return [dict(name=k["name"], us=k["dur"]) for k in one]
     return [
         dict(name=kernels[0]["name"], us=sum(k["dur"] for k in kernels) / len(kernels))
         for kernels in zip(*iterations, strict=True)
@@ -198,11 +236,14 @@ def main(argv=None) -> int:
     more_kernels = traced_kernels(lambda: stats_of(more))
     iterations = loop_iterations(base_kernels, more_kernels, ours.steps)
     method = "one loop iteration, mean of the traced ones, copies left out"
+    if iterations is None:
+        iterations = anchored_iterations(base_kernels, more_kernels, ours.steps)
+        method = "one loop iteration, mean of the last ones cut at a long kernel, copies left out"
     if iterations is not None:
         rows = per_name(iterations)
     else:
         rows = per_step(base_kernels, more_kernels, ours.steps)
-        method = "the two traces' difference per kernel name (no repeating loop iteration found)"
+        method = "the two traces' difference per kernel name (no loop iteration found)"
     step_us = sum(r["us"] for r in rows)
     launches = sum(r["launches"] for r in rows)
     copy_bps, _ = benchmark.measure_ceilings(on_gpu, repeats=3)
@@ -228,7 +269,7 @@ def main(argv=None) -> int:
     order = launch_order(iterations) if iterations is not None else None
     if ours.order:
         if order is None:
-            print("launch order: no repeating loop iteration found in the trace")
+            print("launch order: no loop iteration found in the trace")
         else:
             print(f"one loop iteration in launch order ({len(order)} kernels):")
             for i, r in enumerate(order):

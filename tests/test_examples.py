@@ -425,6 +425,35 @@ def test_profile_decode_takes_one_loop_iteration():
     assert module.loop_step(base, more + [k("extra", 1.0)], steps=2) is None
 
 
+def test_profile_decode_cuts_differing_iterations_at_an_anchor():
+    """Iterations whose launches differ (one launches an extra kernel: no equal repeating
+    iterations) are cut at the longest kernel launched once more per step than in the shorter
+    call (the lm_head's GEMM; its prefill launch, longer, is not counted): a step is the mean of
+    the last `steps` iterations, and the launch order that of the median-length one."""
+    k = lambda name, dur: dict(name=name, ts=0.0, dur=dur)  # noqa: E731
+    step = [k("f.1", 1.0), k("mosaic", 2.0), k("mosaic", 9.0)]  # the last: the lm_head
+    prefill = [k("f.7", 3.0), k("mosaic", 12.0)]
+    base = prefill + step + [k("out", 0.5)]
+    more = prefill + step + step[:2] + [k("x", 1.0)] + step[2:] + step + [k("out", 0.5)]
+    module = _load("profile_decode")
+    assert module.loop_iterations(base, more, steps=2) is None
+    iterations = module.anchored_iterations(base, more, steps=2)
+    assert [[q["name"] for q in it] for it in iterations] == [
+        ["f.1", "mosaic", "x", "mosaic"], ["f.1", "mosaic", "mosaic"],
+    ]  # fmt: skip
+    assert module.per_name(iterations) == [
+        dict(name="mosaic", launches=2.0, us=pytest.approx(11.0)),
+        dict(name="f.1", launches=1.0, us=pytest.approx(1.0)),
+        dict(name="x", launches=0.5, us=pytest.approx(0.5)),
+    ]
+    assert [r["name"] for r in module.launch_order(iterations)] == ["f.1", "mosaic", "x", "mosaic"]
+    # Any kernel launched once more per step is an anchor (here f.1 where the lm_head is not);
+    # none: no iterations.
+    cut = module.anchored_iterations(base, more[:-1] + [k("mosaic", 9.0), k("out", 0.5)], steps=2)
+    assert [q["name"] for q in cut[-1]][-1] == "f.1"
+    assert module.anchored_iterations(base, more, steps=3) is None
+
+
 def test_profile_decode_tiny(tmp_path, capsys):
     out_json = tmp_path / "decode.json"
     argv = ["--steps", "2", "--top", "3", "--json", str(out_json), "--batch-size", "2",
@@ -437,7 +466,7 @@ def test_profile_decode_tiny(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 decode steps traced" in out and "others)" in out
     if record["launch_order"] is None:  # the loop not found: said, and the per-name rows
-        assert "launch order: no repeating loop iteration found" in out
+        assert "launch order: no loop iteration found" in out
     else:  # the same iteration's kernels, in order
         assert "one loop iteration in launch order" in out
         order_us = sum(r["us"] for r in record["launch_order"])
