@@ -222,29 +222,6 @@ def auto_splits(programs: int, num_sms: int, per_sm: int = PROGRAMS_PER_SM) -> i
     return max(1, min(MAX_AUTO_SPLITS, -(-per_sm * num_sms // programs)))
 
 
-# A linear's GEMM of one 8-row block (decode of up to 4 rows) splits K for this many programs
-# per SM, counting the programs it runs unsplit (a gated weight's: one per pair of gate and up
-# tiles), each split keeping MIN_STEPS_PER_PROGRAM k-steps: one H200, M=1, the dense MLP's gate
-# and up (288 gated programs) 59.1 -> 43.3 us at 2 splits, o_proj 24.3 -> 22.1 at 4
-# (docs/performance.md, 'Quantized linears').
-LINEAR_PROGRAMS_PER_SM = 4
-
-
-def linear_splits(cfg: MgpuConfig, w: QuantizedExperts, gated: bool) -> int | None:
-    """The K splits of a linear's GEMM on `w` ([1, N, K]; gated: [gate; up]) at cfg: for 8-row
-    blocks the largest divisor of its k-steps up to `auto_splits` at LINEAR_PROGRAMS_PER_SM
-    that leaves each split MIN_STEPS_PER_PROGRAM k-steps (or 1); None (`gemm_splits`) for
-    larger blocks."""
-    if cfg.block_m != 8:
-        return None
-    cfg = fitted_config(cfg, w)
-    steps = w.shape[2] // cfg.block_k
-    programs = w.shape[1] // (2 if gated else 1) // tile_n(cfg)
-    most = auto_splits(programs, _num_sms(), LINEAR_PROGRAMS_PER_SM)
-    fits = [d for d in range(1, most + 1) if steps % d == 0 and steps // d >= MIN_STEPS_PER_PROGRAM]
-    return max(fits, default=1)
-
-
 def _num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
@@ -284,6 +261,29 @@ def tiles_per_program(n_tiles: int, steps: int) -> int:
     ceil(MIN_STEPS_PER_PROGRAM / steps)."""
     most = -(-MIN_STEPS_PER_PROGRAM // steps)
     return max(d for d in range(1, min(most, n_tiles) + 1) if n_tiles % d == 0)
+
+
+# A linear's GEMM of one 8-row block (decode of up to 4 rows) splits K for this many programs
+# per SM, counting the programs it runs unsplit (a gated weight's: one per pair of gate and up
+# tiles), each split keeping MIN_STEPS_PER_PROGRAM k-steps: one H200, M=1, the dense MLP's gate
+# and up (288 gated programs) 59.1 -> 43.3 us at 2 splits, o_proj 24.3 -> 22.1 at 4
+# (docs/performance.md, 'Quantized linears').
+LINEAR_PROGRAMS_PER_SM = 4
+
+
+def linear_splits(cfg: MgpuConfig, w: QuantizedExperts, gated: bool) -> int | None:
+    """The K splits of a linear's GEMM on `w` ([1, N, K]; gated: [gate; up]) at cfg: for 8-row
+    blocks the largest divisor of its k-steps up to `auto_splits` at LINEAR_PROGRAMS_PER_SM
+    that leaves each split MIN_STEPS_PER_PROGRAM k-steps (or 1); None (`gemm_splits`) for
+    larger blocks."""
+    if cfg.block_m != 8:
+        return None
+    cfg = fitted_config(cfg, w)
+    steps = w.shape[2] // cfg.block_k
+    programs = w.shape[1] // (2 if gated else 1) // tile_n(cfg)
+    most = auto_splits(programs, _num_sms(), LINEAR_PROGRAMS_PER_SM)
+    fits = [d for d in range(1, most + 1) if steps % d == 0 and steps // d >= MIN_STEPS_PER_PROGRAM]
+    return max(fits, default=1)
 
 
 def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
