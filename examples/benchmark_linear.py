@@ -12,26 +12,39 @@ bf16 [N, K] array once, then a plain dot: twice to four times the bytes). "%copy
 a call reads (weight, scales, zero points, rows) over its time, against the measured copy
 ceiling (HBM read + write).
 
+--splits times the Mosaic GPU GEMM at given K splits (MgpuConfig.splits on the config it runs
+today). --trace also times each row from a device trace (`jax.profiler`): the step's kernels
+per call from the first start to the last end, the GEMM's own time plus the two small kernels
+that chain one call to the next; steadier than the wall-clock figure for kernels of 5-60 us.
+
 On a GPU the default shapes are DeepSeek-V3's (int4 g128 with zero points); on a CPU tiny ones
 in the interpreters (a smoke test).
 
 Examples (GPU):
     python examples/benchmark_linear.py --implementations mgpu pallas xla bf16 --m 1 8 64
     python examples/benchmark_linear.py --shapes kv_a o_proj --m 1 --json out/linear.json
+    python examples/benchmark_linear.py --implementations mgpu --m 1 --splits 1 2 4 8 --trace
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
-from benchmark import array_bytes, measure_ceilings, time_model_step
 
-import wna16_jax as wj
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's profile.py
+
+import profile as profile_example  # noqa: E402
+
+from benchmark import array_bytes, make_model_step, measure_ceilings, time_model_step  # noqa: E402
+
+import wna16_jax as wj  # noqa: E402
 
 # name: (N, K, activation) of DeepSeek-V3's non-expert linears (y = x @ W.T, W [N, K]) as the
 # model runs them on a kernel: q_a_proj and kv_a_proj_with_mqa as one GEMM (qkv_a), gate_proj
@@ -115,8 +128,25 @@ def random_rows(key, m, k, copies, dtype=jnp.bfloat16):
             for c in range(copies)]  # fmt: skip
 
 
+def traced_us(fn, sets) -> float:
+    """us per call of fn over `sets` in a model step, from a device trace: the span of the
+    step's kernels over its calls."""
+    run, calls = make_model_step(fn, sets)
+    trace, _ = profile_example.trace_run(run)
+    return profile_example.summarize(profile_example.device_kernels(trace), calls)["span_us"]
+
+
+def configs_to_time(impl, w, m, splits):
+    """(splits, config) pairs of a row each: (None, None) (the config it runs today), or for
+    the Mosaic GPU GEMM with `splits` given, that config with each of them."""
+    if not splits or not impl.startswith("mgpu"):
+        return [(None, None)]
+    today = wj.gemm_config(w, m, implementation=impl)
+    return [(s, dataclasses.replace(today, splits=s)) for s in splits]
+
+
 def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
-    """The rows of one shape: each implementation at each M."""
+    """The rows of one shape: each implementation at each M (and each of args.splits)."""
     dtype = jnp.bfloat16
     key = jax.random.key(args.seed)
     ws = random_weights(
@@ -133,26 +163,29 @@ def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
             continue
         step_bytes = weight_bytes(held[0])
         for m in ms:
-            xs = random_rows(key, m, k, copies, dtype)
-            try:
-                seconds = time_model_step(
-                    linear_fn(impl, activation),
-                    list(zip(xs, held, strict=True)),
-                    repeats=args.repeats,
+            for splits, config in configs_to_time(impl, held[0], m, args.splits):
+                sets = list(zip(random_rows(key, m, k, copies, dtype), held, strict=True))
+                fn = linear_fn(impl, activation, config)
+                label = "" if splits is None else f" splits={splits}"
+                try:
+                    seconds = time_model_step(fn, sets, repeats=args.repeats)
+                    trace_us = traced_us(fn, sets) if args.trace else None
+                except (ValueError, NotImplementedError) as err:
+                    print(f"{name} {impl} M={m}{label}: cannot run ({err})", file=sys.stderr)
+                    continue
+                read = step_bytes + m * k * 2 + m * (n // 2 if activation else n) * 2
+                rows.append(dict(
+                    shape=name, N=n, K=k, M=m, implementation=impl, splits=splits, seconds=seconds,
+                    bytes=read, copy_fraction=read / seconds / copy_bps, weight_copies=copies,
+                    trace_us=trace_us,
+                ))  # fmt: skip
+                traced = "" if trace_us is None else f" {trace_us:9.1f} us traced"
+                print(
+                    f"{name:>15} N={n:<6} K={k:<6} M={m:<4} {impl + label:>16} "
+                    f"{seconds * 1e6:9.1f} us {read / 1e6:8.2f} MB "
+                    f"{100 * rows[-1]['copy_fraction']:6.1f}% copy{traced}",
+                    flush=True,
                 )
-            except (ValueError, NotImplementedError) as err:
-                print(f"{name} {impl} M={m}: cannot run ({err})", file=sys.stderr)
-                continue
-            read = step_bytes + m * k * 2 + m * (n // 2 if activation else n) * 2
-            rows.append(dict(
-                shape=name, N=n, K=k, M=m, implementation=impl, seconds=seconds,
-                bytes=read, copy_fraction=read / seconds / copy_bps, weight_copies=copies,
-            ))  # fmt: skip
-            print(
-                f"{name:>15} N={n:<6} K={k:<6} M={m:<4} {impl:>16} {seconds * 1e6:9.1f} us "
-                f"{read / 1e6:8.2f} MB {100 * rows[-1]['copy_fraction']:6.1f}% copy",
-                flush=True,
-            )
     return rows
 
 
@@ -179,6 +212,20 @@ def main(argv=None):
         "--step-bytes", type=int, default=STEP_WEIGHT_BYTES if on_gpu else 0,
         help="weight bytes per timed step: copies of each weight (2..64) to make them",
     )  # fmt: skip
+    p.add_argument(
+        "--splits",
+        type=int,
+        nargs="+",
+        default=None,
+        help="mgpu implementations: a row per K split count (MgpuConfig.splits on the config "
+        "the linear runs today; each must divide its k-steps); default: the linear's own rule",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also time each row from a device trace (the step's kernels per call, first start "
+        "to last end): steadier than wall-clock time for 5-60 us kernels",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=str, default=None, help="write the results here")
     args = p.parse_args(argv)

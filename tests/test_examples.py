@@ -284,6 +284,22 @@ def test_benchmark_linear_tiny(tmp_path, capsys):
     assert 0 < rows["mgpu_interpret"]["bytes"] - rows["xla"]["bytes"] <= n * (k // 128) * 2
 
 
+def test_benchmark_linear_splits_and_trace(capsys):
+    """--splits: a row per K split count on the Mosaic GPU GEMM (one that does not divide the
+    k-steps is said and skipped), the other implementations once; --trace: each row's traced us
+    per call beside it."""
+    argv = ["--shapes", "tiny_a", "--implementations", "mgpu_interpret", "xla", "--m", "1",
+            "--group-size", "64", "--splits", "1", "2", "3", "--trace",
+            "--repeats", "1"]  # fmt: skip
+    result = _load("benchmark_linear").main(argv)
+    captured = capsys.readouterr()
+    assert "splits=3: cannot run (splits=3 must divide the 4 k-steps)" in captured.err
+    runs = [(r["implementation"], r["splits"]) for r in result["rows"]]
+    assert runs == [("mgpu_interpret", 1), ("mgpu_interpret", 2), ("xla", None)]
+    assert all(r["trace_us"] > 0 for r in result["rows"])
+    assert captured.out.count("us traced") == 3
+
+
 def test_benchmark_linear_gated_rows(capsys):
     """A gated shape ([gate; up] rows, silu(gate) * up) runs on the kernel and on the bf16 dot;
     a call writes N/2 outputs per row."""
