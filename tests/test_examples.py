@@ -483,10 +483,11 @@ def test_profile_decode_tiny(tmp_path, capsys):
     assert "2 decode steps traced" in out and "others)" in out
     if record["launch_order"] is None:  # the loop not found: said, and the per-name rows
         assert "launch order: no loop iteration found" in out
-    else:  # the same iteration's kernels, in order
+    else:  # an iteration's kernels, in order: the mean of equal iterations is the step's
         assert "one loop iteration in launch order" in out
         order_us = sum(r["us"] for r in record["launch_order"])
-        assert order_us == pytest.approx(record["kernel_us_per_step"])
+        if "cut at a long kernel" not in record["method"]:
+            assert order_us == pytest.approx(record["kernel_us_per_step"])
 
 
 def test_profile_decode_refuses_several_batch_sizes():
