@@ -519,7 +519,7 @@ class MgpuConfig:
             if f.name == "bf16_weights":
                 if not isinstance(v, bool):
                     raise ValueError(f"MgpuConfig.bf16_weights={v!r} must be a bool")
-            elif not (v is None and (f.name.startswith("down_") or f.name == "splits")):
+            elif not (v is None and f.default is None):  # the fields that default to None
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise ValueError(f"MgpuConfig.{f.name}={v!r} must be a non-negative int")
         if self.block_m % 8 or not 8 <= self.block_m <= 256:

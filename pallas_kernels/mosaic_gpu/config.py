@@ -249,6 +249,13 @@ def fitted_config(cfg: MgpuConfig, w: QuantizedExperts) -> MgpuConfig:
     return cfg
 
 
+def largest_divisor(n: int, most: int, least_quotient: int = 1) -> int:
+    """The largest divisor d of n up to `most` whose quotient n // d is at least
+    `least_quotient` (1 where none is)."""
+    fits = [d for d in range(1, min(most, n) + 1) if n % d == 0 and n // d >= least_quotient]
+    return max(fits, default=1)
+
+
 # k-steps a program's pipeline runs at least where a tile has fewer: a program then computes
 # several output tiles of its block, one after the other in one pipeline (DeepSeek-V3's TP=8
 # GEMM2, one k-step of 256 per tile: runs of 4 tiles); docs/performance.md, 'Mosaic GPU configs'.
@@ -259,8 +266,7 @@ def tiles_per_program(n_tiles: int, steps: int) -> int:
     """The output tiles of a program's run for a GEMM of n_tiles output tiles per block and
     `steps` k-steps per tile (per split): the largest divisor of n_tiles up to
     ceil(MIN_STEPS_PER_PROGRAM / steps)."""
-    most = -(-MIN_STEPS_PER_PROGRAM // steps)
-    return max(d for d in range(1, min(most, n_tiles) + 1) if n_tiles % d == 0)
+    return largest_divisor(n_tiles, -(-MIN_STEPS_PER_PROGRAM // steps))
 
 
 # A linear's GEMM of one 8-row block (decode of up to 4 rows) splits K for this many programs
@@ -282,8 +288,7 @@ def linear_splits(cfg: MgpuConfig, w: QuantizedExperts, gated: bool) -> int | No
     steps = w.shape[2] // cfg.block_k
     programs = w.shape[1] // (2 if gated else 1) // tile_n(cfg)
     most = auto_splits(programs, _num_sms(), LINEAR_PROGRAMS_PER_SM)
-    fits = [d for d in range(1, most + 1) if steps % d == 0 and steps // d >= MIN_STEPS_PER_PROGRAM]
-    return max(fits, default=1)
+    return largest_divisor(steps, most, least_quotient=MIN_STEPS_PER_PROGRAM)
 
 
 def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
@@ -295,8 +300,7 @@ def gemm_splits(cfg: MgpuConfig, w: QuantizedExperts, num_blocks: int) -> int:
     if cfg.splits is not None:
         return cfg.splits
     steps = w.shape[2] // cfg.block_k
-    most = auto_splits(w.shape[1] // tile_n(cfg) * num_blocks, _num_sms())
-    return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
+    return largest_divisor(steps, auto_splits(w.shape[1] // tile_n(cfg) * num_blocks, _num_sms()))
 
 
 def gemm_options(
