@@ -191,7 +191,15 @@ def _warm_up(run, warmup_s: float, runs: int = 1) -> None:
 
 def time_model_step(fn, args_sets, *, repeats, consts=(), runs=5, warmup_s=0.0):
     """Seconds per call of fn(*consts, *args) in a model step (`make_model_step`: one call per
-    input set, written out in one jit), steps queued back to back as a decoding loop queues them.
+    input set, written out in one jit), steps queued back to back as a decoding loop queues them
+    (`time_step`)."""
+    run, calls = make_model_step(fn, args_sets, consts=consts)
+    return time_step(run, calls, repeats=repeats, runs=runs, warmup_s=warmup_s)
+
+
+def time_step(run, calls, *, repeats, runs=5, warmup_s=0.0):
+    """Seconds per call of a built model step (`make_model_step`'s run() of `calls` calls), steps
+    queued back to back as a decoding loop queues them.
 
     One jitted call of many kernels costs the host time before its first kernel starts (its
     launches: about 0.8 ms for 32 layer calls at M=1 on the H200), and a step timed alone counts
@@ -204,8 +212,7 @@ def time_model_step(fn, args_sets, *, repeats, consts=(), runs=5, warmup_s=0.0):
     would rank a call faster than free. warmup_s: as time_loop's.
     """
     if runs < 2:
-        raise ValueError(f"time_model_step needs runs >= 2 (a marginal step), got {runs}")
-    run, calls = make_model_step(fn, args_sets, consts=consts)
+        raise ValueError(f"a model step's time needs runs >= 2 (a marginal step), got {runs}")
     jax.block_until_ready(run())
     _warm_up(run, warmup_s, runs)
 

@@ -3,8 +3,9 @@ DeepSeek-V3's non-expert linear shapes against the copy ceiling of the same run,
 bf16 dense dot a JAX user would otherwise run.
 
 Each row is one shape at one row count M on one implementation, timed as a model step runs its
-layers (benchmark.py's `time_model_step`: calls written out in one jit, each fed by the last, steps
-queued back to back, the marginal time per call). Each call reads its own copy of the weight,
+layers (benchmark.py's `make_model_step` and `time_step`: calls written out in one jit, each fed
+by the last, steps queued back to back, the marginal time per call; --trace traces the same
+compiled step). Each call reads its own copy of the weight,
 enough copies that they do not fit in L2 together (the weights a decode step reads are read
 once). Implementations: a backend name ("mgpu", "pallas", "xla", their "_interpret" twins;
 weights converted once to the layout it reads, untimed) or "bf16" (the weight dequantized to a
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's 
 
 import profile as profile_example  # noqa: E402
 
-from benchmark import array_bytes, make_model_step, measure_ceilings, time_model_step  # noqa: E402
+from benchmark import array_bytes, make_model_step, measure_ceilings, time_step  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
 
@@ -128,10 +129,9 @@ def random_rows(key, m, k, copies, dtype=jnp.bfloat16):
             for c in range(copies)]  # fmt: skip
 
 
-def traced_us(fn, sets) -> float:
-    """us per call of fn over `sets` in a model step, from a device trace: the span of the
-    step's kernels over its calls."""
-    run, calls = make_model_step(fn, sets)
+def traced_us(run, calls) -> float:
+    """us per call of a built model step (`make_model_step`), from a device trace: the span of
+    the step's kernels over its calls."""
     trace, _ = profile_example.trace_run(run)
     return profile_example.summarize(profile_example.device_kernels(trace), calls)["span_us"]
 
@@ -168,8 +168,9 @@ def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
                 fn = linear_fn(impl, activation, config)
                 label = "" if splits is None else f" splits={splits}"
                 try:
-                    seconds = time_model_step(fn, sets, repeats=args.repeats)
-                    trace_us = traced_us(fn, sets) if args.trace else None
+                    run, calls = make_model_step(fn, sets)
+                    seconds = time_step(run, calls, repeats=args.repeats)
+                    trace_us = traced_us(run, calls) if args.trace else None
                 except (ValueError, NotImplementedError) as err:
                     print(f"{name} {impl} M={m}{label}: cannot run ({err})", file=sys.stderr)
                     continue

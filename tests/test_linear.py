@@ -152,9 +152,7 @@ def test_gated_linear(rng, implementation, layout, rows, n, k, group):
     w = helpers.random_quantized_experts(rng, 1, n, k, 4, group, True, jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
     kw = wj.layouts.to_kernel_layout(w, layout)
-    w_deq = helpers.numpy_dequantize(w)[0]  # [N, K] float64
-    if gated_weights_in_bf16(implementation, kw, rows):
-        w_deq = helpers.bf16_rounded(w_deq)
+    w_deq = weights_multiplied(implementation, w, kw, rows)[0]  # [N, K] float64
     ref = numpy_silu_and_mul(np.einsum("rk,nk->rn", np.asarray(x, np.float64), w_deq))
     out = linear.quantized_matmul(x, kw, activation="silu", implementation=implementation)
     assert out.shape == (rows, n // 2) and out.dtype == jnp.bfloat16
@@ -166,19 +164,21 @@ def test_gated_linear(rng, implementation, layout, rows, n, k, group):
     helpers.assert_close(out32, ref, jnp.float32, f"{implementation} gated linear, f32 out")
 
 
-def gated_weights_in_bf16(implementation, w, rows) -> bool:
-    """Whether a gated linear multiplies weights rounded to bf16: xla and the Pallas GEMM
-    dequantize to the activations' dtype; the Mosaic GPU GEMM where its plan runs bf16_weights
-    on grouped weights (else f32 sums per group, or per-channel sums scaled at the end)."""
+def weights_multiplied(implementation, w, kw, rows) -> np.ndarray:
+    """float64 weights a gated linear multiplies (w converted to kw, its kernel layout): xla and
+    the Pallas GEMM dequantize to the activations' dtype (bf16); the Mosaic GPU GEMM those of
+    its bf16_weights path where its plan runs it (helpers.bf16_weights_of), else the exact ones
+    (f32 sums per group, or per-channel sums scaled at the end)."""
     if implementation != MGPU:
-        return True
+        return helpers.bf16_rounded(helpers.numpy_dequantize(w))
     from pallas_kernels.mosaic_gpu.config import gemm_plan
     from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
 
-    cfg = linear_config(GemmShape.of_weights(w, m=rows))
+    cfg = linear_config(GemmShape.of_weights(kw, m=rows))
     blocks = -(-rows // cfg.block_m)
-    bf16_weights = gemm_plan(cfg, w, blocks, activation_dtype=jnp.bfloat16)[3]["bf16_weights"]
-    return bf16_weights and w.group < w.shape[2]
+    if gemm_plan(cfg, kw, blocks, activation_dtype=jnp.bfloat16)[3]["bf16_weights"]:
+        return helpers.bf16_weights_of(w)
+    return helpers.numpy_dequantize(w)
 
 
 def test_linear_splits(monkeypatch):
