@@ -3,15 +3,14 @@ DeepSeek-V3's non-expert linear shapes against the copy ceiling of the same run,
 bf16 dense dot a JAX user would otherwise run.
 
 Each row is one shape at one row count M on one implementation, timed as a model step runs its
-layers (benchmark.py's `make_model_step` and `time_step`: calls written out in one jit, each fed
-by the last, steps queued back to back, the marginal time per call; --trace traces the same
-compiled step). Each call reads its own copy of the weight,
-enough copies that they do not fit in L2 together (the weights a decode step reads are read
-once). Implementations: a backend name ("mgpu", "pallas", "xla", their "_interpret" twins;
-weights converted once to the layout it reads, untimed) or "bf16" (the weight dequantized to a
-bf16 [N, K] array once, then a plain dot: twice to four times the bytes). "%copy" is the bytes
-a call reads (weight, scales, zero points, rows) over its time, against the measured copy
-ceiling (HBM read + write).
+layers (benchmark.py's `make_model_step` and `time_step`: calls written out in one jit, each fed by
+the last, steps queued back to back, the marginal time per call; --trace traces the same compiled
+step). Each call reads its own copy of the weight, enough copies that they do not fit in L2 together
+(the weights a decode step reads are read once). Implementations: a backend name ("mgpu", "pallas",
+"xla", their "_interpret" twins; weights converted once to the layout it reads, untimed) or "bf16"
+(the weight dequantized to a bf16 [N, K] array once, then a plain dot: twice to four times the
+bytes). "%copy" is the bytes a call reads (weight, scales, zero points, rows) over its time, against
+the measured copy ceiling (HBM read + write).
 
 --splits times the Mosaic GPU GEMM at given K splits (MgpuConfig.splits on the config it runs
 today). --trace also times each row from a device trace (`jax.profiler`): the step's kernels
