@@ -91,6 +91,29 @@ def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
     return consumers > 0 and tiles_per_program == 1
 
 
+# The scales' dtypes the GEMM reads (the mgpu layouts keep a checkpoint's: bfloat16, float16 as
+# GPTQ stores them, or float32): each group's row is loaded as it is and widened to f32.
+SCALE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Groups smaller than a 64-wide k-tile split it into k-parts of one group each (a wgmma of that
+# many inputs): at least a bf16 wgmma's 16.
+MIN_GROUP = 16
+
+
+def group_reason(group: int, *, int8_rows: bool = False) -> str | None:
+    """Why the GEMM cannot take weights in groups of `group` inputs along K (None when it can):
+    a multiple of the 64-wide k-tile, or (bf16 rows) a divisor of it of at least MIN_GROUP."""
+    if group % TILE == 0:
+        return None
+    if int8_rows:
+        return f"group size {group} is not a multiple of {TILE}, as int8 rows (W8A8) need"
+    if TILE % group or group < MIN_GROUP:
+        return (
+            f"group size {group} neither is a multiple of {TILE} (the k-tile) nor divides it "
+            f"with at least {MIN_GROUP} inputs (a bf16 wgmma's)"
+        )
+    return None
+
+
 # Rows that may fill part of a block (one block: P < this): Mosaic GPU tiles the rows' copies
 # by the block's least width (8 rows, a wgmma's least) and takes a dimension shorter than its
 # tile or a multiple of it; more rows come in whole blocks.
@@ -172,6 +195,13 @@ def check_config(
         raise ValueError(
             f"N={n} must be a multiple of {tile_n} (block_n x consumers, x 2 halves if gated)"
         )
+    if w.scales.dtype not in SCALE_DTYPES:
+        raise NotImplementedError(
+            f"scales must be one of {[str(jnp.dtype(d)) for d in SCALE_DTYPES]}, got "
+            f"{w.scales.dtype}"
+        )
+    if reason := group_reason(w.group, int8_rows=x_rows.dtype == jnp.int8):
+        raise NotImplementedError(reason)
     if block_k % 64 or k % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 64 dividing K={k}")
     if w.group % block_k and block_k % w.group:
@@ -305,11 +335,11 @@ def _thread_words(ref, first: int):
     ]
 
 
-def _register_tile(q_tile, dtype, fill, *, eight_bit: bool, is_signed):
-    """Inside inline Mosaic GPU: a TILE x TILE array of `dtype` in the wgmma A operand's register
-    layout (WGMMA_LAYOUT, or WGMMA_LAYOUT_8BIT for eight_bit), built from the shared-memory tile
-    q_tile by fill(ref, registers): it sets every entry of `registers` (the layout's array of
-    register values) from ref."""
+def _register_tile(q_tile, dtype, fill, *, eight_bit: bool, is_signed, columns: int = TILE):
+    """Inside inline Mosaic GPU: a TILE x columns array of `dtype` in the wgmma A operand's
+    register layout (WGMMA_LAYOUT, or WGMMA_LAYOUT_8BIT for eight_bit), built from the
+    shared-memory tile q_tile by fill(ref, registers): it sets every entry of `registers` (the
+    layout's array of register values) from ref."""
     import numpy as np
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -319,39 +349,50 @@ def _register_tile(q_tile, dtype, fill, *, eight_bit: bool, is_signed):
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),),
-        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), dtype, layout=pallas_layout),
+        return_type=plgpu.ShapeDtypeStruct((TILE, columns), dtype, layout=pallas_layout),
     )
     def tile(_, ref):
-        registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
+        registers = np.empty(layout.registers_shape((TILE, columns)), dtype=object)
         fill(ref, registers)
         return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=is_signed)
 
     return tile(q_tile)
 
 
-def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
+def _converted_tile(q_tile, bits: int, dtype, interpret: bool, part: int = 0, parts: int = 1):
     """The stored 64x64 tile q_tile (shared memory, in register order: layouts.tile_order(bits))
     in bf16 plus CONVERTED_BIAS[bits], exact: 128 + q for int4, q - 128 for int8 (q the
-    canonical value). Compiled: in the wgmma A operand's register layout (Mosaic GPU's
-    WGMMA_LAYOUT) through inline Mosaic GPU: thread t of the warpgroup loads its int4 16 bytes at
-    16 t, and nibbles s and s + 4 of its word i become the bf16 pair of register 4 i + s; or its
-    int8 16 bytes at 16 t and 16 at 2048 + 16 t (words 0-3 and 4-7), and bytes s and s + 2 of
-    its word i the pair of register 2 i + s. interpret: the same values as a jnp array (the
+    canonical value); with parts > 1 only its columns (inputs) of k-part `part` of `parts`
+    equal ones, [64, 64 / parts] (a group of 64 / parts inputs). Compiled: in the wgmma A
+    operand's register layout (Mosaic GPU's WGMMA_LAYOUT) through inline Mosaic GPU: thread t
+    of the warpgroup loads its int4 16 bytes at 16 t, and nibbles s and s + 4 of its word i
+    become the bf16 pair of register 4 i + s; or its int8 16 bytes at 16 t and 16 at
+    2048 + 16 t (words 0-3 and 4-7), and bytes s and s + 2 of its word i the pair of register
+    2 i + s. Register r holds columns of column tile r // 2 (8 inputs each): a k-part takes
+    the registers of its column tiles. interpret: the same values as a jnp array (the
     interpreter's wgmma takes A from shared memory only)."""
+    width = TILE // parts
     if interpret:
         q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
-        return layouts.from_tile_order(q, bits).astype(dtype) + CONVERTED_BIAS[bits]
+        q = layouts.from_tile_order(q, bits)[:, part * width : (part + 1) * width]
+        return q.astype(dtype) + CONVERTED_BIAS[bits]
 
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+    part_tiles = TILE // 8 // parts  # column tiles of 8 inputs per k-part
+
     def fill(ref, registers):
         i32 = ir.IntegerType.get_signless(32)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
 
+        def ours(register: int) -> bool:
+            return register // 2 // part_tiles == part
+
         def place(register: int, value):
             ct, rh = divmod(register, 2)  # register (column tile, row half)
+            ct -= part * part_tiles
             registers[0, ct, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(value, pair)
 
         def shifted(word, by: int):
@@ -361,14 +402,22 @@ def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
             asm = f"lop3.b32 $0, $1, 0x000F000F, {_BF16_128_XOR_8:#x}, {_AND_XOR:#x};"
             for i, word in enumerate(_thread_words(ref, 0)):
                 for s in range(4):
-                    place(4 * i + s, llvm.inline_asm(i32, [shifted(word, 4 * s)], asm, "=r,r"))
+                    if ours(4 * i + s):
+                        value = llvm.inline_asm(i32, [shifted(word, 4 * s)], asm, "=r,r")
+                        place(4 * i + s, value)
         else:  # bytes s and s + 2 of word i (0-3 at 16 t, 4-7 at 2048 + 16 t): register 2 i + s
-            for i, word in enumerate(_thread_words(ref, 0) + _thread_words(ref, TILE * TILE // 2)):
-                for s in range(2):
-                    value = llvm.inline_asm(i32, [shifted(word, 8 * s)], _INT8_PAIR, "=r,r")
-                    place(2 * i + s, value)
+            halves = {h for h in range(2) if any(ours(2 * (4 * h + i)) for i in range(4))}
+            words = {h: _thread_words(ref, h * TILE * TILE // 2) for h in sorted(halves)}
+            for h, half_words in words.items():
+                for i, word in enumerate(half_words, start=4 * h):
+                    for s in range(2):
+                        if ours(2 * i + s):
+                            value = llvm.inline_asm(i32, [shifted(word, 8 * s)], _INT8_PAIR, "=r,r")
+                            place(2 * i + s, value)
 
-    return _register_tile(q_tile, jnp.bfloat16, fill, eight_bit=False, is_signed=None)
+    return _register_tile(
+        q_tile, jnp.bfloat16, fill, eight_bit=False, is_signed=None, columns=TILE // parts
+    )
 
 
 # W8A8: the int8 wgmma's A operand (WGMMA_LAYOUT_8BIT) holds, in register (16-column tile c16,
@@ -584,7 +633,12 @@ def mgpu_wna16_gemm(
     # A k-step spans part of one group (steps_per_group of them) or several whole groups.
     steps_per_group = max(w.group // bk, 1)
     groups_per_step = max(bk // w.group, 1)
-    tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
+    # A k-part: the inputs of a weight tile one wgmma takes, the whole 64-wide tile or, for
+    # groups of fewer inputs (32: Kimi-K2's), one group's columns of it (its own scale and zero
+    # point), `parts` per tile.
+    part_k = min(TILE, w.group)
+    parts = TILE // part_k
+    parts_per_group = min(w.group, bk) // part_k  # a group's k-parts in a k-step
     has_offset = w.zeros is not None
     bias = CONVERTED_BIAS[w.bits]
     tile_rows = rows_per_tile(w.bits)  # a weight tile's TMA rows
@@ -674,29 +728,43 @@ def mgpu_wna16_gemm(
                 gates, ups = accs[:subs], accs[subs:]
                 return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
 
-            def dequantized_tile(q_smem, offset, s, j, scale=None):
+            def dequantized_tile(q_smem, offset, s, m, scale=None):
                 with region("convert"):
-                    return dequantized(q_smem, offset, s, j, scale)
+                    return dequantized(q_smem, offset, s, m, scale)
 
-            def dequantized(q_smem, offset, s, j, scale):
-                # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: the converted tile
-                # (the stored value plus CONVERTED_BIAS) less offset, the bias less the zeros of
-                # the tile's features: q - z, a small integer, exact in bf16.
+            def dequantized(q_smem, offset, s, m, scale):
+                # Sub-tile s's m-th k-part of the k-step in bf16 (of its 64x64 weight tile
+                # m // parts): the converted part (the stored value plus CONVERTED_BIAS) less
+                # offset, the bias less the zeros of the part's features: q - z, a small integer,
+                # exact in bf16.
+                j, part = divmod(m, parts)
                 q_tile = q_smem.at[sub_tile(s), pl.ds(j * tile_rows, tile_rows)]
                 if w8a8:  # the stored signed bytes are the weights
                     wt = _int8_operand_tile(q_tile, interpret)
                 else:
-                    wt = _converted_tile(q_tile, w.bits, dtype, interpret)
+                    wt = _converted_tile(q_tile, w.bits, dtype, interpret, part, parts)
                 if offset is not None:
                     wt = wt - lax.broadcast_in_dim(offset, wt.shape, [0])
                 elif bias:  # symmetric int4 in the interpreter: the constant
                     wt = wt - bias
                 if scale is not None:  # bf16_weights: (q - z) * s, rounded once
-                    wt = wt * lax.broadcast_in_dim(scale.astype(dtype), wt.shape, [0])
+                    wt = rounded_weights(wt, scale)
                 if interpret:
-                    a_smem.at[wg, s, j][...] = wt
-                    return a_smem.at[wg, s, j]
+                    a_smem.at[wg, s, m][...] = wt
+                    return a_smem.at[wg, s, m]
                 return wt
+
+            def rounded_weights(wt, scale):
+                # (q - z) * s rounded to bf16 once: bf16 scales multiply in bf16 (the exact
+                # product, rounded); float16 / float32 scales in f32 (exact for float16: an
+                # integer of at most 8 bits times 11 significant bits), then rounded to bf16.
+                if scale.dtype == dtype:
+                    return wt * lax.broadcast_in_dim(scale, wt.shape, [0])
+                scale = lax.broadcast_in_dim(scale.astype(jnp.float32), wt.shape, [0])
+                return (wt.astype(jnp.float32) * scale).astype(dtype)
+
+            def x_part(x_smem, m):  # the rows' inputs of k-part m of the step, K-major
+                return x_smem.at[:, pl.ds(m * part_k, part_k)].T
 
             def group_offset(s_refs, z_refs, g, h, s, scale=None):
                 # What the conversion subtracts from sub-tile s's features in group g, once per
@@ -705,14 +773,16 @@ def mgpu_wna16_gemm(
                 # 136 (exact for finite scales), computed as a zero point's offset is (see
                 # SYMMETRIC_OFFSET; scale: the group's row where already loaded); None where
                 # the bias is subtracted as a constant (symmetric: int8's 0, int4's in the
-                # interpreter).
+                # interpreter). In the weights' dtype (exact: small integers), whatever the
+                # scales' (and zero points') dtype.
                 if z_refs:
-                    return bias - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                    z = plgpu.load(z_refs[h].at[g, features(s)], layout=row)
+                    return (bias - z).astype(dtype)
                 if interpret or not bias:
                     return None
                 if scale is None:
                     scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
-                return SYMMETRIC_OFFSET - 0 * scale
+                return (SYMMETRIC_OFFSET - 0 * scale).astype(dtype)
 
             def zero_acc():  # f32 [64 features, rows] accumulators: per half, per sub-tile
                 return tuple(
@@ -734,12 +804,12 @@ def mgpu_wna16_gemm(
                 ]
 
                 def issue(part_ref, g, h, s):
-                    k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
+                    k_parts = range(g * parts_per_group, (g + 1) * parts_per_group)
                     offset = group_offset(s_refs, z_refs, g, h, s)
-                    wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
+                    wts = [dequantized_tile(q_refs[h], offset, s, m) for m in k_parts]
                     with region("wgmma"):
-                        for j, wt in zip(k_tiles, wts, strict=True):
-                            plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
+                        for m, wt in zip(k_parts, wts, strict=True):
+                            plgpu.wgmma(part_ref, wt, x_part(x_smem, m))
 
                 def add_scaled(accs, part_ref, g, h, s, in_flight):
                     # wait until at most in_flight wgmmas (the next unit's) are running
@@ -760,7 +830,7 @@ def mgpu_wna16_gemm(
                     for u, part_ref in enumerate(part_refs):
                         issue(part_ref, *units[u])
                         if u:
-                            out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
+                            out = add_scaled(out, part_refs[u - 1], *units[u - 1], parts_per_group)
                     return add_scaled(out, part_refs[-1], *units[-1], 0)
 
                 return pl.run_scoped(unit_products, *[plgpu.ACC((TILE, rows), sums) for _ in units])
@@ -784,14 +854,10 @@ def mgpu_wna16_gemm(
                             if not carried:
                                 scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
                             offset = group_offset(s_refs, z_refs, g, h, s, scale)
-                            for j in range(g * tiles_per_part, (g + 1) * tiles_per_part):
-                                wt = dequantized_tile(q_refs[h], offset, s, j, scale)
+                            for m in range(g * parts_per_group, (g + 1) * parts_per_group):
+                                wt = dequantized_tile(q_refs[h], offset, s, m, scale)
                                 with region("wgmma"):
-                                    plgpu.wgmma(
-                                        acc_refs[h * subs + s],
-                                        wt,
-                                        x_smem.at[:, pl.ds(j * TILE, TILE)].T,
-                                    )
+                                    plgpu.wgmma(acc_refs[h * subs + s], wt, x_part(x_smem, m))
                 with region("wait"):
                     plgpu.wgmma_wait(0)
                 return acc_refs
@@ -852,9 +918,9 @@ def mgpu_wna16_gemm(
                 plgpu.BlockSpec(
                     (rows, bk),
                     row_tile,
-                    # swizzled as a 64-wide k-tile is (the wgmma's slices): 128 bytes of bf16,
-                    # 64 of int8
-                    transforms=_swizzled((rows, TILE), dtype, "x"),
+                    # swizzled as a k-part is (the wgmma's slices): a 64-wide k-tile's 128 bytes
+                    # of bf16, 64 of int8; a 32-wide group's 64 bytes of bf16
+                    transforms=_swizzled((rows, part_k), dtype, "x"),
                 ),
                 *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
             ]
@@ -976,13 +1042,13 @@ def mgpu_wna16_gemm(
     out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
     scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
     if interpret:
-        scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
+        scratch.append(plgpu.SMEM((wgs, subs, bk // part_k, TILE, part_k), dtype))
     threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
     profile = {}
     if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
         # a scale per group (twice that, to spare); per tile the store and its parts (two per
         # copy), and the program
-        regions = halves * subs * (bk // TILE + 3 * groups_per_step)
+        regions = halves * subs * (bk // part_k + 3 * groups_per_step)
         copies = subs * (bm // buffer_rows)
         profile = dict(
             profile_space=2 * regions * steps + tiles * (2 * copies + 4) + 8,
