@@ -1,0 +1,374 @@
+"""Tokenizers of every model family: a Hugging Face tokenizer.json through `tokenizers`, a
+tiktoken.model (Kimi-K2) through `tiktoken`, or a byte-level fallback; chat templates from
+chat_template.jinja or tokenizer_config.json."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+
+def _read_json(path: str | os.PathLike) -> dict:
+    """models.deepseek_v3's read_json (the JSON object in `path`, errors naming the file),
+    imported when called: models.deepseek_v3 imports this module."""
+    from models.deepseek_v3.config import read_json
+
+    return read_json(path)
+
+
+class Tokenizer(Protocol):
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """Bytes as ids: id = byte + offset; ids below the offset are special (pad, bos, eos).
+
+    Needs vocab_size >= 256 + offset; decoding skips ids that are not bytes.
+    """
+
+    def __init__(
+        self, *, offset: int = 3, pad_id: int = 0, bos_id: int | None = 1, eos_id: int | None = 2
+    ):
+        self.offset = offset
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = [b + self.offset for b in text.encode("utf-8")]
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def decode(self, ids) -> str:
+        data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.offset + 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A tokenizer.json read with the `tokenizers` library (no transformers needed)."""
+
+    def __init__(
+        self, path: str, *, bos_id: int | None, eos_id: int | None, pad_id: int | None = None
+    ):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tok = _Tokenizer.from_file(path)
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + list(ids)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TIKTOKEN_FILE = "tiktoken.model"
+# Kimi's pre-tokenizer (tokenization_kimi.py's pat_str), the regex every tiktoken.model here is
+# read with: a run of Han characters alone; a word (capitals then lower case, or capitals
+# alone; other letters, Han aside) with its English contraction; up to three digits;
+# punctuation with its newlines; newlines; whitespace. "&&" is class intersection in tiktoken's
+# (Rust) regex.
+KIMI_PATTERN = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+# Kimi's special tokens follow the ranks: ids n .. n + 255 for n ranks, each named by
+# tokenizer_config.json's added_tokens_decoder or else <|reserved_token_{id}|>.
+RESERVED_SPECIAL_TOKENS = 256
+
+
+def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """The ranks of a tiktoken.model: a line per token, its bytes in base64 and its rank (the
+    format of tiktoken.load.load_tiktoken_bpe, which is not used because it keeps a copy of each
+    file it reads in a temporary directory under a key of the path, and reads a rewritten file
+    stale).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line is not a base64 token and a rank (the file and line named), or the
+            ranks are not 0 .. n-1, each once.
+    """
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except (ValueError, binascii.Error):
+                raise ValueError(
+                    f"{path}, line {number}: {line[:80]!r} is not a base64 token and a rank"
+                ) from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(
+            f"{path}: its {len(ranks)} tokens do not have the ranks 0 .. {len(ranks) - 1}, "
+            f"each once"
+        )
+    return ranks
+
+
+def kimi_special_tokens(
+    added_tokens: dict, num_ranks: int, *, file: str = TOKENIZER_CONFIG_FILE
+) -> dict[str, int]:
+    """The special tokens of a tiktoken.model of `num_ranks` ranks as Kimi numbers them
+    (RESERVED_SPECIAL_TOKENS): text -> id.
+
+    Args:
+        added_tokens: tokenizer_config.json's added_tokens_decoder ({"163584": {"content":
+            "[BOS]", "special": true, ...}, ...}).
+        num_ranks: the number of ranks; the first special token's id.
+        file: the file `added_tokens` came from, named in errors.
+
+    Raises:
+        ValueError: an entry's id is not an integer of at least `num_ranks`, or it has no
+            content text.
+    """
+    named: dict[int, str] = {}
+    for key, token in added_tokens.items():
+        text = _token_text(token)
+        if not str(key).isdigit() or int(key) < num_ranks or text is None:
+            raise ValueError(
+                f"{file}: added_tokens_decoder[{key!r}] = {token!r} is not a token with an id "
+                f">= {num_ranks} (the number of ranks) and a content text"
+            )
+        named[int(key)] = text
+    end = max([num_ranks + RESERVED_SPECIAL_TOKENS, *(i + 1 for i in named)])
+    return {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(num_ranks, end)}
+
+
+class TiktokenTokenizer:
+    """A tiktoken.model (Kimi-K2, K2-Thinking, K2.5) through the `tiktoken` library: its `ranks`
+    (read_tiktoken_ranks), the pre-tokenizer regex `pattern` and `special_tokens` (text -> id,
+    above the ranks; kimi_special_tokens).
+
+    Special tokens written in the text encode as their ids, as Kimi's own tokenizer encodes
+    them; decoding skips special tokens but those in `text_tokens` (tokenizer_config.json's
+    added tokens marked "special": false), and ids the tokenizer does not have.
+    """
+
+    def __init__(
+        self,
+        ranks: dict[bytes, int],
+        *,
+        special_tokens: dict[str, int],
+        bos_id: int | None,
+        eos_id: int | None,
+        pad_id: int | None = None,
+        pattern: str = KIMI_PATTERN,
+        text_tokens: Sequence[str] = (),
+        name: str = TIKTOKEN_FILE,
+    ):
+        import tiktoken
+
+        self.num_ranks = len(ranks)
+        self.special_tokens = dict(special_tokens)
+        self._enc = tiktoken.Encoding(
+            name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.special_tokens
+        )
+        self._text_ids = frozenset(self.special_tokens[t] for t in text_tokens)
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = self._enc.encode(text, allowed_special="all")
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        return self._enc.decode([i for i in ids if 0 <= i < self.num_ranks or i in self._text_ids])
+
+
+def _tiktoken_tokenizer(
+    path: str, *, bos: int | None, eos: int | None, pad: int | None
+) -> TiktokenTokenizer:
+    """The tiktoken.model of the directory `path` with tokenizer_config.json's special tokens;
+    bos/eos/pad not given are its bos_token / eos_token / pad_token."""
+    config_file = os.path.join(path, TOKENIZER_CONFIG_FILE)
+    config = _read_json(config_file) if os.path.exists(config_file) else {}
+    added = config.get("added_tokens_decoder") or {}
+    ranks = read_tiktoken_ranks(os.path.join(path, TIKTOKEN_FILE))
+    specials = kimi_special_tokens(added, len(ranks), file=config_file)
+    text_tokens = [
+        _token_text(t) for t in added.values() if isinstance(t, dict) and t.get("special") is False
+    ]
+
+    def named(key: str, given: int | None) -> int | None:
+        return given if given is not None else specials.get(_token_text(config.get(key)))
+
+    return TiktokenTokenizer(
+        ranks,
+        special_tokens=specials,
+        bos_id=named("bos_token", bos),
+        eos_id=named("eos_token", eos),
+        pad_id=named("pad_token", pad),
+        text_tokens=text_tokens,
+    )
+
+
+logger = logging.getLogger("models")
+
+
+def load_tokenizer(path: str | os.PathLike | None = None, *, cfg=None) -> Tokenizer:
+    """The tokenizer of an HF directory: its tokenizer.json, else its tiktoken.model (Kimi-K2)
+    with tokenizer_config.json's special tokens, else the byte-level fallback (with a warning
+    when `path` is a directory: a real checkpoint's text would be wrong; path None is a random
+    model's tokenizer).
+
+    bos/eos/pad ids come from `cfg` (a DeepseekV3Config) when given, else config.json; a
+    tiktoken.model's, where neither names them, from tokenizer_config.json's bos_token, ...
+    """
+    bos = eos = pad = None
+    if cfg is not None:
+        bos, pad = cfg.bos_token_id, cfg.pad_token_id
+        eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
+    elif path is not None and os.path.exists(os.path.join(path, "config.json")):
+        hf = _read_json(os.path.join(path, "config.json"))
+        bos, pad = hf.get("bos_token_id"), hf.get("pad_token_id")
+        eos = hf.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+    if path is not None and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return HFTokenizer(os.path.join(path, "tokenizer.json"), bos_id=bos, eos_id=eos, pad_id=pad)
+    if path is not None and os.path.exists(os.path.join(path, TIKTOKEN_FILE)):
+        return _tiktoken_tokenizer(os.fspath(path), bos=bos, eos=eos, pad=pad)
+    if path is not None:
+        logger.warning(
+            "%s has no tokenizer.json: using the byte-level fallback tokenizer (it has no "
+            "%s either), whose ids are not the model's vocabulary (the text in and out will "
+            "be wrong)",
+            path,
+            TIKTOKEN_FILE,
+        )
+    return ByteTokenizer(
+        pad_id=pad if pad is not None else 0,
+        bos_id=bos if bos is not None else 1,
+        eos_id=eos if eos is not None else 2,
+    )
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The special tokens a chat template may name, passed to it as text.
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """A checkpoint's chat template (Jinja) and the special tokens it may name (bos_token,
+    eos_token, ... as text)."""
+
+    path: str  # the chat_template.jinja or tokenizer_config.json it came from
+    template: str
+    special_tokens: dict[str, str]
+
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{"role": "user", "content": "..."}, ...]), as
+        transformers' apply_chat_template(tokenize=False) renders it: a sandboxed Jinja
+        environment with trim_blocks, lstrip_blocks, loop controls, raise_exception and tojson.
+        Encode the text without a bos token of the tokenizer's own: the template writes it.
+
+        Raises:
+            ImportError: jinja2 is not installed (pip install 'wna16_jax[chat]').
+            ValueError: the template does not compile or raised an error (the file named).
+        """
+        try:
+            import jinja2
+            import jinja2.ext
+            import jinja2.sandbox
+        except ImportError:
+            raise ImportError(
+                f"rendering the chat template of {self.path} needs jinja2: "
+                f"pip install jinja2 (or 'wna16_jax[chat]')"
+            ) from None
+
+        def raise_exception(message):
+            raise jinja2.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(
+                x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                sort_keys=sort_keys,
+            )  # fmt: skip
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.template).render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as err:
+            raise ValueError(f"the chat_template of {self.path} failed: {err}") from None
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: text, or an AddedToken object
+    ({"content": text, ...})."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
+    """The chat template of a checkpoint directory: its chat_template.jinja, else its
+    tokenizer_config.json's chat_template (a Jinja string, or a list of {"name", "template"} of
+    which "default" is taken). The .jinja file wins where both are, as in transformers (a
+    template file takes priority over the config's entry); the special tokens come from
+    tokenizer_config.json either way, where there is one.
+
+    Raises:
+        FileNotFoundError: the directory has neither file (named).
+        ValueError: tokenizer_config.json is not a JSON object, or neither file holds a template
+            (the file named).
+    """
+    config_file = os.path.join(os.fspath(path), TOKENIZER_CONFIG_FILE)
+    jinja_file = os.path.join(os.fspath(path), CHAT_TEMPLATE_FILE)
+    has_config, has_jinja = os.path.exists(config_file), os.path.exists(jinja_file)
+    if not has_config and not has_jinja:
+        raise FileNotFoundError(
+            f"{config_file} does not exist, nor {CHAT_TEMPLATE_FILE} beside it: no chat template "
+            f"to apply"
+        )
+    hf = _read_json(config_file) if has_config else {}
+    tokens = {k: text for k in _SPECIAL_TOKENS if (text := _token_text(hf.get(k))) is not None}
+    if has_jinja:
+        with open(jinja_file, encoding="utf-8") as f:
+            template = f.read()
+        if not template:
+            raise ValueError(f"{jinja_file} is empty: no chat template to apply")
+        return ChatTemplate(path=jinja_file, template=template, special_tokens=tokens)
+    template = hf.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template:
+        raise ValueError(
+            f"{config_file} has no chat_template (a Jinja string), nor is there a "
+            f"{CHAT_TEMPLATE_FILE} beside it: no chat template to apply"
+        )
+    return ChatTemplate(path=config_file, template=template, special_tokens=tokens)
