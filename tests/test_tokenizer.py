@@ -12,13 +12,8 @@ import shutil
 
 import pytest
 
-from models.common.tokenizer import (
-    KIMI_PATTERN,
-    TiktokenTokenizer,
-    load_chat_template,
-    load_tokenizer,
-    read_tiktoken_ranks,
-)
+from models.common.tiktoken_tokenizer import KIMI_PATTERN, TiktokenTokenizer, read_tiktoken_ranks
+from models.common.tokenizer import load_chat_template, load_tokenizer
 
 tiktoken = pytest.importorskip("tiktoken", reason="tiktoken.model tokenizers need tiktoken")
 
@@ -148,12 +143,16 @@ def test_malformed_tiktoken_model_names_the_file(tmp_path, lines, match):
     assert str(path) in str(err.value)
 
 
-def test_added_token_among_the_ranks_is_refused(tmp_path):
+def test_malformed_added_tokens_name_the_file(tmp_path):
     shutil.copytree(KIMI, tmp_path, dirs_exist_ok=True)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["added_tokens_decoder"]["7"] = {"content": "<|clash|>", "special": True}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"added_tokens_decoder\['7'\] .* is not a token with"):
+    with pytest.raises(ValueError, match=r"added_tokens_decoder names ids \[7\] below 556"):
+        load_tokenizer(tmp_path)
+    config["added_tokens_decoder"]["7"] = {"special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"added_tokens_decoder\['7'\] .* is not an id and a"):
         load_tokenizer(tmp_path)
 
 

@@ -4,14 +4,19 @@ chat_template.jinja or tokenizer_config.json."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import json
 import logging
 import os
 from collections.abc import Sequence
 from typing import Protocol
+
+from models.common.tiktoken_tokenizer import (
+    TIKTOKEN_FILE,
+    TiktokenTokenizer,
+    kimi_special_tokens,
+    read_tiktoken_ranks,
+)
 
 
 def _read_json(path: str | os.PathLike) -> dict:
@@ -74,131 +79,6 @@ class HFTokenizer:
 
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-TIKTOKEN_FILE = "tiktoken.model"
-# Kimi's pre-tokenizer (tokenization_kimi.py's pat_str), the regex every tiktoken.model here is
-# read with: a run of Han characters alone; a word (capitals then lower case, or capitals
-# alone; other letters, Han aside) with its English contraction; up to three digits;
-# punctuation with its newlines; newlines; whitespace. "&&" is class intersection in tiktoken's
-# (Rust) regex.
-KIMI_PATTERN = "|".join(
-    [
-        r"[\p{Han}]+",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
-        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-        r"\p{N}{1,3}",
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-        r"\s*[\r\n]+",
-        r"\s+(?!\S)",
-        r"\s+",
-    ]
-)
-# Kimi's special tokens follow the ranks: ids n .. n + 255 for n ranks, each named by
-# tokenizer_config.json's added_tokens_decoder or else <|reserved_token_{id}|>.
-RESERVED_SPECIAL_TOKENS = 256
-
-
-def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
-    """The ranks of a tiktoken.model: a line per token, its bytes in base64 and its rank (the
-    format of tiktoken.load.load_tiktoken_bpe, which is not used because it keeps a copy of each
-    file it reads in a temporary directory under a key of the path, and reads a rewritten file
-    stale).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: a line is not a base64 token and a rank (the file and line named), or the
-            ranks are not 0 .. n-1, each once.
-    """
-    ranks: dict[bytes, int] = {}
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
-            except (ValueError, binascii.Error):
-                raise ValueError(
-                    f"{path}, line {number}: {line[:80]!r} is not a base64 token and a rank"
-                ) from None
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(
-            f"{path}: its {len(ranks)} tokens do not have the ranks 0 .. {len(ranks) - 1}, "
-            f"each once"
-        )
-    return ranks
-
-
-def kimi_special_tokens(
-    added_tokens: dict, num_ranks: int, *, file: str = TOKENIZER_CONFIG_FILE
-) -> dict[str, int]:
-    """The special tokens of a tiktoken.model of `num_ranks` ranks as Kimi numbers them
-    (RESERVED_SPECIAL_TOKENS): text -> id.
-
-    Args:
-        added_tokens: tokenizer_config.json's added_tokens_decoder ({"163584": {"content":
-            "[BOS]", "special": true, ...}, ...}).
-        num_ranks: the number of ranks; the first special token's id.
-        file: the file `added_tokens` came from, named in errors.
-
-    Raises:
-        ValueError: an entry's id is not an integer of at least `num_ranks`, or it has no
-            content text.
-    """
-    named: dict[int, str] = {}
-    for key, token in added_tokens.items():
-        text = _token_text(token)
-        if not str(key).isdigit() or int(key) < num_ranks or text is None:
-            raise ValueError(
-                f"{file}: added_tokens_decoder[{key!r}] = {token!r} is not a token with an id "
-                f">= {num_ranks} (the number of ranks) and a content text"
-            )
-        named[int(key)] = text
-    end = max([num_ranks + RESERVED_SPECIAL_TOKENS, *(i + 1 for i in named)])
-    return {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(num_ranks, end)}
-
-
-class TiktokenTokenizer:
-    """A tiktoken.model (Kimi-K2, K2-Thinking, K2.5) through the `tiktoken` library: its `ranks`
-    (read_tiktoken_ranks), the pre-tokenizer regex `pattern` and `special_tokens` (text -> id,
-    above the ranks; kimi_special_tokens).
-
-    Special tokens written in the text encode as their ids, as Kimi's own tokenizer encodes
-    them; decoding skips special tokens but those in `text_tokens` (tokenizer_config.json's
-    added tokens marked "special": false), and ids the tokenizer does not have.
-    """
-
-    def __init__(
-        self,
-        ranks: dict[bytes, int],
-        *,
-        special_tokens: dict[str, int],
-        bos_id: int | None,
-        eos_id: int | None,
-        pad_id: int | None = None,
-        pattern: str = KIMI_PATTERN,
-        text_tokens: Sequence[str] = (),
-        name: str = TIKTOKEN_FILE,
-    ):
-        import tiktoken
-
-        self.num_ranks = len(ranks)
-        self.special_tokens = dict(special_tokens)
-        self._enc = tiktoken.Encoding(
-            name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.special_tokens
-        )
-        self._text_ids = frozenset(self.special_tokens[t] for t in text_tokens)
-        self.bos_id, self.eos_id = bos_id, eos_id
-        self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
-
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
-        ids = self._enc.encode(text, allowed_special="all")
-        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
-
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        return self._enc.decode([i for i in ids if 0 <= i < self.num_ranks or i in self._text_ids])
 
 
 def _tiktoken_tokenizer(
@@ -209,21 +89,29 @@ def _tiktoken_tokenizer(
     config_file = os.path.join(path, TOKENIZER_CONFIG_FILE)
     config = _read_json(config_file) if os.path.exists(config_file) else {}
     added = config.get("added_tokens_decoder") or {}
+    names = {}
+    for key, token in added.items():
+        if not str(key).isdigit() or (text := _token_text(token)) is None:
+            raise ValueError(
+                f"{config_file}: added_tokens_decoder[{key!r}] = {token!r} is not an id and a "
+                f"token with a content text"
+            )
+        names[int(key)] = text
     ranks = read_tiktoken_ranks(os.path.join(path, TIKTOKEN_FILE))
-    specials = kimi_special_tokens(added, len(ranks), file=config_file)
+    specials = kimi_special_tokens(names, len(ranks), file=config_file)
     text_tokens = [
         _token_text(t) for t in added.values() if isinstance(t, dict) and t.get("special") is False
     ]
 
-    def named(key: str, given: int | None) -> int | None:
+    def token_id(key: str, given: int | None) -> int | None:
         return given if given is not None else specials.get(_token_text(config.get(key)))
 
     return TiktokenTokenizer(
         ranks,
         special_tokens=specials,
-        bos_id=named("bos_token", bos),
-        eos_id=named("eos_token", eos),
-        pad_id=named("pad_token", pad),
+        bos_id=token_id("bos_token", bos),
+        eos_id=token_id("eos_token", eos),
+        pad_id=token_id("pad_token", pad),
         text_tokens=text_tokens,
     )
 
