@@ -367,6 +367,8 @@ def generate(
     eos_id: int | Sequence[int] | None = None,
     return_stats: bool = False,
     warmup: bool = False,
+    speculative: str | None = None,
+    num_draft_tokens: int = 1,
 ):
     """Generates `max_new_tokens` tokens for each prompt.
 
@@ -387,6 +389,11 @@ def generate(
         warmup: run the prefill and the decode loop once before the timed runs, so the
             timings exclude first-execution costs (loading the kernels' modules, and on a mesh
             setting up the collectives' communicators); the work is done twice.
+        speculative: None, or "mtp": speculative decoding with the model's MTP layer
+            (`models.deepseek_v3.speculative`): the same tokens when greedy, the same
+            distribution when sampling; the stats a SpeculativeStats (acceptance rate,
+            tokens per step). One device only.
+        num_draft_tokens: k, the chained drafts per step with speculative (1 to 3).
 
     Returns:
         int32 [B, S + max_new_tokens] (prompt columns as given, then the new tokens);
@@ -398,10 +405,15 @@ def generate(
         ValueError: an id outside [0, vocab_size) (negative ones and ones beyond int32
             included), an empty prompt, a malformed attention_mask, max_new_tokens < 1, a
             negative or non-finite temperature, top_p outside (0, 1], a pad or eos id outside
-            the vocabulary.
+            the vocabulary; speculative decoding the model cannot run (no MTP layer, a
+            sharded model, num_draft_tokens outside [1, 3]).
     """
     cfg = model.cfg
     _check_sampling(max_new_tokens, temperature, top_p)
+    if speculative is not None:
+        from models.deepseek_v3 import speculative as spec  # it builds on this module
+
+        spec.check_speculative(model, speculative, num_draft_tokens)
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     if eos_id is None:
@@ -428,6 +440,22 @@ def generate(
     padded[:, s_b - s :] = tokens
     pmask = np.zeros((b, s_b), bool)
     pmask[:, s_b - s :] = mask
+    if speculative is not None:
+        return spec.generate_speculative(
+            model,
+            tokens,
+            padded,
+            pmask,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            eos_ids=eos_ids,
+            fill_id=fill_id,
+            num_draft_tokens=num_draft_tokens,
+            return_stats=return_stats,
+            warmup=warmup,
+        )
 
     graphdef, state = nnx.split(model)
     ms = model.sharding
