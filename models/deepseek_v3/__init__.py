@@ -1,6 +1,6 @@
 """DeepSeek-V3 (and V2 / V2-Lite) in Flax NNX with WNA16 (int4/int8) quantized experts."""
 
-from models.deepseek_v3 import sharding
+from models.deepseek_v3 import sharding, speculative
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, YarnScaling
 from models.deepseek_v3.generate import (
     GenerateStats,
@@ -41,4 +41,5 @@ __all__ = [
     "save_pretrained",
     "shard_model",
     "sharding",
+    "speculative",
 ]

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,11 @@ from models.deepseek_v3.config import read_json
 logger = logging.getLogger("models.deepseek_v3")
 
 MIN_BUCKET = 16
+
+# generate(speculative=name)'s decoders: name -> fn(model, tokens, padded, pmask, **generate's
+# settings) that checks the model can run it, then prefills and decodes. The modules that build
+# on this one register theirs ("mtp": models.deepseek_v3.speculative, imported by the package).
+SPECULATIVE_DECODERS: dict[str, Callable] = {}
 
 
 def bucket(n: int) -> int:
@@ -410,10 +415,10 @@ def generate(
     """
     cfg = model.cfg
     _check_sampling(max_new_tokens, temperature, top_p)
-    if speculative is not None:
-        from models.deepseek_v3 import speculative as spec  # it builds on this module
-
-        spec.check_speculative(model, speculative, num_draft_tokens)
+    if speculative is not None and speculative not in SPECULATIVE_DECODERS:
+        raise ValueError(
+            f"speculative={speculative!r} is not None or one of {sorted(SPECULATIVE_DECODERS)}"
+        )
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     if eos_id is None:
@@ -441,7 +446,7 @@ def generate(
     pmask = np.zeros((b, s_b), bool)
     pmask[:, s_b - s :] = mask
     if speculative is not None:
-        return spec.generate_speculative(
+        return SPECULATIVE_DECODERS[speculative](
             model,
             tokens,
             padded,

@@ -25,11 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.deepseek_v3.generate import GenerateStats, _compiled, bucket, logger
+from models.deepseek_v3.generate import (
+    SPECULATIVE_DECODERS,
+    GenerateStats,
+    _compiled,
+    bucket,
+    logger,
+)
 from models.deepseek_v3.modeling import KVCache
 from models.deepseek_v3.mtp import draft_logits, mtp_decode, mtp_prefill
 
-SPECULATIVE_METHODS = ("mtp",)
 MAX_DRAFT_TOKENS = 3  # the published MTP speed-ups use 1 to 3 chained drafts
 
 
@@ -71,11 +76,9 @@ class SpeculativeStats(GenerateStats):
         )
 
 
-def check_speculative(model, speculative: str, num_draft_tokens: int) -> None:
-    """Raises ValueError (TypeError for a non-int count) where `model` cannot decode with
-    `speculative` and `num_draft_tokens` drafts."""
-    if speculative not in SPECULATIVE_METHODS:
-        raise ValueError(f"speculative={speculative!r} is not None or one of {SPECULATIVE_METHODS}")
+def check_mtp_decoding(model, num_draft_tokens: int) -> None:
+    """Raises ValueError (TypeError for a non-int count) where `model` cannot decode with its
+    MTP layer and `num_draft_tokens` drafts."""
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)):
         raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r}")
     if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -299,7 +302,12 @@ def generate_speculative(
 ):
     """generate()'s speculative path, after its checks and padding: tokens int [B, S] as
     given, padded / pmask [B, S_b] the bucketed prompt. Returns what generate() returns, the
-    stats a SpeculativeStats."""
+    stats a SpeculativeStats.
+
+    Raises:
+        ValueError, TypeError: `check_mtp_decoding`'s, before any device work.
+    """
+    check_mtp_decoding(model, num_draft_tokens)
     b, s = tokens.shape
     s_b = padded.shape[1]
     k = num_draft_tokens
@@ -362,3 +370,6 @@ def generate_speculative(
     logger.info("generate: %s", stats)
     out = jnp.asarray(out, jnp.int32)
     return (out, stats) if return_stats else out
+
+
+SPECULATIVE_DECODERS["mtp"] = generate_speculative
