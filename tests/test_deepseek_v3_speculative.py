@@ -42,39 +42,39 @@ def test_greedy_with_a_random_head_gives_the_plain_tokens(k):
     assert stats.tokens_per_step == pytest.approx(1 + k * stats.acceptance_rate)
 
 
-def rigged_model():
-    """A float model whose layers add nothing to the residual (o_proj, the MLPs' down_proj and
-    the experts' w2 zero): its next token is a function of the current one, f(t) =
-    argmax head(norm(embed(t))). Its MTP layer is rigged to compute the same from the next
-    token: eh_proj [I, 0] passes enorm(embed) (enorm of ones), its layer adds nothing either,
-    and shared_head.norm is the model's norm; the drafts are then the model's own tokens."""
+def rigged_model(scale: float):
+    """A float model whose layers add `scale` times their output to the residual (o_proj, the
+    MLPs' down_proj and the experts' w2 scaled). At 0 its next token is a function of the
+    current one, f(t) = argmax head(norm(embed(t))), and its MTP layer is rigged to compute the
+    same from the next token: eh_proj [I, 0] passes enorm(embed) (enorm of ones), its layer
+    adds nothing either, and shared_head.norm is the model's norm; the drafts are then the
+    model's own tokens. A small scale > 0 makes the model's tokens depend on the context a
+    little: the drafts are then accepted in part, and rows accept different counts."""
     model = nnx.clone(init_random(tiny_config(quant=None, num_nextn_predict_layers=1), seed=3))
     h = model.cfg.hidden_size
 
-    def zero(var):
-        var.set_value(jnp.zeros_like(var.get_value()))
+    def shrink(var):
+        var.set_value(var.get_value() * scale)
 
     for layer in [*model.model.layers, model.mtp]:
-        zero(layer.self_attn.o_proj.weight)
+        shrink(layer.self_attn.o_proj.weight)
         if isinstance(layer.mlp, MLP):
-            zero(layer.mlp.down_proj.weight)
+            shrink(layer.mlp.down_proj.weight)
         else:
-            zero(layer.mlp.experts.w2)
-            zero(layer.mlp.shared_experts.down_proj.weight)
+            shrink(layer.mlp.experts.w2)
+            shrink(layer.mlp.shared_experts.down_proj.weight)
     model.mtp.eh_proj.weight.set_value(jnp.eye(h, 2 * h, dtype=jnp.float32))
     model.mtp.enorm.weight.set_value(jnp.ones((h,), jnp.float32))
     model.mtp.shared_head.norm.weight.set_value(model.model.norm.weight.get_value())
     return model
 
 
-def test_a_head_that_agrees_is_always_accepted():
-    """Every draft accepted: k + 1 = 3 tokens per verify step, 12 tokens after the prefill's
-    in 4 steps (not 12), the tokens those of plain greedy decoding."""
-    model = rigged_model()
-    want = np.asarray(generate(model, PROMPTS, max_new_tokens=13, eos_id=()))
+def _rigged_run(scale: float, prompts):
+    model = rigged_model(scale)
+    want = np.asarray(generate(model, prompts, max_new_tokens=13, eos_id=()))
     got, stats = generate(
         model,
-        PROMPTS,
+        prompts,
         max_new_tokens=13,
         eos_id=(),
         speculative="mtp",
@@ -82,8 +82,25 @@ def test_a_head_that_agrees_is_always_accepted():
         return_stats=True,
     )
     np.testing.assert_array_equal(np.asarray(got), want)
+    return stats
+
+
+def test_a_head_that_agrees_is_always_accepted():
+    """Every draft accepted: k + 1 = 3 tokens per verify step, 12 tokens after the prefill's
+    in 4 steps (not 12), the tokens those of plain greedy decoding."""
+    stats = _rigged_run(0.0, PROMPTS)
     assert stats.acceptance_rate == 1.0 and stats.tokens_per_step == 3.0
     assert (stats.verify_steps, stats.row_steps, stats.accepted) == (4, 8, 16)
+
+
+def test_rows_that_accept_different_counts_keep_the_plain_tokens():
+    """A head that agrees in part (scale 0.004: about a third of the drafts accepted): three
+    rows accept different counts, so each step keeps other slots of each row valid and
+    rows finish at different steps; the tokens are still those of plain greedy decoding."""
+    prompts = [*PROMPTS, [44, 45, 46, 47, 48, 49, 50]]
+    stats = _rigged_run(0.004, prompts)
+    assert 0.1 < stats.acceptance_rate < 0.9, stats.acceptance_rate
+    assert stats.row_steps < 3 * stats.verify_steps  # some row finished before the others
 
 
 def test_sampling_keeps_the_model_distribution():
