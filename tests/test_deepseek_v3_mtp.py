@@ -119,7 +119,8 @@ def test_mtp_layer_round_trips_through_each_format(fmt, tmp_path, rng):
     save_pretrained(model, tmp_path, format=fmt)
     n = model.cfg.num_hidden_layers
     names = load_file(str(tmp_path / "model.safetensors")).keys()
-    assert f"model.layers.{n}.eh_proj.weight" in names
+    for name in ("eh_proj", "embed_tokens", "shared_head.head"):  # the last two: copies
+        assert f"model.layers.{n}.{name}.weight" in names
     assert any(name.startswith(f"model.layers.{n}.mlp.experts.15.down_proj.") for name in names)
     loaded = load_pretrained(tmp_path, dtype=model.cfg.dtype, mtp=True, progress=False)
     assert type(loaded.mtp.self_attn.o_proj) is type(model.mtp.self_attn.o_proj)

@@ -1363,6 +1363,14 @@ def save_pretrained(
                 for _, proj, prefix in entry.expert_names(entry.shape[0]):
                     scale = aq.gemm2_scale if proj == "down_proj" else aq.gemm1_scale
                     put(f"{prefix}.input_scale", np.array([scale], np.float32))
+    if model.mtp is not None and not isinstance(model.lm_head, QuantizedLinear):
+        # The MTP layer's copies of the shared embedding and head, as DeepSeek's checkpoints
+        # hold them (engines that load the layer apart read them; loading here does not).
+        layer = f"model.layers.{cfg.num_hidden_layers}"
+        embed = model.model.embed_tokens.weight.get_value()
+        head = embed if model.lm_head is None else model.lm_head.weight.get_value()
+        put(f"{layer}.embed_tokens.weight", embed, float_dtype)
+        put(f"{layer}.shared_head.head.weight", head, float_dtype)
     keys, float_linears, act_order = set(), [], False
     for name, value in _named_linears(model, cfg):
         if not isinstance(value, wj.QuantizedExperts):
