@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,11 @@ from models.deepseek_v3.config import read_json
 logger = logging.getLogger("models.deepseek_v3")
 
 MIN_BUCKET = 16
+
+# generate(speculative=name)'s decoders: name -> fn(model, tokens, padded, pmask, **generate's
+# settings) that checks the model can run it, then prefills and decodes. The modules that build
+# on this one register theirs ("mtp": models.deepseek_v3.speculative, imported by the package).
+SPECULATIVE_DECODERS: dict[str, Callable] = {}
 
 
 def bucket(n: int) -> int:
@@ -367,6 +372,8 @@ def generate(
     eos_id: int | Sequence[int] | None = None,
     return_stats: bool = False,
     warmup: bool = False,
+    speculative: str | None = None,
+    num_draft_tokens: int = 1,
 ):
     """Generates `max_new_tokens` tokens for each prompt.
 
@@ -387,6 +394,11 @@ def generate(
         warmup: run the prefill and the decode loop once before the timed runs, so the
             timings exclude first-execution costs (loading the kernels' modules, and on a mesh
             setting up the collectives' communicators); the work is done twice.
+        speculative: None, or "mtp": speculative decoding with the model's MTP layer
+            (`models.deepseek_v3.speculative`): the same tokens when greedy, the same
+            distribution when sampling; the stats a SpeculativeStats (acceptance rate,
+            tokens per step). One device only.
+        num_draft_tokens: k, the chained drafts per step with speculative (1 to 3).
 
     Returns:
         int32 [B, S + max_new_tokens] (prompt columns as given, then the new tokens);
@@ -398,10 +410,15 @@ def generate(
         ValueError: an id outside [0, vocab_size) (negative ones and ones beyond int32
             included), an empty prompt, a malformed attention_mask, max_new_tokens < 1, a
             negative or non-finite temperature, top_p outside (0, 1], a pad or eos id outside
-            the vocabulary.
+            the vocabulary; speculative decoding the model cannot run (no MTP layer, a
+            sharded model, num_draft_tokens outside [1, 3]).
     """
     cfg = model.cfg
     _check_sampling(max_new_tokens, temperature, top_p)
+    if speculative is not None and speculative not in SPECULATIVE_DECODERS:
+        raise ValueError(
+            f"speculative={speculative!r} is not None or one of {sorted(SPECULATIVE_DECODERS)}"
+        )
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     if eos_id is None:
@@ -428,6 +445,22 @@ def generate(
     padded[:, s_b - s :] = tokens
     pmask = np.zeros((b, s_b), bool)
     pmask[:, s_b - s :] = mask
+    if speculative is not None:
+        return SPECULATIVE_DECODERS[speculative](
+            model,
+            tokens,
+            padded,
+            pmask,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            eos_ids=eos_ids,
+            fill_id=fill_id,
+            num_draft_tokens=num_draft_tokens,
+            return_stats=return_stats,
+            warmup=warmup,
+        )
 
     graphdef, state = nnx.split(model)
     ms = model.sharding
