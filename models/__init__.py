@@ -15,6 +15,7 @@ import os
 from models import deepseek_v3, qwen_moe
 from models.common.checkpoint import CONFIG_FILE, read_json, resolve_checkpoint
 from models.common.generate import generate
+from models.common.tokenizer import load_tokenizer as _load_tokenizer
 
 # config.json model_type -> the family (a models.<family> package) that runs it.
 MODEL_TYPES = {
@@ -75,11 +76,12 @@ def load_pretrained(
 
 
 def load_tokenizer(path_or_hub_id: str | os.PathLike | None = None, **kwargs):
-    """The tokenizer of a checkpoint (a local directory or a Hub id); None: the byte-level
-    tokenizer of a random model."""
+    """The tokenizer of a checkpoint (a local directory or a Hub id: tokenizer.json, or
+    Kimi-K2's tiktoken.model; models.common.tokenizer); None: the byte-level tokenizer of a
+    random model."""
     if path_or_hub_id is not None:
         path_or_hub_id = resolve_checkpoint(path_or_hub_id)
-    return deepseek_v3.load_tokenizer(path_or_hub_id, **kwargs)
+    return _load_tokenizer(path_or_hub_id, **kwargs)
 
 
 __all__ = [
