@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +137,54 @@ def test_gptq_like_preset_is_int4_g128_symmetric_with_float16_scales():
     assert experts.w13.scales.get_value().dtype == jnp.float16
     q = model.model.layers[0].self_attn.q_proj
     assert isinstance(q, QuantizedLinear) and q.weight.shape == (1, 32 * 128, 2048)
+
+
+# ---- on a mesh: 8 fake CPU devices (this file re-runs itself with them) ----------------------
+
+NUM_DEVICES = 8
+
+
+@pytest.fixture
+def devices8():
+    """The 8 devices, or a skip (the test below then re-runs this file with 8 CPU devices)."""
+    return helpers.require_devices(NUM_DEVICES)
+
+
+def test_rerun_the_mesh_tests_with_8_cpu_devices():
+    print(helpers.run_file_with_cpu_devices(__file__, NUM_DEVICES, "-k", "on_a_mesh")[-2000:])
+
+
+# (family, fixture, mesh): experts over `expert`; heads and the experts' I over `tensor` where
+# the int4 groups of 32 allow it (the twins' I = 32 holds one group: no tensor split).
+MESHES = [
+    ("qwen2_moe", "float", dict(expert=2, tensor=2, data=2)),
+    ("qwen2_moe", "int4", dict(expert=4, data=2)),
+    ("qwen3_moe", "float", dict(expert=2, tensor=2, data=2)),
+    ("qwen3_moe", "int4", dict(expert=4, data=2)),
+    ("kimi_k2", "float", dict(expert=2, tensor=2, data=2)),
+    ("kimi_k2", "int4", dict(expert=4, data=2)),
+]
+
+
+@pytest.mark.parametrize("family,kind,axes", MESHES, ids=lambda v: str(v))
+def test_family_on_a_mesh(devices8, family, kind, axes):
+    """Sharded (experts over `expert`, heads over `tensor`, batch over `data`), each family
+    gives the unsharded model's logits and transformers' greedy tokens."""
+    from models.common.sharding import make_mesh
+
+    model, ref = _load(family, kind)
+    want = np.asarray(model(ref["ids"]))
+    mesh = make_mesh(**axes, devices=devices8)
+    if family == "kimi_k2":
+        models.deepseek_v3.shard_model(model, mesh)
+    else:
+        models.qwen_moe.sharding.shard_model(model, mesh)
+    experts = next(
+        m for _, m in nnx.iter_modules(model) if isinstance(m, (RoutedExperts, FloatExperts))
+    )
+    for leaf in jax.tree.leaves(nnx.state(experts)):  # every device holds a slice of E
+        assert len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
+    np.testing.assert_allclose(np.asarray(model(ref["ids"])), want, rtol=1e-5, atol=1e-5)
+    steps = ref["greedy"].shape[1] - ref["ids"].shape[1]
+    tokens = models.generate(model, ref["ids"], max_new_tokens=steps, eos_id=())
+    np.testing.assert_array_equal(np.asarray(tokens), ref["greedy"])
