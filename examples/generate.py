@@ -377,33 +377,23 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
     """(model, tokenizer, description) for the arguments, placed on `mesh` when given;
     `checkpoint`: the local directory of --model (`checkpoint_dir`)."""
     progress = not args.no_progress
-    if args.model and models.family_of(read_json(os.path.join(
-            checkpoint or checkpoint_dir(args), "config.json"))) != "deepseek_v3":  # fmt: skip
-        if mesh is not None:
-            raise SystemExit("--mesh: sharded loading is for the DeepSeek family's checkpoints")
+    if args.preset:
+        return build_preset(args, mesh)
+    if args.model:
         local = checkpoint or checkpoint_dir(args)
-        model = models.load_pretrained(
-            local,
+        family = models.family_of(read_json(os.path.join(local, "config.json")))
+        kw = dict(
             dtype=args.dtype or "bfloat16",
             implementation=args.implementation,
             quantize=args.quantize,
             progress=progress,
         )
-        return model, load_tokenizer(local, cfg=model.cfg), args.model
-    if args.preset:
-        return build_preset(args, mesh)
-    if args.model:
-        dtype = args.dtype or "bfloat16"
-        local = checkpoint or checkpoint_dir(args)
-        model = load_pretrained(
-            local,
-            dtype=dtype,
-            implementation=args.implementation,
-            quantize=args.quantize,
-            mesh=mesh,
-            moe_mode=args.moe_mode,
-            progress=progress,
-        )
+        if family == "deepseek_v3":  # each tensor placed on the mesh as it is read
+            model = load_pretrained(local, mesh=mesh, moe_mode=args.moe_mode, **kw)
+        else:
+            model = models.load_pretrained(local, **kw)
+            if mesh is not None:
+                qwen_moe.shard_model(model, mesh, moe_mode=args.moe_mode)
         what = args.model
         aq = next((m.activation_quant for m in _quantized_experts(model)), None)
         if aq is not None:  # one scheme in every layer (load_pretrained refuses others)
@@ -446,9 +436,9 @@ def build_preset(args, mesh=None):
         overrides["num_hidden_layers"] = args.layers
     cfg = PRESETS[args.preset](**overrides)
     if isinstance(cfg, QwenMoeConfig):
-        if mesh is not None:
-            raise SystemExit("--mesh: the Qwen presets run on one device")
         model = qwen_moe.init_random(cfg, seed=args.seed, implementation=args.implementation)
+        if mesh is not None:
+            qwen_moe.shard_model(model, mesh, moe_mode=args.moe_mode)
     else:
         if args.layers:
             cfg = dataclasses.replace(

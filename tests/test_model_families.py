@@ -188,3 +188,35 @@ def test_family_on_a_mesh(devices8, family, kind, axes):
     steps = ref["greedy"].shape[1] - ref["ids"].shape[1]
     tokens = models.generate(model, ref["ids"], max_new_tokens=steps, eos_id=())
     np.testing.assert_array_equal(np.asarray(tokens), ref["greedy"])
+
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "generate.py"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_example_generates_with_every_family(family, capsys):
+    """examples/generate.py --model reads each family's int4 checkpoint (by its model_type)
+    and generates."""
+    example = helpers.load_script(EXAMPLE, "example_generate", [EXAMPLE.parent])
+    path = FIXTURES / family / "int4"
+    argv = ["--model", str(path), "--dtype", "float32", "--max-new-tokens", "2", "--no-warmup"]
+    assert example.main([*argv, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {path}" in out and "[0] tokens:" in out and "fused_moe backend: 'xla'" in out
+
+
+def test_example_presets_are_the_released_sizes():
+    """--preset qwen3-30b-a3b is Qwen3-30B-A3B's config with GPTQ-like int4 (a config only:
+    nothing is drawn), --layers keeps fewer layers."""
+    example = helpers.load_script(EXAMPLE, "example_generate", [EXAMPLE.parent])
+    args = example.parse_args(["--preset", "qwen3-30b-a3b", "--layers", "2"])
+    cfg = example.PRESETS[args.preset](num_hidden_layers=args.layers)
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.head_dim) == (
+        "qwen3_moe",
+        128,
+        8,
+        128,
+    )
+    assert cfg.num_hidden_layers == 2 and cfg.quant == models.qwen_moe.GPTQ_INT4
+    kimi = example.PRESETS["kimi-k2"]()
+    assert (kimi.n_routed_experts, kimi.n_group, kimi.first_k_dense_replace) == (384, 1, 1)
