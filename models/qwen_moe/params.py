@@ -3,9 +3,9 @@ problem reported at once.
 
 Float (f32/bf16/f16) weights, or GPTQ / AWQ / compressed-tensors ones as config.json's
 quantization_config says (the released GPTQ-Int4 checkpoints: int4 group 128 symmetric,
-float16 scales, g_idx); each linear is read as stored (float where the checkpoint holds its
-`.weight`, e.g. the router and the shared expert's gate), float ones quantized on load where
-`quantize=` targets them.
+float16 scales, g_idx; scales are kept in the dtype stored). Each linear is read as stored:
+float where the checkpoint holds its `.weight` (e.g. the router and the shared expert's gate),
+float ones quantized on load where `quantize=` targets them.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class _Reader:
         if qe.shape != (1, *shape):
             self.problems.append(f"{prefix}: quantized shape {qe.shape}, expected (1, {shape})")
             return None
-        return qe.astype(cfg.dtype)
+        return qe  # scales as stored (GPTQ: float16), dequantized into cfg.dtype
 
     def experts(self, name: str, shape):
         """-> (w13 [E, 2I, H], w2 [E, H, I]): QuantizedExperts, or float numpy (None on a
@@ -254,8 +254,8 @@ def load_pretrained(
                     module = RoutedExperts(
                         cfg,
                         rngs=None,
-                        w13=w13.astype(cfg.dtype),
-                        w2=w2.astype(cfg.dtype),
+                        w13=w13,
+                        w2=w2,
                         implementation=implementation,
                     )
                 elif cfg.quantizes("experts"):
