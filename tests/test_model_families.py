@@ -73,7 +73,10 @@ def test_the_int4_twin_runs_its_quantized_layers(family):
         assert not quantized
     else:
         assert "model.layers.0.self_attn.q_proj" in quantized
-        assert "model.layers.1.mlp.down_proj" in quantized or family == "qwen3_moe"
+    if family == "qwen2_moe":  # layer 1 is dense (mlp_only_layers); the others share an expert
+        assert "model.layers.1.mlp.down_proj" in quantized
+        assert "model.layers.0.mlp.shared_expert.up_proj" in quantized
+        assert "model.layers.0.mlp.shared_expert_gate" in float_linears
 
 
 def test_family_dispatch_by_model_type_and_architectures():
