@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.triton import fused_moe as pallas_moe
 from wna16_jax import _backend_order, _dispatch
 from wna16_jax import _configs as wj_configs
 
@@ -29,7 +30,7 @@ def problem(rng):
 @pytest.fixture
 def fresh_log(monkeypatch):
     """Forget which choices were already logged, for this test only."""
-    monkeypatch.setattr(_dispatch, "_logged", set())
+    monkeypatch.setattr(wj_configs, "_logged", set())
 
 
 def _fake(name: str, reason: str | None, marker: float = 7.0) -> _dispatch.Backend:
@@ -550,7 +551,7 @@ def test_gemm_config_is_the_backends(rng, monkeypatch):
     tuned table, then the heuristic); the Triton GEMM's never "fma"."""
     _, w, _ = _gemm_inputs(rng, e=256, n=512, k=512, group=128)
     shape = wj_configs.GemmShape.of_weights(w, m=8)
-    want = wj_configs.resolve_config(shape, None)[0]
+    want = wj_configs.resolve(pallas_moe.RULES, shape)[0]
     assert wj.gemm_config(w, 8, implementation="pallas_interpret") == want
     assert want.dot == "fma"  # decode: 8 slots over 256 experts
     triton = _dispatch.get_backend("triton").grouped_matmul
@@ -589,7 +590,7 @@ def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
     if _dispatch.current_platform() != "gpu":
         assert wj.preferred_layout(w13, w2, dtype=dtype) == "canonical"
     preferred = (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret"))
-    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", preferred)
+    monkeypatch.setattr(_dispatch, "preferred_layouts", lambda: preferred)
     assert wj.preferred_layout(w13, w2, dtype=dtype) == want
     other = helpers.random_quantized_experts(rng, 2, 256, 128, 12 - bits, 64, True, jnp.bfloat16)
     assert wj.preferred_layout(w13, other, dtype=dtype) == "canonical"
@@ -618,7 +619,7 @@ def test_preferred_layout_of_w8a8_experts(rng, monkeypatch, bits, group_size, ha
     if _dispatch.current_platform() != "gpu":
         assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=aq) == "canonical"
     preferred = (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret"))
-    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", preferred)
+    monkeypatch.setattr(_dispatch, "preferred_layouts", lambda: preferred)
     assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=aq) == want
     static = wj.ActivationQuant("int8_static", gemm1_scale=0.5, gemm2_scale=0.5)
     assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=static) == want

@@ -21,7 +21,6 @@ from wna16_jax._types import (
     ActivationQuant,
     AlignedRouting,
     BlockConfig,
-    MgpuConfig,
     QuantizedExperts,
 )
 
@@ -191,7 +190,7 @@ def fused_moe(
     expert_map=None,
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
-    config: BlockConfig | MgpuConfig | None = None,
+    config: BlockConfig | object | None = None,
     activation_quant: str | ActivationQuant | None = None,
     out_dtype=None,
 ):
@@ -470,7 +469,7 @@ def preferred_layout(
     activation_quant: str | ActivationQuant | None = None,
 ) -> str:
     """The layout to convert these experts to once (at load) for the fastest backend that runs
-    them on this platform: the first of _dispatch.PREFERRED_LAYOUTS that holds their bits and
+    them on this platform: the first of _dispatch.preferred_layouts() that holds their bits and
     whose backend accepts the fused_moe problem of these arguments here, else "canonical".
 
     For mgpu_int4 / mgpu_int8 (the 'mgpu' backend) that is an sm_90 GPU, int4 / int8 for both
@@ -493,7 +492,7 @@ def preferred_layout(
     ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
     problem, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
-    for layout, name in _dispatch.PREFERRED_LAYOUTS:
+    for layout, name in _dispatch.preferred_layouts():
         bits = KERNEL_LAYOUT_BITS[layout]
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width
             continue

@@ -1,5 +1,6 @@
-"""Backends: fused_moe, moe_align_block_size and (optionally) the grouped GEMM of each; each says
-why it cannot run a problem; selection by platform priority."""
+"""The backend registry, the one place that knows the backends: fused_moe, moe_align_block_size
+and (optionally) the grouped GEMM of each, its weight layouts and config class; each says why it
+cannot run a problem; selection by platform priority."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from wna16_jax import _activations, _backend_order, _configs, _reference, layouts
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import LAYOUTS, BlockConfig
+from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig
 
 logger = logging.getLogger("wna16_jax")
 
@@ -92,11 +93,11 @@ class GroupedMatmul:
 
     Attributes:
         unsupported_reason: GemmProblem -> None when it can run, else a sentence saying why not.
-        config: (GemmShape, config | None) -> (config, source): the caller's config
-            checked against the shape (ValueError quoting the problems), else the tuned
-            table's, else the heuristic's; source is "caller", "tuned:<device>" or
-            "heuristic". A config is a BlockConfig, or the backend's own type (the 'mgpu'
-            GEMM's MgpuConfig; a BlockConfig given to it is converted); it has a block_m.
+        config: (GemmShape, config | None) -> (config, source): `_configs.resolve` under the
+            GEMM's ConfigRules (the caller's config checked against the shape, else the tuned
+            table's, else the heuristic's); source is "caller", "tuned:<device>" or
+            "heuristic". A config is the backend's config_type (a BlockConfig, or e.g. the
+            'mgpu' GEMM's MgpuConfig, which converts a BlockConfig); it has a block_m.
         run: (a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None,
             activation=None) -> [R * top_k, N]: out[s] = a[s // top_k] @ dequant(w[e(s)]).T
             for each slot s of the AlignedRouting (aligned with config.block_m); with
@@ -134,6 +135,11 @@ class Backend:
             unsupported_reason.
         grouped_matmul: its grouped GEMM (GroupedMatmul), or None where it has none that
             takes an AlignedRouting.
+        preferred_layouts: kernel layouts (of `layouts`) that wna16_jax.preferred_layout picks
+            for this backend, in order, where it runs the weights here: a measurement showed
+            it faster on them than the canonical layout's backends.
+        config_type: its config class (the `config` fused_moe and the grouped GEMM take), also
+            reachable as wna16_jax.<class name>.
     """
 
     name: str
@@ -143,6 +149,8 @@ class Backend:
     moe_align_block_size: Callable
     layouts: tuple[str, ...] = ("canonical",)
     grouped_matmul: GroupedMatmul | None = None
+    preferred_layouts: tuple[str, ...] = ()
+    config_type: type = BlockConfig
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -155,24 +163,61 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("xla",)
 
-# Kernel layouts that wna16_jax.preferred_layout picks, in order, with the backend that reads
-# each, where that backend runs the experts here (each layout holds weights of one bit width,
-# _types.KERNEL_LAYOUT_BITS): 'mgpu' on mgpu_int4 beat 'pallas' on the canonical layout for
-# DeepSeek-V3 on the H200 (docs/performance.md, 'Mosaic GPU layer'); mgpu_int8, the same GEMM
-# on int8 weights, is preferred to 'pallas' by the same reasoning (not yet measured).
-PREFERRED_LAYOUTS: tuple[tuple[str, str], ...] = (("mgpu_int4", "mgpu"), ("mgpu_int8", "mgpu"))
-
-_logged: set[tuple[str, tuple[str, ...]]] = set()
+# The modules of the built-in kernel backends, each with a tuple BACKENDS of the Backends it
+# registers (imported on the registry's first use; importing the 'triton' backend needs neither
+# triton nor jax_triton).
+BUILTIN_BACKEND_MODULES = (
+    "pallas_kernels.triton.backend",
+    "pallas_kernels.mosaic_gpu.backend",
+    "pallas_kernels.jax_triton.backend",
+)
 
 
 def register_backend(backend: Backend) -> None:
-    """Adds (or replaces) a backend in the registry."""
+    """Adds `backend` to the registry (replacing one of the same name): fused_moe,
+    grouped_matmul, the quantized linear and moe_align_block_size then take its name as
+    `implementation`; automatic selection tries it only where PRIORITY lists it.
+
+    Raises:
+        TypeError: `backend` is not a Backend.
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend takes a wna16_jax.Backend, got {backend!r}")
+    _ensure_builtin_backends()
     _REGISTRY[backend.name] = backend
 
 
 def registered_backends() -> tuple[str, ...]:
+    """The names of the registered backends."""
     _ensure_builtin_backends()
     return tuple(_REGISTRY)
+
+
+def preferred_layouts() -> tuple[tuple[str, str], ...]:
+    """((kernel layout, backend name), ...): every backend's preferred_layouts, in registry
+    order, that wna16_jax.preferred_layout tries in turn ('mgpu' on mgpu_int4 beat 'pallas' on
+    the canonical layout for DeepSeek-V3 on the H200: docs/performance.md, 'Mosaic GPU
+    layer')."""
+    _ensure_builtin_backends()
+    return tuple((lay, b.name) for b in _REGISTRY.values() for lay in b.preferred_layouts)
+
+
+def config_class(name: str) -> type | None:
+    """The config class named `name` of a registered backend (e.g. "MgpuConfig"), or None."""
+    _ensure_builtin_backends()
+    return next((b.config_type for b in _REGISTRY.values() if b.config_type.__name__ == name), None)
+
+
+def backend_layout(implementation: str, bits: int) -> str:
+    """The first layout of backend `implementation` that holds `bits`-bit weights
+    ("canonical" where the backend reads it first)."""
+    layouts_ = get_backend(implementation).layouts
+    held = [lay for lay in layouts_ if lay == "canonical" or KERNEL_LAYOUT_BITS[lay] == bits]
+    if not held:
+        raise ValueError(
+            f"backend {implementation!r} reads no layout of int{bits} weights ({layouts_})"
+        )
+    return held[0]
 
 
 def get_backend(name: str) -> Backend:
@@ -277,6 +322,8 @@ def compiled_and_interpreted(
     gemm_shape_reason: Callable[[GemmProblem], str | None] | None = None,
     gemm_gpu_reason: Callable[[str], str | None] = cuda_gpu_reason,
     gemm_linear: Callable | None = None,
+    preferred_layouts: tuple[str, ...] = (),
+    config_type: type = BlockConfig,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
     interpreter, any platform), both reading weights in `layouts`. `fused_moe`, `align`
@@ -285,7 +332,8 @@ def compiled_and_interpreted(
     `shape_reason` why no kernel can (any platform); gemm_config and gemm_shape_reason are the
     GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
     says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
-    gemm_linear (taking `interpret` too) is GroupedMatmul.linear."""
+    gemm_linear (taking `interpret` too) is GroupedMatmul.linear; preferred_layouts are the
+    compiled backend's (an interpreter is never preferred); config_type is both's."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -317,6 +365,8 @@ def compiled_and_interpreted(
             moe_align_block_size=functools.partial(align, interpret=False),
             layouts=layouts,
             grouped_matmul=grouped(False),
+            preferred_layouts=preferred_layouts,
+            config_type=config_type,
         ),
         Backend(
             name=f"{name}_interpret",
@@ -326,6 +376,7 @@ def compiled_and_interpreted(
             moe_align_block_size=functools.partial(align, interpret=True),
             layouts=layouts,
             grouped_matmul=grouped(True),
+            config_type=config_type,
         ),
     )
 
@@ -391,12 +442,10 @@ def select_backend(
         backend = get_backend(name)
         reason = backend_reason(backend, problem)
         if reason is None:
-            key = (op, name, tuple(candidates))
-            if key not in _logged:
-                _logged.add(key)
-                logger.info(
-                    "wna16_jax: %s uses %r (candidates: %s)", op, name, ", ".join(candidates)
-                )
+            _configs.log_once(
+                (op, name, tuple(candidates)),
+                "wna16_jax: %s uses %r (candidates: %s)", op, name, ", ".join(candidates),
+            )  # fmt: skip
             return backend
         reasons[name] = reason
         logger.debug("wna16_jax: %s skips %r: %s", op, name, reason)
@@ -483,22 +532,18 @@ _builtins_loaded = False
 
 
 def _ensure_builtin_backends() -> None:
-    """Registers 'xla' and, when importable, the kernel backends (imported lazily by module
-    name; importing the 'triton' backend needs neither triton nor jax_triton)."""
+    """Registers 'xla' and, when importable, the kernel backends of BUILTIN_BACKEND_MODULES
+    (imported by module name on the registry's first use)."""
     global _builtins_loaded
     if _builtins_loaded:
         return
     _builtins_loaded = True
-    register_backend(XLA_BACKEND)
-    for module in (
-        "pallas_kernels.triton.backend",
-        "pallas_kernels.mosaic_gpu.backend",
-        "pallas_kernels.jax_triton.backend",
-    ):
+    _REGISTRY[XLA_BACKEND.name] = XLA_BACKEND
+    for module in BUILTIN_BACKEND_MODULES:
         try:
             backends = importlib.import_module(module).BACKENDS
         except ImportError as err:  # pragma: no cover - the kernels ship with the package
             logger.debug("wna16_jax: %s unavailable: %s", module, err)
             continue
         for b in backends:
-            register_backend(b)
+            _REGISTRY[b.name] = b

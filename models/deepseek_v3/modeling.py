@@ -1210,18 +1210,17 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
     def resolve_expert_layout(self, requested: str, implementation=None) -> str:
         """The experts' layout for a `requested` one ("auto", or a wna16_jax.layouts name) and
-        a fused_moe `implementation`: "auto" means the Mosaic GPU layout of the experts' bits
-        (mgpu_int4, mgpu_int8) for an mgpu* implementation, canonical for another named one,
-        and `preferred_expert_layout()` when none is named."""
+        a fused_moe `implementation`: "auto" means, for a named implementation, the first of
+        its layouts that holds the experts' bits (`wna16_jax.backend_layout`: mgpu_int4 or
+        mgpu_int8 for the 'mgpu' backends, canonical for the others), and
+        `preferred_expert_layout()` when none is named."""
         if requested != "auto":
             return requested
         if isinstance(implementation, str):
-            if not implementation.startswith("mgpu"):
-                return "canonical"
             bits = next(
                 (m.w13.bits for _, m in nnx.iter_modules(self) if isinstance(m, RoutedExperts)), 4
             )
-            return f"mgpu_int{bits}"
+            return wj.backend_layout(implementation, bits)
         if implementation is not None:  # a sequence of names: the first decides
             return self.resolve_expert_layout("auto", tuple(implementation)[0])
         return self.preferred_expert_layout()

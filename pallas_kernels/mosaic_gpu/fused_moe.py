@@ -21,12 +21,12 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import gather_rows
 from pallas_kernels.common.align import moe_align_block_size
-from pallas_kernels.mosaic_gpu.config import gemm_plan, gemm_rows_in_use, layer_config
+from pallas_kernels.mosaic_gpu.config import MgpuConfig, gemm_plan, gemm_rows_in_use, layer_config
 from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm, w8a8_input_order
 from wna16_jax import _pipeline
 from wna16_jax._activations import Int8Rows, activate
 from wna16_jax._routing import local_expert_of
-from wna16_jax._types import ActivationQuant, BlockConfig, MgpuConfig, QuantizedExperts
+from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
 
 
 def rows_in_block_order(x, slots, top_k: int, *, interpret: bool = False):

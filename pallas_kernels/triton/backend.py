@@ -3,6 +3,8 @@ canonical layout): fused_moe, moe_align_block_size and the grouped GEMM."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from pallas_kernels.common.align import moe_align_block_size
@@ -80,7 +82,7 @@ def gemm_shape_reason(problem: GemmProblem) -> str | None:
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
     try:  # the heuristic raises, naming the problems, where no config fits the shape
-        _configs.heuristic_config(problem.shape)
+        pallas_moe.RULES.heuristic(problem.shape)
     except ValueError as err:
         return str(err)
     return None
@@ -113,6 +115,6 @@ BACKENDS = compiled_and_interpreted(
     _shape_reason,
     moe_align_block_size,
     gemm=grouped_matmul,
-    gemm_config=_configs.resolve_config,
+    gemm_config=functools.partial(_configs.resolve, pallas_moe.RULES),
     gemm_shape_reason=gemm_shape_reason,
 )
