@@ -11,7 +11,6 @@ import logging
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from wna16_jax import _activations, _backend_order, _configs, _reference, layouts
 from wna16_jax._configs import GemmShape
@@ -500,13 +499,9 @@ def _xla_grouped_matmul(
     w = layouts.to_canonical_layout(w)
     if activation is None:
         out = _reference.grouped_matmul(a, w, routing, top_k=top_k, routed_weights=routed_weights)
-    else:  # the routed weights multiply the activation
-        out = _activations.ACTIVATIONS[activation](
-            _reference.grouped_matmul(a, w, routing, top_k=top_k)
-        )  # [R * top_k, N/2] f32
-        if routed_weights is not None:
-            out = out * routed_weights.astype(jnp.float32)[:, None]
-    return out.astype(out_dtype or a.dtype)
+        return out.astype(out_dtype or a.dtype)
+    out = _reference.grouped_matmul(a, w, routing, top_k=top_k)  # [R * top_k, N] f32
+    return _activations.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
 
 
 def _xla_gemm_config(shape: GemmShape, config: BlockConfig | None):

@@ -127,12 +127,8 @@ def _grouped_matmul(
     gemm = dict(top_k=top_k, config=config)
     if activation is None:
         return wna16_gemm(a, w, routing, routed_weights, out_dtype=out_dtype, **gemm)
-    act = _activations.activate(
-        wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm), activation
-    )
-    if routed_weights is not None:  # the routed weights multiply the activation
-        act = act * routed_weights.astype(jnp.float32)[:, None]
-    return act.astype(out_dtype or a.dtype)
+    out = wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm)
+    return _activations.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
 
 
 BACKENDS = (

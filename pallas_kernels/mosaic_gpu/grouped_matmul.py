@@ -27,10 +27,15 @@ from pallas_kernels.mosaic_gpu.config import (
     linear_splits,
     tile_n,
 )
-from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
+from pallas_kernels.mosaic_gpu.fused_moe import (
+    block_gemm,
+    block_positions,
+    rows_in_block_order,
+    used_blocks,
+)
 from pallas_kernels.mosaic_gpu.wna16_gemm import group_reason, mgpu_wna16_gemm, takes_rows
 from wna16_jax import _configs
-from wna16_jax._activations import activate
+from wna16_jax._activations import activate, weighted_rows
 from wna16_jax._configs import GemmShape
 from wna16_jax._types import BlockConfig
 
@@ -101,7 +106,7 @@ def grouped_matmul(
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     slots, block_experts = used_blocks(routing, num_slots, config.block_m)
     x_rows = rows_in_block_order(a, slots, top_k, interpret=interpret)
-    in_use = (slots < num_slots).reshape(-1, config.block_m).sum(axis=1, dtype=jnp.int32)
+    position, in_use = block_positions(slots, num_slots, config.block_m)
     gemm = block_gemm(config, interpret)
     if activation is None:
         out = gemm(x_rows, w, block_experts, gemm_rows_in_use(config, in_use))  # f32
@@ -114,13 +119,7 @@ def grouped_matmul(
                 x_rows, w, block_experts, gemm_rows_in_use(config, in_use),
                 activation_dtype=activation_dtype,
             )  # fmt: skip
-    # Each slot's row position in block order; a slot in no block keeps 0 (unspecified).
-    position = jnp.zeros(num_slots, jnp.int32)
-    position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
-    out = out[position]
-    if routed_weights is not None:
-        out = out.astype(jnp.float32) * routed_weights.astype(jnp.float32)[:, None]
-    return out.astype(out_dtype)
+    return weighted_rows(out[position], routed_weights, out_dtype)
 
 
 def linear(x, w, *, config: MgpuConfig, out_dtype=None, activation=None, interpret=False):
