@@ -35,11 +35,11 @@ import wna16_jax as wj  # noqa: E402
 from pallas_kernels.mosaic_gpu import config as mgpu_config  # noqa: E402
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe  # noqa: E402
 from pallas_kernels.mosaic_gpu.config import MgpuConfig, default_config  # noqa: E402
+from pallas_kernels.mosaic_gpu.convert import w8a8_input_order  # noqa: E402
 from pallas_kernels.mosaic_gpu.wna16_gemm import (  # noqa: E402
     check_config,
     mgpu_wna16_gemm,
     output_buffer_rows,
-    w8a8_input_order,
 )
 
 
@@ -1051,8 +1051,8 @@ def bf16_bits_value(bits16):
 
 
 def test_int8_tile_order_is_the_wgmma_register_order(rng):
-    """An int8 tile decoded as the kernel's threads do (`_converted_tile`: thread t reads words
-    0-3 at byte 16 t and 4-7 at 2048 + 16 t; word i, shifted down by 8 s bits, becomes the
+    """An int8 tile decoded as the kernel's threads do (`convert.converted_tile`: thread t reads
+    words 0-3 at byte 16 t and 4-7 at 2048 + 16 t; word i, shifted down by 8 s bits, becomes the
     bf16 pair of register 2 i + s by two lop3 with 0x43004300 and a subtraction: emulated here
     bit for bit) gives each thread the elements of the wgmma A operand's register layout (PTX
     ISA, "Register fragment" of wgmma .m64nNk16: thread 32 w + 4 lr + lc, register 2 ct + rh
