@@ -34,6 +34,7 @@ plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 import wna16_jax as wj  # noqa: E402
 from pallas_kernels.mosaic_gpu import config as mgpu_config  # noqa: E402
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe  # noqa: E402
+from pallas_kernels.mosaic_gpu import layout as mgpu_layout  # noqa: E402
 from pallas_kernels.mosaic_gpu.config import MgpuConfig, default_config  # noqa: E402
 from pallas_kernels.mosaic_gpu.convert import w8a8_input_order  # noqa: E402
 from pallas_kernels.mosaic_gpu.wna16_gemm import (  # noqa: E402
@@ -1028,7 +1029,7 @@ def test_tile_order_is_the_wgmma_register_order(rng):
     thread 32 w + 4 lr + lc, register 2 ct + rh holds row 16 w + 8 rh + lr, columns
     8 ct + 2 lc + {0, 1})."""
     tile = rng.integers(-8, 8, size=(64, 64)).astype(np.int8)
-    stored = np.asarray(wj.layouts.to_tile_order(jnp.asarray(tile, jnp.int4)))
+    stored = np.asarray(mgpu_layout.to_tile_order(jnp.asarray(tile, jnp.int4)))
     packed = np.asarray(
         jax.lax.bitcast_convert_type(jnp.asarray(stored, jnp.int4).reshape(512, 8), jnp.uint32)
     ).reshape(128, 4)
@@ -1042,7 +1043,7 @@ def test_tile_order_is_the_wgmma_register_order(rng):
                     nibble = int(packed[t, i] >> (4 * (s + 4 * v))) & 0xF
                     decoded[16 * w + 8 * rh + lr, 8 * ct + 2 * lc + v] = nibble - 16 * (nibble > 7)
     np.testing.assert_array_equal(decoded, tile)
-    np.testing.assert_array_equal(np.asarray(wj.layouts.from_tile_order(stored)), tile)
+    np.testing.assert_array_equal(np.asarray(mgpu_layout.from_tile_order(stored)), tile)
 
 
 def bf16_bits_value(bits16):
@@ -1059,7 +1060,7 @@ def test_int8_tile_order_is_the_wgmma_register_order(rng):
     holds row 16 w + 8 rh + lr, columns 8 ct + 2 lc + {0, 1}), their values the stored
     q - 128, every byte value among them."""
     tile = rng.permutation(np.resize(np.arange(-128, 128), 64 * 64)).reshape(64, 64)
-    stored = np.asarray(wj.layouts.to_tile_order(jnp.asarray(tile, jnp.int8), 8))
+    stored = np.asarray(mgpu_layout.to_tile_order(jnp.asarray(tile, jnp.int8), 8))
     words = np.ascontiguousarray(stored.reshape(-1)).view(np.uint32)  # 1024 little-endian words
     decoded = np.full((64, 64), 999.0)
     for t in range(128):
@@ -1077,8 +1078,8 @@ def test_int8_tile_order_is_the_wgmma_register_order(rng):
                     ct, rh = divmod(2 * i + s, 2)
                     decoded[16 * w + 8 * rh + lr, 8 * ct + 2 * lc + v] = value
     np.testing.assert_array_equal(decoded, tile)
-    np.testing.assert_array_equal(np.asarray(wj.layouts.from_tile_order(stored, 8)), tile)
-    order = wj.layouts.tile_order(8)
+    np.testing.assert_array_equal(np.asarray(mgpu_layout.from_tile_order(stored, 8)), tile)
+    order = mgpu_layout.tile_order(8)
     np.testing.assert_array_equal(tile.reshape(-1)[order], stored.reshape(-1))
 
 
@@ -1091,10 +1092,10 @@ def test_layout_dequantizes_to_the_canonical_weights(rng, bits):
     w.validate("w")
     assert w.shape == qw.shape
     assert w.qweight.shape == (2, 1, 4, 64, 64)  # [E, N/64, K/64, 64, 64] tiles
-    q = np.asarray(wj.layouts.untiled(w.qweight).astype(jnp.int32), np.float64)  # q - 8 / 128
+    q = np.asarray(mgpu_layout.untiled(w.qweight).astype(jnp.int32), np.float64)  # q - 8 / 128
     # Tile (i, j) holds rows 64i.. and inputs 64j.. of the [E, N, K] matrix, in tile order.
     tile = np.asarray(w.qweight[:, 0, 2], np.float64).reshape(2, -1)
-    want = q[:, :64, 128:192].reshape(2, -1)[:, wj.layouts.tile_order(bits)]
+    want = q[:, :64, 128:192].reshape(2, -1)[:, mgpu_layout.tile_order(bits)]
     np.testing.assert_array_equal(tile, want)
     g = 128
     scales = np.repeat(np.swapaxes(np.asarray(w.scales, np.float64), 1, 2), g, axis=2)

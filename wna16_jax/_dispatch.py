@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from wna16_jax import _activations, _backend_order, _configs, _reference, layouts
+from wna16_jax import _activations, _backend_order, _configs, _reference
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig
+from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -117,6 +117,22 @@ class GroupedMatmul:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayoutConversion:
+    """A backend's kernel layouts' conversions (wna16_jax.layouts), lossless both ways.
+
+    Attributes:
+        reason: (layout, *, bits, n, k) -> why `layout` cannot hold weights [E, N, K] of `bits`
+            bits (None when it can).
+        to_kernel: (qw, layout) -> canonical, validated `qw` (held by `layout`) in `layout`.
+        to_canonical: qw in one of the layouts -> the canonical layout.
+    """
+
+    reason: Callable[..., str | None]
+    to_kernel: Callable[[QuantizedExperts, str], QuantizedExperts]
+    to_canonical: Callable[[QuantizedExperts], QuantizedExperts]
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
     """A fused_moe implementation.
 
@@ -139,6 +155,8 @@ class Backend:
             it faster on them than the canonical layout's backends.
         config_type: its config class (the `config` fused_moe and the grouped GEMM take), also
             reachable as wna16_jax.<class name>.
+        layout_conversion: the conversions of its kernel layouts (those of `layouts` other than
+            "canonical" that it defines), or None where it defines none.
     """
 
     name: str
@@ -150,6 +168,7 @@ class Backend:
     grouped_matmul: GroupedMatmul | None = None
     preferred_layouts: tuple[str, ...] = ()
     config_type: type = BlockConfig
+    layout_conversion: LayoutConversion | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -207,6 +226,52 @@ def config_class(name: str) -> type | None:
     return next((b.config_type for b in _REGISTRY.values() if b.config_type.__name__ == name), None)
 
 
+def layout_conversion(layout: str) -> LayoutConversion:
+    """The conversion of kernel layout `layout`: the first registered backend's that reads it
+    and defines its conversion.
+
+    Raises:
+        ValueError: `layout` is not one of LAYOUTS, or no registered backend converts it.
+    """
+    if layout not in LAYOUTS or layout == "canonical":
+        raise ValueError(f"layout={layout!r} is not one of the kernel layouts {LAYOUTS[1:]}")
+    _ensure_builtin_backends()
+    for b in _REGISTRY.values():
+        if layout in b.layouts and b.layout_conversion is not None:
+            return b.layout_conversion
+    raise ValueError(f"no registered backend converts weights to the {layout!r} layout")
+
+
+def kernel_layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | None:
+    """Why the kernel layout `layout` cannot hold weights [E, N, K] of `bits` bits (None when
+    it can): the reason `to_kernel_layout` raises."""
+    return layout_conversion(layout).reason(layout, bits=bits, n=n, k=k)
+
+
+def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
+    """`qw` (any layout) in `layout`, one of LAYOUTS (wna16_jax.layouts)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if qw.layout == layout:
+        return qw
+    qw = to_canonical_layout(qw)
+    if layout == "canonical":
+        return qw
+    qw.validate("weights")
+    _, n, k = qw.shape
+    if reason := kernel_layout_reason(layout, bits=qw.bits, n=n, k=k):
+        raise ValueError(reason)
+    return layout_conversion(layout).to_kernel(qw, layout)
+
+
+def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
+    """`qw` in the canonical layout (docs/design.md); the inverse of to_kernel_layout."""
+    if qw.layout == "canonical":
+        return qw
+    qw.validate("weights")
+    return layout_conversion(qw.layout).to_canonical(qw)
+
+
 def backend_layout(implementation: str, bits: int) -> str:
     """The first layout of backend `implementation` that holds `bits`-bit weights
     ("canonical" where the backend reads it first)."""
@@ -250,7 +315,7 @@ def layout_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | 
             (
                 f"{name}: {r}" if len(weights) > 1 else r
                 for name, bits, n, k in weights
-                if (r := layouts.kernel_layout_reason(lay, bits=bits, n=n, k=k))
+                if (r := kernel_layout_reason(lay, bits=bits, n=n, k=k))
             ),
             None,
         )
@@ -323,6 +388,7 @@ def compiled_and_interpreted(
     gemm_linear: Callable | None = None,
     preferred_layouts: tuple[str, ...] = (),
     config_type: type = BlockConfig,
+    layout_conversion: LayoutConversion | None = None,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
     interpreter, any platform), both reading weights in `layouts`. `fused_moe`, `align`
@@ -332,7 +398,8 @@ def compiled_and_interpreted(
     GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
     says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
     gemm_linear (taking `interpret` too) is GroupedMatmul.linear; preferred_layouts are the
-    compiled backend's (an interpreter is never preferred); config_type is both's."""
+    compiled backend's (an interpreter is never preferred); config_type and layout_conversion
+    are both's."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -366,6 +433,7 @@ def compiled_and_interpreted(
             grouped_matmul=grouped(False),
             preferred_layouts=preferred_layouts,
             config_type=config_type,
+            layout_conversion=layout_conversion,
         ),
         Backend(
             name=f"{name}_interpret",
@@ -376,6 +444,7 @@ def compiled_and_interpreted(
             layouts=layouts,
             grouped_matmul=grouped(True),
             config_type=config_type,
+            layout_conversion=layout_conversion,
         ),
     )
 
@@ -480,8 +549,8 @@ def _xla_fused_moe(
 ):
     return _reference.fused_moe(
         x,
-        layouts.to_canonical_layout(w13),
-        layouts.to_canonical_layout(w2),
+        to_canonical_layout(w13),
+        to_canonical_layout(w2),
         topk_weights,
         topk_ids,
         expert_map=expert_map,
@@ -496,7 +565,7 @@ def _xla_grouped_matmul(
     a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None, activation=None
 ):
     """The reference grouped GEMM in f32 (`_reference.grouped_matmul`); config is not read."""
-    w = layouts.to_canonical_layout(w)
+    w = to_canonical_layout(w)
     if activation is None:
         out = _reference.grouped_matmul(a, w, routing, top_k=top_k, routed_weights=routed_weights)
         return out.astype(out_dtype or a.dtype)
