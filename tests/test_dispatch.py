@@ -210,6 +210,50 @@ def test_xla_refuses_unknown_activation():
     assert _dispatch.XLA_BACKEND.unsupported_reason(_moe_problem()) is None
 
 
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    """A toy backend's own config class."""
+
+    scale: float = 1.0
+
+
+def test_register_backend_adds_a_toy_backend(problem, monkeypatch):
+    """wj.register_backend: a backend defined outside the library (its own config class, the
+    'xla' alignment) runs under its name through the public API, its config class is
+    wj.<name>, and its layouts answer wj.backend_layout."""
+    _dispatch.registered_backends()  # the built-ins first, so the teardown keeps them
+    monkeypatch.setattr(_dispatch, "_REGISTRY", dict(_dispatch._REGISTRY))
+    seen = []
+
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config):
+        seen.append(config)
+        out = wj.fused_moe(x, w13, w2, topk_weights, topk_ids, implementation="xla")
+        return out * jnp.asarray(config.scale, x.dtype)
+
+    toy = wj.Backend(
+        name="toy",
+        unsupported_reason=lambda p: None if p.num_tokens <= 2 else "two tokens at most",
+        fused_moe=fused_moe,
+        align_unsupported_reason=lambda p: None,
+        moe_align_block_size=_dispatch.XLA_BACKEND.moe_align_block_size,
+        config_type=ToyConfig,
+    )
+    wj.register_backend(toy)
+    assert "toy" in wj.registered_backends()
+    x, w13, w2, tw, ti = (a[:2] if i in (0, 3, 4) else a for i, a in enumerate(problem))
+    want = np.asarray(wj.fused_moe(x, w13, w2, tw, ti, implementation="xla"), np.float32)
+    got = wj.fused_moe(x, w13, w2, tw, ti, implementation="toy", config=ToyConfig(2.0))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), 2 * want)
+    assert seen == [ToyConfig(2.0)]
+    assert wj.ToyConfig is ToyConfig
+    assert wj.backend_layout("toy", 4) == "canonical"
+    assert wj.backend_layout("mgpu_interpret", 8) == "mgpu_int8"
+    with pytest.raises(NotImplementedError, match="'toy' cannot run this fused_moe: two tokens"):
+        wj.fused_moe(*problem, implementation="toy")
+    with pytest.raises(TypeError, match="register_backend takes a wna16_jax.Backend"):
+        wj.register_backend("toy")
+
+
 def test_fakes_do_not_leak():
     assert not any(name.startswith("fake_") for name in wj.registered_backends())
 

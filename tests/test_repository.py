@@ -160,6 +160,49 @@ def test_no_import_circles(import_graph):
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+# Kernel backends and their layouts, by the prefix of their names: models ask the registry
+# (wj.backend_layout, wj.preferred_layout) instead of naming them in code.
+KERNEL_NAME = re.compile(r"^(mgpu|pallas|triton)")
+
+
+def _kernel_names_in_code(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each string constant in `source`'s code (docstrings aside) that names a
+    kernel backend or layout (KERNEL_NAME)."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+        and KERNEL_NAME.match(node.value)
+    ]
+
+
+def test_models_name_no_kernel_backend():
+    """Model code picks no backend or layout by name: the registry knows each backend's
+    layouts (only docstrings may name them, as examples)."""
+    hits = [
+        f"{path.relative_to(ROOT)}:{line}: {text!r}"
+        for path in sorted((ROOT / "models").rglob("*.py"))
+        for line, text in _kernel_names_in_code(path.read_text())
+    ]
+    assert not hits, "\n".join(hits)
+
+
+def test_kernel_name_rule_catches_a_branch_on_a_backend():
+    code = 'def f(impl):\n    """Runs on "mgpu"."""\n    return impl.startswith("mgpu")\n'
+    assert _kernel_names_in_code(code) == [(3, "mgpu")]
+
+
 def test_layer_rules_catch_forbidden_imports():
     """The rules above reject what they must (so the layer test cannot pass vacuously)."""
     assert _layer_problem("pallas_kernels.triton.fused_moe", "wna16_jax._reference")
