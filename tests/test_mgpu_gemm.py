@@ -1,6 +1,6 @@
 """Tests of the Mosaic GPU int4 / int8 GEMM (pallas_kernels/mosaic_gpu/wna16_gemm.py), the 'mgpu'
 backend's MoE layer built on it (pallas_kernels/mosaic_gpu/fused_moe.py) and its weight layouts
-(wna16_jax/layouts.py).
+(pallas_kernels/mosaic_gpu/layout.py, through wna16_jax.layouts).
 
 Outputs are compared with float64 numpy on the dequantized weights of the same packed words
 (helpers.numpy_dequantize), and the layer with helpers.numpy_fused_moe, whose activation is
