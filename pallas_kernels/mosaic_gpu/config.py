@@ -40,7 +40,7 @@ class MgpuConfig:
         k-steps and the f32 partial products are summed after; a split GEMM1 applies the
         activation after that sum); None: chosen per GEMM from the shapes.
     Output tiles per program and whether GEMM1 applies the activation in its epilogue are
-    chosen per GEMM from the shapes (pallas_kernels/mosaic_gpu/config.py).
+    chosen per GEMM from the shapes (`gemm_plan`).
     """
 
     block_m: int
