@@ -1,5 +1,6 @@
-"""Tests of kernel configs: the GEMM's validity rules and heuristic, MgpuConfig, and the tuned
-tables (their lookup and the shipped files)."""
+"""Tests of kernel configs: the GEMM's validity rules and heuristic, MgpuConfig, the resolver
+(caller, tuned table, heuristic) under each backend's rules, and the tuned tables (their lookup
+and the shipped files, which hold no copy of a heuristic's choice)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,23 @@ import jax
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.jax_triton import config as triton_config
+from pallas_kernels.mosaic_gpu import MgpuConfig
 from pallas_kernels.mosaic_gpu import config as mgpu_config
-from wna16_jax import BlockConfig, MgpuConfig, _configs
-from wna16_jax._configs import GemmShape
+from pallas_kernels.mosaic_gpu import grouped_matmul as mgpu_gemm
+from pallas_kernels.triton import fused_moe as pallas_moe
+from pallas_kernels.triton import w8a8_gemm
+from wna16_jax import BlockConfig, _configs
+from wna16_jax._configs import ConfigRules, GemmShape
+
+# Every backend's ConfigRules, by a name for the tests.
+ALL_RULES = {
+    "pallas": pallas_moe.RULES,
+    "w8a8": w8a8_gemm.RULES,
+    "triton": triton_config.RULES,
+    "mgpu layer": mgpu_config.LAYER_RULES,
+    "mgpu gemm": mgpu_gemm.GEMM_RULES,
+}
 
 
 def _shape(m=16, n=4096, k=7168, e=256, bits=4, group_size=128) -> GemmShape:
@@ -233,26 +248,27 @@ def test_device_file_name():
 
 
 def test_tuned_table_missing_is_empty(tuned):
-    assert _configs.tuned_entries("no such device", "pallas") == ()
-    assert _configs.lookup_gemm(_shape(), "no such device") is None
+    assert _configs.tuned_entries("no such device", "pallas", BlockConfig) == ()
     tuned(pallas=TABLE)
-    assert _configs.tuned_entries(DEVICE, "mgpu") == ()  # the file has no such table
-    with pytest.raises(ValueError, match="unknown tuned table 'nope'"):
-        _configs.tuned_entries(DEVICE, "nope")
+    assert _configs.tuned_entries(DEVICE, "mgpu", MgpuConfig) == ()  # the file has no such table
 
 
 def test_tuned_table_parses(tuned):
     tuned(pallas=TABLE, mgpu=[_entry(8, dict(E=8), block_m=8, block_halvings=1)])
-    table = _configs.tuned_entries(DEVICE, "pallas")
+    table = _configs.tuned_entries(DEVICE, "pallas", BlockConfig)
     assert len(table) == len(TABLE)
     assert table[3] == (
         PROBLEM,
         4096,
         BlockConfig(block_m=64, block_n=128, block_k=256, num_stages=4),
     )
-    assert _configs.tuned_entries(DEVICE, "mgpu") == (
+    assert _configs.tuned_entries(DEVICE, "mgpu", MgpuConfig) == (
         (dict(E=8), 8, MgpuConfig(block_m=8, block_halvings=1)),
     )
+
+
+def _lookup(m, within=None, problem=PROBLEM):
+    return _configs.lookup_tuned("pallas", BlockConfig, problem, m, DEVICE, within=within)
 
 
 @pytest.mark.parametrize(
@@ -273,8 +289,7 @@ def test_tuned_table_parses(tuned):
 def test_lookup_picks_nearest_m(tuned, m, want_m):
     tuned(pallas=TABLE)
     want = BlockConfig(**next(e["config"] for e in TABLE if e["M"] == want_m))
-    assert _configs.lookup_gemm(_shape(m=m), DEVICE) == want
-    assert _configs.lookup_tuned("pallas", PROBLEM, m, DEVICE) == want
+    assert _lookup(m) == want
 
 
 @pytest.mark.parametrize(
@@ -283,9 +298,8 @@ def test_lookup_picks_nearest_m(tuned, m, want_m):
 def test_lookup_within_a_factor(tuned, m, want_m):
     """within=2: the nearest entry whose M is at most twice or half m, else None."""
     tuned(pallas=TABLE)
-    got = _configs.lookup_tuned("pallas", PROBLEM, m, DEVICE, within=2)
     want = next((BlockConfig(**e["config"]) for e in TABLE if e["M"] == want_m), None)
-    assert got == want
+    assert _lookup(m, within=2) == want
 
 
 @pytest.mark.parametrize(
@@ -293,35 +307,87 @@ def test_lookup_within_a_factor(tuned, m, want_m):
 )
 def test_lookup_needs_exact_problem(tuned, change):
     tuned(pallas=TABLE)
-    assert _configs.lookup_gemm(_shape(m=16, **change), DEVICE) is None
+    assert _lookup(16, problem=_shape(m=16, **change).table_problem()) is None
 
 
 def test_lookup_reads_only_its_table(tuned):
     """The same problem keys in another table are not an entry of this one."""
     tuned(mgpu=[_entry(16, block_m=8)])
-    assert _configs.lookup_gemm(_shape(m=16), DEVICE) is None
-    assert _configs.lookup_tuned("mgpu", PROBLEM, 16, DEVICE) == MgpuConfig(block_m=8)
+    assert _lookup(16) is None
+    assert _configs.lookup_tuned("mgpu", MgpuConfig, PROBLEM, 16, DEVICE) == MgpuConfig(8)
 
 
-def test_mgpu_gemm_reads_its_table(tuned, monkeypatch):
+@pytest.fixture
+def on_device(monkeypatch):
+    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
+
+
+def test_resolve_order(tuned, on_device):
+    """The caller's config, else the table's entry within TUNED_M_RATIO of its M, else the
+    heuristic's."""
+    tuned(pallas=TABLE)
+    rules = pallas_moe.RULES
+    caller = BlockConfig(block_m=32, block_k=64, unpack="tile")
+    assert _configs.resolve(rules, _shape(m=16), caller) == (caller, "caller")
+    assert _configs.resolve(rules, _shape(m=16), None) == (
+        BlockConfig(block_m=16, block_n=64, block_k=128),
+        f"tuned:{DEVICE}",
+    )
+    for other in (_shape(m=16, n=2048), _shape(m=64)):  # another problem; M far from 16, 256
+        assert _configs.resolve(rules, other, None) == (rules.heuristic(other), "heuristic")
+
+
+def test_resolve_with_a_toy_kernels_rules(tuned, on_device):
+    """The resolver knows no kernel: a kernel's own config class, table, heuristic, check and
+    converters are all it reads."""
+
+    @dataclasses.dataclass(frozen=True)
+    class ToyConfig:
+        tile: int
+
+    rules = ConfigRules(
+        config_type=ToyConfig,
+        heuristic=lambda n: ToyConfig(n // 2),
+        table="toy",
+        table_key=lambda n: (dict(n=n), n),
+        check=lambda cfg, n: None if n % cfg.tile == 0 else _raise(f"tile={cfg.tile}"),
+        converters={int: ToyConfig},
+    )
+    tuned(toy=[{"problem": dict(n=12), "M": 12, "config": dict(tile=3)}])
+    assert _configs.resolve(rules, 12) == (ToyConfig(3), f"tuned:{DEVICE}")
+    assert _configs.resolve(rules, 10) == (ToyConfig(5), "heuristic")
+    assert _configs.resolve(rules, 12, 4) == (ToyConfig(4), "caller")  # converted from int
+    with pytest.raises(ValueError, match="tile=5"):
+        _configs.resolve(rules, 12, ToyConfig(5))
+    with pytest.raises(ValueError, match=r"config must be a ToyConfig or int or None, got 'x'"):
+        _configs.resolve(rules, 12, "x")
+
+
+def _raise(message):
+    raise ValueError(message)
+
+
+def test_mgpu_gemm_reads_its_table(tuned, on_device):
     """The Mosaic GPU GEMM's config (the quantized linear's): the caller's, else its table's
     entry for exactly this GEMM at the nearest M within a factor of 2, else the heuristic
-    (`linear_config`)."""
-    from pallas_kernels.mosaic_gpu.grouped_matmul import gemm_config, linear_config
-
-    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
+    (`linear_config`); a BlockConfig converts."""
+    rules, linear_config = mgpu_gemm.GEMM_RULES, mgpu_gemm.linear_config
     shape = GemmShape(m=1, n=2112, k=7168, num_experts=1, bits=4, group=128, group_size=128)
     fields = dict(block_m=16, block_k=128, stages=5, block_n=64)
     tuned(mgpu_gemm=[_entry(1, shape.table_problem(), **fields)])
-    assert gemm_config(shape, None) == (MgpuConfig(**fields), f"tuned:{DEVICE}")
-    assert gemm_config(dataclasses.replace(shape, m=2), None)[0] == MgpuConfig(**fields)
+    assert _configs.resolve(rules, shape) == (MgpuConfig(**fields), f"tuned:{DEVICE}")
+    assert _configs.resolve(rules, dataclasses.replace(shape, m=2))[0] == MgpuConfig(**fields)
     # Rows more than TUNED_M_RATIO from the entry's take the heuristic's blocks.
     far = dataclasses.replace(shape, m=3)
-    assert gemm_config(far, None) == (linear_config(far), "heuristic")
+    assert _configs.resolve(rules, far) == (linear_config(far), "heuristic")
     for other in (dataclasses.replace(shape, n=4096), dataclasses.replace(shape, num_experts=8)):
-        assert gemm_config(other, None) == (linear_config(other), "heuristic")
+        assert _configs.resolve(rules, other) == (linear_config(other), "heuristic")
     caller = MgpuConfig(block_m=8)
-    assert gemm_config(shape, caller) == (caller, "caller")
+    assert _configs.resolve(rules, shape, caller) == (caller, "caller")
+    block = BlockConfig(block_m=32, block_k=64, num_stages=3)
+    assert _configs.resolve(rules, shape, block) == (MgpuConfig(32, 64, 3), "caller")
+    with pytest.raises(ValueError, match="config must be a MgpuConfig or BlockConfig or None"):
+        _configs.resolve(rules, shape, "fast")
 
 
 @pytest.mark.parametrize(
@@ -331,53 +397,40 @@ def test_mgpu_gemm_reads_its_table(tuned, monkeypatch):
         dict(block_m=16, block_n=64, block_k=2048),  # 7168 % 2048 != 0
     ],
 )
-def test_lookup_never_returns_an_invalid_entry(tuned, monkeypatch, bad):
+def test_resolve_never_returns_an_invalid_entry(tuned, on_device, bad):
     tuned(pallas=TABLE + [_entry(64, **bad)])
     shape = _shape(m=64)
     assert _configs.config_problems(BlockConfig(**bad), shape)  # the entry really is invalid
-    got = _configs.lookup_gemm(shape, DEVICE)
-    assert got is None or _configs.config_problems(got, shape) == []
-    assert got != BlockConfig(**bad)
-    # resolve_config then falls back to a valid config (another entry or the heuristic).
-    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
-    cfg, source = _configs.resolve_config(shape, None)
+    cfg, source = _configs.resolve(pallas_moe.RULES, shape, None)
     assert _configs.config_problems(cfg, shape) == []
-    assert source in ("heuristic", f"tuned:{DEVICE}")
+    assert (cfg, source) == (pallas_moe.RULES.heuristic(shape), "heuristic")
 
 
-def test_resolve_config_order(tuned, monkeypatch):
-    tuned(pallas=TABLE)
-    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
-    caller = BlockConfig(block_m=32, block_k=64, unpack="tile")
-    assert _configs.resolve_config(_shape(m=16), caller) == (caller, "caller")
-    assert _configs.resolve_config(_shape(m=16), None) == (
-        BlockConfig(block_m=16, block_n=64, block_k=128),
-        f"tuned:{DEVICE}",
-    )
-    other = _shape(m=16, n=2048)
-    assert _configs.resolve_config(other, None) == (_configs.heuristic_config(other), "heuristic")
-
-
-def test_resolve_config_without_fma(monkeypatch):
-    """allow_fma=False (kernels with tensor-core dots only, e.g. the Triton GEMM): a tuned
-    CUDA-core ("fma") entry is passed over, and the heuristic gives a tensor-core config; a
-    tensor-core entry still wins."""
-    shape = _shape(m=8)  # decode: the H200 table's and the heuristic's answer is "fma"
-    fma = BlockConfig(block_m=1, block_n=128, block_k=128, split_k=8, dot="fma")
-    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
-    monkeypatch.setattr(_configs, "lookup_gemm", lambda s, kind: fma)
-    assert _configs.resolve_config(shape, None) == (fma, f"tuned:{DEVICE}")
-    cfg, source = _configs.resolve_config(shape, None, allow_fma=False)
+def test_tensor_core_rules_pass_over_fma_entries(tuned, on_device):
+    """The Triton GEMM's rules (tensor-core dots only) read no table: a tuned CUDA-core ("fma")
+    entry of the Pallas GEMM's table is not theirs, and their heuristic gives a tensor-core
+    config; block_config_rules(allow_fma=False) with a table passes over an "fma" entry and
+    takes a tensor-core one."""
+    shape = _shape(m=8)  # decode: the heuristic's answer with CUDA-core products is "fma"
+    fma = dict(block_m=1, block_n=128, block_k=128, split_k=8, dot="fma")
+    mma = dict(block_m=16, block_n=128, block_k=128)
+    tuned(pallas=[_entry(8, **fma)])
+    assert _configs.resolve(pallas_moe.RULES, shape) == (BlockConfig(**fma), f"tuned:{DEVICE}")
+    cfg, source = _configs.resolve(triton_config.RULES, shape)
     assert source == "heuristic" and cfg.dot == "mma" and cfg.block_m == 16
     assert cfg == _configs.heuristic_config(shape, allow_fma=False)
-    mma = BlockConfig(block_m=16, block_n=128, block_k=128)
-    monkeypatch.setattr(_configs, "lookup_gemm", lambda s, kind: mma)
-    assert _configs.resolve_config(shape, None, allow_fma=False) == (mma, f"tuned:{DEVICE}")
+    tensor_core = _configs.block_config_rules(table="pallas", allow_fma=False)
+    assert _configs.resolve(tensor_core, shape) == (cfg, "heuristic")
+    tuned(pallas=[_entry(8, **mma)])
+    assert _configs.resolve(tensor_core, shape) == (BlockConfig(**mma), f"tuned:{DEVICE}")
+    assert _configs.resolve(triton_config.RULES, shape) == (cfg, "heuristic")
 
 
-def test_resolve_config_rejects_invalid_caller_config():
+def test_resolve_rejects_invalid_caller_config():
     with pytest.raises(ValueError, match="split_k=5 does not divide the 56 k-tiles"):
-        _configs.resolve_config(_shape(), BlockConfig(block_k=128, split_k=5))
+        _configs.resolve(pallas_moe.RULES, _shape(), BlockConfig(block_k=128, split_k=5))
+    with pytest.raises(ValueError, match="cannot run the Triton GEMM: dot='fma'"):
+        _configs.resolve(triton_config.RULES, _shape(m=8), BlockConfig(block_m=16, dot="fma"))
 
 
 # ---- the mgpu table: W8A8 entries apart from W8A16 -------------------------------------------
@@ -392,28 +445,34 @@ def _int8_layer(e=4, h=128, i=64):
     return w13, w2
 
 
+def _layer_problem(w13, w2, int8_rows=False):
+    return mgpu_config.LayerShape.of_layer(4, 4, w13, w2, int8_rows=int8_rows).table_problem()
+
+
 def test_mgpu_w8a8_problem_differs_from_w8a16():
     """int8 rows (W8A8) add activations="int8" to the layer's key; 16-bit activations keep the
-    keys the table files have always held."""
+    keys the table files have always held; a tuned entry's problem gives the layer back."""
     w13, w2 = _int8_layer()
-    w8a16 = mgpu_config.table_problem(4, w13, w2)
-    w8a8 = mgpu_config.table_problem(4, w13, w2, int8_rows=True)
+    w8a16 = _layer_problem(w13, w2)
+    w8a8 = _layer_problem(w13, w2, int8_rows=True)
     assert w8a16 == dict(E=4, H=128, I=64, bits=8, group=64)
     assert w8a8 == w8a16 | dict(activations="int8") and w8a8 != w8a16
+    for rows in (False, True):
+        layer = mgpu_config.LayerShape.of_layer(8, 4, w13, w2, int8_rows=rows)
+        assert mgpu_config.LayerShape.of_entry(layer.table_problem(), 8) == layer
 
 
-def test_mgpu_layer_config_reads_w8a8_entries(tuned, monkeypatch, caplog):
+def test_mgpu_layer_config_reads_w8a8_entries(tuned, on_device, caplog, monkeypatch):
     """layer_config(int8_rows=True) takes the W8A8 entry of its problem (source "tuned:<kind>"),
     16-bit activations the entry without the activations key (as the shipped entries are
     written); neither reads the other's, falling back to default_config."""
     w13, w2 = _int8_layer()
-    w8a16 = mgpu_config.table_problem(4, w13, w2)
-    w8a8 = mgpu_config.table_problem(4, w13, w2, int8_rows=True)
+    w8a16 = _layer_problem(w13, w2)
+    w8a8 = _layer_problem(w13, w2, int8_rows=True)
     old_style = _entry(8, dict(E=4, H=128, I=64, bits=8, group=64), block_m=8, stages=5)
     new_entry = _entry(8, w8a8, block_m=16, block_n=128, stages=4)
     w8a16_cfg, w8a8_cfg = MgpuConfig(8, stages=5), MgpuConfig(16, block_n=128, stages=4)
-    monkeypatch.setattr(_configs, "device_kind", lambda: DEVICE)
-    monkeypatch.setattr(mgpu_config, "_logged", set())
+    monkeypatch.setattr(_configs, "_logged", set())
     caplog.set_level(logging.INFO, logger="wna16_jax")
     heuristic = {
         rows: mgpu_config.default_config(8, 4, 64, 64, 8, int8_rows=rows, per_channel=True)
@@ -425,13 +484,13 @@ def test_mgpu_layer_config_reads_w8a8_entries(tuned, monkeypatch, caplog):
         return mgpu_config.layer_config(None, 8, 4, w13, w2, int8_rows=int8_rows)
 
     tuned(mgpu=[old_style, new_entry])
-    assert _configs.lookup_tuned("mgpu", w8a16, 8, DEVICE) == w8a16_cfg
+    assert _configs.lookup_tuned("mgpu", MgpuConfig, w8a16, 8, DEVICE) == w8a16_cfg
     assert config(False) == w8a16_cfg
     assert config(True) == w8a8_cfg
     logged = [r.getMessage() for r in caplog.records]
     assert any("'activations': 'int8'" in m and f"[tuned:{DEVICE}]" in m for m in logged)
     tuned(mgpu=[old_style])  # W8A16 only: W8A8 takes the heuristic
-    assert _configs.lookup_tuned("mgpu", w8a8, 8, DEVICE) is None
+    assert _configs.lookup_tuned("mgpu", MgpuConfig, w8a8, 8, DEVICE) is None
     assert config(True) == heuristic[True]
     assert any("'activations': 'int8'" in m and "[heuristic]" in m for m in
                [r.getMessage() for r in caplog.records])  # fmt: skip
@@ -449,29 +508,63 @@ def _shipped():
     return [(f.name, json.loads(f.read_text())) for f in files]
 
 
+def _rules_of_table(table: str) -> ConfigRules:
+    found = [r for r in ALL_RULES.values() if r.table == table]
+    assert len(found) == 1, f"table {table!r} is read by {len(found)} kernels' rules"
+    return found[0]
+
+
+def _shipped_entries():
+    """(file name, table, entry, its kernel's rules) of every shipped entry."""
+    return [
+        (name, table, entry, _rules_of_table(table))
+        for name, data in _shipped()
+        for table, body in data["tables"].items()
+        for entry in body["entries"]
+    ]
+
+
 def test_shipped_tables_are_valid():
-    """Each file is named after its device; each entry names its problem, M and a config of
-    its table's class, and (GEMM table) passes the validity rules for its shape; no problem
-    has two entries at one M."""
+    """Each file is named after its device; each table is a kernel's (its rules name it) and
+    has entries; each entry names its problem, M and a config of its kernel's class, which
+    the kernel may run (its rules' `usable`); no problem has two entries at one M."""
     for name, data in _shipped():
         assert name == _configs.device_file_name(data["device"])
-        assert set(data["tables"]) <= set(_configs.TABLE_CONFIGS), name
         for table, body in data["tables"].items():
             assert body["about"] and body["entries"], (name, table)
-            seen = set()
-            for entry in body["entries"]:
-                key = (tuple(sorted(entry["problem"].items())), entry["M"])
-                assert key not in seen, (name, table, key)
-                seen.add(key)
-                cfg = _configs.TABLE_CONFIGS[table](**entry["config"])
-                if table == "pallas":
-                    p = entry["problem"]
-                    g = p["K"] if p["group_size"] == -1 else p["group_size"]
-                    shape = GemmShape(
-                        m=entry["M"], n=p["N"], k=p["K"], num_experts=p["E"], bits=p["bits"],
-                        group=g, group_size=p["group_size"],
-                    )  # fmt: skip
-                    assert _configs.config_problems(cfg, shape) == [], (name, entry)
+    seen = set()
+    for name, table, entry, rules in _shipped_entries():
+        key = (name, table, tuple(sorted(entry["problem"].items())), entry["M"])
+        assert key not in seen, key
+        seen.add(key)
+        cfg = rules.config_type(**entry["config"])
+        problem = rules.entry_problem(entry["problem"], entry["M"])
+        assert rules.usable is None or rules.usable(cfg, problem), (name, entry)
+
+
+def test_shipped_entries_are_not_the_heuristics_choice():
+    """An entry exists only where a measurement beat the heuristic: none equals what the
+    kernel's heuristic returns for its problem at its M (such an entry only copies the
+    rules, and goes stale when they change)."""
+    entries = _shipped_entries()
+    assert entries
+    copies = [
+        (name, table, entry["problem"], entry["M"])
+        for name, table, entry, rules in entries
+        if rules.config_type(**entry["config"])
+        == rules.heuristic(rules.entry_problem(entry["problem"], entry["M"]))
+    ]
+    assert not copies, f"{len(copies)} entries equal the heuristic's choice: {copies}"
+
+
+def test_the_honesty_check_sees_a_copy():
+    """The check above catches an entry equal to the heuristic (it cannot pass vacuously)."""
+    rules = pallas_moe.RULES
+    shape = _shape(m=8)
+    entry = _entry(8, shape.table_problem(), **dataclasses.asdict(rules.heuristic(shape)))
+    assert rules.config_type(**entry["config"]) == rules.heuristic(
+        rules.entry_problem(entry["problem"], entry["M"])
+    )
 
 
 def test_examples_tune_writes_what_the_lookup_reads(tmp_path, monkeypatch):
@@ -495,12 +588,19 @@ def test_examples_tune_writes_what_the_lookup_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(_configs, "resources", types.SimpleNamespace(files=lambda pkg: tmp_path))
     _configs.tuned_entries.cache_clear()
     try:
-        assert _configs.lookup_tuned("pallas", PROBLEM, 16, DEVICE) == BlockConfig(
-            block_m=32, block_n=64, block_k=128
-        )
-        assert len(_configs.tuned_entries(DEVICE, "pallas")) == 1
-        assert _configs.lookup_tuned("mgpu", layer["problem"], 1, DEVICE) == MgpuConfig(
-            block_m=8, block_halvings=1
+        assert _lookup(16) == BlockConfig(block_m=32, block_n=64, block_k=128)
+        assert len(_configs.tuned_entries(DEVICE, "pallas", BlockConfig)) == 1
+        assert _configs.lookup_tuned("mgpu", MgpuConfig, layer["problem"], 1, DEVICE) == (
+            MgpuConfig(block_m=8, block_halvings=1)
         )
     finally:
         _configs.tuned_entries.cache_clear()
+
+
+def test_mgpu_config_is_public_from_its_backend_and_wna16_jax():
+    """MgpuConfig lives in the Mosaic GPU backend's folder; wna16_jax.MgpuConfig is the same
+    class (the registry's 'mgpu' config_type), found without wna16_jax importing the kernels."""
+    assert wj.MgpuConfig is MgpuConfig is mgpu_config.MgpuConfig
+    assert "MgpuConfig" in wj.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchConfig'"):
+        wj.NoSuchConfig  # noqa: B018

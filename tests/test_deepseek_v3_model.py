@@ -479,7 +479,9 @@ def test_preferred_expert_layout(monkeypatch):
     f32 = tiny_model(num_hidden_layers=2, dtype="float32", quant=quant)
     if wj._dispatch.current_platform() == "cpu":
         assert bf16.preferred_expert_layout() == "canonical"
-    monkeypatch.setattr(wj._dispatch, "PREFERRED_LAYOUTS", (("mgpu_int4", "mgpu_interpret"),))
+    monkeypatch.setattr(
+        wj._dispatch, "preferred_layouts", lambda: (("mgpu_int4", "mgpu_interpret"),)
+    )
     assert bf16.preferred_expert_layout() == "mgpu_int4"
     assert f32.preferred_expert_layout() == "canonical"
 

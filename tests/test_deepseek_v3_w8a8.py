@@ -104,7 +104,9 @@ def test_preferred_expert_layout_of_a_w8a8_model(monkeypatch):
     same f32 experts stay canonical (the mgpu GEMM takes bfloat16 rows only)."""
     model = nnx.clone(tiny_model(quant=W8A8_QUANT))
     assert model.cfg.dtype == "float32"
-    monkeypatch.setattr(wj._dispatch, "PREFERRED_LAYOUTS", (("mgpu_int8", "mgpu_interpret"),))
+    monkeypatch.setattr(
+        wj._dispatch, "preferred_layouts", lambda: (("mgpu_int8", "mgpu_interpret"),)
+    )
     assert model.preferred_expert_layout() == "canonical"
     model.set_activation_quant(PER_TOKEN)
     assert model.preferred_expert_layout() == "mgpu_int8"

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.triton import fused_moe as pallas_moe
 from wna16_jax import _backend_order, _dispatch
 from wna16_jax import _configs as wj_configs
 
@@ -29,7 +30,7 @@ def problem(rng):
 @pytest.fixture
 def fresh_log(monkeypatch):
     """Forget which choices were already logged, for this test only."""
-    monkeypatch.setattr(_dispatch, "_logged", set())
+    monkeypatch.setattr(wj_configs, "_logged", set())
 
 
 def _fake(name: str, reason: str | None, marker: float = 7.0) -> _dispatch.Backend:
@@ -207,6 +208,50 @@ def test_xla_refuses_unknown_activation():
     reason = _dispatch.XLA_BACKEND.unsupported_reason(_moe_problem(activation="gelu"))
     assert reason is not None and "'gelu'" in reason
     assert _dispatch.XLA_BACKEND.unsupported_reason(_moe_problem()) is None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    """A toy backend's own config class."""
+
+    scale: float = 1.0
+
+
+def test_register_backend_adds_a_toy_backend(problem, monkeypatch):
+    """wj.register_backend: a backend defined outside the library (its own config class, the
+    'xla' alignment) runs under its name through the public API, its config class is
+    wj.<name>, and its layouts answer wj.backend_layout."""
+    _dispatch.registered_backends()  # the built-ins first, so the teardown keeps them
+    monkeypatch.setattr(_dispatch, "_REGISTRY", dict(_dispatch._REGISTRY))
+    seen = []
+
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config):
+        seen.append(config)
+        out = wj.fused_moe(x, w13, w2, topk_weights, topk_ids, implementation="xla")
+        return out * jnp.asarray(config.scale, x.dtype)
+
+    toy = wj.Backend(
+        name="toy",
+        unsupported_reason=lambda p: None if p.num_tokens <= 2 else "two tokens at most",
+        fused_moe=fused_moe,
+        align_unsupported_reason=lambda p: None,
+        moe_align_block_size=_dispatch.XLA_BACKEND.moe_align_block_size,
+        config_type=ToyConfig,
+    )
+    wj.register_backend(toy)
+    assert "toy" in wj.registered_backends()
+    x, w13, w2, tw, ti = (a[:2] if i in (0, 3, 4) else a for i, a in enumerate(problem))
+    want = np.asarray(wj.fused_moe(x, w13, w2, tw, ti, implementation="xla"), np.float32)
+    got = wj.fused_moe(x, w13, w2, tw, ti, implementation="toy", config=ToyConfig(2.0))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), 2 * want)
+    assert seen == [ToyConfig(2.0)]
+    assert wj.ToyConfig is ToyConfig
+    assert wj.backend_layout("toy", 4) == "canonical"
+    assert wj.backend_layout("mgpu_interpret", 8) == "mgpu_int8"
+    with pytest.raises(NotImplementedError, match="'toy' cannot run this fused_moe: two tokens"):
+        wj.fused_moe(*problem, implementation="toy")
+    with pytest.raises(TypeError, match="register_backend takes a wna16_jax.Backend"):
+        wj.register_backend("toy")
 
 
 def test_fakes_do_not_leak():
@@ -550,7 +595,7 @@ def test_gemm_config_is_the_backends(rng, monkeypatch):
     tuned table, then the heuristic); the Triton GEMM's never "fma"."""
     _, w, _ = _gemm_inputs(rng, e=256, n=512, k=512, group=128)
     shape = wj_configs.GemmShape.of_weights(w, m=8)
-    want = wj_configs.resolve_config(shape, None)[0]
+    want = wj_configs.resolve(pallas_moe.RULES, shape)[0]
     assert wj.gemm_config(w, 8, implementation="pallas_interpret") == want
     assert want.dot == "fma"  # decode: 8 slots over 256 experts
     triton = _dispatch.get_backend("triton").grouped_matmul
@@ -589,7 +634,7 @@ def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
     if _dispatch.current_platform() != "gpu":
         assert wj.preferred_layout(w13, w2, dtype=dtype) == "canonical"
     preferred = (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret"))
-    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", preferred)
+    monkeypatch.setattr(_dispatch, "preferred_layouts", lambda: preferred)
     assert wj.preferred_layout(w13, w2, dtype=dtype) == want
     other = helpers.random_quantized_experts(rng, 2, 256, 128, 12 - bits, 64, True, jnp.bfloat16)
     assert wj.preferred_layout(w13, other, dtype=dtype) == "canonical"
@@ -618,7 +663,7 @@ def test_preferred_layout_of_w8a8_experts(rng, monkeypatch, bits, group_size, ha
     if _dispatch.current_platform() != "gpu":
         assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=aq) == "canonical"
     preferred = (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret"))
-    monkeypatch.setattr(_dispatch, "PREFERRED_LAYOUTS", preferred)
+    monkeypatch.setattr(_dispatch, "preferred_layouts", lambda: preferred)
     assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=aq) == want
     static = wj.ActivationQuant("int8_static", gemm1_scale=0.5, gemm2_scale=0.5)
     assert wj.preferred_layout(w13, w2, dtype=dtype, activation_quant=static) == want

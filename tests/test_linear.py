@@ -249,7 +249,7 @@ def test_preferred_layout(rng, monkeypatch):
     if not ON_GPU:
         assert linear.preferred_layout(w) == "canonical"
         preferred = (("mgpu_int4", "mgpu_interpret"), ("mgpu_int8", "mgpu_interpret"))
-        monkeypatch.setattr(wj._dispatch, "PREFERRED_LAYOUTS", preferred)
+        monkeypatch.setattr(wj._dispatch, "preferred_layouts", lambda: preferred)
         assert linear.preferred_layout(w) == "mgpu_int4"
         assert linear.preferred_layout(w8) == "mgpu_int8"
         assert linear.preferred_layout(w, dtype=jnp.float32) == "canonical"

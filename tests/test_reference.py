@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from backend_cases import SchemeCases
 
-from wna16_jax import _pipeline, _reference, _routing
+from pallas_kernels.common.block_configs import block_configs
+from pallas_kernels.triton import fused_moe as pallas_moe
+from wna16_jax import _configs, _pipeline, _reference, _routing
 from wna16_jax._types import BlockConfig
 
 # ---- moe_align_block_size -------------------------------------------------------------------
@@ -324,14 +326,13 @@ def test_block_configs_share_gemm1s_block_m(monkeypatch):
     """GEMM2 takes GEMM1's block_m (one alignment) and, below a tensor-core tile, dot="fma"."""
     w13 = helpers.random_quantized_experts(np.random.default_rng(0), 4, 256, 128, 4, 64, True)
     w2 = helpers.random_quantized_experts(np.random.default_rng(1), 4, 128, 128, 4, 64, True)
-    c1, c2 = _pipeline.block_configs(64, w13, w2, None)
+    c1, c2 = block_configs(64, w13, w2, None, rules=pallas_moe.RULES)
     assert c2.block_m == c1.block_m
-    rules = _pipeline.GemmRules(
-        "test",
-        _pipeline.wna16_rules().shape_of,
-        lambda shape, config: (BlockConfig(block_m=8 if shape.n == 256 else 32), "test"),
+    rules = _configs.ConfigRules(
+        config_type=BlockConfig,
+        heuristic=lambda shape: BlockConfig(block_m=8 if shape.n == 256 else 32),
     )
-    c1, c2 = _pipeline.block_configs(64, w13, w2, None, rules=rules)
+    c1, c2 = block_configs(64, w13, w2, None, rules=rules)
     assert (c1.block_m, c2.block_m, c1.dot, c2.dot) == (8, 8, "mma", "fma")
 
 

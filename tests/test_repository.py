@@ -160,6 +160,49 @@ def test_no_import_circles(import_graph):
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+# Kernel backends and their layouts, by the prefix of their names: models ask the registry
+# (wj.backend_layout, wj.preferred_layout) instead of naming them in code.
+KERNEL_NAME = re.compile(r"^(mgpu|pallas|triton)")
+
+
+def _kernel_names_in_code(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each string constant in `source`'s code (docstrings aside) that names a
+    kernel backend or layout (KERNEL_NAME)."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+        and KERNEL_NAME.match(node.value)
+    ]
+
+
+def test_models_name_no_kernel_backend():
+    """Model code picks no backend or layout by name: the registry knows each backend's
+    layouts (only docstrings may name them, as examples)."""
+    hits = [
+        f"{path.relative_to(ROOT)}:{line}: {text!r}"
+        for path in sorted((ROOT / "models").rglob("*.py"))
+        for line, text in _kernel_names_in_code(path.read_text())
+    ]
+    assert not hits, "\n".join(hits)
+
+
+def test_kernel_name_rule_catches_a_branch_on_a_backend():
+    code = 'def f(impl):\n    """Runs on "mgpu"."""\n    return impl.startswith("mgpu")\n'
+    assert _kernel_names_in_code(code) == [(3, "mgpu")]
+
+
 def test_layer_rules_catch_forbidden_imports():
     """The rules above reject what they must (so the layer test cannot pass vacuously)."""
     assert _layer_problem("pallas_kernels.triton.fused_moe", "wna16_jax._reference")
@@ -219,52 +262,3 @@ def test_run_record_pattern_catches(text):
 @pytest.mark.parametrize("text", ["device_kind", "a kernel call per layer", "recall 4 rows"])
 def test_run_record_pattern_spares_code_words(text):
     assert not RUN_RECORD.search(text)
-
-
-# The one backend a model may name: "xla", the float dot every quantized linear starts on.
-MODEL_BACKEND = "xla"
-
-
-def _named_backends(source: str, backends: tuple[str, ...]) -> list[tuple[int, str]]:
-    """(line, name) of each registered backend other than MODEL_BACKEND that a string in the
-    code `source` names (docstrings aside: they may say which backend reads a layout)."""
-    tree = ast.parse(source)
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-    named = set(backends) - {MODEL_BACKEND}
-    return [
-        (node.lineno, word)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str)
-        if id(node) not in docstrings
-        for word in re.findall(r"\w+", node.value)
-        if word in named
-    ]
-
-
-def test_models_never_name_a_backend():
-    """Modeling code asks the backend registry which layout or kernel runs its weights
-    (wna16_jax.backend_layout, preferred_layout, linear.preferred_layout): a new backend then
-    needs no change in any model family."""
-    import wna16_jax as wj
-
-    backends = wj.registered_backends()
-    problems = [
-        f"{path.relative_to(ROOT)}:{line}: names the backend {name!r}"
-        for path in sorted((ROOT / "models").rglob("*.py"))
-        for line, name in _named_backends(path.read_text(), backends)
-    ]
-    assert not problems, "\n".join(problems)
-
-
-def test_backend_rule_catches_a_named_backend():
-    backends = ("xla", "mgpu", "mgpu_interpret", "pallas")
-    code = 'def layout(impl):\n    """Reads mgpu."""\n    return impl.startswith("mgpu")\n'
-    assert _named_backends(code, backends) == [(3, "mgpu")]
-    assert _named_backends('impl = f"{x}_interpret" or "xla"\n', backends) == []

@@ -357,15 +357,16 @@ def test_gemm_compiles_for_sm90(case):
 @pytest.mark.parametrize("m", [1, 64, 4096])
 def test_deepseek_heuristic_configs_compile_for_sm90(m):
     """Both GEMMs of DeepSeek-V3 (TP=1) with the configs the triton pipeline picks untuned."""
+    from pallas_kernels.common.block_configs import block_configs
     from pallas_kernels.jax_triton import _launch
     from pallas_kernels.jax_triton import wna16_gemm as gemm
-    from pallas_kernels.triton.fused_moe import gemm_configs
+    from pallas_kernels.jax_triton.config import RULES
 
     w13 = _abstract_gemm(256, 4096, 7168, 4, 128, True, BF16, m, 8, 16, False)[1]
     w2 = _abstract_gemm(256, 7168, 2048, 4, 128, True, BF16, m, 8, 16, False)[1]
     for qw, config, top_k, routed in zip(
         (w13, w2),
-        gemm_configs(m * 8, w13, w2, None, allow_fma=False),
+        block_configs(m * 8, w13, w2, None, rules=RULES),
         (8, 1),
         (False, True),
         strict=True,
@@ -646,17 +647,16 @@ def test_bad_gemm_config_raises(rng, bits, kdim, group, config, message):
 @needs_triton
 def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
     """A tuned table's CUDA-core entries (block_m 1, dot="fma": the H200 table's decode
-    configs) are the Pallas kernel's: the Triton pipeline takes the heuristic instead and
-    stays right (before, it ran them and returned garbage: relative error 1.0)."""
+    configs) are the Pallas kernel's: the Triton pipeline reads no table, takes the heuristic
+    and stays right (before, it ran them and returned garbage: relative error 1.0)."""
     from pallas_kernels.jax_triton import fused_moe as triton_moe
-    from pallas_kernels.triton.fused_moe import gemm_configs
 
     fma = BlockConfig(block_m=1, block_n=64, block_k=64, split_k=2, dot="fma")
-    monkeypatch.setattr(_configs, "lookup_gemm", lambda shape, kind: fma)
+    monkeypatch.setattr(_configs, "lookup_tuned", lambda *args, **kwargs: fma)
     e, h, i, t, k = 8, 256, 128, 3, 2
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
-    c1, c2 = gemm_configs(t * k, w13, w2, None, allow_fma=False)  # what the pipeline asks
+    c1, c2 = triton_moe._plan(t * k, e, w13, w2, config=None)  # what the pipeline asks
     heuristic = _configs.heuristic_config(
         _configs.GemmShape.of_weights(w13, m=t * k), allow_fma=False
     )

@@ -37,7 +37,7 @@ from pallas_kernels.mosaic_gpu import config as mgpu_config
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_moe
 from pallas_kernels.triton import fused_moe as pallas_moe
 from pallas_kernels.triton import w8a8_gemm as w8a8_module
-from wna16_jax import _activations, _dispatch, _pipeline, _reference, formats
+from wna16_jax import _activations, _configs, _dispatch, _reference, formats
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -699,7 +699,7 @@ def test_w8a8_with_int4_weights_names_every_reason(rng, monkeypatch):
 def test_automatic_choice_for_w4a8_is_the_oracle(rng, caplog, monkeypatch):
     if _dispatch.current_platform() != "cpu":
         pytest.skip("checks the CPU priority list")
-    monkeypatch.setattr(_dispatch, "_logged", set())
+    monkeypatch.setattr(_configs, "_logged", set())
     caplog.set_level(logging.INFO, logger="wna16_jax")
     x, w13, w2, tw, ti = helpers.random_moe_inputs(rng, T=3, H=128, I=64, E=4, k=2)
     out = wj.fused_moe(x, w13, w2, tw, ti, activation_quant="int8_per_token")
@@ -712,7 +712,7 @@ def test_automatic_choice_for_w4a8_is_the_oracle(rng, caplog, monkeypatch):
 
 def test_pipeline_logs_w8a8_configs(rng, caplog, monkeypatch):
     """The W8A8 GEMM configs are resolved by their own rules and logged (no kernel runs)."""
-    monkeypatch.setattr(_pipeline, "_logged_configs", set())
+    monkeypatch.setattr(_configs, "_logged", set())
     caplog.set_level(logging.INFO, logger="wna16_jax")
     _, w13, w2, _, _ = w8a8_inputs(rng, T=3, H=128, I=64, E=4, k=2)
     c1, c2 = pallas_moe.gemm_configs(6, w13, w2, None, activation_quant=PER_TOKEN)

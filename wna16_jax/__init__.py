@@ -2,7 +2,6 @@
 
 from wna16_jax import formats, layouts, linear, sharding
 from wna16_jax._api import (
-    backend_layout,
     fused_moe,
     gemm_config,
     grouped_matmul,
@@ -10,7 +9,7 @@ from wna16_jax._api import (
     preferred_layout,
     select_implementation,
 )
-from wna16_jax._dispatch import registered_backends
+from wna16_jax._dispatch import Backend, backend_layout, register_backend, registered_backends
 from wna16_jax._quant import (
     check_finite,
     dequantize_experts,
@@ -21,13 +20,13 @@ from wna16_jax._types import (
     ActivationQuant,
     AlignedRouting,
     BlockConfig,
-    MgpuConfig,
     QuantizedExperts,
 )
 
 __all__ = [
     "ActivationQuant",
     "AlignedRouting",
+    "Backend",
     "BlockConfig",
     "MgpuConfig",
     "QuantizedExperts",
@@ -44,7 +43,20 @@ __all__ = [
     "preferred_layout",
     "quantize_experts",
     "random_quantized_experts",
+    "register_backend",
     "registered_backends",
     "select_implementation",
     "sharding",
 ]
+
+
+def __getattr__(name: str):
+    """A registered backend's config class by its name (wj.MgpuConfig: the 'mgpu' backend's,
+    defined in its folder, pallas_kernels/mosaic_gpu/), looked up when first used so that
+    importing wna16_jax imports no kernels."""
+    from wna16_jax import _dispatch
+
+    found = _dispatch.config_class(name)
+    if found is None:
+        raise AttributeError(f"module 'wna16_jax' has no attribute {name!r}")
+    return found

@@ -25,6 +25,20 @@ def activate(h, activation: str, dtype=None):
     return act if dtype is None else act.astype(dtype)
 
 
+def weighted_rows(rows, routed_weights, dtype):
+    """rows [R, N] times each row's routed weight (f32 [R]; None: unweighted), multiplied in
+    f32, -> dtype."""
+    if routed_weights is not None:
+        rows = rows.astype(jnp.float32) * routed_weights.astype(jnp.float32)[:, None]
+    return rows.astype(dtype)
+
+
+def activate_then_weight(h, activation: str, routed_weights, dtype):
+    """A grouped GEMM's activation applied after it: ACTIVATIONS[activation] of the f32 sums
+    h [R, 2I], then each row's routed weight (`weighted_rows`) -> [R, I] in dtype."""
+    return weighted_rows(activate(h, activation), routed_weights, dtype)
+
+
 # ---- int8 activations (W8A8) ----------------------------------------------------------------
 
 # Symmetric int8 activations use [-127, 127] (the grid is symmetric around 0).

@@ -21,7 +21,6 @@ from wna16_jax._types import (
     ActivationQuant,
     AlignedRouting,
     BlockConfig,
-    MgpuConfig,
     QuantizedExperts,
 )
 
@@ -191,7 +190,7 @@ def fused_moe(
     expert_map=None,
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
-    config: BlockConfig | MgpuConfig | None = None,
+    config: BlockConfig | object | None = None,
     activation_quant: str | ActivationQuant | None = None,
     out_dtype=None,
 ):
@@ -461,28 +460,6 @@ def grouped_matmul(
     )
 
 
-def backend_layout(implementation: str, *, bits: int) -> str:
-    """The layout of `bits`-bit weights that the backend `implementation` reads: "canonical"
-    where it reads that one, else its kernel layout of those bits (e.g. "mgpu_int4" for
-    'mgpu' and 'mgpu_interpret'). Lets a model convert its weights for a named backend
-    without naming backends itself.
-
-    Raises:
-        ValueError: an unknown implementation, or one that reads no layout of `bits`-bit
-            weights (its layouts named).
-    """
-    layouts = _dispatch.get_backend(implementation).layouts
-    if "canonical" in layouts:
-        return "canonical"
-    for layout in layouts:
-        if KERNEL_LAYOUT_BITS.get(layout) == bits:
-            return layout
-    raise ValueError(
-        f"implementation {implementation!r} reads no layout of bits={bits} weights (it reads "
-        f"{list(layouts)})"
-    )
-
-
 def preferred_layout(
     w13: QuantizedExperts,
     w2: QuantizedExperts,
@@ -492,7 +469,7 @@ def preferred_layout(
     activation_quant: str | ActivationQuant | None = None,
 ) -> str:
     """The layout to convert these experts to once (at load) for the fastest backend that runs
-    them on this platform: the first of _dispatch.PREFERRED_LAYOUTS that holds their bits and
+    them on this platform: the first of _dispatch.preferred_layouts() that holds their bits and
     whose backend accepts the fused_moe problem of these arguments here, else "canonical".
 
     For mgpu_int4 / mgpu_int8 (the 'mgpu' backend) that is an sm_90 GPU, int4 / int8 for both
@@ -515,7 +492,7 @@ def preferred_layout(
     ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
     problem, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
-    for layout, name in _dispatch.PREFERRED_LAYOUTS:
+    for layout, name in _dispatch.preferred_layouts():
         bits = KERNEL_LAYOUT_BITS[layout]
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width
             continue

@@ -1,4 +1,6 @@
-"""Kernel configs: the GEMM's validity rules and heuristic, and the tuned tables (package JSON)."""
+"""Kernel configs: the one resolver (the caller's config, else the tuned table's, else the
+heuristic's) that each backend calls with its own rules, the tuned tables (package JSON), and
+the BlockConfig GEMMs' validity rules and heuristic (the Pallas-Triton and Triton kernels')."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ import functools
 import json
 import logging
 import re
+from collections.abc import Callable, Mapping
 from importlib import resources
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from wna16_jax._types import BlockConfig, MgpuConfig
+from wna16_jax._types import BlockConfig
 
 logger = logging.getLogger("wna16_jax")
 
@@ -119,19 +123,23 @@ def check_gemm_operands(config: BlockConfig, routing, k: int, qw) -> None:
 #      "tables": {"<table>": {"about": "...", "entries": [
 #          {"problem": {...}, "M": 8, "config": {...}, ...}, ...]}}}
 #
-# A table holds one kernel's configs: "pallas" (the Pallas-Triton grouped GEMM's BlockConfig per
+# A table holds one kernel's configs, named by the kernel's ConfigRules.table (its config class
+# is the rules' config_type): e.g. "pallas" (the Pallas-Triton grouped GEMM's BlockConfig per
 # GEMM; problem E, N, K, bits, group_size (`GemmShape.table_problem`); M the GEMM's rows, T*k
 # token slots), "mgpu" (the Mosaic GPU layer's MgpuConfig; problem E, H, I, bits, group, and
-# activations="int8" for W8A8's int8 rows, absent for 16-bit activations; M the layer's T*k
-# token slots) and "mgpu_gemm" (the Mosaic GPU GEMM on its own, the quantized linear's
-# (E = 1) and wj.grouped_matmul's: its MgpuConfig per GEMM; problem and M as "pallas"'s). An
-# entry serves the problem it names exactly (the same keys, the same values), at the nearest M
-# (ties: the smaller M); a "mgpu_gemm" entry only Ms within a factor of 2 of its own (a
-# config's blocks are sized for its rows).
+# activations="int8" for W8A8's int8 rows; M the layer's T*k token slots) and "mgpu_gemm" (the
+# Mosaic GPU GEMM on its own; problem and M as "pallas"'s). An entry serves the problem it
+# names exactly (the same keys, the same values), at the nearest M (ties: the smaller M) within
+# a factor of TUNED_M_RATIO of its own (a config's blocks are sized for its rows); elsewhere the
+# heuristic decides. An entry exists only where a measurement beat the heuristic: an entry equal
+# to the heuristic's choice is a copy of the rules (tests/test_configs.py keeps the shipped
+# tables free of them).
 
 TUNED_DIR = "data/tuned"
-# Table name -> the config class of its entries.
-TABLE_CONFIGS = {"pallas": BlockConfig, "mgpu": MgpuConfig, "mgpu_gemm": MgpuConfig}
+# The most a tuned entry's M and the served M differ by, as a factor: a Mosaic GPU GEMM entry of
+# M=1 (8-row blocks) applied at M=64 made a decode step of 64 rows 32% slower on the H200
+# (docs/performance.md, 'Quantized linears').
+TUNED_M_RATIO = 2
 
 
 def device_file_name(device_kind: str) -> str:
@@ -149,25 +157,28 @@ def device_file(folder: str, device_kind: str) -> dict | None:
 
 
 @functools.cache
-def tuned_entries(device_kind: str, table: str) -> tuple[tuple[dict, int, object], ...]:
-    """A device's entries of `table`: ((problem, M, config), ...); empty if it has none."""
-    if table not in TABLE_CONFIGS:
-        raise ValueError(f"unknown tuned table {table!r}; known: {sorted(TABLE_CONFIGS)}")
+def tuned_entries(
+    device_kind: str, table: str, config_type: type
+) -> tuple[tuple[dict, int, Any], ...]:
+    """A device's entries of `table`: ((problem, M, config_type(**config)), ...); empty if it
+    has none."""
     data = device_file(TUNED_DIR, device_kind)
     if data is None:
         return ()
     entries = data.get("tables", {}).get(table, {}).get("entries", ())
-    make = TABLE_CONFIGS[table]
-    return tuple((dict(e["problem"]), int(e["M"]), make(**e["config"])) for e in entries)
+    return tuple((dict(e["problem"]), int(e["M"]), config_type(**e["config"])) for e in entries)
 
 
-def lookup_tuned(table: str, problem: dict, m: int, device_kind: str, within: float | None = None):
+def lookup_tuned(
+    table: str, config_type: type, problem: dict, m: int, device_kind: str,
+    within: float | None = None,
+):  # fmt: skip
     """The config of `table`'s entry for exactly `problem` at the M nearest to `m` (ties: the
     smaller M), or None when the device's table has no entry for the problem; within: only
     entries whose M is at most that factor from m (max(M, m) / min(M, m) <= within)."""
     matches = [
         (em, cfg)
-        for p, em, cfg in tuned_entries(device_kind, table)
+        for p, em, cfg in tuned_entries(device_kind, table, config_type)
         if p == problem and (within is None or max(em, m) <= within * max(min(em, m), 1))
     ]
     if not matches:
@@ -175,11 +186,80 @@ def lookup_tuned(table: str, problem: dict, m: int, device_kind: str, within: fl
     return min(matches, key=lambda mc: (abs(mc[0] - m), mc[0]))[1]
 
 
-def lookup_gemm(shape: GemmShape, device_kind: str) -> BlockConfig | None:
-    """The "pallas" table's config for `shape` (nearest M), unless it breaks a validity rule."""
-    cfg = lookup_tuned("pallas", shape.table_problem(), shape.m, device_kind)
-    # A tuned entry never overrides the validity rules.
-    return cfg if cfg is not None and not config_problems(cfg, shape) else None
+# ---- the resolver ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigRules:
+    """How one kernel picks its config (`resolve`), for problems of its own type (a GemmShape, a
+    Mosaic GPU layer's shape, ...).
+
+    Attributes:
+        config_type: the kernel's config class (frozen, hashable; the tuned entries' type).
+        heuristic: problem -> the untuned config (ValueError naming why, where none fits).
+        table: the kernel's tuned table in data/tuned/<device>.json, or None: no table.
+        table_key: problem -> (the problem keys of its entries, M); with `table`.
+        check: (config, problem) -> None, raising ValueError quoting the values where a
+            caller's config cannot run the problem; None: the kernel checks when it runs.
+        usable: (tuned config, problem) -> whether a tuned entry may run the problem (a tuned
+            entry never overrides the validity rules); None: every entry may.
+        converters: {other config class: its conversion to config_type} for callers' configs
+            of another kernel's class.
+        within: a tuned entry serves only Ms within this factor of its own (None: any M).
+        entry_problem: (problem keys, M) -> the problem of a tuned entry, for the check that no
+            entry equals the heuristic's choice (tests/test_configs.py).
+    """
+
+    config_type: type
+    heuristic: Callable[[Any], Any]
+    table: str | None = None
+    table_key: Callable[[Any], tuple[dict, int]] | None = None
+    check: Callable[[Any, Any], None] | None = None
+    usable: Callable[[Any, Any], bool] | None = None
+    converters: Mapping[type, Callable[[Any], Any]] = dataclasses.field(default_factory=dict)
+    within: float | None = TUNED_M_RATIO
+    entry_problem: Callable[[dict, int], Any] | None = None
+
+
+def resolve(rules: ConfigRules, problem, config=None) -> tuple[Any, str]:
+    """The config for `problem` under `rules`: the caller's, else the device's tuned table's
+    (the nearest M of exactly this problem), else the heuristic's.
+
+    Returns:
+        (config, source) where source is "caller", "tuned:<device>" or "heuristic".
+
+    Raises:
+        ValueError: a caller's config of a type the rules do not take, or one that cannot run
+            the problem (`rules.check`), or no config fits (the heuristic's reason).
+    """
+    if config is not None:
+        if not isinstance(config, rules.config_type):
+            convert = next((f for t, f in rules.converters.items() if isinstance(config, t)), None)
+            if convert is None:
+                names = " or ".join(t.__name__ for t in (rules.config_type, *rules.converters))
+                raise ValueError(f"config must be a {names} or None, got {config!r}")
+            config = convert(config)
+        if rules.check is not None:
+            rules.check(config, problem)
+        return config, "caller"
+    if rules.table is not None:
+        kind = device_kind()
+        keys, m = rules.table_key(problem)
+        tuned = lookup_tuned(rules.table, rules.config_type, keys, m, kind, within=rules.within)
+        if tuned is not None and (rules.usable is None or rules.usable(tuned, problem)):
+            return tuned, f"tuned:{kind}"
+    return rules.heuristic(problem), "heuristic"
+
+
+_logged: set = set()
+
+
+def log_once(key, message: str, *args) -> None:
+    """Logs `message` % args at INFO the first time `key` (hashable) is seen: each new choice
+    of a config or backend is named once."""
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message, *args)
 
 
 def _largest_pow2_divisor(x: int, cap: int) -> int:
@@ -276,25 +356,42 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def resolve_config(
-    shape: GemmShape, config: BlockConfig | None, *, allow_fma: bool = True
-) -> tuple[BlockConfig, str]:
-    """The config for `shape`: the caller's, else the tuned table's, else the heuristic's.
+def gemm_table_key(shape: GemmShape) -> tuple[dict, int]:
+    """A GEMM's problem keys and M in a tuned table ("pallas", "mgpu_gemm")."""
+    return shape.table_problem(), shape.m
 
-    allow_fma=False (kernels with tensor-core dots only, e.g. the Triton GEMM): a tuned
-    CUDA-core ("fma") entry is passed over, and the heuristic gives a tensor-core config.
 
-    Returns:
-        (config, source) where source is "caller", "tuned:<device>" or "heuristic".
+def gemm_entry_shape(problem: dict, m: int) -> GemmShape:
+    """The GemmShape of a tuned table's GEMM entry (`GemmShape.table_problem`'s keys) at M=m."""
+    k, group_size = problem["K"], problem["group_size"]
+    return GemmShape(
+        m=m, n=problem["N"], k=k, num_experts=problem["E"], bits=problem["bits"],
+        group=k if group_size == -1 else group_size, group_size=group_size,
+    )  # fmt: skip
 
-    Raises:
-        ValueError: the caller's config cannot run the shape.
-    """
-    if config is not None:
+
+def block_config_rules(
+    *, table: str | None, allow_fma: bool = True, check: Callable | None = None
+) -> ConfigRules:
+    """The ConfigRules of a BlockConfig GEMM: `heuristic_config`, the validity rules
+    (`check_config`, then `check` where given: a kernel's own rules), and `table`'s entries
+    where they keep them. allow_fma=False (kernels with tensor-core dots only): the heuristic
+    gives a tensor-core config and a tuned CUDA-core ("fma") entry is passed over."""
+
+    def check_all(config: BlockConfig, shape: GemmShape) -> None:
         check_config(config, shape)
-        return config, "caller"
-    kind = device_kind()
-    tuned = lookup_gemm(shape, kind)
-    if tuned is not None and (allow_fma or tuned.dot != "fma"):
-        return tuned, f"tuned:{kind}"
-    return heuristic_config(shape, allow_fma=allow_fma), "heuristic"
+        if check is not None:
+            check(config, shape)
+
+    def usable(config: BlockConfig, shape: GemmShape) -> bool:
+        return not config_problems(config, shape) and (allow_fma or config.dot != "fma")
+
+    return ConfigRules(
+        config_type=BlockConfig,
+        heuristic=functools.partial(heuristic_config, allow_fma=allow_fma),
+        table=table,
+        table_key=gemm_table_key,
+        check=check_all,
+        usable=usable,
+        entry_problem=gemm_entry_shape,
+    )

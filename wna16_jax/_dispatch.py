@@ -1,5 +1,6 @@
-"""Backends: fused_moe, moe_align_block_size and (optionally) the grouped GEMM of each; each says
-why it cannot run a problem; selection by platform priority."""
+"""The backend registry, the one place that knows the backends: fused_moe, moe_align_block_size
+and (optionally) the grouped GEMM of each, its weight layouts and config class; each says why it
+cannot run a problem; selection by platform priority."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import logging
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
-from wna16_jax import _activations, _backend_order, _configs, _reference, layouts
+from wna16_jax import _activations, _backend_order, _configs, _reference
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import LAYOUTS, BlockConfig
+from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -92,11 +92,11 @@ class GroupedMatmul:
 
     Attributes:
         unsupported_reason: GemmProblem -> None when it can run, else a sentence saying why not.
-        config: (GemmShape, config | None) -> (config, source): the caller's config
-            checked against the shape (ValueError quoting the problems), else the tuned
-            table's, else the heuristic's; source is "caller", "tuned:<device>" or
-            "heuristic". A config is a BlockConfig, or the backend's own type (the 'mgpu'
-            GEMM's MgpuConfig; a BlockConfig given to it is converted); it has a block_m.
+        config: (GemmShape, config | None) -> (config, source): `_configs.resolve` under the
+            GEMM's ConfigRules (the caller's config checked against the shape, else the tuned
+            table's, else the heuristic's); source is "caller", "tuned:<device>" or
+            "heuristic". A config is the backend's config_type (a BlockConfig, or e.g. the
+            'mgpu' GEMM's MgpuConfig, which converts a BlockConfig); it has a block_m.
         run: (a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None,
             activation=None) -> [R * top_k, N]: out[s] = a[s // top_k] @ dequant(w[e(s)]).T
             for each slot s of the AlignedRouting (aligned with config.block_m); with
@@ -117,6 +117,22 @@ class GroupedMatmul:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayoutConversion:
+    """A backend's kernel layouts' conversions (wna16_jax.layouts), lossless both ways.
+
+    Attributes:
+        reason: (layout, *, bits, n, k) -> why `layout` cannot hold weights [E, N, K] of `bits`
+            bits (None when it can).
+        to_kernel: (qw, layout) -> canonical, validated `qw` (held by `layout`) in `layout`.
+        to_canonical: qw in one of the layouts -> the canonical layout.
+    """
+
+    reason: Callable[..., str | None]
+    to_kernel: Callable[[QuantizedExperts, str], QuantizedExperts]
+    to_canonical: Callable[[QuantizedExperts], QuantizedExperts]
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
     """A fused_moe implementation.
 
@@ -134,6 +150,13 @@ class Backend:
             unsupported_reason.
         grouped_matmul: its grouped GEMM (GroupedMatmul), or None where it has none that
             takes an AlignedRouting.
+        preferred_layouts: kernel layouts (of `layouts`) that wna16_jax.preferred_layout picks
+            for this backend, in order, where it runs the weights here: a measurement showed
+            it faster on them than the canonical layout's backends.
+        config_type: its config class (the `config` fused_moe and the grouped GEMM take), also
+            reachable as wna16_jax.<class name>.
+        layout_conversion: the conversions of its kernel layouts (those of `layouts` other than
+            "canonical" that it defines), or None where it defines none.
     """
 
     name: str
@@ -143,6 +166,9 @@ class Backend:
     moe_align_block_size: Callable
     layouts: tuple[str, ...] = ("canonical",)
     grouped_matmul: GroupedMatmul | None = None
+    preferred_layouts: tuple[str, ...] = ()
+    config_type: type = BlockConfig
+    layout_conversion: LayoutConversion | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -155,24 +181,114 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("xla",)
 
-# Kernel layouts that wna16_jax.preferred_layout picks, in order, with the backend that reads
-# each, where that backend runs the experts here (each layout holds weights of one bit width,
-# _types.KERNEL_LAYOUT_BITS): 'mgpu' on mgpu_int4 beat 'pallas' on the canonical layout for
-# DeepSeek-V3 on the H200 (docs/performance.md, 'Mosaic GPU layer'); mgpu_int8, the same GEMM
-# on int8 weights, is preferred to 'pallas' by the same reasoning (not yet measured).
-PREFERRED_LAYOUTS: tuple[tuple[str, str], ...] = (("mgpu_int4", "mgpu"), ("mgpu_int8", "mgpu"))
-
-_logged: set[tuple[str, tuple[str, ...]]] = set()
+# The modules of the built-in kernel backends, each with a tuple BACKENDS of the Backends it
+# registers (imported on the registry's first use; importing the 'triton' backend needs neither
+# triton nor jax_triton).
+BUILTIN_BACKEND_MODULES = (
+    "pallas_kernels.triton.backend",
+    "pallas_kernels.mosaic_gpu.backend",
+    "pallas_kernels.jax_triton.backend",
+)
 
 
 def register_backend(backend: Backend) -> None:
-    """Adds (or replaces) a backend in the registry."""
+    """Adds `backend` to the registry (replacing one of the same name): fused_moe,
+    grouped_matmul, the quantized linear and moe_align_block_size then take its name as
+    `implementation`; automatic selection tries it only where PRIORITY lists it.
+
+    Raises:
+        TypeError: `backend` is not a Backend.
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend takes a wna16_jax.Backend, got {backend!r}")
+    _ensure_builtin_backends()
     _REGISTRY[backend.name] = backend
 
 
 def registered_backends() -> tuple[str, ...]:
+    """The names of the registered backends."""
     _ensure_builtin_backends()
     return tuple(_REGISTRY)
+
+
+def preferred_layouts() -> tuple[tuple[str, str], ...]:
+    """((kernel layout, backend name), ...): every backend's preferred_layouts, in registry
+    order, that wna16_jax.preferred_layout tries in turn ('mgpu' on mgpu_int4 beat 'pallas' on
+    the canonical layout for DeepSeek-V3 on the H200: docs/performance.md, 'Mosaic GPU
+    layer')."""
+    _ensure_builtin_backends()
+    return tuple((lay, b.name) for b in _REGISTRY.values() for lay in b.preferred_layouts)
+
+
+def config_class(name: str) -> type | None:
+    """The config class named `name` of a registered backend (e.g. "MgpuConfig"), or None."""
+    _ensure_builtin_backends()
+    return next((b.config_type for b in _REGISTRY.values() if b.config_type.__name__ == name), None)
+
+
+def layout_conversion(layout: str) -> LayoutConversion:
+    """The conversion of kernel layout `layout`: the first registered backend's that reads it
+    and defines its conversion.
+
+    Raises:
+        ValueError: `layout` is not one of LAYOUTS, or no registered backend converts it.
+    """
+    if layout not in LAYOUTS or layout == "canonical":
+        raise ValueError(f"layout={layout!r} is not one of the kernel layouts {LAYOUTS[1:]}")
+    _ensure_builtin_backends()
+    for b in _REGISTRY.values():
+        if layout in b.layouts and b.layout_conversion is not None:
+            return b.layout_conversion
+    raise ValueError(f"no registered backend converts weights to the {layout!r} layout")
+
+
+def kernel_layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | None:
+    """Why the kernel layout `layout` cannot hold weights [E, N, K] of `bits` bits (None when
+    it can): the reason `to_kernel_layout` raises."""
+    return layout_conversion(layout).reason(layout, bits=bits, n=n, k=k)
+
+
+def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
+    """`qw` (any layout) in `layout`, one of LAYOUTS (wna16_jax.layouts)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if qw.layout == layout:
+        return qw
+    qw = to_canonical_layout(qw)
+    if layout == "canonical":
+        return qw
+    qw.validate("weights")
+    _, n, k = qw.shape
+    if reason := kernel_layout_reason(layout, bits=qw.bits, n=n, k=k):
+        raise ValueError(reason)
+    return layout_conversion(layout).to_kernel(qw, layout)
+
+
+def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
+    """`qw` in the canonical layout (docs/design.md); the inverse of to_kernel_layout."""
+    if qw.layout == "canonical":
+        return qw
+    qw.validate("weights")
+    return layout_conversion(qw.layout).to_canonical(qw)
+
+
+def backend_layout(implementation: str, bits: int) -> str:
+    """The first layout of backend `implementation` that holds `bits`-bit weights
+    ("canonical" where the backend reads it first; e.g. "mgpu_int4" for 'mgpu' and
+    'mgpu_interpret'): lets a model convert its weights for a named backend without naming
+    backends itself.
+
+    Raises:
+        ValueError: an unknown implementation, or one that reads no layout of `bits`-bit
+            weights (its layouts named).
+    """
+    layouts_ = get_backend(implementation).layouts
+    held = [lay for lay in layouts_ if lay == "canonical" or KERNEL_LAYOUT_BITS[lay] == bits]
+    if not held:
+        raise ValueError(
+            f"backend {implementation!r} reads no layout of int{bits} weights ({layouts_})"
+        )
+    return held[0]
 
 
 def get_backend(name: str) -> Backend:
@@ -206,7 +322,7 @@ def layout_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | 
             (
                 f"{name}: {r}" if len(weights) > 1 else r
                 for name, bits, n, k in weights
-                if (r := layouts.kernel_layout_reason(lay, bits=bits, n=n, k=k))
+                if (r := kernel_layout_reason(lay, bits=bits, n=n, k=k))
             ),
             None,
         )
@@ -277,6 +393,9 @@ def compiled_and_interpreted(
     gemm_shape_reason: Callable[[GemmProblem], str | None] | None = None,
     gemm_gpu_reason: Callable[[str], str | None] = cuda_gpu_reason,
     gemm_linear: Callable | None = None,
+    preferred_layouts: tuple[str, ...] = (),
+    config_type: type = BlockConfig,
+    layout_conversion: LayoutConversion | None = None,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
     interpreter, any platform), both reading weights in `layouts`. `fused_moe`, `align`
@@ -285,7 +404,9 @@ def compiled_and_interpreted(
     `shape_reason` why no kernel can (any platform); gemm_config and gemm_shape_reason are the
     GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
     says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
-    gemm_linear (taking `interpret` too) is GroupedMatmul.linear."""
+    gemm_linear (taking `interpret` too) is GroupedMatmul.linear; preferred_layouts are the
+    compiled backend's (an interpreter is never preferred); config_type and layout_conversion
+    are both's."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -317,6 +438,9 @@ def compiled_and_interpreted(
             moe_align_block_size=functools.partial(align, interpret=False),
             layouts=layouts,
             grouped_matmul=grouped(False),
+            preferred_layouts=preferred_layouts,
+            config_type=config_type,
+            layout_conversion=layout_conversion,
         ),
         Backend(
             name=f"{name}_interpret",
@@ -326,6 +450,8 @@ def compiled_and_interpreted(
             moe_align_block_size=functools.partial(align, interpret=True),
             layouts=layouts,
             grouped_matmul=grouped(True),
+            config_type=config_type,
+            layout_conversion=layout_conversion,
         ),
     )
 
@@ -391,12 +517,10 @@ def select_backend(
         backend = get_backend(name)
         reason = backend_reason(backend, problem)
         if reason is None:
-            key = (op, name, tuple(candidates))
-            if key not in _logged:
-                _logged.add(key)
-                logger.info(
-                    "wna16_jax: %s uses %r (candidates: %s)", op, name, ", ".join(candidates)
-                )
+            _configs.log_once(
+                (op, name, tuple(candidates)),
+                "wna16_jax: %s uses %r (candidates: %s)", op, name, ", ".join(candidates),
+            )  # fmt: skip
             return backend
         reasons[name] = reason
         logger.debug("wna16_jax: %s skips %r: %s", op, name, reason)
@@ -432,8 +556,8 @@ def _xla_fused_moe(
 ):
     return _reference.fused_moe(
         x,
-        layouts.to_canonical_layout(w13),
-        layouts.to_canonical_layout(w2),
+        to_canonical_layout(w13),
+        to_canonical_layout(w2),
         topk_weights,
         topk_ids,
         expert_map=expert_map,
@@ -448,16 +572,12 @@ def _xla_grouped_matmul(
     a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None, activation=None
 ):
     """The reference grouped GEMM in f32 (`_reference.grouped_matmul`); config is not read."""
-    w = layouts.to_canonical_layout(w)
+    w = to_canonical_layout(w)
     if activation is None:
         out = _reference.grouped_matmul(a, w, routing, top_k=top_k, routed_weights=routed_weights)
-    else:  # the routed weights multiply the activation
-        out = _activations.ACTIVATIONS[activation](
-            _reference.grouped_matmul(a, w, routing, top_k=top_k)
-        )  # [R * top_k, N/2] f32
-        if routed_weights is not None:
-            out = out * routed_weights.astype(jnp.float32)[:, None]
-    return out.astype(out_dtype or a.dtype)
+        return out.astype(out_dtype or a.dtype)
+    out = _reference.grouped_matmul(a, w, routing, top_k=top_k)  # [R * top_k, N] f32
+    return _activations.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
 
 
 def _xla_gemm_config(shape: GemmShape, config: BlockConfig | None):
@@ -483,22 +603,18 @@ _builtins_loaded = False
 
 
 def _ensure_builtin_backends() -> None:
-    """Registers 'xla' and, when importable, the kernel backends (imported lazily by module
-    name; importing the 'triton' backend needs neither triton nor jax_triton)."""
+    """Registers 'xla' and, when importable, the kernel backends of BUILTIN_BACKEND_MODULES
+    (imported by module name on the registry's first use)."""
     global _builtins_loaded
     if _builtins_loaded:
         return
     _builtins_loaded = True
-    register_backend(XLA_BACKEND)
-    for module in (
-        "pallas_kernels.triton.backend",
-        "pallas_kernels.mosaic_gpu.backend",
-        "pallas_kernels.jax_triton.backend",
-    ):
+    _REGISTRY[XLA_BACKEND.name] = XLA_BACKEND
+    for module in BUILTIN_BACKEND_MODULES:
         try:
             backends = importlib.import_module(module).BACKENDS
         except ImportError as err:  # pragma: no cover - the kernels ship with the package
             logger.debug("wna16_jax: %s unavailable: %s", module, err)
             continue
         for b in backends:
-            register_backend(b)
+            _REGISTRY[b.name] = b

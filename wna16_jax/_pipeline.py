@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-from wna16_jax import _configs
 from wna16_jax._activations import quantize_activations
 from wna16_jax._routing import local_expert_of, placed_slots
-from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
-
-logger = logging.getLogger("wna16_jax")
+from wna16_jax._types import ActivationQuant, QuantizedExperts
 
 # Tokens per chunk of every backend. The GEMM configs are chosen per chunk from its T*k slots, so
 # this is also the largest M the configs see; a chunk's largest intermediate, [T*k, max(2I, H)],
@@ -221,67 +217,3 @@ def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int, out_d
         ),
     )
     return out.reshape(-1, hdim)[:t].astype(out_dtype)
-
-
-# ---- the GEMMs' BlockConfigs ----------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmRules:
-    """How a GEMM kernel picks its BlockConfig: shape_of(w, m) -> the shape it is looked up by,
-    resolve(shape, config) -> (config, where it came from); name: the GEMM in the log line."""
-
-    name: str
-    shape_of: Callable[[QuantizedExperts, int], Any]
-    resolve: Callable[[Any, BlockConfig | None], tuple[BlockConfig, str]]
-
-
-def _wna16_shape(w: QuantizedExperts, m: int) -> _configs.GemmShape:
-    return _configs.GemmShape.of_weights(w, m=m)
-
-
-def wna16_rules(*, allow_fma: bool = True) -> GemmRules:
-    """The WNA16 GEMMs' rules (`_configs.resolve_config`); allow_fma=False: tensor-core configs
-    only, for GEMMs without the CUDA-core product."""
-    resolve = functools.partial(_configs.resolve_config, allow_fma=allow_fma)
-    return GemmRules("WNA16", _wna16_shape, resolve)
-
-
-_logged_configs: set = set()
-
-
-def block_configs(
-    num_slots: int,
-    w13: QuantizedExperts,
-    w2: QuantizedExperts,
-    config: BlockConfig | None,
-    *,
-    rules: GemmRules | None = None,
-) -> tuple[BlockConfig, BlockConfig]:
-    """The BlockConfigs of GEMM1 (w13) and GEMM2 (w2) for num_slots rows: each GEMM's own under
-    `rules` (default `wna16_rules()`), GEMM2 with GEMM1's block_m (one alignment) and dot="fma"
-    where that block_m is below a tensor-core tile. Logs each new choice once at INFO with
-    where it came from."""
-    rules = rules or wna16_rules()
-    shapes = [rules.shape_of(w, num_slots) for w in (w13, w2)]
-    (c1, src1), (c2, src2) = (rules.resolve(s, config) for s in shapes)
-    c2 = dataclasses.replace(c2, block_m=c1.block_m)
-    if c1.block_m < 16 and c2.dot == "mma":  # rows GEMM1 aligned below a tensor-core tile
-        c2 = dataclasses.replace(c2, dot="fma")
-    key = (rules.name, shapes[0], shapes[1], c1, c2)
-    if key not in _logged_configs:
-        _logged_configs.add(key)
-        logger.info(
-            "wna16_jax: fused_moe %s M=%d GEMM1 (N=%d, K=%d) %s [%s]; GEMM2 (N=%d, K=%d) %s [%s]",
-            rules.name,
-            num_slots,
-            w13.n,
-            w13.k,
-            c1,
-            src1,
-            w2.n,
-            w2.k,
-            c2,
-            src2,
-        )
-    return c1, c2

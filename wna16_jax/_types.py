@@ -1,4 +1,4 @@
-"""Typed containers: QuantizedExperts (packed weights), AlignedRouting, BlockConfig, MgpuConfig."""
+"""Typed containers: QuantizedExperts (packed weights), AlignedRouting, BlockConfig."""
 
 from __future__ import annotations
 
@@ -472,75 +472,6 @@ class BlockConfig:
             v = getattr(self, f)
             if v & (v - 1):
                 raise ValueError(f"BlockConfig.{f}={v} must be a power of two")
-
-
-@dataclasses.dataclass(frozen=True)
-class MgpuConfig:
-    """The 'mgpu' backend's layer config: both grouped GEMMs of its MoE layer (frozen, hashable).
-
-    block_m: rows per block (the wgmma's N: a multiple of 8 in [8, 256]); also the align padding.
-    block_k: input features per k-step (a multiple of 64 that divides the group or spans whole
-        groups).
-    stages: k-steps in flight in GEMM1's pipeline.
-    consumers: math warpgroups per program: 0 (one warpgroup issues the copies and does the
-        math) or 1, 2 (warp specialization: a producer warpgroup issues the copies).
-    block_n: output features per math warpgroup (64, one wgmma M, up to 256 in sub-tiles of 64;
-        a GEMM whose N it does not tile takes 64).
-    down_block_n, down_stages: GEMM2's (the down projection's) own block_n and stages (None:
-        GEMM1's).
-    block_halvings: how many times the GEMMs may halve a block whose rows in use fit in half of
-        it (0: never; 1: halves; 2: also quarters; each width stays a multiple of 8).
-    bf16_weights: the warp-specialized GEMMs multiply the weights rounded to bf16 once,
-        (q - z) * s, straight into their sums, instead of exact integer products summed per
-        group in f32 and then scaled (room in registers for 128-row blocks; one more rounding;
-        per-channel weights are not rounded: their exact (q - z) go into the sums, each
-        feature's scale multiplies its sum at the end).
-    splits: each GEMM's K splits (a divisor of its k-steps; each program sums one run of
-        k-steps and the f32 partial products are summed after; a split GEMM1 applies the
-        activation after that sum); None: chosen per GEMM from the shapes.
-    Output tiles per program and whether GEMM1 applies the activation in its epilogue are
-    chosen per GEMM from the shapes (pallas_kernels/mosaic_gpu/config.py).
-    """
-
-    block_m: int
-    block_k: int = 128
-    stages: int = 4
-    consumers: int = 0
-    block_n: int = 64
-    down_block_n: int | None = None
-    down_stages: int | None = None
-    block_halvings: int = 0
-    bf16_weights: bool = False
-    splits: int | None = None
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name == "bf16_weights":
-                if not isinstance(v, bool):
-                    raise ValueError(f"MgpuConfig.bf16_weights={v!r} must be a bool")
-            elif not (v is None and f.default is None):  # the fields that default to None
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise ValueError(f"MgpuConfig.{f.name}={v!r} must be a non-negative int")
-        if self.block_m % 8 or not 8 <= self.block_m <= 256:
-            raise ValueError(
-                f"MgpuConfig.block_m={self.block_m} must be a multiple of 8 in [8, 256]"
-            )
-        if self.block_k % MGPU_TILE or not self.block_k:
-            raise ValueError(f"MgpuConfig.block_k={self.block_k} must be a multiple of {MGPU_TILE}")
-        for name in ("stages", "down_stages", "splits"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"MgpuConfig.{name}={v} must be at least 1")
-        if self.consumers not in (0, 1, 2):
-            raise ValueError(f"MgpuConfig.consumers={self.consumers} must be 0, 1 or 2")
-        for name in ("block_n", "down_block_n"):
-            v = getattr(self, name)
-            if v is not None and (v % MGPU_TILE or not MGPU_TILE <= v <= 4 * MGPU_TILE):
-                raise ValueError(
-                    f"MgpuConfig.{name}={v} must be a multiple of {MGPU_TILE} in "
-                    f"[{MGPU_TILE}, {4 * MGPU_TILE}]"
-                )
 
 
 # ActivationQuant.scheme values.

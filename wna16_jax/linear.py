@@ -34,7 +34,7 @@ from wna16_jax._activations import ACTIVATIONS, activate
 from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
 from wna16_jax._quant import dequantize_experts
-from wna16_jax._types import AlignedRouting, BlockConfig, MgpuConfig, QuantizedExperts
+from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
 
 def identity_routing(num_rows: int, block_m: int) -> AlignedRouting:
@@ -100,7 +100,7 @@ def preferred_layout(
     w: QuantizedExperts, *, dtype=jnp.bfloat16, implementation: str | None = None
 ) -> str:
     """The layout to convert the linear weight `w` to once (at load) so that `implementation`
-    runs it here: for None (the automatic choice) the first of _dispatch.PREFERRED_LAYOUTS
+    runs it here: for None (the automatic choice) the first of _dispatch.preferred_layouts()
     whose backend's grouped GEMM takes it (mgpu_int4 / mgpu_int8 for the 'mgpu' GEMM: an sm_90
     GPU, int4 / int8, bfloat16 activations, N, K and the group multiples of 64), for a backend
     name the first of
@@ -111,7 +111,7 @@ def preferred_layout(
     """
     _check(jax.ShapeDtypeStruct((1, w.k), dtype), w)
     if implementation is None:
-        candidates = _dispatch.PREFERRED_LAYOUTS
+        candidates = _dispatch.preferred_layouts()
     else:
         candidates = [
             (lay, implementation) for lay in _dispatch.get_backend(implementation).layouts
@@ -138,7 +138,7 @@ def quantized_matmul(
     activation: str | None = None,
     out_dtype=None,
     implementation: str | Sequence[str] | None = None,
-    config: BlockConfig | MgpuConfig | None = None,
+    config: BlockConfig | object | None = None,
 ):
     """y [..., N] = x [..., K] @ dequant(w[0]).T, accumulated in f32, rounded once to out_dtype.
 

@@ -516,10 +516,10 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
     def resolve_expert_layout(self, requested: str, implementation=None) -> str:
         """The experts' layout for a `requested` one ("auto", or a wna16_jax.layouts name) and
-        a fused_moe `implementation`: "auto" means the layout of the experts' bits that a named
-        implementation reads (`wna16_jax.backend_layout`: mgpu_int4 or mgpu_int8 for the
-        Mosaic GPU backends, canonical for the others), and `preferred_expert_layout()` when
-        none is named."""
+        a fused_moe `implementation`: "auto" means, for a named implementation, the first of
+        its layouts that holds the experts' bits (`wna16_jax.backend_layout`: mgpu_int4 or
+        mgpu_int8 for the 'mgpu' backends, canonical for the others), and
+        `preferred_expert_layout()` when none is named."""
         if requested != "auto":
             return requested
         if isinstance(implementation, str):

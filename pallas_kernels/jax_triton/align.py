@@ -10,11 +10,11 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.jax_triton import _launch
+from pallas_kernels.jax_triton.config import MAX_EXPERTS
 from wna16_jax import _routing
 from wna16_jax._routing import max_padded_len
 from wna16_jax._types import AlignedRouting
 
-MAX_EXPERTS = 1024
 # Slots per program of both kernels.
 CHUNK_SLOTS = 256
 # Elements of one program's [blocks, EP] searchsorted tile: sets its blocks from EP.

@@ -11,16 +11,12 @@ import functools
 
 import jax.numpy as jnp
 
+from pallas_kernels.jax_triton.config import MAX_EXPERTS, MIN_SPAN, RULES
 from wna16_jax import _activations, _configs
 from wna16_jax._dispatch import AlignProblem, Backend, GemmProblem, GroupedMatmul, MoEProblem
 from wna16_jax._dispatch import cuda_gpu_reason as _gpu_reason
-from wna16_jax._types import BlockConfig
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
-# As pallas_kernels.jax_triton.align.MAX_EXPERTS and .wna16_gemm.MIN_SPAN (not imported here:
-# those modules import triton).
-MAX_EXPERTS = 1024
-MIN_SPAN = 16
 
 
 @functools.cache
@@ -113,7 +109,7 @@ def gemm_shape_reason(problem: GemmProblem) -> str | None:
             f"kernel contracts whole groups or a k-tile inside one"
         )
     try:  # the heuristic raises, naming the problems, where no config fits the shape
-        _configs.heuristic_config(shape, allow_fma=False)
+        RULES.heuristic(shape)
     except ValueError as err:
         return str(err)
     return None
@@ -121,17 +117,6 @@ def gemm_shape_reason(problem: GemmProblem) -> str | None:
 
 def gemm_unsupported_reason(problem: GemmProblem) -> str | None:
     return _gpu_reason(problem.platform) or import_reason() or gemm_shape_reason(problem)
-
-
-def gemm_config(shape, config: BlockConfig | None):
-    """`_configs.resolve_config` with tensor-core configs only (the Triton GEMM has no "fma"
-    product); a caller's config is checked against the Triton GEMM's own rules too."""
-    if config is not None:
-        from pallas_kernels.jax_triton.wna16_gemm import triton_config_problems
-
-        if problems := triton_config_problems(config):
-            raise ValueError(f"config {config} cannot run the Triton GEMM: " + "; ".join(problems))
-    return _configs.resolve_config(shape, config, allow_fma=False)
 
 
 def _grouped_matmul(
@@ -142,12 +127,8 @@ def _grouped_matmul(
     gemm = dict(top_k=top_k, config=config)
     if activation is None:
         return wna16_gemm(a, w, routing, routed_weights, out_dtype=out_dtype, **gemm)
-    act = _activations.activate(
-        wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm), activation
-    )
-    if routed_weights is not None:  # the routed weights multiply the activation
-        act = act * routed_weights.astype(jnp.float32)[:, None]
-    return act.astype(out_dtype or a.dtype)
+    out = wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm)
+    return _activations.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
 
 
 BACKENDS = (
@@ -158,7 +139,9 @@ BACKENDS = (
         align_unsupported_reason=align_unsupported_reason,
         moe_align_block_size=_align,
         grouped_matmul=GroupedMatmul(
-            unsupported_reason=gemm_unsupported_reason, config=gemm_config, run=_grouped_matmul
+            unsupported_reason=gemm_unsupported_reason,
+            config=functools.partial(_configs.resolve, RULES),
+            run=_grouped_matmul,
         ),
     ),
 )

@@ -8,18 +8,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.block_configs import block_configs
 from pallas_kernels.jax_triton.align import moe_align_block_size
+from pallas_kernels.jax_triton.config import RULES
 from pallas_kernels.jax_triton.wna16_gemm import wna16_gemm
 from wna16_jax import _pipeline
 from wna16_jax._activations import activate
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
-# Tensor-core configs only: the Triton GEMM has no dot="fma".
-RULES = _pipeline.wna16_rules(allow_fma=False)
-
 
 def _plan(num_slots, num_experts, w13, w2, *, config) -> tuple[BlockConfig, BlockConfig]:
-    return _pipeline.block_configs(num_slots, w13, w2, config, rules=RULES)
+    return block_configs(num_slots, w13, w2, config, rules=RULES)
 
 
 def _route(a, topk_ids, plan, *, num_experts, expert_map, distinct_experts, interpret):
@@ -94,7 +93,7 @@ def fused_moe(
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
         expert_map: optional int32 [E_global].  activation: a key of _activations.ACTIVATIONS.
         config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM:
-            `_pipeline.block_configs` with tensor-core configs only).
+            `block_configs` under RULES: tensor-core configs only).
         chunk_tokens: tokens per chunk for large T.
         interpret: run the kernels in Triton's interpreter on the host (slow; for tests).
         out_dtype: the output dtype (default x.dtype), rounded once from the f32 sum.

@@ -10,13 +10,11 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.jax_triton import _launch
+from pallas_kernels.jax_triton.config import MIN_SPAN, check_triton_config
 from wna16_jax import _configs
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
-# Every tensor-core dot of the kernel contracts one span: a k-tile inside one group, or one
-# group of a k-tile holding several; Triton's dots need K >= 16.
-MIN_SPAN = 16
 
 # The exponent trick: or-ing v into the mantissa of the 16-bit float 2^p gives 2^p + v
 # exactly (an int -> float conversion becomes one logical op).
@@ -220,22 +218,10 @@ def _wna16_gemm_into_kernel(
     )  # fmt: skip
 
 
-def triton_config_problems(config: BlockConfig) -> list[str]:
-    """Why the Triton GEMM cannot run `config` whatever the shape (empty when it can): its
-    products are tensor-core dots only, and Triton's dot takes tiles of at least 16 rows."""
-    problems = []
-    if config.dot != "mma":
-        problems.append(f"dot={config.dot!r}: the Triton GEMM runs tensor-core dots only")
-    if config.block_m < MIN_SPAN:
-        problems.append(f"block_m={config.block_m} is below Triton's 16-row dot tile")
-    return problems
-
-
 def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     """Raises ValueError when `config` cannot run a GEMM over `qw` ([E, N, K])."""
     _configs.check_config(config, _configs.GemmShape.of_weights(qw))
-    if problems := triton_config_problems(config):
-        raise ValueError(f"config {config} cannot run the Triton GEMM: " + "; ".join(problems))
+    check_triton_config(config)
     span = min(config.block_k, qw.group)
     if span < MIN_SPAN:
         raise ValueError(

@@ -1,11 +1,10 @@
-"""The Mosaic GPU layer's configs: the MgpuConfig of a layer (the caller's, the tuned table's or
-`default_config`'s) and each GEMM's plan at a config (k-step, features per program, K splits,
-output tiles per program, fused activation)."""
+"""The Mosaic GPU backend's configs: MgpuConfig, the layer's config rules (the caller's config,
+the tuned table's or `default_config`'s, through `_configs.resolve`) and each GEMM's plan at a
+config (k-step, features per program, K splits, output tiles per program, fused activation)."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 
 import jax
@@ -13,9 +12,77 @@ import jax.numpy as jnp
 
 from pallas_kernels.mosaic_gpu.wna16_gemm import SMEM_BYTES, TILE, stage_bytes, takes_bf16_weights
 from wna16_jax import _configs
-from wna16_jax._types import BlockConfig, MgpuConfig, QuantizedExperts
+from wna16_jax._types import MGPU_TILE, BlockConfig, QuantizedExperts
 
-logger = logging.getLogger("wna16_jax")
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """The 'mgpu' backend's layer config: both grouped GEMMs of its MoE layer (frozen, hashable).
+
+    block_m: rows per block (the wgmma's N: a multiple of 8 in [8, 256]); also the align padding.
+    block_k: input features per k-step (a multiple of 64 that divides the group or spans whole
+        groups).
+    stages: k-steps in flight in GEMM1's pipeline.
+    consumers: math warpgroups per program: 0 (one warpgroup issues the copies and does the
+        math) or 1, 2 (warp specialization: a producer warpgroup issues the copies).
+    block_n: output features per math warpgroup (64, one wgmma M, up to 256 in sub-tiles of 64;
+        a GEMM whose N it does not tile takes 64).
+    down_block_n, down_stages: GEMM2's (the down projection's) own block_n and stages (None:
+        GEMM1's).
+    block_halvings: how many times the GEMMs may halve a block whose rows in use fit in half of
+        it (0: never; 1: halves; 2: also quarters; each width stays a multiple of 8).
+    bf16_weights: the warp-specialized GEMMs multiply the weights rounded to bf16 once,
+        (q - z) * s, straight into their sums, instead of exact integer products summed per
+        group in f32 and then scaled (room in registers for 128-row blocks; one more rounding;
+        per-channel weights are not rounded: their exact (q - z) go into the sums, each
+        feature's scale multiplies its sum at the end).
+    splits: each GEMM's K splits (a divisor of its k-steps; each program sums one run of
+        k-steps and the f32 partial products are summed after; a split GEMM1 applies the
+        activation after that sum); None: chosen per GEMM from the shapes.
+    Output tiles per program and whether GEMM1 applies the activation in its epilogue are
+    chosen per GEMM from the shapes (`gemm_plan`).
+    """
+
+    block_m: int
+    block_k: int = 128
+    stages: int = 4
+    consumers: int = 0
+    block_n: int = 64
+    down_block_n: int | None = None
+    down_stages: int | None = None
+    block_halvings: int = 0
+    bf16_weights: bool = False
+    splits: int | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "bf16_weights":
+                if not isinstance(v, bool):
+                    raise ValueError(f"MgpuConfig.bf16_weights={v!r} must be a bool")
+            elif not (v is None and f.default is None):  # the fields that default to None
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ValueError(f"MgpuConfig.{f.name}={v!r} must be a non-negative int")
+        if self.block_m % 8 or not 8 <= self.block_m <= 256:
+            raise ValueError(
+                f"MgpuConfig.block_m={self.block_m} must be a multiple of 8 in [8, 256]"
+            )
+        if self.block_k % MGPU_TILE or not self.block_k:
+            raise ValueError(f"MgpuConfig.block_k={self.block_k} must be a multiple of {MGPU_TILE}")
+        for name in ("stages", "down_stages", "splits"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"MgpuConfig.{name}={v} must be at least 1")
+        if self.consumers not in (0, 1, 2):
+            raise ValueError(f"MgpuConfig.consumers={self.consumers} must be 0, 1 or 2")
+        for name in ("block_n", "down_block_n"):
+            v = getattr(self, name)
+            if v is not None and (v % MGPU_TILE or not MGPU_TILE <= v <= 4 * MGPU_TILE):
+                raise ValueError(
+                    f"MgpuConfig.{name}={v} must be a multiple of {MGPU_TILE} in "
+                    f"[{MGPU_TILE}, {4 * MGPU_TILE}]"
+                )
+
 
 # The name of the layer's table in the tuned files (wna16_jax/data/tuned/<device>.json).
 TUNED_TABLE = "mgpu"
@@ -141,7 +208,8 @@ def fitted_stages(cfg: MgpuConfig, group: int, bits: int) -> MgpuConfig:
 
 
 def from_block_config(config: BlockConfig) -> MgpuConfig:
-    """A BlockConfig's block_m, block_k and num_stages (its other fields do not apply)."""
+    """A caller's BlockConfig as the Mosaic GPU GEMM takes it: its block_m, block_k and
+    num_stages (its other fields do not apply)."""
     return MgpuConfig(config.block_m, config.block_k, config.num_stages)
 
 
@@ -155,21 +223,77 @@ def layer_group(w13: QuantizedExperts, w2: QuantizedExperts) -> int:
 INT8_ROWS_KEY = "int8"
 
 
-def table_problem(
-    num_experts: int, w13: QuantizedExperts, w2: QuantizedExperts, *, int8_rows: bool = False
-) -> dict:
-    """The problem keys of a layer's entries in the tuned table: E (the routing's experts),
-    H, I, bits and the group of `layer_group`; with int8 rows (W8A8) also
-    activations=INT8_ROWS_KEY, so that W8A8 and W8A16 entries of the same weights stay apart.
-    Both W8A8 schemes (per token, static) give the GEMMs the same int8 rows with an f32 scale
-    per row, so one entry serves both."""
-    problem = dict(E=num_experts, H=w13.k, I=w2.k, bits=w13.bits, group=layer_group(w13, w2))
-    if int8_rows:
-        problem["activations"] = INT8_ROWS_KEY
-    return problem
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """The static facts of a MoE layer's chunk that its config follows: num_slots (T*k) slots
+    over num_experts (the routing's) experts, w13 [E, 2I, H] and w2 [E, H, I] of `bits` bits,
+    the group both GEMMs' k-steps fit (`layer_group`), whether both weights are per channel,
+    and int8 rows (W8A8)."""
+
+    num_slots: int
+    num_experts: int
+    hidden: int  # H
+    intermediate: int  # I: GEMM2's K
+    bits: int
+    group: int
+    per_channel: bool = False
+    int8_rows: bool = False
+
+    @classmethod
+    def of_layer(
+        cls, num_slots: int, num_experts: int, w13: QuantizedExperts, w2: QuantizedExperts, *,
+        int8_rows: bool = False,
+    ) -> LayerShape:  # fmt: skip
+        return cls(
+            num_slots, num_experts, w13.k, w2.k, w13.bits, layer_group(w13, w2),
+            per_channel=w13.group == w13.k and w2.group == w2.k, int8_rows=int8_rows,
+        )  # fmt: skip
+
+    def table_problem(self) -> dict:
+        """The problem keys of the layer's entries in the tuned table: E (the routing's
+        experts), H, I, bits and the group of `layer_group`; with int8 rows (W8A8) also
+        activations=INT8_ROWS_KEY, so that W8A8 and W8A16 entries of the same weights stay
+        apart. Both W8A8 schemes (per token, static) give the GEMMs the same int8 rows with an
+        f32 scale per row, so one entry serves both."""
+        problem = dict(
+            E=self.num_experts, H=self.hidden, I=self.intermediate, bits=self.bits,
+            group=self.group,
+        )  # fmt: skip
+        if self.int8_rows:
+            problem["activations"] = INT8_ROWS_KEY
+        return problem
+
+    @classmethod
+    def of_entry(cls, problem: dict, m: int) -> LayerShape:
+        """The layer of a tuned entry (`table_problem`'s keys) at M=m slots; both weights per
+        channel where the group is gcd(H, I)."""
+        h, i, group = problem["H"], problem["I"], problem["group"]
+        return cls(
+            m, problem["E"], h, i, problem["bits"], group, per_channel=group == math.gcd(h, i),
+            int8_rows=problem.get("activations") == INT8_ROWS_KEY,
+        )  # fmt: skip
 
 
-_logged: set = set()
+def layer_default_config(shape: LayerShape) -> MgpuConfig:
+    """`default_config` of a layer."""
+    return default_config(
+        shape.num_slots, shape.num_experts, shape.group, shape.intermediate, shape.bits,
+        int8_rows=shape.int8_rows, per_channel=shape.per_channel,
+    )  # fmt: skip
+
+
+# The layer's ConfigRules: a caller's MgpuConfig (or BlockConfig: `from_block_config`), else the
+# device's tuned table's (the nearest M of exactly this problem: int8 rows, W8A8, have entries of
+# their own), else `default_config`. The GEMMs check a config against the shapes when they run
+# (mgpu_wna16_gemm's check_config).
+LAYER_RULES = _configs.ConfigRules(
+    config_type=MgpuConfig,
+    heuristic=layer_default_config,
+    table=TUNED_TABLE,
+    table_key=lambda shape: (shape.table_problem(), shape.num_slots),
+    converters={BlockConfig: from_block_config},
+    entry_problem=LayerShape.of_entry,
+)
 
 
 def layer_config(
@@ -182,31 +306,14 @@ def layer_config(
     int8_rows: bool = False,
 ) -> MgpuConfig:
     """The layer's config for a chunk of num_slots (T*k) slots over num_experts (the routing's)
-    experts: the caller's (a BlockConfig: `from_block_config`), else the device's tuned table's
-    (the nearest M of exactly this problem, `table_problem`: int8 rows, W8A8, have entries of
-    their own), else `default_config`. Logs each new choice once at INFO with where it came
-    from."""
-    if isinstance(config, MgpuConfig):
-        return config
-    if isinstance(config, BlockConfig):
-        return from_block_config(config)
-    if config is not None:
-        raise ValueError(f"config must be an MgpuConfig, a BlockConfig or None, got {config!r}")
-    kind = _configs.device_kind()
-    problem = table_problem(num_experts, w13, w2, int8_rows=int8_rows)
-    cfg = _configs.lookup_tuned(TUNED_TABLE, problem, num_slots, kind)
-    source = f"tuned:{kind}"
-    if cfg is None:
-        per_channel = w13.group == w13.k and w2.group == w2.k
-        cfg = default_config(
-            num_slots, num_experts, problem["group"], w2.k, w13.bits, int8_rows=int8_rows,
-            per_channel=per_channel,
-        )  # fmt: skip
-        source = "heuristic"
-    key = (num_slots, tuple(problem.items()), cfg)
-    if key not in _logged:
-        _logged.add(key)
-        logger.info("wna16_jax: fused_moe mgpu M=%d %s %s [%s]", num_slots, problem, cfg, source)
+    experts under LAYER_RULES. Logs each new choice once at INFO with where it came from."""
+    shape = LayerShape.of_layer(num_slots, num_experts, w13, w2, int8_rows=int8_rows)
+    cfg, source = _configs.resolve(LAYER_RULES, shape, config)
+    problem = shape.table_problem()
+    _configs.log_once(
+        ("mgpu", num_slots, tuple(problem.items()), cfg),
+        "wna16_jax: fused_moe mgpu M=%d %s %s [%s]", num_slots, problem, cfg, source,
+    )  # fmt: skip
     return cfg
 
 

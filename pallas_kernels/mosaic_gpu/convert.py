@@ -1,5 +1,5 @@
 """The Mosaic GPU GEMM's dequantizing converter: a stored 64x64 weight tile of the mgpu_int4 /
-mgpu_int8 layouts (shared memory, values in wgmma register order: layouts.tile_order) to the
+mgpu_int8 layouts (shared memory, values in wgmma register order: layout.tile_order) to the
 wgmma's A operand in registers, by inline PTX on each thread's own 16-byte loads (no shuffles,
 no permutes), and for W8A8 the int8 operand tile; in the interpreter the same values as arrays.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from wna16_jax import layouts
+from pallas_kernels.mosaic_gpu import layout
 from wna16_jax._types import MGPU_TILE
 
 # The mgpu layouts' weight tiles are TILE x TILE; TILE features are one wgmma's M.
@@ -93,7 +93,7 @@ def _register_tile(q_tile, dtype, fill, *, eight_bit: bool, is_signed, columns: 
 
 
 def converted_tile(q_tile, bits: int, dtype, interpret: bool, part: int = 0, parts: int = 1):
-    """The stored 64x64 tile q_tile (shared memory, in register order: layouts.tile_order(bits))
+    """The stored 64x64 tile q_tile (shared memory, in register order: layout.tile_order(bits))
     in bf16 plus CONVERTED_BIAS[bits], exact: 128 + q for int4, q - 128 for int8 (q the
     canonical value); with parts > 1 only its columns (inputs) of k-part `part` of `parts`
     equal ones, [64, 64 / parts] (a group of 64 / parts inputs). Compiled: in the wgmma A
@@ -107,7 +107,7 @@ def converted_tile(q_tile, bits: int, dtype, interpret: bool, part: int = 0, par
     width = TILE // parts
     if interpret:
         q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
-        q = layouts.from_tile_order(q, bits)[:, part * width : (part + 1) * width]
+        q = layout.from_tile_order(q, bits)[:, part * width : (part + 1) * width]
         return q.astype(dtype) + CONVERTED_BIAS[bits]
 
     from jax._src.lib.mlir import ir
@@ -178,7 +178,7 @@ def int8_operand_tile(q_tile, interpret: bool):
     WGMMA_LAYOUT_8BIT, each one prmt of two words a thread loads (_INT8_ROW_HALF); interpret:
     the same values as a jnp array."""
     if interpret:
-        q = layouts.from_tile_order(q_tile[...].reshape(TILE, TILE), 8)
+        q = layout.from_tile_order(q_tile[...].reshape(TILE, TILE), 8)
         return w8a8_input_order(q)
 
     from jax._src.lib.mlir import ir

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import gather_rows
 from pallas_kernels.common.align import moe_align_block_size
-from pallas_kernels.mosaic_gpu.config import gemm_plan, gemm_rows_in_use, layer_config
+from pallas_kernels.mosaic_gpu.config import MgpuConfig, gemm_plan, gemm_rows_in_use, layer_config
 from pallas_kernels.mosaic_gpu.convert import w8a8_input_order
 from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
 from wna16_jax import _pipeline
 from wna16_jax._activations import Int8Rows, activate
 from wna16_jax._routing import local_expert_of
-from wna16_jax._types import ActivationQuant, BlockConfig, MgpuConfig, QuantizedExperts
+from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
 
 
 def rows_in_block_order(x, slots, top_k: int, *, interpret: bool = False):
@@ -132,11 +132,19 @@ def aligned_blocks(x, topk_ids, *, num_experts: int, block_m: int, expert_map, i
         x, topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map,
         interpret=interpret,
     )  # fmt: skip
-    # Padding slots point past the end and are dropped.
-    position = jnp.zeros(t * k, jnp.int32)
-    position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
-    in_use = (slots < t * k).reshape(-1, block_m).sum(axis=1, dtype=jnp.int32)
+    position, in_use = block_positions(slots, t * k, block_m)
     return block_experts, x_rows, position, in_use
+
+
+def block_positions(slots, num_slots: int, block_m: int):
+    """Of the aligned `slots` ([B * block_m]: slot ids in block order, ids >= num_slots for
+    padding): each slot's row position in block order [num_slots] (a slot in no block keeps 0,
+    unspecified; padding points past the end and is dropped) and the rows in use per block [B]
+    (each block's first ones: an expert's run is padded at its end)."""
+    position = jnp.zeros(num_slots, jnp.int32)
+    position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
+    in_use = (slots < num_slots).reshape(-1, block_m).sum(axis=1, dtype=jnp.int32)
+    return position, in_use
 
 
 # ---- the pipeline's stages --------------------------------------------------------------------

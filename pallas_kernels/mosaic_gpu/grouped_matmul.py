@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.mosaic_gpu.config import (
+    MgpuConfig,
     default_config,
     fitted_stages,
     from_block_config,
@@ -26,19 +27,21 @@ from pallas_kernels.mosaic_gpu.config import (
     linear_splits,
     tile_n,
 )
-from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
+from pallas_kernels.mosaic_gpu.fused_moe import (
+    block_gemm,
+    block_positions,
+    rows_in_block_order,
+    used_blocks,
+)
 from pallas_kernels.mosaic_gpu.wna16_gemm import group_reason, mgpu_wna16_gemm, takes_rows
 from wna16_jax import _configs
-from wna16_jax._activations import activate
+from wna16_jax._activations import activate, weighted_rows
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import BlockConfig, MgpuConfig
+from wna16_jax._types import BlockConfig
 
 # The name of the GEMM's table in the tuned files (wna16_jax/data/tuned/<device>.json): configs
-# per GEMM (the quantized linear's, wj.grouped_matmul's), written by examples/tune.py. An entry
-# serves rows within TUNED_M_RATIO of its own: an M=1 entry (8-row blocks) applied at M=64 made
-# a decode step of 64 rows 32% slower on the H200 (docs/performance.md, 'Quantized linears').
+# per GEMM (the quantized linear's, wj.grouped_matmul's), written by examples/tune.py.
 TUNED_TABLE = "mgpu_gemm"
-TUNED_M_RATIO = 2
 
 # The Mosaic GPU GEMM's output features per program and k-tile: a multiple of this tiles N and
 # the group (the mgpu layouts' tiles are 64 x 64).
@@ -77,25 +80,19 @@ def linear_config(shape: GemmShape) -> MgpuConfig:
     return cfg
 
 
-def gemm_config(shape: GemmShape, config: MgpuConfig | BlockConfig | None):
-    """GroupedMatmul.config: (the caller's config, "caller") (a BlockConfig:
-    `from_block_config`), else (the device's TUNED_TABLE entry for exactly this GEMM at the
-    nearest M within TUNED_M_RATIO, "tuned:<device>"), else (`linear_config`, "heuristic").
-    The GEMM checks a config against the shapes when it runs (mgpu_wna16_gemm's
-    check_config)."""
-    if isinstance(config, MgpuConfig):
-        return config, "caller"
-    if isinstance(config, BlockConfig):
-        return from_block_config(config), "caller"
-    if config is not None:
-        raise ValueError(f"config must be an MgpuConfig, a BlockConfig or None, got {config!r}")
-    kind = _configs.device_kind()
-    tuned = _configs.lookup_tuned(
-        TUNED_TABLE, shape.table_problem(), shape.m, kind, within=TUNED_M_RATIO
-    )
-    if tuned is not None:
-        return tuned, f"tuned:{kind}"
-    return linear_config(shape), "heuristic"
+# The GEMM's ConfigRules: a caller's MgpuConfig (or BlockConfig: `from_block_config`), else the
+# device's TUNED_TABLE entry for exactly this GEMM at the nearest M (within
+# _configs.TUNED_M_RATIO), else
+# `linear_config`. The GEMM checks a config against the shapes when it runs (mgpu_wna16_gemm's
+# check_config).
+GEMM_RULES = _configs.ConfigRules(
+    config_type=MgpuConfig,
+    heuristic=linear_config,
+    table=TUNED_TABLE,
+    table_key=_configs.gemm_table_key,
+    converters={BlockConfig: from_block_config},
+    entry_problem=_configs.gemm_entry_shape,
+)
 
 
 def grouped_matmul(
@@ -109,7 +106,7 @@ def grouped_matmul(
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     slots, block_experts = used_blocks(routing, num_slots, config.block_m)
     x_rows = rows_in_block_order(a, slots, top_k, interpret=interpret)
-    in_use = (slots < num_slots).reshape(-1, config.block_m).sum(axis=1, dtype=jnp.int32)
+    position, in_use = block_positions(slots, num_slots, config.block_m)
     gemm = block_gemm(config, interpret)
     if activation is None:
         out = gemm(x_rows, w, block_experts, gemm_rows_in_use(config, in_use))  # f32
@@ -122,13 +119,7 @@ def grouped_matmul(
                 x_rows, w, block_experts, gemm_rows_in_use(config, in_use),
                 activation_dtype=activation_dtype,
             )  # fmt: skip
-    # Each slot's row position in block order; a slot in no block keeps 0 (unspecified).
-    position = jnp.zeros(num_slots, jnp.int32)
-    position = position.at[slots].set(jnp.arange(slots.shape[0], dtype=jnp.int32), mode="drop")
-    out = out[position]
-    if routed_weights is not None:
-        out = out.astype(jnp.float32) * routed_weights.astype(jnp.float32)[:, None]
-    return out.astype(out_dtype)
+    return weighted_rows(out[position], routed_weights, out_dtype)
 
 
 def linear(x, w, *, config: MgpuConfig, out_dtype=None, activation=None, interpret=False):

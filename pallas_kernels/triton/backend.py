@@ -3,6 +3,8 @@ canonical layout): fused_moe, moe_align_block_size and the grouped GEMM."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from pallas_kernels.common.align import moe_align_block_size
@@ -80,7 +82,7 @@ def gemm_shape_reason(problem: GemmProblem) -> str | None:
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
     try:  # the heuristic raises, naming the problems, where no config fits the shape
-        _configs.heuristic_config(problem.shape)
+        pallas_moe.RULES.heuristic(problem.shape)
     except ValueError as err:
         return str(err)
     return None
@@ -98,12 +100,8 @@ def grouped_matmul(
         return wna16_gemm(
             a, w, routing, routed_weights, out_dtype=out_dtype, activation=activation, **gemm
         )
-    act = _activations.activate(
-        wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm), activation
-    )
-    if routed_weights is not None:
-        act = act * routed_weights.astype(jnp.float32)[:, None]
-    return act.astype(out_dtype or a.dtype)
+    out = wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm)
+    return _activations.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
 
 
 BACKENDS = compiled_and_interpreted(
@@ -113,6 +111,6 @@ BACKENDS = compiled_and_interpreted(
     _shape_reason,
     moe_align_block_size,
     gemm=grouped_matmul,
-    gemm_config=_configs.resolve_config,
+    gemm_config=functools.partial(_configs.resolve, pallas_moe.RULES),
     gemm_shape_reason=gemm_shape_reason,
 )

@@ -10,19 +10,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.align import moe_align_block_size
+from pallas_kernels.common.block_configs import block_configs
 from pallas_kernels.triton import w8a8_gemm as w8a8
 from pallas_kernels.triton.wna16_gemm import wna16_gemm
-from wna16_jax import _pipeline
+from wna16_jax import _configs, _pipeline
 from wna16_jax._activations import ACTIVATIONS, Int8Rows, activate
 from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
 
-
-def w8a8_rules(activation_quant: ActivationQuant) -> _pipeline.GemmRules:
-    """The W8A8 GEMM's config rules (`w8a8_gemm.resolve_config`: its int8 dot's rules and
-    heuristic; the tuned tables time the 16-bit-activation GEMM)."""
-    return _pipeline.GemmRules(
-        f"W8A8 ({activation_quant.scheme})", w8a8.gemm_shape, w8a8.resolve_config
-    )
+# The Pallas-Triton grouped GEMM's ConfigRules: its BlockConfig validity rules and heuristic,
+# and the "pallas" tuned table (measured on this GEMM).
+RULES = _configs.block_config_rules(table="pallas")
 
 
 def gemm_configs(
@@ -32,15 +29,15 @@ def gemm_configs(
     config: BlockConfig | None,
     *,
     activation_quant: ActivationQuant | None = None,
-    allow_fma: bool = True,
 ) -> tuple[BlockConfig, BlockConfig]:
-    """This backend's configs of GEMM1 and GEMM2 (`_pipeline.block_configs`): the WNA16 rules
-    (allow_fma=False: tensor-core configs only), or the W8A8 GEMM's with activation_quant."""
+    """This backend's configs of GEMM1 and GEMM2 (`block_configs`): the WNA16 GEMM's RULES, or
+    the W8A8 GEMM's (`w8a8_gemm.RULES`) with activation_quant."""
     if activation_quant is None:
-        rules = _pipeline.wna16_rules(allow_fma=allow_fma)
-    else:
-        rules = w8a8_rules(activation_quant)
-    return _pipeline.block_configs(num_slots, w13, w2, config, rules=rules)
+        return block_configs(num_slots, w13, w2, config, rules=RULES)
+    return block_configs(
+        num_slots, w13, w2, config, rules=w8a8.RULES, name=f"W8A8 ({activation_quant.scheme})",
+        shape_of=w8a8.gemm_shape,
+    )  # fmt: skip
 
 
 def fuses_activation(c1: BlockConfig, w13: QuantizedExperts, activation: str) -> bool:

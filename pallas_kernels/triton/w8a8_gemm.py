@@ -147,15 +147,11 @@ def heuristic_config(shape: _configs.GemmShape) -> BlockConfig:
     return config
 
 
-def resolve_config(shape: _configs.GemmShape, config: BlockConfig | None):
-    """(config, source): the caller's (checked) or the W8A8 heuristic's.
-
-    The tuned tables are not consulted: their entries time the 16-bit-activation kernel.
-    """
-    if config is not None:
-        check_config(config, shape)
-        return config, "caller"
-    return heuristic_config(shape), "heuristic-w8a8"
+# The W8A8 GEMM's ConfigRules: its int8 dot's validity rules and heuristic, no tuned table (the
+# tuned tables time the 16-bit-activation GEMM).
+RULES = _configs.ConfigRules(
+    config_type=BlockConfig, heuristic=heuristic_config, check=check_config
+)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "config", "interpret"))
