@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from wna16_jax._checks import as_int
 from wna16_jax._types import SUPPORTED_BITS, QuantizedExperts
 
 
@@ -231,6 +232,8 @@ def quantize_experts(
         ValueError: a bad shape or scheme, or w holds NaN or inf (`check_finite`; not checked
             under jit).
     """
+    bits = as_int("bits", bits)
+    group_size = as_int("group_size", group_size)
     _check_bits(bits)
     w = jnp.asarray(w)
     if w.ndim != 3:

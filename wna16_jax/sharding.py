@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from wna16_jax import _api
 from wna16_jax import linear as _linear
+from wna16_jax._checks import as_int, ids_as_int32
 from wna16_jax._quant import random_quantized_experts
 from wna16_jax._types import MGPU_TILE, ActivationQuant, BlockConfig, QuantizedExperts
 
@@ -67,6 +68,9 @@ def expert_map_for_shard(num_experts: int, num_shards: int, shard_index: int) ->
     Raises:
         ValueError: n does not divide E, or s is out of range.
     """
+    num_experts = as_int("num_experts", num_experts)
+    num_shards = as_int("num_shards", num_shards)
+    shard_index = as_int("shard_index", shard_index)
     _check_divisible(num_experts, num_shards)
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index={shard_index} is not in [0, num_shards={num_shards})")
@@ -83,6 +87,7 @@ def expert_map_for_axis(num_experts: int, axis_name: str):
     Returns:
         int32 [E] jax array: global id -> local id, -1 for experts of other shards.
     """
+    num_experts = as_int("num_experts", num_experts)
     num_shards = jax.lax.axis_size(axis_name)
     _check_divisible(num_experts, num_shards)
     per = num_experts // num_shards
@@ -476,7 +481,8 @@ def local_expert_ids(topk_ids, num_experts: int, expert_axis: str | None):
     Returns:
         int32 [..., k]: local ids, -1 for experts of other shards and for ids outside [0, E).
     """
-    ids = topk_ids.astype(jnp.int32)
+    num_experts = as_int("num_experts", num_experts, minimum=1)
+    ids = ids_as_int32(topk_ids, num_experts)  # an int64 2**32 is out of range, not expert 0
     if expert_axis is None:
         return ids
     emap = expert_map_for_axis(num_experts, expert_axis)
