@@ -60,6 +60,7 @@ from models.deepseek_v3.modeling import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import arg_types  # noqa: E402
 import benchmark  # noqa: E402  (the copy ceiling, arrays' bytes)
 
 # Tokens per row where neither --max-new-tokens nor the checkpoint's generation_config.json
@@ -79,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     src.add_argument(
         "--full-width-layers",
-        type=int,
+        type=arg_types.positive_int,
         metavar="N",
         help="random model at full DeepSeek-V3 width with N layers (int4 experts "
         "generated on device)",
@@ -169,7 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=arg_types.positive_int,
         nargs="+",
         default=[1],
         help="prompts per batch; several values generate once per value with the same model "
@@ -177,12 +178,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=arg_types.positive_int,
         default=None,
         help="tokens generated per row (default: the checkpoint's generation_config.json, "
         f"else {DEFAULT_MAX_NEW_TOKENS})",
     )
-    p.add_argument("--prompt", default="The capital of France is")
+    p.add_argument(
+        "--prompt",
+        default="The capital of France is",
+        help='the text every row starts from (default: "The capital of France is")',
+    )
     p.add_argument(
         "--chat",
         action="store_true",
@@ -199,7 +204,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--temperature",
-        type=float,
+        type=arg_types.non_negative_float,
         default=None,
         help="sampling temperature, 0 for greedy (default: the checkpoint's "
         "generation_config.json: its temperature with do_sample true, 0 with do_sample false; "
@@ -207,20 +212,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--top-p",
-        type=float,
+        type=arg_types.probability_mass,
         default=None,
         help="nucleus sampling mass, 1 for none (default: generation_config.json, else 1)",
     )
     p.add_argument(
         "--eos-id",
-        type=int,
+        type=arg_types.non_negative_int,
         nargs="+",
         default=None,
         metavar="ID",
         help="ids that end a row (default: generation_config.json's eos_token_id, else "
         "config.json's)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=arg_types.non_negative_int,
+        default=0,
+        help="seed of the random model, --distinct-prompts and sampling (default 0)",
+    )
     p.add_argument(
         "--no-progress",
         action="store_true",
@@ -249,15 +259,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     dist.add_argument(
         "--cpu-devices",
-        type=int,
+        type=arg_types.positive_int,
         default=None,
         metavar="N",
         help="run on N fake CPU devices (sets XLA_FLAGS before JAX starts)",
     )
     dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (several hosts)")
-    dist.add_argument("--num-processes", type=int, default=None, help="number of hosts")
-    dist.add_argument("--process-id", type=int, default=None, help="this host's index")
+    dist.add_argument(
+        "--num-processes", type=arg_types.positive_int, default=None, help="number of hosts"
+    )
+    dist.add_argument(
+        "--process-id", type=arg_types.non_negative_int, default=None, help="this host's index"
+    )
     args = p.parse_args(argv)
+    if None not in (args.process_id, args.num_processes) and args.process_id >= args.num_processes:
+        p.error(f"--process-id {args.process_id}: not in [0, --num-processes {args.num_processes})")
     if args.activation_quant is not None:
         why = activation_quant_conflict(args)
         if why:

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 import wna16_jax as wj
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, read_json
 from models.deepseek_v3.modeling import (
+    PROGRESS_DELAY_S,
     DeepseekV3ForCausalLM,
     FloatExperts,
     Linear,
@@ -976,7 +977,8 @@ def load_pretrained(
             An FP8 checkpoint (quant_method "fp8") is dequantized tensor by tensor and
             quantized again: None means "int4" there (logged as a warning); a QuantSpec
             whose targets leave a linear out keeps that linear float, in `dtype`.
-        progress: show a tqdm bar over the tensors read.
+        progress: show a tqdm bar over the tensors read, once the load has run
+            PROGRESS_DELAY_S seconds (a tiny checkpoint's load prints nothing).
         specs: partition specs for the mesh (default sharding.ShardingSpecs.for_mesh).
         moe_mode: the sharded MoE's token mode (see sharding.ModelSharding).
 
@@ -1017,7 +1019,11 @@ def load_pretrained(
     model = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     total = sum(p.num_tensors for p in plans)
     bar = tqdm(
-        total=total, unit="tensor", desc=f"loading {os.path.basename(path)}", disable=not progress
+        total=total,
+        unit="tensor",
+        desc=f"loading {os.path.basename(path)}",
+        disable=not progress,
+        delay=PROGRESS_DELAY_S,
     )
     ckpt.on_read = lambda name: bar.update(1)
     # With a mesh, conversions run on the host's CPU device; only slices reach the mesh.
