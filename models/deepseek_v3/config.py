@@ -71,11 +71,13 @@ class QuantSpec:
 
 
 def _tuple_ids(v) -> tuple[int, ...]:
+    """None, one id or a list of ids as a tuple; the ids kept as given (a float is reported by
+    the config's checks, never truncated)."""
     if v is None:
         return ()
     if isinstance(v, (list, tuple)):
-        return tuple(int(x) for x in v)
-    return (int(v),)
+        return tuple(v)
+    return (v,)
 
 
 def read_json(path: str | os.PathLike) -> dict:
@@ -120,6 +122,70 @@ def _type_problems(cfg) -> list[str]:
             continue
         if not ok:
             problems.append(f"{f.name}={v!r} must be {kind}")
+    return problems
+
+
+# The least value of each int field (None-able ones are checked when set); each of the float
+# fields must also be finite.
+_INT_MINIMUM = {
+    "vocab_size": 1,
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "moe_intermediate_size": 1,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "q_lora_rank": 1,
+    "kv_lora_rank": 1,
+    "qk_nope_head_dim": 0,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 1,
+    "n_routed_experts": 0,  # 0 or None: no routed experts (every layer dense)
+    "n_shared_experts": 0,
+    "num_experts_per_tok": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 0,
+    "moe_layer_freq": 1,
+    "max_position_embeddings": 1,
+}
+_POSITIVE_FLOATS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
+_TOKEN_FIELDS = ("bos_token_id", "pad_token_id")
+
+
+def _range_problems(cfg) -> list[str]:
+    """A sentence for each field of the right type whose value is out of its range: counts
+    below their least value, float fields NaN, inf or not positive, token ids outside
+    [0, vocab_size), YaRN settings that are not finite."""
+    problems = []
+    for name, least in _INT_MINIMUM.items():
+        v = getattr(cfg, name)
+        if v is not None and v < least:
+            problems.append(f"{name}={v} must be >= {least}")
+    for name in _POSITIVE_FLOATS:
+        v = getattr(cfg, name)
+        if not math.isfinite(v) or v <= 0:
+            problems.append(f"{name}={v} must be a finite number > 0")
+    ids = [(name, getattr(cfg, name)) for name in _TOKEN_FIELDS]
+    ids += [(f"eos_token_id[{i}]", v) for i, v in enumerate(cfg.eos_token_id)]
+    for name, v in ids:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            problems.append(f"{name}={v!r} must be an int token id")
+        elif v is not None and not 0 <= v < max(cfg.vocab_size, 1):
+            problems.append(f"{name}={v} is not a token id in [0, vocab_size={cfg.vocab_size})")
+    r = cfg.rope_scaling
+    if r is not None:
+        for f in dataclasses.fields(r):
+            v = getattr(r, f.name)
+            if not math.isfinite(v):
+                problems.append(f"rope_scaling.{f.name}={v} must be finite")
+        if math.isfinite(r.factor) and r.factor <= 0:
+            problems.append(f"rope_scaling.factor={r.factor} must be > 0")
+        if r.original_max_position_embeddings < 1:
+            problems.append(
+                f"rope_scaling.original_max_position_embeddings="
+                f"{r.original_max_position_embeddings} must be >= 1"
+            )
     return problems
 
 
@@ -181,6 +247,7 @@ class DeepseekV3Config:
             raise ValueError("invalid DeepSeek config: " + "; ".join(problems))
         if not isinstance(self.eos_token_id, tuple):
             object.__setattr__(self, "eos_token_id", _tuple_ids(self.eos_token_id))
+        problems += _range_problems(self)
         if self.topk_method not in TOPK_METHODS:
             problems.append(f"topk_method={self.topk_method!r} is not one of {TOPK_METHODS}")
         if self.scoring_func not in SCORING_FUNCS:
@@ -189,11 +256,15 @@ class DeepseekV3Config:
             problems.append(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
         if self.attention_bias:
             problems.append("attention_bias=True is not supported (DeepSeek models have none)")
-        if self.qk_rope_head_dim % 2:
+        if self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2:
             problems.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
-        if self.n_routed_experts:
+        if self.n_routed_experts and self.n_routed_experts > 0:
             e, g = self.n_routed_experts, self.n_group
-            if g < 1 or e % g:
+            if self.num_experts_per_tok > e:
+                problems.append(
+                    f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={e}"
+                )
+            elif g < 1 or e % g:
                 problems.append(f"n_routed_experts={e} is not a multiple of n_group={g}")
             elif not 1 <= self.topk_group <= g:
                 problems.append(f"topk_group={self.topk_group} not in [1, n_group={g}]")
@@ -204,8 +275,6 @@ class DeepseekV3Config:
                 )
             if self.topk_method == "noaux_tc" and g and e % g == 0 and e // g < 2:
                 problems.append(f"noaux_tc needs >= 2 experts per group, got {e // g}")
-        if self.moe_layer_freq < 1:
-            problems.append(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             problems.append(f"dtype={self.dtype!r} is not one of bfloat16, float16, float32")
         if problems:
