@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from wna16_jax import _activations, _dispatch
-from wna16_jax._checks import as_int, check_array, check_expert_map, ids_as_int32
+from wna16_jax._checks import (
+    as_int,
+    check_array,
+    check_expert_map,
+    check_out_dtype,
+    check_values_in,
+    ids_as_int32,
+)
 from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
 from wna16_jax._pipeline import rows_in_input_order
@@ -410,7 +417,8 @@ def grouped_matmul(
     Args:
         a: [R, K] bf16, f16 or f32 rows; the routing's slots number R * top_k.
         w: QuantizedExperts [E, N, K].
-        routing: AlignedRouting of the R * top_k slots (`moe_align_block_size`).
+        routing: AlignedRouting of the R * top_k slots (`moe_align_block_size`); a block's
+            expert outside [-1, E) is refused as `fused_moe` refuses such an expert_map entry.
         routed_weights: optional float [R * top_k] multiplied into each slot's row.
         top_k: slots per row of `a`.
         config: a BlockConfig with block_m == routing.block_m; None: the backend's
@@ -438,6 +446,11 @@ def grouped_matmul(
         raise ValueError(f"a has K={a.shape[1]} input features but w has K={w.k}")
     if not isinstance(routing, AlignedRouting):
         raise ValueError(f"routing must be an AlignedRouting, got {type(routing).__name__}")
+    expert_ids = check_values_in(
+        "routing.expert_ids", routing.expert_ids, w.shape[0], "experts of w"
+    )
+    routing = dataclasses.replace(routing, expert_ids=expert_ids)
+    check_out_dtype(out_dtype)
     num_slots = int(a.shape[0]) * top_k
     if routed_weights is not None:
         check_array("routed_weights", routed_weights)

@@ -58,7 +58,8 @@ def ids_as_int32(ids, num_ids: int):
     if ids.dtype == np.int32:
         return ids
     xp = np if isinstance(ids, np.ndarray) else jnp
-    return xp.where((ids >= 0) & (ids < num_ids), ids, -1).astype(np.int32)
+    inside = (ids >= 0) & (ids < num_ids)
+    return xp.where(inside, xp.where(inside, ids, 0).astype(np.int32), -1)
 
 
 def check_expert_map(expert_map, *, num_global: int | None, num_local: int | None):
@@ -84,18 +85,41 @@ def check_expert_map(expert_map, *, num_global: int | None, num_local: int | Non
         raise ValueError(f"expert_map has {shape[0]} entries but num_experts={num_global}")
     if num_local is None or isinstance(expert_map, jax.ShapeDtypeStruct):
         return expert_map
-    bad = (expert_map < -1) | (expert_map >= num_local)
-    if isinstance(expert_map, jax.core.Tracer):
-        checkify.debug_check(
-            ~jnp.any(bad),
-            f"expert_map holds entries outside [-1, {num_local}) (the local expert count)",
-        )
-        return jnp.where(bad, -1, expert_map).astype(jnp.int32)
-    xp = np if isinstance(expert_map, np.ndarray) else jnp
-    if bool(xp.any(bad)):
-        index = int(xp.argmax(bad))
-        raise ValueError(
-            f"expert_map[{index}]={int(expert_map[index])} is outside [-1, {num_local}): "
-            f"there are {num_local} local experts (-1 marks an expert of another shard)"
-        )
+    expert_map = check_values_in("expert_map", expert_map, num_local, "local experts")
     return expert_map.astype(np.int32) if expert_map.dtype != np.int32 else expert_map
+
+
+def check_values_in(name: str, ids, count: int, what: str):
+    """Checks that the integer array `ids` holds values in [-1, count) (-1: none); returns it.
+
+    A concrete array out of range is a ValueError naming the first bad entry; a traced one gets
+    a checkify.debug_check and its out-of-range entries become -1, never wrapped or clamped
+    onto a real index.
+    """
+    bad = (ids < -1) | (ids >= count)
+    if isinstance(ids, jax.core.Tracer):
+        checkify.debug_check(
+            ~jnp.any(bad), f"{name} holds entries outside [-1, {count}) (the {count} {what})"
+        )
+        return jnp.where(bad, -1, ids)
+    xp = np if isinstance(ids, np.ndarray) else jnp
+    if bool(xp.any(bad)):
+        index = tuple(int(i) for i in xp.unravel_index(xp.argmax(bad), bad.shape))
+        index_text = ", ".join(map(str, index))
+        raise ValueError(
+            f"{name}[{index_text}]={int(ids[index])} is outside [-1, {count}): there are "
+            f"{count} {what} (-1 marks none)"
+        )
+    return ids
+
+
+def check_out_dtype(out_dtype) -> None:
+    """Raises ValueError unless out_dtype is None or a float dtype."""
+    if out_dtype is None:
+        return
+    try:
+        dtype = jnp.dtype(out_dtype)
+    except TypeError:
+        raise ValueError(f"out_dtype={out_dtype!r} is not a dtype") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"out_dtype={dtype.name} must be a floating dtype")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from wna16_jax import _dispatch, layouts
 from wna16_jax._activations import ACTIVATIONS, activate
-from wna16_jax._checks import check_array
+from wna16_jax._checks import check_array, check_out_dtype
 from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
 from wna16_jax._quant import dequantize_experts
@@ -172,6 +172,7 @@ def quantized_matmul(
         NotImplementedError: no requested backend can run it (reasons listed).
     """
     _check(x, w, activation)
+    check_out_dtype(out_dtype)
     return _quantized_matmul(
         x,
         w,

@@ -476,17 +476,17 @@ def local_expert_ids(topk_ids, num_experts: int, expert_axis: str | None):
         topk_ids: int [..., k] global ids.
         num_experts: E, the global number of experts.
         expert_axis: the mesh axis the experts are split over (contiguously, as
-            `expert_map_for_axis` says), or None (every shard holds all E: ids unchanged).
+            `expert_map_for_axis` says), or None (every shard holds all E: ids kept).
 
     Returns:
         int32 [..., k]: local ids, -1 for experts of other shards and for ids outside [0, E).
     """
     num_experts = as_int("num_experts", num_experts, minimum=1)
     ids = ids_as_int32(topk_ids, num_experts)  # an int64 2**32 is out of range, not expert 0
-    if expert_axis is None:
-        return ids
-    emap = expert_map_for_axis(num_experts, expert_axis)
     valid = (ids >= 0) & (ids < num_experts)
+    if expert_axis is None:
+        return jnp.where(valid, ids, -1)
+    emap = expert_map_for_axis(num_experts, expert_axis)
     return jnp.where(valid, emap[jnp.clip(ids, 0, num_experts - 1)], -1)
 
 
