@@ -23,6 +23,8 @@ Examples (GPU):
     python examples/benchmark.py --preset deepseek-v3-tp8 --no-zp --m 1 16 --search
     python examples/benchmark.py --bits 8 --group-size -1 --no-zp --m 1 256 4096     # W8A16
     python examples/benchmark.py --activation-quant int8_per_token --m 1 256 4096    # W8A8
+    python examples/benchmark.py --group-size 32 --no-zp --scale-dtype float16 --m 1 4096
+    python examples/benchmark.py --preset kimi-k2-ep8 --m 64 160 400 --straight 32  # 8/20/50 a GPU
     python examples/benchmark.py --m 1 16 --json out/bench.json --plot out/roofline.png
 """
 
@@ -54,8 +56,16 @@ PRESETS = {
     # name: (E, top_k, H, I, group_size)
     "deepseek-v3": (256, 8, 7168, 2048, 128),
     "deepseek-v3-tp8": (256, 8, 7168, 256, 128),  # one of 8 tensor-parallel slices of I
+    # One GPU's shard of Kimi-K2 under 8-way expert parallelism (EXPERT_SHARDS): 48 of the 384
+    # experts local, native int4 g32 symmetric; M counts the tokens of all 8 GPUs (20 per GPU:
+    # --m 160), routed over all 384 experts.
+    "kimi-k2-ep8": (384, 8, 7168, 2048, 32),
     "tiny": (8, 2, 256, 128, 64),
 }
+# Presets run as one of this many expert-parallel shards (the rest: all experts local).
+EXPERT_SHARDS = {"kimi-k2-ep8": 8}
+# Presets with symmetric weights by default (Kimi-K2 ships them).
+SYMMETRIC_PRESETS = ("kimi-k2-ep8",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +80,12 @@ class Problem:
     dtype: str = "bfloat16"
     activation_quant: str | None = None  # None (16-bit activations) or "int8_per_token"
     routing: str = "uniform"  # or "identical": every token routed as the set's first
+    scale_dtype: str | None = None  # the scales' dtype (None: the activations')
+    expert_shards: int = 1  # run one of this many expert-parallel shards: E / shards experts
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_shards
 
 
 def random_routing(key, m, e, k, num_sets):
@@ -104,17 +120,27 @@ def random_experts(key, problem: Problem):
         bits=problem.bits,
         group_size=problem.group_size,
         has_zeros=problem.has_zp,
-        dtype=jnp.dtype(problem.dtype),
+        dtype=jnp.dtype(problem.scale_dtype or problem.dtype),
     )
-    e, h, i = problem.num_experts, problem.hidden, problem.intermediate
+    e, h, i = problem.local_experts, problem.hidden, problem.intermediate
     return make(jax.random.fold_in(key, 1), (e, 2 * i, h)), make(
         jax.random.fold_in(key, 2), (e, h, i)
     )
 
 
-def experts_touched(idss) -> float:
-    """The mean count of distinct experts an input set's routing ids [S, m, k] use."""
-    return float(np.mean([len(np.unique(np.asarray(ids))) for ids in idss]))
+def experts_touched(idss, local_experts: int) -> float:
+    """The mean count of distinct local experts (ids below local_experts) an input set's
+    routing ids [S, m, k] use."""
+    return float(np.mean([len(np.unique(ids[ids < local_experts])) for ids in np.asarray(idss)]))
+
+
+def expert_map(problem: Problem):
+    """The shard's expert_map (experts 0 .. local_experts - 1 local, in order; the rest -1), or
+    None where every expert is local."""
+    if problem.expert_shards == 1:
+        return None
+    ids = np.arange(problem.num_experts)
+    return jnp.asarray(np.where(ids < problem.local_experts, ids, -1).astype(np.int32))
 
 
 def array_bytes(a) -> int:
@@ -464,7 +490,9 @@ def config_text(record: dict | None) -> str:
     return ",".join(fields) or "class defaults"
 
 
-def moe_layer(w13, w2, x, tw, ids, *, implementation, config, activation_quant=None):
+def moe_layer(
+    w13, w2, x, tw, ids, *, implementation, config, activation_quant=None, expert_map=None
+):
     """wj.fused_moe with the weights first (the timed functions take consts, then a set)."""
     return wj.fused_moe(
         x,
@@ -472,6 +500,7 @@ def moe_layer(w13, w2, x, tw, ids, *, implementation, config, activation_quant=N
         w2,
         tw,
         ids,
+        expert_map=expert_map,
         implementation=implementation,
         config=config,
         activation_quant=activation_quant,
@@ -495,16 +524,18 @@ def bench_problem(
     for m in ms:
         xs, tws, idss = random_inputs(key, problem, m, num_sets)
         sets = [(xs[s], tws[s], idss[s]) for s in range(num_sets)]
-        touched = experts_touched(idss)
+        touched = experts_touched(idss, problem.local_experts)
+        local_slots = float(np.mean(np.asarray(idss) < problem.local_experts)) * m * k
         work = dict(
             weight_bytes=weight_bytes(w13, touched) + weight_bytes(w2, touched),
-            flops=2.0 * m * k * (2 * i * h + h * i),
+            flops=2.0 * local_slots * (2 * i * h + h * i),
             experts_touched=touched,
+            local_slots=local_slots,
         )
         if straight:
             sxs, stws, sidss = random_inputs(jax.random.fold_in(key, 5), problem, m, straight)
             step_sets = [(sxs[s], stws[s], sidss[s]) for s in range(straight)]
-            step_touched = experts_touched(sidss)
+            step_touched = experts_touched(sidss, problem.local_experts)
             step_bytes = weight_bytes(w13, step_touched) + weight_bytes(w2, step_touched)
         for impl in implementations:
             tried = [(configs or {}).get(impl)]
@@ -516,6 +547,7 @@ def bench_problem(
                     implementation=impl,
                     config=cfg,
                     activation_quant=problem.activation_quant,
+                    expert_map=expert_map(problem),
                 )
                 row = dict(implementation=impl, M=m, config=config_record(cfg))
                 try:
@@ -664,7 +696,20 @@ def main(argv=None):
     p.add_argument(
         "--bits", type=int, choices=(4, 8), default=4, help="weight bits, 4 or 8 (default 4)"
     )
-    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
+    p.add_argument(
+        "--no-zp",
+        action="store_true",
+        help="symmetric weights (no zero points; the default of "
+        + ", ".join(SYMMETRIC_PRESETS)
+        + ")",
+    )
+    p.add_argument(
+        "--scale-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="the scales' dtype (default: the activations', bfloat16; GPTQ checkpoints store "
+        "float16)",
+    )
     p.add_argument(
         "--group-size",
         type=arg_types.group_size,
@@ -749,7 +794,11 @@ def main(argv=None):
     e, k, h, i, g = PRESETS[args.preset]
     if args.group_size is not None:
         g = args.group_size
-    problem = Problem(e, k, h, i, g, args.bits, not args.no_zp, routing=args.routing)
+    problem = Problem(
+        e, k, h, i, g, args.bits, not (args.no_zp or args.preset in SYMMETRIC_PRESETS),
+        routing=args.routing, scale_dtype=args.scale_dtype,
+        expert_shards=EXPERT_SHARDS.get(args.preset, 1),
+    )  # fmt: skip
     if args.activation_quant:  # W8A8 runs int8 per-channel symmetric weights
         problem = dataclasses.replace(
             problem, group_size=-1, bits=8, has_zp=False, activation_quant=args.activation_quant

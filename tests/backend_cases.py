@@ -19,7 +19,10 @@ A subclass names the backend and says what it runs:
 
 BITS, ZERO_POINTS, DTYPES and ACTIVATION_QUANTS filter the grid CASES (or a subclass gives its
 own CASES); SMALL is the problem of the other checks; LAYOUT the weights' layout the backend
-reads (converted with wj.layouts.to_kernel_layout).
+reads (converted with wj.layouts.to_kernel_layout). SchemeCases, FusedMoeCases' base, runs the
+matrix of weight schemes (SCHEMES: bits x group size x zero points x scale dtype) on fused_moe,
+the grouped GEMM and the quantized linear; a backend without a fused_moe of its own ('xla')
+subclasses it alone.
 """
 
 from __future__ import annotations
@@ -77,7 +80,124 @@ CASES = (
 )
 
 
-class FusedMoeCases:
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """A weight scheme of real checkpoints: bits, group size (-1: per channel), zero points and
+    the scales' dtype (bfloat16; float16 as GPTQ stores them; float32)."""
+
+    bits: int
+    group_size: int
+    has_zp: bool
+    scale_dtype: str
+
+    def __str__(self) -> str:
+        zp = "zp" if self.has_zp else "sym"
+        return f"int{self.bits}-g{self.group_size}-{zp}-{self.scale_dtype}-scales"
+
+
+# Every scheme: groups of 32 (Kimi-K2's), 64, 128 and per channel, with and without zero
+# points, scales in bfloat16, float16 and float32, int4 and int8.
+SCHEMES = tuple(
+    Scheme(bits, group, has_zp, scale_dtype)
+    for bits in (4, 8)
+    for group in (32, 64, 128, -1)
+    for has_zp in (True, False)
+    for scale_dtype in ("bfloat16", "float16", "float32")
+)
+# The schemes' problem: bf16 activations (every backend's), H and I multiples of every group.
+SCHEME_PROBLEM = dict(T=5, E=4, k=2, H=128, I=128)
+
+
+class SchemeCases:
+    """The SCHEMES on fused_moe, the grouped GEMM and the quantized linear, each against the
+    float64 layer or product on the dequantized weights (and fused_moe against 'xla'). A
+    subclass sets IMPLEMENTATION, BITS, ZERO_POINTS and `prepare` (the layout it reads)."""
+
+    IMPLEMENTATION: str = ""
+    BITS: tuple[int, ...] = (4, 8)
+    ZERO_POINTS: tuple[bool, ...] = (True, False)
+
+    def pytest_generate_tests(self, metafunc):
+        if "scheme" in metafunc.fixturenames:
+            schemes = [s for s in SCHEMES if self.supports_scheme(s)]
+            metafunc.parametrize("scheme", schemes, ids=[str(s) for s in schemes])
+
+    def supports_scheme(self, scheme: Scheme) -> bool:
+        return scheme.bits in self.BITS and scheme.has_zp in self.ZERO_POINTS
+
+    def prepare(self, w):
+        return w
+
+    @staticmethod
+    def scheme_weights(rng, scheme: Scheme, e: int, n: int, k: int):
+        return helpers.random_quantized_experts(
+            rng, e, n, k, scheme.bits, scheme.group_size, scheme.has_zp,
+            jnp.dtype(scheme.scale_dtype),
+        )  # fmt: skip
+
+    def assert_scheme_close(self, out, ref, what: str) -> None:
+        helpers.assert_finite_and_close(
+            np.asarray(out, np.float32), np.asarray(ref, np.float64),
+            helpers.tolerance(jnp.bfloat16), f"{self.IMPLEMENTATION} {what}",
+            slack=ELEMENT_SLACK, require_signal=True,
+        )  # fmt: skip
+
+    def test_scheme_fused_moe(self, rng, scheme):
+        p = SCHEME_PROBLEM
+        x = jnp.asarray(rng.normal(size=(p["T"], p["H"])), jnp.bfloat16)
+        w13 = self.scheme_weights(rng, scheme, p["E"], 2 * p["I"], p["H"])
+        w2 = self.scheme_weights(rng, scheme, p["E"], p["H"], p["I"])
+        tw, ti = (jnp.asarray(a) for a in helpers.random_routing(rng, p["T"], p["k"], p["E"]))
+        out = jax.block_until_ready(
+            wj.fused_moe(
+                x, self.prepare(w13), self.prepare(w2), tw, ti,
+                implementation=self.IMPLEMENTATION,
+            )
+        )  # fmt: skip
+        assert out.shape == x.shape and out.dtype == x.dtype
+        want = helpers.numpy_fused_moe(
+            x, helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2), tw, ti,
+            activation_dtype=jnp.dtype(jnp.bfloat16),
+        )  # fmt: skip
+        self.assert_scheme_close(out, want, f"{scheme} fused_moe vs float64 oracle")
+        ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla")
+        self.assert_scheme_close(out, ref, f"{scheme} fused_moe vs xla")
+
+    def test_scheme_grouped_matmul(self, rng, scheme):
+        """The grouped GEMM with silu (w13's [gate; up]) and routed weights, f32 output."""
+        p = SCHEME_PROBLEM
+        t, top_k, e, n, k = p["T"], p["k"], p["E"], 2 * p["I"], p["H"]
+        a = jnp.asarray(rng.normal(size=(t, k)), jnp.bfloat16)
+        w = self.scheme_weights(rng, scheme, e, n, k)
+        _, ids = helpers.random_routing(rng, t, top_k, e)
+        wk = self.prepare(w)
+        cfg = wj.gemm_config(wk, t * top_k, implementation=self.IMPLEMENTATION)
+        routing = wj.moe_align_block_size(
+            jnp.asarray(ids), num_experts=e, block_m=cfg.block_m, implementation="xla"
+        )
+        rw = jnp.asarray(rng.uniform(0.5, 1.5, size=t * top_k), jnp.float32)
+        out = wj.grouped_matmul(
+            a, wk, routing, rw, top_k=top_k, implementation=self.IMPLEMENTATION,
+            out_dtype=jnp.float32, activation="silu",
+        )  # fmt: skip
+        rows = np.asarray(a, np.float64)[np.arange(t * top_k) // top_k]
+        ref = np.einsum("sk,snk->sn", rows, helpers.numpy_dequantize(w)[ids.reshape(-1)])
+        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+        ref = gate / (1 + np.exp(-gate)) * up * np.asarray(rw, np.float64)[:, None]
+        assert out.shape == ref.shape and out.dtype == jnp.float32
+        self.assert_scheme_close(out, ref, f"{scheme} grouped_matmul vs float64")
+
+    def test_scheme_linear(self, rng, scheme):
+        """The quantized linear ([1, N, K]) on 3 rows, bf16 output."""
+        w = self.scheme_weights(rng, scheme, 1, 192, SCHEME_PROBLEM["H"])
+        x = jnp.asarray(rng.normal(size=(3, SCHEME_PROBLEM["H"])), jnp.bfloat16)
+        out = wj.linear.quantized_matmul(x, self.prepare(w), implementation=self.IMPLEMENTATION)
+        ref = np.asarray(x, np.float64) @ helpers.numpy_dequantize(w)[0].T
+        assert out.shape == ref.shape and out.dtype == jnp.bfloat16
+        self.assert_scheme_close(out, ref, f"{scheme} linear vs float64")
+
+
+class FusedMoeCases(SchemeCases):
     """The checks; see the module docstring for what a subclass sets."""
 
     IMPLEMENTATION: str = ""  # the backend's name in wj.fused_moe
@@ -95,10 +215,19 @@ class FusedMoeCases:
     # ---- what a subclass may override --------------------------------------------------------
 
     def pytest_generate_tests(self, metafunc):
-        """The grid test runs the CASES this backend supports."""
+        """The grid test runs the CASES this backend supports, the scheme checks its SCHEMES."""
+        super().pytest_generate_tests(metafunc)
         if "case" in metafunc.fixturenames:
             cases = [c for c in self.CASES if self.supports(c)]
             metafunc.parametrize("case", cases, ids=[str(c) for c in cases])
+
+    def supports_scheme(self, scheme: Scheme) -> bool:
+        """16-bit activations (a W8A8 subclass runs its own weights)."""
+        return (
+            super().supports_scheme(scheme)
+            and None in self.ACTIVATION_QUANTS
+            and "bfloat16" in self.DTYPES
+        )
 
     def supports(self, case: MoeCase) -> bool:
         return (

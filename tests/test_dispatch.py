@@ -477,8 +477,10 @@ def test_grouped_matmul_shape_reasons():
     assert mgpu.unsupported_reason(_gemm_problem(layout="mgpu_int4")) is None
     assert "float16 is not bfloat16" in mgpu.unsupported_reason(_gemm_problem(dtype="float16"))
     narrow = dataclasses.replace(_gemm_problem().shape, group=32, group_size=32)
-    assert "group size 32 is not a multiple of 64" in mgpu.unsupported_reason(
-        _gemm_problem(shape=narrow)
+    assert mgpu.unsupported_reason(_gemm_problem(shape=narrow, layout="mgpu_int4")) is None
+    narrower = dataclasses.replace(_gemm_problem().shape, group=8, group_size=8)
+    assert "group size 8 neither is a multiple of 64" in mgpu.unsupported_reason(
+        _gemm_problem(shape=narrower)
     )
 
 
@@ -570,7 +572,8 @@ def test_gemm_config_is_the_backends(rng, monkeypatch):
     [
         (4, 64, jnp.bfloat16, "mgpu_int4"),
         (4, 128, jnp.bfloat16, "mgpu_int4"),
-        (4, 32, jnp.bfloat16, "canonical"),  # the k-tile (64) does not divide the group
+        (4, 32, jnp.bfloat16, "mgpu_int4"),  # two groups per 64-wide k-tile
+        (4, 8, jnp.bfloat16, "canonical"),  # fewer inputs than a bf16 wgmma takes
         (4, 64, jnp.float16, "canonical"),
         (8, 64, jnp.bfloat16, "mgpu_int8"),
         (8, 64, jnp.float16, "canonical"),

@@ -94,6 +94,39 @@ def test_benchmark_search_in_the_interpreter(monkeypatch, capsys):
     assert "best config per M" in out and "failed: mgpu_interpret M=1" in out
 
 
+def test_benchmark_expert_shard_in_the_interpreter():
+    """One of 4 expert-parallel shards (as the kimi-k2-ep8 preset runs, scaled down): g32
+    symmetric weights with float16 scales on 'mgpu_interpret', the tokens routed over all 16
+    experts and only the shard's 4 counted; the layer itself equals 'xla' with that
+    expert_map."""
+    bench = _load("benchmark")
+    problem = bench.Problem(
+        16, 2, 128, 128, 32, bits=4, has_zp=False, scale_dtype="float16", expert_shards=4
+    )
+    assert problem.local_experts == 4
+    rows, failed = bench.bench_problem(
+        problem, [8], ["mgpu_interpret"], iters=1, repeats=1, num_sets=1
+    )
+    [row] = rows
+    assert failed == [] and 0 < row["experts_touched"] <= 4
+    assert 0 < row["local_slots"] < 8 * 2  # some slots route off the shard
+    assert row["flops"] == 2.0 * row["local_slots"] * (2 * 128 * 128 + 128 * 128)
+    key = jax.random.key(0)
+    w13, w2 = bench.random_experts(key, problem)
+    assert w13.shape[0] == 4 and w13.scales.dtype == jnp.float16 and w13.zeros is None
+    [(x, tw, ids)] = [tuple(a[0] for a in bench.random_inputs(key, problem, 8, 1))]
+    emap = bench.expert_map(problem)
+    np.testing.assert_array_equal(np.asarray(emap)[:4], np.arange(4))
+    assert np.all(np.asarray(emap)[4:] == -1)
+    mk = wj.layouts.to_kernel_layout
+    out = bench.moe_layer(
+        mk(w13, "mgpu_int4"), mk(w2, "mgpu_int4"), x, tw, ids,
+        implementation="mgpu_interpret", config=None, expert_map=emap,
+    )  # fmt: skip
+    ref = bench.moe_layer(w13, w2, x, tw, ids, implementation="xla", config=None, expert_map=emap)
+    helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "expert shard vs xla")
+
+
 def test_benchmark_reports_a_backend_that_cannot_run():
     """'mgpu' (compiled) on a CPU: no row, a failure naming each layout's reason."""
     bench = _load("benchmark")

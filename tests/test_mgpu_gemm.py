@@ -35,11 +35,11 @@ import wna16_jax as wj  # noqa: E402
 from pallas_kernels.mosaic_gpu import config as mgpu_config  # noqa: E402
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe  # noqa: E402
 from pallas_kernels.mosaic_gpu.config import MgpuConfig, default_config  # noqa: E402
+from pallas_kernels.mosaic_gpu.convert import w8a8_input_order  # noqa: E402
 from pallas_kernels.mosaic_gpu.wna16_gemm import (  # noqa: E402
     check_config,
     mgpu_wna16_gemm,
     output_buffer_rows,
-    w8a8_input_order,
 )
 
 
@@ -71,8 +71,9 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
     stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False, bits=4,
+    scale_dtype=BF16,
 ):  # fmt: skip
-    qw = helpers.random_quantized_experts(rng, e, n, k, bits, group_size, has_zp, BF16)
+    qw = helpers.random_quantized_experts(rng, e, n, k, bits, group_size, has_zp, scale_dtype)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
     w = prepare_weights(qw)
@@ -255,6 +256,48 @@ def test_gemm_wide_steps(rng, has_zp, block_k, consumers, splits, gated):
         rng, e=3, n=128 * max(consumers, 1) * (2 if gated else 1), k=2048, group_size=128,
         has_zp=has_zp, block_m=8, block_k=block_k, blocks=[1, -1, 0, 2], consumers=consumers,
         splits=splits, gated=gated, stages=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "group_size,scale_dtype,bits,has_zp,block_m,block_k,block_n,consumers,gated,splits,tiles,"
+    "bf16_weights",
+    [
+        # groups of 32 (two k-parts per 64-wide tile, each its own scale and zero point): one
+        # group per k-step, 8 (gated), K splits, 128 features per warpgroup, runs of tiles
+        (32, BF16, 4, True, 8, 64, 64, 0, False, 1, 1, False),
+        (32, jnp.float16, 4, False, 8, 256, 64, 0, True, 1, 1, False),
+        (32, jnp.float32, 8, True, 16, 128, 128, 0, False, 2, 1, False),
+        (32, jnp.float32, 4, True, 8, 128, 64, 0, False, 1, 2, False),
+        # warp specialization: exact group sums, and bf16_weights (the M=4096 default's blocks)
+        (32, jnp.float16, 4, True, 64, 64, 64, 2, True, 1, 1, False),
+        (32, BF16, 4, False, 128, 64, 64, 2, True, 1, 1, True),
+        (32, jnp.float16, 8, False, 128, 64, 128, 2, False, 1, 1, True),
+        # groups of 16 (four k-parts per tile)
+        (16, jnp.float16, 4, True, 8, 64, 64, 0, False, 1, 1, False),
+        # float16 and float32 scales on groups of 128, 64 and per channel
+        (128, jnp.float16, 4, True, 8, 256, 64, 0, True, 1, 1, False),
+        (128, jnp.float32, 4, False, 128, 128, 64, 2, True, 1, 1, True),
+        (64, jnp.float32, 8, True, 64, 128, 64, 2, False, 2, 1, False),
+        (-1, jnp.float16, 8, False, 128, 128, 64, 2, False, 1, 1, True),
+        (-1, jnp.float32, 4, True, 8, 128, 64, 0, True, 1, 1, False),
+    ],
+    ids=str,
+)
+def test_gemm_small_groups_and_scale_dtypes(
+    rng, group_size, scale_dtype, bits, has_zp, block_m, block_k, block_n, consumers, gated,
+    splits, tiles, bf16_weights,
+):  # fmt: skip
+    """Groups under the 64-wide k-tile (each of its k-parts of one group: a wgmma of that
+    many inputs, its own scale and zero point) and scales in float16 / float32 on each GEMM
+    path: exact group sums, K splits, gated, runs of tiles, warp specialization, bf16_weights
+    ((q - z) * s rounded to bf16 once: float16 / float32 scales multiply in f32)."""
+    run_gemm_case(
+        rng, e=3, n=block_n * max(consumers, 1) * tiles * 2 * (2 if gated else 1), k=512,
+        group_size=group_size, has_zp=has_zp, block_m=block_m, block_k=block_k,
+        blocks=[1, -1, 0, 2], consumers=consumers, block_n=block_n, gated=gated,
+        tiles_per_program=tiles, splits=splits, stages=3, bf16_weights=bf16_weights, bits=bits,
+        scale_dtype=scale_dtype,
     )  # fmt: skip
 
 
@@ -908,23 +951,26 @@ def test_ragged_expert_parallel_fixed_inputs_gpu():
 
 
 @pytest.mark.parametrize(
-    "bits,group_size,dtype,want",
+    "bits,group_size,scale_dtype,dtype,want",
     [
-        (4, 64, BF16, "mgpu_int4"),
-        (4, 128, BF16, "mgpu_int4"),
-        (4, 32, BF16, "canonical"),  # the k-tile (64) does not divide the group
-        (4, 64, jnp.float16, "canonical"),
-        (8, 64, BF16, "mgpu_int8"),
-        (8, -1, BF16, "mgpu_int8"),
-        (8, 32, BF16, "canonical"),
+        *(
+            (bits, group, scale_dtype, BF16, f"mgpu_int{bits}")  # every scheme of SCHEMES
+            for bits in (4, 8)
+            for group in (32, 64, 128, -1)
+            for scale_dtype in (BF16, jnp.float16, jnp.float32)
+        ),
+        (4, 16, BF16, BF16, "mgpu_int4"),  # a group of one bf16 wgmma's 16 inputs
+        (4, 8, BF16, BF16, "canonical"),  # fewer inputs than a wgmma takes
+        (4, 64, BF16, jnp.float16, "canonical"),  # 16-bit activations: bfloat16 only
     ],
     ids=str,
 )
-def test_preferred_layout(rng, monkeypatch, bits, group_size, dtype, want):
+def test_preferred_layout(rng, monkeypatch, bits, group_size, scale_dtype, dtype, want):
     """mgpu_int4 / mgpu_int8 exactly where their backend takes the experts (the interpreter
-    stands in for 'mgpu', which needs an sm_90 GPU), canonical elsewhere."""
-    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, group_size, True, BF16)
-    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, group_size, True, BF16)
+    stands in for 'mgpu', which needs an sm_90 GPU), canonical elsewhere: every group of 16,
+    32, 64, 128 inputs or per channel, with scales in bfloat16, float16 or float32."""
+    w13 = helpers.random_quantized_experts(rng, 2, 256, 256, bits, group_size, True, scale_dtype)
+    w2 = helpers.random_quantized_experts(rng, 2, 256, 128, bits, group_size, True, scale_dtype)
     if not ON_GPU:
         assert wj.preferred_layout(w13, w2, dtype=dtype) == "canonical"
     monkeypatch.setattr(
@@ -1005,8 +1051,8 @@ def bf16_bits_value(bits16):
 
 
 def test_int8_tile_order_is_the_wgmma_register_order(rng):
-    """An int8 tile decoded as the kernel's threads do (`_converted_tile`: thread t reads words
-    0-3 at byte 16 t and 4-7 at 2048 + 16 t; word i, shifted down by 8 s bits, becomes the
+    """An int8 tile decoded as the kernel's threads do (`convert.converted_tile`: thread t reads
+    words 0-3 at byte 16 t and 4-7 at 2048 + 16 t; word i, shifted down by 8 s bits, becomes the
     bf16 pair of register 2 i + s by two lop3 with 0x43004300 and a subtraction: emulated here
     bit for bit) gives each thread the elements of the wgmma A operand's register layout (PTX
     ISA, "Register fragment" of wgmma .m64nNk16: thread 32 w + 4 lr + lc, register 2 ct + rh

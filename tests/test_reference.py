@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from backend_cases import SchemeCases
 
 from wna16_jax import _pipeline, _reference, _routing
 from wna16_jax._types import BlockConfig
@@ -332,3 +333,10 @@ def test_block_configs_share_gemm1s_block_m(monkeypatch):
     )
     c1, c2 = _pipeline.block_configs(64, w13, w2, None, rules=rules)
     assert (c1.block_m, c2.block_m, c1.dot, c2.dot) == (8, 8, "mma", "fma")
+
+
+class TestXlaSchemes(SchemeCases):
+    """Every weight scheme on the 'xla' reference (fused_moe, the grouped GEMM, the linear)
+    against float64 numpy."""
+
+    IMPLEMENTATION = "xla"

@@ -35,13 +35,27 @@ def abstract_experts(n, k, bits, group_size, has_zeros, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("m", [1, 16, 256, 4096])
 @pytest.mark.parametrize(
-    "bits, group_size, has_zeros, dtype",
-    [(4, 128, True, jnp.bfloat16), (4, 128, False, jnp.float16), (8, -1, False, jnp.bfloat16)],
-    ids=["int4-g128-zp-bf16", "int4-g128-sym-f16", "int8-channel-bf16"],
-)
-def test_deepseek_v3_kernels_build_for_sm90(m, bits, group_size, has_zeros, dtype):
-    w13 = abstract_experts(2 * I, H, bits, group_size, has_zeros, dtype)
-    w2 = abstract_experts(H, I, bits, group_size, has_zeros, dtype)
+    "bits, group_size, has_zeros, dtype, scale_dtype",
+    [
+        (4, 128, True, jnp.bfloat16, jnp.bfloat16),
+        (4, 128, False, jnp.float16, jnp.float16),
+        (8, -1, False, jnp.bfloat16, jnp.bfloat16),
+        # the schemes of other checkpoints: Kimi-K2's g32 symmetric, GPTQ's float16 scales
+        # beside bf16 activations, float32 scales, int8 in groups of 32
+        (4, 32, False, jnp.bfloat16, jnp.bfloat16),
+        (4, 128, False, jnp.bfloat16, jnp.float16),
+        (4, 64, True, jnp.bfloat16, jnp.float32),
+        (8, 32, True, jnp.bfloat16, jnp.float16),
+    ],
+    ids=[
+        "int4-g128-zp-bf16", "int4-g128-sym-f16", "int8-channel-bf16", "int4-g32-sym-bf16",
+        "int4-g128-sym-bf16-f16-scales", "int4-g64-zp-bf16-f32-scales",
+        "int8-g32-zp-bf16-f16-scales",
+    ],
+)  # fmt: skip
+def test_deepseek_v3_kernels_build_for_sm90(m, bits, group_size, has_zeros, dtype, scale_dtype):
+    w13 = abstract_experts(2 * I, H, bits, group_size, has_zeros, scale_dtype)
+    w2 = abstract_experts(H, I, bits, group_size, has_zeros, scale_dtype)
     args = (
         jax.ShapeDtypeStruct((m, H), dtype),
         w13,

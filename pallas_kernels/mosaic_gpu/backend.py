@@ -9,9 +9,10 @@ import jax
 from pallas_kernels.common.align import moe_align_block_size
 from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe
 from pallas_kernels.mosaic_gpu import grouped_matmul as mgpu_grouped_matmul
+from pallas_kernels.mosaic_gpu.wna16_gemm import group_reason
 from wna16_jax._dispatch import GemmProblem, MoEProblem, compiled_and_interpreted, cuda_gpu_reason
 
-# The Mosaic GPU GEMM: 64 output features per program; its k-tile (64 or 128) divides the group.
+# The Mosaic GPU GEMM: 64 output features per program.
 MGPU_SPAN = 64
 
 
@@ -40,8 +41,8 @@ def _mgpu_shape_reason(problem: MoEProblem) -> str | None:
         if n % MGPU_SPAN:
             return f"{what}={n} output features are not a multiple of {MGPU_SPAN}"
     for what, g in (("w13", problem.w13_group), ("w2", problem.w2_group)):
-        if g % MGPU_SPAN:
-            return f"{what} group size {g} is not a multiple of {MGPU_SPAN} (the k-tile)"
+        if reason := group_reason(g, int8_rows=problem.activation_quant is not None):
+            return f"{what}: {reason}"
     return None
 
 

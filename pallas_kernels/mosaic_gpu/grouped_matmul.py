@@ -27,7 +27,7 @@ from pallas_kernels.mosaic_gpu.config import (
     tile_n,
 )
 from pallas_kernels.mosaic_gpu.fused_moe import block_gemm, rows_in_block_order, used_blocks
-from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm, takes_rows
+from pallas_kernels.mosaic_gpu.wna16_gemm import group_reason, mgpu_wna16_gemm, takes_rows
 from wna16_jax import _configs
 from wna16_jax._activations import activate
 from wna16_jax._configs import GemmShape
@@ -57,9 +57,7 @@ def gemm_shape_reason(shape: GemmShape, dtype: str) -> str | None:
     platform; the layout, int4 or int8 in 64 x 64 tiles, is checked by selection)."""
     if dtype != "bfloat16":
         return f"activation dtype {dtype} is not bfloat16"
-    if shape.group % SPAN:
-        return f"group size {shape.group} is not a multiple of {SPAN} (the k-tile)"
-    return None
+    return group_reason(shape.group)
 
 
 def linear_config(shape: GemmShape) -> MgpuConfig:

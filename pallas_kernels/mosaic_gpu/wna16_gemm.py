@@ -4,22 +4,24 @@
 Swap-AB: each program computes out[rows of one block, block_n features] as the transpose of
 W[e][features, :] @ x[rows, :]^T. The dequantized weight tile is the wgmma's A operand, taken
 from registers: int4 or int8 is loaded from shared memory, converted to bf16 and shifted by the
-zero point in registers, never written back to shared memory. The layouts store each 64x64
-tile in the order of the A operand's registers, so a thread loads its 32 weights with 16-byte
-shared-memory loads (one for int4, two for int8) and converts them without shuffles or
-permutes (`_converted_tile`): int4 makes each bf16 pair with one shift and one lop3 (128 + q)
-and one subtraction of 128 + z; int8 with two lop3 (128 plus the pair's low 7 bits; 128 or 256
-by their sign bits) and one subtraction (q - 128, signed), after a shift for every other pair,
-and one subtraction of z - 128 with zero points. (q - z) is a small integer (|q - z| <= 255),
-exact in bf16, so the products of a group's k-tiles are exact in their f32 sum; that sum is
-then scaled by the group's scale (block_k divides the group, or a k-step spans whole groups,
-each scaled on its own). bf16_weights (warp-specialized GEMMs): the converted tile is scaled
-in registers instead, (q - z) * s rounded to bf16 once, and multiplied straight into the
-accumulators: no f32 sum per group, so 128-row blocks fit in registers (the layer's default
-from config.ROWS_FOR_128 rows per expert). The block's token rows are the B operand (shared
-memory, K-major), so a block needs 8..256 rows rather than a 64-row tile: the path for decode
-(one row per expert) and prefill alike. TMA copies of the weight, scale and row tiles run
-`max_concurrent_steps` k-steps ahead.
+zero point in registers, never written back to shared memory. The layouts store each 64x64 tile
+in the order of the A operand's registers, so a thread loads its 32 weights with 16-byte
+shared-memory loads (one for int4, two for int8) and converts them without shuffles or permutes
+(`convert.converted_tile`): int4 makes each bf16 pair with one shift and one lop3 (128 + q) and
+one subtraction of 128 + z; int8 with two lop3 (128 plus the pair's low 7 bits; 128 or 256 by
+their sign bits) and one subtraction (q - 128, signed), after a shift for every other pair, and
+one subtraction of z - 128 with zero points. (q - z) is a small integer (|q - z| <= 255), exact
+in bf16, so the products of a group's k-tiles are exact in their f32 sum; that sum is then
+scaled by the group's scale (block_k divides the group, or a k-step spans whole groups, each
+scaled on its own). Groups of fewer than 64 inputs (Kimi-K2's 32) split each tile into k-parts
+of one group, each its own wgmma of that many inputs with its own scale and zero point. Scales
+are read in their stored dtype (bfloat16, float16, float32) and widened to f32. bf16_weights
+(warp-specialized GEMMs): the converted tile is scaled in registers instead, (q - z) * s rounded
+to bf16 once, and multiplied straight into the accumulators: no f32 sum per group, so 128-row
+blocks fit in registers (the layer's default from config.ROWS_FOR_128 rows per expert). The
+block's token rows are the B operand (shared memory, K-major), so a block needs 8..256 rows
+rather than a 64-row tile: the path for decode (one row per expert) and prefill alike. TMA
+copies of the weight, scale and row tiles run `max_concurrent_steps` k-steps ahead.
 
 Two ways to run a program (docs/performance.md, 'Mosaic GPU GEMM'):
 - consumers=0: one warpgroup issues the copies and does the math on block_n features
@@ -48,11 +50,20 @@ scales [E, K//G, N] (one TMA row of block_n scales per group) and zeros None or 
 Inputs are rows in block order: x_rows[P, K] (P = blocks * block_m, the block of row p is
 p // block_m), one expert id per block (-1 or an id past the experts: the block's output
 rows are zeros).
+
+The code, in the order a call runs it: `make_plan` checks the arguments and gathers them with
+the operands' shapes into a GemmPlan (the kernel's one static argument); `gemm_program` is one
+program (a Program: its place in the grid, its refs, the rows it computes); `copies`, the
+producer's TMA copies of each k-step; `dequantized` (the converter, in convert.py) and
+`group_offset`; the consumers' wgmma loop, `exact_products` (a sum per group, scaled) or
+`rounded_products` (bf16_weights and carried sums), run by `pipeline_step` in `run`'s
+pipeline; the epilogue, `epilogue` (silu * up), `scaled_sums` and `store`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -60,11 +71,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from wna16_jax import layouts
-from wna16_jax._types import MGPU_TILE, QuantizedExperts
+from pallas_kernels.mosaic_gpu.convert import (
+    CONVERTED_BIAS,
+    SYMMETRIC_OFFSET,
+    TILE,
+    converted_tile,
+    int8_operand_tile,
+)
+from wna16_jax._types import QuantizedExperts
 
-# The mgpu layouts' weight tiles are TILE x TILE; TILE features are one wgmma's M.
-TILE = MGPU_TILE
+
+def _plgpu():
+    """jax.experimental.pallas.mosaic_gpu, imported when a kernel is built: the import takes
+    ~0.9 s, which registering the backend (importing this module) need not pay."""
+    from jax.experimental.pallas import mosaic_gpu
+
+    return mosaic_gpu
 
 
 # The weight tiles are copied in TMA rows of this many bytes (256 int4 or 128 int8 values: a free
@@ -89,6 +111,29 @@ def takes_bf16_weights(consumers: int, tiles_per_program: int) -> bool:
     and one output tile per program (a wgmma cannot restart its accumulator; the interpreter
     cannot store one)."""
     return consumers > 0 and tiles_per_program == 1
+
+
+# The scales' dtypes the GEMM reads (the mgpu layouts keep a checkpoint's: bfloat16, float16 as
+# GPTQ stores them, or float32): each group's row is loaded as it is and widened to f32.
+SCALE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Groups smaller than a 64-wide k-tile split it into k-parts of one group each (a wgmma of that
+# many inputs): at least a bf16 wgmma's 16.
+MIN_GROUP = 16
+
+
+def group_reason(group: int, *, int8_rows: bool = False) -> str | None:
+    """Why the GEMM cannot take weights in groups of `group` inputs along K (None when it can):
+    a multiple of the 64-wide k-tile, or (bf16 rows) a divisor of it of at least MIN_GROUP."""
+    if group % TILE == 0:
+        return None
+    if int8_rows:
+        return f"group size {group} is not a multiple of {TILE}, as int8 rows (W8A8) need"
+    if TILE % group or group < MIN_GROUP:
+        return (
+            f"group size {group} neither is a multiple of {TILE} (the k-tile) nor divides it "
+            f"with at least {MIN_GROUP} inputs (a bf16 wgmma's)"
+        )
+    return None
 
 
 # Rows that may fill part of a block (one block: P < this): Mosaic GPU tiles the rows' copies
@@ -172,6 +217,13 @@ def check_config(
         raise ValueError(
             f"N={n} must be a multiple of {tile_n} (block_n x consumers, x 2 halves if gated)"
         )
+    if w.scales.dtype not in SCALE_DTYPES:
+        raise NotImplementedError(
+            f"scales must be one of {[str(jnp.dtype(d)) for d in SCALE_DTYPES]}, got "
+            f"{w.scales.dtype}"
+        )
+    if reason := group_reason(w.group, int8_rows=x_rows.dtype == jnp.int8):
+        raise NotImplementedError(reason)
     if block_k % 64 or k % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 64 dividing K={k}")
     if w.group % block_k and block_k % w.group:
@@ -208,18 +260,6 @@ REGIONS = (
     "program",
 )  # fmt: skip
 PROFILE_REGIONS = ("convert", "wgmma", "wait", "scale", "store")
-
-
-# What a converted weight holds beyond the stored value (`_converted_tile`), per bits: int4's
-# 128 + q = (q - 8) + 136; int8's q - 128, the stored value itself. The kernel subtracts this bias
-# less the layout's zeros (q - z), or for symmetric weights the bias alone.
-CONVERTED_BIAS = {4: 136, 8: 0}
-# Symmetric int4 weights subtract 136 (128 + 8) from each converted weight, computed from a loaded
-# row of scales as a zero point's offset is (136 - 0 * scale): taken as a constant (folded into
-# the subtraction, or made by inline PTX) the symmetric layer ran slower than the same weights
-# with zero points of 8, for a reason not found (docs/performance.md, 'Mosaic GPU GEMM').
-# Symmetric int8 weights subtract nothing.
-SYMMETRIC_OFFSET = CONVERTED_BIAS[4]
 
 
 # Shared memory a block may take on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin of the H100 /
@@ -264,159 +304,6 @@ def output_buffer_rows(*, stages: int, warpgroups: int, out_bytes: int, **stage)
     return rows
 
 
-# bf16 bits of 128 + u for a nibble u in the low bits of a 16-bit half (the exponent of 128:
-# the mantissa counts units); the xor also flips the stored nibble's bit 3: (q - 8) ^ 8 = q.
-_BF16_128_XOR_8 = 0x43084308
-# lop3's truth tables for (a & b) ^ c and (a & b) | c.
-_AND_XOR = (0xF0 & 0xCC) ^ 0xAA
-_AND_OR = (0xF0 & 0xCC) | 0xAA
-# int8: a bf16 pair of the signed bytes b = q - 128 in the low bytes of a word's 16-bit halves
-# (bytes 0 and 2). bf16 holds 7 mantissa bits, so the byte is split: its low 7 bits set into the
-# bits of 128 (the mantissa counts units: 128 + (b & 127)), its sign bit into those of 128 as the
-# exponent's lowest bit (128, or 256 for a negative b), and the difference is b, exact. Two lop3
-# and one subtraction per pair (the other pair of the word shifted down by 8 bits first: 3.5
-# instructions per pair), against upstream Mosaic GPU's prmt, two and and a subtraction.
-_INT8_PAIR = f"""{{
-.reg .b32 s<2>;
-lop3.b32 s0, $1, 0x007F007F, 0x43004300, {_AND_OR:#x};  // 128 + (b & 127)
-lop3.b32 s1, $1, 0x00800080, 0x43004300, {_AND_OR:#x};  // 128, or 256 for b < 0
-sub.bf16x2 $0, s0, s1;
-}}"""
-
-
-def _thread_words(ref, first: int):
-    """Inside inline Mosaic GPU: the 4 words (i32) at byte first + 16 t of the shared-memory
-    tile `ref`, t this thread's index in its warpgroup (one 16-byte load)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, vector
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-    thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
-    byte = arith.muli(thread, mgpu_utils.c(16, i32))
-    if first:
-        byte = arith.addi(byte, mgpu_utils.c(first, i32))
-    offset = arith.extui(ir.IntegerType.get_signless(64), byte)
-    ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
-    loaded = llvm.load(ir.VectorType.get((4,), i32), ptr, alignment=16)
-    return [
-        vector.extract(loaded, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-        for i in range(4)
-    ]
-
-
-def _register_tile(q_tile, dtype, fill, *, eight_bit: bool, is_signed):
-    """Inside inline Mosaic GPU: a TILE x TILE array of `dtype` in the wgmma A operand's register
-    layout (WGMMA_LAYOUT, or WGMMA_LAYOUT_8BIT for eight_bit), built from the shared-memory tile
-    q_tile by fill(ref, registers): it sets every entry of `registers` (the layout's array of
-    register values) from ref."""
-    import numpy as np
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    layout = mgpu.WGMMA_LAYOUT_8BIT if eight_bit else mgpu.WGMMA_LAYOUT
-    pallas_layout = plgpu.Layout.WGMMA_8BIT if eight_bit else plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),),
-        return_type=plgpu.ShapeDtypeStruct((TILE, TILE), dtype, layout=pallas_layout),
-    )
-    def tile(_, ref):
-        registers = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
-        fill(ref, registers)
-        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=is_signed)
-
-    return tile(q_tile)
-
-
-def _converted_tile(q_tile, bits: int, dtype, interpret: bool):
-    """The stored 64x64 tile q_tile (shared memory, in register order: layouts.tile_order(bits))
-    in bf16 plus CONVERTED_BIAS[bits], exact: 128 + q for int4, q - 128 for int8 (q the
-    canonical value). Compiled: in the wgmma A operand's register layout (Mosaic GPU's
-    WGMMA_LAYOUT) through inline Mosaic GPU: thread t of the warpgroup loads its int4 16 bytes at
-    16 t, and nibbles s and s + 4 of its word i become the bf16 pair of register 4 i + s; or its
-    int8 16 bytes at 16 t and 16 at 2048 + 16 t (words 0-3 and 4-7), and bytes s and s + 2 of
-    its word i the pair of register 2 i + s. interpret: the same values as a jnp array (the
-    interpreter's wgmma takes A from shared memory only)."""
-    if interpret:
-        q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
-        return layouts.from_tile_order(q, bits).astype(dtype) + CONVERTED_BIAS[bits]
-
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    def fill(ref, registers):
-        i32 = ir.IntegerType.get_signless(32)
-        pair = ir.VectorType.get((2,), ir.BF16Type.get())
-
-        def place(register: int, value):
-            ct, rh = divmod(register, 2)  # register (column tile, row half)
-            registers[0, ct, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(value, pair)
-
-        def shifted(word, by: int):
-            return arith.shrui(word, mgpu_utils.c(by, i32)) if by else word
-
-        if bits == 4:  # nibbles s and s + 4 of word i: register 4 i + s, by a shift and a lop3
-            asm = f"lop3.b32 $0, $1, 0x000F000F, {_BF16_128_XOR_8:#x}, {_AND_XOR:#x};"
-            for i, word in enumerate(_thread_words(ref, 0)):
-                for s in range(4):
-                    place(4 * i + s, llvm.inline_asm(i32, [shifted(word, 4 * s)], asm, "=r,r"))
-        else:  # bytes s and s + 2 of word i (0-3 at 16 t, 4-7 at 2048 + 16 t): register 2 i + s
-            for i, word in enumerate(_thread_words(ref, 0) + _thread_words(ref, TILE * TILE // 2)):
-                for s in range(2):
-                    value = llvm.inline_asm(i32, [shifted(word, 8 * s)], _INT8_PAIR, "=r,r")
-                    place(2 * i + s, value)
-
-    return _register_tile(q_tile, jnp.bfloat16, fill, eight_bit=False, is_signed=None)
-
-
-# W8A8: the int8 wgmma's A operand (WGMMA_LAYOUT_8BIT) holds, in register (16-column tile c16,
-# row half rh), 4 consecutive k-positions 16 c16 + 4 lc + q of one row; a thread of the
-# mgpu_int8 layout holds, in its word i of half h, the columns 8 (4 h + i) + 2 lc + v of both
-# row halves (byte rh + 2 v). One prmt of words 2 j and 2 j + 1 of half h makes register
-# (2 h + j, rh) from the row half's 4 bytes: k-position 16 c16 + 4 lc + q then holds column
-# 16 c16 + 8 (q // 2) + 2 lc + q % 2. The products are a sum over k, so the rows (the B operand)
-# take the same order (`w8a8_input_order`) and the weights keep their one layout.
-_INT8_ROW_HALF = {0: 0x6420, 1: 0x7531}  # prmt selectors: bytes rh and rh + 2 of each word
-
-
-def w8a8_input_order(q):
-    """int8 rows [..., K] (K a multiple of 16) in the W8A8 GEMM's k-order: position
-    16 b + 4 lc + 2 hi + v holds column 16 b + 8 hi + 2 lc + v (the order in which a thread's
-    register of the mgpu_int8 layout's weights holds them: see _INT8_ROW_HALF)."""
-    *lead, k = q.shape
-    t = q.reshape(*lead, k // 16, 2, 4, 2)  # (b, hi, lc, v)
-    return jnp.swapaxes(t, -3, -2).reshape(*lead, k)
-
-
-def _int8_operand_tile(q_tile, interpret: bool):
-    """W8A8: the stored mgpu_int8 tile q_tile (symmetric: the stored byte is the signed weight)
-    as the int8 wgmma's A operand, its k in `w8a8_input_order`. Compiled: registers of
-    WGMMA_LAYOUT_8BIT, each one prmt of two words a thread loads (_INT8_ROW_HALF); interpret:
-    the same values as a jnp array."""
-    if interpret:
-        q = layouts.from_tile_order(q_tile[...].reshape(TILE, TILE), 8)
-        return w8a8_input_order(q)
-
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    def fill(ref, registers):
-        i32 = ir.IntegerType.get_signless(32)
-        quad = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
-        for h in range(2):
-            words = _thread_words(ref, h * TILE * TILE // 2)
-            for j in range(2):
-                for rh, selector in _INT8_ROW_HALF.items():
-                    asm = f"prmt.b32 $0, $1, $2, {selector:#x};"
-                    value = llvm.inline_asm(i32, [words[2 * j], words[2 * j + 1]], asm, "=r,r,r")
-                    registers[0, 2 * h + j, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(value, quad)
-
-    return _register_tile(q_tile, jnp.int8, fill, eight_bit=True, is_signed=True)
-
-
 def _swizzled(shape, dtype, what: str):
     """Tiling + swizzle transforms for an SMEM tile whose minor dimension is shape[-1]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -426,26 +313,669 @@ def _swizzled(shape, dtype, what: str):
     return (plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "block_m",
-        "block_k",
-        "block_n",
-        "max_concurrent_steps",
-        "consumers",
-        "splits",
-        "gated",
-        "tiles_per_program",
-        "block_halvings",
-        "buffer_rows",
-        "bf16_weights",
-        "out_dtype",
-        "interpret",
-        "profile_dir",
-        "profile_regions",
-    ),  # fmt: skip
-)
+# ---- the plan --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """One call of the GEMM as it is traced: the operands' shapes and formats, the config, and
+    the counts that follow from them (`make_plan` checks and builds it; the kernel's parts read
+    it). P rows, N features (w's rows), K inputs, G the group."""
+
+    # the operands
+    num_experts: int
+    n: int
+    k: int
+    rows: int  # P, in blocks of block_m (the last may be partial)
+    bits: int
+    group: int
+    has_offset: bool  # zero points (stored as the offsets 8 - z / 128 - z)
+    dtype: jnp.dtype  # the rows': bfloat16, or int8 (W8A8)
+    out_dtype: jnp.dtype
+    # the config (mgpu_wna16_gemm's arguments)
+    block_m: int
+    block_k: int
+    block_n: int
+    stages: int  # k-steps in flight
+    consumers: int
+    splits: int
+    gated: bool
+    tiles: int  # output tiles per program
+    halvings: int  # times a block may halve (`narrow`)
+    narrow: bool  # the rows in use per block are given: blocks run at the fewest rows they use
+    buffer_rows: int
+    bf16_weights: bool
+    interpret: bool
+    profile_regions: tuple[str, ...]
+    profile_dir: str | None
+
+    @property
+    def w8a8(self) -> bool:
+        return self.dtype == jnp.int8
+
+    @property
+    def sums(self):  # a group's exact products: int32 of int8 products, else f32
+        return jnp.int32 if self.w8a8 else jnp.float32
+
+    @property
+    def carried(self) -> bool:
+        """Per-channel weights, warp-specialized, one tile per program, W8A8 or bf16_weights:
+        the exact sums of all k-steps carried in the accumulators (int32 of int8 products; f32
+        of the bf16 (q - z), exact), scaled once at the end by each feature's scale (W8A8: and
+        each row's): no scale per weight, nor per k-step."""
+        one_tile = takes_bf16_weights(self.consumers, self.tiles)
+        return self.group == self.k and one_tile and (self.w8a8 or self.bf16_weights)
+
+    @property
+    def wgs(self) -> int:  # warpgroups doing math, each on block_n features
+        return max(self.consumers, 1)
+
+    @property
+    def subs(self) -> int:  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
+        return self.block_n // TILE
+
+    @property
+    def halves(self) -> int:  # weight halves a program reads: (gate, up) or the one
+        return 2 if self.gated else 1
+
+    @property
+    def tile_n(self) -> int:  # output features per output tile
+        return self.block_n * self.wgs
+
+    @property
+    def out_n(self) -> int:
+        return self.n // self.halves
+
+    @property
+    def steps_per_group(self) -> int:  # a k-step spans part of one group ...
+        return max(self.group // self.block_k, 1)
+
+    @property
+    def groups_per_step(self) -> int:  # ... or several whole groups
+        return max(self.block_k // self.group, 1)
+
+    @property
+    def part_k(self) -> int:
+        """A k-part: the inputs of a weight tile one wgmma takes, the whole 64-wide tile or,
+        for groups of fewer inputs (32: Kimi-K2's), one group's columns of it (its own scale
+        and zero point), `parts` per tile."""
+        return min(TILE, self.group)
+
+    @property
+    def parts(self) -> int:
+        return TILE // self.part_k
+
+    @property
+    def parts_per_group(self) -> int:  # a group's k-parts in a k-step
+        return min(self.group, self.block_k) // self.part_k
+
+    @property
+    def bias(self) -> int:
+        return CONVERTED_BIAS[self.bits]
+
+    @property
+    def tile_rows(self) -> int:  # a weight tile's TMA rows
+        return rows_per_tile(self.bits)
+
+    @property
+    def steps(self) -> int:  # k-steps per split
+        return self.k // self.block_k // self.splits
+
+    @property
+    def n_tiles(self) -> int:  # output tiles per block
+        return self.out_n // self.tile_n
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.rows // self.block_m)
+
+    @property
+    def n_runs(self) -> int:  # runs of `tiles` output tiles of a block, a program each
+        return self.n_tiles // self.tiles
+
+    @property
+    def xs_width(self) -> int:  # W8A8: f32 row scales per block, padded to XS_BYTES
+        return max(self.block_m, XS_BYTES // 4)
+
+    @property
+    def grid(self) -> tuple[int, ...]:  # a program's pipeline: (k-steps,) or (tiles, k-steps)
+        return (self.steps,) if self.tiles == 1 else (self.tiles, self.steps)
+
+    def region(self, name: str):
+        """The named scope `name` where it is profiled, else none (a region costs
+        registers)."""
+        return jax.named_scope(name) if name in self.profile_regions else contextlib.nullcontext()
+
+
+def make_plan(
+    x_rows, w: QuantizedExperts, block_experts, rows_in_use=None, *, x_scales=None, block_m: int,
+    block_k: int = 128, block_n: int = 64, max_concurrent_steps: int = 4, consumers: int = 0,
+    splits: int = 1, gated: bool = False, tiles_per_program: int = 1, block_halvings: int = 1,
+    buffer_rows: int | None = None, bf16_weights: bool = False, out_dtype=None,
+    interpret: bool = False, profile_dir: str | None = None,
+    profile_regions: tuple[str, ...] = PROFILE_REGIONS,
+) -> GemmPlan:  # fmt: skip
+    """The GemmPlan of mgpu_wna16_gemm's arguments (see there), checked: raises ValueError
+    (NotImplementedError for unsupported operands) for what the GEMM cannot run."""
+    if unknown := set(profile_regions) - set(REGIONS):
+        raise ValueError(f"profile_regions {sorted(unknown)} are not among {REGIONS}")
+    check_config(
+        w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
+        splits=splits, gated=gated, tiles_per_program=tiles_per_program,
+        bf16_weights=bf16_weights, x_scales=x_scales,
+    )  # fmt: skip
+    narrow = rows_in_use is not None
+    if narrow and (
+        block_halvings < 1
+        or block_m % (8 << block_halvings)
+        or rows_in_use.shape != block_experts.shape
+    ):
+        raise ValueError(
+            f"rows_in_use needs block_halvings >= 1 halvings of block_m to a multiple of 8 (a "
+            f"wgmma's least rows), got block_m={block_m}, block_halvings={block_halvings}, and "
+            f"one count per block: {rows_in_use.shape} for {block_experts.shape} blocks"
+        )
+    _, n, k = w.shape
+    p = x_rows.shape[0]
+    dtype = jnp.dtype(x_rows.dtype)
+    out_dtype = jnp.dtype(out_dtype or (jnp.float32 if dtype == jnp.int8 else dtype))
+    steps = k // block_k // splits
+    plan = GemmPlan(
+        num_experts=w.num_experts, n=n, k=k, rows=p, bits=w.bits, group=w.group,
+        has_offset=w.zeros is not None, dtype=dtype, out_dtype=out_dtype, block_m=block_m,
+        block_k=block_k, block_n=block_n,
+        stages=min(max_concurrent_steps, tiles_per_program * steps), consumers=consumers,
+        splits=splits, gated=gated, tiles=tiles_per_program, halvings=block_halvings,
+        narrow=narrow, buffer_rows=0, bf16_weights=bf16_weights, interpret=interpret,
+        profile_regions=tuple(profile_regions), profile_dir=profile_dir,
+    )  # fmt: skip
+    if block_experts.shape != (plan.blocks,):
+        raise ValueError(
+            f"block_experts has shape {block_experts.shape}, want ({plan.blocks},): one expert "
+            f"per block of {block_m} of the {p} rows"
+        )
+    if buffer_rows is None:
+        buffer_rows = output_buffer_rows(
+            block_m=block_m, block_k=block_k, tile_n=plan.tile_n, halves=plan.halves,
+            groups_per_step=plan.groups_per_step, has_offset=plan.has_offset,
+            scale_bytes=w.scales.dtype.itemsize, bits=w.bits, stages=plan.stages,
+            warpgroups=plan.wgs, out_bytes=out_dtype.itemsize, int8_rows=plan.w8a8,
+        )  # fmt: skip
+    elif buffer_rows % 8 or block_m % buffer_rows:
+        raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {block_m}")
+    return dataclasses.replace(plan, buffer_rows=buffer_rows)
+
+
+# ---- one program ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program of the kernel as it runs (traced values): its output tiles (split si, block
+    bi, run n_run of N tiles), its math warpgroup wg, its block's expert, the refs it reads and
+    writes, and `rows`, the width at which it computes its block (block_m, or a halving)."""
+
+    plan: GemmPlan
+    rows: int
+    wg: object
+    si: object
+    bi: object
+    n_run: object
+    expert: object  # the block's expert id as given
+    e: object  # clipped to [0, E): the weights a block without an expert would index
+    has_expert: object
+    x_gmem: object
+    q_gmem: object
+    s_gmem: object
+    z_gmem: object | None
+    xs_gmem: object | None
+    o_gmem: object
+    o_smem: object
+    a_smem: object | None  # the interpreter's dequantized tiles (its wgmma takes A from smem)
+
+    def sub_tile(self, s):  # this warpgroup's sub-tile s among the program's 64-feature tiles
+        return self.wg * self.plan.subs + s
+
+    def features(self, s):
+        return pl.ds(self.sub_tile(s) * TILE, TILE)
+
+    def tile_and_step(self, idx):
+        """The pipeline's step idx -> (N tile, k-step within this split): idx is (k-step,), or
+        (tile of the run, k-step) with runs of tiles."""
+        if self.plan.tiles == 1:
+            return self.n_run, idx[0]
+        return self.n_run * self.plan.tiles + idx[0], idx[1]
+
+
+# ---- the epilogue: output tiles from the sums ---------------------------------------------------
+
+
+def store(prog: Program, values, ni) -> None:
+    """This warpgroup's [rows, block_n] part of output tile ni, one copy per sub-tile and chunk
+    of buffer_rows rows through one [buffer_rows, 64] buffer (a buffer per sub-tile where they
+    fit measured the same). The copies are waited for at the program's end (`store_all`); a
+    copy waits only until the last has read the buffer."""
+    plgpu = _plgpu()
+    plan, rows = prog.plan, prog.rows
+    with plan.region("store"):
+        out_tile = prog.o_gmem.at[prog.si] if plan.splits > 1 else prog.o_gmem
+        chunk = min(rows, plan.buffer_rows)
+        wg = prog.wg
+        buffer = (
+            prog.o_smem.at[wg] if chunk == plan.buffer_rows else prog.o_smem.at[wg, pl.ds(0, chunk)]
+        )
+        for s, value in enumerate(values):
+            cols = pl.ds(ni * plan.tile_n + prog.sub_tile(s) * TILE, TILE)
+            for first in range(0, rows, chunk):
+                with plan.region("store_reuse"):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                part = value if chunk == rows else value[:, first : first + chunk]
+                with plan.region("store_smem"):
+                    buffer.T[...] = plgpu.layout_cast(
+                        part.astype(plan.out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
+                    )
+                    plgpu.commit_smem()
+                out_rows = pl.ds(prog.bi * plan.block_m + first, chunk)
+                plgpu.copy_smem_to_gmem(buffer, out_tile.at[out_rows, cols])
+
+
+def store_all(prog: Program, values, ni) -> None:
+    """`store`, then wait for the program's copies to be written."""
+    plgpu = _plgpu()
+    store(prog, values, ni)
+    with prog.plan.region("store_wait"):
+        plgpu.wait_smem_to_gmem(0)
+
+
+def epilogue(plan: GemmPlan, accs):
+    """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
+    if not plan.gated:
+        return accs
+    gates, ups = accs[: plan.subs], accs[plan.subs :]
+    return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
+
+
+def scaled_sums(prog: Program, acc_refs):
+    """The carried sums in f32: `carried`'s scaled by each feature's weight scale (W8A8: and
+    each row's scale; read from global memory: the pipeline's copies are gone;
+    optimized=False: Mosaic GPU lowers optimized loads from shared memory only),
+    bf16_weights' scaled ones as they are."""
+    plgpu = _plgpu()
+    plan = prog.plan
+    values = tuple(acc[...] for acc in acc_refs)
+    if not plan.carried:
+        return values
+    row = plgpu.Layout.WGMMA.reduce(1)
+    row_scale = None
+    if plan.w8a8:
+        row_scale = plgpu.load(
+            prog.xs_gmem.at[prog.bi, pl.ds(0, prog.rows)],
+            layout=plgpu.Layout.WGMMA.reduce(0),
+            optimized=False,
+        )
+    out = []
+    for h in range(plan.halves):
+        for s in range(plan.subs):
+            first = (h * plan.n_tiles + prog.n_run) * plan.tile_n + prog.sub_tile(s) * TILE
+            scale = plgpu.load(
+                prog.s_gmem.at[prog.e, 0, pl.ds(first, TILE)], layout=row, optimized=False
+            )
+            value = values[h * plan.subs + s].astype(jnp.float32)
+            value = value * lax.broadcast_in_dim(scale.astype(jnp.float32), value.shape, [0])
+            if row_scale is not None:
+                value = value * lax.broadcast_in_dim(row_scale, value.shape, [1])
+            out.append(value)
+    return tuple(out)
+
+
+def zero_accs(prog: Program):
+    """f32 [64 features, rows] accumulators: per half, per sub-tile."""
+    plgpu = _plgpu()
+    wgmma = plgpu.Layout.WGMMA
+    return tuple(
+        plgpu.layout_cast(jnp.full((TILE, prog.rows), 0, jnp.float32), wgmma)
+        for _ in range(prog.plan.halves * prog.plan.subs)
+    )
+
+
+# ---- the dequantizing converter -----------------------------------------------------------------
+
+
+def group_offset(prog: Program, s_refs, z_refs, g, h, s, scale=None):
+    """What the conversion subtracts from sub-tile s's features in group g, once per group of
+    the step: the bias less the zeros, int4 136 - (8 - z) = 128 + z <= 143, int8
+    0 - (128 - z) = z - 128, exact; symmetric int4: 136 - 0 * scale = 136 (exact for finite
+    scales), computed as a zero point's offset is (see SYMMETRIC_OFFSET; scale: the group's
+    row where already loaded); None where the bias is subtracted as a constant (symmetric:
+    int8's 0, int4's in the interpreter). In the weights' dtype (exact: small integers),
+    whatever the scales' (and zero points') dtype."""
+    plgpu = _plgpu()
+    plan = prog.plan
+    row = plgpu.Layout.WGMMA.reduce(1)
+    if z_refs:
+        z = plgpu.load(z_refs[h].at[g, prog.features(s)], layout=row)
+        return (plan.bias - z).astype(plan.dtype)
+    if plan.interpret or not plan.bias:
+        return None
+    if scale is None:
+        scale = plgpu.load(s_refs[h].at[g, prog.features(s)], layout=row)
+    return (SYMMETRIC_OFFSET - 0 * scale).astype(plan.dtype)
+
+
+def rounded_weights(plan: GemmPlan, wt, scale):
+    """(q - z) * s rounded to bf16 once: bf16 scales multiply in bf16 (the exact product,
+    rounded); float16 / float32 scales in f32 (exact for float16: an integer of at most 8 bits
+    times 11 significant bits), then rounded to bf16."""
+    if scale.dtype == plan.dtype:
+        return wt * lax.broadcast_in_dim(scale, wt.shape, [0])
+    scale = lax.broadcast_in_dim(scale.astype(jnp.float32), wt.shape, [0])
+    return (wt.astype(jnp.float32) * scale).astype(plan.dtype)
+
+
+def dequantized(prog: Program, q_smem, offset, s, m, scale=None):
+    """Sub-tile s's m-th k-part of the k-step in bf16 (of its 64x64 weight tile m // parts):
+    the converted part (the stored value plus CONVERTED_BIAS) less offset, the bias less the
+    zeros of the part's features: q - z, a small integer, exact in bf16; with scale
+    (bf16_weights) times the scale, rounded once. W8A8: the stored signed bytes, the weights
+    themselves."""
+    plan = prog.plan
+    with plan.region("convert"):
+        j, part = divmod(m, plan.parts)
+        q_tile = q_smem.at[prog.sub_tile(s), pl.ds(j * plan.tile_rows, plan.tile_rows)]
+        if plan.w8a8:
+            wt = int8_operand_tile(q_tile, plan.interpret)
+        else:
+            wt = converted_tile(q_tile, plan.bits, plan.dtype, plan.interpret, part, plan.parts)
+        if offset is not None:
+            wt = wt - lax.broadcast_in_dim(offset, wt.shape, [0])
+        elif plan.bias:  # symmetric int4 in the interpreter: the constant
+            wt = wt - plan.bias
+        if scale is not None:
+            wt = rounded_weights(plan, wt, scale)
+        if plan.interpret:
+            prog.a_smem.at[prog.wg, s, m][...] = wt
+            return prog.a_smem.at[prog.wg, s, m]
+        return wt
+
+
+# ---- the consumers' wgmma loop ------------------------------------------------------------------
+
+
+def x_part(plan: GemmPlan, x_smem, m):
+    """The rows' inputs of k-part m of the step, K-major (the wgmma's B operand)."""
+    return x_smem.at[:, pl.ds(m * plan.part_k, plan.part_k)].T
+
+
+def exact_products(prog: Program, accs, q_refs, x_smem, s_refs, z_refs, xs_ref=None):
+    """accs plus this k-step's products: each group's k-parts' products are exact in their f32
+    (W8A8: int32) sum (its own accumulator); the group scale (W8A8: times each row's, xs_ref)
+    multiplies the sum. Units (group, half, sub-tile) run in order: unit u's parts are
+    converted while unit u-1's wgmmas run, and u-1's sum is scaled while u's run."""
+    plgpu = _plgpu()
+    plan = prog.plan
+    row, column = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    units = [
+        (g, h, s)
+        for g in range(plan.groups_per_step)
+        for h in range(plan.halves)
+        for s in range(plan.subs)
+    ]
+
+    def issue(part_ref, g, h, s):
+        k_parts = range(g * plan.parts_per_group, (g + 1) * plan.parts_per_group)
+        offset = group_offset(prog, s_refs, z_refs, g, h, s)
+        wts = [dequantized(prog, q_refs[h], offset, s, m) for m in k_parts]
+        with plan.region("wgmma"):
+            for m, wt in zip(k_parts, wts, strict=True):
+                plgpu.wgmma(part_ref, wt, x_part(plan, x_smem, m))
+
+    def add_scaled(accs, part_ref, g, h, s, in_flight):
+        # wait until at most in_flight wgmmas (the next unit's) are running
+        with plan.region("wait"):
+            part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
+        with plan.region("scale"):
+            scale = plgpu.load(s_refs[h].at[g, prog.features(s)], layout=row)
+            scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
+            if xs_ref is not None:
+                row_scale = plgpu.load(xs_ref.at[pl.ds(0, prog.rows)], layout=column)
+                scale = scale * lax.broadcast_in_dim(row_scale, part.shape, [1])
+            a = h * plan.subs + s
+            part = part.astype(jnp.float32) * scale
+            return accs[:a] + (accs[a] + part,) + accs[a + 1 :]
+
+    def unit_products(*part_refs):
+        out = accs
+        for u, part_ref in enumerate(part_refs):
+            issue(part_ref, *units[u])
+            if u:
+                out = add_scaled(out, part_refs[u - 1], *units[u - 1], plan.parts_per_group)
+        return add_scaled(out, part_refs[-1], *units[-1], 0)
+
+    acc_types = [plgpu.ACC((TILE, prog.rows), plan.sums) for _ in units]
+    return pl.run_scoped(unit_products, *acc_types)
+
+
+def rounded_products(prog: Program, acc_refs, q_refs, x_smem, s_refs, z_refs):
+    """bf16_weights: each weight's (q - z) * s rounded to bf16 once (as a bf16 model's
+    dequantized weights), multiplied straight into the sums (acc_refs): no f32 sum per group
+    to hold, wait for and scale. carried: the products of the weights (q - z) straight into
+    the sums (scaled at the end: `scaled_sums`)."""
+    plgpu = _plgpu()
+    plan = prog.plan
+    row = plgpu.Layout.WGMMA.reduce(1)
+    for g in range(plan.groups_per_step):
+        for h in range(plan.halves):
+            for s in range(plan.subs):
+                scale = None
+                if not plan.carried:
+                    scale = plgpu.load(s_refs[h].at[g, prog.features(s)], layout=row)
+                offset = group_offset(prog, s_refs, z_refs, g, h, s, scale)
+                for m in range(g * plan.parts_per_group, (g + 1) * plan.parts_per_group):
+                    wt = dequantized(prog, q_refs[h], offset, s, m, scale)
+                    with plan.region("wgmma"):
+                        plgpu.wgmma(acc_refs[h * plan.subs + s], wt, x_part(plan, x_smem, m))
+    with plan.region("wait"):
+        plgpu.wgmma_wait(0)
+    return acc_refs
+
+
+def pipeline_step(prog: Program, idx, *refs):
+    """The pipeline's body at step idx. refs: the weight tiles of each half, the rows' tile,
+    the scales of each half, the zero points of each half (with them), the rows' scales
+    (W8A8), the carried sums (accumulators, or with bf16_weights / carried their refs)."""
+    plgpu = _plgpu()
+    plan = prog.plan
+    *refs, accs = refs
+    xs_ref = refs.pop() if plan.w8a8 else None
+    halves = plan.halves
+    q_refs, x_smem = refs[:halves], refs[halves]
+    s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
+    if plan.bf16_weights or plan.carried:
+        return rounded_products(prog, accs, q_refs, x_smem, s_refs, z_refs)
+    if plan.tiles == 1:
+        return exact_products(prog, accs, q_refs, x_smem, s_refs, z_refs, xs_ref)
+    # A run of tiles: a tile's first k-step starts its sums from zero, its last stores them (the
+    # next tile's copies are already in flight).
+    ni, kk = prog.tile_and_step(idx)
+    keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, prog.rows), ())
+    keep = plgpu.layout_cast(keep, plgpu.Layout.WGMMA)
+    accs = tuple(a * keep for a in accs)
+    accs = exact_products(prog, accs, q_refs, x_smem, s_refs, z_refs, xs_ref)
+
+    @pl.when(kk == plan.steps - 1)
+    def _store():
+        store(prog, epilogue(plan, accs), ni)
+
+    return accs
+
+
+# ---- the producer's copies ----------------------------------------------------------------------
+
+
+def copies(prog: Program):
+    """(in_specs, operands) of the pipeline: what each k-step copies to shared memory, by TMA
+    (half h's weight tiles start at N tile h * n_tiles: the up half of a gated W)."""
+    plgpu = _plgpu()
+    plan = prog.plan
+    halves, bk = plan.halves, plan.block_k
+
+    def weight_tile(h):
+        def index(*idx):
+            ni, kk = prog.tile_and_step(idx)
+            return prog.e, h * plan.n_tiles + ni, prog.si * plan.steps + kk, 0
+
+        return index
+
+    def group_rows(h):
+        def index(*idx):
+            ni, kk = prog.tile_and_step(idx)
+            return (
+                prog.e,
+                (prog.si * plan.steps + kk) // plan.steps_per_group,
+                h * plan.n_tiles + ni,
+            )
+
+        return index
+
+    def row_tile(*idx):
+        return prog.bi * (plan.block_m // prog.rows), prog.si * plan.steps + prog.tile_and_step(
+            idx
+        )[1]
+
+    q_spec = (None, plan.wgs * plan.subs, bk // TILE * plan.tile_rows, row_values(plan.bits))
+    g_spec = (None, plan.groups_per_step, plan.tile_n)
+    in_specs = [  # weight tiles [64-feature tiles, the k-step's rows of TMA_ROW_BYTES]:
+        # contiguous and unswizzled: a warp's 16-byte loads read 512 consecutive bytes, no bank
+        # conflicts
+        *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
+        plgpu.BlockSpec(
+            (prog.rows, bk),
+            row_tile,
+            # swizzled as a k-part is (the wgmma's slices): a 64-wide k-tile's 128 bytes of
+            # bf16, 64 of int8; a 32-wide group's 64 bytes of bf16
+            transforms=_swizzled((prog.rows, plan.part_k), plan.dtype, "x"),
+        ),
+        *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
+    ]
+    if plan.has_offset:
+        in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
+    if plan.w8a8:  # the block's row scales, with each k-step's rows (a few bytes; the
+        # warp-specialized pipeline takes only inputs that follow its steps)
+        in_specs.append(
+            plgpu.BlockSpec((None, plan.xs_width), lambda *idx: (prog.bi + 0 * idx[-1], 0))
+        )
+    operands = [prog.q_gmem] * halves + [prog.x_gmem] + [prog.s_gmem] * halves
+    if plan.has_offset:
+        operands += [prog.z_gmem] * halves
+    if plan.w8a8:
+        operands.append(prog.xs_gmem)
+    return in_specs, operands
+
+
+# ---- a program's run -----------------------------------------------------------------------------
+
+
+def run(prog: Program) -> None:
+    """Runs the program's pipeline over its k-steps (and tiles) and stores its output tiles.
+    Without warp specialization one warpgroup copies and computes (`plgpu.emit_pipeline`, the
+    f32 sums its carry); with it, a producer warpgroup copies and each consumer runs the
+    compute context around the pipeline (`plgpu.emit_pipeline_warp_specialized`)."""
+    plgpu = _plgpu()
+    plan = prog.plan
+    in_specs, operands = copies(prog)
+    step = functools.partial(pipeline_step, prog)
+
+    def pipeline(compute_context=None):
+        if not plan.consumers:
+            return plgpu.emit_pipeline(
+                step, grid=plan.grid, in_specs=in_specs, max_concurrent_steps=plan.stages,
+                init_carry=zero_accs(prog),
+            )(*operands)  # fmt: skip
+        plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=plan.grid,
+            memory_registers=40,
+            in_specs=in_specs,
+            max_concurrent_steps=plan.stages,
+            wg_axis="wg",
+            num_compute_wgs=plan.consumers,
+            compute_context=compute_context,
+        )(*operands)
+
+    def program(body):  # the math warpgroups' part of the run
+        with plan.region("program"):
+            body()
+
+    if plan.bf16_weights or plan.carried:  # the sums in accumulator refs, the carry
+
+        def rounded(run_steps):
+            def scope(*acc_refs):
+                run_steps(acc_refs)
+                store_all(prog, epilogue(plan, scaled_sums(prog, acc_refs)), prog.n_run)
+
+            accs = [plgpu.ACC((TILE, prog.rows), plan.sums) for _ in range(plan.halves * plan.subs)]
+            program(lambda: pl.run_scoped(scope, *accs))
+
+        pipeline(rounded)
+    elif plan.tiles > 1:  # each tile stored at its last k-step
+        pipeline(lambda run_steps: program(lambda: run_steps(zero_accs(prog))))
+        plgpu.wait_smem_to_gmem(0)
+    elif not plan.consumers:
+        program(lambda: store_all(prog, epilogue(plan, pipeline()), prog.n_run))
+    else:
+        pipeline(
+            lambda run_steps: program(
+                lambda: store_all(prog, epilogue(plan, run_steps(zero_accs(prog))), prog.n_run)
+            )
+        )
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+
+
+def gemm_program(plan: GemmPlan, experts_gmem, *refs) -> None:
+    """One program: its block's expert, then its run at the fewest rows its block uses (or the
+    block's), or zero rows for a block without an expert (-1, or past E)."""
+    plgpu = _plgpu()
+    refs = list(refs)
+    rows_gmem = refs.pop(0) if plan.narrow else None
+    x_gmem, q_gmem, s_gmem = refs.pop(0), refs.pop(0), refs.pop(0)
+    z_gmem = refs.pop(0) if plan.has_offset else None
+    xs_gmem = refs.pop(0) if plan.w8a8 else None
+    o_gmem, o_smem = refs.pop(0), refs.pop(0)
+    a_smem = refs.pop(0) if plan.interpret else None
+    wg = lax.axis_index("wg") if plan.consumers else 0
+    # This program's output tiles: split, block, run of N tiles (fastest).
+    flat = lax.axis_index("p")
+    blocks, n_runs = plan.blocks, plan.n_runs
+    si, bi, n_run = flat // (blocks * n_runs), flat // n_runs % blocks, flat % n_runs
+    expert = experts_gmem[bi]
+    has_expert = (expert >= 0) & (expert < plan.num_experts)
+    prog = Program(
+        plan=plan, rows=plan.block_m, wg=wg, si=si,
+        bi=bi, n_run=n_run, expert=expert, e=jnp.clip(expert, 0, plan.num_experts - 1),
+        has_expert=has_expert, x_gmem=x_gmem, q_gmem=q_gmem, s_gmem=s_gmem, z_gmem=z_gmem,
+        xs_gmem=xs_gmem, o_gmem=o_gmem, o_smem=o_smem, a_smem=a_smem,
+    )  # fmt: skip
+    if plan.narrow:  # a block computes and stores the fewest rows (of the widths) it uses
+        used = rows_gmem[bi]
+        widths = [plan.block_m >> j for j in range(plan.halvings + 1)]
+        for j, width in enumerate(widths):
+            narrower = widths[j + 1] if j < plan.halvings else -1
+            fits = (used > narrower) & ((used <= width) if j else True)
+            pl.when(has_expert & fits)(
+                functools.partial(run, dataclasses.replace(prog, rows=width))
+            )
+    else:
+        pl.when(has_expert)(functools.partial(run, prog))
+
+    @pl.when(~has_expert & (prog.wg < plan.wgs))
+    def _zeros():
+        for j in range(plan.tiles):
+            store(prog, zero_accs(prog)[: plan.subs], n_run * plan.tiles + j)
+        plgpu.wait_smem_to_gmem(0)
+
+
 def mgpu_wna16_gemm(
     x_rows: jax.Array,
     w: QuantizedExperts,
@@ -453,21 +983,7 @@ def mgpu_wna16_gemm(
     rows_in_use: jax.Array | None = None,
     *,
     x_scales: jax.Array | None = None,
-    block_m: int,
-    block_k: int = 128,
-    block_n: int = 64,
-    max_concurrent_steps: int = 4,
-    consumers: int = 0,
-    splits: int = 1,
-    gated: bool = False,
-    tiles_per_program: int = 1,
-    block_halvings: int = 1,
-    buffer_rows: int | None = None,
-    bf16_weights: bool = False,
-    out_dtype=None,
-    interpret: bool = False,
-    profile_dir: str | None = None,
-    profile_regions: tuple[str, ...] = PROFILE_REGIONS,
+    **config,
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows',
     f32 for int8 rows), [P, N]; with splits > 1 the K-split partial products, [splits, P, N],
@@ -476,11 +992,16 @@ def mgpu_wna16_gemm(
     gated: W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and out[p] =
     silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to out_dtype.
 
+    config: `make_plan`'s keywords (block_m, block_k, block_n, max_concurrent_steps, consumers,
+    splits, gated, tiles_per_program, block_halvings, buffer_rows, bf16_weights, out_dtype,
+    interpret, profile_dir, profile_regions), checked and gathered with the operands' shapes
+    into one GemmPlan, the kernel's one static argument; each is described below.
+
     W8A8: x_rows int8 in `w8a8_input_order` with their f32 scales x_scales [P] (x_rows[p] *
     x_scales[p] the rows), on symmetric mgpu_int8 weights: int8 x int8 products on the int8
     tensor cores, exact in an int32 sum per group (or k-step), scaled in f32 by the weight's
     scale and the row's. The weight tile goes from shared memory to the A operand's registers
-    by one prmt per register, no conversion (_int8_operand_tile).
+    by one prmt per register, no conversion (`convert.int8_operand_tile`).
 
     consumers=0: one warpgroup per program issues the copies and does the math on block_n
     features (`plgpu.emit_pipeline`). consumers=1 or 2: warp specialization
@@ -536,468 +1057,60 @@ def mgpu_wna16_gemm(
     regions, fewer registers for the profiler: with all five of PROFILE_REGIONS ptxas spilled
     registers in GEMM2 at M=4096).
     """
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plan = make_plan(x_rows, w, block_experts, rows_in_use, x_scales=x_scales, **config)
+    return _call(plan, x_rows, w, block_experts, rows_in_use, x_scales)
 
-    if unknown := set(profile_regions) - set(REGIONS):
-        raise ValueError(f"profile_regions {sorted(unknown)} are not among {REGIONS}")
 
-    def region(name: str):
-        """The named scope `name` where it is profiled, else none (a region costs registers)."""
-        return jax.named_scope(name) if name in profile_regions else contextlib.nullcontext()
-
-    check_config(
-        w, x_rows, block_m=block_m, block_k=block_k, block_n=block_n, consumers=consumers,
-        splits=splits, gated=gated, tiles_per_program=tiles_per_program,
-        bf16_weights=bf16_weights, x_scales=x_scales,
-    )  # fmt: skip
-    narrow = rows_in_use is not None
-    if narrow and (
-        block_halvings < 1
-        or block_m % (8 << block_halvings)
-        or rows_in_use.shape != block_experts.shape
-    ):
-        raise ValueError(
-            f"rows_in_use needs block_halvings >= 1 halvings of block_m to a multiple of 8 (a "
-            f"wgmma's least rows), got block_m={block_m}, block_halvings={block_halvings}, and "
-            f"one count per block: {rows_in_use.shape} for {block_experts.shape} blocks"
-        )
-    _, n, k = w.shape
-    p = x_rows.shape[0]
-    dtype = x_rows.dtype
-    w8a8 = dtype == jnp.int8
-    out_dtype = jnp.dtype(out_dtype or (jnp.float32 if w8a8 else dtype))
-    sums = jnp.int32 if w8a8 else jnp.float32  # a group's exact products
-    # Per-channel weights, warp-specialized, one tile per program, W8A8 or bf16_weights: the
-    # exact sums of all k-steps carried in the accumulators (int32 of int8 products; f32 of
-    # the bf16 (q - z), exact), scaled once at the end by each feature's scale (W8A8: and each
-    # row's): no scale per weight, nor per k-step.
-    carried = (
-        w.group == k and takes_bf16_weights(consumers, tiles_per_program) and (w8a8 or bf16_weights)
-    )
-    wgs = max(consumers, 1)  # warpgroups doing math, each on block_n features
-    subs = block_n // TILE  # a warpgroup's 64-feature sub-tiles (wgmma M) per half
-    halves = 2 if gated else 1  # weight halves a program reads: (gate, up) or the one
-    bm, bk = block_m, block_k
-    tile_n = block_n * wgs  # output features per output tile
-    tiles = tiles_per_program
-    out_n = n // halves
-    # A k-step spans part of one group (steps_per_group of them) or several whole groups.
-    steps_per_group = max(w.group // bk, 1)
-    groups_per_step = max(bk // w.group, 1)
-    tiles_per_part = bk // TILE // groups_per_step  # 64-wide k-tiles per group in a step
-    has_offset = w.zeros is not None
-    bias = CONVERTED_BIAS[w.bits]
-    tile_rows = rows_per_tile(w.bits)  # a weight tile's TMA rows
-    steps = k // bk // splits
-    n_tiles, blocks = out_n // tile_n, -(-p // bm)  # the last block may be partial
-    if block_experts.shape != (blocks,):
-        raise ValueError(
-            f"block_experts has shape {block_experts.shape}, want ({blocks},): one expert per "
-            f"block of {bm} of the {p} rows"
-        )
-    n_runs = n_tiles // tiles  # runs of `tiles` output tiles of a block, a program each
-    xs_width = max(bm, XS_BYTES // 4)  # W8A8: f32 row scales per block, padded
-    stages = min(max_concurrent_steps, tiles * steps)  # k-steps in flight in a pipeline
-    if buffer_rows is None:
-        buffer_rows = output_buffer_rows(
-            block_m=bm, block_k=bk, tile_n=tile_n, halves=halves, groups_per_step=groups_per_step,
-            has_offset=has_offset, scale_bytes=w.scales.dtype.itemsize, bits=w.bits,
-            stages=stages, warpgroups=wgs, out_bytes=out_dtype.itemsize, int8_rows=w8a8,
-        )  # fmt: skip
-    elif buffer_rows % 8 or bm % buffer_rows:
-        raise ValueError(f"buffer_rows={buffer_rows} must be a multiple of 8 dividing {bm}")
-    wgmma = plgpu.Layout.WGMMA
-    row = plgpu.Layout.WGMMA.reduce(1)  # a value per feature (the sums' rows)
-    column = plgpu.Layout.WGMMA.reduce(0)  # a value per row of x (the sums' columns)
-
-    def kernel(experts_gmem, *rest):
-        rows_gmem, rest = (rest[0], rest[1:]) if narrow else (None, rest)
-        x_gmem, q_gmem, s_gmem, *rest = rest
-        z_gmem, rest = (list(rest[:1]), rest[1:]) if has_offset else ([], rest)
-        xs_gmem, rest = (list(rest[:1]), rest[1:]) if w8a8 else ([], rest)
-        o_gmem, o_smem, *rest = rest
-        a_smem = rest[0] if interpret else None
-        wg = lax.axis_index("wg") if consumers else 0
-        # This program's output tiles: split, block, run of N tiles (fastest).
-        flat = lax.axis_index("p")
-        si, bi, n_run = flat // (blocks * n_runs), flat // n_runs % blocks, flat % n_runs
-        expert = experts_gmem[bi]
-        has_expert = (expert >= 0) & (expert < w.num_experts)
-
-        def sub_tile(s):  # this warpgroup's sub-tile s among the program's 64-feature tiles
-            return wg * subs + s
-
-        def features(s):
-            return pl.ds(sub_tile(s) * TILE, TILE)
-
-        def block_products(rows):
-            """(store, zero_acc, run) of this program's products on the block's first `rows`
-            rows (block_m, or block_m // 2 for a block using at most that many): run() runs
-            the pipeline and stores the output tiles' rows."""
-
-            def store(values, ni):
-                with region("store"):
-                    store_rows(values, ni)
-
-            def store_rows(values, ni):
-                # This warpgroup's [rows, block_n] part of output tile ni, one copy per sub-tile
-                # and chunk of buffer_rows rows through one [buffer_rows, 64] buffer (a buffer
-                # per sub-tile where they fit measured the same). The copies are waited for at
-                # the program's end (`store_all`); a copy waits only until the last has read the
-                # buffer.
-                out_tile = o_gmem.at[si] if splits > 1 else o_gmem
-                chunk = min(rows, buffer_rows)
-                buffer = o_smem.at[wg] if chunk == buffer_rows else o_smem.at[wg, pl.ds(0, chunk)]
-                for s, value in enumerate(values):
-                    cols = pl.ds(ni * tile_n + sub_tile(s) * TILE, TILE)
-                    for first in range(0, rows, chunk):
-                        with region("store_reuse"):
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        part = value if chunk == rows else value[:, first : first + chunk]
-                        with region("store_smem"):
-                            buffer.T[...] = plgpu.layout_cast(
-                                part.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
-                            )
-                            plgpu.commit_smem()
-                        out_rows = pl.ds(bi * bm + first, chunk)
-                        plgpu.copy_smem_to_gmem(buffer, out_tile.at[out_rows, cols])
-
-            def store_all(values, ni):
-                store(values, ni)
-                with region("store_wait"):
-                    plgpu.wait_smem_to_gmem(0)
-
-            def epilogue(accs):
-                """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
-                if not gated:
-                    return accs
-                gates, ups = accs[:subs], accs[subs:]
-                return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
-
-            def dequantized_tile(q_smem, offset, s, j, scale=None):
-                with region("convert"):
-                    return dequantized(q_smem, offset, s, j, scale)
-
-            def dequantized(q_smem, offset, s, j, scale):
-                # Sub-tile s's j-th 64x64 weight tile of the k-step in bf16: the converted tile
-                # (the stored value plus CONVERTED_BIAS) less offset, the bias less the zeros of
-                # the tile's features: q - z, a small integer, exact in bf16.
-                q_tile = q_smem.at[sub_tile(s), pl.ds(j * tile_rows, tile_rows)]
-                if w8a8:  # the stored signed bytes are the weights
-                    wt = _int8_operand_tile(q_tile, interpret)
-                else:
-                    wt = _converted_tile(q_tile, w.bits, dtype, interpret)
-                if offset is not None:
-                    wt = wt - lax.broadcast_in_dim(offset, wt.shape, [0])
-                elif bias:  # symmetric int4 in the interpreter: the constant
-                    wt = wt - bias
-                if scale is not None:  # bf16_weights: (q - z) * s, rounded once
-                    wt = wt * lax.broadcast_in_dim(scale.astype(dtype), wt.shape, [0])
-                if interpret:
-                    a_smem.at[wg, s, j][...] = wt
-                    return a_smem.at[wg, s, j]
-                return wt
-
-            def group_offset(s_refs, z_refs, g, h, s, scale=None):
-                # What the conversion subtracts from sub-tile s's features in group g, once per
-                # group of the step: the bias less the zeros, int4 136 - (8 - z) = 128 + z <=
-                # 143, int8 0 - (128 - z) = z - 128, exact; symmetric int4: 136 - 0 * scale =
-                # 136 (exact for finite scales), computed as a zero point's offset is (see
-                # SYMMETRIC_OFFSET; scale: the group's row where already loaded); None where
-                # the bias is subtracted as a constant (symmetric: int8's 0, int4's in the
-                # interpreter).
-                if z_refs:
-                    return bias - plgpu.load(z_refs[h].at[g, features(s)], layout=row)
-                if interpret or not bias:
-                    return None
-                if scale is None:
-                    scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
-                return SYMMETRIC_OFFSET - 0 * scale
-
-            def zero_acc():  # f32 [64 features, rows] accumulators: per half, per sub-tile
-                return tuple(
-                    plgpu.layout_cast(jnp.full((TILE, rows), 0, jnp.float32), wgmma)
-                    for _ in range(halves * subs)
-                )
-
-            def products(accs, q_refs, x_smem, s_refs, z_refs, xs_ref=None):
-                # The products of a group's k-tiles are exact in their f32 (W8A8: int32) sum
-                # (its own accumulator); the group scale (W8A8: times each row's, xs_ref)
-                # multiplies the sum. Units (group, half, sub-tile) run in order: unit u's tiles
-                # are converted while unit u-1's wgmmas run, and u-1's sum is scaled while u's
-                # run.
-                units = [
-                    (g, h, s)
-                    for g in range(groups_per_step)
-                    for h in range(halves)
-                    for s in range(subs)
-                ]
-
-                def issue(part_ref, g, h, s):
-                    k_tiles = range(g * tiles_per_part, (g + 1) * tiles_per_part)
-                    offset = group_offset(s_refs, z_refs, g, h, s)
-                    wts = [dequantized_tile(q_refs[h], offset, s, j) for j in k_tiles]
-                    with region("wgmma"):
-                        for j, wt in zip(k_tiles, wts, strict=True):
-                            plgpu.wgmma(part_ref, wt, x_smem.at[:, pl.ds(j * TILE, TILE)].T)
-
-                def add_scaled(accs, part_ref, g, h, s, in_flight):
-                    # wait until at most in_flight wgmmas (the next unit's) are running
-                    with region("wait"):
-                        part = plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
-                    with region("scale"):
-                        scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
-                        scale = lax.broadcast_in_dim(scale.astype(jnp.float32), part.shape, [0])
-                        if xs_ref is not None:
-                            row_scale = plgpu.load(xs_ref.at[pl.ds(0, rows)], layout=column)
-                            scale = scale * lax.broadcast_in_dim(row_scale, part.shape, [1])
-                        a = h * subs + s
-                        part = part.astype(jnp.float32) * scale
-                        return accs[:a] + (accs[a] + part,) + accs[a + 1 :]
-
-                def unit_products(*part_refs):
-                    out = accs
-                    for u, part_ref in enumerate(part_refs):
-                        issue(part_ref, *units[u])
-                        if u:
-                            out = add_scaled(out, part_refs[u - 1], *units[u - 1], tiles_per_part)
-                    return add_scaled(out, part_refs[-1], *units[-1], 0)
-
-                return pl.run_scoped(unit_products, *[plgpu.ACC((TILE, rows), sums) for _ in units])
-
-            def tile_and_step(idx):
-                # The pipeline's step idx: (k-step,), or (tile of the run, k-step) with
-                # tiles_per_program > 1; returns (N tile, k-step within this split).
-                if tiles == 1:
-                    return n_run, idx[0]
-                return n_run * tiles + idx[0], idx[1]
-
-            def rounded_products(acc_refs, q_refs, x_smem, s_refs, z_refs):
-                # bf16_weights: each weight's (q - z) * s rounded to bf16 once (as a bf16 model's
-                # dequantized weights), multiplied straight into the sums (acc_refs): no f32 sum
-                # per group to hold, wait for and scale. carried: the products of the weights
-                # (q - z) straight into the sums (scaled at the end: `scaled_sums`).
-                for g in range(groups_per_step):
-                    for h in range(halves):
-                        for s in range(subs):
-                            scale = None
-                            if not carried:
-                                scale = plgpu.load(s_refs[h].at[g, features(s)], layout=row)
-                            offset = group_offset(s_refs, z_refs, g, h, s, scale)
-                            for j in range(g * tiles_per_part, (g + 1) * tiles_per_part):
-                                wt = dequantized_tile(q_refs[h], offset, s, j, scale)
-                                with region("wgmma"):
-                                    plgpu.wgmma(
-                                        acc_refs[h * subs + s],
-                                        wt,
-                                        x_smem.at[:, pl.ds(j * TILE, TILE)].T,
-                                    )
-                with region("wait"):
-                    plgpu.wgmma_wait(0)
-                return acc_refs
-
-            def step(idx, *refs):
-                # refs: the weight tiles of each half, the rows' tile, the scales of each half,
-                # the zero points of each half (with them), the rows' scales (W8A8), the
-                # carried sums
-                *refs, accs = refs
-                xs_ref = refs.pop() if w8a8 else None
-                q_refs, x_smem = refs[:halves], refs[halves]
-                s_refs, z_refs = refs[halves + 1 : 2 * halves + 1], refs[2 * halves + 1 :]
-                if bf16_weights or carried:  # accs: the sums' accumulator refs
-                    return rounded_products(accs, q_refs, x_smem, s_refs, z_refs)
-                if tiles == 1:
-                    return products(accs, q_refs, x_smem, s_refs, z_refs, xs_ref)
-                # A run of tiles: a tile's first k-step starts its sums from zero, its last stores
-                # them (the next tile's copies are already in flight).
-                ni, kk = tile_and_step(idx)
-                keep = lax.broadcast_in_dim((kk > 0).astype(jnp.float32), (TILE, rows), ())
-                keep = plgpu.layout_cast(keep, wgmma)
-                accs = tuple(a * keep for a in accs)
-                accs = products(accs, q_refs, x_smem, s_refs, z_refs, xs_ref)
-
-                @pl.when(kk == steps - 1)
-                def _store():
-                    store(epilogue(accs), ni)
-
-                return accs
-
-            # The inputs of pipeline step idx; half h's tiles start at N tile h * n_tiles (the up
-            # half of a gated W). A block without an expert (-1, or past E) runs no pipeline.
-            e = jnp.clip(expert, 0, w.num_experts - 1)
-
-            def weight_tile(h):
-                def index(*idx):
-                    ni, kk = tile_and_step(idx)
-                    return e, h * n_tiles + ni, si * steps + kk, 0
-
-                return index
-
-            def group_rows(h):
-                def index(*idx):
-                    ni, kk = tile_and_step(idx)
-                    return e, (si * steps + kk) // steps_per_group, h * n_tiles + ni
-
-                return index
-
-            def row_tile(*idx):
-                return bi * (bm // rows), si * steps + tile_and_step(idx)[1]
-
-            q_spec = (None, wgs * subs, bk // TILE * tile_rows, row_values(w.bits))
-            g_spec = (None, groups_per_step, tile_n)
-            in_specs = [  # weight tiles [64-feature tiles, the k-step's rows of TMA_ROW_BYTES]:
-                # contiguous and unswizzled: a warp's 16-byte loads read 512 consecutive bytes,
-                # no bank conflicts
-                *(plgpu.BlockSpec(q_spec, weight_tile(h)) for h in range(halves)),
-                plgpu.BlockSpec(
-                    (rows, bk),
-                    row_tile,
-                    # swizzled as a 64-wide k-tile is (the wgmma's slices): 128 bytes of bf16,
-                    # 64 of int8
-                    transforms=_swizzled((rows, TILE), dtype, "x"),
-                ),
-                *(plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)),
-            ]
-            if has_offset:
-                in_specs += [plgpu.BlockSpec(g_spec, group_rows(h)) for h in range(halves)]
-            if w8a8:  # the block's row scales, with each k-step's rows (a few bytes; the
-                # warp-specialized pipeline takes only inputs that follow its steps)
-                in_specs.append(
-                    plgpu.BlockSpec((None, xs_width), lambda *idx: (bi + 0 * idx[-1], 0))
-                )
-            operands = [q_gmem] * halves + [x_gmem] + [s_gmem] * halves + z_gmem * halves
-            operands += xs_gmem
-            grid = (steps,) if tiles == 1 else (tiles, steps)
-
-            def pipeline(compute_context=None):
-                """Runs the k-steps: without warp specialization, returns the final f32
-                accumulators; with it, compute_context(run) is the consumer warpgroups' prologue
-                and epilogue around run(init_carry)."""
-                if not consumers:
-                    return plgpu.emit_pipeline(
-                        step, grid=grid, in_specs=in_specs, max_concurrent_steps=stages,
-                        init_carry=zero_acc(),
-                    )(*operands)  # fmt: skip
-                plgpu.emit_pipeline_warp_specialized(
-                    step,
-                    grid=grid,
-                    memory_registers=40,
-                    in_specs=in_specs,
-                    max_concurrent_steps=stages,
-                    wg_axis="wg",
-                    num_compute_wgs=consumers,
-                    compute_context=compute_context,
-                )(*operands)
-
-            def program(body):  # the math warpgroups' part of run()
-                with region("program"):
-                    body()
-
-            def scaled_sums(acc_refs):
-                """The carried sums in f32: `carried`'s scaled by each feature's weight scale
-                (W8A8: and each row's scale; read from global memory: the pipeline's copies
-                are gone; optimized=False: Mosaic GPU lowers optimized loads from shared memory
-                only), bf16_weights' scaled ones as they are."""
-                values = tuple(acc[...] for acc in acc_refs)
-                if not carried:
-                    return values
-                row_scale = None
-                if w8a8:
-                    row_scale = plgpu.load(
-                        xs_gmem[0].at[bi, pl.ds(0, rows)], layout=column, optimized=False
-                    )
-                out = []
-                for h in range(halves):
-                    for s in range(subs):
-                        first = (h * n_tiles + n_run) * tile_n + sub_tile(s) * TILE
-                        scale = plgpu.load(
-                            s_gmem.at[e, 0, pl.ds(first, TILE)], layout=row, optimized=False
-                        )
-                        value = values[h * subs + s].astype(jnp.float32)
-                        value = value * lax.broadcast_in_dim(
-                            scale.astype(jnp.float32), value.shape, [0]
-                        )
-                        if row_scale is not None:
-                            value = value * lax.broadcast_in_dim(row_scale, value.shape, [1])
-                        out.append(value)
-                return tuple(out)
-
-            def run():
-                if bf16_weights or carried:  # the sums in accumulator refs, the carry
-
-                    def rounded(run):
-                        def scope(*acc_refs):
-                            run(acc_refs)
-                            store_all(epilogue(scaled_sums(acc_refs)), n_run)
-
-                        accs = [plgpu.ACC((TILE, rows), sums) for _ in range(halves * subs)]
-                        program(lambda: pl.run_scoped(scope, *accs))
-
-                    pipeline(rounded)
-                elif tiles > 1:  # each tile stored at its last k-step
-                    pipeline(lambda run: program(lambda: run(zero_acc())))
-                    plgpu.wait_smem_to_gmem(0)
-                elif not consumers:
-                    program(lambda: store_all(epilogue(pipeline()), n_run))
-                else:
-                    pipeline(
-                        lambda run: program(lambda: store_all(epilogue(run(zero_acc())), n_run))
-                    )
-
-            return store, zero_acc, run
-
-        store, zero_acc, run = block_products(bm)
-        if narrow:  # a block computes and stores the fewest rows (of the widths) it uses
-            used = rows_gmem[bi]
-            widths = [bm >> j for j in range(block_halvings + 1)]
-            for j, width in enumerate(widths):
-                narrower = widths[j + 1] if j < block_halvings else -1
-                fits = (used > narrower) & ((used <= width) if j else True)
-                pl.when(has_expert & fits)(run if j == 0 else block_products(width)[2])
-        else:
-            pl.when(has_expert)(run)
-
-        @pl.when(~has_expert & (wg < wgs))
-        def _zeros():
-            for j in range(tiles):
-                store(zero_acc()[:subs], n_run * tiles + j)
-            plgpu.wait_smem_to_gmem(0)
-
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _call(plan: GemmPlan, x_rows, w, block_experts, rows_in_use, x_scales):
+    """The kernel's launch: its operands in the layouts it reads, its grid, scratch and
+    profile space."""
+    plgpu = _plgpu()
+    n, k = plan.n, plan.k
     # A free reshape of [E, N/64, K/64, 64, 64]: [E, N/64, K/64 * tile_rows, row_values(bits)].
-    q_rows = w.qweight.reshape(w.num_experts, n // TILE, k // TILE * tile_rows, row_values(w.bits))
+    q_rows = w.qweight.reshape(
+        plan.num_experts, n // TILE, k // TILE * plan.tile_rows, row_values(plan.bits)
+    )
     operands = [block_experts.astype(jnp.int32)]
-    if narrow:
+    if plan.narrow:
         operands.append(rows_in_use.astype(jnp.int32))
     operands += [x_rows, q_rows, w.scales]
-    if has_offset:
+    if plan.has_offset:
         operands.append(w.zeros)
-    if w8a8:  # [blocks, xs_width]: a block's scales, then zeros to XS_BYTES
-        operands.append(jnp.pad(x_scales.reshape(blocks, bm), ((0, 0), (0, xs_width - bm))))
-    out_shape = (splits, p, out_n) if splits > 1 else (p, out_n)
-    scratch = [plgpu.SMEM((wgs, buffer_rows, TILE), out_dtype)]
-    if interpret:
-        scratch.append(plgpu.SMEM((wgs, subs, bk // TILE, TILE, TILE), dtype))
-    threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers else {}
+    if plan.w8a8:  # [blocks, xs_width]: a block's scales, then zeros to XS_BYTES
+        xs = x_scales.reshape(plan.blocks, plan.block_m)
+        operands.append(jnp.pad(xs, ((0, 0), (0, plan.xs_width - plan.block_m))))
+    out_shape = (plan.splits, plan.rows, plan.out_n) if plan.splits > 1 else (plan.rows, plan.out_n)
+    wgs, subs = plan.wgs, plan.subs
+    scratch = [plgpu.SMEM((wgs, plan.buffer_rows, TILE), plan.out_dtype)]
+    if plan.interpret:
+        parts = plan.block_k // plan.part_k
+        scratch.append(plgpu.SMEM((wgs, subs, parts, TILE, plan.part_k), plan.dtype))
+    threads = dict(num_threads=plan.consumers + 1, thread_name="wg") if plan.consumers else {}
     profile = {}
-    if profile_dir:  # ranges per warpgroup and k-step: a convert per tile, a wgmma, a wait and
-        # a scale per group (twice that, to spare); per tile the store and its parts (two per
-        # copy), and the program
-        regions = halves * subs * (bk // TILE + 3 * groups_per_step)
-        copies = subs * (bm // buffer_rows)
+    if plan.profile_dir:  # ranges per warpgroup and k-step: a convert per k-part, a wgmma, a
+        # wait and a scale per group (twice that, to spare); per tile the store and its parts
+        # (two per copy), and the program
+        regions = plan.halves * subs * (plan.block_k // plan.part_k + 3 * plan.groups_per_step)
+        copies_per_tile = subs * (plan.block_m // plan.buffer_rows)
         profile = dict(
-            profile_space=2 * regions * steps + tiles * (2 * copies + 4) + 8,
-            profile_dir=profile_dir,
+            profile_space=2 * regions * plan.steps + plan.tiles * (2 * copies_per_tile + 4) + 8,
+            profile_dir=plan.profile_dir,
         )
+
+    def kernel(*refs):  # its name names the compiled kernel (kernel_mosaic_gpu in traces)
+        gemm_program(plan, *refs)
+
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, plan.out_dtype),
         scratch_types=scratch,
-        grid=(splits * blocks * n_runs,),
+        grid=(plan.splits * plan.blocks * plan.n_runs,),
         grid_names=("p",),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile
         ),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
         **threads,
     )
     return call(*operands)

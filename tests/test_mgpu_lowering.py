@@ -1,0 +1,169 @@
+"""The Mosaic GPU kernels of the 'mgpu' layer's two GEMMs at its shipped (heuristic) configs,
+lowered for CUDA on any machine (lowering needs no GPU: it is Mosaic GPU's MLIR) and compared,
+without locations, with the hashes recorded in tests/fixtures/mgpu_kernels.json for this jax
+version.
+A change that alters a kernel fails here: a refactor must leave every hash as it is; after an
+intended kernel change, record the new hashes with
+
+    python tests/test_mgpu_lowering.py --update
+
+(the file keeps one table per jax version; other versions skip).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import wna16_jax as wj
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "mgpu_kernels.json"
+
+# name: (E, top_k, H, I, bits, group, zero points, scale dtype, tokens, W8A8)
+CASES = {
+    "deepseek-v3-g128-zp-m1": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 1, False),
+    "deepseek-v3-g128-zp-m16": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 16, False),
+    "deepseek-v3-g128-zp-m256": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 256, False),
+    "deepseek-v3-g128-zp-m4096": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 4096, False),
+    "deepseek-v3-tp8-g128-sym-m1": (256, 8, 7168, 256, 4, 128, False, "bfloat16", 1, False),
+    "kimi-k2-shard-g32-sym-m160": (48, 8, 7168, 2048, 4, 32, False, "bfloat16", 160, False),
+    "kimi-k2-shard-g32-sym-m4096": (48, 8, 7168, 2048, 4, 32, False, "bfloat16", 4096, False),
+    "deepseek-v3-g64-zp-f32-m16": (256, 8, 7168, 2048, 4, 64, True, "float32", 16, False),
+    "deepseek-v3-int8-g32-zp-f16-m1": (256, 8, 7168, 2048, 8, 32, True, "float16", 1, False),
+    "qwen3-moe-g128-sym-fp16-m64": (128, 8, 2048, 768, 4, 128, False, "float16", 64, False),
+    "w8a16-per-channel-m4096": (256, 8, 7168, 2048, 8, -1, False, "bfloat16", 4096, False),
+    "w8a8-per-channel-m256": (256, 8, 7168, 2048, 8, -1, False, "bfloat16", 256, True),
+}
+
+
+def _unescaped(text: str) -> bytes:
+    """An MLIR string attribute's bytes (its escapes: \\XX hex, \\\\, \\", \\n, \\t)."""
+    out, i = bytearray(), 0
+    while i < len(text):
+        if text[i] != "\\":
+            out.append(ord(text[i]))
+            i += 1
+        elif text[i + 1] in '\\"nt':
+            out.append({"n": 10, "t": 9}.get(text[i + 1], ord(text[i + 1])))
+            i += 2
+        else:
+            out.append(int(text[i + 1 : i + 3], 16))
+            i += 3
+    return bytes(out)
+
+
+def kernel_texts(lowered_text: str) -> list[str]:
+    """The Mosaic GPU modules embedded (as MLIR bytecode) in a lowered program, as MLIR text
+    without locations (which name source lines) or the dump file's name."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import mosaic_gpu_dialect
+    from jax._src.lib.mlir import ir
+
+    texts = []
+    for match in re.finditer(r'module = "((?:[^"\\]|\\.)*)"', lowered_text):
+        with mlir.make_ir_context() as ctx:
+            ctx.allow_unregistered_dialects = True
+            mosaic_gpu_dialect.register_dialect(ctx)  # its types (e.g. of barriers)
+            module = ir.Module.parse(_unescaped(match.group(1)))
+            text = module.operation.get_asm(enable_debug_info=False)
+            # the dump file's name counts the kernels the process has lowered
+            texts.append(re.sub(r'dump_basename = "[^"]*"', 'dump_basename = ""', text))
+    return texts
+
+
+def lowered_kernels(case) -> list[str]:
+    """The case's two GEMMs as the 'mgpu' layer runs them (its config for the case's slots,
+    `layer_config`; as many blocks as the alignment uses at most; GEMM1 gated into the
+    activation), lowered for CUDA on shapes alone."""
+    from pallas_kernels.mosaic_gpu import config as mgpu_config
+    from pallas_kernels.mosaic_gpu.fused_moe import block_gemm
+    from wna16_jax._activations import Int8Rows
+
+    e, k, h, i, bits, group, zp, scale_dtype, t, w8a8 = case
+
+    def experts(n, kk):
+        qw = wj.random_quantized_experts(
+            jax.random.key(0), (e, n, kk), bits=bits, group_size=group, has_zeros=zp,
+            dtype=jnp.dtype(scale_dtype),
+        )  # fmt: skip
+        return wj.layouts.to_kernel_layout(qw, f"mgpu_int{bits}")
+
+    w13, w2 = jax.eval_shape(lambda: experts(2 * i, h)), jax.eval_shape(lambda: experts(h, i))
+    slots = t * k
+    cfg = mgpu_config.layer_config(None, slots, e, w13, w2, int8_rows=w8a8)
+    ids = jax.ShapeDtypeStruct((t, k), jnp.int32)
+    routing = jax.eval_shape(
+        lambda ids: wj.moe_align_block_size(
+            ids, num_experts=e, block_m=cfg.block_m, implementation="xla"
+        ),
+        ids,
+    )
+    blocks = min(routing.expert_ids.shape[0], slots)
+    p = blocks * cfg.block_m
+    block_experts = jax.ShapeDtypeStruct((blocks,), jnp.int32)
+    in_use = mgpu_config.gemm_rows_in_use(cfg, block_experts)
+
+    def rows(kk):
+        if w8a8:
+            return Int8Rows(
+                jax.ShapeDtypeStruct((p, kk), jnp.int8), jax.ShapeDtypeStruct((p,), jnp.float32)
+            )
+        return jax.ShapeDtypeStruct((p, kk), jnp.bfloat16)
+
+    gemm = block_gemm(cfg, interpret=False)
+    act_dtype = jnp.float32 if w8a8 else jnp.bfloat16
+    texts = []
+    for run in (
+        lambda x, w, be, ru: gemm(x, w, be, ru, activation_dtype=act_dtype),
+        lambda x, w, be, ru: gemm(x, w, be, ru),
+    ):
+        w, x = (w13, rows(h)) if not texts else (w2, rows(i))
+        lowered = (
+            jax.jit(run).trace(x, w, block_experts, in_use).lower(lowering_platforms=("cuda",))
+        )
+        texts += kernel_texts(lowered.as_text(debug_info=False))
+    return texts
+
+
+def kernel_hashes(case) -> list[str]:
+    return [hashlib.sha256(text.encode()).hexdigest()[:16] for text in lowered_kernels(case)]
+
+
+def _recorded() -> dict:
+    return json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernels_unchanged(name):
+    recorded = _recorded().get(jax.__version__)
+    if recorded is None:
+        pytest.skip(f"no kernel hashes recorded for jax {jax.__version__} ({FIXTURE.name})")
+    hashes = kernel_hashes(CASES[name])
+    assert hashes, "the lowered layer holds no Mosaic GPU kernel"
+    assert hashes == recorded[name], (
+        f"{name}: the Mosaic GPU kernels changed; if intended, record them: "
+        f"python tests/test_mgpu_lowering.py --update"
+    )
+
+
+def main(argv=None) -> None:
+    """--update: records this jax version's hashes of every case."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv != ["--update"]:
+        raise SystemExit(__doc__)
+    table = _recorded()
+    table[jax.__version__] = {name: kernel_hashes(case) for name, case in sorted(CASES.items())}
+    FIXTURE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"recorded {len(CASES)} layers' kernels for jax {jax.__version__} in {FIXTURE}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    main()
