@@ -229,6 +229,27 @@ def test_expert_map_for_shard_refuses_non_integers(value, name):
 
 
 @SETTINGS
+@hypothesis.given(value=NOT_INTS, which=st.sampled_from(("interleave", "tensor_shard")))
+def test_tensor_parallel_helpers_refuse_non_integer_shard_counts(value, which):
+    w13 = wj.random_quantized_experts(np.random.default_rng(4), (2, 128, 64), group_size=32)
+    with pytest.raises(TypeError, match="num_shards=.* must be an int"):
+        if which == "interleave":
+            wj.sharding.tp_interleave_w13(w13, value)
+        else:
+            wj.sharding.tensor_shard(w13, value, "n")
+
+
+@SETTINGS
+@hypothesis.given(value=st.one_of(NOT_INTS, st.integers(max_value=0)), at=st.integers(0, 2))
+def test_random_experts_refuse_bad_shapes(value, at):
+    shape = [2, 64, 64]
+    shape[at] = value
+    error = ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError
+    with pytest.raises(error, match=re.escape(f"shape[{at}]=")):
+        wj.random_quantized_experts(np.random.default_rng(0), tuple(shape), group_size=32)
+
+
+@SETTINGS
 @hypothesis.given(data=st.data(), dtype=st.sampled_from(INT_DTYPES))
 def test_local_expert_ids_drop_wide_ids(data, dtype):
     ids = data.draw(_ids(dtype))

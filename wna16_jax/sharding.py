@@ -165,6 +165,7 @@ def tensor_shard(qw: QuantizedExperts, num_shards: int, split: str) -> Quantized
     """The first of `num_shards` tensor shards of `qw`: the arrays one tensor shard holds, cut
     where `expert_specs` splits them (split "n": w13's rows, n_axis; "k": w2's K, k_axis), in
     any layout. Shapes are what callers mostly need: wrap it in jax.eval_shape."""
+    num_shards = as_int("num_shards", num_shards, minimum=1)
     if split not in ("n", "k"):
         raise ValueError(f"split={split!r} must be 'n' (w13's rows) or 'k' (w2's K)")
     specs = expert_specs(qw, **{f"{split}_axis": "tensor"})
@@ -227,6 +228,7 @@ def shard_experts(qw: QuantizedExperts, mesh: Mesh, axis: str) -> QuantizedExper
 
 def _check_tp(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
     """I/n must be whole, a whole number of packed words and of quantization groups."""
+    num_shards = as_int("num_shards", num_shards, minimum=1)
     if i % num_shards:
         raise ValueError(
             f"{what}: the intermediate size I={i} is not divisible by the {num_shards} tensor "
@@ -301,6 +303,7 @@ def tp_deinterleave_w13(w13: QuantizedExperts, num_shards: int) -> QuantizedExpe
 
 
 def _tp_reorder_w13(w13: QuantizedExperts, num_shards: int, *, inverse: bool):
+    num_shards = as_int("num_shards", num_shards, minimum=1)
     w13.validate("w13")
     i = w13.n // 2
     if w13.n % 2 or i % num_shards:
