@@ -10,6 +10,7 @@ import re
 from importlib import resources
 
 import jax
+import jax.numpy as jnp
 
 from wna16_jax._types import BlockConfig, MgpuConfig
 
@@ -27,14 +28,16 @@ class GemmShape:
     bits: int
     group: int  # effective group size along K
     group_size: int  # as stored (-1 = per channel)
+    scale_bytes: int = 2  # bytes of a scale: 2 (bfloat16, float16) or 4 (float32)
 
     @classmethod
     def of_weights(cls, qw, m: int = 0) -> GemmShape:
         """The GEMM of `m` token slots over QuantizedExperts `qw` ([E, N, K])."""
         e, n, k = qw.shape
         return cls(
-            m=m, n=n, k=k, num_experts=e, bits=qw.bits, group=qw.group, group_size=qw.group_size
-        )
+            m=m, n=n, k=k, num_experts=e, bits=qw.bits, group=qw.group,
+            group_size=qw.group_size, scale_bytes=jnp.dtype(qw.scales.dtype).itemsize,
+        )  # fmt: skip
 
     def table_problem(self) -> dict:
         """The problem keys of this GEMM's entries in a tuned table."""
@@ -228,6 +231,9 @@ def heuristic_config(shape: GemmShape, *, allow_fma: bool = True) -> BlockConfig
         # K or the group too short for "slices" (16 values per dot): one dot over the tile.
         unpack = "tile"
         block_k = next((bk for bk in fits if bk >= 16), fits[0] if fits else lo)
+    # float32 scales on k-tiles of several groups take 64-row tiles to 2 stages: at 3, int4
+    # g64 at 4096 rows asked 348,160 bytes of shared memory (sm_90 build), at 2 184,320.
+    f32_groups = shape.scale_bytes > 2 and block_k > g
     config = BlockConfig(
         block_m=block_m,
         block_n=block_n,
@@ -235,7 +241,7 @@ def heuristic_config(shape: GemmShape, *, allow_fma: bool = True) -> BlockConfig
         split_k=1,
         group_m=1,
         num_warps=4,
-        num_stages=2 if block_m <= 32 else 3,
+        num_stages=2 if block_m <= 32 or f32_groups else 3,
         unpack=unpack,
     )
     # Only a group size that is not a multiple of a packed word (e.g. int4 with G=12) leaves

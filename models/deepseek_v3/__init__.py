@@ -1,5 +1,11 @@
 """DeepSeek-V3 (and V2 / V2-Lite) in Flax NNX with WNA16 (int4/int8) quantized experts."""
 
+from models.common.tokenizer import (
+    ByteTokenizer,
+    ChatTemplate,
+    load_chat_template,
+    load_tokenizer,
+)
 from models.deepseek_v3 import sharding
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, YarnScaling
 from models.deepseek_v3.generate import (
@@ -11,12 +17,6 @@ from models.deepseek_v3.generate import (
 from models.deepseek_v3.modeling import DeepseekV3ForCausalLM, KVCache, route
 from models.deepseek_v3.params import load_pretrained, resolve_checkpoint, save_pretrained
 from models.deepseek_v3.sharding import ShardingSpecs, init_random, make_mesh, shard_model
-from models.deepseek_v3.tokenizer import (
-    ByteTokenizer,
-    ChatTemplate,
-    load_chat_template,
-    load_tokenizer,
-)
 
 __all__ = [
     "ByteTokenizer",

@@ -1,5 +1,6 @@
-"""Tokenizers: a Hugging Face tokenizer.json through `tokenizers`, or a byte-level fallback;
-chat templates from tokenizer_config.json."""
+"""Tokenizers of every model family: a Hugging Face tokenizer.json through `tokenizers`, a
+tiktoken.model (Kimi-K2) through `tiktoken`, or a byte-level fallback; chat templates from
+chat_template.jinja or tokenizer_config.json."""
 
 from __future__ import annotations
 
@@ -10,7 +11,20 @@ import os
 from collections.abc import Sequence
 from typing import Protocol
 
-from models.deepseek_v3.config import read_json
+from models.common.tiktoken_tokenizer import (
+    TIKTOKEN_FILE,
+    TiktokenTokenizer,
+    kimi_special_tokens,
+    read_tiktoken_ranks,
+)
+
+
+def _read_json(path: str | os.PathLike) -> dict:
+    """models.deepseek_v3's read_json (the JSON object in `path`, errors naming the file),
+    imported when called: models.deepseek_v3 imports this module."""
+    from models.deepseek_v3.config import read_json
+
+    return read_json(path)
 
 
 class Tokenizer(Protocol):
@@ -64,32 +78,76 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-logger = logging.getLogger("models.deepseek_v3")
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def _tiktoken_tokenizer(
+    path: str, *, bos: int | None, eos: int | None, pad: int | None
+) -> TiktokenTokenizer:
+    """The tiktoken.model of the directory `path` with tokenizer_config.json's special tokens;
+    bos/eos/pad not given are its bos_token / eos_token / pad_token."""
+    config_file = os.path.join(path, TOKENIZER_CONFIG_FILE)
+    config = _read_json(config_file) if os.path.exists(config_file) else {}
+    added = config.get("added_tokens_decoder") or {}
+    names = {}
+    for key, token in added.items():
+        if not str(key).isdigit() or (text := _token_text(token)) is None:
+            raise ValueError(
+                f"{config_file}: added_tokens_decoder[{key!r}] = {token!r} is not an id and a "
+                f"token with a content text"
+            )
+        names[int(key)] = text
+    ranks = read_tiktoken_ranks(os.path.join(path, TIKTOKEN_FILE))
+    specials = kimi_special_tokens(names, len(ranks), file=config_file)
+    text_tokens = [
+        _token_text(t) for t in added.values() if isinstance(t, dict) and t.get("special") is False
+    ]
+
+    def token_id(key: str, given: int | None) -> int | None:
+        return given if given is not None else specials.get(_token_text(config.get(key)))
+
+    return TiktokenTokenizer(
+        ranks,
+        special_tokens=specials,
+        bos_id=token_id("bos_token", bos),
+        eos_id=token_id("eos_token", eos),
+        pad_id=token_id("pad_token", pad),
+        text_tokens=text_tokens,
+    )
+
+
+logger = logging.getLogger("models")
 
 
 def load_tokenizer(path: str | os.PathLike | None = None, *, cfg=None) -> Tokenizer:
-    """The tokenizer of an HF directory (tokenizer.json), else the byte-level fallback (with a
-    warning when `path` is a directory without tokenizer.json: a real checkpoint's text would
-    be wrong; path None is a random model's tokenizer).
+    """The tokenizer of an HF directory: its tokenizer.json, else its tiktoken.model (Kimi-K2)
+    with tokenizer_config.json's special tokens, else the byte-level fallback (with a warning
+    when `path` is a directory: a real checkpoint's text would be wrong; path None is a random
+    model's tokenizer).
 
-    bos/eos/pad ids come from `cfg` (a DeepseekV3Config) when given, else config.json.
+    bos/eos/pad ids come from `cfg` (a DeepseekV3Config) when given, else config.json; a
+    tiktoken.model's, where neither names them, from tokenizer_config.json's bos_token, ...
     """
     bos = eos = pad = None
     if cfg is not None:
         bos, pad = cfg.bos_token_id, cfg.pad_token_id
         eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
     elif path is not None and os.path.exists(os.path.join(path, "config.json")):
-        hf = read_json(os.path.join(path, "config.json"))
+        hf = _read_json(os.path.join(path, "config.json"))
         bos, pad = hf.get("bos_token_id"), hf.get("pad_token_id")
         eos = hf.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
     if path is not None and os.path.exists(os.path.join(path, "tokenizer.json")):
         return HFTokenizer(os.path.join(path, "tokenizer.json"), bos_id=bos, eos_id=eos, pad_id=pad)
+    if path is not None and os.path.exists(os.path.join(path, TIKTOKEN_FILE)):
+        return _tiktoken_tokenizer(os.fspath(path), bos=bos, eos=eos, pad=pad)
     if path is not None:
         logger.warning(
-            "%s has no tokenizer.json: using the byte-level fallback tokenizer, whose ids are "
-            "not the model's vocabulary (the text in and out will be wrong)",
+            "%s has no tokenizer.json: using the byte-level fallback tokenizer (it has no "
+            "%s either), whose ids are not the model's vocabulary (the text in and out will "
+            "be wrong)",
             path,
+            TIKTOKEN_FILE,
         )
     return ByteTokenizer(
         pad_id=pad if pad is not None else 0,
@@ -98,17 +156,17 @@ def load_tokenizer(path: str | os.PathLike | None = None, *, cfg=None) -> Tokeni
     )
 
 
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # The special tokens a chat template may name, passed to it as text.
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
-    """A tokenizer_config.json's chat_template (a Jinja template) and the special tokens it may
-    name (bos_token, eos_token, ... as text)."""
+    """A checkpoint's chat template (Jinja) and the special tokens it may name (bos_token,
+    eos_token, ... as text)."""
 
-    path: str  # the tokenizer_config.json it came from
+    path: str  # the chat_template.jinja or tokenizer_config.json it came from
     template: str
     special_tokens: dict[str, str]
 
@@ -165,22 +223,40 @@ def _token_text(value) -> str | None:
 
 
 def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
-    """The chat template of a checkpoint directory's tokenizer_config.json: its chat_template
-    (a Jinja string, or a list of {"name", "template"} of which "default" is taken).
+    """The chat template of a checkpoint directory: its chat_template.jinja, else its
+    tokenizer_config.json's chat_template (a Jinja string, or a list of {"name", "template"} of
+    which "default" is taken). The .jinja file wins where both are, as in transformers (a
+    template file takes priority over the config's entry); the special tokens come from
+    tokenizer_config.json either way, where there is one.
 
     Raises:
-        FileNotFoundError: the directory has no tokenizer_config.json (named).
-        ValueError: the file is not a JSON object or has no chat_template (the file named).
+        FileNotFoundError: the directory has neither file (named).
+        ValueError: tokenizer_config.json is not a JSON object, or neither file holds a template
+            (the file named).
     """
-    file = os.path.join(os.fspath(path), TOKENIZER_CONFIG_FILE)
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{file} does not exist: no chat template to apply")
-    hf = read_json(file)
+    config_file = os.path.join(os.fspath(path), TOKENIZER_CONFIG_FILE)
+    jinja_file = os.path.join(os.fspath(path), CHAT_TEMPLATE_FILE)
+    has_config, has_jinja = os.path.exists(config_file), os.path.exists(jinja_file)
+    if not has_config and not has_jinja:
+        raise FileNotFoundError(
+            f"{config_file} does not exist, nor {CHAT_TEMPLATE_FILE} beside it: no chat template "
+            f"to apply"
+        )
+    hf = _read_json(config_file) if has_config else {}
+    tokens = {k: text for k in _SPECIAL_TOKENS if (text := _token_text(hf.get(k))) is not None}
+    if has_jinja:
+        with open(jinja_file, encoding="utf-8") as f:
+            template = f.read()
+        if not template:
+            raise ValueError(f"{jinja_file} is empty: no chat template to apply")
+        return ChatTemplate(path=jinja_file, template=template, special_tokens=tokens)
     template = hf.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if not isinstance(template, str) or not template:
-        raise ValueError(f"{file} has no chat_template (a Jinja string): no chat template to apply")
-    tokens = {k: text for k in _SPECIAL_TOKENS if (text := _token_text(hf.get(k))) is not None}
-    return ChatTemplate(path=file, template=template, special_tokens=tokens)
+        raise ValueError(
+            f"{config_file} has no chat_template (a Jinja string), nor is there a "
+            f"{CHAT_TEMPLATE_FILE} beside it: no chat template to apply"
+        )
+    return ChatTemplate(path=config_file, template=template, special_tokens=tokens)

@@ -1,0 +1,1 @@
+"""What every model family shares: the tokenizers and chat templates (tokenizer)."""
