@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_deepseek_v3_common import random_ids, tiny_model
 
+from models.common.tokenizer import load_tokenizer
 from models.deepseek_v3 import generate, load_pretrained, save_pretrained
 from models.deepseek_v3.generate import MIN_TEMPERATURE, sample, sampling_kind
 
@@ -188,3 +189,19 @@ def test_a_hub_cache_snapshot_reads_its_blobs(saved, tmp_path):
         os.rename(f, blobs / f"blob{n}")
         os.symlink(f"../../blobs/blob{n}", snapshot / f.name)
     load_pretrained(snapshot, progress=False)
+
+
+# ---- tokenizer files ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", '{"model": 3}', "[]", ""],
+    ids=["not_json", "no_model", "list", "empty"],
+)
+def test_a_malformed_tokenizer_json_names_the_file(tmp_path, content):
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "tokenizer.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{path} cannot be read as a tokenizer.json: "):
+        load_tokenizer(tmp_path)
