@@ -122,6 +122,23 @@ def test_a_traced_expert_map_is_checked_under_checkify(layer):
     assert err.get() is None
 
 
+def test_an_expert_map_captured_by_jit_is_checked_when_traced(layer):
+    """A concrete map closed over by a jitted function is read at trace time (a constant, not a
+    traced argument): a good one runs, a bad one is refused naming the entry."""
+    x, w13, w2, weights = layer
+    ids = np.array([[3, 0]] * T, np.int32)
+
+    def run_with(emap):
+        return jax.jit(
+            lambda x: wj.fused_moe(x, w13, w2, weights, ids, expert_map=emap, implementation="xla")
+        )(x)
+
+    good = jnp.array([0, 1, 2, -1], jnp.int32)
+    np.testing.assert_array_equal(run_with(good), _moe(layer, ids, expert_map=good))
+    with pytest.raises(ValueError, match=r"expert_map\[1\]=5 is outside"):
+        run_with(jnp.array([0, 5, 2, -1], jnp.int32))
+
+
 def test_a_block_of_an_expert_past_w_is_refused(layer):
     x, w13, _, _ = layer
     routing = wj.moe_align_block_size(np.zeros((T, K), np.int32), num_experts=E, block_m=4)

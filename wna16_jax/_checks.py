@@ -1,9 +1,10 @@
 """Argument checks of the public functions: array and integer arguments, routing id ranges.
 
-Checks are static (types, shapes, dtypes, Python values) wherever they can be. The two that
-need an array's values (expert_map entries in range) run only on a concrete array (a numpy
-array, or a jax array outside jit: no hidden host sync inside jit); on a traced one they are
-`checkify.debug_check`s, which run under `jax.experimental.checkify.checkify` and are dropped
+Checks are static (types, shapes, dtypes, Python values) wherever they can be. Those that
+need an array's values (expert_map entries, a routing block's expert, in range) read a concrete
+array on the host (numpy, or a jax array that is not traced: the same read `check_finite`
+does); a traced one is never read (no hidden host sync inside jit): its check is a
+`checkify.debug_check`, which runs under `jax.experimental.checkify.checkify` and is dropped
 otherwise (opt-in, as JAX's own data-dependent checks).
 """
 
@@ -96,18 +97,21 @@ def check_values_in(name: str, ids, count: int, what: str):
     a checkify.debug_check and its out-of-range entries become -1, never wrapped or clamped
     onto a real index.
     """
-    bad = (ids < -1) | (ids >= count)
     if isinstance(ids, jax.core.Tracer):
+        bad = (ids < -1) | (ids >= count)
         checkify.debug_check(
             ~jnp.any(bad), f"{name} holds entries outside [-1, {count}) (the {count} {what})"
         )
         return jnp.where(bad, -1, ids)
-    xp = np if isinstance(ids, np.ndarray) else jnp
-    if bool(xp.any(bad)):
-        index = tuple(int(i) for i in xp.unravel_index(xp.argmax(bad), bad.shape))
+    # Read on the host: a concrete jax array may be a constant inside a jit trace, where jnp
+    # operations on it would be traced too.
+    host = np.asarray(ids)
+    bad = (host < -1) | (host >= count)
+    if bad.any():
+        index = tuple(int(i) for i in np.unravel_index(np.argmax(bad), bad.shape))
         index_text = ", ".join(map(str, index))
         raise ValueError(
-            f"{name}[{index_text}]={int(ids[index])} is outside [-1, {count}): there are "
+            f"{name}[{index_text}]={int(host[index])} is outside [-1, {count}): there are "
             f"{count} {what} (-1 marks none)"
         )
     return ids
