@@ -156,7 +156,7 @@ def main(argv=None):
         cfg = (
             DeepseekV3Config.full_width(args.layers)
             if args.layers
-            else DeepseekV3Config.deepseek_v3()
+            else DeepseekV3Config.deepseek_v3(num_nextn_predict_layers=0)
         )
     mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"expert={jax.device_count()}"))
     n_dev = mesh.devices.size

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -232,6 +233,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="seed of the random model, --distinct-prompts and sampling (default 0)",
     )
     p.add_argument(
+        "--mtp",
+        type=int,
+        metavar="K",
+        default=None,
+        help="speculative decoding with DeepSeek-V3's MTP layer, K = 1..3 chained drafts per "
+        "step (loaded from --model's layer num_hidden_layers, or drawn at random); prints the "
+        "acceptance rate, tokens per step and ms per token. One device (no --mesh)",
+    )
+    p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bars (default: a bar on stderr for loading, drawing random weights "
@@ -373,6 +383,7 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
             mesh=mesh,
             moe_mode=args.moe_mode,
             progress=progress,
+            mtp=bool(args.mtp),
         )
         what = args.model
         aq = next((m.activation_quant for m in _quantized_experts(model)), None)
@@ -394,6 +405,9 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
     else:
         cfg = DeepseekV3Config.tiny(dtype=args.dtype or "float32", quant=quant)
         what = f"tiny random model, {weights}"
+    if args.mtp:
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=1)
+        what += ", with its MTP layer"
     if args.activation_quant:
         what += f", routed experts W8A8 ({args.activation_quant} activations)"
     model = init_random(
@@ -568,6 +582,8 @@ def main(argv=None) -> int:
             pad_id=tokenizer.pad_id,
             return_stats=True,
             warmup=not args.no_warmup,
+            speculative="mtp" if args.mtp else None,
+            num_draft_tokens=args.mtp or 1,
         )
         backend, reasons = chosen_backend(model, batch_size)
         print(f"fused_moe backend: {backend}")
@@ -581,6 +597,12 @@ def main(argv=None) -> int:
             print(f"[{b}] tokens: {new}{end}")
             print(f"[{b}] text:   {args.prompt!r} -> {tokenizer.decode(new)!r}")
         print(f"speed: {stats}")
+        if args.mtp:
+            print(
+                f"mtp: acceptance rate {stats.acceptance_rate:.1%}, "
+                f"{stats.tokens_per_step:.2f} tokens per step, "
+                f"{stats.token_s * 1e3:.3f} ms per token"
+            )
         if copy_bps and stats.step_s:
             print(roofline(model, stats, copy_bps))
         print(f"decode: {stats.decode_tokens_per_s:.1f} tokens/s")

@@ -224,7 +224,8 @@ def test_rejects_bad_arguments(kwargs, match):
 def test_config():
     assert align.default_config(512).fused  # decode: one launch
     assert align.default_config(128).blocks_per_program == align.FUSED_BLOCKS_PER_PROGRAM
-    # from 2048 slots (T=256, top-8) two launches (docs/performance.md, 'The alignment kernel')
+    # from 2048 slots (T=256, top-8) two launches (docs/performance.md, 'Backend order, rows
+    # gather, alignment')
     assert not align.default_config(2048).fused
     assert not align.default_config(131072).fused
     with pytest.raises(ValueError, match="chunk_slots=1000"):

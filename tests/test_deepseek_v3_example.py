@@ -35,6 +35,7 @@ def test_example_help(capsys):
         "--eos-id",
         "--no-progress",
         "--activation-quant",
+        "--mtp",
     ):
         assert flag in out
     assert "generation_config.json" in out
@@ -110,6 +111,19 @@ def test_example_float_weights_give_the_same_tokens(capsys):
     assert "quantized linears: none (float linears)" in dense
     assert "fused_moe backend: none (float experts)" in dense
     assert _tokens(dense) == _tokens(quantized) and _tokens(dense)
+
+
+def test_example_mtp_gives_the_same_tokens(capsys):
+    """--mtp 2: speculative decoding with the tiny model's random MTP layer (drawn from its own
+    stream: the model's weights unchanged), greedy: the tokens without it, and its figures."""
+    argv = ["--max-new-tokens", "5", "--no-warmup", "--batch-size", "2"]
+    assert _load_example().main(argv) == 0
+    plain = capsys.readouterr().out
+    assert _load_example().main([*argv, "--mtp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "with its MTP layer" in out
+    assert "mtp: acceptance rate" in out and "tokens per step" in out and "ms per token" in out
+    assert _tokens(out) == _tokens(plain) and len(_tokens(out)) == 2
 
 
 def test_example_quantize_lm_head(capsys):

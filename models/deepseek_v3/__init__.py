@@ -6,7 +6,7 @@ from models.common.tokenizer import (
     load_chat_template,
     load_tokenizer,
 )
-from models.deepseek_v3 import sharding
+from models.deepseek_v3 import sharding, speculative
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, YarnScaling
 from models.deepseek_v3.generate import (
     GenerateStats,
@@ -41,4 +41,5 @@ __all__ = [
     "save_pretrained",
     "shard_model",
     "sharding",
+    "speculative",
 ]

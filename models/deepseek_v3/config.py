@@ -148,6 +148,7 @@ _INT_MINIMUM = {
     "first_k_dense_replace": 0,
     "moe_layer_freq": 1,
     "max_position_embeddings": 1,
+    "num_nextn_predict_layers": 0,
 }
 _POSITIVE_FLOATS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
 _TOKEN_FIELDS = ("bos_token_id", "pad_token_id")
@@ -234,6 +235,10 @@ class DeepseekV3Config:
     bos_token_id: int | None = 0
     eos_token_id: tuple[int, ...] = (1,)
     pad_token_id: int | None = None
+    # Multi-token-prediction layers the checkpoint holds after the decoder layers (DeepSeek-V3:
+    # 1, stored as layer num_hidden_layers). Loading reads it on request (load_pretrained's
+    # `mtp`); init_random draws it.
+    num_nextn_predict_layers: int = 0
     quantization_config: dict | None = dataclasses.field(default=None, compare=False)
     # Not HF fields. `quant` only steers construction (random init, quantize-on-load): the
     # modules built say what is quantized, so it takes no part in equality or hashing either
@@ -406,17 +411,20 @@ class DeepseekV3Config:
 
     @classmethod
     def deepseek_v3(cls, **overrides) -> DeepseekV3Config:
-        """DeepSeek-V3 / R1 (671B): 61 layers, 256 experts top-8, int4 group 128 experts."""
-        kw = dict(quant=QuantSpec(bits=4, group_size=128))
+        """DeepSeek-V3 / R1 (671B): 61 layers and the MTP layer, 256 experts top-8, int4
+        group 128 experts."""
+        kw = dict(quant=QuantSpec(bits=4, group_size=128), num_nextn_predict_layers=1)
         kw.update(overrides)
         return cls(**kw)
 
     @classmethod
     def full_width(cls, num_layers: int, **overrides) -> DeepseekV3Config:
-        """DeepSeek-V3 width with `num_layers` layers (the first min(3, N-1) dense)."""
+        """DeepSeek-V3 width with `num_layers` layers (the first min(3, N-1) dense), without
+        the MTP layer unless `num_nextn_predict_layers=1` is passed."""
         kw = dict(
             num_hidden_layers=num_layers,
             first_k_dense_replace=min(3, max(num_layers - 1, 0)),
+            num_nextn_predict_layers=0,
         )
         kw.update(overrides)
         return cls.deepseek_v3(**kw)

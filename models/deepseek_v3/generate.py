@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,11 @@ from models.deepseek_v3.config import read_json
 logger = logging.getLogger("models.deepseek_v3")
 
 MIN_BUCKET = 16
+
+# generate(speculative=name)'s decoders: name -> fn(model, tokens, padded, pmask, **generate's
+# settings) that checks the model can run it, then prefills and decodes. The modules that build
+# on this one register theirs ("mtp": models.deepseek_v3.speculative, imported by the package).
+SPECULATIVE_DECODERS: dict[str, Callable] = {}
 
 
 def bucket(n: int) -> int:
@@ -94,19 +99,24 @@ def sampling_kind(temperature: float, top_p: float) -> dict[str, bool]:
     return {"greedy": temperature < MIN_TEMPERATURE, "nucleus": top_p < 1.0}
 
 
+def scaled_logits(logits, temperature):
+    """f32 logits [..., V] / temperature, shifted by their row's max first: the likeliest
+    token's scaled logit is 0 and the others at most 0 (-inf where they underflow), finite for
+    any temperature >= MIN_TEMPERATURE."""
+    return (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+
+
 def sample(logits, key, temperature, top_p, *, greedy: bool, nucleus: bool):
     """Next tokens int32 [B] from f32 logits [B, V].
 
     The kind of choice is static (one compiled program each, no conditional on a device value;
     `sampling_kind` picks it): greedy: argmax; else softmax(logits / temperature), restricted
-    with `nucleus` to the smallest set of tokens whose probability reaches top_p. The logits
-    are shifted by their row's max before the division, so the likeliest token's scaled logit
-    is 0 and the others at most 0 (-inf where they underflow): finite for any temperature
-    >= MIN_TEMPERATURE.
+    with `nucleus` to the smallest set of tokens whose probability reaches top_p (the logits
+    scaled by `scaled_logits`).
     """
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+    scaled = scaled_logits(logits, temperature)
     if nucleus:
         order = jnp.argsort(-scaled, axis=-1)
         sorted_x = jnp.take_along_axis(scaled, order, axis=-1)
@@ -397,6 +407,8 @@ def generate(
     eos_id: int | Sequence[int] | None = None,
     return_stats: bool = False,
     warmup: bool = False,
+    speculative: str | None = None,
+    num_draft_tokens: int = 1,
 ):
     """Generates `max_new_tokens` tokens for each prompt.
 
@@ -419,6 +431,11 @@ def generate(
         warmup: run the prefill and the decode loop once before the timed runs, so the
             timings exclude first-execution costs (loading the kernels' modules, and on a mesh
             setting up the collectives' communicators); the work is done twice.
+        speculative: None, or "mtp": speculative decoding with the model's MTP layer
+            (`models.deepseek_v3.speculative`): the same tokens when greedy, the same
+            distribution when sampling; the stats a SpeculativeStats (acceptance rate,
+            tokens per step). One device only.
+        num_draft_tokens: k, the chained drafts per step with speculative (1 to 3).
 
     Returns:
         int32 [B, S + max_new_tokens] (prompt columns as given, then the new tokens);
@@ -433,13 +450,18 @@ def generate(
             a prompt plus max_new_tokens past max_position_embeddings (refused before any
             compile), a
             negative or non-finite temperature, top_p outside (0, 1], a pad or eos id outside
-            the vocabulary.
+            the vocabulary; speculative decoding the model cannot run (no MTP layer, a
+            sharded model, num_draft_tokens outside [1, 3]).
     """
     cfg = model.cfg
     max_new_tokens = _check_sampling(
         max_new_tokens, temperature, top_p, cfg.max_position_embeddings
     )
     seed = _as_int("seed", seed)
+    if speculative is not None and speculative not in SPECULATIVE_DECODERS:
+        raise ValueError(
+            f"speculative={speculative!r} is not None or one of {sorted(SPECULATIVE_DECODERS)}"
+        )
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     pad_id = _as_int("pad_id", pad_id)
@@ -475,6 +497,22 @@ def generate(
     padded[:, s_b - s :] = tokens
     pmask = np.zeros((b, s_b), bool)
     pmask[:, s_b - s :] = mask
+    if speculative is not None:
+        return SPECULATIVE_DECODERS[speculative](
+            model,
+            tokens,
+            padded,
+            pmask,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            eos_ids=eos_ids,
+            fill_id=fill_id,
+            num_draft_tokens=num_draft_tokens,
+            return_stats=return_stats,
+            warmup=warmup,
+        )
 
     graphdef, state = nnx.split(model)
     ms = model.sharding

@@ -1135,6 +1135,19 @@ class DeepseekV3Model(nnx.Module):
         self.norm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
 
 
+def decode_positions_and_mask(cache: KVCache, b: int, s: int):
+    """For S tokens appended to every row at slots index..index+S-1: their rope positions
+    int32 [B, S] (from next_pos), the cache's valid slots bool [B, L] with them, and the
+    attention mask bool [B, S, L] (valid slots up to each query's own)."""
+    idx = cache.index
+    positions = cache.next_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
+    valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((b, s), bool), (0, idx))
+    slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+    query_slot = idx + jnp.arange(s, dtype=jnp.int32)
+    mask = valid[:, None, :] & (slots[None, None, :] <= query_slot[None, :, None])
+    return positions, valid, mask
+
+
 def _positions_from_mask(mask):
     """Left-padded mask bool [B, S] -> int32 [B, S] positions (pads get 0)."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
@@ -1160,6 +1173,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
             self.lm_head = Linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs=rngs)
         # Set by sharding.shard_model / init_random(mesh=) / load_pretrained(mesh=).
         self.sharding: ModelSharding | None = None
+        # The multi-token-prediction draft layer (mtp.MultiTokenPredictor), set where one is
+        # loaded (load_pretrained(mtp=True)) or drawn (init_random, num_nextn_predict_layers).
+        self.mtp = nnx.data(None)
         if implementation is not None:
             self.set_implementation(implementation)
 
@@ -1489,15 +1505,18 @@ class DeepseekV3ForCausalLM(nnx.Module):
             index=jnp.zeros((), jnp.int32),
         )
 
-    def prefill(self, input_ids, attention_mask, *, max_len: int):
+    def prefill(self, input_ids, attention_mask, *, max_len: int, return_hidden: bool = False):
         """Runs the (left-padded) prompt and fills a fresh cache of `max_len` slots.
 
         Args:
             input_ids: int32 [B, S].  attention_mask: [B, S], 0 on left padding.
             max_len: static cache length L >= S.
+            return_hidden: also return the final norm's output [B, S, H] (what the MTP layer
+                reads).
 
         Returns:
-            (f32 [B, vocab] logits of the last column, KVCache with index = S).
+            (f32 [B, vocab] logits of the last column, KVCache with index = S), then the
+            hidden states with return_hidden.
         """
         input_ids = jnp.asarray(input_ids, jnp.int32)
         b, s = input_ids.shape
@@ -1518,27 +1537,26 @@ class DeepseekV3ForCausalLM(nnx.Module):
             next_pos=key_valid.sum(axis=1).astype(jnp.int32),
             index=jnp.asarray(s, jnp.int32),
         )
+        if return_hidden:
+            return self._logits(x[:, -1]), cache, x
         return self._logits(x[:, -1]), cache
 
-    def decode(self, tokens, cache: KVCache):
+    def decode(self, tokens, cache: KVCache, *, return_hidden: bool = False):
         """Appends tokens int32 [B, S] (or [B]) to every row and attends over the cache
         (absorbed MLA).
 
         Returns:
-            (f32 logits [B, S, vocab] (or [B, vocab]), the updated KVCache).
+            (f32 logits [B, S, vocab] (or [B, vocab]), the updated KVCache), then with
+            return_hidden the final norm's output [B, S, H] (or [B, H]).
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         squeeze = tokens.ndim == 1
         if squeeze:
             tokens = tokens[:, None]
-        b, s = tokens.shape
+        positions, valid, mask = decode_positions_and_mask(cache, *tokens.shape)
         idx = cache.index
-        positions = cache.next_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
-        valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((b, s), bool), (0, idx))
-        slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-        query_slot = idx + jnp.arange(s, dtype=jnp.int32)
-        mask = valid[:, None, :] & (slots[None, None, :] <= query_slot[None, :, None])
         x, new = self._run(tokens, positions, mask, mode="decode", cache=cache, index=idx)
+        s = tokens.shape[1]
         cache = KVCache(
             latent=tuple(new),
             valid=valid,
@@ -1546,7 +1564,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
             index=idx + s,
         )
         logits = self._logits(x)
-        return (logits[:, 0] if squeeze else logits), cache
+        if squeeze:
+            logits, x = logits[:, 0], x[:, 0]
+        return (logits, cache, x) if return_hidden else (logits, cache)
 
 
 def abstract_model(cfg: DeepseekV3Config) -> DeepseekV3ForCausalLM:

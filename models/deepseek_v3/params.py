@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 import wna16_jax as wj
+from models.deepseek_v3 import mtp as mtp_layer
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, read_json
 from models.deepseek_v3.modeling import (
     PROGRESS_DELAY_S,
@@ -140,6 +141,7 @@ NAME_TABLE: tuple[tuple[str, str, str, str, str | None], ...] = (
 _DIMS: dict[str, Callable[[DeepseekV3Config], int]] = {
     "V": lambda c: c.vocab_size,
     "H": lambda c: c.hidden_size,
+    "H2": lambda c: 2 * c.hidden_size,
     "Q": lambda c: c.q_lora_rank,
     "Hq": lambda c: c.num_attention_heads * c.qk_head_dim,
     "R": lambda c: c.kv_lora_rank,
@@ -171,11 +173,16 @@ class WeightEntry:
     kind: str
     shape: tuple[int, ...]
     target: str | None
+    under: str | None = None  # the MTP layer's: its attribute, standing for its HF prefix
 
     @property
     def path(self) -> tuple[str | int, ...]:
-        """The module path in DeepseekV3ForCausalLM (HF name, integers for list indices)."""
-        return tuple(int(p) if p.isdigit() else p for p in self.name.split("."))
+        """The module path in DeepseekV3ForCausalLM (HF name, integers for list indices; the
+        MTP layer's weights under `under` instead of "model.layers.{num_hidden_layers}")."""
+        parts = self.name.split(".")
+        if self.under is not None:
+            parts = [self.under, *parts[3:]]
+        return tuple(int(p) if p.isdigit() else p for p in parts)
 
     def expert_names(self, num_experts: int) -> Iterator[tuple[int, str, str]]:
         for j in range(num_experts):
@@ -183,8 +190,10 @@ class WeightEntry:
                 yield j, proj, f"{self.name}.{j}.{proj}"
 
 
-def weight_table(cfg: DeepseekV3Config) -> list[WeightEntry]:
-    """Every weight the config implies, in checkpoint order (NAME_TABLE instantiated)."""
+def weight_table(cfg: DeepseekV3Config, *, mtp: bool = False) -> list[WeightEntry]:
+    """Every weight the config implies, in checkpoint order (NAME_TABLE instantiated); with
+    `mtp`, then the MTP layer's (layer num_hidden_layers: NAME_TABLE's layer rows and
+    mtp.MTP_NAME_TABLE, held by the model's `mtp` attribute)."""
     out = []
     for name, kind, dims, present, target in NAME_TABLE:
         per_layer = name.startswith("layer.")
@@ -193,6 +202,21 @@ def weight_table(cfg: DeepseekV3Config) -> list[WeightEntry]:
             if _PRESENT[present](cfg, i):
                 full = f"model.layers.{i}.{name[len('layer.') :]}" if per_layer else name
                 out.append(WeightEntry(full, kind, shape, target))
+    if mtp:
+        n = cfg.num_hidden_layers
+        rows = [
+            (name[len("layer.") :], *rest)
+            for name, *rest in NAME_TABLE
+            if name.startswith("layer.")
+        ]
+        rows += [
+            (name, kind, dims, "always", t) for name, kind, dims, t in mtp_layer.MTP_NAME_TABLE
+        ]
+        for name, kind, dims, present, target in rows:
+            if _PRESENT[present](cfg, n):
+                shape = tuple(_DIMS[d](cfg) for d in dims.split())
+                full = f"model.layers.{n}.{name}"
+                out.append(WeightEntry(full, kind, shape, target, mtp_layer.MTP_ATTRIBUTE))
     return out
 
 
@@ -503,9 +527,10 @@ def _count_tensors(ckpt: Checkpoint, prefix: str, form: str) -> int:
 
 
 def check_checkpoint(
-    cfg: DeepseekV3Config, ckpt: Checkpoint, qcfg
+    cfg: DeepseekV3Config, ckpt: Checkpoint, qcfg, *, mtp: bool = False
 ) -> tuple[list[_Plan], list[str]]:
-    """Checks every tensor the config implies against the checkpoint's headers.
+    """Checks every tensor the config implies (with `mtp`, the MTP layer's too) against the
+    checkpoint's headers.
 
     Returns:
         (the plan: one _Plan per weight, the list of problems; empty when loadable).
@@ -524,7 +549,7 @@ def check_checkpoint(
         except ValueError as err:  # the scales' shapes are then not checked
             problems.append(str(err))
     plans = []
-    for entry in weight_table(cfg):
+    for entry in weight_table(cfg, mtp=mtp):
         if entry.kind in ("embedding", "norm", "router"):
             name = f"{entry.name}.weight"
             if name not in ckpt:
@@ -992,6 +1017,7 @@ def load_pretrained(
     progress: bool = True,
     specs: ShardingSpecs | None = None,
     moe_mode: str = "replicated",
+    mtp: bool = False,
 ) -> DeepseekV3ForCausalLM:
     """Loads a Hugging Face DeepSeek-V3 / V2 checkpoint: a local directory or a Hub id.
 
@@ -1019,6 +1045,10 @@ def load_pretrained(
             PROGRESS_DELAY_S seconds (a tiny checkpoint's load prints nothing).
         specs: partition specs for the mesh (default sharding.ShardingSpecs.for_mesh).
         moe_mode: the sharded MoE's token mode (see sharding.ModelSharding).
+        mtp: also load the multi-token-prediction layer (layer num_hidden_layers, the draft
+            head of generate(speculative="mtp")) into `model.mtp`, in its own format as the
+            other layers (quantize applies to it likewise). Needs num_nextn_predict_layers=1
+            and one device (mesh None). False: the layer's tensors are not read.
 
     Returns:
         DeepseekV3ForCausalLM.
@@ -1045,9 +1075,13 @@ def load_pretrained(
             FP8_DEFAULT_QUANTIZE,
             cfg.quant.group_size,
         )
+    if mtp:
+        mtp_layer.check_mtp_config(cfg)
+        if mesh is not None:
+            raise ValueError("mtp=True loads onto one device: pass mesh=None")
     ms = None if mesh is None else model_sharding(mesh, cfg, specs=specs, moe_mode=moe_mode)
     ckpt = Checkpoint(path)
-    plans, problems = check_checkpoint(cfg, ckpt, qcfg)
+    plans, problems = check_checkpoint(cfg, ckpt, qcfg, mtp=mtp)
     acts = activation_plan(ckpt, qcfg, plans, problems)
     _raise_problems(path, problems)
     _report_unused(cfg, ckpt, plans, read=acts.read, explained=acts.linears)
@@ -1055,6 +1089,8 @@ def load_pretrained(
 
     # An abstract model (no memory) whose parts are replaced by the loaded ones.
     model = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    if mtp:
+        model.mtp = nnx.eval_shape(lambda: mtp_layer.MultiTokenPredictor(cfg, rngs=nnx.Rngs(0)))
     total = sum(p.num_tensors for p in plans)
     bar = tqdm(
         total=total,
@@ -1180,7 +1216,7 @@ def _quant_key(qe: wj.QuantizedExperts) -> tuple[int, int, bool]:
 def _named_linears(model, cfg) -> Iterator[tuple[str, object]]:
     """(HF prefix, float [N, K] array or QuantizedExperts [1, N, K]) for every linear (the
     parts of a FusedLinear under their own names)."""
-    for entry in weight_table(cfg):
+    for entry in weight_table(cfg, mtp=model.mtp is not None):
         if entry.kind == "linear":
             mod = linear_at(model, entry.path)
             if isinstance(mod, QuantizedLinear):
@@ -1298,7 +1334,7 @@ def _experts_activation_quant(model, cfg, fmt: str) -> wj.ActivationQuant | None
             format (awq, gptq).
     """
     by_scheme: dict[str, list[str]] = {}
-    for entry in weight_table(cfg):
+    for entry in weight_table(cfg, mtp=model.mtp is not None):
         mod = _get(model, entry.path) if entry.kind == "experts" else None
         if isinstance(mod, RoutedExperts):
             by_scheme.setdefault(_scheme_name(mod.activation_quant), []).append(entry.name)
@@ -1364,7 +1400,7 @@ def save_pretrained(
         tensors[name] = np.ascontiguousarray(arr if dtype is None else arr.astype(dtype))
 
     float_dtype = ml_dtypes.bfloat16 if format == "bf16" else None
-    for entry in weight_table(cfg):
+    for entry in weight_table(cfg, mtp=model.mtp is not None):
         if entry.kind in ("embedding", "norm", "router"):
             put(f"{entry.name}.weight", _get(model, entry.path).weight.get_value(), float_dtype)
         elif entry.kind == "bias":
@@ -1375,6 +1411,14 @@ def save_pretrained(
                 for _, proj, prefix in entry.expert_names(entry.shape[0]):
                     scale = aq.gemm2_scale if proj == "down_proj" else aq.gemm1_scale
                     put(f"{prefix}.input_scale", np.array([scale], np.float32))
+    if model.mtp is not None and not isinstance(model.lm_head, QuantizedLinear):
+        # The MTP layer's copies of the shared embedding and head, as DeepSeek's checkpoints
+        # hold them (engines that load the layer apart read them; loading here does not).
+        layer = f"model.layers.{cfg.num_hidden_layers}"
+        embed = model.model.embed_tokens.weight.get_value()
+        head = embed if model.lm_head is None else model.lm_head.weight.get_value()
+        put(f"{layer}.embed_tokens.weight", embed, float_dtype)
+        put(f"{layer}.shared_head.head.weight", head, float_dtype)
     keys, float_linears, act_order = set(), [], False
     for name, value in _named_linears(model, cfg):
         if not isinstance(value, wj.QuantizedExperts):

@@ -58,6 +58,7 @@ from models.deepseek_v3.modeling import (
     random_parts,
     set_module,
 )
+from models.deepseek_v3.mtp import random_mtp
 
 logger = logging.getLogger("models.deepseek_v3")
 
@@ -820,7 +821,18 @@ def init_random(
         moe_mode: the sharded MoE's token mode (see `ModelSharding`).
         progress: show a tqdm bar over the parts drawn (`modeling.progress_bar`: it appears
             once the build has run PROGRESS_DELAY_S seconds).
+
+    With cfg.num_nextn_predict_layers = 1 the model also holds a random MTP layer
+    (`model.mtp`, mtp.random_mtp: its own random stream), on one device only.
+
+    Raises:
+        ValueError: an MTP layer asked for with a mesh.
     """
+    if cfg.num_nextn_predict_layers and mesh is not None:
+        raise ValueError(
+            f"num_nextn_predict_layers={cfg.num_nextn_predict_layers} with a mesh: the MTP "
+            f"layer runs on one device (pass num_nextn_predict_layers=0 in the config)"
+        )
     if on_device is None:
         on_device = param_bytes(cfg) > HOST_INIT_MAX_BYTES
     if mesh is not None and on_device:
@@ -833,6 +845,8 @@ def init_random(
             model = draw_parts(cfg, seed=seed, on_device=on_device, progress=progress)
         if mesh is not None:
             shard_model(model, mesh, specs=specs, moe_mode=moe_mode)
+    if cfg.num_nextn_predict_layers:
+        model.mtp = random_mtp(cfg, seed=seed, on_device=on_device)
     if implementation is not None:
         model.set_implementation(implementation)
     return model

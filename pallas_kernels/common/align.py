@@ -53,7 +53,7 @@ class AlignConfig:
 
 # Up to this many slots (T*k) the fused single launch is the default, its programs filling
 # FUSED_BLOCKS_PER_PROGRAM blocks each; from more slots two launches (a histogram, then the
-# scatter) are faster. Figures: docs/performance.md, 'The alignment kernel'.
+# scatter) are faster. Figures: docs/performance.md, 'Backend order, rows gather, alignment'.
 FUSED_MAX_SLOTS = 512
 FUSED_BLOCKS_PER_PROGRAM = 32
 # Two-launch chunk sizes by T*k: the fastest of 128..2048 on the H200 (E=256, top-8).
