@@ -1,9 +1,14 @@
-"""Generate text with DeepSeek-V3 on WNA16 experts: a tiny random int4 model by default.
+"""Generate text with an MoE model on WNA16 experts: a tiny random int4 model by default.
 
 python examples/generate.py                         # tiny random int4 model on CPU
 python examples/generate.py --model /path/to/hf_dir --max-new-tokens 64
 python examples/generate.py --model /path/to/hf_dir --chat --prompt "Why is the sky blue?"
 python examples/generate.py --full-width-layers 4   # V3 width, 4 layers, random int4
+python examples/generate.py --preset qwen3-30b-a3b  # a released size, random GPTQ-like int4
+python examples/generate.py --preset kimi-k2 --layers 4
+
+--model reads any family's checkpoint (DeepSeek-V3 / V2, Kimi-K2, Qwen2-MoE, Qwen3-MoE: by
+config.json's model_type); --preset draws a random model of a released size (PRESETS).
 python examples/generate.py --activation-quant int8_per_token  # random W8A8 experts
 
 Sharded (expert parallel over "expert", tensor parallel over "tensor", batch over "data"):
@@ -39,7 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import models
 import wna16_jax as wj
+from models import qwen_moe
+from models.common.checkpoint import read_json
 from models.deepseek_v3 import (
     DeepseekV3Config,
     QuantSpec,
@@ -58,6 +66,7 @@ from models.deepseek_v3.modeling import (
     RoutedExperts,
     dequantize_model,
 )
+from models.qwen_moe import QwenMoeConfig, QwenMoeForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,6 +76,14 @@ import benchmark  # noqa: E402  (the copy ceiling, arrays' bytes)
 # Tokens per row where neither --max-new-tokens nor the checkpoint's generation_config.json
 # says (the other sampling settings default to generate()'s: greedy, no nucleus).
 DEFAULT_MAX_NEW_TOKENS = 16
+
+# --preset: a random model of a released size, int4 as its release is (GPTQ-like for Qwen:
+# group 128 symmetric, float16 scales; Kimi-K2's group 32 symmetric routed experts).
+PRESETS = {
+    "deepseek-v3": DeepseekV3Config.deepseek_v3,
+    "kimi-k2": DeepseekV3Config.kimi_k2,
+    **{name: functools.partial(QwenMoeConfig.preset, name) for name in sorted(qwen_moe.PRESETS)},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,6 +102,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="random model at full DeepSeek-V3 width with N layers (int4 experts "
         "generated on device)",
+    )
+    src.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="random model of a released size, quantized as its int4 release (Qwen: GPTQ-like "
+        "int4 group 128 symmetric, float16 scales); --layers keeps fewer layers",
+    )
+    p.add_argument(
+        "--layers",
+        type=arg_types.positive_int,
+        default=None,
+        metavar="N",
+        help="with --preset: N layers instead of the released count",
     )
     p.add_argument(
         "--revision",
@@ -235,6 +265,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--mtp",
         type=int,
+        choices=(1, 2, 3),
         metavar="K",
         default=None,
         help="speculative decoding with DeepSeek-V3's MTP layer, K = 1..3 chained drafts per "
@@ -372,19 +403,24 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
     """(model, tokenizer, description) for the arguments, placed on `mesh` when given;
     `checkpoint`: the local directory of --model (`checkpoint_dir`)."""
     progress = not args.no_progress
+    if args.preset:
+        return build_preset(args, mesh)
     if args.model:
-        dtype = args.dtype or "bfloat16"
         local = checkpoint or checkpoint_dir(args)
-        model = load_pretrained(
-            local,
-            dtype=dtype,
+        family = models.family_of(read_json(os.path.join(local, "config.json")))
+        kw = dict(
+            dtype=args.dtype or "bfloat16",
             implementation=args.implementation,
             quantize=args.quantize,
-            mesh=mesh,
-            moe_mode=args.moe_mode,
             progress=progress,
             mtp=bool(args.mtp),
         )
+        if family == "deepseek_v3":  # each tensor placed on the mesh as it is read
+            model = load_pretrained(local, mesh=mesh, moe_mode=args.moe_mode, **kw)
+        else:
+            model = models.load_pretrained(local, **kw)
+            if mesh is not None:
+                qwen_moe.shard_model(model, mesh, moe_mode=args.moe_mode)
         what = args.model
         aq = next((m.activation_quant for m in _quantized_experts(model)), None)
         if aq is not None:  # one scheme in every layer (load_pretrained refuses others)
@@ -422,6 +458,41 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
     return model, load_tokenizer(None, cfg=cfg), what
 
 
+def build_preset(args, mesh=None):
+    """(model, tokenizer, description) of --preset: random weights of a released size
+    (--layers: fewer layers), in --dtype (default bfloat16)."""
+    overrides = {"dtype": args.dtype or "bfloat16"}
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+    cfg = PRESETS[args.preset](**overrides)
+    if isinstance(cfg, QwenMoeConfig):
+        model = qwen_moe.init_random(cfg, seed=args.seed, implementation=args.implementation)
+        if mesh is not None:
+            qwen_moe.shard_model(model, mesh, moe_mode=args.moe_mode)
+    else:
+        if args.layers:
+            cfg = dataclasses.replace(
+                cfg, first_k_dense_replace=min(cfg.first_k_dense_replace, args.layers - 1)
+            )
+        model = init_random(
+            cfg,
+            seed=args.seed,
+            implementation=args.implementation,
+            mesh=mesh,
+            moe_mode=args.moe_mode,
+            progress=not args.no_progress,
+        )
+    what = f"random {args.preset}, {cfg.num_hidden_layers} layers, {cfg.quant}"
+    return model, load_tokenizer(None, cfg=cfg), what
+
+
+def _dequantized(model):
+    """The float copy of `model` (its family's dequantize_model)."""
+    if isinstance(model, QwenMoeForCausalLM):
+        return qwen_moe.dequantize_model(model)
+    return dequantize_model(model)
+
+
 def _quantized_experts(model) -> list[RoutedExperts]:
     return [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
 
@@ -434,9 +505,11 @@ def prepare_model(model, args, linears: str, *, progress: bool):
         if model.sharding is not None:
             raise SystemExit("--float-weights needs an unsharded model (no --mesh)")
         t1 = time.perf_counter()
-        model = dequantize_model(model)  # the quantized model is dropped: one copy kept
+        model = _dequantized(model)  # the quantized model is dropped: one copy kept
         print(f"weights dequantized to {model.cfg.dtype} ({time.perf_counter() - t1:.1f} s)")
     if args.quantize_lm_head:
+        if not hasattr(model, "quantize_lm_head"):
+            raise SystemExit("--quantize-lm-head: the DeepSeek family's models only")
         if model.sharding is not None:
             raise SystemExit("--quantize-lm-head needs an unsharded model (no --mesh)")
         model.quantize_lm_head(args.quantize_lm_head)

@@ -716,6 +716,8 @@ def test_full_deepseek_v3_dry_run_on_cpu_devices(tmp_path):
         ("generate", ["--top-p", "1.5"], "--top-p", "1.5 must be in (0, 1]"),
         ("generate", ["--eos-id", "-3"], "--eos-id", "-3 must be >= 0"),
         ("generate", ["--seed", "-1"], "--seed", "-1 must be >= 0"),
+        ("generate", ["--preset", "deepseek-v3", "--layers", "0"], "--layers", "0 must be >= 1"),
+        ("generate", ["--mtp", "4"], "--mtp", "invalid choice: 4"),
         ("generate", ["--num-processes", "2", "--process-id", "2"], "--process-id", "not in"),
         ("benchmark", ["--m", "0"], "--m", "0 must be >= 1"),
         ("benchmark", ["--group-size", "0"], "--group-size", "0 must be positive, or -1"),

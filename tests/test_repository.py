@@ -219,3 +219,52 @@ def test_run_record_pattern_catches(text):
 @pytest.mark.parametrize("text", ["device_kind", "a kernel call per layer", "recall 4 rows"])
 def test_run_record_pattern_spares_code_words(text):
     assert not RUN_RECORD.search(text)
+
+
+# The one backend a model may name: "xla", the float dot every quantized linear starts on.
+MODEL_BACKEND = "xla"
+
+
+def _named_backends(source: str, backends: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, name) of each registered backend other than MODEL_BACKEND that a string in the
+    code `source` names (docstrings aside: they may say which backend reads a layout)."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    named = set(backends) - {MODEL_BACKEND}
+    return [
+        (node.lineno, word)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if id(node) not in docstrings
+        for word in re.findall(r"\w+", node.value)
+        if word in named
+    ]
+
+
+def test_models_never_name_a_backend():
+    """Modeling code asks the backend registry which layout or kernel runs its weights
+    (wna16_jax.backend_layout, preferred_layout, linear.preferred_layout): a new backend then
+    needs no change in any model family."""
+    import wna16_jax as wj
+
+    backends = wj.registered_backends()
+    problems = [
+        f"{path.relative_to(ROOT)}:{line}: names the backend {name!r}"
+        for path in sorted((ROOT / "models").rglob("*.py"))
+        for line, name in _named_backends(path.read_text(), backends)
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_backend_rule_catches_a_named_backend():
+    backends = ("xla", "mgpu", "mgpu_interpret", "pallas")
+    code = 'def layout(impl):\n    """Reads mgpu."""\n    return impl.startswith("mgpu")\n'
+    assert _named_backends(code, backends) == [(3, "mgpu")]
+    assert _named_backends('impl = f"{x}_interpret" or "xla"\n', backends) == []

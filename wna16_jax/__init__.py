@@ -2,6 +2,7 @@
 
 from wna16_jax import formats, layouts, linear, sharding
 from wna16_jax._api import (
+    backend_layout,
     fused_moe,
     gemm_config,
     grouped_matmul,
@@ -30,6 +31,7 @@ __all__ = [
     "BlockConfig",
     "MgpuConfig",
     "QuantizedExperts",
+    "backend_layout",
     "check_finite",
     "dequantize_experts",
     "formats",

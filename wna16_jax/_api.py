@@ -487,6 +487,28 @@ def grouped_matmul(
     )
 
 
+def backend_layout(implementation: str, *, bits: int) -> str:
+    """The layout of `bits`-bit weights that the backend `implementation` reads: "canonical"
+    where it reads that one, else its kernel layout of those bits (e.g. "mgpu_int4" for
+    'mgpu' and 'mgpu_interpret'). Lets a model convert its weights for a named backend
+    without naming backends itself.
+
+    Raises:
+        ValueError: an unknown implementation, or one that reads no layout of `bits`-bit
+            weights (its layouts named).
+    """
+    layouts = _dispatch.get_backend(implementation).layouts
+    if "canonical" in layouts:
+        return "canonical"
+    for layout in layouts:
+        if KERNEL_LAYOUT_BITS.get(layout) == bits:
+            return layout
+    raise ValueError(
+        f"implementation {implementation!r} reads no layout of bits={bits} weights (it reads "
+        f"{list(layouts)})"
+    )
+
+
 def preferred_layout(
     w13: QuantizedExperts,
     w2: QuantizedExperts,

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any
 
+from models.common.checkpoint import read_json
+from models.common.config import QuantSpec
+
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
-QUANT_TARGETS = ("experts", "shared_experts", "dense_mlp", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,48 +29,6 @@ class YarnScaling:
         return {"type": "yarn", **dataclasses.asdict(self)}
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantSpec:
-    """How the model quantizes its weights (random init and quantize-on-load).
-
-    Attributes:
-        bits: 4 or 8.
-        group_size: G; a layer whose K is not a multiple of G uses one group per row (-1).
-        has_zp: asymmetric (zero points stored) or symmetric.
-        targets: which linears are quantized: "experts" (routed), "shared_experts",
-            "dense_mlp" (the first_k_dense_replace layers), "attention" (MLA projections).
-            The router and the embeddings / lm_head always stay float.
-    """
-
-    bits: int = 4
-    group_size: int = 128
-    has_zp: bool = True
-    targets: tuple[str, ...] = QUANT_TARGETS
-
-    def __post_init__(self):
-        if self.bits not in (4, 8):
-            raise ValueError(f"QuantSpec.bits={self.bits} is not supported (supported: 4, 8)")
-        unknown = sorted(set(self.targets) - set(QUANT_TARGETS))
-        if unknown:
-            raise ValueError(
-                f"QuantSpec.targets has unknown entries {unknown}; known: {list(QUANT_TARGETS)}"
-            )
-
-    def group_for(self, k: int) -> int:
-        """The group size used for a weight with K input features."""
-        return self.group_size if self.group_size > 0 and k % self.group_size == 0 else -1
-
-    @classmethod
-    def parse(cls, spec: str | QuantSpec | None, *, group_size: int = 128) -> QuantSpec | None:
-        """`None`, a QuantSpec, or "int4" / "int8" (asymmetric, `group_size`)."""
-        if spec is None or isinstance(spec, QuantSpec):
-            return spec
-        names = {"int4": 4, "int8": 8}
-        if spec not in names:
-            raise ValueError(f"quantize={spec!r} is not one of {sorted(names)} or None")
-        return cls(bits=names[spec], group_size=group_size)
-
-
 def _tuple_ids(v) -> tuple[int, ...]:
     """None, one id or a list of ids as a tuple; the ids kept as given (a float is reported by
     the config's checks, never truncated)."""
@@ -78,25 +37,6 @@ def _tuple_ids(v) -> tuple[int, ...]:
     if isinstance(v, (list, tuple)):
         return tuple(v)
     return (v,)
-
-
-def read_json(path: str | os.PathLike) -> dict:
-    """The JSON object in the file `path`.
-
-    Raises:
-        FileNotFoundError: no such file (named).
-        ValueError: the file is not valid JSON, or holds no object: the file and the error named.
-    """
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not a text JSON file: {err}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object")
-    return d
 
 
 def _type_problems(cfg) -> list[str]:
@@ -428,6 +368,37 @@ class DeepseekV3Config:
         )
         kw.update(overrides)
         return cls.deepseek_v3(**kw)
+
+    @classmethod
+    def kimi_k2(cls, **overrides) -> DeepseekV3Config:
+        """Kimi-K2 (1T, config.json model_type kimi_k2): the DeepSeek-V3 architecture with 384
+        experts top-8, one expert group, one dense layer and YaRN (factor 32); released with
+        int4 group 32 symmetric routed experts (compressed-tensors), the rest bf16."""
+        kw = dict(
+            vocab_size=163840,
+            num_attention_heads=64,
+            num_key_value_heads=64,
+            n_routed_experts=384,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.827,
+            rope_theta=50000.0,
+            rope_scaling=YarnScaling(
+                factor=32.0,
+                original_max_position_embeddings=4096,
+                beta_fast=1.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            max_position_embeddings=131072,
+            bos_token_id=163584,
+            eos_token_id=(163585,),
+            quant=QuantSpec(bits=4, group_size=32, has_zp=False, targets=("experts",)),
+        )
+        kw.update(overrides)
+        return cls(**kw)
 
     @classmethod
     def deepseek_v2_lite(cls, **overrides) -> DeepseekV3Config:

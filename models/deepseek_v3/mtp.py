@@ -20,14 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.common.modules import chunk_mask, positions_from_mask
 from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.modeling import (
     DecoderLayer,
     KVCache,
     RMSNorm,
     Rng,
-    _chunk_mask,
-    _positions_from_mask,
     decode_positions_and_mask,
     make_linear,
     rope_cos_sin,
@@ -127,14 +126,14 @@ def mtp_prefill(model, hidden, next_ids, attention_mask, *, max_len: int):
     key_valid = jnp.asarray(attention_mask).astype(bool)
     b, s = key_valid.shape
     cache = init_mtp_cache(model, b, max_len)
-    positions = _positions_from_mask(key_valid)
+    positions = positions_from_mask(key_valid)
     cos, sin = rope_cos_sin(model.cfg, positions)
     g, latent = model.mtp.predict(
         hidden,
         model.model.embed_tokens(next_ids),
         cos=cos,
         sin=sin,
-        mask=_chunk_mask(key_valid),
+        mask=chunk_mask(key_valid),
         mode="prefill",
         cache=cache.latent[0],
     )

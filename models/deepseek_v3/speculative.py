@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.deepseek_v3.generate import (
+from models.common.generate import (
     SPECULATIVE_DECODERS,
     GenerateStats,
     _compiled,

@@ -1,0 +1,422 @@
+"""Hugging Face checkpoints on disk, for every family: config.json, safetensors files (one, or
+sharded with model.safetensors.index.json) read lazily tensor by tensor, Hub ids, FP8 block
+dequantization and sharded safetensors writing.
+
+Reads only JSON and safetensors (never pickle). A family's loader (its checkpoint name table)
+checks what it needs from the headers (`Checkpoint.meta`) before reading any data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import struct
+from collections.abc import Callable, Mapping
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+logger = logging.getLogger("models")
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+INT_DTYPES = ("I8", "U8", "I16", "I32", "U32", "I64")
+NP_DTYPES = {
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "I64": np.int64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+}
+# safetensors dtypes its numpy reader has no dtype for: read from the file's bytes.
+RAW_DTYPES = ("F8_E4M3",)
+
+# FP8 checkpoints (quant_method "fp8", HF's FineGrainedFP8Config; DeepSeek-V3 / R1): each
+# quantized linear holds `weight` float8 [N, K] and `weight_scale_inv` float [ceil(N / bn),
+# ceil(K / bk)], with (bn, bk) = weight_block_size; the weight is their product, block by block.
+# config.json fmt -> the weights' safetensors dtype.
+FP8_FORMATS = {"e4m3": "F8_E4M3"}
+FP8_DEFAULT_BLOCK = (128, 128)  # HF's default when weight_block_size is absent
+# What quantize=None loads an FP8 checkpoint as: its float weights would take twice the FP8
+# checkpoint's memory (1.3 TB of bf16 for DeepSeek-V3), int4 g128 about half of it.
+FP8_DEFAULT_QUANTIZE = "int4"
+# Every float8_e4m3fn bit pattern as float32 (NaN included): a table lookup converts exactly,
+# and faster than ml_dtypes' astype (2.5x measured on a [2048, 7168] expert weight).
+E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """The JSON object in the file `path`.
+
+    Raises:
+        FileNotFoundError: no such file (named).
+        ValueError: the file is not valid JSON, or holds no object: the file and the error named.
+    """
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not a text JSON file: {err}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object")
+    return d
+
+
+def fmt_shape(s) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]"
+
+
+def quant_method(qcfg: Mapping | None) -> str | None:
+    """config.json quantization_config's quant_method (None: a float checkpoint)."""
+    return None if qcfg is None else qcfg.get("quant_method")
+
+
+def checkpoint_file(root: str, fname, where: str) -> str:
+    """The path of the checkpoint file `fname` under `root`, resolved.
+
+    A downloaded index must not make loading read elsewhere: an entry that is not a relative
+    path, or that resolves (`..`, an absolute path, a symlink) outside `root`, is refused. In
+    a Hugging Face cache snapshot (.../snapshots/<revision>) the files are symlinks to the
+    repository's blobs (../../blobs): those are inside too.
+
+    Raises:
+        ValueError: naming `where` (the index entry or the file) and the value.
+    """
+    if not isinstance(fname, str) or not fname:
+        raise ValueError(f"{where} is not a file name")
+    real_root = os.path.realpath(root)
+    inside = [real_root]
+    if os.path.basename(os.path.dirname(real_root)) == "snapshots":
+        inside.append(os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs"))
+    full = os.path.realpath(os.path.join(real_root, fname))
+    lexical = os.path.normpath(os.path.join(real_root, fname))
+    if (
+        os.path.isabs(fname)
+        or os.path.commonpath([real_root, lexical]) != real_root
+        or not any(os.path.commonpath([d, full]) == d for d in inside)
+    ):
+        raise ValueError(
+            f"{where} lies outside the checkpoint directory {root} (its files must be inside "
+            f"it; symlinks are followed)"
+        )
+    return full
+
+
+class Checkpoint(Mapping):
+    """The tensors of a local HF directory, by name, read lazily one at a time.
+
+    `meta(name)` gives (shape, safetensors dtype string) from the headers without reading data.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        index = os.path.join(self.path, INDEX_FILE)
+        single = os.path.join(self.path, SINGLE_FILE)
+        if os.path.exists(index):
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file)")
+            first_tensor = {}
+            for name, fname in weight_map.items():
+                first_tensor.setdefault(fname if isinstance(fname, str) else repr(fname), name)
+            files = sorted(first_tensor)
+            for fname in files:
+                where = f"{index}: weight_map[{first_tensor[fname]!r}]={fname!r}"
+                checkpoint_file(self.path, fname, where)
+        elif os.path.exists(single):
+            files = [SINGLE_FILE]
+            weight_map = None
+            checkpoint_file(self.path, SINGLE_FILE, single)
+        else:
+            raise FileNotFoundError(f"{self.path}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
+        self._handles = {}
+        self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._file_of: dict[str, str] = {}
+        for fname in files:
+            full = os.path.join(self.path, fname)
+            if not os.path.exists(full):
+                raise FileNotFoundError(f"{full} is missing (listed in {INDEX_FILE})")
+            try:
+                handle = safe_open(full, framework="numpy")
+            except Exception as err:  # safetensors raises its own error types
+                raise ValueError(
+                    f"{full} cannot be read as safetensors (truncated or corrupt; download it "
+                    f"again): {err}"
+                ) from None
+            self._handles[full] = handle
+            for name in handle.keys():
+                if weight_map is not None and weight_map.get(name) != fname:
+                    continue
+                sl = handle.get_slice(name)
+                self._meta[name] = (tuple(sl.get_shape()), sl.get_dtype())
+                self._file_of[name] = full
+        if weight_map is not None:
+            lost = sorted(set(weight_map) - set(self._meta))
+            if lost:
+                raise ValueError(f"{index} lists tensors its files do not hold: {lost[:20]}")
+        # prefix -> names of the tensors directly under it ("a.b.qweight" under "a.b").
+        self.children: dict[str, list[str]] = {}
+        for name in self._meta:
+            self.children.setdefault(name.rpartition(".")[0], []).append(name)
+        # file -> (offset of its data, {name: (dtype, shape, data_offsets)}), for _read_raw.
+        self._headers: dict[str, tuple[int, dict]] = {}
+        self.reads = 0
+        self.on_read: Callable[[str], None] | None = None
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles = {}
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        return self._meta[name]
+
+    def _read_raw(self, file: str, name: str) -> np.ndarray:
+        """Reads one tensor straight from the safetensors layout (8-byte header length, JSON
+        header, raw little-endian data): for dtypes the installed safetensors cannot give
+        numpy (float8; bfloat16 with old versions). Each file's header is parsed once."""
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            self._headers[file] = (8 + n, header)
+        data_start, header = self._headers[file]
+        info = header[name]
+        start, end = info["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(data_start + start)
+            buf = f.read(end - start)
+        return np.frombuffer(buf, dtype=NP_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        file = self._file_of[name]
+        if self._meta[name][1] in RAW_DTYPES:
+            arr = self._read_raw(file, name)
+        else:
+            try:
+                arr = self._handles[file].get_tensor(name)
+            except (TypeError, ValueError):  # e.g. no numpy dtype for BF16 in old safetensors
+                arr = self._read_raw(file, name)
+        self.reads += 1
+        if self.on_read is not None:
+            self.on_read(name)
+        return arr
+
+    def __contains__(self, name) -> bool:
+        return name in self._meta
+
+    def __iter__(self):
+        return iter(self._meta)
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+
+def fp8_block_size(qcfg: Mapping) -> tuple[int, int]:
+    """The block (rows, columns) of an FP8 checkpoint's scales, from config.json's
+    quantization_config (quant_method "fp8"): `weight_block_size`, HF's default 128 x 128
+    when absent; `fmt` must be "e4m3" (the default, and DeepSeek's).
+
+    Raises:
+        ValueError: another fmt, or a weight_block_size that is not two positive integers,
+            naming config.json and the value.
+    """
+    fmt = qcfg.get("fmt", "e4m3")
+    if fmt not in FP8_FORMATS:
+        raise ValueError(
+            f"{CONFIG_FILE}: quantization_config fmt={fmt!r} is not supported (supported: "
+            f"{sorted(FP8_FORMATS)})"
+        )
+    block = qcfg.get("weight_block_size", list(FP8_DEFAULT_BLOCK))
+    if not (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            f"{CONFIG_FILE}: quantization_config weight_block_size={block!r} is not two "
+            f"positive integers [rows, columns] (DeepSeek-V3: [128, 128]; per-tensor or "
+            f"per-channel FP8 scales are not supported)"
+        )
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block) -> np.ndarray:
+    """An FP8 checkpoint's linear weight in float32: weight[n, k] * scale_inv[n // bn, k // bk].
+
+    The product of a float8_e4m3fn value (4 significant bits) and a float32 scale is rounded
+    once, to float32 (as DeepSeek's fp8_cast_bf16.py computes it before its bf16 cast).
+
+    Args:
+        weight: float8_e4m3fn [N, K] (safetensors F8_E4M3).
+        scale_inv: float [ceil(N / bn), ceil(K / bk)]: it multiplies, despite its name; the
+            last row / column of blocks may be partial.
+        block: (bn, bk), config.json's weight_block_size.
+
+    Returns:
+        float32 [N, K] (host numpy).
+
+    Raises:
+        ValueError: weight is not float8_e4m3fn [N, K], or scale_inv has another shape.
+    """
+    weight = np.asarray(weight)
+    if weight.dtype != ml_dtypes.float8_e4m3fn or weight.ndim != 2:
+        raise ValueError(
+            f"weight is {weight.dtype} {fmt_shape(weight.shape)}, expected float8_e4m3fn [N, K]"
+        )
+    n, k = weight.shape
+    bn, bk = block
+    want = (math.ceil(n / bn), math.ceil(k / bk))
+    if np.shape(scale_inv) != want:
+        raise ValueError(
+            f"weight_scale_inv has shape {fmt_shape(np.shape(scale_inv))}, expected "
+            f"{fmt_shape(want)} (blocks {fmt_shape(block)} over [N, K] = [{n}, {k}])"
+        )
+    out = E4M3_TO_F32[weight.view(np.uint8)]  # [N, K] f32, exact
+    rows = np.repeat(np.asarray(scale_inv, np.float32), bk, axis=1)[:, :k]  # [ceil(N/bn), K]
+    whole = n // bn * bn
+    blocks = out[:whole].reshape(n // bn, bn, k)  # a view: out is C-contiguous
+    blocks *= rows[: n // bn, None]
+    if whole < n:
+        out[whole:] *= rows[-1]  # the partial last block row
+    return out
+
+
+# The files loading reads (and generation: the tokenizer's and generation defaults): what a
+# Hub download fetches, nothing else (a repository may also hold .bin / .pt copies, docs, code).
+HUB_FILES = (
+    CONFIG_FILE, INDEX_FILE, "*.safetensors", "generation_config.json", "tokenizer.json",
+    "tokenizer_config.json",
+)  # fmt: skip
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_checkpoint(
+    path_or_id: str | os.PathLike, *, revision: str | None = None, cache_dir=None
+) -> str:
+    """The local directory of a checkpoint: `path_or_id` itself where it is a directory, else
+    a Hugging Face Hub repository id ("org/name") fetched by huggingface_hub.snapshot_download
+    (only HUB_FILES; files already in the cache are not fetched again; with HF_HUB_OFFLINE=1
+    the cache only), at `revision` (a branch, tag or commit; default main) into `cache_dir`
+    (default the Hub's cache, HF_HOME). Logs the directory it resolved to.
+
+    Raises:
+        FileNotFoundError: neither a directory nor a repository id, or the download (or the
+            offline cache) failed: the id and the reason named.
+    """
+    path = os.fspath(path_or_id)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise FileNotFoundError(f"{path} is a file: pass the checkpoint's directory")
+    if not REPO_ID.match(path):
+        raise FileNotFoundError(
+            f"{path}: no such directory, and not a Hugging Face Hub id ('org/name')"
+        )
+    import huggingface_hub
+
+    try:
+        local = huggingface_hub.snapshot_download(
+            path, revision=revision, cache_dir=cache_dir, allow_patterns=list(HUB_FILES)
+        )
+    except Exception as err:  # network, authentication, unknown repository, offline cache
+        raise FileNotFoundError(
+            f"{path}: not a local directory, and the Hugging Face Hub download failed "
+            f"({type(err).__name__}: {err})"
+        ) from err
+    logger.info("%s (revision %s) resolved to %s", path, revision or "main", local)
+    return local
+
+
+def write_json(path: str, obj) -> None:
+    """`obj` as indented JSON in the file `path`."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def replace_file(path: str, write: Callable[[str], None]) -> None:
+    """write(a temporary name beside `path`), then renames it to `path`: a reader sees the old
+    file or the whole new one, never a half-written one."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# The shard names write_safetensors gives.
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _earlier_weight_files(path: str) -> set[str]:
+    """The weight files of an earlier save into `path`: model.safetensors, the shards of the
+    save's naming and those its index lists (inside `path` only)."""
+    names = {f for f in os.listdir(path) if f == SINGLE_FILE or _SHARD_NAME.fullmatch(f)}
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            listed = read_json(index).get("weight_map", {}).values()
+        except (ValueError, AttributeError):  # a broken index lists nothing it can be trusted on
+            listed = ()
+        real = os.path.realpath(path)
+        for fname in listed:
+            if (
+                isinstance(fname, str)
+                and os.path.dirname(os.path.realpath(os.path.join(real, fname))) == real
+            ):
+                names.add(os.path.basename(fname))
+    return names
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], max_shard_bytes) -> None:
+    """Writes `tensors` into the directory `path`: one model.safetensors, or files of at most
+    `max_shard_bytes` each with model.safetensors.index.json. Each file is written under a
+    temporary name and renamed into place; then an earlier save's index and weight files that
+    this save does not hold are removed, so a load reads only the new weights."""
+    earlier = _earlier_weight_files(path)
+    meta = {"format": "pt"}
+    if not max_shard_bytes:
+        replace_file(os.path.join(path, SINGLE_FILE), lambda tmp: save_file(tensors, tmp, meta))
+        if os.path.exists(os.path.join(path, INDEX_FILE)):  # it would win over the new file
+            os.remove(os.path.join(path, INDEX_FILE))
+        for fname in earlier - {SINGLE_FILE}:
+            os.remove(os.path.join(path, fname))
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    weight_map = {}
+    for n, shard in enumerate(shards, start=1):
+        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        replace_file(
+            os.path.join(path, fname), lambda tmp, shard=shard: save_file(shard, tmp, meta)
+        )
+        weight_map.update({name: fname for name in shard})
+    total = sum(a.nbytes for a in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    replace_file(os.path.join(path, INDEX_FILE), lambda tmp: write_json(tmp, index))
+    for fname in earlier - set(weight_map.values()):
+        os.remove(os.path.join(path, fname))
