@@ -205,3 +205,15 @@ def test_a_malformed_tokenizer_json_names_the_file(tmp_path, content):
     path.write_text(content)
     with pytest.raises(ValueError, match=f"{path} cannot be read as a tokenizer.json: "):
         load_tokenizer(tmp_path)
+
+
+def test_a_quick_load_shows_no_progress_bar(saved, monkeypatch, capsys):
+    """The loading bar appears only once a load has run PROGRESS_DELAY_S: none for a tiny
+    checkpoint's, one when the delay is 0."""
+    from models.common import progress
+
+    load_pretrained(saved)
+    assert "loading ckpt" not in capsys.readouterr().err
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_S", 0.0)
+    load_pretrained(saved)
+    assert "loading ckpt" in capsys.readouterr().err

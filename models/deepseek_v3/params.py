@@ -24,7 +24,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
 
 import wna16_jax as wj
 from models.common.checkpoint import (
@@ -44,9 +43,10 @@ from models.common.checkpoint import (
     write_safetensors,
 )
 from models.common.modules import FloatExperts, Linear, QuantizedLinear, RoutedExperts
+from models.common.progress import progress_bar
 from models.deepseek_v3 import mtp as mtp_layer
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec
-from models.deepseek_v3.modeling import PROGRESS_DELAY_S, DeepseekV3ForCausalLM, linear_at
+from models.deepseek_v3.modeling import DeepseekV3ForCausalLM, linear_at
 from models.deepseek_v3.sharding import (
     ShardingSpecs,
     host_device,
@@ -799,12 +799,8 @@ def load_pretrained(
     if mtp:
         model.mtp = nnx.eval_shape(lambda: mtp_layer.MultiTokenPredictor(cfg, rngs=nnx.Rngs(0)))
     total = sum(p.num_tensors for p in plans)
-    bar = tqdm(
-        total=total,
-        unit="tensor",
-        desc=f"loading {os.path.basename(path)}",
-        disable=not progress,
-        delay=PROGRESS_DELAY_S,
+    bar = progress_bar(
+        total=total, unit="tensor", desc=f"loading {os.path.basename(path)}", enabled=progress
     )
     ckpt.on_read = lambda name: bar.update(1)
     # With a mesh, conversions run on the host's CPU device; only slices reach the mesh.
