@@ -21,6 +21,8 @@ from jax.experimental import checkify
 
 import wna16_jax as wj
 from models.deepseek_v3.config import _INT_MINIMUM, _POSITIVE_FLOATS, DeepseekV3Config
+from models.qwen_moe import config as qwen_config
+from models.qwen_moe.config import QwenMoeConfig
 
 E, H, I, T, K = 4, 64, 32, 3, 2
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
@@ -324,6 +326,21 @@ def test_config_yarn_settings_are_finite(field, value):
 def test_config_top_k_past_the_experts_is_refused(top_k):
     with pytest.raises(ValueError, match=f"num_experts_per_tok={top_k} exceeds n_routed_exp"):
         DeepseekV3Config.tiny(num_experts_per_tok=top_k)
+
+
+@SETTINGS
+@hypothesis.given(
+    name=st.sampled_from(sorted(qwen_config._INT_MINIMUM)),
+    below=st.integers(1, 2**40),
+    float_name=st.sampled_from(qwen_config._POSITIVE_FLOATS),
+    bad_float=BAD_FLOATS,
+)
+def test_qwen_config_fields_out_of_range_are_refused(name, below, float_name, bad_float):
+    value = qwen_config._INT_MINIMUM[name] - below
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value} must be >= ")):
+        QwenMoeConfig.tiny(**{name: value})
+    with pytest.raises(ValueError, match=re.escape(f"{float_name}={bad_float} must be a finite")):
+        QwenMoeConfig.tiny(**{float_name: bad_float})
 
 
 def test_config_collects_every_problem_at_once():

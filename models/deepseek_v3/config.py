@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from models.common.checkpoint import read_json
-from models.common.config import QuantSpec
+from models.common.config import QuantSpec, range_problems, type_problems
 
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -39,34 +39,8 @@ def _tuple_ids(v) -> tuple[int, ...]:
     return (v,)
 
 
-def _type_problems(cfg) -> list[str]:
-    """A sentence for each field whose value is not of its default's kind: an int field holds
-    an int (not a bool, not a string such as "64"), a float field a number, a bool field a
-    bool, a string field a string. Fields whose default is None or a container are not typed
-    here (their own checks read them)."""
-    problems = []
-    for f in dataclasses.fields(cfg):
-        v, default = getattr(cfg, f.name), f.default
-        if v is None or default is None or default is dataclasses.MISSING:
-            continue
-        if isinstance(default, bool):
-            ok, kind = isinstance(v, bool), "a bool"
-        elif isinstance(default, int):
-            ok, kind = isinstance(v, int) and not isinstance(v, bool), "an int"
-        elif isinstance(default, float):
-            ok = isinstance(v, int | float) and not isinstance(v, bool)
-            kind = "a number"
-        elif isinstance(default, str):
-            ok, kind = isinstance(v, str), "a string"
-        else:
-            continue
-        if not ok:
-            problems.append(f"{f.name}={v!r} must be {kind}")
-    return problems
-
-
-# The least value of each int field (None-able ones are checked when set); each of the float
-# fields must also be finite.
+# The least value of each int field (None-able ones are checked when set), and the float
+# fields that must be finite and positive (`range_problems`).
 _INT_MINIMUM = {
     "vocab_size": 1,
     "hidden_size": 1,
@@ -91,42 +65,25 @@ _INT_MINIMUM = {
     "num_nextn_predict_layers": 0,
 }
 _POSITIVE_FLOATS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
-_TOKEN_FIELDS = ("bos_token_id", "pad_token_id")
 
 
-def _range_problems(cfg) -> list[str]:
-    """A sentence for each field of the right type whose value is out of its range: counts
-    below their least value, float fields NaN, inf or not positive, token ids outside
-    [0, vocab_size), YaRN settings that are not finite."""
+def _rope_problems(r: YarnScaling | None) -> list[str]:
+    """A sentence for each YaRN setting out of range: not finite, a factor <= 0, fewer than one
+    original position."""
+    if r is None:
+        return []
     problems = []
-    for name, least in _INT_MINIMUM.items():
-        v = getattr(cfg, name)
-        if v is not None and v < least:
-            problems.append(f"{name}={v} must be >= {least}")
-    for name in _POSITIVE_FLOATS:
-        v = getattr(cfg, name)
-        if not math.isfinite(v) or v <= 0:
-            problems.append(f"{name}={v} must be a finite number > 0")
-    ids = [(name, getattr(cfg, name)) for name in _TOKEN_FIELDS]
-    ids += [(f"eos_token_id[{i}]", v) for i, v in enumerate(cfg.eos_token_id)]
-    for name, v in ids:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            problems.append(f"{name}={v!r} must be an int token id")
-        elif v is not None and not 0 <= v < max(cfg.vocab_size, 1):
-            problems.append(f"{name}={v} is not a token id in [0, vocab_size={cfg.vocab_size})")
-    r = cfg.rope_scaling
-    if r is not None:
-        for f in dataclasses.fields(r):
-            v = getattr(r, f.name)
-            if not math.isfinite(v):
-                problems.append(f"rope_scaling.{f.name}={v} must be finite")
-        if math.isfinite(r.factor) and r.factor <= 0:
-            problems.append(f"rope_scaling.factor={r.factor} must be > 0")
-        if r.original_max_position_embeddings < 1:
-            problems.append(
-                f"rope_scaling.original_max_position_embeddings="
-                f"{r.original_max_position_embeddings} must be >= 1"
-            )
+    for f in dataclasses.fields(r):
+        v = getattr(r, f.name)
+        if not math.isfinite(v):
+            problems.append(f"rope_scaling.{f.name}={v} must be finite")
+    if math.isfinite(r.factor) and r.factor <= 0:
+        problems.append(f"rope_scaling.factor={r.factor} must be > 0")
+    if r.original_max_position_embeddings < 1:
+        problems.append(
+            f"rope_scaling.original_max_position_embeddings="
+            f"{r.original_max_position_embeddings} must be >= 1"
+        )
     return problems
 
 
@@ -187,12 +144,13 @@ class DeepseekV3Config:
     quant: QuantSpec | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
-        problems = _type_problems(self)
+        problems = type_problems(self)
         if problems:  # the value checks below assume the types
             raise ValueError("invalid DeepSeek config: " + "; ".join(problems))
         if not isinstance(self.eos_token_id, tuple):
             object.__setattr__(self, "eos_token_id", _tuple_ids(self.eos_token_id))
-        problems += _range_problems(self)
+        problems += range_problems(self, _INT_MINIMUM, _POSITIVE_FLOATS)
+        problems += _rope_problems(self.rope_scaling)
         if self.topk_method not in TOPK_METHODS:
             problems.append(f"topk_method={self.topk_method!r} is not one of {TOPK_METHODS}")
         if self.scoring_func not in SCORING_FUNCS:
