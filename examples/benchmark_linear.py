@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's 
 
 import profile as profile_example  # noqa: E402
 
+import arg_types  # noqa: E402
 from benchmark import array_bytes, make_model_step, measure_ceilings, time_step  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
@@ -144,6 +145,17 @@ def configs_to_time(impl, w, m, splits):
     return [(s, dataclasses.replace(today, splits=s)) for s in splits]
 
 
+def print_header(trace: bool) -> None:
+    """The column names of `bench_shape`'s rows: us per call, MB read per call (weights and
+    activations), that rate as a % of the copy ceiling, and with --trace the traced us."""
+    traced = f" {'traced us':>9}" if trace else ""
+    print(
+        f"{'shape':>15} {'N':>6} {'K':>6} {'M':>5} {'implementation':>16} {'us':>9} "
+        f"{'MB read':>8} {'%copy':>6}{traced}",
+        flush=True,
+    )
+
+
 def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
     """The rows of one shape: each implementation at each M (and each of args.splits)."""
     dtype = jnp.bfloat16
@@ -154,6 +166,7 @@ def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
     )  # fmt: skip
     copies = len(ws)
     rows = []
+    print_header(args.trace)
     for impl in implementations:
         try:
             held = [weights_for(impl, w, dtype) for w in ws]
@@ -179,11 +192,11 @@ def bench_shape(name, n, k, activation, ms, implementations, args, copy_bps):
                     bytes=read, copy_fraction=read / seconds / copy_bps, weight_copies=copies,
                     trace_us=trace_us,
                 ))  # fmt: skip
-                traced = "" if trace_us is None else f" {trace_us:9.1f} us traced"
+                traced = "" if trace_us is None else f" {trace_us:9.1f}"
                 print(
-                    f"{name:>15} N={n:<6} K={k:<6} M={m:<4} {impl + label:>16} "
-                    f"{seconds * 1e6:9.1f} us {read / 1e6:8.2f} MB "
-                    f"{100 * rows[-1]['copy_fraction']:6.1f}% copy{traced}",
+                    f"{name:>15} {n:>6} {k:>6} {m:>5} {impl + label:>16} "
+                    f"{seconds * 1e6:9.1f} {read / 1e6:8.2f} "
+                    f"{100 * rows[-1]['copy_fraction']:6.1f}{traced}",
                     flush=True,
                 )
     return rows
@@ -204,17 +217,29 @@ def main(argv=None):
         default=["mgpu", "pallas", "xla", "bf16"] if on_gpu else ["mgpu_interpret", "xla", "bf16"],
         help="backends with a grouped GEMM, or bf16 (a dense bf16 weight and a plain dot)",
     )  # fmt: skip
-    p.add_argument("--m", type=int, nargs="+", default=[1, 8, 64], help="rows (tokens)")
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
-    p.add_argument("--repeats", type=int, default=5 if on_gpu else 1)
     p.add_argument(
-        "--step-bytes", type=int, default=STEP_WEIGHT_BYTES if on_gpu else 0,
+        "--m", type=arg_types.positive_int, nargs="+", default=[1, 8, 64], help="rows (tokens)"
+    )
+    p.add_argument(
+        "--group-size",
+        type=arg_types.group_size,
+        default=128,
+        help="quantization group (default 128; -1 = per channel)",
+    )
+    p.add_argument("--no-zp", action="store_true", help="symmetric weights (no zero points)")
+    p.add_argument(
+        "--repeats",
+        type=arg_types.positive_int,
+        default=5 if on_gpu else 1,
+        help="timed runs per row, median taken (default 5; 1 on CPU)",
+    )
+    p.add_argument(
+        "--step-bytes", type=arg_types.non_negative_int, default=STEP_WEIGHT_BYTES if on_gpu else 0,
         help="weight bytes per timed step: copies of each weight (2..64) to make them",
     )  # fmt: skip
     p.add_argument(
         "--splits",
-        type=int,
+        type=arg_types.positive_int,
         nargs="+",
         default=None,
         help="mgpu implementations: a row per K split count (MgpuConfig.splits on the config "
@@ -226,7 +251,12 @@ def main(argv=None):
         help="also time each row from a device trace (the step's kernels per call, first start "
         "to last end): steadier than wall-clock time for 5-60 us kernels",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=arg_types.non_negative_int,
+        default=0,
+        help="seed of the random weights and inputs (default 0)",
+    )
     p.add_argument("--json", type=str, default=None, help="write the results here")
     args = p.parse_args(argv)
     for m in args.m:

@@ -27,6 +27,10 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import arg_types  # noqa: E402  (no JAX import: --cpu-devices must come first)
+
 
 def _set_cpu_devices(n: int | None) -> None:
     if n:
@@ -82,17 +86,33 @@ def main(argv=None):
         default=None,
         help="model size (default: deepseek-v3 on GPUs, tiny on a CPU)",
     )
-    p.add_argument("--layers", type=int, default=None, help="depth (default: the preset's)")
+    p.add_argument(
+        "--layers", type=arg_types.positive_int, default=None, help="depth (default: the preset's)"
+    )
     p.add_argument(
         "--mesh",
         default=None,
         help='mesh axes, e.g. "expert=8,tensor=1" (default: expert=<every device>)',
     )
     p.add_argument(
-        "--batch-sizes", type=int, nargs="+", default=None, help="default: 1 16 64; 1 2 on a CPU"
+        "--batch-sizes",
+        type=arg_types.positive_int,
+        nargs="+",
+        default=None,
+        help="default: 1 16 64; 1 2 on a CPU",
     )
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 32; 4 on a CPU")
+    p.add_argument(
+        "--prompt-len",
+        type=arg_types.positive_int,
+        default=32,
+        help="prompt tokens per row (default 32)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=arg_types.positive_int,
+        default=None,
+        help="default: 32; 4 on a CPU",
+    )
     p.add_argument("--implementation", default=None, help="fused_moe backend (default auto)")
     p.add_argument(
         "--expert-layout",
@@ -110,17 +130,17 @@ def main(argv=None):
         help="the quantized non-expert linears, as generate.py's flag: a kernel runs per device "
         "on its shard of each weight (auto: the fastest kernel here, xla on a CPU)",
     )
-    p.add_argument("--cpu-devices", type=int, default=None, help="N fake CPU devices")
+    p.add_argument(
+        "--cpu-devices", type=arg_types.positive_int, default=None, help="N fake CPU devices"
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     _set_cpu_devices(args.cpu_devices)
 
+    import benchmark
     import jax
     import numpy as np
     from flax import nnx
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import benchmark
 
     from models.deepseek_v3 import DeepseekV3Config, generate, init_random, sharding
 

@@ -70,6 +70,7 @@ from models.qwen_moe import QwenMoeConfig, QwenMoeForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import arg_types  # noqa: E402
 import benchmark  # noqa: E402  (the copy ceiling, arrays' bytes)
 
 # Tokens per row where neither --max-new-tokens nor the checkpoint's generation_config.json
@@ -97,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     src.add_argument(
         "--full-width-layers",
-        type=int,
+        type=arg_types.positive_int,
         metavar="N",
         help="random model at full DeepSeek-V3 width with N layers (int4 experts "
         "generated on device)",
@@ -110,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--layers",
-        type=int,
+        type=arg_types.positive_int,
         default=None,
         metavar="N",
         help="with --preset: N layers instead of the released count",
@@ -200,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=arg_types.positive_int,
         nargs="+",
         default=[1],
         help="prompts per batch; several values generate once per value with the same model "
@@ -208,12 +209,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=arg_types.positive_int,
         default=None,
         help="tokens generated per row (default: the checkpoint's generation_config.json, "
         f"else {DEFAULT_MAX_NEW_TOKENS})",
     )
-    p.add_argument("--prompt", default="The capital of France is")
+    p.add_argument(
+        "--prompt",
+        default="The capital of France is",
+        help='the text every row starts from (default: "The capital of France is")',
+    )
     p.add_argument(
         "--chat",
         action="store_true",
@@ -230,7 +235,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--temperature",
-        type=float,
+        type=arg_types.non_negative_float,
         default=None,
         help="sampling temperature, 0 for greedy (default: the checkpoint's "
         "generation_config.json: its temperature with do_sample true, 0 with do_sample false; "
@@ -238,23 +243,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--top-p",
-        type=float,
+        type=arg_types.probability_mass,
         default=None,
         help="nucleus sampling mass, 1 for none (default: generation_config.json, else 1)",
     )
     p.add_argument(
         "--eos-id",
-        type=int,
+        type=arg_types.non_negative_int,
         nargs="+",
         default=None,
         metavar="ID",
         help="ids that end a row (default: generation_config.json's eos_token_id, else "
         "config.json's)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=arg_types.non_negative_int,
+        default=0,
+        help="seed of the random model, --distinct-prompts and sampling (default 0)",
+    )
     p.add_argument(
         "--mtp",
         type=int,
+        choices=(1, 2, 3),
         metavar="K",
         default=None,
         help="speculative decoding with DeepSeek-V3's MTP layer, K = 1..3 chained drafts per "
@@ -289,15 +300,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     dist.add_argument(
         "--cpu-devices",
-        type=int,
+        type=arg_types.positive_int,
         default=None,
         metavar="N",
         help="run on N fake CPU devices (sets XLA_FLAGS before JAX starts)",
     )
     dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (several hosts)")
-    dist.add_argument("--num-processes", type=int, default=None, help="number of hosts")
-    dist.add_argument("--process-id", type=int, default=None, help="this host's index")
+    dist.add_argument(
+        "--num-processes", type=arg_types.positive_int, default=None, help="number of hosts"
+    )
+    dist.add_argument(
+        "--process-id", type=arg_types.non_negative_int, default=None, help="this host's index"
+    )
     args = p.parse_args(argv)
+    if None not in (args.process_id, args.num_processes) and args.process_id >= args.num_processes:
+        p.error(f"--process-id {args.process_id}: not in [0, --num-processes {args.num_processes})")
     if args.activation_quant is not None:
         why = activation_quant_conflict(args)
         if why:
@@ -396,10 +413,11 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
             implementation=args.implementation,
             quantize=args.quantize,
             progress=progress,
-            mtp=bool(args.mtp),
         )
         if family == "deepseek_v3":  # each tensor placed on the mesh as it is read
-            model = load_pretrained(local, mesh=mesh, moe_mode=args.moe_mode, **kw)
+            model = load_pretrained(
+                local, mesh=mesh, moe_mode=args.moe_mode, mtp=bool(args.mtp), **kw
+            )
         else:
             model = models.load_pretrained(local, **kw)
             if mesh is not None:

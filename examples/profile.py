@@ -45,6 +45,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import arg_types  # noqa: E402
 import benchmark  # noqa: E402
 
 
@@ -185,7 +186,11 @@ def main(argv=None) -> int:
         help="problem shape (default: deepseek-v3 on GPU, tiny on CPU)",
     )
     p.add_argument(
-        "--m", type=int, nargs="+", default=None, help="token counts (default: 1 16; 1 on CPU)"
+        "--m",
+        type=arg_types.positive_int,
+        nargs="+",
+        default=None,
+        help="token counts (default: 1 16; 1 on CPU)",
     )
     p.add_argument(
         "--implementations",
@@ -202,12 +207,17 @@ def main(argv=None) -> int:
         "in benchmark.py's timing loop (see above)",
     )
     p.add_argument(
-        "--calls", type=int, default=None, help="calls traced (default 20; 2 on CPU; >= 2)"
+        "--calls",
+        type=arg_types.int_at_least(2),
+        default=None,
+        help="calls traced (default 20; 2 on CPU; >= 2)",
     )
     p.add_argument(
         "--ptxas", action="store_true", help="also ptxas' resource report of each compile"
     )
-    p.add_argument("--top", type=int, default=12, help="kernel names listed per run")
+    p.add_argument(
+        "--top", type=arg_types.positive_int, default=12, help="kernel names listed per run"
+    )
     p.add_argument("--json", help="write the summaries here")
     args = p.parse_args(argv)
     calls = args.calls or (20 if on_gpu else 2)

@@ -54,6 +54,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import arg_types  # noqa: E402
 import benchmark  # noqa: E402
 import benchmark_linear  # noqa: E402
 
@@ -522,10 +523,13 @@ def main(argv=None) -> dict[str, list[dict]]:
         "their interpreters run (default: pallas; mgpu with --activation-quant)",
     )
     p.add_argument(
-        "--preset", choices=sorted(benchmark.PRESETS), default="deepseek-v3" if on_gpu else "tiny"
+        "--preset",
+        choices=sorted(benchmark.PRESETS),
+        default="deepseek-v3" if on_gpu else "tiny",
+        help="problem sizes (benchmark.py presets; default deepseek-v3 on GPU, tiny on CPU)",
     )
     p.add_argument(
-        "--m", type=int, nargs="+", default=None,
+        "--m", type=arg_types.positive_int, nargs="+", default=None,
         help="token counts (mgpu_gemm: the linear's rows; default 1 16 256 4096 on a GPU, 1 on "
         "a CPU)",
     )  # fmt: skip
@@ -545,7 +549,7 @@ def main(argv=None) -> dict[str, list[dict]]:
     )
     p.add_argument(
         "--group-size",
-        type=int,
+        type=arg_types.group_size,
         default=None,
         help="quantization group along K (default: the preset's; -1: per channel)",
     )
@@ -566,11 +570,18 @@ def main(argv=None) -> dict[str, list[dict]]:
     p.add_argument(
         "--gemms", nargs="+", choices=("w13", "w2"), default=("w13", "w2"), help="pallas GEMMs"
     )
-    p.add_argument("--iters", type=int, default=None, help="calls per timed loop")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--iters", type=arg_types.positive_int, default=None, help="calls per timed loop"
+    )
+    p.add_argument(
+        "--repeats",
+        type=arg_types.positive_int,
+        default=3,
+        help="timed runs per config, median taken (default 3)",
+    )
     p.add_argument(
         "--budget-s",
-        type=float,
+        type=arg_types.positive_float,
         default=None,
         help="wall-clock seconds per search (default: no limit); the search keeps the best "
         "config found when it runs out",

@@ -199,9 +199,10 @@ def checkpoint(tmp_path_factory):
 
 
 def _with_files(checkpoint, tmp_path, **files) -> str:
-    """A copy of `checkpoint` (links to its files) plus `files` {name: JSON object}."""
+    """A copy of `checkpoint` (hard links to its files: loading refuses a symlink leading out of
+    the checkpoint's directory) plus `files` {name: JSON object}."""
     for f in checkpoint.iterdir():
-        (tmp_path / f.name).symlink_to(f)
+        (tmp_path / f.name).hardlink_to(f)
     for name, content in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
     return str(tmp_path)

@@ -21,8 +21,8 @@ from test_deepseek_v3_common import (
 )
 
 import wna16_jax as wj
+from models.common import progress as progress_module
 from models.deepseek_v3 import generate, init_random
-from models.deepseek_v3 import modeling as modeling_module
 from models.deepseek_v3.config import QuantSpec
 from models.deepseek_v3.modeling import (
     DeepseekV3ForCausalLM,
@@ -566,7 +566,7 @@ def test_progress_bars(monkeypatch, capsys):
     PROGRESS_DELAY_S (a tiny model's)."""
     cfg = tiny_config(dtype="bfloat16", quant=QuantSpec(bits=4, group_size=64))
     parts = cfg.num_hidden_layers + 3  # the embedding, each layer, the norm, the head
-    monkeypatch.setattr(modeling_module, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(progress_module, "PROGRESS_DELAY_S", 0.0)
     model = init_random(cfg, on_device=False)
     linears = len(model.gemm_linears())  # kv_b_proj runs no GEMM: not converted, no step
     moe_layers = sum(isinstance(m, RoutedExperts) for _, m in nnx.iter_modules(model))
@@ -582,7 +582,7 @@ def test_progress_bars(monkeypatch, capsys):
     model.set_expert_layout("mgpu_int4", progress=False)
     assert capsys.readouterr().err == ""
 
-    monkeypatch.setattr(modeling_module, "PROGRESS_DELAY_S", 600.0)
+    monkeypatch.setattr(progress_module, "PROGRESS_DELAY_S", 600.0)
     model = init_random(cfg, on_device=False)
     model.set_linear_implementation("xla")
     model.set_expert_layout("mgpu_int4")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 
 import helpers
@@ -744,6 +745,28 @@ def test_from_quantization_config_gptq_dynamic():
     other = PREFIX.replace("experts.7", "experts.9")
     with pytest.raises(ValueError, match="dynamic exclusion"):
         formats.from_quantization_config(named(formats.to_gptq(qw), other), cfg, other)
+
+
+@pytest.mark.parametrize("rule", ["+:experts.(7", "-:[z-a]", "experts.*)"])
+def test_an_invalid_gptq_dynamic_regex_names_its_rule(rule):
+    qw = random_qw(5, bits=4, group_size=32, n=16, k=64, has_zeros=False, dtype=np.float16)
+    tensors, cfg = config_case("gptq", qw)
+    cfg["dynamic"] = {rule: {"bits": 8}}
+    with pytest.raises(ValueError, match=re.escape(f"GPTQ dynamic rule {rule!r} is not a valid")):
+        formats.from_quantization_config(tensors, cfg, PREFIX)
+
+
+def test_an_invalid_compressed_tensors_target_regex_names_its_target():
+    qw = random_qw(6, bits=4, group_size=32, n=16, k=64, has_zeros=True, dtype=np.float16)
+    tensors, cfg = config_case("pack-quantized", qw)
+    group = cfg["config_groups"]["group_0"]
+    cfg["config_groups"] = {
+        "attn": dict(group, targets=["re:.*self_attn(.*"]),
+        "experts": dict(group, targets=[r"re:.*mlp\.experts.*"]),
+    }
+    says = "compressed-tensors target 're:.*self_attn(.*' of 'attn' is not a valid regular"
+    with pytest.raises(ValueError, match=re.escape(says)):
+        formats.from_quantization_config(tensors, cfg, PREFIX)
 
 
 def _drop(tensors, suffix):

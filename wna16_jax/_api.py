@@ -10,6 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from wna16_jax import _activations, _dispatch
+from wna16_jax._checks import (
+    as_int,
+    check_array,
+    check_expert_map,
+    check_out_dtype,
+    check_values_in,
+    ids_as_int32,
+)
 from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
 from wna16_jax._pipeline import rows_in_input_order
@@ -41,28 +49,17 @@ def _check_elements(name: str, a) -> None:
 
 
 def _check_topk_ids(topk_ids) -> None:
+    check_array("topk_ids", topk_ids)
     if topk_ids.ndim != 2:
         raise ValueError(f"topk_ids must be [T, k], got shape {_shape(topk_ids)}")
     if topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids has shape {_shape(topk_ids)}: each token needs k >= 1 experts")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise ValueError(f"topk_ids must be an integer array, got {topk_ids.dtype}")
+        raise ValueError(
+            f"topk_ids must be an integer array, got {topk_ids.dtype} (float ids are refused, "
+            f"not rounded)"
+        )
     _check_elements("topk_ids", topk_ids)
-
-
-def _check_expert_map(expert_map, num_local: int | None) -> None:
-    if expert_map is None:
-        return
-    if expert_map.ndim != 1 or not jnp.issubdtype(expert_map.dtype, jnp.integer):
-        raise ValueError(
-            f"expert_map must be a 1-D integer array [E_global], got shape "
-            f"{_shape(expert_map)} dtype {expert_map.dtype}"
-        )
-    if num_local is not None and expert_map.shape[0] < num_local:
-        raise ValueError(
-            f"expert_map has {expert_map.shape[0]} entries, fewer than the {num_local} "
-            f"local experts"
-        )
 
 
 def normalize_activation_quant(activation_quant) -> ActivationQuant | None:
@@ -104,7 +101,10 @@ def _check_activation(activation) -> None:
 
 
 def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation):
-    """Raises ValueError naming the values for any malformed fused_moe input."""
+    """Raises ValueError naming the values for any malformed fused_moe input (TypeError for a
+    non-array); returns expert_map checked against the local expert count (`check_expert_map`)."""
+    check_array("x", x)
+    check_array("topk_weights", topk_weights)
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H], got shape {_shape(x)}")
     if x.dtype not in ACTIVATION_DTYPES:
@@ -141,14 +141,23 @@ def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, ac
         )
     if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
         raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    _check_expert_map(expert_map, e)
+    if expert_map is not None:
+        expert_map = check_expert_map(expert_map, num_global=None, num_local=e)
+        if expert_map.shape[0] < e:
+            raise ValueError(
+                f"expert_map has {expert_map.shape[0]} entries, fewer than the {e} local experts"
+            )
     _check_activation(activation)
     _check_elements("x", x)
+    return expert_map
 
 
 def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant):
-    """Validates the inputs; returns (MoEProblem, normalized activation_quant)."""
-    validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation)
+    """Validates the inputs; returns (MoEProblem, normalized activation_quant, checked
+    expert_map)."""
+    expert_map = validate_fused_moe_inputs(
+        x, w13, w2, topk_weights, topk_ids, expert_map, activation
+    )
     activation_quant = normalize_activation_quant(activation_quant)
     t, h = _shape(x)
     e, two_i, _ = w13.shape
@@ -174,7 +183,7 @@ def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, act
         layout=w13.layout,
         act_order=w13.has_perm,
     )
-    return problem, activation_quant
+    return problem, activation_quant, expert_map
 
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -211,9 +220,13 @@ def fused_moe(
         w13: QuantizedExperts [E, 2I, H] (gate rows, then up rows).
         w2: QuantizedExperts [E, H, I].
         topk_weights: [T, k] float routing weights.
-        topk_ids: [T, k] integer global expert ids; ids outside [0, E_global) are dropped.
-        expert_map: optional int32 [E_global]: global id -> local id, -1 for experts on other
-            shards (they contribute exactly zero).
+        topk_ids: [T, k] global expert ids of any integer dtype; ids outside [0, E_global)
+            are dropped (compared in their own dtype: an int64 2**32 is dropped, not wrapped).
+        expert_map: optional integer [E_global]: global id -> local id in [0, E), -1 for
+            experts on other shards (they contribute exactly zero). An entry outside [-1, E) is
+            a ValueError for a concrete map; a traced one is checked only under
+            `jax.experimental.checkify.checkify` (no host sync inside jit), else its slots are
+            dropped.
         activation: "silu".
         implementation: None (automatic), a backend name ("xla", "pallas",
             "pallas_interpret", "mgpu", "triton", ...: `registered_backends()`), or names
@@ -231,10 +244,11 @@ def fused_moe(
         [T, H] in out_dtype.
 
     Raises:
+        TypeError: an array argument that is not an array (a Python list: convert it first).
         ValueError: malformed inputs or a config that cannot run these shapes.
         NotImplementedError: no requested backend can run the problem (reasons listed).
     """
-    problem, activation_quant = _moe_problem(
+    problem, activation_quant, expert_map = _moe_problem(
         x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
     )
     if out_dtype is not None and jnp.dtype(out_dtype) not in _OUT_DTYPES:
@@ -252,8 +266,8 @@ def fused_moe(
         w13,
         w2,
         inference_only(topk_weights),
-        topk_ids.astype(jnp.int32),
-        expert_map=None if expert_map is None else expert_map.astype(jnp.int32),
+        ids_as_int32(topk_ids, problem.num_global_experts),
+        expert_map=expert_map,
         activation=activation,
         config=config,
         **extra,
@@ -279,7 +293,7 @@ def select_implementation(
     Raises:
         The errors `fused_moe` raises before running anything.
     """
-    problem, _ = _moe_problem(
+    problem, _, _ = _moe_problem(
         x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
     )
     return _dispatch.select_backend(problem, implementation).name
@@ -296,26 +310,30 @@ def moe_align_block_size(
     """Sorts the T*k (token, slot) pairs into per-expert runs padded to block_m.
 
     Args:
-        topk_ids: integer [T, k] global expert ids; ids outside [0, num_experts) are dropped.
-        num_experts: E, the global number of experts.
+        topk_ids: [T, k] global expert ids of any integer dtype; ids outside
+            [0, num_experts) are dropped (compared in their own dtype, never wrapped).
+        num_experts: E, the global number of experts (an int or numpy integer).
         block_m: the padding multiple (a power of two).
-        expert_map: optional int32 [num_experts] global -> local id, -1 off-shard.
+        expert_map: optional integer [num_experts] global -> local id, -1 off-shard; entries
+            outside [-1, num_experts) are refused as for `fused_moe`.
         implementation: as for `fused_moe`.
 
     Returns:
         AlignedRouting (sorted_token_ids, expert_ids, num_tokens_post_padded); docs/design.md gives
         the layout.
+
+    Raises:
+        TypeError: a non-array topk_ids or expert_map, a non-integer num_experts or block_m.
+        ValueError: bad shapes or dtypes, out-of-range counts, a concrete expert_map entry
+            out of range.
     """
     _check_topk_ids(topk_ids)
-    if num_experts < 1:
-        raise ValueError(f"num_experts={num_experts} must be positive")
+    num_experts = as_int("num_experts", num_experts, minimum=1)
+    block_m = as_int("block_m", block_m)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m} must be a power of two")
-    _check_expert_map(expert_map, None)
-    if expert_map is not None and expert_map.shape[0] != num_experts:
-        raise ValueError(
-            f"expert_map has {expert_map.shape[0]} entries but num_experts={num_experts}"
-        )
+    if expert_map is not None:
+        expert_map = check_expert_map(expert_map, num_global=num_experts, num_local=num_experts)
     problem = _dispatch.AlignProblem(
         platform=_dispatch.current_platform(),
         num_slots=int(np.prod(_shape(topk_ids))),
@@ -324,7 +342,7 @@ def moe_align_block_size(
     )
     backend = _dispatch.select_backend(problem, implementation)
     return backend.moe_align_block_size(
-        topk_ids.astype(jnp.int32),
+        ids_as_int32(topk_ids, num_experts),
         num_experts=num_experts,
         block_m=block_m,
         expert_map=None if expert_map is None else expert_map.astype(jnp.int32),
@@ -371,7 +389,7 @@ def gemm_config(
         ValueError: a config that cannot run the shapes (the problems quoted), bad inputs.
         NotImplementedError: no requested backend has a grouped GEMM that runs it.
     """
-    problem = _gemm_problem(w, num_slots, dtype)
+    problem = _gemm_problem(w, as_int("num_slots", num_slots, minimum=0), dtype)
     backend = _dispatch.select_backend(problem, implementation)
     return backend.grouped_matmul.config(problem.shape, config)[0]
 
@@ -398,7 +416,8 @@ def grouped_matmul(
     Args:
         a: [R, K] bf16, f16 or f32 rows; the routing's slots number R * top_k.
         w: QuantizedExperts [E, N, K].
-        routing: AlignedRouting of the R * top_k slots (`moe_align_block_size`).
+        routing: AlignedRouting of the R * top_k slots (`moe_align_block_size`); a block's
+            expert outside [-1, E) is refused as `fused_moe` refuses such an expert_map entry.
         routed_weights: optional float [R * top_k] multiplied into each slot's row.
         top_k: slots per row of `a`.
         config: a BlockConfig with block_m == routing.block_m; None: the backend's
@@ -417,16 +436,23 @@ def grouped_matmul(
         ValueError: malformed inputs, or a config that cannot run the shapes.
         NotImplementedError: no requested backend can run the GEMM (reasons listed).
     """
+    check_array("a", a)
     if a.ndim != 2:
         raise ValueError(f"a must be [R, K], got shape {_shape(a)}")
+    top_k = as_int("top_k", top_k, minimum=1)
     problem = _gemm_problem(w, int(a.shape[0]) * top_k, a.dtype)
     if a.shape[1] != w.k:
         raise ValueError(f"a has K={a.shape[1]} input features but w has K={w.k}")
-    if top_k < 1:
-        raise ValueError(f"top_k={top_k} must be positive")
     if not isinstance(routing, AlignedRouting):
         raise ValueError(f"routing must be an AlignedRouting, got {type(routing).__name__}")
+    expert_ids = check_values_in(
+        "routing.expert_ids", routing.expert_ids, w.shape[0], "experts of w"
+    )
+    routing = dataclasses.replace(routing, expert_ids=expert_ids)
+    check_out_dtype(out_dtype)
     num_slots = int(a.shape[0]) * top_k
+    if routed_weights is not None:
+        check_array("routed_weights", routed_weights)
     if routed_weights is not None and _shape(routed_weights) != (num_slots,):
         raise ValueError(
             f"routed_weights must be [R * top_k] = [{num_slots}], got {_shape(routed_weights)}"
@@ -491,7 +517,7 @@ def preferred_layout(
     x = jax.ShapeDtypeStruct((1, w13.shape[2]), dtype)
     ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
-    problem, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
+    problem, _, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
     for layout, name in _dispatch.preferred_layouts():
         bits = KERNEL_LAYOUT_BITS[layout]
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from wna16_jax._checks import as_int
 from wna16_jax._types import SUPPORTED_BITS, QuantizedExperts
 
 
@@ -231,6 +232,8 @@ def quantize_experts(
         ValueError: a bad shape or scheme, or w holds NaN or inf (`check_finite`; not checked
             under jit).
     """
+    bits = as_int("bits", bits)
+    group_size = as_int("group_size", group_size)
     _check_bits(bits)
     w = jnp.asarray(w)
     if w.ndim != 3:
@@ -313,8 +316,11 @@ def random_quantized_experts(
         ValueError: bits, a K that is not whole words or groups, an odd N with int4 zero
             points, or an unknown zero_range (the values quoted).
     """
+    bits = as_int("bits", bits)
     _check_bits(bits)
-    e, n, k = (int(d) for d in shape)
+    if len(shape) != 3:
+        raise ValueError(f"shape={shape!r} must be (E, N, K)")
+    e, n, k = (as_int(f"shape[{i}]", d, minimum=1) for i, d in enumerate(shape))
     per_word = 32 // bits
     if k % per_word:
         raise ValueError(f"K={k} is not a multiple of {per_word} (bits={bits})")

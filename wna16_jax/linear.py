@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from wna16_jax import _dispatch, layouts
 from wna16_jax._activations import ACTIVATIONS, activate
+from wna16_jax._checks import check_array, check_out_dtype
 from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
 from wna16_jax._quant import dequantize_experts
@@ -50,6 +51,12 @@ def identity_routing(num_rows: int, block_m: int) -> AlignedRouting:
 
 
 def _check(x, w: QuantizedExperts, activation=None) -> None:
+    check_array("x", x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"x must be floating point (bfloat16, float16 or float32), got {x.dtype}: the "
+            f"weights are dequantized to x's dtype"
+        )
     if not isinstance(w, QuantizedExperts):
         raise ValueError(f"w must be a QuantizedExperts, got {type(w).__name__}")
     e, n, k = w.shape
@@ -143,7 +150,8 @@ def quantized_matmul(
     """y [..., N] = x [..., K] @ dequant(w[0]).T, accumulated in f32, rounded once to out_dtype.
 
     Args:
-        x: [..., K] bf16 / f16 / f32.
+        x: [..., K] bf16 / f16 / f32 (an integer x is refused: the weights would be
+            dequantized to integers).
         w: QuantizedExperts [1, N, K].
         activation: None, or "silu" for a gated MLP's [gate; up] weight (N = 2I): y [..., I] =
             silu(gate) * up, computed from the f32 sums (in the GEMM's epilogue where the
@@ -159,10 +167,12 @@ def quantized_matmul(
             the tuned table, then the heuristic.
 
     Raises:
+        TypeError: x is not an array (a Python list: convert it first).
         ValueError: malformed inputs, an unknown backend name, a config that cannot run.
         NotImplementedError: no requested backend can run it (reasons listed).
     """
     _check(x, w, activation)
+    check_out_dtype(out_dtype)
     return _quantized_matmul(
         x,
         w,

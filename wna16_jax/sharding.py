@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from wna16_jax import _api
 from wna16_jax import linear as _linear
+from wna16_jax._checks import as_int, ids_as_int32
 from wna16_jax._quant import random_quantized_experts
 from wna16_jax._types import MGPU_TILE, ActivationQuant, BlockConfig, QuantizedExperts
 
@@ -67,6 +68,9 @@ def expert_map_for_shard(num_experts: int, num_shards: int, shard_index: int) ->
     Raises:
         ValueError: n does not divide E, or s is out of range.
     """
+    num_experts = as_int("num_experts", num_experts)
+    num_shards = as_int("num_shards", num_shards)
+    shard_index = as_int("shard_index", shard_index)
     _check_divisible(num_experts, num_shards)
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index={shard_index} is not in [0, num_shards={num_shards})")
@@ -83,6 +87,7 @@ def expert_map_for_axis(num_experts: int, axis_name: str):
     Returns:
         int32 [E] jax array: global id -> local id, -1 for experts of other shards.
     """
+    num_experts = as_int("num_experts", num_experts)
     num_shards = jax.lax.axis_size(axis_name)
     _check_divisible(num_experts, num_shards)
     per = num_experts // num_shards
@@ -160,6 +165,7 @@ def tensor_shard(qw: QuantizedExperts, num_shards: int, split: str) -> Quantized
     """The first of `num_shards` tensor shards of `qw`: the arrays one tensor shard holds, cut
     where `expert_specs` splits them (split "n": w13's rows, n_axis; "k": w2's K, k_axis), in
     any layout. Shapes are what callers mostly need: wrap it in jax.eval_shape."""
+    num_shards = as_int("num_shards", num_shards, minimum=1)
     if split not in ("n", "k"):
         raise ValueError(f"split={split!r} must be 'n' (w13's rows) or 'k' (w2's K)")
     specs = expert_specs(qw, **{f"{split}_axis": "tensor"})
@@ -222,6 +228,7 @@ def shard_experts(qw: QuantizedExperts, mesh: Mesh, axis: str) -> QuantizedExper
 
 def _check_tp(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
     """I/n must be whole, a whole number of packed words and of quantization groups."""
+    num_shards = as_int("num_shards", num_shards, minimum=1)
     if i % num_shards:
         raise ValueError(
             f"{what}: the intermediate size I={i} is not divisible by the {num_shards} tensor "
@@ -296,6 +303,7 @@ def tp_deinterleave_w13(w13: QuantizedExperts, num_shards: int) -> QuantizedExpe
 
 
 def _tp_reorder_w13(w13: QuantizedExperts, num_shards: int, *, inverse: bool):
+    num_shards = as_int("num_shards", num_shards, minimum=1)
     w13.validate("w13")
     i = w13.n // 2
     if w13.n % 2 or i % num_shards:
@@ -471,16 +479,17 @@ def local_expert_ids(topk_ids, num_experts: int, expert_axis: str | None):
         topk_ids: int [..., k] global ids.
         num_experts: E, the global number of experts.
         expert_axis: the mesh axis the experts are split over (contiguously, as
-            `expert_map_for_axis` says), or None (every shard holds all E: ids unchanged).
+            `expert_map_for_axis` says), or None (every shard holds all E: ids kept).
 
     Returns:
         int32 [..., k]: local ids, -1 for experts of other shards and for ids outside [0, E).
     """
-    ids = topk_ids.astype(jnp.int32)
-    if expert_axis is None:
-        return ids
-    emap = expert_map_for_axis(num_experts, expert_axis)
+    num_experts = as_int("num_experts", num_experts, minimum=1)
+    ids = ids_as_int32(topk_ids, num_experts)  # an int64 2**32 is out of range, not expert 0
     valid = (ids >= 0) & (ids < num_experts)
+    if expert_axis is None:
+        return jnp.where(valid, ids, -1)
+    emap = expert_map_for_axis(num_experts, expert_axis)
     return jnp.where(valid, emap[jnp.clip(ids, 0, num_experts - 1)], -1)
 
 

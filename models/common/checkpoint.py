@@ -87,6 +87,37 @@ def quant_method(qcfg: Mapping | None) -> str | None:
     return None if qcfg is None else qcfg.get("quant_method")
 
 
+def checkpoint_file(root: str, fname, where: str) -> str:
+    """The path of the checkpoint file `fname` under `root`, resolved.
+
+    A downloaded index must not make loading read elsewhere: an entry that is not a relative
+    path, or that resolves (`..`, an absolute path, a symlink) outside `root`, is refused. In
+    a Hugging Face cache snapshot (.../snapshots/<revision>) the files are symlinks to the
+    repository's blobs (../../blobs): those are inside too.
+
+    Raises:
+        ValueError: naming `where` (the index entry or the file) and the value.
+    """
+    if not isinstance(fname, str) or not fname:
+        raise ValueError(f"{where} is not a file name")
+    real_root = os.path.realpath(root)
+    inside = [real_root]
+    if os.path.basename(os.path.dirname(real_root)) == "snapshots":
+        inside.append(os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs"))
+    full = os.path.realpath(os.path.join(real_root, fname))
+    lexical = os.path.normpath(os.path.join(real_root, fname))
+    if (
+        os.path.isabs(fname)
+        or os.path.commonpath([real_root, lexical]) != real_root
+        or not any(os.path.commonpath([d, full]) == d for d in inside)
+    ):
+        raise ValueError(
+            f"{where} lies outside the checkpoint directory {root} (its files must be inside "
+            f"it; symlinks are followed)"
+        )
+    return full
+
+
 class Checkpoint(Mapping):
     """The tensors of a local HF directory, by name, read lazily one at a time.
 
@@ -101,10 +132,17 @@ class Checkpoint(Mapping):
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file)")
-            files = sorted(set(weight_map.values()))
+            first_tensor = {}
+            for name, fname in weight_map.items():
+                first_tensor.setdefault(fname if isinstance(fname, str) else repr(fname), name)
+            files = sorted(first_tensor)
+            for fname in files:
+                where = f"{index}: weight_map[{first_tensor[fname]!r}]={fname!r}"
+                checkpoint_file(self.path, fname, where)
         elif os.path.exists(single):
             files = [SINGLE_FILE]
             weight_map = None
+            checkpoint_file(self.path, SINGLE_FILE, single)
         else:
             raise FileNotFoundError(f"{self.path}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
         self._handles = {}
@@ -306,11 +344,61 @@ def resolve_checkpoint(
     return local
 
 
+def write_json(path: str, obj) -> None:
+    """`obj` as indented JSON in the file `path`."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def replace_file(path: str, write: Callable[[str], None]) -> None:
+    """write(a temporary name beside `path`), then renames it to `path`: a reader sees the old
+    file or the whole new one, never a half-written one."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# The shard names write_safetensors gives.
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _earlier_weight_files(path: str) -> set[str]:
+    """The weight files of an earlier save into `path`: model.safetensors, the shards of the
+    save's naming and those its index lists (inside `path` only)."""
+    names = {f for f in os.listdir(path) if f == SINGLE_FILE or _SHARD_NAME.fullmatch(f)}
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            listed = read_json(index).get("weight_map", {}).values()
+        except (ValueError, AttributeError):  # a broken index lists nothing it can be trusted on
+            listed = ()
+        real = os.path.realpath(path)
+        for fname in listed:
+            if (
+                isinstance(fname, str)
+                and os.path.dirname(os.path.realpath(os.path.join(real, fname))) == real
+            ):
+                names.add(os.path.basename(fname))
+    return names
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], max_shard_bytes) -> None:
     """Writes `tensors` into the directory `path`: one model.safetensors, or files of at most
-    `max_shard_bytes` each with model.safetensors.index.json."""
+    `max_shard_bytes` each with model.safetensors.index.json. Each file is written under a
+    temporary name and renamed into place; then an earlier save's index and weight files that
+    this save does not hold are removed, so a load reads only the new weights."""
+    earlier = _earlier_weight_files(path)
+    meta = {"format": "pt"}
     if not max_shard_bytes:
-        save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
+        replace_file(os.path.join(path, SINGLE_FILE), lambda tmp: save_file(tensors, tmp, meta))
+        if os.path.exists(os.path.join(path, INDEX_FILE)):  # it would win over the new file
+            os.remove(os.path.join(path, INDEX_FILE))
+        for fname in earlier - {SINGLE_FILE}:
+            os.remove(os.path.join(path, fname))
         return
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -323,8 +411,12 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], max_shard_bytes
     weight_map = {}
     for n, shard in enumerate(shards, start=1):
         fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+        replace_file(
+            os.path.join(path, fname), lambda tmp, shard=shard: save_file(shard, tmp, meta)
+        )
         weight_map.update({name: fname for name in shard})
     total = sum(a.nbytes for a in tensors.values())
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    replace_file(os.path.join(path, INDEX_FILE), lambda tmp: write_json(tmp, index))
+    for fname in earlier - set(weight_map.values()):
+        os.remove(os.path.join(path, fname))

@@ -1,8 +1,11 @@
-"""What every family's config shares: how the model quantizes its weights (QuantSpec)."""
+"""What every family's config shares: how the model quantizes its weights (QuantSpec), and the
+checks of a config's field types and ranges."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 
 # The linears a QuantSpec may quantize, by role; each family's name table tags its linears
 # with these.
@@ -52,3 +55,53 @@ class QuantSpec:
         if spec not in names:
             raise ValueError(f"quantize={spec!r} is not one of {sorted(names)} or None")
         return cls(bits=names[spec], group_size=group_size)
+
+
+def type_problems(cfg) -> list[str]:
+    """A sentence for each field of the config dataclass `cfg` whose value is not of its
+    default's kind: an int field holds an int (not a bool, not a string such as "64"), a float
+    field a number, a bool field a bool, a string field a string. Fields whose default is None
+    or a container are not typed here (their own checks read them)."""
+    problems = []
+    for f in dataclasses.fields(cfg):
+        v, default = getattr(cfg, f.name), f.default
+        if v is None or default is None or default is dataclasses.MISSING:
+            continue
+        if isinstance(default, bool):
+            ok, kind = isinstance(v, bool), "a bool"
+        elif isinstance(default, int):
+            ok, kind = isinstance(v, int) and not isinstance(v, bool), "an int"
+        elif isinstance(default, float):
+            ok = isinstance(v, int | float) and not isinstance(v, bool)
+            kind = "a number"
+        elif isinstance(default, str):
+            ok, kind = isinstance(v, str), "a string"
+        else:
+            continue
+        if not ok:
+            problems.append(f"{f.name}={v!r} must be {kind}")
+    return problems
+
+
+def range_problems(cfg, least: Mapping[str, int], positive: Sequence[str]) -> list[str]:
+    """A sentence for each field of the right type whose value is out of its range: an int
+    field of `least` below its least value (None passes), a field of `positive` NaN, inf or
+    not > 0, a bos_token_id, pad_token_id or eos_token_id entry that is not an int in
+    [0, vocab_size)."""
+    problems = []
+    for name, minimum in least.items():
+        v = getattr(cfg, name)
+        if v is not None and v < minimum:
+            problems.append(f"{name}={v} must be >= {minimum}")
+    for name in positive:
+        v = getattr(cfg, name)
+        if not math.isfinite(v) or v <= 0:
+            problems.append(f"{name}={v} must be a finite number > 0")
+    ids = [(name, getattr(cfg, name)) for name in ("bos_token_id", "pad_token_id")]
+    ids += [(f"eos_token_id[{i}]", v) for i, v in enumerate(cfg.eos_token_id)]
+    for name, v in ids:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            problems.append(f"{name}={v!r} must be an int token id")
+        elif v is not None and not 0 <= v < max(cfg.vocab_size, 1):
+            problems.append(f"{name}={v} is not a token id in [0, vocab_size={cfg.vocab_size})")
+    return problems

@@ -87,16 +87,36 @@ class GenerateStats:
         )
 
 
+# Temperatures below this sample greedily (`sampling_kind`): at 1e-6 a logit gap of 1e-4 already
+# makes the larger token e^100 times likelier, and far smaller ones (1e-45 is a float32
+# subnormal, flushed to zero on some devices) would divide the logits by zero.
+MIN_TEMPERATURE = 1e-6
+
+
+def sampling_kind(temperature: float, top_p: float) -> dict[str, bool]:
+    """The static kind of choice for `sample`: greedy for temperature < MIN_TEMPERATURE (0
+    included), nucleus for top_p < 1."""
+    return {"greedy": temperature < MIN_TEMPERATURE, "nucleus": top_p < 1.0}
+
+
+def scaled_logits(logits, temperature):
+    """f32 logits [..., V] / temperature, shifted by their row's max first: the likeliest
+    token's scaled logit is 0 and the others at most 0 (-inf where they underflow), finite for
+    any temperature >= MIN_TEMPERATURE."""
+    return (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+
+
 def sample(logits, key, temperature, top_p, *, greedy: bool, nucleus: bool):
     """Next tokens int32 [B] from f32 logits [B, V].
 
-    The kind of choice is static (one compiled program each, no conditional on a device value):
-    greedy: argmax; else softmax(logits / temperature), restricted with `nucleus` to the
-    smallest set of tokens whose probability reaches top_p.
+    The kind of choice is static (one compiled program each, no conditional on a device value;
+    `sampling_kind` picks it): greedy: argmax; else softmax(logits / temperature), restricted
+    with `nucleus` to the smallest set of tokens whose probability reaches top_p (the logits
+    scaled by `scaled_logits`).
     """
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / temperature
+    scaled = scaled_logits(logits, temperature)
     if nucleus:
         order = jnp.argsort(-scaled, axis=-1)
         sorted_x = jnp.take_along_axis(scaled, order, axis=-1)
@@ -253,18 +273,33 @@ def _left_pad(input_ids, attention_mask, pad_id: int):
     return tokens, mask
 
 
-def _check_sampling(max_new_tokens, temperature, top_p) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
-        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+def _as_int(name: str, value) -> int:
+    """An int or numpy integer as a Python int; TypeError for anything else (bool, float)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r} (a float is not truncated)")
+    return int(value)
+
+
+def _check_sampling(max_new_tokens, temperature, top_p, max_positions: int | None = None) -> int:
+    """Checks the sampling arguments (max_new_tokens against the model's positions where
+    given); returns max_new_tokens as a Python int."""
+    max_new_tokens = _as_int("max_new_tokens", max_new_tokens)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if max_positions is not None and max_new_tokens >= max_positions:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} does not fit the model's context: "
+            f"max_position_embeddings={max_positions} positions hold the prompt and the new "
+            f"tokens"
+        )
     for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
             raise TypeError(f"{name} must be a number, got {value!r}")
     if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature={temperature} must be finite and >= 0 (0: greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} must be in (0, 1] (1: no nucleus)")
+    return max_new_tokens
 
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -386,7 +421,9 @@ def generate(
         input_ids: int32 [B, S] (left-padded, with `attention_mask`), or a list of B token
             lists of different lengths (left-padded here with `pad_id`).
         max_new_tokens: tokens to generate per row.
-        temperature: 0 for greedy; else the sampling temperature.
+        temperature: 0 for greedy; else the sampling temperature. Temperatures below
+            MIN_TEMPERATURE (1e-6) are greedy too (`sampling_kind`): any temperature > 0 gives
+            finite probabilities, never a sample from NaN.
         top_p: nucleus sampling mass (1 = off).
         seed: sampling seed.
         attention_mask: [B, S], 0 on left padding (default: no padding).
@@ -409,26 +446,35 @@ def generate(
         with return_stats, (tokens, GenerateStats).
 
     Raises (before any device work; the messages quote the values):
-        TypeError: ids that are not integers (floats are not truncated), a max_new_tokens
-            that is not an int, a temperature or top_p that is not a number.
+        TypeError: ids that are not integers (floats are not truncated), a max_new_tokens,
+            seed, pad_id or eos_id that is not an int (numpy integers are), a temperature or
+            top_p that is not a number.
         ValueError: an id outside [0, vocab_size) (negative ones and ones beyond int32
-            included), an empty prompt, a malformed attention_mask, max_new_tokens < 1, a
+            included), an empty prompt, a malformed attention_mask, max_new_tokens < 1 or
+            a prompt plus max_new_tokens past max_position_embeddings (refused before any
+            compile), a
             negative or non-finite temperature, top_p outside (0, 1], a pad or eos id outside
             the vocabulary; speculative decoding the model cannot run (no MTP layer, a
             sharded model, num_draft_tokens outside [1, 3]).
     """
     cfg = model.cfg
-    _check_sampling(max_new_tokens, temperature, top_p)
+    max_new_tokens = _check_sampling(
+        max_new_tokens, temperature, top_p, cfg.max_position_embeddings
+    )
+    seed = _as_int("seed", seed)
     if speculative is not None and speculative not in SPECULATIVE_DECODERS:
         raise ValueError(
             f"speculative={speculative!r} is not None or one of {sorted(SPECULATIVE_DECODERS)}"
         )
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    pad_id = _as_int("pad_id", pad_id)
     if eos_id is None:
         eos_ids = tuple(cfg.eos_token_id)
+    elif isinstance(eos_id, (list, tuple)):
+        eos_ids = tuple(_as_int(f"eos_id[{i}]", e) for i, e in enumerate(eos_id))
     else:
-        eos_ids = (int(eos_id),) if np.isscalar(eos_id) else tuple(int(e) for e in eos_id)
+        eos_ids = (_as_int("eos_id", eos_id),)
     for what, ids in (("pad_id", (pad_id,)), ("eos_id", eos_ids)):
         if any(not 0 <= i < cfg.vocab_size for i in ids):
             raise ValueError(f"{what} {ids} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -437,6 +483,12 @@ def generate(
     _check_ids(tokens, mask, cfg.vocab_size)
     tokens = tokens.astype(np.int32)
     b, s = tokens.shape
+    if s + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} after a prompt of {s} tokens needs "
+            f"{s + max_new_tokens} positions, over the model's "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
     s_b = bucket(s)
     cache_len = bucket(s_b + max_new_tokens)
     if cache_len > cfg.max_position_embeddings:
@@ -507,8 +559,7 @@ def generate(
     statics = {
         "graphdef": graphdef,
         "steps": max_new_tokens,
-        "greedy": temperature <= 0.0,
-        "nucleus": top_p < 1.0,
+        **sampling_kind(temperature, top_p),
         "eos_ids": eos_ids,
         "fill_id": fill_id,
     }

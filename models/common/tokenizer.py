@@ -59,14 +59,21 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A tokenizer.json read with the `tokenizers` library (no transformers needed)."""
+    """A tokenizer.json read with the `tokenizers` library (no transformers needed).
+
+    Raises:
+        ValueError: the file is not a tokenizer.json `tokenizers` can read (the file named).
+    """
 
     def __init__(
         self, path: str, *, bos_id: int | None, eos_id: int | None, pad_id: int | None = None
     ):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(path)
+        try:
+            self._tok = _Tokenizer.from_file(path)
+        except Exception as err:  # `tokenizers` raises a bare Exception for a malformed file
+            raise ValueError(f"{path} cannot be read as a tokenizer.json: {err}") from None
         self.bos_id, self.eos_id = bos_id, eos_id
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
 

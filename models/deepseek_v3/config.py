@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from models.common.checkpoint import read_json
-from models.common.config import QuantSpec
+from models.common.config import QuantSpec, range_problems, type_problems
 
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -30,36 +30,60 @@ class YarnScaling:
 
 
 def _tuple_ids(v) -> tuple[int, ...]:
+    """None, one id or a list of ids as a tuple; the ids kept as given (a float is reported by
+    the config's checks, never truncated)."""
     if v is None:
         return ()
     if isinstance(v, (list, tuple)):
-        return tuple(int(x) for x in v)
-    return (int(v),)
+        return tuple(v)
+    return (v,)
 
 
-def _type_problems(cfg) -> list[str]:
-    """A sentence for each field whose value is not of its default's kind: an int field holds
-    an int (not a bool, not a string such as "64"), a float field a number, a bool field a
-    bool, a string field a string. Fields whose default is None or a container are not typed
-    here (their own checks read them)."""
+# The least value of each int field (None-able ones are checked when set), and the float
+# fields that must be finite and positive (`range_problems`).
+_INT_MINIMUM = {
+    "vocab_size": 1,
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "moe_intermediate_size": 1,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "q_lora_rank": 1,
+    "kv_lora_rank": 1,
+    "qk_nope_head_dim": 0,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 1,
+    "n_routed_experts": 0,  # 0 or None: no routed experts (every layer dense)
+    "n_shared_experts": 0,
+    "num_experts_per_tok": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 0,
+    "moe_layer_freq": 1,
+    "max_position_embeddings": 1,
+    "num_nextn_predict_layers": 0,
+}
+_POSITIVE_FLOATS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
+
+
+def _rope_problems(r: YarnScaling | None) -> list[str]:
+    """A sentence for each YaRN setting out of range: not finite, a factor <= 0, fewer than one
+    original position."""
+    if r is None:
+        return []
     problems = []
-    for f in dataclasses.fields(cfg):
-        v, default = getattr(cfg, f.name), f.default
-        if v is None or default is None or default is dataclasses.MISSING:
-            continue
-        if isinstance(default, bool):
-            ok, kind = isinstance(v, bool), "a bool"
-        elif isinstance(default, int):
-            ok, kind = isinstance(v, int) and not isinstance(v, bool), "an int"
-        elif isinstance(default, float):
-            ok = isinstance(v, int | float) and not isinstance(v, bool)
-            kind = "a number"
-        elif isinstance(default, str):
-            ok, kind = isinstance(v, str), "a string"
-        else:
-            continue
-        if not ok:
-            problems.append(f"{f.name}={v!r} must be {kind}")
+    for f in dataclasses.fields(r):
+        v = getattr(r, f.name)
+        if not math.isfinite(v):
+            problems.append(f"rope_scaling.{f.name}={v} must be finite")
+    if math.isfinite(r.factor) and r.factor <= 0:
+        problems.append(f"rope_scaling.factor={r.factor} must be > 0")
+    if r.original_max_position_embeddings < 1:
+        problems.append(
+            f"rope_scaling.original_max_position_embeddings="
+            f"{r.original_max_position_embeddings} must be >= 1"
+        )
     return problems
 
 
@@ -120,11 +144,13 @@ class DeepseekV3Config:
     quant: QuantSpec | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
-        problems = _type_problems(self)
+        problems = type_problems(self)
         if problems:  # the value checks below assume the types
             raise ValueError("invalid DeepSeek config: " + "; ".join(problems))
         if not isinstance(self.eos_token_id, tuple):
             object.__setattr__(self, "eos_token_id", _tuple_ids(self.eos_token_id))
+        problems += range_problems(self, _INT_MINIMUM, _POSITIVE_FLOATS)
+        problems += _rope_problems(self.rope_scaling)
         if self.topk_method not in TOPK_METHODS:
             problems.append(f"topk_method={self.topk_method!r} is not one of {TOPK_METHODS}")
         if self.scoring_func not in SCORING_FUNCS:
@@ -133,11 +159,15 @@ class DeepseekV3Config:
             problems.append(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
         if self.attention_bias:
             problems.append("attention_bias=True is not supported (DeepSeek models have none)")
-        if self.qk_rope_head_dim % 2:
+        if self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2:
             problems.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
-        if self.n_routed_experts:
+        if self.n_routed_experts and self.n_routed_experts > 0:
             e, g = self.n_routed_experts, self.n_group
-            if g < 1 or e % g:
+            if self.num_experts_per_tok > e:
+                problems.append(
+                    f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={e}"
+                )
+            elif g < 1 or e % g:
                 problems.append(f"n_routed_experts={e} is not a multiple of n_group={g}")
             elif not 1 <= self.topk_group <= g:
                 problems.append(f"topk_group={self.topk_group} not in [1, n_group={g}]")
@@ -148,12 +178,6 @@ class DeepseekV3Config:
                 )
             if self.topk_method == "noaux_tc" and g and e % g == 0 and e // g < 2:
                 problems.append(f"noaux_tc needs >= 2 experts per group, got {e // g}")
-        if self.num_nextn_predict_layers < 0:
-            problems.append(
-                f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0"
-            )
-        if self.moe_layer_freq < 1:
-            problems.append(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             problems.append(f"dtype={self.dtype!r} is not one of bfloat16, float16, float32")
         if problems:

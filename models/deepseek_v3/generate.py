@@ -3,6 +3,7 @@
 from models.common.generate import (
     GENERATION_CONFIG_FILE,
     MIN_BUCKET,
+    MIN_TEMPERATURE,
     SPECULATIVE_DECODERS,
     GenerateStats,
     GenerationDefaults,
@@ -12,11 +13,14 @@ from models.common.generate import (
     generate,
     load_generation_config,
     sample,
+    sampling_kind,
+    scaled_logits,
 )
 
 __all__ = [
     "GENERATION_CONFIG_FILE",
     "MIN_BUCKET",
+    "MIN_TEMPERATURE",
     "SPECULATIVE_DECODERS",
     "GenerateStats",
     "GenerationDefaults",
@@ -26,4 +30,6 @@ __all__ = [
     "generate",
     "load_generation_config",
     "sample",
+    "sampling_kind",
+    "scaled_logits",
 ]

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 import wna16_jax as wj
 from models.common.modules import (
@@ -51,6 +50,8 @@ from models.common.modules import QuantParam as QuantParam
 from models.common.modules import float_experts as float_experts
 from models.common.modules import fusion_reason as fusion_reason
 from models.common.modules import random_quantized as random_quantized
+from models.common.progress import PROGRESS_DELAY_S as PROGRESS_DELAY_S
+from models.common.progress import progress_bar as progress_bar
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, yarn_get_mscale
 
 logger = logging.getLogger("models.deepseek_v3")
@@ -58,18 +59,6 @@ logger = logging.getLogger("models.deepseek_v3")
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-# A progress bar (`progress_bar`) shows once its step has run this long: a tiny model's
-# millisecond build or conversion prints nothing.
-PROGRESS_DELAY_S = 2.0
-
-
-def progress_bar(items, *, desc: str, unit: str, enabled: bool = True):
-    """`items` wrapped in a tqdm bar on stderr, shown after PROGRESS_DELAY_S seconds (never
-    when `enabled` is False)."""
-    items = list(items)
-    return tqdm(items, desc=desc, unit=unit, disable=not enabled, delay=PROGRESS_DELAY_S)
-
 
 # ---- rotary embedding -----------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -25,7 +24,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
 
 import wna16_jax as wj
 from models.common.checkpoint import (
@@ -39,10 +37,13 @@ from models.common.checkpoint import (
     fmt_shape,
     fp8_block_size,
     quant_method,
+    replace_file,
     resolve_checkpoint,
+    write_json,
     write_safetensors,
 )
 from models.common.modules import FloatExperts, Linear, QuantizedLinear, RoutedExperts
+from models.common.progress import progress_bar
 from models.deepseek_v3 import mtp as mtp_layer
 from models.deepseek_v3.config import DeepseekV3Config, QuantSpec
 from models.deepseek_v3.modeling import DeepseekV3ForCausalLM, linear_at
@@ -747,7 +748,8 @@ def load_pretrained(
             An FP8 checkpoint (quant_method "fp8") is dequantized tensor by tensor and
             quantized again: None means "int4" there (logged as a warning); a QuantSpec
             whose targets leave a linear out keeps that linear float, in `dtype`.
-        progress: show a tqdm bar over the tensors read.
+        progress: show a tqdm bar over the tensors read, once the load has run
+            PROGRESS_DELAY_S seconds (a tiny checkpoint's load prints nothing).
         specs: partition specs for the mesh (default sharding.ShardingSpecs.for_mesh).
         moe_mode: the sharded MoE's token mode (see sharding.ModelSharding).
         mtp: also load the multi-token-prediction layer (layer num_hidden_layers, the draft
@@ -797,8 +799,8 @@ def load_pretrained(
     if mtp:
         model.mtp = nnx.eval_shape(lambda: mtp_layer.MultiTokenPredictor(cfg, rngs=nnx.Rngs(0)))
     total = sum(p.num_tensors for p in plans)
-    bar = tqdm(
-        total=total, unit="tensor", desc=f"loading {os.path.basename(path)}", disable=not progress
+    bar = progress_bar(
+        total=total, unit="tensor", desc=f"loading {os.path.basename(path)}", enabled=progress
     )
     ckpt.on_read = lambda name: bar.update(1)
     # With a mesh, conversions run on the host's CPU device; only slices reach the mesh.
@@ -1080,6 +1082,10 @@ def save_pretrained(
         max_shard_bytes: when set, shards the weights into files of about this size with a
             model.safetensors.index.json (else one model.safetensors).
 
+    Each file is written under a temporary name and renamed into place; the index and weight
+    files of an earlier save into `path` that this save does not write are removed (a
+    sharded save then an unsharded one into one directory loads the second's weights).
+
     Raises:
         ValueError: unknown format, or weights (or activation quantization) the format cannot
             express.
@@ -1148,6 +1154,5 @@ def save_pretrained(
         )
     if format == "bf16":
         hf["torch_dtype"] = "bfloat16"
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(hf, f, indent=2)
     write_safetensors(path, tensors, max_shard_bytes)
+    replace_file(os.path.join(path, CONFIG_FILE), lambda tmp: write_json(tmp, hf))

@@ -659,7 +659,7 @@ def init_random(
             host, the model is drawn as without a mesh and each device sent its slice.
         specs: partition specs for the mesh (default `ShardingSpecs.for_mesh`).
         moe_mode: the sharded MoE's token mode (see `ModelSharding`).
-        progress: show a tqdm bar over the parts drawn (`modeling.progress_bar`: it appears
+        progress: show a tqdm bar over the parts drawn (`models.common.progress`: it appears
             once the build has run PROGRESS_DELAY_S seconds).
 
     With cfg.num_nextn_predict_layers = 1 the model also holds a random MTP layer

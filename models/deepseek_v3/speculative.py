@@ -31,6 +31,8 @@ from models.common.generate import (
     _compiled,
     bucket,
     logger,
+    sampling_kind,
+    scaled_logits,
 )
 from models.deepseek_v3.modeling import KVCache
 from models.deepseek_v3.mtp import draft_logits, mtp_decode, mtp_prefill
@@ -104,7 +106,7 @@ def cache_slots(batch: int, max_new_tokens: int, k: int) -> int:
 def sampling_probs(logits, temperature, top_p, *, nucleus: bool):
     """f32 [..., V]: the distribution `generate.sample` draws from (softmax of logits /
     temperature, restricted with `nucleus` to the smallest set of tokens reaching top_p)."""
-    scaled = logits / temperature
+    scaled = scaled_logits(logits, temperature)
     if not nucleus:
         return jax.nn.softmax(scaled, axis=-1)
     order = jnp.argsort(-scaled, axis=-1)
@@ -336,8 +338,7 @@ def generate_speculative(
         "graphdef": graphdef,
         "steps": max_new_tokens,
         "k": k,
-        "greedy": temperature <= 0.0,
-        "nucleus": top_p < 1.0,
+        **sampling_kind(temperature, top_p),
         "eos_ids": eos_ids,
         "fill_id": fill_id,
         "cache_len": cache_len,

@@ -8,12 +8,32 @@ import os
 from typing import Any
 
 from models.common.checkpoint import read_json
-from models.common.config import QuantSpec
+from models.common.config import QuantSpec, range_problems, type_problems
 
 # config.json model_type -> architectures entry.
 MODEL_TYPES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # What the released int4 checkpoints are (GPTQ-Int4): group 128, symmetric, float16 scales.
 GPTQ_INT4 = QuantSpec(bits=4, group_size=128, has_zp=False, scale_dtype="float16")
+
+
+# The least value of each int field, and the float fields that must be finite and positive
+# (`range_problems`).
+_INT_MINIMUM = {
+    "vocab_size": 1,
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "moe_intermediate_size": 1,
+    "shared_expert_intermediate_size": 0,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 1,
+    "num_experts": 1,
+    "num_experts_per_tok": 1,
+    "decoder_sparse_step": 1,
+    "max_position_embeddings": 1,
+}
+_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +75,32 @@ class QwenMoeConfig:
     quantization_config: dict | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
+        problems = type_problems(self)
+        if problems:  # the value checks below assume the types
+            raise ValueError("invalid Qwen MoE config: " + "; ".join(problems))
         if self.model_type not in MODEL_TYPES:
-            raise ValueError(
+            problems.append(
                 f"model_type={self.model_type!r} is not a Qwen MoE ({sorted(MODEL_TYPES)})"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+        problems += range_problems(self, _INT_MINIMUM, _POSITIVE_FLOATS)
+        if self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
+            problems.append(
                 f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"num_experts={self.num_experts}"
             )
-        if self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} is not >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            problems.append(
+                f"mlp_only_layers holds {bad}, not layers in [0, num_hidden_layers="
+                f"{self.num_hidden_layers})"
+            )
+        if problems:
+            raise ValueError("invalid Qwen MoE config: " + "; ".join(problems))
 
     # --- what the shared layers read --------------------------------------------------------
     @property
@@ -128,7 +158,7 @@ class QwenMoeConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=d.get("head_dim") or (d["hidden_size"] // heads if heads else 0),
             num_experts=d["num_experts"],
             num_experts_per_tok=d["num_experts_per_tok"],
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 import wna16_jax as wj
 from models.common.checkpoint import (
@@ -30,6 +29,7 @@ from models.common.checkpoint import (
 )
 from models.common.config import QuantSpec
 from models.common.modules import FloatExperts, Linear, QuantizedLinear, RoutedExperts, module_at
+from models.common.progress import progress_bar
 from models.qwen_moe.config import QwenMoeConfig
 from models.qwen_moe.modeling import QwenMoeForCausalLM
 
@@ -214,7 +214,8 @@ def load_pretrained(
         implementation: fused_moe backend of the routed experts (None = automatic).
         quantize: quantize float weights on load: "int4", "int8" or a QuantSpec (its targets
             say which linears); quantized ones stay as stored.
-        progress: a tqdm bar over the tensors read.
+        progress: a tqdm bar over the tensors read, once the load has run PROGRESS_DELAY_S
+            seconds (`models.common.progress`).
 
     Raises:
         FileNotFoundError: no such directory or Hub repository, or a missing file (named).
@@ -230,7 +231,9 @@ def load_pretrained(
     reader = _Reader(cfg, ckpt)
     model = nnx.eval_shape(lambda: QwenMoeForCausalLM(cfg, rngs=nnx.Rngs(0)))
     table = weight_table(cfg)
-    bar = tqdm(table, desc=f"loading {os.path.basename(path)}", unit="weight", disable=not progress)
+    bar = progress_bar(
+        table, desc=f"loading {os.path.basename(path)}", unit="weight", enabled=progress
+    )
     try:
         for name, kind, shape, target, where in bar:
             if kind == "param":

@@ -65,16 +65,25 @@ def _load_awq(tensors, cfg, prefix) -> QuantizedExperts:
     return from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=group_size)
 
 
+def _matches(pattern: str, prefix: str, rule: str, what: str) -> bool:
+    """re.match(pattern, prefix); an invalid regex is a ValueError naming the rule it came from."""
+    try:
+        return re.match(pattern, prefix) is not None
+    except re.error as err:
+        raise ValueError(f"{what}: {rule} is not a valid regular expression: {err}") from None
+
+
 def _gptq_dynamic(cfg: Mapping[str, Any], prefix: str, what: str) -> dict[str, Any]:
     """GPTQModel's per-module overrides: {"-:regex": {}} skips, {"+:regex"|"regex": {...}}."""
     for pattern, override in (cfg.get("dynamic") or {}).items():
         if pattern.startswith("-:"):
-            if re.match(pattern[2:], prefix):
+            if _matches(pattern[2:], prefix, f"GPTQ dynamic rule {pattern!r}", what):
                 raise ValueError(
                     f"{what}: the layer matches dynamic exclusion {pattern!r}; it is not quantized"
                 )
             continue
-        if re.match(pattern.removeprefix("+:"), prefix):
+        rule = f"GPTQ dynamic rule {pattern!r}"
+        if _matches(pattern.removeprefix("+:"), prefix, rule, what):
             return {**cfg, **override}
     return dict(cfg)
 
@@ -120,7 +129,11 @@ def _ct_scheme(cfg: Mapping[str, Any], prefix: str, what: str) -> Mapping[str, A
     by_regex = [
         name
         for name, grp in groups.items()
-        if any(t.startswith("re:") and re.match(t[3:], prefix) for t in grp.get("targets", ()))
+        if any(
+            t.startswith("re:")
+            and _matches(t[3:], prefix, f"compressed-tensors target {t!r} of {name!r}", what)
+            for t in grp.get("targets", ())
+        )
     ]
     by_class = [
         name
