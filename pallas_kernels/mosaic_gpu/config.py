@@ -134,7 +134,7 @@ TWO_STAGES_MAX_SLOTS = 128
 
 def default_config(
     num_slots: int, num_experts: int, group: int, down_k: int | None = None, bits: int = 4,
-    int8_rows: bool = False, per_channel: bool = False,
+    int8_rows: bool = False, per_channel: bool = False, bf16_scales: bool = True,
 ) -> MgpuConfig:  # fmt: skip
     """The heuristic config for num_slots (T*k) slots over num_experts experts: the layer's
     config where the tuned table has no entry for the problem.
@@ -154,10 +154,14 @@ def default_config(
     shared memory (`fitted_stages`: an int8 k-step takes twice int4's weight bytes; 64-row
     blocks run GEMM1 at 2 stages): guesses from int4's rules, not measured. int8 rows (W8A8)
     take int8's rules; from ROWS_FOR_128 the 128-row blocks carry exact int32 sums instead of
-    bf16 weights where both weights are per channel (per_channel), else 64-row blocks. The
-    figures behind each rule: docs/performance.md, 'Mosaic GPU configs'."""
+    bf16 weights where both weights are per channel (per_channel), else 64-row blocks; so do
+    grouped weights whose scales are not all bfloat16 (bf16_scales False: float16 / float32
+    scales multiply each bf16 weight in f32, slower than exact group sums in 64-row blocks).
+    Groups under 64 inputs (Kimi-K2's 32): 8-row blocks take k-steps of 256 inputs as g128's
+    do (a sum per group in registers: 64-row blocks keep one 64-wide tile). The figures
+    behind each rule: docs/performance.md, 'Mosaic GPU configs'."""
     rows = num_slots / num_experts
-    if rows >= ROWS_FOR_128 and (per_channel or not int8_rows):
+    if rows >= ROWS_FOR_128 and (per_channel or (not int8_rows and bf16_scales)):
         cfg = MgpuConfig(
             128, one_group_block_k(group), stages=3, consumers=2, block_n=64, down_block_n=128,
             down_stages=3, block_halvings=3, bf16_weights=not int8_rows,
@@ -166,6 +170,8 @@ def default_config(
     block_m = 8 if rows <= 4 else 16 if rows <= 32 else 64
     block_k = one_group_block_k(group)
     if block_m in (8, 64) and (group == 128 or (bits == 8 and group % 256 == 0)):
+        block_k = 256
+    if block_m == 8 and group < TILE:
         block_k = 256
     consumers = 2 if block_m == 64 else 0
     block_n = 128 if block_m == 16 else 64
@@ -238,6 +244,7 @@ class LayerShape:
     group: int
     per_channel: bool = False
     int8_rows: bool = False
+    bf16_scales: bool = True  # both weights' scales bfloat16
 
     @classmethod
     def of_layer(
@@ -247,6 +254,7 @@ class LayerShape:
         return cls(
             num_slots, num_experts, w13.k, w2.k, w13.bits, layer_group(w13, w2),
             per_channel=w13.group == w13.k and w2.group == w2.k, int8_rows=int8_rows,
+            bf16_scales=all(w.scales.dtype == jnp.bfloat16 for w in (w13, w2)),
         )  # fmt: skip
 
     def table_problem(self) -> dict:
@@ -278,7 +286,7 @@ def layer_default_config(shape: LayerShape) -> MgpuConfig:
     """`default_config` of a layer."""
     return default_config(
         shape.num_slots, shape.num_experts, shape.group, shape.intermediate, shape.bits,
-        int8_rows=shape.int8_rows, per_channel=shape.per_channel,
+        int8_rows=shape.int8_rows, per_channel=shape.per_channel, bf16_scales=shape.bf16_scales,
     )  # fmt: skip
 
 
