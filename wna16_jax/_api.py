@@ -499,7 +499,8 @@ def preferred_layout(
     whose backend accepts the fused_moe problem of these arguments here, else "canonical".
 
     For mgpu_int4 / mgpu_int8 (the 'mgpu' backend) that is an sm_90 GPU, int4 / int8 for both
-    weights, silu, feature counts and groups in multiples of 64, and either bfloat16
+    weights, silu, feature counts in multiples of 64, groups of 16, 32 or multiples of 64
+    (scales in bfloat16, float16 or float32), and either bfloat16
     activations or, with activation_quant (W8A8), symmetric int8 weights and any x dtype (the
     GEMMs read int8 rows).
 

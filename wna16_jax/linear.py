@@ -109,7 +109,8 @@ def preferred_layout(
     """The layout to convert the linear weight `w` to once (at load) so that `implementation`
     runs it here: for None (the automatic choice) the first of _dispatch.preferred_layouts()
     whose backend's grouped GEMM takes it (mgpu_int4 / mgpu_int8 for the 'mgpu' GEMM: an sm_90
-    GPU, int4 / int8, bfloat16 activations, N, K and the group multiples of 64), for a backend
+    GPU, int4 / int8, bfloat16 activations, N and K multiples of 64, groups of 16, 32 or
+    multiples of 64), for a backend
     name the first of
     its layouts in which it takes it; else "canonical" (where 'pallas' or 'xla' run it).
 
