@@ -770,6 +770,49 @@ def set_module(root: nnx.Module, path: tuple, value) -> None:
         setattr(parent, path[-1], value)
 
 
+# ---- the decoder ---------------------------------------------------------------------------
+
+
+class PreNormDecoderLayer(nnx.Module):
+    """A pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x)), the MLP the
+    family's MoE on its MoE layers (`cfg.is_moe_layer`), else a dense gated MLP. A family
+    subclasses it, naming its ATTENTION and MOE modules (each built as cls(cfg, rngs=))."""
+
+    ATTENTION: type
+    MOE: type
+
+    def __init__(self, cfg, layer_idx: int, *, rngs: Rng):
+        self.self_attn = self.ATTENTION(cfg, rngs=rngs)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = self.MOE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, cfg.intermediate_size, target="dense_mlp", rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(
+            cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs
+        )
+
+    def __call__(self, x, **attn_kw):
+        h, new_cache = self.self_attn(self.input_layernorm(x), **attn_kw)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_cache
+
+
+class DecoderStack(nnx.Module):
+    """The embedding, the family's decoder layers (LAYER, built as cls(cfg, i, rngs=)) and the
+    final norm, drawing their random weights in that order."""
+
+    LAYER: type
+
+    def __init__(self, cfg, *, rngs: Rng):
+        self.embed_tokens = Embed(cfg, rngs=rngs)
+        self.layers = nnx.List(
+            [self.LAYER(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
+
+
 # ---- causal masks ---------------------------------------------------------------------------
 
 

@@ -23,12 +23,14 @@ from flax import nnx
 import wna16_jax as wj
 from models.common.modules import (
     MLP,
+    DecoderStack,
     Embed,
     FloatExperts,
     FusedLinear,
     Fusion,
     Linear,
     ModelSharding,
+    PreNormDecoderLayer,
     QuantizedLinear,
     RMSNorm,
     Rng,
@@ -401,33 +403,14 @@ class MoE(nnx.Module):
 # ---- model ----------------------------------------------------------------------------------
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, *, rngs: Rng):
-        self.self_attn = MLAttention(cfg, rngs=rngs)
-        if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, rngs=rngs)
-        else:
-            self.mlp = MLP(cfg, cfg.intermediate_size, target="dense_mlp", rngs=rngs)
-        self.input_layernorm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(
-            cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs
-        )
-
-    def __call__(self, x, **attn_kw):
-        h, new_cache = self.self_attn(self.input_layernorm(x), **attn_kw)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_cache
+class DecoderLayer(PreNormDecoderLayer):
+    ATTENTION = MLAttention
+    MOE = MoE
 
 
-class DeepseekV3Model(nnx.Module):
+class DeepseekV3Model(DecoderStack):
     # The parts draw their random weights in the order `random_parts` lists.
-    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
-        self.embed_tokens = Embed(cfg, rngs=rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
+    LAYER = DecoderLayer
 
 
 def decode_positions_and_mask(cache: KVCache, b: int, s: int):

@@ -19,10 +19,11 @@ from flax import nnx
 import wna16_jax as wj
 from models.common.modules import (
     MLP,
-    Embed,
+    DecoderStack,
     FloatExperts,
     FusedLinear,
     Linear,
+    PreNormDecoderLayer,
     QuantizedLinear,
     RMSNorm,
     Rng,
@@ -221,32 +222,13 @@ class MoE(nnx.Module):
 # ---- model ----------------------------------------------------------------------------------
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: QwenMoeConfig, layer_idx: int, *, rngs: Rng):
-        self.self_attn = Attention(cfg, rngs=rngs)
-        if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, rngs=rngs)
-        else:
-            self.mlp = MLP(cfg, cfg.intermediate_size, target="dense_mlp", rngs=rngs)
-        self.input_layernorm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(
-            cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs
-        )
-
-    def __call__(self, x, **attn_kw):
-        h, new_cache = self.self_attn(self.input_layernorm(x), **attn_kw)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_cache
+class DecoderLayer(PreNormDecoderLayer):
+    ATTENTION = Attention
+    MOE = MoE
 
 
-class QwenMoeModel(nnx.Module):
-    def __init__(self, cfg: QwenMoeConfig, *, rngs: Rng):
-        self.embed_tokens = Embed(cfg, rngs=rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
+class QwenMoeModel(DecoderStack):
+    LAYER = DecoderLayer
 
 
 class QwenMoeForCausalLM(nnx.Module):
