@@ -178,7 +178,8 @@ def test_hub_id_downloads_only_the_files_loading_reads(tmp_path, monkeypatch):
     assert repo_id == "org/tiny-v3" and kw["revision"] == "v1" and kw["cache_dir"] == tmp_path / "c"
     assert set(kw["allow_patterns"]) == {
         "config.json", "model.safetensors.index.json", "*.safetensors",
-        "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tiktoken.model",
+        "chat_template.jinja",
     }  # fmt: skip
     ids = random_ids(np.random.default_rng(0), (1, 6), model.cfg)
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(model, ids))

@@ -302,7 +302,7 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block) -> np.ndarr
 # Hub download fetches, nothing else (a repository may also hold .bin / .pt copies, docs, code).
 HUB_FILES = (
     CONFIG_FILE, INDEX_FILE, "*.safetensors", "generation_config.json", "tokenizer.json",
-    "tokenizer_config.json",
+    "tokenizer_config.json", "tiktoken.model", "chat_template.jinja",  # Kimi-K2's tokenizer
 )  # fmt: skip
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -11,20 +11,13 @@ import os
 from collections.abc import Sequence
 from typing import Protocol
 
+from models.common.checkpoint import read_json
 from models.common.tiktoken_tokenizer import (
     TIKTOKEN_FILE,
     TiktokenTokenizer,
     kimi_special_tokens,
     read_tiktoken_ranks,
 )
-
-
-def _read_json(path: str | os.PathLike) -> dict:
-    """models.deepseek_v3's read_json (the JSON object in `path`, errors naming the file),
-    imported when called: models.deepseek_v3 imports this module."""
-    from models.deepseek_v3.config import read_json
-
-    return read_json(path)
 
 
 class Tokenizer(Protocol):
@@ -94,7 +87,7 @@ def _tiktoken_tokenizer(
     """The tiktoken.model of the directory `path` with tokenizer_config.json's special tokens;
     bos/eos/pad not given are its bos_token / eos_token / pad_token."""
     config_file = os.path.join(path, TOKENIZER_CONFIG_FILE)
-    config = _read_json(config_file) if os.path.exists(config_file) else {}
+    config = read_json(config_file) if os.path.exists(config_file) else {}
     added = config.get("added_tokens_decoder") or {}
     names = {}
     for key, token in added.items():
@@ -140,7 +133,7 @@ def load_tokenizer(path: str | os.PathLike | None = None, *, cfg=None) -> Tokeni
         bos, pad = cfg.bos_token_id, cfg.pad_token_id
         eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
     elif path is not None and os.path.exists(os.path.join(path, "config.json")):
-        hf = _read_json(os.path.join(path, "config.json"))
+        hf = read_json(os.path.join(path, "config.json"))
         bos, pad = hf.get("bos_token_id"), hf.get("pad_token_id")
         eos = hf.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
@@ -249,7 +242,7 @@ def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
             f"{config_file} does not exist, nor {CHAT_TEMPLATE_FILE} beside it: no chat template "
             f"to apply"
         )
-    hf = _read_json(config_file) if has_config else {}
+    hf = read_json(config_file) if has_config else {}
     tokens = {k: text for k in _SPECIAL_TOKENS if (text := _token_text(hf.get(k))) is not None}
     if has_jinja:
         with open(jinja_file, encoding="utf-8") as f:
