@@ -33,6 +33,7 @@ from test_deepseek_v3_common import (
 from test_deepseek_v3_reference import reference_logits
 
 import wna16_jax as wj
+from models.common import progress as progress_module
 from models.deepseek_v3 import QuantSpec, load_pretrained, save_pretrained, sharding
 from models.deepseek_v3 import params as params_module
 from models.deepseek_v3.modeling import (
@@ -239,7 +240,7 @@ def test_fp8_default_is_int4_with_a_warning(fp8, caplog, monkeypatch):
     bars = []
 
     class Bar:
-        def __init__(self, total, **kw):
+        def __init__(self, iterable=None, *, total, **kw):
             self.total, self.n = total, 0
             bars.append(self)
 
@@ -258,7 +259,7 @@ def test_fp8_default_is_int4_with_a_warning(fp8, caplog, monkeypatch):
         most_alive[0] = max(most_alive[0], sum(r() is not None for r in live))
         return out
 
-    monkeypatch.setattr(params_module, "tqdm", Bar)
+    monkeypatch.setattr(progress_module, "tqdm", Bar)
     monkeypatch.setattr(params_module, "dequantize_fp8", tracked)
     with caplog.at_level(logging.WARNING, logger="models.deepseek_v3"):
         model = load_pretrained(fp8.path, dtype=jnp.float32, progress=False)

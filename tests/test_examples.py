@@ -596,7 +596,8 @@ def test_tune_mgpu_w8a8_layer(tmp_path, monkeypatch):
     scheme = dict(bits=8, group_size=-1, has_zeros=False)
     w13 = wj.random_quantized_experts(jax.random.key(0), (e, 2 * i, h), **scheme)
     w2 = wj.random_quantized_experts(jax.random.key(0), (e, h, i), **scheme)
-    assert entry["problem"] == mgpu_config.table_problem(e, w13, w2, int8_rows=True)
+    shape = mgpu_config.LayerShape.of_layer(top_k, e, w13, w2, int8_rows=True)
+    assert entry["problem"] == shape.table_problem()
     assert entry["problem"]["activations"] == "int8" and entry["M"] == top_k
     wj.MgpuConfig(**entry["config"])
 
