@@ -14,6 +14,10 @@ described beside their conversions (pallas_kernels/mosaic_gpu/layout.py).
 from __future__ import annotations
 
 from wna16_jax._dispatch import kernel_layout_reason, to_canonical_layout, to_kernel_layout
-from wna16_jax._types import LAYOUTS
+from wna16_jax._types import LAYOUTS, MGPU_TILE
 
-__all__ = ["LAYOUTS", "kernel_layout_reason", "to_canonical_layout", "to_kernel_layout"]
+# MGPU_TILE: the kernel layouts' tiles are MGPU_TILE x MGPU_TILE weights, so a shard of such a
+# weight holds whole tiles (its N and K splits multiples of MGPU_TILE).
+__all__ = [
+    "LAYOUTS", "MGPU_TILE", "kernel_layout_reason", "to_canonical_layout", "to_kernel_layout",
+]  # fmt: skip
