@@ -178,10 +178,7 @@ def test_family_on_a_mesh(devices8, family, kind, axes):
     model, ref = _load(family, kind)
     want = np.asarray(model(ref["ids"]))
     mesh = make_mesh(**axes, devices=devices8)
-    if family == "kimi_k2":
-        models.deepseek_v3.shard_model(model, mesh)
-    else:
-        models.qwen_moe.sharding.shard_model(model, mesh)
+    models.prepare(model, mesh=mesh)  # the family's shard_model, from the registry
     experts = next(
         m for _, m in nnx.iter_modules(model) if isinstance(m, (RoutedExperts, FloatExperts))
     )
