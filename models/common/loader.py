@@ -88,6 +88,22 @@ Row = tuple[str, str, str, str, "str | None"]
 KINDS = ("weight", "param", "param_f32", "linear", "experts")
 
 
+# The rows every pre-norm decoder family holds under Hugging Face's names: the embedding, the
+# final norm, the head and each layer's two norms (letters V vocabulary, H hidden; conditions
+# "always" and "untied"), and a dense layer's gated MLP (F its intermediate size, condition
+# "dense"). A family's table starts with them and adds its attention and MoE rows.
+DECODER_ROWS: tuple[Row, ...] = (
+    ("model.embed_tokens", "weight", "V H", "always", None),
+    ("model.norm", "weight", "H", "always", None),
+    ("lm_head", "linear", "V H", "untied", None),
+    ("layer.input_layernorm", "weight", "H", "always", None),
+    ("layer.post_attention_layernorm", "weight", "H", "always", None),
+    ("layer.mlp.gate_proj", "linear", "F H", "dense", "dense_mlp"),
+    ("layer.mlp.up_proj", "linear", "F H", "dense", "dense_mlp"),
+    ("layer.mlp.down_proj", "linear", "H F", "dense", "dense_mlp"),
+)
+
+
 def hf_module_path(name: str) -> tuple[str | int, ...]:
     """The module path of an HF name: its parts, integers for list indices (the NNX modules
     carry HF's names)."""
@@ -115,8 +131,7 @@ class NameTable:
         dims: {shape letter: cfg -> size}.
         present: {condition: (cfg, layer index or None) -> bool}.
         model_class, config_class: its CausalLM subclass and config (`from_json(path, dtype=,
-            quant=)`, `to_hf_dict()`).
-        logger: the family's logger name (what loading logs and warns under).
+            quant=)`, `to_hf_dict()`); loading logs under the model's package's logger.
         module_path: HF name -> module path (default `hf_module_path`; Qwen's biases live on
             the attention as `q_bias`).
         draft: its draft layer, or None.
@@ -131,7 +146,6 @@ class NameTable:
     present: Mapping[str, Callable]
     model_class: type
     config_class: type
-    logger: str
     module_path: Callable[[str], tuple] = hf_module_path
     draft: DraftLayer | None = None
     sharded_loading: Callable | None = None
@@ -152,12 +166,24 @@ class NameTable:
         if bad:
             raise ValueError("name table: " + "; ".join(bad))
 
+    def __repr__(self) -> str:
+        return f"NameTable({self.model_class.__name__}, {len(self.rows)} rows)"
+
     def shape(self, cfg, dims: str) -> tuple[int, ...]:
         return tuple(self.dims[d](cfg) for d in dims.split())
 
     @property
     def log(self) -> logging.Logger:
-        return logging.getLogger(self.logger)
+        """The family's logger ("models.deepseek_v3", ...)."""
+        return logging.getLogger(self.model_class.__module__.rpartition(".")[0])
+
+    def load_pretrained(self, path, **kwargs):
+        """`load_pretrained(self, path, **kwargs)`: the family's loader."""
+        return load_pretrained(self, path, **kwargs)
+
+    def save_pretrained(self, model, path, **kwargs) -> None:
+        """`save_pretrained(self, model, path, **kwargs)`: the family's writer."""
+        save_pretrained(self, model, path, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
