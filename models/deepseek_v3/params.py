@@ -88,6 +88,7 @@ NAMES = loader.NameTable(
         rows=mtp_layer.MTP_NAME_TABLE,
         build=mtp_layer.MultiTokenPredictor,
         check=mtp_layer.check_mtp_config,
+        saved_copies=mtp_layer.saved_copies,
     ),
     sharded_loading=_sharded_loading,
 )
