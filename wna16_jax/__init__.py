@@ -1,6 +1,6 @@
 """wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
 
-from wna16_jax import formats, layouts, linear, sharding
+from wna16_jax import backend_api, formats, layouts, linear, sharding
 from wna16_jax._api import (
     fused_moe,
     gemm_config,
@@ -30,6 +30,7 @@ __all__ = [
     "BlockConfig",
     "MgpuConfig",
     "QuantizedExperts",
+    "backend_api",
     "backend_layout",
     "check_finite",
     "dequantize_experts",
@@ -56,7 +57,9 @@ def __getattr__(name: str):
     importing wna16_jax imports no kernels."""
     from wna16_jax import _dispatch
 
-    found = _dispatch.config_class(name)
+    # A class name only: `from wna16_jax import <submodule>` asks here first, before the
+    # submodule is imported, and must not load the backends (they import the library).
+    found = _dispatch.config_class(name) if name[:1].isupper() else None
     if found is None:
         raise AttributeError(f"module 'wna16_jax' has no attribute {name!r}")
     return found
