@@ -9,7 +9,13 @@ from wna16_jax._api import (
     preferred_layout,
     select_implementation,
 )
-from wna16_jax._dispatch import Backend, backend_layout, register_backend, registered_backends
+from wna16_jax._dispatch import (
+    REFERENCE_BACKEND,
+    Backend,
+    backend_layout,
+    register_backend,
+    registered_backends,
+)
 from wna16_jax._quant import (
     check_finite,
     dequantize_experts,
@@ -30,6 +36,7 @@ __all__ = [
     "BlockConfig",
     "MgpuConfig",
     "QuantizedExperts",
+    "REFERENCE_BACKEND",
     "backend_api",
     "backend_layout",
     "check_finite",

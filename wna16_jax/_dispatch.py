@@ -198,6 +198,11 @@ class Backend:
 
 _REGISTRY: dict[str, Backend] = {}
 
+# The reference backend's name: pure jnp in f32, any platform, any layout (its layer is
+# _reference.fused_moe, its linear a dequantize and one dot); the CPU default. Model code names
+# it through this constant (wna16_jax.REFERENCE_BACKEND), never as a string.
+REFERENCE_BACKEND = "xla"
+
 # Tried in order by automatic selection. 'pallas_interpret' is never chosen automatically.
 PRIORITY: dict[str, tuple[str, ...]] = {
     # 'mgpu' runs only weights in its own layout, which 'pallas' refuses.
@@ -646,7 +651,7 @@ def _xla_gemm_config(shape: GemmShape, config: BlockConfig | None):
 
 
 XLA_BACKEND = Backend(
-    name="xla",
+    name=REFERENCE_BACKEND,
     unsupported_reason=_xla_unsupported_reason,
     fused_moe=_xla_fused_moe,
     align_unsupported_reason=lambda problem: None,

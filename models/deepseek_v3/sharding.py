@@ -593,7 +593,7 @@ def shard_model(
     on_kernel = [
         m
         for _, m in nnx.iter_modules(model)
-        if isinstance(m, QuantizedLinear) and m.implementation != "xla"
+        if isinstance(m, QuantizedLinear) and m.implementation != wj.REFERENCE_BACKEND
     ]
     for m in on_kernel:
         m.set_layout("canonical")  # placed as the canonical weight, converted again below
