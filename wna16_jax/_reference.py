@@ -169,8 +169,6 @@ def grouped_matmul_int8(
     """
     bm = routing.block_m
     num_slots = a_q.shape[0] * top_k
-    n, k = qw.n, qw.k
-    g = qw.group
     ids = routing.sorted_token_ids
     num_used_blocks = routing.num_tokens_post_padded // bm
 
@@ -179,24 +177,32 @@ def grouped_matmul_int8(
         valid = slot < num_slots
         row = jnp.where(valid, slot // top_k, 0)
         e = routing.expert_ids[b]
-        w, s = _signed_weights_one(qw, jnp.maximum(e, 0))  # [N, K] int, [N, G] f32
-        rows = a_q[row].astype(w.dtype).reshape(bm, k // g, g)  # [bm, G, g]
-        acc = jax.lax.dot_general(
-            rows,
-            w.reshape(n, k // g, g),
-            dimension_numbers=(((2,), (2,)), ((1,), (1,))),
-            preferred_element_type=jnp.int32,
-        )  # [G, bm, N] exact
-        y = jnp.sum(acc.astype(jnp.float32) * s.T[:, None, :], axis=0)  # [bm, N]
-        y = y * a_scale[row][:, None]
+        y = _int8_rows_times(a_q[row], a_scale[row], qw, jnp.maximum(e, 0))  # [bm, N]
         if routed_weights is not None:
             y = y * routed_weights[jnp.where(valid, slot, 0)][:, None]
         y = jnp.where((e >= 0) & valid[:, None], y, 0.0)
         return out.at[jnp.where(valid, slot, num_slots)].set(y)
 
-    out = jnp.zeros((num_slots + 1, n), jnp.float32)
+    out = jnp.zeros((num_slots + 1, qw.n), jnp.float32)
     out = jax.lax.fori_loop(0, num_used_blocks, body, out)
     return out[:num_slots]
+
+
+def _int8_rows_times(q, scale, qw: QuantizedExperts, e):
+    """f32 [R, N] = int8 rows q [R, K] (scales f32 [R]) times expert `e` (traced) of `qw`,
+    transposed: each group's integer dot exact in int32, then the weight scales and the row
+    scales in f32 (the W8A8 kernels' epilogue order)."""
+    w, s = _signed_weights_one(qw, e)  # [N, K] int, [N, G] f32
+    r, k = q.shape
+    g = qw.group
+    acc = jax.lax.dot_general(
+        q.astype(w.dtype).reshape(r, k // g, g),  # [R, G, g]
+        w.reshape(qw.n, k // g, g),
+        dimension_numbers=(((2,), (2,)), ((1,), (1,))),
+        preferred_element_type=jnp.int32,
+    )  # [G, R, N] exact
+    y = jnp.sum(acc.astype(jnp.float32) * s.T[:, None, :], axis=0)  # [R, N]
+    return y * scale[:, None]
 
 
 # ---- the layer: computed on its own, not through _pipeline -----------------------------------
@@ -208,22 +214,11 @@ TOKEN_BLOCK = 16
 
 def _gemm_rows(a, qw: QuantizedExperts, e):
     """f32 [R, N] = rows a [R, K] times expert `e` (traced) of `qw`, transposed: in f32 on the
-    dequantized weight for float rows; for Int8Rows, each group's integer dot exact in int32,
-    then the weight scales and the row scales in f32 (the W8A8 kernels' epilogue order)."""
-    if not isinstance(a, Int8Rows):
-        w = _dequantize_one(qw, e)  # [N, K] f32
-        return jnp.dot(a.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
-    w, s = _signed_weights_one(qw, e)  # [N, K] int, [N, G] f32
-    r, k = a.q.shape
-    g = qw.group
-    acc = jax.lax.dot_general(
-        a.q.astype(w.dtype).reshape(r, k // g, g),
-        w.reshape(qw.n, k // g, g),
-        dimension_numbers=(((2,), (2,)), ((1,), (1,))),
-        preferred_element_type=jnp.int32,
-    )  # [G, R, N] exact
-    y = jnp.sum(acc.astype(jnp.float32) * s.T[:, None, :], axis=0)  # [R, N]
-    return y * a.scale[:, None]
+    dequantized weight for float rows; exact for Int8Rows (`_int8_rows_times`)."""
+    if isinstance(a, Int8Rows):
+        return _int8_rows_times(a.q, a.scale, qw, e)
+    w = _dequantize_one(qw, e)  # [N, K] f32
+    return jnp.dot(a.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
 
 
 def _expert_layer(x, w13, w2, e, *, activation: str, activation_quant):
