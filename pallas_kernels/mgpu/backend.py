@@ -1,5 +1,5 @@
 """The 'mgpu' and 'mgpu_interpret' backends (the Mosaic GPU GEMM, weights in the mgpu_int4 or
-mgpu_int8 layout): fused_moe, moe_align_block_size and the grouped GEMM (the quantized
+mgpu_int8 layout): their MoE stages, moe_align_block_size and the grouped GEMM (the quantized
 linear's)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The 'pallas' and 'pallas_interpret' backends (the Triton-lowered kernels, weights in the
-canonical layout): fused_moe, moe_align_block_size and the grouped GEMM."""
+canonical layout): their MoE stages, moe_align_block_size and the grouped GEMM."""
 
 from __future__ import annotations
 

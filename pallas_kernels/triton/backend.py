@@ -1,4 +1,4 @@
-"""The 'triton' backend (Triton kernels called through jax_triton): fused_moe,
+"""The 'triton' backend (Triton kernels called through jax_triton): MoE stages,
 moe_align_block_size and the grouped GEMM.
 
 Importing this module imports neither triton nor jax_triton: `unsupported_reason` tries them
