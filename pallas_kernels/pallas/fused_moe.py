@@ -215,7 +215,10 @@ def stages(
     """
     return backend_api.MoeStages(
         plan=functools.partial(
-            _plan, config=config, activation=activation, activation_quant=activation_quant,
+            _plan,
+            config=config,
+            activation=activation,
+            activation_quant=activation_quant,
             batch_invariant=batch_invariant,
         ),  # fmt: skip
         route=functools.partial(_route, interpret=interpret),

@@ -18,9 +18,7 @@ from wna16_jax.backend_api import BlockConfig, activate
 def _plan(
     num_slots, num_experts, w13, w2, *, config, batch_invariant
 ) -> tuple[BlockConfig, BlockConfig]:
-    return block_configs(
-        num_slots, w13, w2, config, rules=RULES, batch_invariant=batch_invariant
-    )
+    return block_configs(num_slots, w13, w2, config, rules=RULES, batch_invariant=batch_invariant)
 
 
 def _route(a, topk_ids, plan, *, num_experts, expert_map, distinct_experts, interpret):
