@@ -9,6 +9,7 @@ import functools
 from collections.abc import Callable
 
 from wna16_jax.backend_api import (
+    BATCH_INVARIANT_M,
     BlockConfig,
     ConfigRules,
     GemmShape,
@@ -223,6 +224,7 @@ def block_configs(
     resolve_for = functools.partial(resolve, rules)
     if batch_invariant:
         resolve_for = functools.partial(batch_invariant_config, resolve_for)
+        name = f"{name} batch-invariant (the configs of M={BATCH_INVARIANT_M}, no K split)"
     (c1, src1), (c2, src2) = (resolve_for(s, config) for s in shapes)
     c2 = dataclasses.replace(c2, block_m=c1.block_m)
     if c1.block_m < 16 and c2.dot == "mma":  # rows GEMM1 aligned below a tensor-core tile
