@@ -113,3 +113,23 @@ def test_backends_that_guarantee_it():
     assert reason is not None and "K splits" in reason
     for name in ("xla", "pallas", "pallas_interpret", "triton"):
         assert _dispatch.get_backend(name).batch_invariant_reason is None, name
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_w8a8_rows_batch_invariant(rng, implementation):
+    """int8 activations (a scale per token) on int8 per-channel symmetric experts: each row
+    alone and among M in {1, 2, 7, 64} rows, bit for bit."""
+    e, k, h, i = 8, 2, 128, 128
+    x = jnp.asarray(rng.normal(size=(64, h)), jnp.bfloat16)
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 8, -1, False, jnp.bfloat16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 8, -1, False, jnp.bfloat16)
+    tw, ti = helpers.random_routing(rng, 64, k, e)
+
+    def call(rows):
+        return wj.fused_moe(
+            x[rows], w13, w2, jnp.asarray(tw[rows]), jnp.asarray(ti[rows]),
+            implementation=implementation, activation_quant="int8_per_token",
+            batch_invariant=True,
+        )  # fmt: skip
+
+    assert_rows_batch_invariant(call, 64, f"{implementation} W8A8 fused_moe")
