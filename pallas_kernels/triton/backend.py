@@ -127,6 +127,7 @@ BACKENDS = (
         stages=_stages,
         align_unsupported_reason=align_unsupported_reason,
         moe_align_block_size=_align,
+        batch_invariant_reason=None,  # the stages' and the GEMM's configs at a fixed M, no K split
         grouped_matmul=GroupedMatmul(
             unsupported_reason=gemm_unsupported_reason,
             config=functools.partial(backend_api.resolve, RULES),
