@@ -54,7 +54,7 @@ __all__ = [
 
 def __getattr__(name: str):
     """A registered backend's config class by its name (wj.MgpuConfig: the 'mgpu' backend's,
-    defined in its folder, pallas_kernels/mosaic_gpu/), looked up when first used so that
+    defined in its folder, pallas_kernels/mgpu/), looked up when first used so that
     importing wna16_jax imports no kernels."""
     from wna16_jax import _dispatch
 

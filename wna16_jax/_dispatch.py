@@ -198,9 +198,9 @@ DEFAULT_PRIORITY: tuple[str, ...] = ("xla",)
 # registers (imported on the registry's first use; importing the 'triton' backend needs neither
 # triton nor jax_triton).
 BUILTIN_BACKEND_MODULES = (
+    "pallas_kernels.pallas.backend",
+    "pallas_kernels.mgpu.backend",
     "pallas_kernels.triton.backend",
-    "pallas_kernels.mosaic_gpu.backend",
-    "pallas_kernels.jax_triton.backend",
 )
 
 
