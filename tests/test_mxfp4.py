@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.pallas.wna16_gemm import wna16_gemm
+from wna16_jax._configs import GemmShape, config_problems
+from wna16_jax._types import BlockConfig
 from wna16_jax.formats import mxfp4
 
 # ---- decode ---------------------------------------------------------------------------------
@@ -253,3 +256,59 @@ def test_biases_are_checked_and_refused_by_backends_without_them(rng):
         wj.fused_moe(x, w13, w2, tw, ids, activation="gelu")
     with pytest.raises(ValueError, match="alpha"):
         wj.ClampedSwiGLU(alpha=-1.0)
+
+
+# ---- the Pallas kernel's paths --------------------------------------------------------------
+
+
+def _pallas_configs() -> list[BlockConfig]:
+    """Configs of every decode path of the Pallas GEMM on MXFP4 (K=256): one group per k-tile
+    and several, each unpack mode, tensor-core and CUDA-core dots, split-K."""
+    shape = GemmShape(m=8, n=64, k=256, num_experts=4, bits=4, group=32, group_size=32,
+                      scale_bytes=1, codes="e2m1")  # fmt: skip
+    out = []
+    for unpack in ("slices", "tile", "join"):
+        for dot, block_m in (("mma", 16), ("fma", 4)):
+            for block_k in (32, 64, 128, 256):
+                for split_k in (1, 2):
+                    cfg = BlockConfig(block_m=block_m, block_n=32, block_k=block_k,
+                                      split_k=split_k, unpack=unpack, dot=dot)  # fmt: skip
+                    if not config_problems(cfg, shape) and 256 // block_k % split_k == 0:
+                        out.append(cfg)
+    return out
+
+
+# Every path in bf16; f32 and f16 activations on the one-k-step configs of each unpack mode.
+PALLAS_CASES = [(c, jnp.bfloat16) for c in _pallas_configs()] + [
+    (c, dtype)
+    for c in _pallas_configs()
+    if c.block_k == 256 and c.dot == "mma"
+    for dtype in (jnp.float16, jnp.float32)
+]
+
+
+@pytest.mark.parametrize(
+    "config, dtype", PALLAS_CASES, ids=[f"{c}-{jnp.dtype(d).name}" for c, d in PALLAS_CASES]
+)
+def test_pallas_gemm_paths(rng, config, dtype):
+    """Every path of the Pallas grouped GEMM (interpreted) on MXFP4 weights whose scales lie on
+    both sides of 1 matches the f32 reference on the same weights: E2M1 values times powers of
+    two are exact in bf16, so each path is exact up to f32 summation order."""
+    t, top_k, e, n, k = 4, 2, 4, 64, 256
+    w = wj.random_quantized_experts(rng, (e, n, k), scheme="mxfp4", std=18.0)
+    scales = np.asarray(w.scales)
+    assert scales.min() < 127 < scales.max()
+    a = jnp.asarray(rng.normal(size=(t, k)), dtype)
+    _, ids = helpers.random_routing(rng, t, top_k, e)
+    routing = wj.moe_align_block_size(
+        jnp.asarray(ids), num_experts=e, block_m=config.block_m, implementation="xla"
+    )
+    out = wna16_gemm(
+        a, w, routing, top_k=top_k, config=config, interpret=True, out_dtype=jnp.float32
+    )
+    rows = np.asarray(a, np.float64)[np.arange(t * top_k) // top_k]
+    ref = np.einsum("sk,snk->sn", rows, helpers.numpy_dequantize(w)[ids.reshape(-1)])
+    helpers.assert_finite_and_close(
+        np.asarray(out), ref, 1e-5, f"pallas {config} {jnp.dtype(dtype).name}", slack=5.0,
+        require_signal=True,
+    )  # fmt: skip

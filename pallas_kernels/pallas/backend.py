@@ -19,6 +19,7 @@ from wna16_jax._dispatch import (
     compiled_and_interpreted,
     cuda_gpu_reason,
 )
+from wna16_jax._types import CODES
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -113,4 +114,5 @@ BACKENDS = compiled_and_interpreted(
     gemm=grouped_matmul,
     gemm_config=functools.partial(_configs.resolve, pallas_moe.RULES),
     gemm_shape_reason=gemm_shape_reason,
+    codes=CODES,
 )

@@ -1,4 +1,4 @@
-"""Dequant-fused grouped matmul over block-sorted token slots (int4/int8 weights, split-K)."""
+"""Dequant-fused grouped matmul over block-sorted token slots (int4/int8/MXFP4 weights, split-K)."""
 
 from __future__ import annotations
 
@@ -47,16 +47,17 @@ def _product(a, w, dot: str):
     return _dot(a, w) if dot == "mma" else jnp.sum(_fma(a, w), axis=2)
 
 
-def scales_per_group(*, block_k, unpack, dot, bits, group, dtype) -> bool:
+def scales_per_group(*, block_k, unpack, dot, bits, group, dtype, codes="int") -> bool:
     """Whether the kernel takes its exact fast path: values as 16-bit (offset + v) products,
     the scale applied to each group's [bm, bn] product; else the general path, which scales
     each value in f32 and rounds it to `dtype` when a k-tile holds several groups.
 
     The fast path needs unpack="slices" or "join", values exact in `dtype` (int4, or int8 in
-    fp16) and, for tensor-core dots, at least 16 features per dot (a group's slice, or with
-    "join" the group's part of the tile).
+    fp16; E2M1 values in any dtype) and, for tensor-core dots, at least 16 features per dot (a
+    group's slice, or with "join" the group's part of the tile).
     """
-    if unpack == "tile" or _dequant.half_magic_offset(bits, dtype) is None:
+    exact = codes == "e2m1" or _dequant.half_magic_offset(bits, dtype) is not None
+    if unpack == "tile" or not exact:
         return False
     if unpack == "join":  # one dot over a group's (part of the tile's) features
         return min(block_k, group) >= 16
@@ -80,10 +81,16 @@ def _tile_products(
     unpack,
     asm,
     dot,
+    codes="int",
 ):
     """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for each n_idx."""
     if scales_per_group(block_k=block_k, unpack=unpack, dot=dot, bits=bits, group=group,
-                        dtype=a_ref.dtype):  # fmt: skip
+                        dtype=a_ref.dtype, codes=codes):  # fmt: skip
+        if codes == "e2m1":
+            return _e2m1_slices_per_group(
+                a_ref, qw_ref, s_ref, e, row, n_idxs, k0, block_k=block_k, group=group,
+                dot=dot, joined=unpack == "join",
+            )  # fmt: skip
         return _half_slices_per_group(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=block_k,
             group=group, has_zeros=has_zeros, asm=asm, dot=dot, joined=unpack == "join",
@@ -105,9 +112,43 @@ def _tile_products(
             has_zeros=has_zeros,
             unpack=unpack,
             dot=dot,
+            codes=codes,
         )
         for n_idx in n_idxs
     )
+
+
+def _e2m1_slices_per_group(
+    a_ref, qw_ref, s_ref, e, row, n_idxs, k0, *, block_k, group, dot, joined
+):  # fmt: skip
+    """`_half_slices_per_group` for MXFP4: each value slice decoded to its E2M1 values (exact
+    in the activation dtype) meets its activations in one dot per group, and the group's
+    power-of-two scale multiplies the product (no offset or zero point to take off)."""
+    per_word = 8
+    group_k = min(block_k, group)
+    count = group_k // per_word
+    products = [None] * len(n_idxs)  # mma: [bm, bn]; fma: [bm, bn, W]; scaled, over groups
+    for part in range(block_k // group_k):
+        words = (part * count, count)
+        if joined:
+            kk = k0 + part * group_k + jnp.arange(group_k, dtype=jnp.int32)
+            slices = [(plgpu.load(a_ref.at[row[:, None], kk[None, :]]), kk)]  # [bm, group_k]
+        else:
+            slices = slice_activations(a_ref, row, k0, bits=4, block_k=block_k, words=words)
+        g = (k0 + part * group_k) // group
+        for r, n_idx in enumerate(n_idxs):
+            tile = slice_words(qw_ref, e, n_idx, k0, bits=4, block_k=block_k, words=words)
+            values = _dequant.e2m1_value_slices(tile, a_ref.dtype)  # 8 x [bn, count]
+            if joined:
+                values = [_dequant.join_value_slices(values)]  # [bn, group_k]
+            acc = None
+            for (a, _), w in zip(slices, values, strict=True):
+                p = _dot(a, w) if dot == "mma" else _fma(a, w)
+                acc = p if acc is None else acc + p
+            s = _dequant.e8m0_to_f32(plgpu.load(s_ref.at[e, n_idx, g]))  # [bn]
+            scaled = acc * (s[None, :] if dot == "mma" else s[None, :, None])
+            products[r] = scaled if products[r] is None else products[r] + scaled
+    return tuple(jnp.sum(p, axis=2) if dot == "fma" else p for p in products)
 
 
 def _half_slices_per_group(
@@ -183,13 +224,17 @@ def _minus_offset_and_zero(acc, rowsum, z, *, offset: float, has_zeros: bool):
 
 def _tile_product_general(
     a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros, unpack,
-    dot,
+    dot, codes="int",
 ):  # fmt: skip
     """One n_idx, any mode: exact (v - z) through f32, or several groups per tile."""
     dtype = a_ref.dtype
     pairs = operand_pairs(
         a_ref, qw_ref, e, row, n_idx, k0, bits=bits, block_k=block_k, unpack=unpack
     )
+    if codes == "e2m1":
+        return _e2m1_tile_product(
+            s_ref, e, n_idx, k0, pairs, block_k=block_k, group=group, dot=dot, dtype=dtype
+        )
     if block_k > group:
         # Several groups per tile: scale (and shift) each value before the dot.
         acc = None
@@ -219,6 +264,25 @@ def _tile_product_general(
         acc = part if acc is None else acc + part
     if offset is not None:
         acc = _minus_offset_and_zero(acc, rowsum, z, offset=offset, has_zeros=has_zeros)
+    return acc * s[None, :]
+
+
+def _e2m1_tile_product(s_ref, e, n_idx, k0, pairs, *, block_k, group, dot, dtype):
+    """`_tile_product_general` for MXFP4: where a k-tile holds several groups, E2M1 values
+    times their power-of-two scales in f32 (exact), rounded to `dtype`; within one group the
+    values meet the activations and the scale multiplies the [bm, bn] product."""
+    several = block_k > group
+    acc = None
+    for a, v, kk in pairs:
+        w = _dequant.e2m1_to_f32(v)  # [bn, W]
+        if several:
+            s = plgpu.load(s_ref.at[e, n_idx[:, None], (kk // group)[None, :]])  # [bn, W]
+            w = w * _dequant.e8m0_to_f32(s)
+        part = _product(a, w.astype(dtype), dot)
+        acc = part if acc is None else acc + part
+    if several:
+        return acc
+    s = _dequant.e8m0_to_f32(plgpu.load(s_ref.at[e, n_idx, k0 // group]))  # [bn]
     return acc * s[None, :]
 
 
@@ -260,11 +324,13 @@ def _gemm_kernel(
     gated: bool,
     out_slice_major,
     asm: bool,
+    codes: str = "int",
 ):
     def tile_products(e, row, n_idxs, k0):
         return _tile_products(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=config.block_k,
             group=group, has_zeros=has_zeros, unpack=config.unpack, asm=asm, dot=config.dot,
+            codes=codes,
         )  # fmt: skip
 
     out_columns = None
@@ -329,7 +395,8 @@ def wna16_gemm(
 
     Args:
         a: [R, K] bf16/f16/f32 activations; the routing's slots number R * top_k.
-        qw: QuantizedExperts [E, N, K].
+        qw: QuantizedExperts [E, N, K], integer codes or MXFP4 (E8M0 scale bytes 0 and 255,
+            2^-127 and NaN, read as 0 and inf).
         routing: AlignedRouting with block_m == config.block_m.
         routed_weights: optional f32 [R * top_k] per-slot multipliers.
         top_k: slots per activation row.
@@ -391,6 +458,7 @@ def wna16_gemm(
         gated=gated,
         out_slice_major=out_slice_major,
         asm=asm,
+        codes=qw.codes,
     )
     out = grouped_gemm_call(
         kernel,
@@ -401,6 +469,6 @@ def wna16_gemm(
         out_dtype=out_dtype,
         config=config,
         interpret=interpret,
-        name=f"wna16_gemm_int{qw.bits}",
+        name="wna16_gemm_mxfp4" if qw.is_mxfp4 else f"wna16_gemm_int{qw.bits}",
     )
     return out.astype(out_dtype)
