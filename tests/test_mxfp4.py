@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
 import helpers
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,7 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.mgpu import convert as mgpu_convert
 from pallas_kernels.pallas.wna16_gemm import wna16_gemm
 from wna16_jax._configs import GemmShape, config_problems
 from wna16_jax._types import BlockConfig
@@ -128,8 +132,6 @@ def test_quantize_refuses_other_mxfp4_settings(kwargs, message):
     ],
 )
 def test_validate_names_what_mxfp4_needs(changes, message):
-    import dataclasses
-
     w = wj.random_quantized_experts(np.random.default_rng(0), (1, 4, 64), scheme="mxfp4")
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(w, **changes).validate("w13")
@@ -312,3 +314,93 @@ def test_pallas_gemm_paths(rng, config, dtype):
         np.asarray(out), ref, 1e-5, f"pallas {config} {jnp.dtype(dtype).name}", slack=5.0,
         require_signal=True,
     )  # fmt: skip
+
+
+# ---- the Mosaic GPU layout and converter ----------------------------------------------------
+
+
+def test_mgpu_layout_round_trip(rng):
+    """MXFP4 in the mgpu_int4 layout: codes as they are, scales as their bf16 values; back to
+    the canonical layout exactly, the E8M0 bytes 0 (2^-127) and 255 (NaN) included."""
+    w = wj.random_quantized_experts(rng, (2, 128, 128), scheme="mxfp4")
+    scales = np.asarray(w.scales).copy()
+    scales[0, 0, :2] = (0, 255)
+    scales[1, 5, 1] = 254
+    w = dataclasses.replace(w, scales=jnp.asarray(scales))
+    kw = wj.layouts.to_kernel_layout(w, "mgpu_int4")
+    assert kw.is_mxfp4 and kw.scales.dtype == jnp.bfloat16 and kw.scales.shape == (2, 4, 128)
+    assert wj.layouts.to_kernel_layout(w, "mgpu_int4").layout == "mgpu_int4"
+    back = wj.layouts.to_canonical_layout(kw)
+    np.testing.assert_array_equal(np.asarray(back.qweight), np.asarray(w.qweight))
+    np.testing.assert_array_equal(np.asarray(back.scales), scales)
+    assert back.is_mxfp4 and back.layout == "canonical"
+
+
+def test_mgpu_converter_pairs_every_code_pair():
+    """The PTX of the converter's MXFP4 pairs (its tables and masks, run in Python as the
+    instructions define them) makes the bf16 values of every two codes, other bits set."""
+    values = np.asarray(helpers.NUMPY_E2M1, np.float32)
+    for lo in range(16):
+        for hi in range(16):
+            word = lo | (hi << 16) | 0xABC0DEF0  # the word's other nibbles
+            pair = mgpu_convert.e2m1_bf16_pair_reference(word)
+            got = np.array([pair & 0xFFFF, pair >> 16], np.uint16)
+            want = values[[lo, hi]].view(np.uint32) >> 16  # bf16: the f32's top half
+            np.testing.assert_array_equal(got, want.astype(np.uint16), err_msg=f"{lo}, {hi}")
+
+
+# ---- the Triton kernel ----------------------------------------------------------------------
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (pip install triton==3.6.0 interprets the kernels on CPU)",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "config",
+    [
+        BlockConfig(block_m=16, block_n=32, block_k=128, unpack="slices"),
+        BlockConfig(block_m=16, block_n=32, block_k=32, unpack="tile"),
+        BlockConfig(block_m=16, block_n=32, block_k=64, split_k=2, unpack="tile"),
+    ],
+    ids=str,
+)
+def test_triton_gemm_interpreted(rng, config):
+    """The Triton GEMM in Triton's interpreter on MXFP4 (every code, scales on both sides of
+    1): equal to the float64 product on the same weights up to f32 summation order."""
+    from pallas_kernels.triton.wna16_gemm import wna16_gemm as triton_gemm
+
+    t, top_k, e, n, k = 3, 2, 4, 64, 256
+    w = wj.random_quantized_experts(rng, (e, n, k), scheme="mxfp4", std=18.0)
+    assert np.asarray(w.scales).min() < 127 < np.asarray(w.scales).max()
+    a = jnp.asarray(rng.normal(size=(t, k)), jnp.bfloat16)
+    _, ids = helpers.random_routing(rng, t, top_k, e)
+    routing = wj.moe_align_block_size(
+        jnp.asarray(ids), num_experts=e, block_m=config.block_m, implementation="xla"
+    )
+    out = triton_gemm(
+        a, w, routing, top_k=top_k, config=config, out_dtype=jnp.float32, interpret=True
+    )
+    rows = np.asarray(a, np.float64)[np.arange(t * top_k) // top_k]
+    ref = np.einsum("sk,snk->sn", rows, helpers.numpy_dequantize(w)[ids.reshape(-1)])
+    helpers.assert_finite_and_close(
+        np.asarray(out), ref, 1e-5, f"triton {config}", slack=5.0, require_signal=True
+    )
+
+
+@needs_triton
+def test_triton_layer_interpreted_with_gpt_oss_activation(rng):
+    """The Triton layer (interpreted) on MXFP4 experts with the clamped SwiGLU matches 'xla'."""
+    from pallas_kernels.triton import fused_moe as triton_moe
+
+    t, e, k, h, i = 3, 4, 2, 128, 64
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
+    w13 = wj.random_quantized_experts(rng, (e, 2 * i, h), scheme="mxfp4", std=0.5)
+    w2 = wj.random_quantized_experts(rng, (e, h, i), scheme="mxfp4", std=0.1)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, k, e))
+    act = wj.ClampedSwiGLU()
+    out = triton_moe.fused_moe(x, w13, w2, tw, ids, activation=act, interpret=True)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla")
+    helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "triton vs xla")

@@ -193,8 +193,10 @@ class QuantizedExperts:
                 )
 
     def _validate_mxfp4_scheme(self, name: str) -> None:
-        """codes "e2m1" is MXFP4 only: 4 bits, groups of 32, no zero points, canonical."""
-        want = dict(bits=4, group_size=MXFP4_GROUP, zeros=None, layout="canonical")
+        """codes "e2m1" is MXFP4 only: 4 bits, groups of 32, no zero points, in the canonical
+        layout or mgpu_int4's (its codes as they are, its scales' values in bfloat16)."""
+        layout = self.layout if self.layout == "mgpu_int4" else "canonical"
+        want = dict(bits=4, group_size=MXFP4_GROUP, zeros=None, layout=layout)
         have = dict(
             bits=self.bits,
             group_size=self.group_size,
