@@ -404,3 +404,38 @@ def test_triton_layer_interpreted_with_gpt_oss_activation(rng):
     out = triton_moe.fused_moe(x, w13, w2, tw, ids, activation=act, interpret=True)
     ref = wj.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla")
     helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "triton vs xla")
+
+
+# ---- a DeepSeek-V3-shaped layer -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", "mgpu_interpret"])
+def test_deepseek_v3_routing_with_mxfp4_experts(rng, implementation):
+    """A DeepSeek-V3-shaped layer (256 routed experts, DeepSeek-V3's routing: sigmoid scores
+    with the correction bias, 8 groups, top-4 groups, top-8, scaling 2.5; H and I scaled down)
+    with random MXFP4 experts through fused_moe on each backend equals the float64 layer on
+    the dequantized experts."""
+    from models.deepseek_v3.config import DeepseekV3Config
+    from models.deepseek_v3.modeling import route
+
+    cfg = DeepseekV3Config.tiny(
+        n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, dtype="bfloat16"
+    )
+    t, e, h, i = 6, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    logits = jnp.asarray(rng.normal(size=(t, e)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(e,)) * 0.1, jnp.float32)
+    tw, ids = route(logits, bias, cfg=cfg)
+    assert ids.shape == (t, 8) and len(np.unique(np.asarray(ids))) > 8
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
+    w13 = wj.random_quantized_experts(rng, (e, 2 * i, h), scheme="mxfp4")
+    w2 = wj.random_quantized_experts(rng, (e, h, i), scheme="mxfp4")
+    layout = wj.backend_layout(implementation, 4)
+    out = wj.fused_moe(
+        x, wj.layouts.to_kernel_layout(w13, layout), wj.layouts.to_kernel_layout(w2, layout),
+        tw, ids, implementation=implementation,
+    )  # fmt: skip
+    want = helpers.numpy_fused_moe(
+        x, helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2), tw, ids,
+        activation_dtype=jnp.dtype(jnp.bfloat16),
+    )  # fmt: skip
+    helpers.assert_close(out, want, jnp.bfloat16, f"{implementation} vs float64")
