@@ -20,6 +20,7 @@ from pallas_kernels.pallas._common import (
     slice_words,
 )
 from wna16_jax import _configs
+from wna16_jax._activations import normalize_activation
 from wna16_jax._quant import implicit_zero
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
@@ -311,6 +312,7 @@ def _gemm_kernel(
     s_ref,  # [E, N, K // G]
     z_ref,  # zeros or None
     rw_ref,  # [num_slots] f32 routed weights or None
+    bias_ref,  # [E, N] per-expert biases or None
     out_ref,  # [num_slots + 1, N_out]; row num_slots is a spare row for padding
     *,
     num_slots,
@@ -325,6 +327,7 @@ def _gemm_kernel(
     out_slice_major,
     asm: bool,
     codes: str = "int",
+    activation="silu",
 ):
     def tile_products(e, row, n_idxs, k0):
         return _tile_products(
@@ -351,6 +354,8 @@ def _gemm_kernel(
         tile_product=tile_products,
         gate_offset=n_out if gated else None,
         out_columns=out_columns,
+        bias_ref=bias_ref,
+        activation=activation,
     )
 
 
@@ -387,6 +392,7 @@ def wna16_gemm(
     a_slice_major: bool = False,
     out_slice_major: tuple[int, int] | None = None,
     asm: bool | None = None,
+    bias=None,
 ):
     """Grouped matmul of gathered activation rows with dequantized expert weights.
 
@@ -404,16 +410,18 @@ def wna16_gemm(
             partial tiles with atomic adds into a zeroed f32 buffer).
         out_dtype: output dtype (default a.dtype; split-K always accumulates in f32).
         interpret: run under the Pallas interpreter (any platform).
-        activation: None, or "silu" for GEMM1 of an MoE layer: the weights' first N/2 rows are
-            the gate, the last N/2 the up projection, and the kernel returns
-            silu(gate) * up ([R * top_k, N/2], computed in f32 from the unrounded sums;
-            split_k must be 1).
+        activation: None, or "silu" or a ClampedSwiGLU for GEMM1 of an MoE layer: the weights'
+            first N/2 rows are the gate, the last N/2 the up projection, and the kernel returns
+            silu(gate) * up (or the clamped SwiGLU) ([R * top_k, N/2], computed in f32 from the
+            unrounded sums; split_k must be 1).
         a_slice_major: `a` is already in `_common.slice_major` order for config.block_k (e.g.
             written so by the previous GEMM); only with unpack="slices".
         out_slice_major: (block_k, bits) of the GEMM that reads this output: store its columns
             in that GEMM's slice_major order.
         asm: convert int4/int8 with PTX (two values per instruction) on the fast path; default:
             when compiled (never in the interpreter).
+        bias: optional [E, N] float per-expert biases, added to the f32 sums before the
+            activation and the routed weights.
 
     Returns:
         [R * top_k, N] (N/2 with activation) of out_dtype. Rows of slots that sit in no block
@@ -424,8 +432,10 @@ def wna16_gemm(
     r, k = a.shape
     _configs.check_gemm_operands(config, routing, k, qw)
     e, n, _ = qw.shape
-    if activation not in (None, "silu"):
-        raise ValueError(f"activation={activation!r} is not None or 'silu'")
+    if activation is not None and normalize_activation(activation) is None:
+        raise ValueError(f"activation={activation!r} is not None, 'silu' or a ClampedSwiGLU")
+    if bias is not None and tuple(bias.shape) != (e, n):
+        raise ValueError(f"bias must be [E, N] = {[e, n]}, got {tuple(bias.shape)}")
     gated = activation is not None
     n_out = n // 2 if gated else n
     if gated and (n % 2 or n_out % config.block_n or config.split_k != 1):
@@ -459,10 +469,11 @@ def wna16_gemm(
         out_slice_major=out_slice_major,
         asm=asm,
         codes=qw.codes,
+        activation=normalize_activation(activation) if gated else "silu",
     )
     out = grouped_gemm_call(
         kernel,
-        [a, qw.qweight, qw.scales, qw.zeros, routed_weights],
+        [a, qw.qweight, qw.scales, qw.zeros, routed_weights, bias],
         routing=routing,
         num_slots=num_slots,
         n=n_out,
