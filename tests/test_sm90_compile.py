@@ -223,3 +223,29 @@ def test_mxfp4_kernels_build_for_sm90(m, config):
             f"{k.name} (warps {k.num_warps}, stages {k.num_stages}) needs {k.shared_bytes} "
             f"bytes of shared memory"
         )
+
+
+@pytest.mark.parametrize("m", [1, 256])
+def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m):
+    """gpt-oss's expert math on MXFP4 experts (DeepSeek-V3 shapes: gpt-oss's own H = 2880 is not
+    a multiple of the Pallas kernels' 128-wide int4 k-tile): both biases and the clamped
+    SwiGLU in the GEMMs' epilogues build for sm_90."""
+    args = (
+        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
+        abstract_mxfp4_experts(2 * I, H),
+        abstract_mxfp4_experts(H, I),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+        jax.ShapeDtypeStruct((E, 2 * I), jnp.float32),
+        jax.ShapeDtypeStruct((E, H), jnp.float32),
+    )
+
+    def layer(x, w13, w2, tw, ids, b13, b2):
+        return pallas_moe.fused_moe(
+            x, w13, w2, tw, ids, activation=wj.ClampedSwiGLU(), w13_bias=b13, w2_bias=b2
+        )
+
+    kernels = sm90.compile_for_sm90(layer, *args)
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert [k.name for k in gemms] == ["wna16_gemm_mxfp4"] * 2, [k.name for k in kernels]
+    assert all(k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES for k in kernels)
