@@ -417,7 +417,8 @@ def test_triton_layer_interpreted_with_gpt_oss_activation(rng):
     w2 = wj.random_quantized_experts(rng, (e, h, i), scheme="mxfp4", std=0.1)
     tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, k, e))
     act = wj.ClampedSwiGLU()
-    out = triton_moe.fused_moe(x, w13, w2, tw, ids, activation=act, interpret=True)
+    layer = helpers.pipeline_fused_moe(triton_moe.stages, interpret=True)
+    out = layer(x, w13, w2, tw, ids, activation=act)
     ref = wj.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla")
     helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "triton vs xla")
 

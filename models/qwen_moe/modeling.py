@@ -280,7 +280,7 @@ class QwenMoeForCausalLM(nnx.Module):
         mlps = [m for _, m in nnx.iter_modules(self) if isinstance(m, MLP)]
         for m in mlps:
             m.FUSION.unfuse(m)
-        if fuse and implementation != "xla":
+        if fuse and implementation != wj.REFERENCE_BACKEND:
             for m in mlps:
                 parts = m.FUSION.unfused(m)
                 if parts and all(isinstance(p, QuantizedLinear) for p in parts.values()):
