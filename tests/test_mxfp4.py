@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.common.block_configs import config_problems
 from pallas_kernels.mgpu import convert as mgpu_convert
 from pallas_kernels.pallas.wna16_gemm import wna16_gemm
-from wna16_jax._configs import GemmShape, config_problems
+from wna16_jax._configs import GemmShape
 from wna16_jax._types import BlockConfig
 from wna16_jax.formats import mxfp4
 

@@ -39,7 +39,7 @@ from wna16_jax._dispatch import (
     register_backend,
 )
 from wna16_jax._pipeline import DEFAULT_CHUNK_TOKENS, MoeStages, Routed, slots_in_blocks
-from wna16_jax._quant import e8m0_to_f32, implicit_zero, pack_zeros, unpack_zeros
+from wna16_jax._quant import e2m1_to_f32, e8m0_to_f32, implicit_zero, pack_zeros, unpack_zeros
 from wna16_jax._routing import (
     all_padding_routing,
     check_align_kernel_args,
@@ -84,6 +84,7 @@ __all__ = [
     "check_align_kernel_args",
     "compiled_and_interpreted",
     "cuda_gpu_reason",
+    "e2m1_to_f32",
     "e8m0_to_f32",
     "gemm_entry_shape",
     "gemm_table_key",
