@@ -56,6 +56,8 @@ class MoEProblem:
     # Per-expert biases (fused_moe's w13_bias / w2_bias); refused by backends without
     # Backend.biases.
     has_bias: bool = False
+    # batch_invariant=True: each token's row must not depend on the other rows of the call.
+    batch_invariant: bool = False
 
     @property
     def gemm_input_dtype(self) -> str:
@@ -91,6 +93,14 @@ class GemmProblem:
     dtype: str  # activation dtype name
     has_zeros: bool
     layout: str = "canonical"
+    batch_invariant: bool = False  # as MoEProblem's
+
+
+# The reason of a backend that does not say it computes rows batch-invariantly.
+NOT_BATCH_INVARIANT = (
+    "does not guarantee batch-invariant rows (batch_invariant=True): its configs or reduction "
+    "order may depend on the number of rows in the call"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +176,9 @@ class Backend:
             function or a partial of one, kept). Exactly one of stages and fused_moe is set.
         fused_moe: (x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config) -> out:
             a layer that does not run the pipeline (the reference); called with the keyword
-            activation_quant (an ActivationQuant) too when the problem has one, and with
-            out_dtype when the caller asks for an output dtype other than x's.
+            activation_quant (an ActivationQuant) too when the problem has one, with
+            out_dtype when the caller asks for an output dtype other than x's, and with
+            batch_invariant=True when the caller asks for it.
         layouts: the QuantizedExperts layouts its fused_moe (and grouped GEMM) reads;
             selection refuses weights in any other (layout_reason) before asking
             unsupported_reason. None: every layout (the reference converts them back).
@@ -184,6 +195,11 @@ class Backend:
             refuses other weights (codes_reason) for fused_moe and the grouped GEMM.
         biases: whether its fused_moe takes w13_bias and w2_bias (keywords, passed only when
             given); selection refuses problems with biases otherwise.
+        batch_invariant_reason: None where its stages (and grouped GEMM, through the library's
+            `batch_invariant_config`) compute each row in an order that does not depend on the
+            other rows of the call: its stages then take batch_invariant=True, which fixes
+            their configs for the weights' shape without a K split; else why not (refused for
+            batch_invariant=True problems, skipped by the automatic choice).
     """
 
     name: str
@@ -199,6 +215,7 @@ class Backend:
     layout_conversion: LayoutConversion | None = None
     codes: tuple[str, ...] = ("int",)
     biases: bool = False
+    batch_invariant_reason: str | None = NOT_BATCH_INVARIANT
 
     def __post_init__(self):
         if (self.stages is None) == (self.fused_moe is None):
@@ -475,6 +492,7 @@ def compiled_and_interpreted(
     layout_conversion: LayoutConversion | None = None,
     codes: tuple[str, ...] = ("int",),
     biases: bool = False,
+    batch_invariant_reason: str | None = NOT_BATCH_INVARIANT,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
     interpreter, any platform), both reading weights in `layouts`. `stages` (Backend.stages),
@@ -485,7 +503,7 @@ def compiled_and_interpreted(
     says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
     gemm_linear (taking `interpret` too) is GroupedMatmul.linear; preferred_layouts are the
     compiled backend's (an interpreter is never preferred); config_type, layout_conversion,
-    codes and biases are both's."""
+    batch_invariant_reason, codes and biases are both's."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -522,6 +540,7 @@ def compiled_and_interpreted(
             layout_conversion=layout_conversion,
             codes=codes,
             biases=biases,
+            batch_invariant_reason=batch_invariant_reason,
         ),
         Backend(
             name=f"{name}_interpret",
@@ -535,6 +554,7 @@ def compiled_and_interpreted(
             layout_conversion=layout_conversion,
             codes=codes,
             biases=biases,
+            batch_invariant_reason=batch_invariant_reason,
         ),
     )
 
@@ -559,6 +579,8 @@ def backend_reason(
         return reason
     if reason := codes_reason(backend, problem):
         return reason
+    if problem.batch_invariant and backend.batch_invariant_reason is not None:
+        return backend.batch_invariant_reason
     if isinstance(problem, GemmProblem):
         return backend.grouped_matmul.unsupported_reason(problem)
     return backend.unsupported_reason(problem)
@@ -657,6 +679,7 @@ def _xla_fused_moe(
     config,
     activation_quant=None,
     out_dtype=None,
+    batch_invariant=False,
     w13_bias=None,
     w2_bias=None,
 ):
@@ -672,6 +695,7 @@ def _xla_fused_moe(
         activation=activation,
         activation_quant=activation_quant,
         out_dtype=out_dtype,
+        batch_invariant=batch_invariant,
         w13_bias=w13_bias,
         w2_bias=w2_bias,
     )
@@ -701,6 +725,7 @@ XLA_BACKEND = Backend(
     align_unsupported_reason=lambda problem: None,
     moe_align_block_size=_reference.moe_align_block_size,
     layouts=None,  # every layout: the others convert back to the canonical one
+    batch_invariant_reason=None,  # fixed token blocks; the linear's rows in fixed blocks too
     grouped_matmul=GroupedMatmul(
         unsupported_reason=lambda problem: None,
         config=_xla_gemm_config,

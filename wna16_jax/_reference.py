@@ -17,7 +17,7 @@ from wna16_jax._quant import (
     unpack_k,
     zero_points,
 )
-from wna16_jax._routing import local_expert_of, max_padded_len
+from wna16_jax._routing import local_expert_of, max_padded_len, sum_slots
 from wna16_jax._types import AlignedRouting, QuantizedExperts
 
 
@@ -262,7 +262,9 @@ def _slot_experts(topk_ids, num_experts: int, expert_map):
     return jnp.where(valid, local, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "activation_quant", "out_dtype"))
+@functools.partial(
+    jax.jit, static_argnames=("activation", "activation_quant", "out_dtype", "batch_invariant")
+)
 def fused_moe(
     x,
     w13: QuantizedExperts,
@@ -274,6 +276,7 @@ def fused_moe(
     activation: str = "silu",
     activation_quant=None,
     out_dtype=None,
+    batch_invariant: bool = False,
     w13_bias=None,
     w2_bias=None,
 ):
@@ -298,6 +301,8 @@ def fused_moe(
         x.dtype).
         w13_bias: optional [E, 2I], added to GEMM1's sums before the activation.
         w2_bias: optional [E, H], added to GEMM2's rows before the routed weights.
+        batch_invariant: the k slots summed left to right (`sum_slots`); the token blocks'
+            GEMMs already have one shape for every T.
 
     Returns:
         [T, H] in out_dtype.
@@ -337,4 +342,5 @@ def fused_moe(
 
     slots = jnp.zeros((blocks * TOKEN_BLOCK, k, hdim), jnp.float32)
     slots = jax.lax.fori_loop(0, blocks, block, slots)
-    return slots[:t].sum(axis=1).astype(out_dtype)  # [T, H]: the sum over each token's k slots
+    # [T, H]: the sum over each token's k slots
+    return sum_slots(slots[:t], in_order=batch_invariant).astype(out_dtype)

@@ -19,9 +19,11 @@ from wna16_jax._activations import (
     weighted_rows,
 )
 from wna16_jax._configs import (
+    BATCH_INVARIANT_M,
     TUNED_M_RATIO,
     ConfigRules,
     GemmShape,
+    batch_invariant_config,
     gemm_entry_shape,
     gemm_table_key,
     log_once,
@@ -57,6 +59,7 @@ from wna16_jax._types import (
 
 __all__ = [
     "ACTIVATIONS",
+    "BATCH_INVARIANT_M",
     "CODES",
     "ClampedSwiGLU",
     "DEFAULT_CHUNK_TOKENS",
@@ -81,6 +84,7 @@ __all__ = [
     "activate_then_weight",
     "activation_fn",
     "all_padding_routing",
+    "batch_invariant_config",
     "check_align_kernel_args",
     "compiled_and_interpreted",
     "cuda_gpu_reason",

@@ -1,5 +1,5 @@
 """The 'pallas' and 'pallas_interpret' backends (the Triton-lowered kernels, weights in the
-canonical layout): fused_moe, moe_align_block_size and the grouped GEMM."""
+canonical layout): their MoE stages, moe_align_block_size and the grouped GEMM."""
 
 from __future__ import annotations
 
@@ -118,4 +118,5 @@ BACKENDS = compiled_and_interpreted(
     gemm_shape_reason=gemm_shape_reason,
     codes=CODES,
     biases=True,
+    batch_invariant_reason=None,  # the stages' and the GEMM's configs at a fixed M, no K split
 )
