@@ -1,6 +1,7 @@
-"""wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
+"""wna16_jax: int4/int8/MXFP4 weight-only quantized Mixture-of-Experts for JAX."""
 
 from wna16_jax import backend_api, formats, layouts, linear, sharding
+from wna16_jax._activations import ClampedSwiGLU
 from wna16_jax._api import (
     fused_moe,
     gemm_config,
@@ -34,6 +35,7 @@ __all__ = [
     "AlignedRouting",
     "Backend",
     "BlockConfig",
+    "ClampedSwiGLU",
     "MgpuConfig",
     "QuantizedExperts",
     "REFERENCE_BACKEND",

@@ -14,7 +14,7 @@ import jax
 
 from wna16_jax import _activations, _backend_order, _configs, _reference, _types
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import BlockConfig, QuantizedExperts
+from wna16_jax._types import CODES, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -49,6 +49,13 @@ class MoEProblem:
     # w13 has an input permutation (GPTQ act-order, QuantizedExperts.perm): the pipeline
     # (_pipeline.moe_chunk) applies it; a backend that does not run the pipeline refuses it.
     act_order: bool = False
+    # QuantizedExperts.codes of w13 and w2 ("int", or "e2m1": MXFP4); selection refuses codes a
+    # backend does not decode (Backend.codes) before asking unsupported_reason.
+    codes: str = "int"
+    w2_codes: str = "int"
+    # Per-expert biases (fused_moe's w13_bias / w2_bias); refused by backends without
+    # Backend.biases.
+    has_bias: bool = False
     # batch_invariant=True: each token's row must not depend on the other rows of the call.
     batch_invariant: bool = False
 
@@ -184,6 +191,10 @@ class Backend:
             reachable as wna16_jax.<class name>.
         layout_conversion: the conversions of its kernel layouts (those of `layouts` other than
             "canonical" that it defines), or None where it defines none.
+        codes: the QuantizedExperts.codes its kernels decode ("int"; "e2m1": MXFP4); selection
+            refuses other weights (codes_reason) for fused_moe and the grouped GEMM.
+        biases: whether its fused_moe takes w13_bias and w2_bias (keywords, passed only when
+            given); selection refuses problems with biases otherwise.
         batch_invariant_reason: None where its stages (and grouped GEMM, through the library's
             `batch_invariant_config`) compute each row in an order that does not depend on the
             other rows of the call: its stages then take batch_invariant=True, which fixes
@@ -202,6 +213,8 @@ class Backend:
     preferred_layouts: tuple[str, ...] = ()
     config_type: type = BlockConfig
     layout_conversion: LayoutConversion | None = None
+    codes: tuple[str, ...] = ("int",)
+    biases: bool = False
     batch_invariant_reason: str | None = NOT_BATCH_INVARIANT
 
     def __post_init__(self):
@@ -477,6 +490,8 @@ def compiled_and_interpreted(
     preferred_layouts: tuple[str, ...] = (),
     config_type: type = BlockConfig,
     layout_conversion: LayoutConversion | None = None,
+    codes: tuple[str, ...] = ("int",),
+    biases: bool = False,
     batch_invariant_reason: str | None = NOT_BATCH_INVARIANT,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
@@ -487,8 +502,8 @@ def compiled_and_interpreted(
     GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
     says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
     gemm_linear (taking `interpret` too) is GroupedMatmul.linear; preferred_layouts are the
-    compiled backend's (an interpreter is never preferred); config_type, layout_conversion and
-    batch_invariant_reason are both's."""
+    compiled backend's (an interpreter is never preferred); config_type, layout_conversion,
+    batch_invariant_reason, codes and biases are both's."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -523,6 +538,8 @@ def compiled_and_interpreted(
             preferred_layouts=preferred_layouts,
             config_type=config_type,
             layout_conversion=layout_conversion,
+            codes=codes,
+            biases=biases,
             batch_invariant_reason=batch_invariant_reason,
         ),
         Backend(
@@ -535,6 +552,8 @@ def compiled_and_interpreted(
             grouped_matmul=grouped(True),
             config_type=config_type,
             layout_conversion=layout_conversion,
+            codes=codes,
+            biases=biases,
             batch_invariant_reason=batch_invariant_reason,
         ),
     )
@@ -558,11 +577,32 @@ def backend_reason(
         return "has no grouped GEMM that takes an AlignedRouting"
     if reason := layout_reason(backend, problem):
         return reason
+    if reason := codes_reason(backend, problem):
+        return reason
     if problem.batch_invariant and backend.batch_invariant_reason is not None:
         return backend.batch_invariant_reason
     if isinstance(problem, GemmProblem):
         return backend.grouped_matmul.unsupported_reason(problem)
     return backend.unsupported_reason(problem)
+
+
+# What each QuantizedExperts.codes value is called in a reason.
+CODE_NAMES = {"int": "integer (int4 / int8)", "e2m1": "MXFP4 (E2M1 codes, E8M0 scales)"}
+
+
+def codes_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | None:
+    """Why `backend` cannot decode `problem`'s weights or add its biases (None when it can)."""
+    if isinstance(problem, GemmProblem):
+        weights = (("w", problem.shape.codes),)
+    else:
+        weights = (("w13", problem.codes), ("w2", problem.w2_codes))
+    for name, codes in weights:
+        if codes not in backend.codes:
+            what = name if len(weights) > 1 else "the"
+            return f"{what} weights are {CODE_NAMES.get(codes, codes)}, which it does not decode"
+    if isinstance(problem, MoEProblem) and problem.has_bias and not backend.biases:
+        return "takes no per-expert biases (w13_bias, w2_bias)"
+    return None
 
 
 def select_backend(
@@ -622,7 +662,7 @@ def select_backend(
 
 def _xla_unsupported_reason(problem: MoEProblem) -> str | None:
     # Every weight scheme, with or without int8 activations (any weights: W8A8, W4A8, ...).
-    if problem.activation not in _activations.ACTIVATIONS:
+    if _activations.normalize_activation(problem.activation) is None:
         return f"activation {problem.activation!r} is not one of {sorted(_activations.ACTIVATIONS)}"
     return None
 
@@ -640,6 +680,8 @@ def _xla_fused_moe(
     activation_quant=None,
     out_dtype=None,
     batch_invariant=False,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """The reference layer (`_reference.fused_moe`, independent of the pipeline); config is not
     read (the reference has no tiles)."""
@@ -654,6 +696,8 @@ def _xla_fused_moe(
         activation_quant=activation_quant,
         out_dtype=out_dtype,
         batch_invariant=batch_invariant,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
 
 
@@ -687,6 +731,8 @@ XLA_BACKEND = Backend(
         config=_xla_gemm_config,
         run=_xla_grouped_matmul,
     ),
+    codes=CODES,
+    biases=True,
 )
 
 _builtins_loaded = False

@@ -56,8 +56,12 @@ class MoeStages:
     gemm1(a1, w13, routed, plan) -> [R, I]: the activation of GEMM1's products (fused in
         GEMM1 where the backend can), one row per slot or per block row; f32 when a1 is
         Int8Rows (it is quantized again for GEMM2), else in the backend's GEMM2 input dtype.
+        Called with the keyword bias ([E, 2I], added to the f32 sums before the activation)
+        when the layer has w13_bias (only backends with Backend.biases get such calls).
     gemm2(act, w2, routed, plan, routed_weights) -> f32 [R', H]: GEMM2's rows; routed_weights
-        (f32 [T*k]) is given where `routed_weights` is "gemm2" (None otherwise).
+        (f32 [T*k]) is given where `routed_weights` is "gemm2" (None otherwise). Called with
+        the keyword bias ([E, H], added to each row before its routed weight) when the layer
+        has w2_bias.
     routed_weights: where each slot's routed weight is applied: "gemm2" (GEMM2 writes a row per
         slot and scales it) or "sum" (GEMM2's rows are in block order: the top-k sum scales the
         rows it gathers).
@@ -124,7 +128,7 @@ def act_order_rows(x, topk_ids, perm, *, num_experts: int, expert_map=None):
 
 def moe_chunk(
     stages: MoeStages, x, *, w13, w2, topk_weights, topk_ids, expert_map=None,
-    batch_invariant=False,
+    batch_invariant=False, biases=(None, None),
 ):  # fmt: skip
     """One chunk of tokens through `stages`: [t, H] f32, before the output's rounding.
 
@@ -132,10 +136,11 @@ def moe_chunk(
     order (`act_order_rows`): the chunk's T*k slots run as tokens of one slot each (the same
     GEMM rows as before), and their rows are summed over k in f32 after. batch_invariant: the
     k slots summed in order (`sum_slots`), and a block per slot never replaces the alignment
-    (a one-token call would otherwise route differently from a token inside a batch)."""
+    (a one-token call would otherwise route differently from a token inside a batch). biases:
+    (w13_bias, w2_bias), each None or [E, N]."""
     t, k = topk_ids.shape
     distinct = t == 1 and not batch_invariant  # a token's k experts are distinct
-    slots = functools.partial(_slots, in_order=batch_invariant)
+    slots = functools.partial(_slots, in_order=batch_invariant, biases=biases)
     if w13.perm is None:
         return slots(stages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct)
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
@@ -148,10 +153,11 @@ def moe_chunk(
 
 def _slots(
     stages: MoeStages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct_experts, *,
-    in_order=False,
+    in_order=False, biases=(None, None),
 ):  # fmt: skip
     """The stages on x [T, H] and its slots [T, k]: f32 [T, H] (the k slots summed in order
     where in_order)."""
+    b13, b2 = ({} if b is None else {"bias": b} for b in biases)
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     plan = stages.plan(t * k, num_experts, w13, w2)
@@ -161,12 +167,12 @@ def _slots(
         a, topk_ids, plan, num_experts=num_experts, expert_map=expert_map,
         distinct_experts=distinct_experts,
     )  # fmt: skip
-    act = stages.gemm1(a, w13, routed, plan)  # [R, I]
+    act = stages.gemm1(a, w13, routed, plan, **b13)  # [R, I]
     if quant is not None:
         act = quantize_activations(act, quant, 2)  # int8 rows, a scale per row (per token)
     in_gemm2 = stages.routed_weights == "gemm2"
     weights = topk_weights.reshape(-1).astype(jnp.float32) if in_gemm2 else None
-    y = stages.gemm2(act, w2, routed, plan, weights)  # [R', H] f32
+    y = stages.gemm2(act, w2, routed, plan, weights, **b2)  # [R', H] f32
     return sum_over_top_k(y, routed, None if in_gemm2 else topk_weights, in_order=in_order)
 
 
@@ -182,6 +188,8 @@ def fused_moe(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
     batch_invariant: bool = False,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """The MoE layer (docs/design.md steps 1-5) through a backend's stages, in token chunks.
 
@@ -194,12 +202,20 @@ def fused_moe(
         out_dtype: the output dtype (default x.dtype), rounded once from the f32 sums.
         batch_invariant: each token's k slots summed in order (`moe_chunk`); the stages were
             made with batch_invariant=True (their configs fixed for the weights).
+        w13_bias: optional [E, 2I] per-expert bias of GEMM1 (before the activation).
+        w2_bias: optional [E, H] per-expert bias of GEMM2 (before the routed weights).
 
     Returns:
         [T, H] in out_dtype.
     """
     run = functools.partial(
-        moe_chunk, stages, w13=w13, w2=w2, expert_map=expert_map, batch_invariant=batch_invariant
+        moe_chunk,
+        stages,
+        w13=w13,
+        w2=w2,
+        expert_map=expert_map,
+        batch_invariant=batch_invariant,
+        biases=(w13_bias, w2_bias),
     )
     return map_token_chunks(
         run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
@@ -233,6 +249,8 @@ def run(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
     batch_invariant: bool = False,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """The MoE layer of a backend: its stages (make_stages(activation=, config=,
     activation_quant=), a backend's `Backend.stages`) through `fused_moe`, jitted; inputs
@@ -249,6 +267,8 @@ def run(
         chunk_tokens: tokens per chunk.  out_dtype: the output dtype (default x.dtype).
         batch_invariant: each row computed as it would be alone (the stages made with
             batch_invariant=True, a backend whose `batch_invariant_reason` is None).
+        w13_bias, w2_bias: optional per-expert biases [E, 2I] and [E, H] (`fused_moe`), for
+            backends with Backend.biases.
 
     Returns:
         [T, H] in out_dtype.
@@ -269,6 +289,8 @@ def run(
         chunk_tokens=chunk_tokens,
         out_dtype=out_dtype,
         batch_invariant=batch_invariant,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
 
 

@@ -9,8 +9,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from wna16_jax._activations import ACTIVATIONS, Int8Rows, quantize_activations
-from wna16_jax._quant import unpack_k, zero_points
+from wna16_jax._activations import Int8Rows, activation_fn, quantize_activations
+from wna16_jax._quant import (
+    E2M1_VALUES,
+    dequantize_mxfp4_codes,
+    e8m0_to_f32,
+    unpack_k,
+    zero_points,
+)
 from wna16_jax._routing import local_expert_of, max_padded_len, sum_slots
 from wna16_jax._types import AlignedRouting, QuantizedExperts
 
@@ -74,6 +80,8 @@ def moe_align_block_size(
 def _dequantize_one(qw: QuantizedExperts, e):
     """Dequantizes expert `e` (traced index) to f32 [N, K]."""
     q = unpack_k(jax.lax.dynamic_index_in_dim(qw.qweight, e, keepdims=False), qw.bits)
+    if qw.is_mxfp4:
+        return dequantize_mxfp4_codes(q, jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False))
     s = jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False).astype(jnp.float32)
     z = jax.lax.dynamic_index_in_dim(zero_points(qw), e, keepdims=False).astype(jnp.float32)
     n, k = q.shape
@@ -127,8 +135,12 @@ def grouped_matmul(
 
 def _signed_weights_one(qw: QuantizedExperts, e):
     """Expert `e` (traced) as integer q - z [N, K] (int8 when it fits, else int32) and f32
-    scales [N, G]."""
+    scales [N, G]. MXFP4: 2 * e2m1(q) (integers in [-12, 12]) and 2^(X - 127) / 2."""
     q = unpack_k(jax.lax.dynamic_index_in_dim(qw.qweight, e, keepdims=False), qw.bits)
+    if qw.is_mxfp4:
+        twice = jnp.asarray([2 * v for v in E2M1_VALUES], jnp.int8)[q]  # [N, K]
+        x = jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False)
+        return twice, e8m0_to_f32(x) * jnp.float32(0.5)
     s = jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False).astype(jnp.float32)
     z = jax.lax.dynamic_index_in_dim(zero_points(qw), e, keepdims=False).astype(jnp.int32)
     n, k = q.shape
@@ -221,17 +233,23 @@ def _gemm_rows(a, qw: QuantizedExperts, e):
     return jnp.dot(a.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
 
 
-def _expert_layer(x, w13, w2, e, *, activation: str, activation_quant):
-    """One expert's MLP on rows x [R, H]: f32 [R, H] = w2[e] @ act(w13[e] @ x), the activation
-    in f32 (unrounded), each GEMM's input quantized first under activation_quant; x's columns
-    in the expert's input order first where w13 has one (perm, act-order)."""
+def _expert_layer(x, w13, w2, e, *, activation, activation_quant, biases=(None, None)):
+    """One expert's MLP on rows x [R, H]: f32 [R, H] = w2[e] @ act(w13[e] @ x + b13[e]) +
+    b2[e], the activation in f32 (unrounded), each GEMM's input quantized first under
+    activation_quant; x's columns in the expert's input order first where w13 has one (perm,
+    act-order). biases: (w13_bias [E, 2I], w2_bias [E, H]), each None or added in f32."""
+    b13, b2 = biases
     if w13.perm is not None:  # act-order: the rows in the expert's input order
         x = x[:, jax.lax.dynamic_index_in_dim(w13.perm, e, keepdims=False)]
     a = x if activation_quant is None else quantize_activations(x, activation_quant, 1)
-    h = ACTIVATIONS[activation](_gemm_rows(a, w13, e))  # [R, I] f32
+    h = _gemm_rows(a, w13, e)  # [R, 2I] f32
+    if b13 is not None:
+        h = h + b13[e].astype(jnp.float32)
+    h = activation_fn(activation)(h)  # [R, I] f32
     if activation_quant is not None:
         h = quantize_activations(h, activation_quant, 2)  # a scale per row
-    return _gemm_rows(h, w2, e)  # [R, H] f32
+    y = _gemm_rows(h, w2, e)  # [R, H] f32
+    return y if b2 is None else y + b2[e].astype(jnp.float32)
 
 
 def _slot_experts(topk_ids, num_experts: int, expert_map):
@@ -259,6 +277,8 @@ def fused_moe(
     activation_quant=None,
     out_dtype=None,
     batch_invariant: bool = False,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """Reference MoE layer (docs/design.md steps 1-5) in f32, computed on its own: no alignment,
     no _pipeline. For each block of TOKEN_BLOCK tokens and each local expert with a slot there,
@@ -276,8 +296,11 @@ def fused_moe(
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids (ids outside
             [0, E_global) are dropped).
         expert_map: optional int32 [E_global] global -> local (-1 off-shard: dropped).
-        activation: "silu".  activation_quant: None (16-bit activations) or an ActivationQuant
-        with its scales known.  out_dtype: the output dtype (default x.dtype).
+        activation: "silu" or a ClampedSwiGLU.  activation_quant: None (16-bit activations) or
+        an ActivationQuant with its scales known.  out_dtype: the output dtype (default
+        x.dtype).
+        w13_bias: optional [E, 2I], added to GEMM1's sums before the activation.
+        w2_bias: optional [E, H], added to GEMM2's rows before the routed weights.
         batch_invariant: the k slots summed left to right (`sum_slots`); the token blocks'
             GEMMs already have one shape for every T.
 
@@ -298,8 +321,9 @@ def fused_moe(
     wb = jnp.pad(topk_weights.astype(jnp.float32), ((0, pad), (0, 0)))
     wb = wb.reshape(blocks, TOKEN_BLOCK, k)
     layer = functools.partial(
-        _expert_layer, activation=activation, activation_quant=activation_quant
-    )
+        _expert_layer, activation=activation, activation_quant=activation_quant,
+        biases=(w13_bias, w2_bias),
+    )  # fmt: skip
 
     def block(b, slots):  # slots: f32 [T_pad, k, H], each slot's weighted row
         rows, ids, weights = xb[b], eb[b], wb[b]  # [TB, H], [TB, k], [TB, k]

@@ -10,9 +10,12 @@
 
 from wna16_jax._activations import (
     ACTIVATIONS,
+    ClampedSwiGLU,
     Int8Rows,
     activate,
     activate_then_weight,
+    activation_fn,
+    normalize_activation,
     weighted_rows,
 )
 from wna16_jax._configs import (
@@ -38,7 +41,7 @@ from wna16_jax._dispatch import (
     register_backend,
 )
 from wna16_jax._pipeline import DEFAULT_CHUNK_TOKENS, MoeStages, Routed, slots_in_blocks
-from wna16_jax._quant import implicit_zero, pack_zeros, unpack_zeros
+from wna16_jax._quant import e2m1_to_f32, e8m0_to_f32, implicit_zero, pack_zeros, unpack_zeros
 from wna16_jax._routing import (
     all_padding_routing,
     check_align_kernel_args,
@@ -46,6 +49,7 @@ from wna16_jax._routing import (
     max_padded_len,
 )
 from wna16_jax._types import (
+    CODES,
     MAX_ARRAY_ELEMENTS,
     ActivationQuant,
     AlignedRouting,
@@ -56,6 +60,8 @@ from wna16_jax._types import (
 __all__ = [
     "ACTIVATIONS",
     "BATCH_INVARIANT_M",
+    "CODES",
+    "ClampedSwiGLU",
     "DEFAULT_CHUNK_TOKENS",
     "MAX_ARRAY_ELEMENTS",
     "TUNED_M_RATIO",
@@ -76,17 +82,21 @@ __all__ = [
     "Routed",
     "activate",
     "activate_then_weight",
+    "activation_fn",
     "all_padding_routing",
     "batch_invariant_config",
     "check_align_kernel_args",
     "compiled_and_interpreted",
     "cuda_gpu_reason",
+    "e2m1_to_f32",
+    "e8m0_to_f32",
     "gemm_entry_shape",
     "gemm_table_key",
     "implicit_zero",
     "local_expert_of",
     "log_once",
     "max_padded_len",
+    "normalize_activation",
     "pack_zeros",
     "register_backend",
     "resolve",

@@ -16,6 +16,7 @@ from pallas_kernels.mgpu.config import MgpuConfig
 from pallas_kernels.mgpu.wna16_gemm import group_reason
 from wna16_jax import backend_api
 from wna16_jax.backend_api import (
+    CODES,
     GemmProblem,
     LayoutConversion,
     MoEProblem,
@@ -109,4 +110,5 @@ BACKENDS = compiled_and_interpreted(
         validate=mgpu_layout.validate,
         granularity=mgpu_layout.MGPU_TILE,
     ),
+    codes=CODES,
 )

@@ -13,7 +13,13 @@ from pallas_kernels.pallas import fused_moe as pallas_moe
 from pallas_kernels.pallas.w8a8_gemm import MIN_INT8_DOT_K
 from pallas_kernels.pallas.wna16_gemm import wna16_gemm
 from wna16_jax import backend_api
-from wna16_jax.backend_api import GemmProblem, MoEProblem, compiled_and_interpreted, cuda_gpu_reason
+from wna16_jax.backend_api import (
+    CODES,
+    GemmProblem,
+    MoEProblem,
+    compiled_and_interpreted,
+    cuda_gpu_reason,
+)
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -51,8 +57,10 @@ def _w8a8_reason(problem: MoEProblem) -> str | None:
 def _shape_reason(problem: MoEProblem) -> str | None:
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
-    if problem.activation != "silu":
-        return f"activation {problem.activation!r} is not supported (only 'silu')"
+    if backend_api.normalize_activation(problem.activation) is None:
+        return f"activation {problem.activation!r} is not 'silu' or a ClampedSwiGLU"
+    if problem.activation_quant is not None and problem.has_bias:
+        return "per-expert biases with int8 activations (W8A8) are not supported"
     if problem.activation_quant is not None:
         return _w8a8_reason(problem)
     lo = min_block_k(problem.bits)
@@ -108,5 +116,7 @@ BACKENDS = compiled_and_interpreted(
     gemm=grouped_matmul,
     gemm_config=functools.partial(backend_api.resolve, pallas_moe.RULES),
     gemm_shape_reason=gemm_shape_reason,
+    codes=CODES,
+    biases=True,
     batch_invariant_reason=None,  # the stages' and the GEMM's configs at a fixed M, no K split
 )

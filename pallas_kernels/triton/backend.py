@@ -13,7 +13,14 @@ import jax.numpy as jnp
 
 from pallas_kernels.triton.config import MAX_EXPERTS, MIN_SPAN, RULES
 from wna16_jax import backend_api
-from wna16_jax.backend_api import AlignProblem, Backend, GemmProblem, GroupedMatmul, MoEProblem
+from wna16_jax.backend_api import (
+    CODES,
+    AlignProblem,
+    Backend,
+    GemmProblem,
+    GroupedMatmul,
+    MoEProblem,
+)
 from wna16_jax.backend_api import cuda_gpu_reason as _gpu_reason
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -42,7 +49,7 @@ def shape_reason(problem: MoEProblem) -> str | None:
         )
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
-    if problem.activation not in backend_api.ACTIVATIONS:
+    if backend_api.normalize_activation(problem.activation) is None:
         names = sorted(backend_api.ACTIVATIONS)
         return f"activation {problem.activation!r} is not one of {names}"
     if problem.num_global_experts > MAX_EXPERTS:
@@ -133,5 +140,6 @@ BACKENDS = (
             config=functools.partial(backend_api.resolve, RULES),
             run=_grouped_matmul,
         ),
+        codes=CODES,
     ),
 )
