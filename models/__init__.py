@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from models import deepseek_v3, qwen_moe
-from models.common.checkpoint import CONFIG_FILE, read_json, resolve_checkpoint
+from models.common.checkpoint import read_config, resolve_checkpoint
 from models.common.generate import generate
 from models.common.tokenizer import load_tokenizer as _load_tokenizer
 
@@ -71,7 +71,7 @@ def load_pretrained(
             family's loader refuses.
     """
     path = resolve_checkpoint(path_or_hub_id, revision=revision, cache_dir=cache_dir)
-    family = family_of(read_json(os.path.join(path, CONFIG_FILE)))
+    family = family_of(read_config(path))
     return _LOADERS[family](path, **kwargs)
 
 

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from models.common.checkpoint import read_json
+from models.common.checkpoint import read_config
 from models.common.config import QuantSpec, range_problems, type_problems
 
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -243,7 +243,7 @@ class DeepseekV3Config:
         """
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        d = read_json(path)
+        d = read_config(path)
         try:
             return cls.from_hf_dict(d, **overrides)
         except ValueError as err:

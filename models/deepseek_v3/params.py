@@ -37,10 +37,8 @@ from models.common.checkpoint import (
     fmt_shape,
     fp8_block_size,
     quant_method,
-    replace_file,
     resolve_checkpoint,
-    write_json,
-    write_safetensors,
+    write_checkpoint,
 )
 from models.common.modules import FloatExperts, Linear, QuantizedLinear, RoutedExperts
 from models.common.progress import progress_bar
@@ -1154,5 +1152,4 @@ def save_pretrained(
         )
     if format == "bf16":
         hf["torch_dtype"] = "bfloat16"
-    write_safetensors(path, tensors, max_shard_bytes)
-    replace_file(os.path.join(path, CONFIG_FILE), lambda tmp: write_json(tmp, hf))
+    write_checkpoint(path, tensors, hf, max_shard_bytes=max_shard_bytes)

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from typing import Any
 
-from models.common.checkpoint import read_json
+from models.common.checkpoint import read_config
 from models.common.config import QuantSpec, range_problems, type_problems
 
 # config.json model_type -> architectures entry.
@@ -180,7 +180,7 @@ class QwenMoeConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides) -> QwenMoeConfig:
         try:
-            return cls.from_hf_dict(read_json(path), **overrides)
+            return cls.from_hf_dict(read_config(path), **overrides)
         except (KeyError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
 
