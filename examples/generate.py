@@ -379,15 +379,16 @@ def sampling_settings(args, checkpoint: str | None) -> dict:
     return settings
 
 
-def prompt_text(args, checkpoint: str | None) -> tuple[str, bool]:
-    """(the text to encode, whether the tokenizer adds its bos token): --prompt, or with
-    --chat the prompt rendered by the checkpoint's chat template (which writes the bos token).
+def prompt_text(args, checkpoint: str | None) -> tuple[str, bool | None]:
+    """(the text to encode, encode's add_bos): --prompt, encoded as the checkpoint's own
+    tokenizer encodes it (None: a bos token where it adds one), or with --chat the prompt
+    rendered by the checkpoint's chat template (which writes the bos token: False).
 
     Raises:
         SystemExit: --chat without --model, or without a chat template (the file named).
     """
     if not args.chat:
-        return args.prompt, True
+        return args.prompt, None
     if checkpoint is None:
         raise SystemExit("--chat needs --model: a random model has no chat template")
     try:

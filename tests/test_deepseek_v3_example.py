@@ -282,7 +282,7 @@ def test_example_chat_renders_the_template(checkpoint, tmp_path):
     args = example.parse_args(["--model", path, "--chat", "--prompt", "Hi"])
     assert example.prompt_text(args, path) == ("<s><|user|>Hi</s><|assistant|>", False)
     args = example.parse_args(["--model", path, "--prompt", "Hi"])
-    assert example.prompt_text(args, path) == ("Hi", True)
+    assert example.prompt_text(args, path) == ("Hi", None)
 
 
 @pytest.mark.parametrize(
