@@ -1,5 +1,4 @@
-"""Every family's tokenizer gives the ids and text of the checkpoint's own (fixtures' reference.json,
-written by transformers and Kimi's TikTokenTokenizer), and refuses broken tokenizer files."""
+"""Each family's tokenizer gives the ids and text of its checkpoint's own (reference.json)."""
 
 from __future__ import annotations
 
