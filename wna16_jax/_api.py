@@ -13,6 +13,7 @@ from wna16_jax import _activations, _dispatch
 from wna16_jax._checks import (
     as_int,
     check_array,
+    check_config,
     check_expert_map,
     check_out_dtype,
     check_values_in,
@@ -251,6 +252,8 @@ def fused_moe(
     problem, activation_quant, expert_map = _moe_problem(
         x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
     )
+    check_out_dtype(out_dtype)
+    check_config(config)
     if out_dtype is not None and jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise ValueError(
             f"out_dtype={out_dtype!r} must be one of {[d.name for d in _OUT_DTYPES]} (or None)"

@@ -10,6 +10,7 @@ otherwise (opt-in, as JAX's own data-dependent checks).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -118,7 +119,7 @@ def check_values_in(name: str, ids, count: int, what: str):
 
 
 def check_out_dtype(out_dtype) -> None:
-    """Raises ValueError unless out_dtype is None or a float dtype."""
+    """Raises ValueError unless out_dtype is None or a float dtype (naming out_dtype)."""
     if out_dtype is None:
         return
     try:
@@ -127,3 +128,76 @@ def check_out_dtype(out_dtype) -> None:
         raise ValueError(f"out_dtype={out_dtype!r} is not a dtype") from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"out_dtype={dtype.name} must be a floating dtype")
+
+
+def check_implementation(implementation):
+    """`implementation` as select_backend takes it: None, a backend name, or a sequence of names.
+
+    Raises:
+        TypeError: anything else (an int, a sequence holding a non-string), the value named.
+    """
+    if implementation is None or isinstance(implementation, str):
+        return implementation
+    if isinstance(implementation, (list, tuple)) and all(
+        isinstance(name, str) for name in implementation
+    ):
+        return tuple(implementation)
+    raise TypeError(
+        f"implementation={implementation!r} must be None (automatic), a backend name such as "
+        f"'xla' or a sequence of backend names, got {type(implementation).__name__}"
+    )
+
+
+def check_config(config) -> None:
+    """Raises TypeError unless `config` is None or a config dataclass instance (wj.BlockConfig,
+    a backend's own): a dict or other value would be ignored or fail deep inside a backend."""
+    if config is None or (dataclasses.is_dataclass(config) and not isinstance(config, type)):
+        return
+    hint = f"wj.BlockConfig(**{config!r})" if isinstance(config, dict) else "wj.BlockConfig(...)"
+    raise TypeError(
+        f"config={config!r} is a {type(config).__name__}, not a config: pass {hint} or None"
+    )
+
+
+def check_float_dtype(name: str, dtype):
+    """`dtype` (anything jnp.dtype reads) as a floating jnp dtype.
+
+    Raises:
+        TypeError: not a dtype, or not a floating one (the argument `name` and value named).
+    """
+    try:
+        out = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}={dtype!r} is not a dtype") from None
+    if not jnp.issubdtype(out, jnp.floating):
+        raise TypeError(f"{name}={out.name} must be a floating dtype (bfloat16, float16, ...)")
+    return out
+
+
+def check_scales_fit(scales, scale_dtype) -> None:
+    """Raises ValueError where concrete f32 `scales` overflow `scale_dtype` (float16's largest
+    finite value is 65504): stored they would be inf, and the weights NaN. Traced scales are
+    not read (no host sync under jit)."""
+    if isinstance(scales, jax.core.Tracer):
+        return
+    finfo = jnp.finfo(scale_dtype)
+    largest = float(np.max(np.asarray(scales), initial=0.0))
+    if largest > float(finfo.max):
+        name = jnp.dtype(scale_dtype).name
+        raise ValueError(
+            f"the largest scale, {largest:.4g}, overflows scale_dtype={name} (largest finite "
+            f"value {float(finfo.max):.4g}): pass scale_dtype=jnp.float32 or jnp.bfloat16, or "
+            f"scale the weights down"
+        )
+
+
+def check_seed(seed) -> int:
+    """`seed` as an int in [0, 2**63) (what jax.random.key takes without overflow).
+
+    Raises:
+        TypeError: not an int. ValueError: out of that range (the value named).
+    """
+    seed = as_int("seed", seed)
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed={seed} is outside [0, 2**63)")
+    return seed
