@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from models.common.checkpoint import read_config
+from models.common.checks import hf_config_problems
 from models.common.config import QuantSpec, range_problems, type_problems
 
 # config.json model_type -> architectures entry.
@@ -137,6 +138,18 @@ class QwenMoeConfig:
         """From a config.json dict (transformers 4 or 5: rope_theta at the top or in
         rope_parameters). Refused: rope scaling and sliding-window attention, which these
         checkpoints do not use."""
+        required = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                    "num_hidden_layers", "num_attention_heads", "num_experts",
+                    "num_experts_per_tok")  # fmt: skip
+        problems = hf_config_problems(
+            d,
+            cls,
+            required=required,
+            int_lists=("mlp_only_layers",),
+            nullable=("num_key_value_heads", "head_dim", "mlp_only_layers"),
+        )
+        if problems:
+            raise ValueError("invalid Qwen MoE config: " + "; ".join(problems))
         model_type = d.get("model_type")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -161,14 +174,14 @@ class QwenMoeConfig:
             head_dim=d.get("head_dim") or (d["hidden_size"] // heads if heads else 0),
             num_experts=d["num_experts"],
             num_experts_per_tok=d["num_experts_per_tok"],
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            norm_topk_prob=d.get("norm_topk_prob", False),
             decoder_sparse_step=d.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            attention_bias=bool(d.get("attention_bias", False)),
+            attention_bias=d.get("attention_bias", False),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
             pad_token_id=d.get("pad_token_id"),
