@@ -1,4 +1,4 @@
-"""config.json readers of both families: any JSON value in a field gives a config or a ValueError."""
+"""config.json readers of both families: any JSON value in a field reads or is refused by name."""
 
 from __future__ import annotations
 
