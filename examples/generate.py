@@ -379,6 +379,25 @@ def sampling_settings(args, checkpoint: str | None) -> dict:
     return settings
 
 
+def check_mtp_flag(args, checkpoint: str | None) -> None:
+    """Refuses --mtp before the model is built where --model's config.json has no MTP layer
+    (a Qwen-MoE checkpoint, or num_nextn_predict_layers 0).
+
+    Raises:
+        SystemExit: the checkpoint and what to do named.
+    """
+    if not args.mtp or checkpoint is None:
+        return
+    hf = read_json(os.path.join(checkpoint, "config.json"))
+    layers = hf.get("num_nextn_predict_layers") or 0
+    if models.family_of(hf) != "deepseek_v3" or not isinstance(layers, int) or layers < 1:
+        raise SystemExit(
+            f"--mtp: {args.model} has no MTP layer (config.json num_nextn_predict_layers="
+            f"{hf.get('num_nextn_predict_layers')!r}, model_type={hf.get('model_type')!r}); "
+            f"drop --mtp"
+        )
+
+
 def prompt_text(args, checkpoint: str | None) -> tuple[str, bool | None]:
     """(the text to encode, encode's add_bos): --prompt, encoded as the checkpoint's own
     tokenizer encodes it (None: a bos token where it adds one), or with --chat the prompt
@@ -629,6 +648,7 @@ def main(argv=None) -> int:
     checkpoint = checkpoint_dir(args)
     # The small files first: a bad one stops the run before the weights load.
     settings = sampling_settings(args, checkpoint)
+    check_mtp_flag(args, checkpoint)
     text, add_bos = prompt_text(args, checkpoint)
     model, tokenizer, what = build_model(args, mesh, checkpoint)
     model = prepare_model(model, args, args.linear_implementation, progress=progress)

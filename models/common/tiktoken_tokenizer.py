@@ -41,8 +41,8 @@ def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line is not a base64 token and a rank (the file and line named), or the
-            ranks are not 0 .. n-1, each once.
+        ValueError: no tokens, a line is not a base64 token and a rank (the file and line
+            named), or the ranks are not 0 .. n-1, each once.
     """
     ranks: dict[bytes, int] = {}
     with open(path, "rb") as f:
@@ -56,6 +56,8 @@ def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
                 raise ValueError(
                     f"{path}, line {number}: {line[:80]!r} is not a base64 token and a rank"
                 ) from None
+    if not ranks:
+        raise ValueError(f"{path} holds no tokens (an empty file): download it again")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(
             f"{path}: its {len(ranks)} tokens do not have the ranks 0 .. {len(ranks) - 1}, "
@@ -77,12 +79,21 @@ def kimi_special_tokens(
         file: the file `named` came from, named in errors.
 
     Raises:
-        ValueError: an id is below `num_ranks` (it would be an ordinary token's).
+        ValueError: an id is below `num_ranks` (it would be an ordinary token's), or the first
+            one is above it (a truncated tiktoken.model).
     """
     if below := sorted(i for i in named if i < num_ranks):
         raise ValueError(
             f"{file}: added_tokens_decoder names ids {below[:8]} below {num_ranks} (the number "
             f"of ranks): special tokens follow the ranks"
+        )
+    if named and min(named) > num_ranks:
+        # Kimi's first special token ([BOS]) has the id right after the last rank: a file cut
+        # at a line boundary still has ranks 0 .. n-1, but too few of them.
+        raise ValueError(
+            f"{TIKTOKEN_FILE} has {num_ranks} ranks, but the first special token of {file} has "
+            f"the id {min(named)}: the special tokens follow the ranks, so {TIKTOKEN_FILE} is "
+            f"truncated (or from another tokenizer): download it again"
         )
     end = max([num_ranks + RESERVED_SPECIAL_TOKENS, *(i + 1 for i in named)])
     return {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(num_ranks, end)}

@@ -282,8 +282,8 @@ def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
 
     Raises:
         FileNotFoundError: the directory has neither file (named).
-        ValueError: tokenizer_config.json is not a JSON object, or neither file holds a template
-            (the file named).
+        ValueError: tokenizer_config.json is not a JSON object, chat_template.jinja is not
+            UTF-8, or neither file holds a template (the file named).
     """
     config_file = os.path.join(os.fspath(path), TOKENIZER_CONFIG_FILE)
     jinja_file = os.path.join(os.fspath(path), CHAT_TEMPLATE_FILE)
@@ -296,8 +296,11 @@ def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
     hf = read_json(config_file) if has_config else {}
     tokens = {k: text for k in _SPECIAL_TOKENS if (text := _token_text(hf.get(k))) is not None}
     if has_jinja:
-        with open(jinja_file, encoding="utf-8") as f:
-            template = f.read()
+        try:
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{jinja_file} is not UTF-8 text ({err}): save it as UTF-8") from None
         if not template:
             raise ValueError(f"{jinja_file} is empty: no chat template to apply")
         return ChatTemplate(path=jinja_file, template=template, special_tokens=tokens)

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 import wna16_jax as wj
+from models.common.checks import check_input_ids
 from models.common.modules import (
     MLP,
     DecoderStack,
@@ -751,6 +752,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         Returns:
             f32 [B, S, vocab].
         """
+        check_input_ids(input_ids, self.cfg.vocab_size, attention_mask)
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, bool)

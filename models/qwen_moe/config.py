@@ -94,6 +94,11 @@ class QwenMoeConfig:
                 f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"num_experts={self.num_experts}"
             )
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            problems.append(
+                f"dtype={self.dtype!r} is not one of bfloat16, float16, float32 (the activations' "
+                f"dtype; quantize weights with quantize='int4' or 'int8')"
+            )
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             problems.append(

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 import wna16_jax as wj
+from models.common.checks import check_input_ids
 from models.common.modules import (
     MLP,
     DecoderStack,
@@ -364,6 +365,7 @@ class QwenMoeForCausalLM(nnx.Module):
     def __call__(self, input_ids, attention_mask=None):
         """input_ids int32 [B, S], attention_mask [B, S] (0 on left padding) -> f32
         [B, S, vocab] logits, without a cache."""
+        check_input_ids(input_ids, self.cfg.vocab_size, attention_mask)
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, bool)
