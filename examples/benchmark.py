@@ -51,6 +51,7 @@ import wna16_jax as wj
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import arg_types  # noqa: E402
+import cli  # noqa: E402
 
 PRESETS = {
     # name: (E, top_k, H, I, group_size)
@@ -674,6 +675,7 @@ def _config_arg(cls):
 def main(argv=None):
     on_gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    cli.setup_parser(p)
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -863,4 +865,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's 
 import profile as profile_example  # noqa: E402
 
 import arg_types  # noqa: E402
+import cli  # noqa: E402
 from benchmark import array_bytes, make_model_step, measure_ceilings, time_step  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
@@ -207,6 +208,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    cli.setup_parser(p)
     table = SHAPES if on_gpu else TINY_SHAPES
     p.add_argument(
         "--shapes", nargs="+", choices=sorted(SHAPES | TINY_SHAPES), default=sorted(table),
@@ -283,4 +285,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

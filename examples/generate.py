@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import arg_types  # noqa: E402
 import benchmark  # noqa: E402  (the copy ceiling, arrays' bytes)
+import cli  # noqa: E402
 
 # Tokens per row where neither --max-new-tokens nor the checkpoint's generation_config.json
 # says (the other sampling settings default to generate()'s: greedy, no nucleus).
@@ -73,6 +74,7 @@ FAMILIES = registry.FAMILY_PACKAGES
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.setup_parser(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--model",
@@ -311,7 +313,57 @@ def parse_args(argv=None) -> argparse.Namespace:
         why = activation_quant_conflict(args)
         if why:
             p.error(f"--activation-quant {args.activation_quant}: {why}")
+    why = flag_conflict(args)
+    if why:
+        p.error(why)
     return args
+
+
+# Backends that run only on an NVIDIA GPU, and what runs the same kernels elsewhere.
+GPU_BACKENDS = {"pallas": "pallas_interpret", "mgpu": "mgpu_interpret", "triton": "xla"}
+
+
+def flag_conflict(args) -> str | None:
+    """Why the flags cannot run together, found before JAX starts or a model is built, or None:
+    --layers without --preset, an unknown --implementation, --mtp with --mesh, a Mosaic GPU
+    backend on float32 activations."""
+    if args.layers and not args.preset:
+        return f"--layers {args.layers} sets a --preset's layer count: add --preset NAME"
+    if args.implementation is not None:
+        known = wj.registered_backends()
+        names = args.implementation.split(",")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            return f"--implementation {args.implementation}: {unknown} not among {list(known)}"
+    if args.mtp and args.mesh:
+        return "--mtp decodes on one device: drop --mesh (or --mtp)"
+    mgpu = [f"{f} {v}" for f, v in (("--implementation", args.implementation),
+                                    ("--linear-implementation", args.linear_implementation))
+            if v and v.startswith("mgpu")]  # fmt: skip
+    dtype = args.dtype or ("float32" if not (args.model or args.preset or
+                                             args.full_width_layers) else "bfloat16")  # fmt: skip
+    if mgpu and dtype == "float32":
+        return (
+            f"{mgpu[0]}: the Mosaic GPU kernels take bfloat16 or float16 activations, "
+            f"and this model runs float32: add --dtype bfloat16"
+        )
+    return None
+
+
+def gpu_flag_conflict(args, platform: str) -> str | None:
+    """Why a GPU-only backend flag cannot run on `platform` (JAX's), or None: checked before
+    the model is built (and its weights converted to a layout the platform cannot run)."""
+    if platform == "gpu":
+        return None
+    for flag, value in (("--implementation", args.implementation),
+                        ("--linear-implementation", args.linear_implementation)):  # fmt: skip
+        for name in (value or "").split(","):
+            if name in GPU_BACKENDS:
+                return (
+                    f"{flag} {name} runs on an NVIDIA GPU and JAX runs on {platform}: use "
+                    f"{GPU_BACKENDS[name]} (the same kernels, interpreted) or xla"
+                )
+    return None
 
 
 def activation_quant_conflict(args) -> str | None:
@@ -603,6 +655,9 @@ def main(argv=None) -> int:
     mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh)) if args.mesh else None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     progress = not args.no_progress
+    why = gpu_flag_conflict(args, jax.default_backend())
+    if why:
+        raise SystemExit(why)
 
     print(f"mesh: {sharding.describe(mesh)}")
     t0 = time.perf_counter()
@@ -702,4 +757,4 @@ def first_tokens(model, tokenizer, n: int, seed: int) -> list[int]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)

@@ -45,6 +45,7 @@ import profile as profile_example  # noqa: E402
 
 import arg_types  # noqa: E402
 import benchmark  # noqa: E402
+import cli  # noqa: E402
 import generate as generate_example  # noqa: E402
 
 from models.common.generate import generate  # noqa: E402
@@ -58,6 +59,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
         "implementations, --batch-size (one value), --prompt, --dtype, ...): see "
         "`python examples/generate.py --help`.",
     )
+    cli.setup_parser(p)
     p.add_argument(
         "--steps", type=arg_types.positive_int, default=4, help="decode steps traced (default 4)"
     )
@@ -298,4 +300,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import pathlib
 import shutil
 
@@ -111,3 +113,64 @@ def test_non_utf8_chat_template_is_named(kimi):
     (kimi / "chat_template.jinja").write_bytes(b"{{ bos_token }}\xff\xfe caf\xe9")
     with pytest.raises(ValueError, match="chat_template.jinja is not UTF-8 text"):
         load_chat_template(kimi)
+
+
+def _copy_with(src: pathlib.Path, dst: pathlib.Path, edit_tensors=None, edit_config=None):
+    """The checkpoint `src` copied to `dst`, its tensors and config.json edited in place."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    tensors = load_file(dst / "model.safetensors")
+    if edit_tensors:
+        edit_tensors(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((dst / "config.json").read_text())
+    if edit_config:
+        edit_config(hf)
+    (dst / "config.json").write_text(json.dumps(hf))
+    return dst
+
+
+def _poison(name: str, value: float):
+    def edit(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name].flat[3] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "checkpoint, tensor, value",
+    [("qwen2_moe/float", "model.layers.0.input_layernorm.weight", np.nan),
+     ("qwen2_moe/int4", "model.layers.0.mlp.experts.1.up_proj.scales", np.inf),
+     ("kimi_k2/float", "model.norm.weight", np.nan),
+     ("kimi_k2/int4", "model.layers.1.mlp.experts.0.down_proj.weight_scale", -np.inf)],
+)  # fmt: skip
+def test_a_non_finite_tensor_is_refused_by_name(tmp_path, checkpoint, tensor, value):
+    path = _copy_with(FIXTURES / checkpoint, tmp_path, edit_tensors=_poison(tensor, value))
+    with pytest.raises(ValueError, match=rf"'{tensor}' holds 1 non-finite value"):
+        models.load_pretrained(path, dtype=jnp.float32, progress=False)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tied_embeddings_beside_a_different_head_are_refused(tmp_path, family):
+    def tie(hf):
+        hf["tie_word_embeddings"] = True
+
+    path = _copy_with(FIXTURES / FAMILIES[family], tmp_path, edit_config=tie)
+    with pytest.raises(ValueError, match="tie_word_embeddings is true, but lm_head.weight"):
+        models.load_pretrained(path, dtype=jnp.float32, progress=False)
+
+
+def test_unused_shared_expert_tensors_are_reported(tmp_path, caplog):
+    """shared_expert_intermediate_size 0 beside shared-expert tensors: the loader names the
+    tensors it leaves unread."""
+
+    def no_shared(hf):
+        hf["shared_expert_intermediate_size"] = 0
+
+    path = _copy_with(FIXTURES / "qwen2_moe/float", tmp_path, edit_config=no_shared)
+    with caplog.at_level(logging.WARNING):
+        models.load_pretrained(path, dtype=jnp.float32, progress=False)
+    assert "tensors the model does not use" in caplog.text
+    assert "shared_expert" in caplog.text

@@ -119,6 +119,36 @@ def checkpoint_file(root: str, fname, where: str) -> str:
     return full
 
 
+# Bit masks of the exponent of each float safetensors dtype: all ones is NaN or inf (float8
+# e4m3fn has no inf; its NaN is the pattern with all exponent and mantissa bits set).
+_NON_FINITE_BITS = {
+    "F16": (np.uint16, 0x7C00, 0x7C00),
+    "BF16": (np.uint16, 0x7F80, 0x7F80),
+    "F32": (np.uint32, 0x7F800000, 0x7F800000),
+    "F64": (np.uint64, 0x7FF0000000000000, 0x7FF0000000000000),
+    "F8_E4M3": (np.uint8, 0x7F, 0x7F),
+}
+
+
+def non_finite_problem(name: str, arr: np.ndarray, dtype: str) -> str | None:
+    """A sentence where the float tensor `arr` (safetensors dtype `dtype`) holds NaN or inf,
+    else None. The bits are tested as integers (no float conversion of bfloat16 or float8)."""
+    if dtype not in _NON_FINITE_BITS or arr.size == 0:
+        return None
+    view, mask, value = _NON_FINITE_BITS[dtype]
+    bits = np.ascontiguousarray(arr).view(view)
+    bad = (bits & view(mask)) == view(value)
+    count = int(np.count_nonzero(bad))
+    if not count:
+        return None
+    first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), arr.shape))
+    return (
+        f"{name!r} holds {count} non-finite value{'s' * (count > 1)} (NaN or inf, first at "
+        f"{list(first)}): the checkpoint is damaged (download it again); a NaN weight makes "
+        f"every logit NaN and generation emit token 0"
+    )
+
+
 class Checkpoint(Mapping):
     """The tensors of a local HF directory, by name, read lazily one at a time.
 
@@ -214,6 +244,9 @@ class Checkpoint(Mapping):
                 arr = self._handles[file].get_tensor(name)
             except (TypeError, ValueError):  # e.g. no numpy dtype for BF16 in old safetensors
                 arr = self._read_raw(file, name)
+        problem = non_finite_problem(name, arr, self._meta[name][1])
+        if problem is not None:
+            raise ValueError(f"{file}: {problem}")
         self.reads += 1
         if self.on_read is not None:
             self.on_read(name)
@@ -497,6 +530,11 @@ def read_config(path: str | os.PathLike) -> dict:
                 CONFIG_FILE,
             )
             return hf
+    if not os.path.exists(file) and os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"{directory} has no {CONFIG_FILE}: not a checkpoint directory (pass the directory "
+            f"that holds {CONFIG_FILE} and the *.safetensors files)"
+        )
     return read_json(file)
 
 

@@ -117,3 +117,19 @@ def check_input_ids(input_ids, vocab_size: int, attention_mask=None) -> None:
             f"input_ids[{', '.join(map(str, where))}]={int(ids[where])} is outside the "
             f"vocabulary [0, {vocab_size})"
         )
+
+
+def tied_weight_problems(cfg, ckpt, *, embed="model.embed_tokens.weight", head="lm_head.weight"):
+    """A sentence where config.json ties the head to the embedding (tie_word_embeddings) but the
+    checkpoint holds a different `head` tensor, which the model would silently not use."""
+    if not getattr(cfg, "tie_word_embeddings", False) or head not in ckpt or embed not in ckpt:
+        return []
+    if ckpt.meta(head) == ckpt.meta(embed) and np.array_equal(
+        np.asarray(ckpt[head]).view(np.uint8), np.asarray(ckpt[embed]).view(np.uint8)
+    ):
+        return []
+    return [
+        f"tie_word_embeddings is true, but {head} {list(ckpt.meta(head)[0])} differs from {embed} "
+        f"{list(ckpt.meta(embed)[0])}: the model would use the embedding as its head; set "
+        f"tie_word_embeddings to false in config.json (or remove {head})"
+    ]

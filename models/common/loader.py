@@ -44,6 +44,7 @@ from models.common.checkpoint import (
     resolve_checkpoint,
     write_checkpoint,
 )
+from models.common.checks import tied_weight_problems
 from models.common.config import QuantSpec
 from models.common.modules import (
     FloatExperts,
@@ -794,6 +795,7 @@ def load_pretrained(
             raise ValueError(f"specs=: {names.model_class.__name__} loads with its default specs")
     ckpt = Checkpoint(path)
     plans, problems = check_checkpoint(names, cfg, ckpt, qcfg, mtp=mtp)
+    problems += tied_weight_problems(cfg, ckpt)
     acts = activation_plan(ckpt, qcfg, plans, problems)
     _raise_problems(path, problems)
     _report_unused(log, cfg, ckpt, plans, read=acts.read, explained=acts.linears)
