@@ -267,7 +267,7 @@ def main(argv=None):
     copy_bps, mm_flops = measure_ceilings(on_gpu, args.repeats)
     print(
         f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
-        f"{copy_bps / 1e12:.2f} TB/s; bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s",
+        f"{copy_bps / 1e12:.2f} TB/s; bf16 matmul {cli.figure(mm_flops / 1e12)} TFLOP/s",
         flush=True,
     )
     rows = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -71,3 +72,14 @@ def run(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | No
         raise SystemExit(EXIT_USER_ERROR) from None
     if isinstance(result, int):
         raise SystemExit(result)
+
+
+def figure(x: float, digits: int = 3) -> str:
+    """`x` with `digits` significant digits, in plain notation from 1e-4 to 1e6 ("0.000123",
+    "0.0456", "12.3", "4560"): a small positive figure never prints as 0."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    if not 1e-4 <= abs(x) < 1e6:
+        return f"{x:.{digits - 1}e}"
+    decimals = max(digits - 1 - math.floor(math.log10(abs(x))), 0)
+    return f"{x:.{decimals}f}"

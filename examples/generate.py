@@ -707,13 +707,7 @@ def main(argv=None) -> int:
             end = f" (stopped at eos id {new[-1]})" if stopped else ""
             print(f"[{b}] tokens: {new}{end}")
             print(f"[{b}] text:   {args.prompt!r} -> {tokenizer.decode(new)!r}")
-        print(f"speed: {stats}")
-        if args.mtp:
-            print(
-                f"mtp: acceptance rate {stats.acceptance_rate:.1%}, "
-                f"{stats.tokens_per_step:.2f} tokens per step, "
-                f"{stats.token_s * 1e3:.3f} ms per token"
-            )
+        print(f"speed: {stats}")  # with --mtp: acceptance rate and tokens per step too
         if copy_bps and stats.step_s:
             print(roofline(model, stats, copy_bps))
         print(f"decode: {stats.decode_tokens_per_s:.1f} tokens/s")
@@ -740,9 +734,10 @@ def roofline(model, stats, copy_bps: float) -> str:
     nbytes = step_bytes(model)
     floor_s = nbytes / copy_bps
     return (
-        f"step reads >= {nbytes / 1e9:.3f} GB of weights = {floor_s * 1e3:.3f} ms at the copy "
-        f"ceiling measured now ({copy_bps / 1e12:.2f} TB/s): the step runs at "
-        f"{100 * floor_s / stats.step_s:.0f}% of it"
+        f"step reads >= {cli.figure(nbytes / 1e9)} GB of weights = "
+        f"{cli.figure(floor_s * 1e3)} ms at the copy ceiling measured now "
+        f"({cli.figure(copy_bps / 1e12)} TB/s): the step runs at "
+        f"{cli.figure(100 * floor_s / stats.step_s, 2)}% of it"
         + (" (batch > 1: rows that route apart read more experts)" if stats.batch > 1 else "")
     )
 

@@ -259,8 +259,8 @@ def main(argv=None) -> int:
     print(f"batch {args.batch_size[0]}, {ours.steps} decode steps traced")
     print(f"  kernels per step:  {step_us:.1f} us in {launches:.0f} launches ({method})")
     print(f"  step, untraced:    {step_s * 1e6:.1f} us")
-    print(f"  weights per step:  {nbytes / 1e9:.3f} GB")
-    print(f"  copy ceiling:      {copy_bps / 1e12:.2f} TB/s (measured now)")
+    print(f"  weights per step:  {cli.figure(nbytes / 1e9)} GB")
+    print(f"  copy ceiling:      {cli.figure(copy_bps / 1e12)} TB/s (measured now)")
     print(f"  read-time floor:   {floor_us:.1f} us (the weights at the copy ceiling)")
     # 100%: the kernels take no longer than reading the weights once at the copy ceiling.
     print(f"  floor / kernels:   {100 * floor_us / step_us:.0f}%")

@@ -122,7 +122,8 @@ def test_example_mtp_gives_the_same_tokens(capsys):
     assert _load_example().main([*argv, "--mtp", "2"]) == 0
     out = capsys.readouterr().out
     assert "with its MTP layer" in out
-    assert "mtp: acceptance rate" in out and "tokens per step" in out and "ms per token" in out
+    assert "MTP with 2 drafts: acceptance" in out and "tokens per step" in out
+    assert "ms per token" in out and out.count("tokens per step") == 1  # printed once
     assert _tokens(out) == _tokens(plain) and len(_tokens(out)) == 2
 
 
