@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -95,6 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=sorted(PRESETS),
         help="random model of a released size, quantized as its int4 release (Qwen: GPTQ-like "
         "int4 group 128 symmetric, float16 scales); --layers keeps fewer layers",
+    )
+    p.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="build a --preset even where its weights exceed the memory here",
     )
     p.add_argument(
         "--family",
@@ -520,11 +526,57 @@ def build_preset(args, placement: dict):
     if args.layers:
         overrides["num_hidden_layers"] = args.layers
     cfg = PRESETS[args.preset](**overrides)
+    check_preset_memory(args, cfg, placement.get("mesh"))
     model = registry.family_of_model(cfg).init_random(
         cfg, seed=args.seed, implementation=args.implementation, **placement
     )
     what = f"random {args.preset}, {cfg.num_hidden_layers} layers, {cfg.quant}"
     return model, load_tokenizer(None, cfg=cfg), what
+
+
+def available_memory(mesh) -> tuple[int, str]:
+    """(bytes, where): the memory the weights may take here: the devices' own (GPU; each
+    device's limit times the mesh's devices), else the host's available RAM."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    stats = devices[0].memory_stats() if devices[0].platform == "gpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) * len(devices), f"{len(devices)} GPU(s)"
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024, "this host (MemAvailable)"
+    except (OSError, KeyError, ValueError):
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(pages), "this host"
+
+
+def check_preset_memory(args, cfg, mesh) -> None:
+    """Prints the preset's weight bytes (from an abstract model: nothing allocated) against the
+    memory here, and refuses to build what cannot fit unless --no-memory-check.
+
+    Raises:
+        SystemExit: over the memory, with how many layers would fit.
+    """
+    model_class = registry.family_of_model(cfg).model_class
+    need = model_class.param_bytes(cfg)
+    have, where = available_memory(mesh)
+    print(
+        f"--preset {args.preset}: {cfg.num_hidden_layers} layers, about "
+        f"{cli.figure(need / 1e9)} GB of weights; {where} has {cli.figure(have / 1e9)} GB "
+        f"free (drawing them takes more for a while)"
+    )
+    if need <= have or args.no_memory_check:
+        return
+    layers = cfg.num_hidden_layers
+    one = model_class.param_bytes(dataclasses.replace(cfg, num_hidden_layers=1))
+    per_layer = (need - one) / (layers - 1) if layers > 1 else need  # the layers' mean
+    fit = min(max(int((have - one + per_layer) // per_layer), 0), layers - 1)
+    hint = f"pass --layers {fit} (about as many fit)" if fit else "it does not fit with 1 layer"
+    raise SystemExit(
+        f"--preset {args.preset}: its weights take about {cli.figure(need / 1e9)} GB, over the "
+        f"{cli.figure(have / 1e9)} GB {where} has free: {hint}, or --no-memory-check to build "
+        f"it anyway"
+    )
 
 
 def prepare_model(model, args, linears: str, *, progress: bool):

@@ -57,3 +57,15 @@ def test_a_wrong_input_prints_one_line(cli, generate, case, tmp_path, capsys, mo
 def test_debug_shows_the_error_itself(cli, generate, capsys):
     with pytest.raises(FileNotFoundError, match="no such directory"):
         cli.run(generate.main, ["--model", "/no/such/dir", "--debug"])
+
+
+def test_a_preset_over_the_memory_is_refused_with_its_estimate(cli, generate, capsys, monkeypatch):
+    """The estimate comes from an abstract model (nothing drawn): refused with the layers that
+    fit, before a weight is drawn."""
+    monkeypatch.setattr(generate, "available_memory", lambda mesh: (2 * 10**9, "this test"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(generate.main, ["--preset", "qwen3-30b-a3b"])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert "about" in out and "GB of weights; this test has 2.00 GB free" in out
+    assert "pass --layers" in err and "--no-memory-check" in err
