@@ -690,7 +690,9 @@ def main(argv=None):
         help="token counts (default: 1 4 16 64 256 1024 4096 on GPU, 1 4 on CPU)",
     )
     p.add_argument(
+        "--implementation",
         "--implementations",
+        dest="implementations",
         nargs="+",
         default=None,
         help="backends to time (default: mgpu pallas xla on GPU, pallas_interpret xla on CPU)",

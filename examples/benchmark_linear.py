@@ -215,7 +215,7 @@ def main(argv=None):
         help="linears to time (default: DeepSeek-V3's on a GPU, tiny ones on a CPU)",
     )  # fmt: skip
     p.add_argument(
-        "--implementations", nargs="+",
+        "--implementation", "--implementations", dest="implementations", nargs="+",
         default=["mgpu", "pallas", "xla", "bf16"] if on_gpu else ["mgpu_interpret", "xla", "bf16"],
         help="backends with a grouped GEMM, or bf16 (a dense bf16 weight and a plain dot)",
     )  # fmt: skip

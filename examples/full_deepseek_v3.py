@@ -97,7 +97,9 @@ def main(argv=None):
         help='mesh axes, e.g. "expert=8,tensor=1" (default: expert=<every device>)',
     )
     p.add_argument(
+        "--batch-size",
         "--batch-sizes",
+        dest="batch_sizes",
         type=arg_types.positive_int,
         nargs="+",
         default=None,

@@ -201,6 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--batch-size",
+        "--batch-sizes",
+        dest="batch_size",
         type=arg_types.positive_int,
         nargs="+",
         default=[1],

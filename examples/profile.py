@@ -195,7 +195,9 @@ def main(argv=None) -> int:
         help="token counts (default: 1 16; 1 on CPU)",
     )
     p.add_argument(
+        "--implementation",
         "--implementations",
+        dest="implementations",
         nargs="+",
         default=None,
         help="backends to trace (default: mgpu pallas on GPU, pallas_interpret on CPU)",

@@ -516,7 +516,9 @@ def main(argv=None) -> dict[str, list[dict]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     cli.setup_parser(p)
     p.add_argument(
+        "--implementation",
         "--backends",
+        dest="backends",
         nargs="+",
         choices=sorted(TABLES),
         default=None,
