@@ -259,6 +259,13 @@ def main(argv=None) -> int:
     print(f"batch {args.batch_size[0]}, {ours.steps} decode steps traced")
     print(f"  kernels per step:  {step_us:.1f} us in {launches:.0f} launches ({method})")
     print(f"  step, untraced:    {step_s * 1e6:.1f} us")
+    if not on_gpu and step_us > step_s * 1e6:
+        # XLA:CPU runs a step's operations on several threads at once, and the trace times
+        # each one: their sum exceeds the step's wall time.
+        print(
+            "  (on a CPU the kernels overlap on XLA's threads: their sum exceeds the step; the "
+            "shares below still rank them)"
+        )
     print(f"  weights per step:  {cli.figure(nbytes / 1e9)} GB")
     print(f"  copy ceiling:      {cli.figure(copy_bps / 1e12)} TB/s (measured now)")
     print(f"  read-time floor:   {floor_us:.1f} us (the weights at the copy ceiling)")
