@@ -120,14 +120,8 @@ def check_values_in(name: str, ids, count: int, what: str):
 
 def check_out_dtype(out_dtype) -> None:
     """Raises ValueError unless out_dtype is None or a float dtype (naming out_dtype)."""
-    if out_dtype is None:
-        return
-    try:
-        dtype = jnp.dtype(out_dtype)
-    except TypeError:
-        raise ValueError(f"out_dtype={out_dtype!r} is not a dtype") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"out_dtype={dtype.name} must be a floating dtype")
+    if out_dtype is not None:
+        check_float_dtype("out_dtype", out_dtype, error=ValueError)
 
 
 def check_implementation(implementation):
@@ -159,18 +153,19 @@ def check_config(config) -> None:
     )
 
 
-def check_float_dtype(name: str, dtype):
+def check_float_dtype(name: str, dtype, *, error: type[Exception] = TypeError):
     """`dtype` (anything jnp.dtype reads) as a floating jnp dtype.
 
     Raises:
-        TypeError: not a dtype, or not a floating one (the argument `name` and value named).
+        `error` (TypeError): not a dtype, or not a floating one (the argument `name` and value
+            named).
     """
     try:
         out = jnp.dtype(dtype)
     except TypeError:
-        raise TypeError(f"{name}={dtype!r} is not a dtype") from None
+        raise error(f"{name}={dtype!r} is not a dtype") from None
     if not jnp.issubdtype(out, jnp.floating):
-        raise TypeError(f"{name}={out.name} must be a floating dtype (bfloat16, float16, ...)")
+        raise error(f"{name}={out.name} must be a floating dtype (bfloat16, float16, ...)")
     return out
 
 
