@@ -91,7 +91,7 @@ def test_example_step_bytes_and_roofline(capsys):
     assert example.step_bytes(model) == pytest.approx(want)
     stats = type("Stats", (), dict(step_s=want / 1e9, batch=1))()
     line = example.roofline(model, stats, copy_bps=2e9)
-    assert "at the copy ceiling measured now (0.00 TB/s): the step runs at 50% of it" in line
+    assert "at the copy ceiling measured now (0.00200 TB/s): the step runs at 50% of it" in line
     assert example.main(["--max-new-tokens", "3", "--batch-size", "1", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("step reads >= ") == 2 and "rows that route apart read more experts" in out
