@@ -59,3 +59,23 @@ def test_add_bos_forces_one_or_none(family):
     assert tok.encode(plain["text"], add_bos=True) == [tok.bos_id, *body]
     with pytest.raises(TypeError, match="text=b'x' is a bytes"):
         tok.encode(b"x")
+
+
+def test_fixtures_are_what_their_script_writes(tmp_path):
+    """The tokenizer.json fixtures come from make_hf_tokenizers.py (deterministic training):
+    rerun, it writes the same files (reference.json: make_tokenizer_references.py, which needs
+    transformers, so it is not rerun here)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        spec = importlib.util.spec_from_file_location("make_hf", FIXTURES / "make_hf_tokenizers.py")
+        make = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(make)
+    finally:
+        sys.path.remove(str(FIXTURES))
+    make.write(str(tmp_path))
+    for family in ("deepseek_tokenizer", "qwen_tokenizer"):
+        for file in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            assert (tmp_path / family / file).read_text() == (FIXTURES / family / file).read_text()
