@@ -20,7 +20,7 @@ def prepare(
     model: CausalLM,
     *,
     implementation: str | Sequence[str] | None = None,
-    linear_implementation: str = "xla",
+    linear_implementation: str = wj.REFERENCE_BACKEND,
     expert_layout: str = "auto",
     quantize_lm_head: str | QuantSpec | None = None,
     mesh: Mesh | None = None,

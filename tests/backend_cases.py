@@ -10,12 +10,14 @@ A subclass names the backend and says what it runs:
 
     class TestPallasInterpreted(FusedMoeCases):
         IMPLEMENTATION = "pallas_interpret"
-        BACKEND_FUSED_MOE = staticmethod(functools.partial(pallas_moe.fused_moe, interpret=True))
+        BACKEND_FUSED_MOE = staticmethod(
+            helpers.pipeline_fused_moe(pallas_moe.stages, interpret=True)
+        )
 
     @pytest.mark.gpu
     class TestPallasCompiled(TestPallasInterpreted):
         IMPLEMENTATION = "pallas"
-        BACKEND_FUSED_MOE = staticmethod(pallas_moe.fused_moe)
+        BACKEND_FUSED_MOE = staticmethod(helpers.pipeline_fused_moe(pallas_moe.stages))
 
 BITS, ZERO_POINTS, DTYPES and ACTIVATION_QUANTS filter the grid CASES (or a subclass gives its
 own CASES); SMALL is the problem of the other checks; LAYOUT the weights' layout the backend
@@ -201,8 +203,9 @@ class FusedMoeCases(SchemeCases):
     """The checks; see the module docstring for what a subclass sets."""
 
     IMPLEMENTATION: str = ""  # the backend's name in wj.fused_moe
-    # The backend module's fused_moe (with interpret bound): the token chunks' size is its own
-    # argument (chunk_tokens), not the public API's.
+    # The backend module's layer as the library runs it (helpers.pipeline_fused_moe of its
+    # stages, interpret bound): the token chunks' size is the pipeline's argument (chunk_tokens),
+    # not the public API's.
     BACKEND_FUSED_MOE = None
     LAYOUT = "canonical"
     BITS: tuple[int, ...] = (4, 8)
@@ -250,7 +253,7 @@ class FusedMoeCases(SchemeCases):
         )  # fmt: skip
 
     def fused_moe_in_chunks(self, x, w13, w2, topk_weights, topk_ids, *, chunk_tokens, **kwargs):
-        """The backend module's fused_moe in chunks of chunk_tokens tokens."""
+        """The backend's layer in chunks of chunk_tokens tokens."""
         return self.BACKEND_FUSED_MOE(
             x, self.prepare(w13), self.prepare(w2), topk_weights, topk_ids,
             chunk_tokens=chunk_tokens, **kwargs,

@@ -8,13 +8,14 @@ it (`pip install triton==3.6.0`) a GPU-free machine catches build failures befor
 
 from __future__ import annotations
 
+import helpers
 import jax
 import jax.numpy as jnp
 import pytest
 import sm90
 
 import wna16_jax as wj
-from pallas_kernels.triton import fused_moe as pallas_moe
+from pallas_kernels.pallas import fused_moe as pallas_moe
 
 pytestmark = pytest.mark.skipif(sm90.available() is not None, reason=str(sm90.available()))
 
@@ -63,7 +64,9 @@ def test_deepseek_v3_kernels_build_for_sm90(m, bits, group_size, has_zeros, dtyp
         jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
         jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
     )
-    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a), *args)
+    kernels = sm90.compile_for_sm90(
+        lambda *a: helpers.pipeline_fused_moe(pallas_moe.stages)(*a), *args
+    )
     gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
     assert len(gemms) == 2, [k.name for k in kernels]
     for k in kernels:
@@ -87,7 +90,9 @@ def deepseek_gemm_kernels(m: int, config) -> list:
         jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
         jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
     )
-    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
+    kernels = sm90.compile_for_sm90(
+        lambda *a: helpers.pipeline_fused_moe(pallas_moe.stages)(*a, config=config), *args
+    )
     gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
     assert len(gemms) == 2, [k.name for k in kernels]
     return gemms

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wna16_jax import _activations, _dispatch
+from wna16_jax import _activations, _dispatch, _pipeline
 from wna16_jax._checks import (
     as_int,
     check_array,
@@ -21,11 +22,9 @@ from wna16_jax._checks import (
 )
 from wna16_jax._configs import GemmShape
 from wna16_jax._inference_only import inference_only
-from wna16_jax._pipeline import rows_in_input_order
 from wna16_jax._routing import slot_experts
 from wna16_jax._types import (
     ACTIVATION_QUANT_SCHEMES,
-    KERNEL_LAYOUT_BITS,
     MAX_ARRAY_ELEMENTS,
     ActivationQuant,
     AlignedRouting,
@@ -264,7 +263,11 @@ def fused_moe(
     extra = {} if activation_quant is None else {"activation_quant": activation_quant}
     if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(x.dtype):
         extra["out_dtype"] = jnp.dtype(out_dtype)
-    return backend.fused_moe(
+    # A kernel backend's stages run in the library's pipeline; the reference is its own layer.
+    layer = backend.fused_moe
+    if backend.stages is not None:
+        layer = functools.partial(_pipeline.run, backend.stages)
+    return layer(
         inference_only(x),
         w13,
         w2,
@@ -475,7 +478,7 @@ def grouped_matmul(
         )
     if w.has_perm:  # act-order: each slot's row in its block's expert's input order
         experts = slot_experts(routing, num_slots)
-        a = rows_in_input_order(jnp.repeat(a, top_k, axis=0), experts, w.perm)
+        a = _pipeline.rows_in_input_order(jnp.repeat(a, top_k, axis=0), experts, w.perm)
         w, top_k = dataclasses.replace(w, perm=None), 1
     return backend.grouped_matmul.run(
         inference_only(a),
@@ -523,7 +526,7 @@ def preferred_layout(
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
     problem, _, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
     for layout, name in _dispatch.preferred_layouts():
-        bits = KERNEL_LAYOUT_BITS[layout]
+        bits = _dispatch.layout_bits(layout)
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width
             continue
         candidate = dataclasses.replace(problem, layout=layout)

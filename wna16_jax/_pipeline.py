@@ -191,6 +191,63 @@ def fused_moe(
     )
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "make_stages",
+        "activation",
+        "config",
+        "activation_quant",
+        "chunk_tokens",
+        "out_dtype",
+    ),
+)
+def run(
+    make_stages: Callable[..., MoeStages],
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map=None,
+    activation: str = "silu",
+    config=None,
+    activation_quant: ActivationQuant | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    out_dtype=None,
+):
+    """The MoE layer of a backend: its stages (make_stages(activation=, config=,
+    activation_quant=), a backend's `Backend.stages`) through `fused_moe`, jitted; inputs
+    already validated (wna16_jax.fused_moe calls it).
+
+    Args:
+        make_stages: the backend's stages factory (static: hashable, e.g. a module function or
+            one functools.partial kept for reuse).
+        x: [T, H].  w13: [E, 2I, H].  w2: [E, H, I] (in the layout the stages take).
+        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
+        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
+        activation: the activation's name.  config: the backend's config, or None.
+        activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
+        chunk_tokens: tokens per chunk.  out_dtype: the output dtype (default x.dtype).
+
+    Returns:
+        [T, H] in out_dtype.
+    """
+    stages = make_stages(activation=activation, config=config, activation_quant=activation_quant)
+    return fused_moe(
+        stages,
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        chunk_tokens=chunk_tokens,
+        out_dtype=out_dtype,
+    )
+
+
 def map_token_chunks(run, x, topk_weights, topk_ids, *, chunk_tokens: int, out_dtype=None):
     """Applies run(x, topk_weights=, topk_ids=) -> [t, H] f32 to chunks of at most chunk_tokens.
 

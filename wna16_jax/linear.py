@@ -122,7 +122,8 @@ def preferred_layout(
         candidates = _dispatch.preferred_layouts()
     else:
         candidates = [
-            (lay, implementation) for lay in _dispatch.get_backend(implementation).layouts
+            (lay, implementation)
+            for lay in _dispatch.read_layouts(_dispatch.get_backend(implementation))
         ]
     for layout, name in candidates:
         if layout == "canonical":

@@ -9,13 +9,13 @@ import functools
 import jax
 
 from pallas_kernels.common.align import moe_align_block_size
-from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe
-from pallas_kernels.mosaic_gpu import grouped_matmul as mgpu_grouped_matmul
-from pallas_kernels.mosaic_gpu import layout as mgpu_layout
-from pallas_kernels.mosaic_gpu.config import MgpuConfig
-from pallas_kernels.mosaic_gpu.wna16_gemm import group_reason
-from wna16_jax import _configs
-from wna16_jax._dispatch import (
+from pallas_kernels.mgpu import fused_moe as mgpu_fused_moe
+from pallas_kernels.mgpu import grouped_matmul as mgpu_grouped_matmul
+from pallas_kernels.mgpu import layout as mgpu_layout
+from pallas_kernels.mgpu.config import MgpuConfig
+from pallas_kernels.mgpu.wna16_gemm import group_reason
+from wna16_jax import backend_api
+from wna16_jax.backend_api import (
     GemmProblem,
     LayoutConversion,
     MoEProblem,
@@ -80,13 +80,13 @@ def _gemm_shape_reason(problem: GemmProblem) -> str | None:
 
 BACKENDS = compiled_and_interpreted(
     "mgpu",
-    mgpu_fused_moe.fused_moe,
+    mgpu_fused_moe.stages,
     _mgpu_reason,
     _mgpu_shape_reason,
     moe_align_block_size,
     mgpu_layout.LAYOUTS,
     gemm=mgpu_grouped_matmul.grouped_matmul,
-    gemm_config=functools.partial(_configs.resolve, mgpu_grouped_matmul.GEMM_RULES),
+    gemm_config=functools.partial(backend_api.resolve, mgpu_grouped_matmul.GEMM_RULES),
     gemm_shape_reason=_gemm_shape_reason,
     gemm_gpu_reason=sm90_reason,
     gemm_linear=mgpu_grouped_matmul.linear,
@@ -96,8 +96,12 @@ BACKENDS = compiled_and_interpreted(
     preferred_layouts=("mgpu_int4", "mgpu_int8"),
     config_type=MgpuConfig,
     layout_conversion=LayoutConversion(
+        bits=mgpu_layout.LAYOUT_BITS,
         reason=mgpu_layout.layout_reason,
         to_kernel=mgpu_layout.to_mgpu_layout,
         to_canonical=mgpu_layout.to_canonical,
+        shape=mgpu_layout.logical_shape,
+        validate=mgpu_layout.validate,
+        granularity=mgpu_layout.MGPU_TILE,
     ),
 )

@@ -1,7 +1,7 @@
 """The Mosaic GPU GEMM's weight layouts, mgpu_int4 and mgpu_int8 (made once, e.g. at load, and
 lossless), and their conversions, which this backend registers (wna16_jax.layouts).
 
-"mgpu_int4" (pallas_kernels/mosaic_gpu/wna16_gemm.py's operands; int4 only):
+"mgpu_int4" (pallas_kernels/mgpu/wna16_gemm.py's operands; int4 only):
   qweight  int4 [E, N/64, K/64, 64, 64]: the canonical nibbles minus 8 (xor 8), in 64x64
            tiles (features x inputs), the k-tiles of each row of tiles consecutive: a k-step of
            the GEMM reads one contiguous run of memory (copied in TMA rows of 128 bytes, a
@@ -10,7 +10,7 @@ lossless), and their conversions, which this backend registers (wna16_jax.layout
            of the converting warpgroup reads its 32 weights as the 16 bytes at 16 t, and
            nibbles p and p + 4 of its word i are the two bf16 of its register 4 i + p of the
            wgmma A operand (WGMMA_LAYOUT), so one shift and one lop3 make a bf16 pair: no
-           shuffles, no permutes (pallas_kernels/mosaic_gpu/wna16_gemm.py).
+           shuffles, no permutes (pallas_kernels/mgpu/wna16_gemm.py).
   scales   [E, K//G, N]: a group's scales for consecutive features are one TMA row.
   zeros    None, or 8 - z as [E, K//G, N] in the scales' dtype (exact: small integers),
            so that w = (qweight + zeros) * scales is the canonical (q - z) * scale.
@@ -25,7 +25,7 @@ lossless), and their conversions, which this backend registers (wna16_jax.layout
            half), so each pair is made from one word (shifted down by 8 bits for s = 1)
            without shuffles or permutes: two lop3 set its low-7-bit fields and its sign bits
            into the bf16 bits of 128, and one subtraction gives q - 128
-           (pallas_kernels/mosaic_gpu/wna16_gemm.py).
+           (pallas_kernels/mgpu/wna16_gemm.py).
   scales   as mgpu_int4's; per channel (group_size -1) or grouped.
   zeros    None, or 128 - z as [E, K//G, N] in the scales' dtype: w = (qweight + zeros) * scales.
   perm     as in the canonical layout (the input order is not part of the packing).
@@ -37,11 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from wna16_jax._quant import pack_zeros, unpack_zeros
-from wna16_jax._types import KERNEL_LAYOUT_BITS, MGPU_TILE, QuantizedExperts
+from wna16_jax.backend_api import QuantizedExperts, pack_zeros, unpack_zeros
 
-# The layouts, each holding weights of one bit width (KERNEL_LAYOUT_BITS).
-LAYOUTS = ("mgpu_int4", "mgpu_int8")
+# The layouts and the bits of the weights each holds.
+LAYOUT_BITS = {"mgpu_int4": 4, "mgpu_int8": 8}
+LAYOUTS = tuple(LAYOUT_BITS)
+# The layouts' weight tiles: MGPU_TILE x MGPU_TILE (features x inputs); a shard of such weights
+# holds whole tiles.
+MGPU_TILE = 64
 
 # Flips the top bit of each value of a canonical word: u -> u - 2^(bits-1) read as signed.
 _FLIP_TOP_BIT = {4: 0x88888888, 8: 0x80808080}
@@ -49,7 +52,7 @@ _FLIP_TOP_BIT = {4: 0x88888888, 8: 0x80808080}
 
 def layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | None:
     """Why `layout` cannot hold weights [E, N, K] of `bits` bits (None when it can)."""
-    held = KERNEL_LAYOUT_BITS[layout]
+    held = LAYOUT_BITS[layout]
     if bits != held:
         return f"the {layout} layout holds int{held} weights, not int{bits}"
     if n % MGPU_TILE or k % MGPU_TILE:
@@ -60,10 +63,44 @@ def layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | None:
     return None
 
 
+def logical_shape(qw: QuantizedExperts) -> tuple[int, int, int]:
+    """[E, N, K] of `qw` in an mgpu layout (qweight [E, N/64, K/64, 64, 64])."""
+    e, n_tiles, k_tiles, tile_n, tile_k = (int(d) for d in qw.qweight.shape)
+    return (e, n_tiles * tile_n, k_tiles * tile_k)
+
+
+def validate(qw: QuantizedExperts, name: str) -> None:
+    """Raises ValueError naming `name` and the values where `qw`'s arrays do not have its mgpu
+    layout's shapes and dtypes."""
+    layout, bits = qw.layout, LAYOUT_BITS[qw.layout]
+    if qw.bits != bits:
+        raise ValueError(f"{name}: the {layout} layout holds int{bits} weights, not int{qw.bits}")
+    tile = (MGPU_TILE, MGPU_TILE)
+    q = qw.qweight
+    if q.ndim != 5 or tuple(q.shape[3:]) != tile or q.dtype != jnp.dtype(f"int{bits}"):
+        raise ValueError(
+            f"{name}: {layout} qweight must be int{bits} [E, N/64, K/64, 64, 64], got "
+            f"{q.dtype} {tuple(q.shape)}"
+        )
+    e, n, k = qw.shape
+    if qw.group_size != -1 and (qw.group_size <= 0 or k % qw.group_size):
+        raise ValueError(f"{name}: K={k} is not a multiple of group_size={qw.group_size}")
+    want = (e, qw.num_groups, n)
+    for field in ("scales", "zeros"):
+        arr = getattr(qw, field)
+        if arr is None and field == "zeros":
+            continue
+        if tuple(arr.shape) != want or not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(
+                f"{name}: {layout} {field} must be float [E, K//G, N] = {want}, got "
+                f"{arr.dtype} {tuple(arr.shape)}"
+            )
+
+
 def to_mgpu_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     """Canonical `qw` (validated, held by `layout`: `layout_reason`) in `layout`."""
     e, n, k = qw.shape
-    bits = KERNEL_LAYOUT_BITS[layout]
+    bits = LAYOUT_BITS[layout]
     stored = jnp.dtype(f"int{bits}")  # q - 2^(bits-1)
     words = qw.qweight ^ jnp.uint32(_FLIP_TOP_BIT[bits])
     q = tiled(lax.bitcast_convert_type(words, stored).reshape(e, n, k))

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic_gpu import layout
-from wna16_jax._types import MGPU_TILE
+from pallas_kernels.mgpu import layout
 
 # The mgpu layouts' weight tiles are TILE x TILE; TILE features are one wgmma's M.
-TILE = MGPU_TILE
+TILE = layout.MGPU_TILE
 
 
 # What a converted weight holds beyond the stored value (`converted_tile`), per bits: int4's
