@@ -20,7 +20,7 @@ from wna16_jax._checks import (
     check_values_in,
     ids_as_int32,
 )
-from wna16_jax._configs import GemmShape
+from wna16_jax._configs import GemmShape, batch_invariant_config
 from wna16_jax._inference_only import inference_only
 from wna16_jax._routing import slot_experts
 from wna16_jax._types import (
@@ -152,7 +152,10 @@ def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, ac
     return expert_map
 
 
-def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant):
+def _moe_problem(
+    x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant,
+    batch_invariant=False,
+):  # fmt: skip
     """Validates the inputs; returns (MoEProblem, normalized activation_quant, checked
     expert_map)."""
     expert_map = validate_fused_moe_inputs(
@@ -182,8 +185,16 @@ def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, act
         activation_quant=None if activation_quant is None else activation_quant.scheme,
         layout=w13.layout,
         act_order=w13.has_perm,
+        batch_invariant=_check_flag("batch_invariant", batch_invariant),
     )
     return problem, activation_quant, expert_map
+
+
+def _check_flag(name: str, value) -> bool:
+    """A static boolean argument: True or False (a traced or non-bool value is refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False (a static argument), got {value!r}")
+    return bool(value)
 
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -202,6 +213,7 @@ def fused_moe(
     config: BlockConfig | object | None = None,
     activation_quant: str | ActivationQuant | None = None,
     out_dtype=None,
+    batch_invariant: bool = False,
 ):
     """A whole MoE layer with weight-only quantized experts (docs/design.md, steps 1-5).
 
@@ -239,6 +251,12 @@ def fused_moe(
         out_dtype: the output dtype, default x.dtype. Every backend sums the top-k slots in
             f32 and rounds once to it; float32 keeps partial layers exact for a later sum
             (the sharded layer adds its shards' partials in f32 this way).
+        batch_invariant: static; True computes each token's row in an order that does not
+            depend on the other tokens of the call (how many, or where the token sits): configs
+            fixed for the weights' shape (not chosen by T), no K split, the k slots summed in
+            order, the same padding for every T. Row t of a call then equals the same token's
+            call alone bit for bit, and every run gives the same bits. A backend that cannot
+            guarantee it is refused with its reason (docs/design.md, 'Batch invariance').
 
     Returns:
         [T, H] in out_dtype.
@@ -249,8 +267,9 @@ def fused_moe(
         NotImplementedError: no requested backend can run the problem (reasons listed).
     """
     problem, activation_quant, expert_map = _moe_problem(
-        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
-    )
+        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant,
+        batch_invariant,
+    )  # fmt: skip
     check_out_dtype(out_dtype)
     check_config(config)
     if out_dtype is not None and jnp.dtype(out_dtype) not in _OUT_DTYPES:
@@ -263,6 +282,8 @@ def fused_moe(
     extra = {} if activation_quant is None else {"activation_quant": activation_quant}
     if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(x.dtype):
         extra["out_dtype"] = jnp.dtype(out_dtype)
+    if problem.batch_invariant:
+        extra["batch_invariant"] = True
     # A kernel backend's stages run in the library's pipeline; the reference is its own layer.
     layer = backend.fused_moe
     if backend.stages is not None:
@@ -291,6 +312,7 @@ def select_implementation(
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
     activation_quant=None,
+    batch_invariant: bool = False,
 ) -> str:
     """The name of the backend `fused_moe` would use for these arguments (nothing runs).
 
@@ -300,8 +322,9 @@ def select_implementation(
         The errors `fused_moe` raises before running anything.
     """
     problem, _, _ = _moe_problem(
-        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
-    )
+        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant,
+        batch_invariant,
+    )  # fmt: skip
     return _dispatch.select_backend(problem, implementation).name
 
 
@@ -355,7 +378,9 @@ def moe_align_block_size(
     )
 
 
-def _gemm_problem(w: QuantizedExperts, num_slots: int, dtype) -> _dispatch.GemmProblem:
+def _gemm_problem(
+    w: QuantizedExperts, num_slots: int, dtype, batch_invariant=False
+) -> _dispatch.GemmProblem:
     if not isinstance(w, QuantizedExperts):
         raise ValueError(f"w must be a QuantizedExperts, got {type(w).__name__}")
     w.validate("w")
@@ -367,7 +392,16 @@ def _gemm_problem(w: QuantizedExperts, num_slots: int, dtype) -> _dispatch.GemmP
         dtype=jnp.dtype(dtype).name,
         has_zeros=w.has_zeros,
         layout=w.layout,
+        batch_invariant=_check_flag("batch_invariant", batch_invariant),
     )
+
+
+def gemm_config_for(backend, problem: _dispatch.GemmProblem, config):
+    """(config, source) of `backend`'s grouped GEMM for `problem`: GroupedMatmul.config, at a
+    fixed M without a K split where the problem is batch-invariant (`batch_invariant_config`)."""
+    if problem.batch_invariant:
+        return batch_invariant_config(backend.grouped_matmul.config, problem.shape, config)
+    return backend.grouped_matmul.config(problem.shape, config)
 
 
 def gemm_config(
@@ -377,6 +411,7 @@ def gemm_config(
     dtype=jnp.bfloat16,
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | None = None,
+    batch_invariant: bool = False,
 ) -> BlockConfig:
     """The BlockConfig a backend's grouped GEMM runs for `num_slots` rows over `w` (nothing runs).
 
@@ -386,6 +421,8 @@ def gemm_config(
         dtype: the activations' dtype.
         implementation: as for `grouped_matmul`.
         config: a BlockConfig to check against the shapes (returned when it fits).
+        batch_invariant: the config `grouped_matmul(..., batch_invariant=True)` runs: the
+            same for every num_slots, without a K split.
 
     Returns:
         config, else the device's tuned table's (nearest M of this problem), else the
@@ -395,9 +432,10 @@ def gemm_config(
         ValueError: a config that cannot run the shapes (the problems quoted), bad inputs.
         NotImplementedError: no requested backend has a grouped GEMM that runs it.
     """
-    problem = _gemm_problem(w, as_int("num_slots", num_slots, minimum=0), dtype)
+    num_slots = as_int("num_slots", num_slots, minimum=0)
+    problem = _gemm_problem(w, num_slots, dtype, batch_invariant)
     backend = _dispatch.select_backend(problem, implementation)
-    return backend.grouped_matmul.config(problem.shape, config)[0]
+    return gemm_config_for(backend, problem, config)[0]
 
 
 def grouped_matmul(
@@ -411,6 +449,7 @@ def grouped_matmul(
     implementation: str | Sequence[str] | None = None,
     out_dtype=None,
     activation: str | None = None,
+    batch_invariant: bool = False,
 ):
     """The grouped GEMM of fused_moe (its steps 2 and 4) on its own, through a backend's kernel.
 
@@ -433,6 +472,9 @@ def grouped_matmul(
         out_dtype: the output dtype (default a.dtype), rounded once from the f32 sums.
         activation: None, or "silu": w's rows are [gate; up] (w13) and the result is
             silu(gate) * up of the f32 sums, [R * top_k, N/2].
+        batch_invariant: static; each slot's row computed in an order that does not depend on
+            the number of slots (the config of `gemm_config(..., batch_invariant=True)`: fixed
+            for w's shape, no K split; align the routing with its block_m).
 
     Returns:
         [R * top_k, N] (N/2 with activation) in out_dtype. Rows of slots that sit in no block
@@ -446,7 +488,7 @@ def grouped_matmul(
     if a.ndim != 2:
         raise ValueError(f"a must be [R, K], got shape {_shape(a)}")
     top_k = as_int("top_k", top_k, minimum=1)
-    problem = _gemm_problem(w, int(a.shape[0]) * top_k, a.dtype)
+    problem = _gemm_problem(w, int(a.shape[0]) * top_k, a.dtype, batch_invariant)
     if a.shape[1] != w.k:
         raise ValueError(f"a has K={a.shape[1]} input features but w has K={w.k}")
     if not isinstance(routing, AlignedRouting):
@@ -469,7 +511,7 @@ def grouped_matmul(
             raise ValueError(f"activation needs w's rows as [gate; up]: N={w.n} is odd")
     _check_elements("a", a)
     backend = _dispatch.select_backend(problem, implementation)
-    config, _ = backend.grouped_matmul.config(problem.shape, config)
+    config, _ = gemm_config_for(backend, problem, config)
     if config.block_m != routing.block_m:
         raise ValueError(
             f"the routing was aligned with block_m={routing.block_m} but the config has "

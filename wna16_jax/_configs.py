@@ -184,6 +184,39 @@ def resolve(rules: ConfigRules, problem, config=None) -> tuple[Any, str]:
     return rules.heuristic(problem), "heuristic"
 
 
+# The M (token slots) every batch-invariant call resolves its configs at: the blocks, k-tiles
+# and tile order a row sees then depend on the weights' shape only, never on how many rows the
+# call has (wna16_jax.fused_moe(..., batch_invariant=True)).
+BATCH_INVARIANT_M = 256
+
+
+def batch_invariant_config(resolve_for: Callable[[Any, Any], tuple[Any, str]], shape, config):
+    """`resolve_for(shape, config)` at M = BATCH_INVARIANT_M, without a K split: a split sums its
+    partial tiles with atomic adds (an order that varies run to run, and its count is chosen by
+    M). A tuned or heuristic config's split is dropped (split_k=1 runs every shape).
+
+    Args:
+        resolve_for: a GEMM's (GemmShape, config) -> (config, source) (GroupedMatmul.config).
+        shape: the call's GemmShape (its m is replaced).  config: the caller's, or None.
+
+    Returns:
+        (config, source) as `resolve_for`'s.
+
+    Raises:
+        ValueError: a caller's config with split_k > 1 (quoted), or one that cannot run.
+    """
+    split = getattr(config, "split_k", 1)
+    if split != 1:
+        raise ValueError(
+            f"batch_invariant=True needs a config without a K split, got split_k={split} in "
+            f"{config}: split-K sums partial tiles with atomic adds in a varying order"
+        )
+    chosen, source = resolve_for(dataclasses.replace(shape, m=BATCH_INVARIANT_M), config)
+    if getattr(chosen, "split_k", 1) != 1:
+        chosen = dataclasses.replace(chosen, split_k=1)
+    return chosen, source
+
+
 _logged: set = set()
 
 

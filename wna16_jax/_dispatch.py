@@ -50,6 +50,8 @@ class MoEProblem:
     # w13 has an input permutation (GPTQ act-order, QuantizedExperts.perm): the pipeline
     # (_pipeline.moe_chunk) applies it; a backend that does not run the pipeline refuses it.
     act_order: bool = False
+    # batch_invariant=True: each token's row must not depend on the other rows of the call.
+    batch_invariant: bool = False
 
     @property
     def gemm_input_dtype(self) -> str:
@@ -85,6 +87,14 @@ class GemmProblem:
     dtype: str  # activation dtype name
     has_zeros: bool
     layout: str = "canonical"
+    batch_invariant: bool = False  # as MoEProblem's
+
+
+# The reason of a backend that does not say it computes rows batch-invariantly.
+NOT_BATCH_INVARIANT = (
+    "does not guarantee batch-invariant rows (batch_invariant=True): its configs or reduction "
+    "order may depend on the number of rows in the call"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +170,9 @@ class Backend:
             function or a partial of one, kept). Exactly one of stages and fused_moe is set.
         fused_moe: (x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config) -> out:
             a layer that does not run the pipeline (the reference); called with the keyword
-            activation_quant (an ActivationQuant) too when the problem has one, and with
-            out_dtype when the caller asks for an output dtype other than x's.
+            activation_quant (an ActivationQuant) too when the problem has one, with
+            out_dtype when the caller asks for an output dtype other than x's, and with
+            batch_invariant=True when the caller asks for it.
         layouts: the QuantizedExperts layouts its fused_moe (and grouped GEMM) reads;
             selection refuses weights in any other (layout_reason) before asking
             unsupported_reason. None: every layout (the reference converts them back).
@@ -174,6 +185,11 @@ class Backend:
             reachable as wna16_jax.<class name>.
         layout_conversion: the conversions of its kernel layouts (those of `layouts` other than
             "canonical" that it defines), or None where it defines none.
+        batch_invariant_reason: None where its stages (and grouped GEMM, through the library's
+            `batch_invariant_config`) compute each row in an order that does not depend on the
+            other rows of the call: its stages then take batch_invariant=True, which fixes
+            their configs for the weights' shape without a K split; else why not (refused for
+            batch_invariant=True problems, skipped by the automatic choice).
     """
 
     name: str
@@ -187,6 +203,7 @@ class Backend:
     preferred_layouts: tuple[str, ...] = ()
     config_type: type = BlockConfig
     layout_conversion: LayoutConversion | None = None
+    batch_invariant_reason: str | None = NOT_BATCH_INVARIANT
 
     def __post_init__(self):
         if (self.stages is None) == (self.fused_moe is None):
@@ -461,6 +478,7 @@ def compiled_and_interpreted(
     preferred_layouts: tuple[str, ...] = (),
     config_type: type = BlockConfig,
     layout_conversion: LayoutConversion | None = None,
+    batch_invariant_reason: str | None = NOT_BATCH_INVARIANT,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
     interpreter, any platform), both reading weights in `layouts`. `stages` (Backend.stages),
@@ -470,8 +488,8 @@ def compiled_and_interpreted(
     GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
     says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
     gemm_linear (taking `interpret` too) is GroupedMatmul.linear; preferred_layouts are the
-    compiled backend's (an interpreter is never preferred); config_type and layout_conversion
-    are both's."""
+    compiled backend's (an interpreter is never preferred); config_type, layout_conversion and
+    batch_invariant_reason are both's."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -506,6 +524,7 @@ def compiled_and_interpreted(
             preferred_layouts=preferred_layouts,
             config_type=config_type,
             layout_conversion=layout_conversion,
+            batch_invariant_reason=batch_invariant_reason,
         ),
         Backend(
             name=f"{name}_interpret",
@@ -517,6 +536,7 @@ def compiled_and_interpreted(
             grouped_matmul=grouped(True),
             config_type=config_type,
             layout_conversion=layout_conversion,
+            batch_invariant_reason=batch_invariant_reason,
         ),
     )
 
@@ -539,6 +559,8 @@ def backend_reason(
         return "has no grouped GEMM that takes an AlignedRouting"
     if reason := layout_reason(backend, problem):
         return reason
+    if problem.batch_invariant and backend.batch_invariant_reason is not None:
+        return backend.batch_invariant_reason
     if isinstance(problem, GemmProblem):
         return backend.grouped_matmul.unsupported_reason(problem)
     return backend.unsupported_reason(problem)
@@ -619,6 +641,7 @@ def _xla_fused_moe(
     config,
     activation_quant=None,
     out_dtype=None,
+    batch_invariant=False,
 ):
     """The reference layer (`_reference.fused_moe`, independent of the pipeline); config is not
     read (the reference has no tiles)."""
@@ -632,6 +655,7 @@ def _xla_fused_moe(
         activation=activation,
         activation_quant=activation_quant,
         out_dtype=out_dtype,
+        batch_invariant=batch_invariant,
     )
 
 
@@ -659,6 +683,7 @@ XLA_BACKEND = Backend(
     align_unsupported_reason=lambda problem: None,
     moe_align_block_size=_reference.moe_align_block_size,
     layouts=None,  # every layout: the others convert back to the canonical one
+    batch_invariant_reason=None,  # fixed token blocks; the linear's rows in fixed blocks too
     grouped_matmul=GroupedMatmul(
         unsupported_reason=lambda problem: None,
         config=_xla_gemm_config,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from wna16_jax._activations import ACTIVATIONS, Int8Rows, quantize_activations
 from wna16_jax._quant import unpack_k, zero_points
-from wna16_jax._routing import local_expert_of, max_padded_len
+from wna16_jax._routing import local_expert_of, max_padded_len, sum_slots
 from wna16_jax._types import AlignedRouting, QuantizedExperts
 
 
@@ -244,7 +244,9 @@ def _slot_experts(topk_ids, num_experts: int, expert_map):
     return jnp.where(valid, local, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "activation_quant", "out_dtype"))
+@functools.partial(
+    jax.jit, static_argnames=("activation", "activation_quant", "out_dtype", "batch_invariant")
+)
 def fused_moe(
     x,
     w13: QuantizedExperts,
@@ -256,6 +258,7 @@ def fused_moe(
     activation: str = "silu",
     activation_quant=None,
     out_dtype=None,
+    batch_invariant: bool = False,
 ):
     """Reference MoE layer (docs/design.md steps 1-5) in f32, computed on its own: no alignment,
     no _pipeline. For each block of TOKEN_BLOCK tokens and each local expert with a slot there,
@@ -275,6 +278,8 @@ def fused_moe(
         expert_map: optional int32 [E_global] global -> local (-1 off-shard: dropped).
         activation: "silu".  activation_quant: None (16-bit activations) or an ActivationQuant
         with its scales known.  out_dtype: the output dtype (default x.dtype).
+        batch_invariant: the k slots summed left to right (`sum_slots`); the token blocks'
+            GEMMs already have one shape for every T.
 
     Returns:
         [T, H] in out_dtype.
@@ -313,4 +318,5 @@ def fused_moe(
 
     slots = jnp.zeros((blocks * TOKEN_BLOCK, k, hdim), jnp.float32)
     slots = jax.lax.fori_loop(0, blocks, block, slots)
-    return slots[:t].sum(axis=1).astype(out_dtype)  # [T, H]: the sum over each token's k slots
+    # [T, H]: the sum over each token's k slots
+    return sum_slots(slots[:t], in_order=batch_invariant).astype(out_dtype)

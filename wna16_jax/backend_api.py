@@ -16,9 +16,11 @@ from wna16_jax._activations import (
     weighted_rows,
 )
 from wna16_jax._configs import (
+    BATCH_INVARIANT_M,
     TUNED_M_RATIO,
     ConfigRules,
     GemmShape,
+    batch_invariant_config,
     gemm_entry_shape,
     gemm_table_key,
     log_once,
@@ -53,6 +55,7 @@ from wna16_jax._types import (
 
 __all__ = [
     "ACTIVATIONS",
+    "BATCH_INVARIANT_M",
     "DEFAULT_CHUNK_TOKENS",
     "MAX_ARRAY_ELEMENTS",
     "TUNED_M_RATIO",
@@ -74,6 +77,7 @@ __all__ = [
     "activate",
     "activate_then_weight",
     "all_padding_routing",
+    "batch_invariant_config",
     "check_align_kernel_args",
     "compiled_and_interpreted",
     "cuda_gpu_reason",

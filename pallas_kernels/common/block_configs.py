@@ -9,10 +9,12 @@ import functools
 from collections.abc import Callable
 
 from wna16_jax.backend_api import (
+    BATCH_INVARIANT_M,
     BlockConfig,
     ConfigRules,
     GemmShape,
     QuantizedExperts,
+    batch_invariant_config,
     gemm_entry_shape,
     gemm_table_key,
     log_once,
@@ -210,13 +212,20 @@ def block_configs(
     rules: ConfigRules,
     name: str = "WNA16",
     shape_of: Callable[[QuantizedExperts, int], GemmShape] = GemmShape.of_weights,
+    batch_invariant: bool = False,
 ) -> tuple[BlockConfig, BlockConfig]:
     """The BlockConfigs of GEMM1 (w13) and GEMM2 (w2) for num_slots rows: each GEMM's own
     (`resolve` under `rules`, looked up by shape_of(w, num_slots)), GEMM2 with GEMM1's
     block_m (one alignment) and dot="fma" where that block_m is below a tensor-core tile. Logs
-    each new choice once at INFO with where it came from (`name`: the GEMM in the line)."""
+    each new choice once at INFO with where it came from (`name`: the GEMM in the line).
+    batch_invariant: both resolved at a fixed M without a K split
+    (`backend_api.batch_invariant_config`), so the configs depend on the weights only."""
     shapes = [shape_of(w, num_slots) for w in (w13, w2)]
-    (c1, src1), (c2, src2) = (resolve(rules, s, config) for s in shapes)
+    resolve_for = functools.partial(resolve, rules)
+    if batch_invariant:
+        resolve_for = functools.partial(batch_invariant_config, resolve_for)
+        name = f"{name} batch-invariant (the configs of M={BATCH_INVARIANT_M}, no K split)"
+    (c1, src1), (c2, src2) = (resolve_for(s, config) for s in shapes)
     c2 = dataclasses.replace(c2, block_m=c1.block_m)
     if c1.block_m < 16 and c2.dot == "mma":  # rows GEMM1 aligned below a tensor-core tile
         c2 = dataclasses.replace(c2, dot="fma")

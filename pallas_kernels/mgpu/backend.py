@@ -1,5 +1,5 @@
 """The 'mgpu' and 'mgpu_interpret' backends (the Mosaic GPU GEMM, weights in the mgpu_int4 or
-mgpu_int8 layout): fused_moe, moe_align_block_size and the grouped GEMM (the quantized
+mgpu_int8 layout): their MoE stages, moe_align_block_size and the grouped GEMM (the quantized
 linear's)."""
 
 from __future__ import annotations
@@ -95,6 +95,11 @@ BACKENDS = compiled_and_interpreted(
     # preferred by the same reasoning (not yet measured).
     preferred_layouts=("mgpu_int4", "mgpu_int8"),
     config_type=MgpuConfig,
+    batch_invariant_reason=(
+        "does not compute rows batch-invariantly: its K splits and output tiles per program "
+        "are chosen from the number of blocks, hence from the rows in the call (gemm_splits, "
+        "auto_splits)"
+    ),
     layout_conversion=LayoutConversion(
         bits=mgpu_layout.LAYOUT_BITS,
         reason=mgpu_layout.layout_reason,

@@ -1,5 +1,5 @@
 """The 'pallas' and 'pallas_interpret' backends (the Triton-lowered kernels, weights in the
-canonical layout): fused_moe, moe_align_block_size and the grouped GEMM."""
+canonical layout): their MoE stages, moe_align_block_size and the grouped GEMM."""
 
 from __future__ import annotations
 
@@ -108,4 +108,5 @@ BACKENDS = compiled_and_interpreted(
     gemm=grouped_matmul,
     gemm_config=functools.partial(backend_api.resolve, pallas_moe.RULES),
     gemm_shape_reason=gemm_shape_reason,
+    batch_invariant_reason=None,  # the stages' and the GEMM's configs at a fixed M, no K split
 )

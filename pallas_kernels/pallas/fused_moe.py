@@ -34,14 +34,18 @@ def gemm_configs(
     config: BlockConfig | None,
     *,
     activation_quant: ActivationQuant | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[BlockConfig, BlockConfig]:
     """This backend's configs of GEMM1 and GEMM2 (`block_configs`): the WNA16 GEMM's RULES, or
-    the W8A8 GEMM's (`w8a8_gemm.RULES`) with activation_quant."""
+    the W8A8 GEMM's (`w8a8_gemm.RULES`) with activation_quant; batch_invariant: at a fixed M
+    without a K split."""
     if activation_quant is None:
-        return block_configs(num_slots, w13, w2, config, rules=RULES)
+        return block_configs(
+            num_slots, w13, w2, config, rules=RULES, batch_invariant=batch_invariant
+        )
     return block_configs(
         num_slots, w13, w2, config, rules=w8a8.RULES, name=f"W8A8 ({activation_quant.scheme})",
-        shape_of=w8a8.gemm_shape,
+        shape_of=w8a8.gemm_shape, batch_invariant=batch_invariant,
     )  # fmt: skip
 
 
@@ -122,8 +126,13 @@ class Plan(NamedTuple):
     out_slice_major: tuple[int, int] | None = None
 
 
-def _plan(num_slots, num_experts, w13, w2, *, config, activation, activation_quant) -> Plan:
-    c1, c2 = gemm_configs(num_slots, w13, w2, config, activation_quant=activation_quant)
+def _plan(
+    num_slots, num_experts, w13, w2, *, config, activation, activation_quant, batch_invariant
+) -> Plan:
+    c1, c2 = gemm_configs(
+        num_slots, w13, w2, config, activation_quant=activation_quant,
+        batch_invariant=batch_invariant,
+    )  # fmt: skip
     if activation_quant is None and act_in_slice_major(c1, c2, w13, activation):
         return Plan(c1, c2, (c2.block_k, w2.bits))
     return Plan(c1, c2)
@@ -183,6 +192,7 @@ def stages(
     activation: str = "silu",
     config: BlockConfig | None = None,
     activation_quant: ActivationQuant | None = None,
+    batch_invariant: bool = False,
     interpret: bool = False,
 ) -> backend_api.MoeStages:
     """This backend's MoeStages (Backend.stages; the library's pipeline runs them): the Pallas
@@ -199,12 +209,18 @@ def stages(
         activation: "silu".
         config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM).
         activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
+        batch_invariant: both GEMMs' configs chosen for the weights' shape alone (a fixed M),
+            without a K split, so a row's sums do not depend on the rows beside it.
         interpret: run the kernels under the Pallas interpreter.
     """
     return backend_api.MoeStages(
         plan=functools.partial(
-            _plan, config=config, activation=activation, activation_quant=activation_quant
-        ),
+            _plan,
+            config=config,
+            activation=activation,
+            activation_quant=activation_quant,
+            batch_invariant=batch_invariant,
+        ),  # fmt: skip
         route=functools.partial(_route, interpret=interpret),
         gemm1=functools.partial(_gemm1, activation=activation, interpret=interpret),
         gemm2=functools.partial(_gemm2, interpret=interpret),

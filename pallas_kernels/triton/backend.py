@@ -1,4 +1,4 @@
-"""The 'triton' backend (Triton kernels called through jax_triton): fused_moe,
+"""The 'triton' backend (Triton kernels called through jax_triton): MoE stages,
 moe_align_block_size and the grouped GEMM.
 
 Importing this module imports neither triton nor jax_triton: `unsupported_reason` tries them
@@ -127,6 +127,7 @@ BACKENDS = (
         stages=_stages,
         align_unsupported_reason=align_unsupported_reason,
         moe_align_block_size=_align,
+        batch_invariant_reason=None,  # the stages' and the GEMM's configs at a fixed M, no K split
         grouped_matmul=GroupedMatmul(
             unsupported_reason=gemm_unsupported_reason,
             config=functools.partial(backend_api.resolve, RULES),

@@ -15,8 +15,10 @@ from wna16_jax import backend_api
 from wna16_jax.backend_api import BlockConfig, activate
 
 
-def _plan(num_slots, num_experts, w13, w2, *, config) -> tuple[BlockConfig, BlockConfig]:
-    return block_configs(num_slots, w13, w2, config, rules=RULES)
+def _plan(
+    num_slots, num_experts, w13, w2, *, config, batch_invariant
+) -> tuple[BlockConfig, BlockConfig]:
+    return block_configs(num_slots, w13, w2, config, rules=RULES, batch_invariant=batch_invariant)
 
 
 def _route(a, topk_ids, plan, *, num_experts, expert_map, distinct_experts, interpret):
@@ -56,7 +58,7 @@ def _gemm2(act, w2, routed, plan, routed_weights, *, interpret):
 
 def stages(
     *, activation: str = "silu", config: BlockConfig | None = None, activation_quant=None,
-    interpret: bool = False,
+    batch_invariant: bool = False, interpret: bool = False,
 ):  # fmt: skip
     """This backend's MoeStages (Backend.stages; the library's pipeline runs them): the Triton
     align kernel and WNA16 GEMMs. GEMM1's output and the activation are rounded to x.dtype (as
@@ -67,6 +69,8 @@ def stages(
         config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM:
             `block_configs` under RULES: tensor-core configs only).
         activation_quant: None (this backend runs 16-bit activations only).
+        batch_invariant: both GEMMs' configs chosen for the weights' shape alone (a fixed M),
+            without a K split.
         interpret: run the kernels in Triton's interpreter on the host (slow; for tests).
 
     Raises:
@@ -77,7 +81,7 @@ def stages(
             f"the triton backend runs no activation_quant, got {activation_quant!r}"
         )
     return backend_api.MoeStages(
-        plan=functools.partial(_plan, config=config),
+        plan=functools.partial(_plan, config=config, batch_invariant=batch_invariant),
         route=functools.partial(_route, interpret=interpret),
         gemm1=functools.partial(_gemm1, activation=activation, interpret=interpret),
         gemm2=functools.partial(_gemm2, interpret=interpret),
