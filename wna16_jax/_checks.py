@@ -184,15 +184,3 @@ def check_scales_fit(scales, scale_dtype) -> None:
             f"value {float(finfo.max):.4g}): pass scale_dtype=jnp.float32 or jnp.bfloat16, or "
             f"scale the weights down"
         )
-
-
-def check_seed(seed) -> int:
-    """`seed` as an int in [0, 2**63) (what jax.random.key takes without overflow).
-
-    Raises:
-        TypeError: not an int. ValueError: out of that range (the value named).
-    """
-    seed = as_int("seed", seed)
-    if not 0 <= seed < 2**63:
-        raise ValueError(f"seed={seed} is outside [0, 2**63)")
-    return seed
