@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/python.sh
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q -c .ci/constraints.txt -e .
+# Installs on the first run only (or when the package is missing): a later run starts at once
+# and needs no package index.
+if ! "$PY" -c "import importlib.metadata as m, wna16_jax, models; m.version('wna16_jax')" \
+    2>/dev/null; then
+    "$PY" -m pip install -q --upgrade pip
+    "$PY" -m pip install -q -c .ci/constraints.txt -e .
+fi
 "$PY" examples/generate.py "$@"

@@ -52,6 +52,7 @@ import wna16_jax as wj
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import arg_types  # noqa: E402
+import cli  # noqa: E402
 
 PRESETS = {
     # name: (E, top_k, H, I, group_size)
@@ -683,6 +684,7 @@ def _config_arg(cls):
 def main(argv=None):
     on_gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    cli.setup_parser(p)
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -697,7 +699,9 @@ def main(argv=None):
         help="token counts (default: 1 4 16 64 256 1024 4096 on GPU, 1 4 on CPU)",
     )
     p.add_argument(
+        "--implementation",
         "--implementations",
+        dest="implementations",
         nargs="+",
         default=None,
         help="backends to time (default: mgpu pallas xla on GPU, pallas_interpret xla on CPU)",
@@ -888,4 +892,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's 
 import profile as profile_example  # noqa: E402
 
 import arg_types  # noqa: E402
+import cli  # noqa: E402
 from benchmark import array_bytes, make_model_step, measure_ceilings, time_step  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
@@ -207,13 +208,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    cli.setup_parser(p)
     table = SHAPES if on_gpu else TINY_SHAPES
     p.add_argument(
         "--shapes", nargs="+", choices=sorted(SHAPES | TINY_SHAPES), default=sorted(table),
         help="linears to time (default: DeepSeek-V3's on a GPU, tiny ones on a CPU)",
     )  # fmt: skip
     p.add_argument(
-        "--implementations", nargs="+",
+        "--implementation", "--implementations", dest="implementations", nargs="+",
         default=["mgpu", "pallas", "xla", "bf16"] if on_gpu else ["mgpu_interpret", "xla", "bf16"],
         help="backends with a grouped GEMM, or bf16 (a dense bf16 weight and a plain dot)",
     )  # fmt: skip
@@ -265,7 +267,7 @@ def main(argv=None):
     copy_bps, mm_flops = measure_ceilings(on_gpu, args.repeats)
     print(
         f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
-        f"{copy_bps / 1e12:.2f} TB/s; bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s",
+        f"{copy_bps / 1e12:.2f} TB/s; bf16 matmul {cli.figure(mm_flops / 1e12)} TFLOP/s",
         flush=True,
     )
     rows = []
@@ -283,4 +285,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -30,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import arg_types  # noqa: E402  (no JAX import: --cpu-devices must come first)
+import cli  # noqa: E402
 
 
 def _set_cpu_devices(n: int | None) -> None:
@@ -80,6 +81,7 @@ def _device_memory():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    cli.setup_parser(p)
     p.add_argument(
         "--preset",
         choices=("deepseek-v3", "tiny"),
@@ -95,7 +97,9 @@ def main(argv=None):
         help='mesh axes, e.g. "expert=8,tensor=1" (default: expert=<every device>)',
     )
     p.add_argument(
+        "--batch-size",
         "--batch-sizes",
+        dest="batch_sizes",
         type=arg_types.positive_int,
         nargs="+",
         default=None,
@@ -243,4 +247,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -48,7 +49,7 @@ import wna16_jax as wj
 from models import load_pretrained, registry
 from models.common import sharding
 from models.common.causal_lm import dequantize_model
-from models.common.checkpoint import resolve_checkpoint
+from models.common.checkpoint import read_config, resolve_checkpoint
 from models.common.config import QuantSpec
 from models.common.generate import generate, load_generation_config
 from models.common.modules import Embed, FloatExperts, RoutedExperts
@@ -58,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import arg_types  # noqa: E402
 import benchmark  # noqa: E402  (the copy ceiling, arrays' bytes)
+import cli  # noqa: E402
 
 # Tokens per row where neither --max-new-tokens nor the checkpoint's generation_config.json
 # says (the other sampling settings default to generate()'s: greedy, no nucleus).
@@ -73,6 +75,7 @@ FAMILIES = registry.FAMILY_PACKAGES
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.setup_parser(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--model",
@@ -93,6 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=sorted(PRESETS),
         help="random model of a released size, quantized as its int4 release (Qwen: GPTQ-like "
         "int4 group 128 symmetric, float16 scales); --layers keeps fewer layers",
+    )
+    p.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="build a --preset even where its weights exceed the memory here",
     )
     p.add_argument(
         "--family",
@@ -193,6 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--batch-size",
+        "--batch-sizes",
+        dest="batch_size",
         type=arg_types.positive_int,
         nargs="+",
         default=[1],
@@ -311,7 +321,57 @@ def parse_args(argv=None) -> argparse.Namespace:
         why = activation_quant_conflict(args)
         if why:
             p.error(f"--activation-quant {args.activation_quant}: {why}")
+    why = flag_conflict(args)
+    if why:
+        p.error(why)
     return args
+
+
+# Backends that run only on an NVIDIA GPU, and what runs the same kernels elsewhere.
+GPU_BACKENDS = {"pallas": "pallas_interpret", "mgpu": "mgpu_interpret", "triton": "xla"}
+
+
+def flag_conflict(args) -> str | None:
+    """Why the flags cannot run together, found before JAX starts or a model is built, or None:
+    --layers without --preset, an unknown --implementation, --mtp with --mesh, a Mosaic GPU
+    backend on float32 activations."""
+    if args.layers and not args.preset:
+        return f"--layers {args.layers} sets a --preset's layer count: add --preset NAME"
+    if args.implementation is not None:
+        known = wj.registered_backends()
+        names = args.implementation.split(",")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            return f"--implementation {args.implementation}: {unknown} not among {list(known)}"
+    if args.mtp and args.mesh:
+        return "--mtp decodes on one device: drop --mesh (or --mtp)"
+    mgpu = [f"{f} {v}" for f, v in (("--implementation", args.implementation),
+                                    ("--linear-implementation", args.linear_implementation))
+            if v and v.startswith("mgpu")]  # fmt: skip
+    dtype = args.dtype or ("float32" if not (args.model or args.preset or
+                                             args.full_width_layers) else "bfloat16")  # fmt: skip
+    if mgpu and dtype == "float32":
+        return (
+            f"{mgpu[0]}: the Mosaic GPU kernels take bfloat16 or float16 activations, "
+            f"and this model runs float32: add --dtype bfloat16"
+        )
+    return None
+
+
+def gpu_flag_conflict(args, platform: str) -> str | None:
+    """Why a GPU-only backend flag cannot run on `platform` (JAX's), or None: checked before
+    the model is built (and its weights converted to a layout the platform cannot run)."""
+    if platform == "gpu":
+        return None
+    for flag, value in (("--implementation", args.implementation),
+                        ("--linear-implementation", args.linear_implementation)):  # fmt: skip
+        for name in (value or "").split(","):
+            if name in GPU_BACKENDS:
+                return (
+                    f"{flag} {name} runs on an NVIDIA GPU and JAX runs on {platform}: use "
+                    f"{GPU_BACKENDS[name]} (the same kernels, interpreted) or xla"
+                )
+    return None
 
 
 def activation_quant_conflict(args) -> str | None:
@@ -371,15 +431,35 @@ def sampling_settings(args, checkpoint: str | None) -> dict:
     return settings
 
 
-def prompt_text(args, checkpoint: str | None) -> tuple[str, bool]:
-    """(the text to encode, whether the tokenizer adds its bos token): --prompt, or with
-    --chat the prompt rendered by the checkpoint's chat template (which writes the bos token).
+def check_mtp_flag(args, checkpoint: str | None) -> None:
+    """Refuses --mtp before the model is built where --model's config.json has no MTP layer
+    (no num_nextn_predict_layers, as in a Qwen-MoE checkpoint, or 0).
+
+    Raises:
+        SystemExit: the checkpoint and what to do named.
+    """
+    if not args.mtp or checkpoint is None:
+        return
+    hf = read_config(checkpoint)
+    layers = hf.get("num_nextn_predict_layers") or 0
+    if not isinstance(layers, int) or layers < 1:
+        raise SystemExit(
+            f"--mtp: {args.model} has no MTP layer (config.json num_nextn_predict_layers="
+            f"{hf.get('num_nextn_predict_layers')!r}, model_type={hf.get('model_type')!r}); "
+            f"drop --mtp"
+        )
+
+
+def prompt_text(args, checkpoint: str | None) -> tuple[str, bool | None]:
+    """(the text to encode, encode's add_bos): --prompt, encoded as the checkpoint's own
+    tokenizer encodes it (None: a bos token where it adds one), or with --chat the prompt
+    rendered by the checkpoint's chat template (which writes the bos token: False).
 
     Raises:
         SystemExit: --chat without --model, or without a chat template (the file named).
     """
     if not args.chat:
-        return args.prompt, True
+        return args.prompt, None
     if checkpoint is None:
         raise SystemExit("--chat needs --model: a random model has no chat template")
     try:
@@ -449,11 +529,57 @@ def build_preset(args, placement: dict):
     if args.layers:
         overrides["num_hidden_layers"] = args.layers
     cfg = PRESETS[args.preset](**overrides)
+    check_preset_memory(args, cfg, placement.get("mesh"))
     model = registry.family_of_model(cfg).init_random(
         cfg, seed=args.seed, implementation=args.implementation, **placement
     )
     what = f"random {args.preset}, {cfg.num_hidden_layers} layers, {cfg.quant}"
     return model, load_tokenizer(None, cfg=cfg), what
+
+
+def available_memory(mesh) -> tuple[int, str]:
+    """(bytes, where): the memory the weights may take here: the devices' own (GPU; each
+    device's limit times the mesh's devices), else the host's available RAM."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    stats = devices[0].memory_stats() if devices[0].platform == "gpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) * len(devices), f"{len(devices)} GPU(s)"
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024, "this host (MemAvailable)"
+    except (OSError, KeyError, ValueError):
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(pages), "this host"
+
+
+def check_preset_memory(args, cfg, mesh) -> None:
+    """Prints the preset's weight bytes (from an abstract model: nothing allocated) against the
+    memory here, and refuses to build what cannot fit unless --no-memory-check.
+
+    Raises:
+        SystemExit: over the memory, with how many layers would fit.
+    """
+    model_class = registry.family_of_model(cfg).model_class
+    need = model_class.param_bytes(cfg)
+    have, where = available_memory(mesh)
+    print(
+        f"--preset {args.preset}: {cfg.num_hidden_layers} layers, about "
+        f"{cli.figure(need / 1e9)} GB of weights; {where} has {cli.figure(have / 1e9)} GB "
+        f"free (drawing them takes more for a while)"
+    )
+    if need <= have or args.no_memory_check:
+        return
+    layers = cfg.num_hidden_layers
+    one = model_class.param_bytes(dataclasses.replace(cfg, num_hidden_layers=1))
+    per_layer = (need - one) / (layers - 1) if layers > 1 else need  # the layers' mean
+    fit = min(max(int((have - one + per_layer) // per_layer), 0), layers - 1)
+    hint = f"pass --layers {fit} (about as many fit)" if fit else "it does not fit with 1 layer"
+    raise SystemExit(
+        f"--preset {args.preset}: its weights take about {cli.figure(need / 1e9)} GB, over the "
+        f"{cli.figure(have / 1e9)} GB {where} has free: {hint}, or --no-memory-check to build "
+        f"it anyway"
+    )
 
 
 def prepare_model(model, args, linears: str, *, progress: bool):
@@ -584,12 +710,16 @@ def main(argv=None) -> int:
     mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh)) if args.mesh else None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     progress = not args.no_progress
+    why = gpu_flag_conflict(args, jax.default_backend())
+    if why:
+        raise SystemExit(why)
 
     print(f"mesh: {sharding.describe(mesh)}")
     t0 = time.perf_counter()
     checkpoint = checkpoint_dir(args)
     # The small files first: a bad one stops the run before the weights load.
     settings = sampling_settings(args, checkpoint)
+    check_mtp_flag(args, checkpoint)
     text, add_bos = prompt_text(args, checkpoint)
     model, tokenizer, what = build_model(args, mesh, checkpoint)
     model = prepare_model(model, args, args.linear_implementation, progress=progress)
@@ -632,13 +762,7 @@ def main(argv=None) -> int:
             end = f" (stopped at eos id {new[-1]})" if stopped else ""
             print(f"[{b}] tokens: {new}{end}")
             print(f"[{b}] text:   {args.prompt!r} -> {tokenizer.decode(new)!r}")
-        print(f"speed: {stats}")
-        if args.mtp:
-            print(
-                f"mtp: acceptance rate {stats.acceptance_rate:.1%}, "
-                f"{stats.tokens_per_step:.2f} tokens per step, "
-                f"{stats.token_s * 1e3:.3f} ms per token"
-            )
+        print(f"speed: {stats}")  # with --mtp: acceptance rate and tokens per step too
         if copy_bps and stats.step_s:
             print(roofline(model, stats, copy_bps))
         print(f"decode: {stats.decode_tokens_per_s:.1f} tokens/s")
@@ -665,9 +789,10 @@ def roofline(model, stats, copy_bps: float) -> str:
     nbytes = step_bytes(model)
     floor_s = nbytes / copy_bps
     return (
-        f"step reads >= {nbytes / 1e9:.3f} GB of weights = {floor_s * 1e3:.3f} ms at the copy "
-        f"ceiling measured now ({copy_bps / 1e12:.2f} TB/s): the step runs at "
-        f"{100 * floor_s / stats.step_s:.0f}% of it"
+        f"step reads >= {cli.figure(nbytes / 1e9)} GB of weights = "
+        f"{cli.figure(floor_s * 1e3)} ms at the copy ceiling measured now "
+        f"({cli.figure(copy_bps / 1e12)} TB/s): the step runs at "
+        f"{cli.figure(100 * floor_s / stats.step_s, 2)}% of it"
         + (" (batch > 1: rows that route apart read more experts)" if stats.batch > 1 else "")
     )
 
@@ -682,4 +807,4 @@ def first_tokens(model, tokenizer, n: int, seed: int) -> list[int]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)

@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import arg_types  # noqa: E402
 import benchmark  # noqa: E402
+import cli  # noqa: E402
 
 
 def device_kernels(trace: dict | list) -> list[dict]:
@@ -179,6 +180,7 @@ def trace_run(run, *, ptxas: bool = False) -> tuple[dict, list[str]]:
 def main(argv=None) -> int:
     on_gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    cli.setup_parser(p)
     p.add_argument(
         "--preset",
         choices=sorted(benchmark.PRESETS),
@@ -193,7 +195,9 @@ def main(argv=None) -> int:
         help="token counts (default: 1 16; 1 on CPU)",
     )
     p.add_argument(
+        "--implementation",
         "--implementations",
+        dest="implementations",
         nargs="+",
         default=None,
         help="backends to trace (default: mgpu pallas on GPU, pallas_interpret on CPU)",
@@ -266,4 +270,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)

@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import arg_types  # noqa: E402
 import benchmark  # noqa: E402
 import benchmark_linear  # noqa: E402
+import cli  # noqa: E402
 
 import wna16_jax as wj  # noqa: E402
 
@@ -513,8 +514,11 @@ def main(argv=None) -> dict[str, list[dict]]:
     """Runs the searches; returns the entries written (or, without --out, found) per table."""
     on_gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    cli.setup_parser(p)
     p.add_argument(
+        "--implementation",
         "--backends",
+        dest="backends",
         nargs="+",
         choices=sorted(TABLES),
         default=None,
@@ -734,4 +738,4 @@ def tune(args: argparse.Namespace) -> dict[str, list[dict]]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

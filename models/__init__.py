@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from models import registry
-from models.common.checkpoint import CONFIG_FILE, read_json, resolve_checkpoint
+from models.common.checkpoint import read_config, resolve_checkpoint
 from models.common.generate import generate
 from models.common.tokenizer import load_tokenizer as _load_tokenizer
 from models.registry import family_of
@@ -50,7 +50,7 @@ def load_pretrained(
             family's loader refuses.
     """
     path = resolve_checkpoint(path_or_hub_id, revision=revision, cache_dir=cache_dir)
-    family = family_of(read_json(os.path.join(path, CONFIG_FILE)))
+    family = family_of(read_config(path))
     return registry.families()[family].load_pretrained(path, **kwargs)
 
 

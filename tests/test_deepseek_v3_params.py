@@ -406,5 +406,6 @@ def test_tokenizers(tmp_path, caplog):
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
     hf = load_tokenizer(tmp_path)
-    assert hf.encode("hello world") == [0, 2, 3]
+    assert hf.encode("hello world") == [2, 3]  # the file's post-processor adds no bos
+    assert hf.encode("hello world", add_bos=True) == [0, 2, 3]
     assert hf.eos_id == 1 and hf.decode([2, 3]) == "hello world"

@@ -72,7 +72,9 @@ def test_tiktoken_ids_equal_tiktoken(reference, name):
     ids = tok.encode(text, add_bos=False)
     assert ids == reference.encode(text, allowed_special="all")
     assert len(ids) < len(text.encode("utf-8"))  # merges applied, not bytes alone
-    assert tok.encode(text) == [tok.bos_id, *ids]
+    # Kimi's own encode adds no bos token; add_bos=True asks for one.
+    assert tok.encode(text) == ids
+    assert tok.encode(text, add_bos=True) == [tok.bos_id, *ids]
 
 
 def test_special_tokens_numbered_as_kimi(reference):
@@ -105,15 +107,17 @@ def test_tiktoken_round_trip(name):
     assert tok.decode(tok.encode(text)) == text
 
 
-def test_decode_skips_special_tokens(reference):
+def test_decode_keeps_special_tokens_unless_skipped(reference):
     tok = load_tokenizer(KIMI)
     ids = tok.encode(TEXTS["special_tokens"])
-    # <think> and </think> are marked "special": false: they decode as text.
-    assert tok.decode(ids) == "userHi 世界 😀<think>x</think>"
-    assert reference.decode(ids) == "[BOS]" + TEXTS["special_tokens"]
+    # Kimi's decode keeps special tokens, as tiktoken's does.
+    assert tok.decode(ids) == reference.decode(ids) == TEXTS["special_tokens"]
+    # Skipped as transformers' decode skips them (Kimi's decode with skip_special_tokens): the
+    # named special tokens dropped, <think> and </think> (added, "special": false) written apart.
+    assert tok.decode(ids, skip_special_tokens=True) == "userHi 世界 😀 <think> x </think>"
     n = tok.num_ranks
-    # reserved special tokens and ids past the vocabulary decode as nothing
-    assert tok.decode([n + 5, *tok.encode("ok", add_bos=False), 10**6]) == "ok"
+    # ids past the vocabulary decode as nothing; reserved special tokens as their names
+    assert tok.decode([n + 5, *tok.encode("ok"), 10**6]) == f"<|reserved_token_{n + 5}|>ok"
 
 
 def test_fixture_is_what_its_script_writes(tmp_path):

@@ -383,7 +383,7 @@ def test_a_python_list_as_x_is_refused(layer):
         ("rms_norm_eps", math.nan, "rms_norm_eps=nan must be a finite number > 0"),
         ("routed_scaling_factor", math.inf, "routed_scaling_factor=inf must be a finite"),
         ("num_experts_per_tok", 0, "num_experts_per_tok=0 must be >= 1"),
-        ("eos_token_id", 2.7, "eos_token_id[0]=2.7 must be an int token id"),
+        ("eos_token_id", 2.7, "eos_token_id=2.7 must be an integer or a list of integers"),
     ],
 )
 def test_config_json_out_of_range_values(tmp_path, field, value, says):

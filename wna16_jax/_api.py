@@ -14,6 +14,7 @@ from wna16_jax import _activations, _dispatch, _pipeline
 from wna16_jax._checks import (
     as_int,
     check_array,
+    check_config,
     check_expert_map,
     check_out_dtype,
     check_values_in,
@@ -312,6 +313,8 @@ def fused_moe(
         x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant,
         batch_invariant, w13_bias, w2_bias,
     )  # fmt: skip
+    check_out_dtype(out_dtype)
+    check_config(config)
     if out_dtype is not None and jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise ValueError(
             f"out_dtype={out_dtype!r} must be one of {[d.name for d in _OUT_DTYPES]} (or None)"

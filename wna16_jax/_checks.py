@@ -10,6 +10,7 @@ otherwise (opt-in, as JAX's own data-dependent checks).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -118,12 +119,68 @@ def check_values_in(name: str, ids, count: int, what: str):
 
 
 def check_out_dtype(out_dtype) -> None:
-    """Raises ValueError unless out_dtype is None or a float dtype."""
-    if out_dtype is None:
+    """Raises ValueError unless out_dtype is None or a float dtype (naming out_dtype)."""
+    if out_dtype is not None:
+        check_float_dtype("out_dtype", out_dtype, error=ValueError)
+
+
+def check_implementation(implementation):
+    """`implementation` as select_backend takes it: None, a backend name, or a sequence of names.
+
+    Raises:
+        TypeError: anything else (an int, a sequence holding a non-string), the value named.
+    """
+    if implementation is None or isinstance(implementation, str):
+        return implementation
+    if isinstance(implementation, (list, tuple)) and all(
+        isinstance(name, str) for name in implementation
+    ):
+        return tuple(implementation)
+    raise TypeError(
+        f"implementation={implementation!r} must be None (automatic), a backend name such as "
+        f"'xla' or a sequence of backend names, got {type(implementation).__name__}"
+    )
+
+
+def check_config(config) -> None:
+    """Raises TypeError unless `config` is None or a config dataclass instance (wj.BlockConfig,
+    a backend's own): a dict or other value would be ignored or fail deep inside a backend."""
+    if config is None or (dataclasses.is_dataclass(config) and not isinstance(config, type)):
         return
+    hint = f"wj.BlockConfig(**{config!r})" if isinstance(config, dict) else "wj.BlockConfig(...)"
+    raise TypeError(
+        f"config={config!r} is a {type(config).__name__}, not a config: pass {hint} or None"
+    )
+
+
+def check_float_dtype(name: str, dtype, *, error: type[Exception] = TypeError):
+    """`dtype` (anything jnp.dtype reads) as a floating jnp dtype.
+
+    Raises:
+        `error` (TypeError): not a dtype, or not a floating one (the argument `name` and value
+            named).
+    """
     try:
-        dtype = jnp.dtype(out_dtype)
+        out = jnp.dtype(dtype)
     except TypeError:
-        raise ValueError(f"out_dtype={out_dtype!r} is not a dtype") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"out_dtype={dtype.name} must be a floating dtype")
+        raise error(f"{name}={dtype!r} is not a dtype") from None
+    if not jnp.issubdtype(out, jnp.floating):
+        raise error(f"{name}={out.name} must be a floating dtype (bfloat16, float16, ...)")
+    return out
+
+
+def check_scales_fit(scales, scale_dtype) -> None:
+    """Raises ValueError where concrete f32 `scales` overflow `scale_dtype` (float16's largest
+    finite value is 65504): stored they would be inf, and the weights NaN. Traced scales are
+    not read (no host sync under jit)."""
+    if isinstance(scales, jax.core.Tracer):
+        return
+    finfo = jnp.finfo(scale_dtype)
+    largest = float(np.max(np.asarray(scales), initial=0.0))
+    if largest > float(finfo.max):
+        name = jnp.dtype(scale_dtype).name
+        raise ValueError(
+            f"the largest scale, {largest:.4g}, overflows scale_dtype={name} (largest finite "
+            f"value {float(finfo.max):.4g}): pass scale_dtype=jnp.float32 or jnp.bfloat16, or "
+            f"scale the weights down"
+        )

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 
 from wna16_jax import _activations, _backend_order, _configs, _reference, _types
+from wna16_jax._checks import check_implementation
 from wna16_jax._configs import GemmShape
 from wna16_jax._types import CODES, BlockConfig, QuantizedExperts
 
@@ -622,6 +623,7 @@ def select_backend(
         NotImplementedError: no candidate can run the problem; the message gives each reason.
     """
     _ensure_builtin_backends()
+    implementation = check_implementation(implementation)
     if implementation is None:
         candidates = PRIORITY.get(problem.platform, DEFAULT_PRIORITY)
         if isinstance(problem, MoEProblem) and problem.platform in PRIORITY:

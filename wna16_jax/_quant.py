@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wna16_jax._checks import as_int
+from wna16_jax._checks import as_int, check_float_dtype, check_scales_fit
 from wna16_jax._types import E8M0_BIAS, MXFP4_GROUP, SUPPORTED_BITS, QuantizedExperts
 
 # The E2M1 value of each 4-bit code (OCP MX v1.0): bit 3 the sign, bits 2..1 the exponent
@@ -318,8 +318,10 @@ def quantize_experts(
         QuantizedExperts in the canonical layout.
 
     Raises:
-        ValueError: a bad shape or scheme, or w holds NaN or inf (`check_finite`; not checked
+        ValueError: a bad shape or scheme, w holds NaN or inf, or a scale overflows
+            scale_dtype (float16 past 65504) (`check_finite`, `check_scales_fit`; not checked
             under jit).
+        TypeError: scale_dtype is not a floating dtype.
     """
     if scheme is not None:
         if scheme not in SCHEMES:
@@ -353,19 +355,21 @@ def quantize_experts(
         raise ValueError(f"K={k} is not a multiple of {32 // bits} (bits={bits})")
     if has_zp and bits == 4 and n % 2:
         raise ValueError(f"int4 zero points need an even N, got N={n}")
-    scale_dtype = scale_dtype or w.dtype
+    scale_dtype = check_float_dtype("scale_dtype", scale_dtype or w.dtype)
     qmax = (1 << bits) - 1
     wg = w.astype(jnp.float32).reshape(e, n, k // g, g)
     if has_zp:
         lo = jnp.minimum(wg.min(-1), 0.0)
         hi = jnp.maximum(wg.max(-1), 0.0)
         scale = (hi - lo) / qmax
+        check_scales_fit(scale, scale_dtype)
         scale = jnp.where(scale > 0, scale, 1.0).astype(scale_dtype)
         sf = scale.astype(jnp.float32)
         zero = jnp.clip(jnp.round(-lo / sf), 0, qmax)
     else:
         absmax = jnp.abs(wg).max(-1)
         scale = absmax / ((1 << (bits - 1)) - 0.5)
+        check_scales_fit(scale, scale_dtype)
         scale = jnp.where(scale > 0, scale, 1.0).astype(scale_dtype)
         sf = scale.astype(jnp.float32)
         zero = jnp.full(scale.shape, implicit_zero(bits), jnp.float32)

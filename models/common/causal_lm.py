@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 import wna16_jax as wj
+from models.common.checks import check_input_ids
 from models.common.config import QuantSpec
 from models.common.modules import (
     DecoderStack,
@@ -473,7 +474,12 @@ class CausalLM(nnx.Module):
 
         Returns:
             f32 [B, S, V].
+
+        Raises:
+            ValueError: a concrete id outside [0, vocab_size) where attention_mask marks a
+                token (`check_input_ids`; traced ids are not read).
         """
+        check_input_ids(input_ids, self.cfg.vocab_size, attention_mask)
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, bool)

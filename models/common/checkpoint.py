@@ -8,6 +8,7 @@ checks what it needs from the headers (`Checkpoint.meta`) before reading any dat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -118,6 +119,36 @@ def checkpoint_file(root: str, fname, where: str) -> str:
     return full
 
 
+# Bit masks of the exponent of each float safetensors dtype: all ones is NaN or inf (float8
+# e4m3fn has no inf; its NaN is the pattern with all exponent and mantissa bits set).
+_NON_FINITE_BITS = {
+    "F16": (np.uint16, 0x7C00, 0x7C00),
+    "BF16": (np.uint16, 0x7F80, 0x7F80),
+    "F32": (np.uint32, 0x7F800000, 0x7F800000),
+    "F64": (np.uint64, 0x7FF0000000000000, 0x7FF0000000000000),
+    "F8_E4M3": (np.uint8, 0x7F, 0x7F),
+}
+
+
+def non_finite_problem(name: str, arr: np.ndarray, dtype: str) -> str | None:
+    """A sentence where the float tensor `arr` (safetensors dtype `dtype`) holds NaN or inf,
+    else None. The bits are tested as integers (no float conversion of bfloat16 or float8)."""
+    if dtype not in _NON_FINITE_BITS or arr.size == 0:
+        return None
+    view, mask, value = _NON_FINITE_BITS[dtype]
+    bits = np.ascontiguousarray(arr).view(view)
+    bad = (bits & view(mask)) == view(value)
+    count = int(np.count_nonzero(bad))
+    if not count:
+        return None
+    first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), arr.shape))
+    return (
+        f"{name!r} holds {count} non-finite value{'s' * (count > 1)} (NaN or inf, first at "
+        f"{list(first)}): the checkpoint is damaged (download it again); a NaN weight makes "
+        f"every logit NaN and generation emit token 0"
+    )
+
+
 class Checkpoint(Mapping):
     """The tensors of a local HF directory, by name, read lazily one at a time.
 
@@ -213,6 +244,9 @@ class Checkpoint(Mapping):
                 arr = self._handles[file].get_tensor(name)
             except (TypeError, ValueError):  # e.g. no numpy dtype for BF16 in old safetensors
                 arr = self._read_raw(file, name)
+        problem = non_finite_problem(name, arr, self._meta[name][1])
+        if problem is not None:
+            raise ValueError(f"{file}: {problem}")
         self.reads += 1
         if self.on_read is not None:
             self.on_read(name)
@@ -350,26 +384,173 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
 
 
+def _fsync(path: str) -> None:
+    """Flushes the file (or directory) `path` to the disk, so a rename after it never
+    publishes a name whose data a power loss could still lose (a no-op for directories where
+    the platform cannot open them)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def replace_file(path: str, write: Callable[[str], None]) -> None:
     """write(a temporary name beside `path`), then renames it to `path`: a reader sees the old
     file or the whole new one, never a half-written one."""
     tmp = path + ".tmp"
     try:
         write(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-# The shard names write_safetensors gives.
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# A save's crash safety. A save writes its new files beside the old ones under names the old
+# checkpoint does not use, then makes them the checkpoint with ONE atomic step (the switch):
+# the rename of model.safetensors.index.json (sharded) or of model.safetensors, or, for an
+# unsharded save over a sharded one, the removal of the old index. config.json is replaced
+# after the switch, and the old files are removed last. The switch file carries the new
+# config.json's text and the SHA-256 of the config.json it replaces (SAVED_CONFIG_KEYS: in the
+# index's "metadata", in model.safetensors' header metadata): a directory whose config.json is
+# still the replaced one was killed between the switch and config.json, and `read_config`
+# takes the config saved with the weights. Killed at any instant, the directory loads as the
+# whole old checkpoint or the whole new one.
+SAVED_CONFIG = "config_json"  # the config.json text saved with the weights
+REPLACED_CONFIG = "replaces_config_sha256"  # of the config.json the save replaced ("": none)
+# The shard names write_safetensors gives: HF's, with a suffix where a file has that name.
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors")
+# What a save killed mid-file leaves: its temporary files.
+_TMP_NAME = re.compile(
+    r"(model[\w.-]*\.safetensors|model\.safetensors\.index\.json|config\.json)\.tmp"
+)
+# Hugging Face's size strings (PreTrainedModel.save_pretrained's max_shard_size): "5GB",
+# "500MB", "1.5GiB", "100kB": decimal units, and binary ones with an i.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+_SIZE_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(value, *, name: str = "max_shard_bytes") -> int | None:
+    """A size in bytes: an int, or a Hugging Face size string ("5GB" = 5 * 10**9 bytes,
+    "2GiB" = 2 * 2**30, "500MB", "100kB", "123" bytes); None or 0 means no limit (None).
+
+    Raises:
+        TypeError: neither an int nor a string (the argument `name` and the value named).
+        ValueError: a string that is not a size, or a negative size (named likewise).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
+        raise TypeError(
+            f"{name}={value!r} is a {type(value).__name__}: pass a number of bytes or a size "
+            f"string such as '5GB' or '500MiB'"
+        )
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m is None:
+            raise ValueError(
+                f"{name}={value!r} is not a size: pass a number of bytes or a size string such "
+                f"as '5GB', '500MB' or '2GiB'"
+            )
+        number, unit, binary = m.groups()
+        base = 1024 if binary else 1000
+        value = int(float(number) * base ** _SIZE_POWER[unit.lower()])
+    if value < 0:
+        raise ValueError(f"{name}={value!r} is negative: pass a positive size (or None)")
+    return int(value) or None
+
+
+def _config_sha256(path: str) -> str:
+    """The SHA-256 of the file `path` in hex, "" where there is none."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _saved_config(path: str) -> dict[str, str] | None:
+    """The SAVED_CONFIG / REPLACED_CONFIG entries of the checkpoint directory `path`'s switch
+    file (its index where there is one, else model.safetensors), None where it has none."""
+    index = os.path.join(path, INDEX_FILE)
+    single = os.path.join(path, SINGLE_FILE)
+    try:
+        if os.path.exists(index):
+            meta = read_json(index).get("metadata")
+        elif os.path.exists(single):
+            with safe_open(single, framework="numpy") as f:
+                meta = f.metadata()
+        else:
+            return None
+    except Exception:  # an unreadable file: loading it names the problem
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get(SAVED_CONFIG), str):
+        return None
+    return {SAVED_CONFIG: meta[SAVED_CONFIG], REPLACED_CONFIG: str(meta.get(REPLACED_CONFIG))}
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """The config.json dict of the checkpoint directory `path` (or of the config.json file
+    `path`): the file's, except where a save was killed between switching the weights and
+    writing config.json (see SAVED_CONFIG): then the config saved with the weights, with a
+    warning. A config.json edited after a save is read as edited.
+
+    Raises:
+        FileNotFoundError: no config.json (the file named).
+        ValueError: not a JSON object (the file named).
+    """
+    path = os.fspath(path)
+    if os.path.basename(path) == CONFIG_FILE and not os.path.isdir(path):
+        directory, file = os.path.dirname(path) or ".", path
+    else:
+        directory, file = path, os.path.join(path, CONFIG_FILE)
+    saved = _saved_config(directory)
+    if saved is not None and (
+        not os.path.exists(file)
+        or (
+            _config_sha256(file) == saved[REPLACED_CONFIG]
+            and _config_sha256(file) != hashlib.sha256(saved[SAVED_CONFIG].encode()).hexdigest()
+        )
+    ):
+        try:
+            hf = json.loads(saved[SAVED_CONFIG])
+        except json.JSONDecodeError:
+            hf = None
+        if isinstance(hf, dict):
+            logger.warning(
+                "%s: a save into this directory was stopped before it wrote %s; reading the "
+                "config saved with its weights (save again to complete the directory)",
+                directory,
+                CONFIG_FILE,
+            )
+            return hf
+    if not os.path.exists(file) and os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"{directory} has no {CONFIG_FILE}: not a checkpoint directory (pass the directory "
+            f"that holds {CONFIG_FILE} and the *.safetensors files)"
+        )
+    return read_json(file)
+
+
+def _switch_metadata(config_text: str, config_file: str) -> dict[str, str]:
+    return {SAVED_CONFIG: config_text, REPLACED_CONFIG: _config_sha256(config_file)}
 
 
 def _earlier_weight_files(path: str) -> set[str]:
-    """The weight files of an earlier save into `path`: model.safetensors, the shards of the
-    save's naming and those its index lists (inside `path` only)."""
-    names = {f for f in os.listdir(path) if f == SINGLE_FILE or _SHARD_NAME.fullmatch(f)}
+    """The weight files of earlier saves into `path`: model.safetensors, the shards of the
+    save's naming, those its index lists (inside `path` only) and the temporary files of a
+    save that was stopped."""
+    names = {
+        f
+        for f in os.listdir(path)
+        if f == SINGLE_FILE or _SHARD_NAME.fullmatch(f) or _TMP_NAME.fullmatch(f)
+    }
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
         try:
@@ -386,20 +567,18 @@ def _earlier_weight_files(path: str) -> set[str]:
     return names
 
 
-def write_safetensors(path: str, tensors: dict[str, np.ndarray], max_shard_bytes) -> None:
-    """Writes `tensors` into the directory `path`: one model.safetensors, or files of at most
-    `max_shard_bytes` each with model.safetensors.index.json. Each file is written under a
-    temporary name and renamed into place; then an earlier save's index and weight files that
-    this save does not hold are removed, so a load reads only the new weights."""
-    earlier = _earlier_weight_files(path)
-    meta = {"format": "pt"}
-    if not max_shard_bytes:
-        replace_file(os.path.join(path, SINGLE_FILE), lambda tmp: save_file(tensors, tmp, meta))
-        if os.path.exists(os.path.join(path, INDEX_FILE)):  # it would win over the new file
-            os.remove(os.path.join(path, INDEX_FILE))
-        for fname in earlier - {SINGLE_FILE}:
-            os.remove(os.path.join(path, fname))
-        return
+def _fresh_name(path: str, name: str) -> str:
+    """`name` where no file in `path` has it, else `name` with a random 8-hex-digit suffix:
+    a new shard never overwrites a file the old checkpoint may still read."""
+    while os.path.exists(os.path.join(path, name)):
+        stem = name.removesuffix(".safetensors")[: len("model-00001-of-00001")]
+        name = f"{stem}-{os.urandom(4).hex()}.safetensors"
+    return name
+
+
+def _shards(tensors: Mapping[str, np.ndarray], max_shard_bytes: int) -> list[dict]:
+    """`tensors` split in order into groups of at most `max_shard_bytes` (a larger tensor
+    alone)."""
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in tensors.items():
@@ -408,15 +587,64 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], max_shard_bytes
             size = 0
         shards[-1][name] = arr
         size += arr.nbytes
-    weight_map = {}
-    for n, shard in enumerate(shards, start=1):
-        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        replace_file(
-            os.path.join(path, fname), lambda tmp, shard=shard: save_file(shard, tmp, meta)
-        )
-        weight_map.update({name: fname for name in shard})
-    total = sum(a.nbytes for a in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    replace_file(os.path.join(path, INDEX_FILE), lambda tmp: write_json(tmp, index))
-    for fname in earlier - set(weight_map.values()):
+    return shards
+
+
+def write_checkpoint(
+    path: str | os.PathLike, tensors: dict[str, np.ndarray], config: dict, *, max_shard_bytes=None
+) -> None:
+    """Writes a checkpoint directory crash-safely: `tensors` as one model.safetensors, or, with
+    `max_shard_bytes`, files of at most that size with model.safetensors.index.json; `config`
+    as config.json. Killed at any instant, the directory loads as the whole old checkpoint or
+    the whole new one (see SAVED_CONFIG); afterwards, the index and weight files of an earlier
+    save that this one does not hold are removed, so a load reads only the new weights.
+
+    Args:
+        path: the directory (created).
+        tensors: name -> host array.
+        config: the config.json dict.
+        max_shard_bytes: None (one file), a number of bytes or a Hugging Face size string
+            ("5GB", "500MiB"; `parse_size`).
+    """
+    path = os.fspath(path)
+    max_shard_bytes = parse_size(max_shard_bytes)
+    os.makedirs(path, exist_ok=True)
+    config_file = os.path.join(path, CONFIG_FILE)
+    index_file = os.path.join(path, INDEX_FILE)
+    config_text = json.dumps(config, indent=2)
+    switch = _switch_metadata(config_text, config_file)
+    earlier = _earlier_weight_files(path)
+    had_index = os.path.exists(index_file)
+    if not max_shard_bytes:
+        meta = {"format": "pt", **switch}
+        single = os.path.join(path, SINGLE_FILE)
+        # Over a sharded checkpoint the index still wins over this file: its removal switches.
+        replace_file(single, lambda tmp: save_file(tensors, tmp, meta))
+        if had_index:
+            os.remove(index_file)
+        _fsync(path)
+        written = {SINGLE_FILE}
+    else:
+        shards = _shards(tensors, max_shard_bytes)
+        weight_map = {}
+        for n, shard in enumerate(shards, start=1):
+            fname = _fresh_name(path, f"model-{n:05d}-of-{len(shards):05d}.safetensors")
+            replace_file(
+                os.path.join(path, fname),
+                lambda tmp, shard=shard: save_file(shard, tmp, {"format": "pt"}),
+            )
+            weight_map.update({name: fname for name in shard})
+        total = sum(a.nbytes for a in tensors.values())
+        index = {"metadata": {"total_size": total, **switch}, "weight_map": weight_map}
+        replace_file(index_file, lambda tmp: write_json(tmp, index))  # the switch
+        _fsync(path)
+        written = set(weight_map.values())
+
+    def write_config(tmp):
+        with open(tmp, "w") as f:
+            f.write(config_text)
+
+    replace_file(config_file, write_config)
+    _fsync(path)
+    for fname in sorted(earlier - written):
         os.remove(os.path.join(path, fname))

@@ -462,9 +462,17 @@ def generate(
         max_new_tokens, temperature, top_p, cfg.max_position_embeddings
     )
     seed = _as_int("seed", seed)
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed={seed} is outside [-2**63, 2**63) (jax.random.key's range)")
     if speculative is not None and speculative not in SPECULATIVE_DECODERS:
         raise ValueError(
             f"speculative={speculative!r} is not None or one of {sorted(SPECULATIVE_DECODERS)}"
+        )
+    if speculative == "mtp" and getattr(model, "mtp", None) is None:
+        raise ValueError(
+            f"speculative='mtp': this model ({type(model).__name__}) has no MTP layer; drop "
+            f"speculative='mtp' (--mtp), or load a checkpoint that has one "
+            f"(num_nextn_predict_layers >= 1) with load_pretrained(..., mtp=True)"
         )
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0

@@ -41,11 +41,10 @@ from models.common.checkpoint import (
     fmt_shape,
     fp8_block_size,
     quant_method,
-    replace_file,
     resolve_checkpoint,
-    write_json,
-    write_safetensors,
+    write_checkpoint,
 )
+from models.common.checks import tied_weight_problems
 from models.common.config import QuantSpec
 from models.common.modules import (
     FloatExperts,
@@ -852,6 +851,7 @@ def load_pretrained(
             raise ValueError(f"specs=: {names.model_class.__name__} loads with its default specs")
     ckpt = Checkpoint(path)
     plans, problems = check_checkpoint(names, cfg, ckpt, qcfg, mtp=mtp)
+    problems += tied_weight_problems(cfg, ckpt)
     acts = activation_plan(ckpt, qcfg, plans, problems)
     _raise_problems(path, problems)
     _report_unused(log, cfg, ckpt, plans, read=acts.read, explained=acts.linears)
@@ -1167,12 +1167,13 @@ def save_pretrained(
             config group says input_activations, with each layer's static scales as
             {expert}.input_scale tensors, and the weights are written unpacked
             ("int-quantized"); the other linears run 16-bit activations and are written so.
-        max_shard_bytes: when set, shards the weights into files of about this size with a
-            model.safetensors.index.json (else one model.safetensors).
+        max_shard_bytes: when set, shards the weights into files of about this size (bytes, or
+            a Hugging Face size string: "5GB", "500MiB") with a model.safetensors.index.json
+            (else one model.safetensors).
 
-    Each file is written under a temporary name and renamed into place; the index and weight
-    files of an earlier save into `path` that this save does not write are removed (a
-    sharded save then an unsharded one into one directory loads the second's weights).
+    Crash-safe (`models.common.checkpoint.write_checkpoint`): killed at any instant, `path`
+    loads as the whole old checkpoint or the whole new one; the index and weight files of an
+    earlier save into `path` that this save does not write are removed at the end.
 
     Raises:
         ValueError: unknown format, or weights (or activation quantization) the format cannot
@@ -1246,5 +1247,4 @@ def save_pretrained(
         )
     if format == "bf16":
         hf["torch_dtype"] = "bfloat16"
-    write_safetensors(path, tensors, max_shard_bytes)
-    replace_file(os.path.join(path, CONFIG_FILE), lambda tmp: write_json(tmp, hf))
+    write_checkpoint(path, tensors, hf, max_shard_bytes=max_shard_bytes)

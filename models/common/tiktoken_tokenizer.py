@@ -41,8 +41,8 @@ def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line is not a base64 token and a rank (the file and line named), or the
-            ranks are not 0 .. n-1, each once.
+        ValueError: no tokens, a line is not a base64 token and a rank (the file and line
+            named), or the ranks are not 0 .. n-1, each once.
     """
     ranks: dict[bytes, int] = {}
     with open(path, "rb") as f:
@@ -56,6 +56,8 @@ def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
                 raise ValueError(
                     f"{path}, line {number}: {line[:80]!r} is not a base64 token and a rank"
                 ) from None
+    if not ranks:
+        raise ValueError(f"{path} holds no tokens (an empty file): download it again")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(
             f"{path}: its {len(ranks)} tokens do not have the ranks 0 .. {len(ranks) - 1}, "
@@ -77,15 +79,32 @@ def kimi_special_tokens(
         file: the file `named` came from, named in errors.
 
     Raises:
-        ValueError: an id is below `num_ranks` (it would be an ordinary token's).
+        ValueError: an id is below `num_ranks` (it would be an ordinary token's), or the first
+            one is above it (a truncated tiktoken.model).
     """
     if below := sorted(i for i in named if i < num_ranks):
         raise ValueError(
             f"{file}: added_tokens_decoder names ids {below[:8]} below {num_ranks} (the number "
             f"of ranks): special tokens follow the ranks"
         )
+    if named and min(named) > num_ranks:
+        # Kimi's first special token ([BOS]) has the id right after the last rank: a file cut
+        # at a line boundary still has ranks 0 .. n-1, but too few of them.
+        raise ValueError(
+            f"{TIKTOKEN_FILE} has {num_ranks} ranks, but the first special token of {file} has "
+            f"the id {min(named)}: the special tokens follow the ranks, so {TIKTOKEN_FILE} is "
+            f"truncated (or from another tokenizer): download it again"
+        )
     end = max([num_ranks + RESERVED_SPECIAL_TOKENS, *(i + 1 for i in named)])
     return {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(num_ranks, end)}
+
+
+# The special tokens Kimi's TikTokenTokenizer names when tokenizer_config.json gives no
+# additional_special_tokens (its additional_special_tokens default).
+KIMI_ADDITIONAL_SPECIAL_TOKENS = (
+    "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>", "<|end_header_id|>",
+    "[EOT]", "<|im_system|>", "<|im_middle|>",
+)  # fmt: skip
 
 
 class TiktokenTokenizer:
@@ -93,9 +112,14 @@ class TiktokenTokenizer:
     (read_tiktoken_ranks), the pre-tokenizer regex `pattern` and `special_tokens` (text -> id,
     above the ranks; kimi_special_tokens).
 
-    Special tokens written in the text encode as their ids, as Kimi's own tokenizer encodes
-    them; decoding skips special tokens but those in `text_tokens` (tokenizer_config.json's
-    added tokens marked "special": false), and ids the tokenizer does not have.
+    As Kimi's own TikTokenTokenizer (tokenization_kimi.py of moonshotai/Kimi-K2-Instruct):
+    encode adds no bos token (add_bos=True adds one), and special tokens written in the text
+    encode as their ids; decode keeps special tokens as their text. decode with
+    skip_special_tokens goes, in Kimi's tokenizer, through transformers' slow decode, and here
+    does as it does: `skipped_tokens` (bos, eos, unk, pad and the additional special tokens)
+    are dropped, each other of `added_tokens` (tokenizer_config.json's added_tokens_decoder) is
+    written apart, and the pieces are joined with spaces. Ids the tokenizer does not have (a
+    model's vocabulary may be larger) decode to nothing.
     """
 
     def __init__(
@@ -107,7 +131,8 @@ class TiktokenTokenizer:
         eos_id: int | None,
         pad_id: int | None = None,
         pattern: str = KIMI_PATTERN,
-        text_tokens: Sequence[str] = (),
+        skipped_tokens: Sequence[str] = (),
+        added_tokens: Sequence[str] = (),
         name: str = TIKTOKEN_FILE,
     ):
         import tiktoken
@@ -117,14 +142,38 @@ class TiktokenTokenizer:
         self._enc = tiktoken.Encoding(
             name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.special_tokens
         )
-        self._text_ids = frozenset(self.special_tokens[t] for t in text_tokens)
+        self._skipped = frozenset(
+            self.special_tokens[t] for t in skipped_tokens if t in self.special_tokens
+        )
+        self._apart = (
+            frozenset(self.special_tokens[t] for t in added_tokens if t in self.special_tokens)
+            - self._skipped
+        )
+        self._ids = frozenset(self.special_tokens.values())
         self.bos_id, self.eos_id = bos_id, eos_id
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text={text!r:.80} is a {type(text).__name__}, not a str")
         ids = self._enc.encode(text, allowed_special="all")
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        return self._enc.decode([i for i in ids if 0 <= i < self.num_ranks or i in self._text_ids])
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        ids = [i for i in map(int, ids) if 0 <= i < self.num_ranks or i in self._ids]
+        if not skip_special_tokens:
+            return self._enc.decode(ids)
+        pieces, run = [], []
+        for i in ids:
+            if i in self._skipped:
+                continue
+            if i in self._apart:
+                if run and (text := self._enc.decode(run)):
+                    pieces.append(text)
+                pieces.append(self._enc.decode([i]))
+                run = []
+            else:
+                run.append(i)
+        if run:
+            pieces.append(self._enc.decode(run))
+        return " ".join(pieces)

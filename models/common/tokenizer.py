@@ -13,6 +13,7 @@ from typing import Protocol
 
 from models.common.checkpoint import read_json
 from models.common.tiktoken_tokenizer import (
+    KIMI_ADDITIONAL_SPECIAL_TOKENS,
     TIKTOKEN_FILE,
     TiktokenTokenizer,
     kimi_special_tokens,
@@ -21,19 +22,32 @@ from models.common.tiktoken_tokenizer import (
 
 
 class Tokenizer(Protocol):
+    """encode(text) gives the ids the checkpoint's own tokenizer gives (transformers'
+    `tokenizer(text)["input_ids"]`, Kimi's TikTokenTokenizer.encode): a bos token only where it
+    adds one; add_bos=True / False forces one / none (False for a rendered chat template, which
+    writes its own). decode(ids) keeps special tokens as text, as transformers' decode does by
+    default, unless skip_special_tokens."""
+
     bos_id: int | None
     eos_id: int | None
     pad_id: int
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]: ...
 
-    def decode(self, ids) -> str: ...
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str: ...
+
+
+def _check_text(text) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"text={text!r:.80} is a {type(text).__name__}, not a str")
+    return text
 
 
 class ByteTokenizer:
     """Bytes as ids: id = byte + offset; ids below the offset are special (pad, bos, eos).
 
-    Needs vocab_size >= 256 + offset; decoding skips ids that are not bytes.
+    Needs vocab_size >= 256 + offset; encoding adds the bos id unless add_bos=False; decoding
+    skips ids that are not bytes (it has no text for its special tokens).
     """
 
     def __init__(
@@ -42,24 +56,44 @@ class ByteTokenizer:
         self.offset = offset
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
-        ids = [b + self.offset for b in text.encode("utf-8")]
-        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        ids = [b + self.offset for b in _check_text(text).encode("utf-8")]
+        return ([self.bos_id] if add_bos is not False and self.bos_id is not None else []) + ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        del skip_special_tokens  # special ids have no text here
         data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.offset + 256)
         return data.decode("utf-8", errors="replace")
 
 
+# transformers' clean_up_tokenization (PreTrainedTokenizerBase), which decode applies where
+# tokenizer_config.json's clean_up_tokenization_spaces is true.
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # fmt: skip
+
+
 class HFTokenizer:
-    """A tokenizer.json read with the `tokenizers` library (no transformers needed).
+    """A tokenizer.json read with the `tokenizers` library (no transformers needed), encoding
+    and decoding as transformers' fast tokenizer of it does: bos/eos added by the file's own
+    post-processor (DeepSeek-V3's adds a bos, Qwen's none), special tokens kept by decode.
+
+    Args:
+        path: the tokenizer.json.
+        bos_id, eos_id, pad_id: config.json's ids.
+        clean_up_tokenization_spaces: tokenizer_config.json's (transformers' decode option).
 
     Raises:
         ValueError: the file is not a tokenizer.json `tokenizers` can read (the file named).
     """
 
     def __init__(
-        self, path: str, *, bos_id: int | None, eos_id: int | None, pad_id: int | None = None
+        self,
+        path: str,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        pad_id: int | None = None,
+        clean_up_tokenization_spaces: bool = False,
     ):
         from tokenizers import Tokenizer as _Tokenizer
 
@@ -69,13 +103,21 @@ class HFTokenizer:
             raise ValueError(f"{path} cannot be read as a tokenizer.json: {err}") from None
         self.bos_id, self.eos_id = bos_id, eos_id
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+        self.clean_up = clean_up_tokenization_spaces
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        text = _check_text(text)
+        if add_bos is None:  # the file's own post-processor decides
+            return list(self._tok.encode(text, add_special_tokens=True).ids)
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + list(ids)
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        text = self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        if self.clean_up:
+            for a, b in _CLEAN_UP:
+                text = text.replace(a, b)
+        return text
 
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -99,9 +141,9 @@ def _tiktoken_tokenizer(
         names[int(key)] = text
     ranks = read_tiktoken_ranks(os.path.join(path, TIKTOKEN_FILE))
     specials = kimi_special_tokens(names, len(ranks), file=config_file)
-    text_tokens = [
-        _token_text(t) for t in added.values() if isinstance(t, dict) and t.get("special") is False
-    ]
+    named = [_token_text(config.get(k)) for k in _SPECIAL_TOKENS + ("sep_token", "cls_token")]
+    extra = config.get("additional_special_tokens")
+    extra = KIMI_ADDITIONAL_SPECIAL_TOKENS if extra is None else [_token_text(t) for t in extra]
 
     def token_id(key: str, given: int | None) -> int | None:
         return given if given is not None else specials.get(_token_text(config.get(key)))
@@ -112,7 +154,8 @@ def _tiktoken_tokenizer(
         bos_id=token_id("bos_token", bos),
         eos_id=token_id("eos_token", eos),
         pad_id=token_id("pad_token", pad),
-        text_tokens=text_tokens,
+        skipped_tokens=[t for t in (*named, *extra) if t is not None],
+        added_tokens=list(names.values()),
     )
 
 
@@ -138,7 +181,15 @@ def load_tokenizer(path: str | os.PathLike | None = None, *, cfg=None) -> Tokeni
         eos = hf.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
     if path is not None and os.path.exists(os.path.join(path, "tokenizer.json")):
-        return HFTokenizer(os.path.join(path, "tokenizer.json"), bos_id=bos, eos_id=eos, pad_id=pad)
+        config_file = os.path.join(path, TOKENIZER_CONFIG_FILE)
+        config = read_json(config_file) if os.path.exists(config_file) else {}
+        return HFTokenizer(
+            os.path.join(path, "tokenizer.json"),
+            bos_id=bos,
+            eos_id=eos,
+            pad_id=pad,
+            clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces") is True,
+        )
     if path is not None and os.path.exists(os.path.join(path, TIKTOKEN_FILE)):
         return _tiktoken_tokenizer(os.fspath(path), bos=bos, eos=eos, pad=pad)
     if path is not None:
@@ -231,8 +282,8 @@ def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
 
     Raises:
         FileNotFoundError: the directory has neither file (named).
-        ValueError: tokenizer_config.json is not a JSON object, or neither file holds a template
-            (the file named).
+        ValueError: tokenizer_config.json is not a JSON object, chat_template.jinja is not
+            UTF-8, or neither file holds a template (the file named).
     """
     config_file = os.path.join(os.fspath(path), TOKENIZER_CONFIG_FILE)
     jinja_file = os.path.join(os.fspath(path), CHAT_TEMPLATE_FILE)
@@ -245,8 +296,11 @@ def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
     hf = read_json(config_file) if has_config else {}
     tokens = {k: text for k in _SPECIAL_TOKENS if (text := _token_text(hf.get(k))) is not None}
     if has_jinja:
-        with open(jinja_file, encoding="utf-8") as f:
-            template = f.read()
+        try:
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{jinja_file} is not UTF-8 text ({err}): save it as UTF-8") from None
         if not template:
             raise ValueError(f"{jinja_file} is empty: no chat template to apply")
         return ChatTemplate(path=jinja_file, template=template, special_tokens=tokens)

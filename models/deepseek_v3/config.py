@@ -7,7 +7,8 @@ import math
 import os
 from typing import Any
 
-from models.common.checkpoint import read_json
+from models.common.checkpoint import read_config
+from models.common.checks import hf_config_problems
 from models.common.config import QuantSpec, range_problems, type_problems
 
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -219,6 +220,9 @@ class DeepseekV3Config:
         Raises:
             ValueError: unsupported rope type or invalid values, all named at once.
         """
+        problems = hf_config_problems(d, cls)
+        if problems:
+            raise ValueError("invalid DeepSeek config: " + "; ".join(problems))
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "dtype", "quant"}
         kw = {k: d[k] for k in names if k in d}
         rope = d.get("rope_scaling") or d.get("rope_parameters")
@@ -243,7 +247,7 @@ class DeepseekV3Config:
         """
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        d = read_json(path)
+        d = read_config(path)
         try:
             return cls.from_hf_dict(d, **overrides)
         except ValueError as err:

@@ -7,7 +7,8 @@ import dataclasses
 import os
 from typing import Any
 
-from models.common.checkpoint import read_json
+from models.common.checkpoint import read_config
+from models.common.checks import hf_config_problems
 from models.common.config import QuantSpec, range_problems, type_problems
 
 # config.json model_type -> architectures entry.
@@ -93,6 +94,11 @@ class QwenMoeConfig:
                 f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"num_experts={self.num_experts}"
             )
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            problems.append(
+                f"dtype={self.dtype!r} is not one of bfloat16, float16, float32 (the activations' "
+                f"dtype; quantize weights with quantize='int4' or 'int8')"
+            )
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             problems.append(
@@ -137,6 +143,18 @@ class QwenMoeConfig:
         """From a config.json dict (transformers 4 or 5: rope_theta at the top or in
         rope_parameters). Refused: rope scaling and sliding-window attention, which these
         checkpoints do not use."""
+        required = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                    "num_hidden_layers", "num_attention_heads", "num_experts",
+                    "num_experts_per_tok")  # fmt: skip
+        problems = hf_config_problems(
+            d,
+            cls,
+            required=required,
+            int_lists=("mlp_only_layers",),
+            nullable=("num_key_value_heads", "head_dim", "mlp_only_layers"),
+        )
+        if problems:
+            raise ValueError("invalid Qwen MoE config: " + "; ".join(problems))
         model_type = d.get("model_type")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -161,14 +179,14 @@ class QwenMoeConfig:
             head_dim=d.get("head_dim") or (d["hidden_size"] // heads if heads else 0),
             num_experts=d["num_experts"],
             num_experts_per_tok=d["num_experts_per_tok"],
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            norm_topk_prob=d.get("norm_topk_prob", False),
             decoder_sparse_step=d.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            attention_bias=bool(d.get("attention_bias", False)),
+            attention_bias=d.get("attention_bias", False),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
             pad_token_id=d.get("pad_token_id"),
@@ -180,7 +198,7 @@ class QwenMoeConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides) -> QwenMoeConfig:
         try:
-            return cls.from_hf_dict(read_json(path), **overrides)
+            return cls.from_hf_dict(read_config(path), **overrides)
         except (KeyError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
 

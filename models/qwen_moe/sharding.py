@@ -29,7 +29,9 @@ from models.common.modules import (
     LinearSharding,
     QuantizedLinear,
     RoutedExperts,
+    set_module,
 )
+from models.common.progress import progress_bar
 from models.common.sharding import AXES, ShardedExperts, make_mesh, reorder_w13
 from models.qwen_moe.config import QwenMoeConfig
 from models.qwen_moe.modeling import Attention, QwenMoeForCausalLM
@@ -204,11 +206,16 @@ def init_random(
     """A model of random weights, quantized where cfg.quant says (scales in
     cfg.quant.scale_dtype, e.g. GPTQ's float16): drawn on the device or with numpy on the
     host (`on_device`: `CausalLM.draws_on_device`); with a `mesh`, then placed on it
-    (`shard_model`, `moe_mode` its MoE token mode). `progress` is accepted for the registry's
-    signature (the model is drawn whole, without a bar)."""
+    (`shard_model`, `moe_mode` its MoE token mode). The model is drawn part by part
+    (`random_parts`: the constructor's values) under a tqdm bar once it runs 2 s (`progress`)."""
     on_device = QwenMoeForCausalLM.draws_on_device(cfg, on_device)
     rngs = nnx.Rngs(seed) if on_device else np.random.default_rng(seed)
-    model = QwenMoeForCausalLM(cfg, rngs=rngs, implementation=implementation)
+    model = QwenMoeForCausalLM.abstract(cfg)
+    parts = QwenMoeForCausalLM.random_parts(cfg)
+    for path, _, build in progress_bar(parts, desc="random weights", unit="part", enabled=progress):
+        set_module(model, path, build(rngs))
+    if implementation is not None:
+        model.set_implementation(implementation)
     if mesh is not None:
         shard_model(model, mesh, moe_mode=moe_mode)
     return model
