@@ -1,4 +1,4 @@
-"""gpt-oss configuration: a frozen dataclass read from an HF config.json, with the released sizes."""
+"""gpt-oss configuration: a frozen dataclass read from an HF config.json, with presets."""
 
 from __future__ import annotations
 
