@@ -1,0 +1,400 @@
+"""gpt-oss checkpoints (the layout openai/gpt-oss-20b and -120b ship) -> the NNX model and back:
+one name table, every problem reported at once.
+
+The routed experts are MXFP4 (config.json quantization_config {quant_method: mxfp4,
+modules_to_not_convert}): `mlp.experts.gate_up_proj_blocks` uint8 [E, 2I, H/32, 16] with
+`_scales` uint8 [E, 2I, H/32] and `down_proj_blocks` [E, H, I/32, 16] with theirs, gate and up
+rows interleaved (row 2j gate j, row 2j+1 up j), biases `gate_up_proj_bias` [E, 2I] (interleaved
+alike) and `down_proj_bias` [E, H]. A dequantized checkpoint holds the experts as transformers
+keeps them, float `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H]. Everything else is float
+(bfloat16): attention q/k/v/o with biases and `sinks` [n], the router with its bias, norms,
+embedding and head.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import wna16_jax as wj
+from models.common.checkpoint import (
+    CONFIG_FILE,
+    FLOAT_DTYPES,
+    Checkpoint,
+    fmt_shape,
+    quant_method,
+    resolve_checkpoint,
+    write_json,
+    write_safetensors,
+)
+from models.common.config import QuantSpec
+from models.common.modules import module_at, set_module
+from models.common.progress import progress_bar
+from models.gpt_oss.config import GptOssConfig
+from models.gpt_oss.modeling import Experts, GptOssForCausalLM
+
+logger = logging.getLogger("models.gpt_oss")
+
+QUANT_METHODS = ("mxfp4",)  # quantization_config.quant_method values read (None: float)
+MXFP4_GROUP = 32  # values per scale; a block row holds 16 bytes of two e2m1 codes
+# What the released checkpoints leave unquantized (their quantization_config's list).
+MODULES_TO_NOT_CONVERT = (
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+)
+
+# One row per float tensor: (name, shape letters, present when). "layer." stands for
+# "model.layers.{i}."; the module path is the name's, but a projection's bias
+# "self_attn.q_proj.bias" lives on the attention as "self_attn.q_bias". The routed experts
+# ("layer.mlp.experts", EXPERTS) are read apart.
+# fmt: off
+NAME_TABLE: tuple[tuple[str, str, str], ...] = (
+    ("model.embed_tokens.weight",             "V H",   "always"),
+    ("model.norm.weight",                     "H",     "always"),
+    ("lm_head.weight",                        "V H",   "untied"),
+    ("layer.input_layernorm.weight",          "H",     "always"),
+    ("layer.post_attention_layernorm.weight", "H",     "always"),
+    ("layer.self_attn.q_proj.weight",         "Nq H",  "always"),
+    ("layer.self_attn.k_proj.weight",         "Nkv H", "always"),
+    ("layer.self_attn.v_proj.weight",         "Nkv H", "always"),
+    ("layer.self_attn.o_proj.weight",         "H Nq",  "always"),
+    ("layer.self_attn.q_proj.bias",           "Nq",    "bias"),
+    ("layer.self_attn.k_proj.bias",           "Nkv",   "bias"),
+    ("layer.self_attn.v_proj.bias",           "Nkv",   "bias"),
+    ("layer.self_attn.o_proj.bias",           "H",     "bias"),
+    ("layer.self_attn.sinks",                 "n",     "always"),
+    ("layer.mlp.router.weight",               "E H",   "always"),
+    ("layer.mlp.router.bias",                 "E",     "always"),
+)
+# fmt: on
+EXPERTS = "mlp.experts"
+_DIMS = {
+    "V": lambda c: c.vocab_size,
+    "H": lambda c: c.hidden_size,
+    "I": lambda c: c.intermediate_size,
+    "E": lambda c: c.num_local_experts,
+    "n": lambda c: c.num_attention_heads,
+    "Nq": lambda c: c.num_attention_heads * c.head_dim,
+    "Nkv": lambda c: c.num_key_value_heads * c.head_dim,
+}
+_PRESENT = {
+    "always": lambda c: True,
+    "untied": lambda c: not c.tie_word_embeddings,
+    "bias": lambda c: c.attention_bias,
+}
+
+
+def weight_table(cfg: GptOssConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
+    """Every float tensor the config implies: (HF name, shape, module path)."""
+    out = []
+    for name, dims, present in NAME_TABLE:
+        if not _PRESENT[present](cfg):
+            continue
+        shape = tuple(_DIMS[d](cfg) for d in dims.split())
+        per_layer = name.startswith("layer.")
+        for i in range(cfg.num_hidden_layers) if per_layer else (None,):
+            full = f"model.layers.{i}.{name[len('layer.') :]}" if per_layer else name
+            where = full.replace("_proj.bias", "_bias")
+            out.append((full, shape, tuple(int(p) if p.isdigit() else p for p in where.split("."))))
+    return out
+
+
+def interleave_rows(a: np.ndarray, *, inverse: bool = False) -> np.ndarray:
+    """Rows (axis 1) interleaved as the checkpoints store gate_up (2j gate j, 2j+1 up j) ->
+    [gate; up]; `inverse` the other way. Blocks, scales and biases alike."""
+    n = a.shape[1]
+    order = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])  # [gate; up] <- rows
+    if inverse:
+        order = np.argsort(order)
+    return np.take(a, order, axis=1)
+
+
+def _not_converted(module: str, patterns) -> str | None:
+    """The modules_to_not_convert pattern that covers `module` (itself or a parent), if any."""
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module, pattern + ".*"):
+            return pattern
+    return None
+
+
+class _Reader:
+    """Reads the checkpoint's tensors for a config, recording every problem."""
+
+    def __init__(self, cfg: GptOssConfig, ckpt: Checkpoint, quant: QuantSpec | None):
+        self.cfg, self.ckpt, self.quant = cfg, ckpt, quant
+        self.problems: list[str] = []
+        qcfg = cfg.quantization_config
+        self.method = quant_method(qcfg)
+        if qcfg is not None and self.method not in QUANT_METHODS:
+            self.problems.append(
+                f"{CONFIG_FILE}: quantization_config.quant_method={self.method!r} is not "
+                f"supported (supported: {list(QUANT_METHODS)})"
+            )
+        patterns = (qcfg or {}).get("modules_to_not_convert") or ()
+        self.not_converted = tuple(patterns) if self.method == "mxfp4" else ()
+        self._check_mxfp4_placement()
+
+    def _check_mxfp4_placement(self) -> None:
+        """MXFP4 tensors only where the config says: on the routed experts of an mxfp4
+        checkpoint, never on a module modules_to_not_convert lists."""
+        for name in self.ckpt:
+            if not name.endswith(("_blocks", "_scales")):
+                continue
+            module = name.rpartition(".")[0]
+            if self.method != "mxfp4":
+                self.problems.append(
+                    f"{name}: an MXFP4 tensor in a checkpoint whose quantization_config.quant_"
+                    f"method is {self.method!r}, not 'mxfp4'"
+                )
+            elif pattern := _not_converted(module, self.not_converted):
+                self.problems.append(
+                    f"{name}: MXFP4 on {module}, which quantization_config."
+                    f"modules_to_not_convert lists ({pattern!r})"
+                )
+            elif not module.endswith("." + EXPERTS):
+                self.problems.append(f"{name}: MXFP4 tensors are read on {EXPERTS} only")
+
+    def float(self, name: str, shape) -> np.ndarray | None:
+        if name not in self.ckpt:
+            self.problems.append(f"{name}: missing")
+            return None
+        got, dtype = self.ckpt.meta(name)
+        if dtype not in FLOAT_DTYPES or tuple(got) != tuple(shape):
+            self.problems.append(
+                f"{name}: {dtype} {fmt_shape(got)}, expected a float {fmt_shape(shape)}"
+            )
+            return None
+        return np.asarray(self.ckpt[name])
+
+    def _mxfp4(self, prefix: str, n: int, k: int):
+        """{prefix}_blocks / _scales of one projection [E, N, K] -> (blocks, scales) numpy in
+        the checkpoint's row order (None on a problem, recorded)."""
+        e = self.cfg.num_local_experts
+        ok = True
+        blocks_name, scales_name = f"{prefix}_blocks", f"{prefix}_scales"
+        for name in (blocks_name, scales_name):
+            if name not in self.ckpt:
+                self.problems.append(f"{name}: missing")
+                ok = False
+        if not ok:
+            return None
+        (bshape, bdtype), (sshape, sdtype) = map(self.ckpt.meta, (blocks_name, scales_name))
+        if bdtype != "U8" or len(bshape) != 4 or bshape[-1] * 2 != MXFP4_GROUP:
+            self.problems.append(
+                f"{blocks_name}: {bdtype} {fmt_shape(bshape)}, expected uint8 [E, N, K/32, 16] "
+                f"(MXFP4 groups of {MXFP4_GROUP} values, two a byte)"
+            )
+            return None
+        want = (e, n, k // MXFP4_GROUP)
+        if k % MXFP4_GROUP or tuple(bshape[:3]) != want:
+            self.problems.append(
+                f"{blocks_name}: shape {fmt_shape(bshape)}, expected {fmt_shape((*want, 16))} "
+                f"for [E, N, K] = [{e}, {n}, {k}]"
+            )
+            return None
+        if sdtype != "U8" or tuple(sshape) != want:
+            self.problems.append(
+                f"{scales_name}: {sdtype} {fmt_shape(sshape)}, expected uint8 {fmt_shape(want)} "
+                f"(one exponent per group of {MXFP4_GROUP} of {blocks_name})"
+            )
+            return None
+        return np.asarray(self.ckpt[blocks_name]), np.asarray(self.ckpt[scales_name])
+
+    def experts(self, layer: int):
+        """-> (w13 [E, 2I, H], w2 [E, H, I], w13_bias [E, 2I], w2_bias [E, H]), rows [gate; up]:
+        QuantizedExperts (MXFP4, or float quantized by `quant`) or float numpy; None on a
+        problem."""
+        cfg = self.cfg
+        e, i, h = cfg.num_local_experts, cfg.intermediate_size, cfg.hidden_size
+        pre = f"model.layers.{layer}.{EXPERTS}"
+        b13 = self.float(f"{pre}.gate_up_proj_bias", (e, 2 * i))
+        b2 = self.float(f"{pre}.down_proj_bias", (e, h))
+        if f"{pre}.gate_up_proj_blocks" in self.ckpt or f"{pre}.gate_up_proj" not in self.ckpt:
+            if self.method != "mxfp4":
+                self.problems.append(
+                    f"{pre}.gate_up_proj: missing (a float checkpoint holds the experts as "
+                    f"gate_up_proj [E, H, 2I] and down_proj [E, I, H])"
+                )
+                return None
+            if pattern := _not_converted(pre, self.not_converted):
+                self.problems.append(
+                    f"{pre}: MXFP4 experts, but quantization_config.modules_to_not_convert "
+                    f"lists them ({pattern!r})"
+                )
+                return None
+            up = self._mxfp4(f"{pre}.gate_up_proj", 2 * i, h)
+            down = self._mxfp4(f"{pre}.down_proj", h, i)
+            if up is None or down is None or b13 is None or b2 is None:
+                return None
+            w13 = from_blocks(*(interleave_rows(a) for a in up), name=f"{pre}.gate_up_proj")
+            w2 = from_blocks(*down, name=f"{pre}.down_proj")
+            if w13 is None or w2 is None:
+                return None
+        else:
+            gate_up = self.float(f"{pre}.gate_up_proj", (e, h, 2 * i))
+            down = self.float(f"{pre}.down_proj", (e, i, h))
+            if gate_up is None or down is None or b13 is None or b2 is None:
+                return None
+            w13 = interleave_rows(gate_up.transpose(0, 2, 1))
+            w2 = down.transpose(0, 2, 1)
+            if self.quant is not None:
+                w13, w2 = (quantize(w, self.quant, cfg.dtype) for w in (w13, w2))
+        return w13, w2, interleave_rows(b13), b2
+
+
+def from_blocks(blocks: np.ndarray, scales: np.ndarray, *, name: str):
+    """MXFP4 blocks uint8 [E, N, K/32, 16] and scales uint8 [E, N, K/32] -> QuantizedExperts
+    [E, N, K] (wna16_jax.formats.mxfp4)."""
+    return wj.formats.mxfp4.from_blocks(jnp.asarray(blocks), jnp.asarray(scales))
+
+
+def to_blocks(qe) -> tuple[np.ndarray, np.ndarray]:
+    """QuantizedExperts [E, N, K] in MXFP4 -> (blocks uint8 [E, N, K/32, 16], scales uint8
+    [E, N, K/32])."""
+    blocks, scales = wj.formats.mxfp4.to_blocks(qe)
+    return np.asarray(blocks), np.asarray(scales)
+
+
+def quantize(w, spec: QuantSpec, dtype):
+    """float [E, N, K] -> QuantizedExperts as `spec` says."""
+    return wj.quantize_experts(
+        jnp.asarray(w),
+        bits=spec.bits,
+        group_size=spec.group_for(w.shape[-1]),
+        has_zp=spec.has_zp,
+        scale_dtype=jnp.dtype(spec.scale_dtype or dtype),
+    )
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    dtype=jnp.bfloat16,
+    implementation=None,
+    quantize: str | QuantSpec | None = None,
+    progress: bool = True,
+) -> GptOssForCausalLM:
+    """Loads a gpt-oss checkpoint: a local directory or a Hub id ("openai/gpt-oss-20b").
+
+    Args:
+        path: a directory with config.json and safetensors (one file or sharded with
+            model.safetensors.index.json), or a Hub id (`resolve_checkpoint`).
+        revision, cache_dir: for a Hub id.
+        dtype: activations and float weights.
+        implementation: fused_moe backend of the routed experts (None = automatic).
+        quantize: quantize float experts on load ("int4", "int8" or a QuantSpec); MXFP4 ones
+            stay as stored.
+        progress: a tqdm bar over the tensors read, once the load has run PROGRESS_DELAY_S.
+
+    Raises:
+        FileNotFoundError: no such directory or Hub repository, or a missing file (named).
+        ValueError: every problem at once, each naming its tensor or config key (a missing
+            tensor, a wrong shape or dtype, MXFP4 blocks not in groups of 32 or scales of
+            another shape, an unknown quant_method, MXFP4 on a module the config lists in
+            modules_to_not_convert).
+    """
+    path = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir)
+    spec = QuantSpec.parse(quantize)
+    cfg = GptOssConfig.from_json(os.path.join(path, CONFIG_FILE), dtype=jnp.dtype(dtype).name)
+    ckpt = Checkpoint(path)
+    reader = _Reader(cfg, ckpt, spec)
+    model = nnx.eval_shape(lambda: GptOssForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    table = weight_table(cfg)
+    bar = progress_bar(
+        range(len(table) + cfg.num_hidden_layers),
+        desc=f"loading {os.path.basename(path)}",
+        unit="weight",
+        enabled=progress,
+    )
+    try:
+        for name, shape, where in table:
+            value = reader.float(name, shape)
+            if value is not None:
+                module_at(model, where).set_value(jnp.asarray(value, cfg.dtype))
+            bar.update(1)
+        for layer in range(cfg.num_hidden_layers):
+            read = reader.experts(layer)
+            if read is not None:
+                w13, w2, b13, b2 = read
+                experts = Experts(cfg, rngs=None, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2,
+                                  implementation=implementation)  # fmt: skip
+                set_module(model, ("model", "layers", layer, "mlp", "experts"), experts)
+            bar.update(1)
+    finally:
+        bar.close()
+        ckpt.close()
+    if reader.problems:
+        shown = "\n  ".join(reader.problems[:50])
+        more = len(reader.problems) - 50
+        raise ValueError(
+            f"{path}: {len(reader.problems)} problem(s) loading the checkpoint:\n  {shown}"
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+    logger.info(
+        "loaded %s: gpt_oss, %d layers, experts %s",
+        path,
+        cfg.num_hidden_layers,
+        reader.method or quantize or "float",
+    )
+    return model
+
+
+def save_pretrained(
+    model: GptOssForCausalLM, path: str | os.PathLike, *, max_shard_bytes: int | None = None
+) -> None:
+    """Writes the checkpoints' layout into the directory `path` (created): config.json, float
+    tensors in the model dtype, MXFP4 experts as blocks and scales with gate and up rows
+    interleaved (quantization_config {quant_method: mxfp4, modules_to_not_convert}), float
+    experts as transformers keeps them; sharded with an index when `max_shard_bytes` is set.
+
+    Raises:
+        ValueError: quantized experts that are not MXFP4 (the Hub layout has no int4 / int8).
+    """
+    cfg = model.cfg
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for name, _, where in weight_table(cfg):
+        tensors[name] = np.asarray(module_at(model, where).get_value())
+    mxfp4 = False
+    for layer in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{layer}.{EXPERTS}"
+        experts = model.model.layers[layer].mlp.experts
+        tensors[f"{pre}.gate_up_proj_bias"] = interleave_rows(
+            np.asarray(experts.w13_bias.get_value()), inverse=True
+        )
+        tensors[f"{pre}.down_proj_bias"] = np.asarray(experts.w2_bias.get_value())
+        if experts.quantized:
+            mxfp4 = True
+            w13 = experts.weights.canonical_w13()
+            w2 = wj.layouts.to_canonical_layout(experts.weights.w2.get())
+            for proj, qe, rows in (("gate_up_proj", w13, True), ("down_proj", w2, False)):
+                blocks, scales = to_blocks(qe)
+                if rows:
+                    blocks, scales = (interleave_rows(a, inverse=True) for a in (blocks, scales))
+                tensors[f"{pre}.{proj}_blocks"], tensors[f"{pre}.{proj}_scales"] = blocks, scales
+        else:
+            w13 = np.asarray(experts.weights.canonical_w13())
+            tensors[f"{pre}.gate_up_proj"] = interleave_rows(w13, inverse=True).transpose(0, 2, 1)
+            tensors[f"{pre}.down_proj"] = np.asarray(experts.weights.w2.get_value()).transpose(
+                0, 2, 1
+            )
+    config = cfg.to_hf_dict()
+    config["torch_dtype"] = cfg.dtype
+    if mxfp4:
+        config["quantization_config"] = {
+            "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT),
+            "quant_method": "mxfp4",
+        }
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    write_safetensors(path, tensors, max_shard_bytes)
+    write_json(os.path.join(path, CONFIG_FILE), config)
