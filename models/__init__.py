@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from models import deepseek_v3, qwen_moe
+from models import deepseek_v3, gpt_oss, qwen_moe
 from models.common.checkpoint import CONFIG_FILE, read_json, resolve_checkpoint
 from models.common.generate import generate
 from models.common.tokenizer import load_tokenizer as _load_tokenizer
@@ -24,6 +24,7 @@ MODEL_TYPES = {
     "kimi_k2": "deepseek_v3",  # Kimi-K2: the DeepSeek-V3 architecture
     "qwen2_moe": "qwen_moe",
     "qwen3_moe": "qwen_moe",
+    "gpt_oss": "gpt_oss",
 }
 # config.json architectures -> the family, where model_type names none of MODEL_TYPES.
 ARCHITECTURES = {
@@ -31,8 +32,13 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v3",
     "Qwen2MoeForCausalLM": "qwen_moe",
     "Qwen3MoeForCausalLM": "qwen_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
-_LOADERS = {"deepseek_v3": deepseek_v3.load_pretrained, "qwen_moe": qwen_moe.load_pretrained}
+_LOADERS = {
+    "deepseek_v3": deepseek_v3.load_pretrained,
+    "qwen_moe": qwen_moe.load_pretrained,
+    "gpt_oss": gpt_oss.load_pretrained,
+}
 
 
 def family_of(config: dict) -> str:

@@ -2,5 +2,15 @@
 
 from models.gpt_oss.config import PRESETS, GptOssConfig, YarnRope
 from models.gpt_oss.modeling import GptOssForCausalLM, KVCache, route
+from models.gpt_oss.params import load_pretrained, save_pretrained
 
-__all__ = ["PRESETS", "GptOssConfig", "GptOssForCausalLM", "KVCache", "YarnRope", "route"]
+__all__ = [
+    "PRESETS",
+    "GptOssConfig",
+    "GptOssForCausalLM",
+    "KVCache",
+    "YarnRope",
+    "load_pretrained",
+    "route",
+    "save_pretrained",
+]
