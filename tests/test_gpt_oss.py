@@ -146,6 +146,25 @@ def test_save_pretrained_writes_the_checkpoint_back(tmp_path):
     assert GptOssConfig.from_hf_dict(saved) == GptOssConfig.from_json(FIXTURE / "config.json")
 
 
+def test_a_hub_id_loads_the_model_and_its_tokenizer(ref, monkeypatch):
+    """models.load_pretrained / load_tokenizer("openai/gpt-oss-20b") read what the Hub download
+    returns (here the fixture: no network)."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, **kw):
+        calls.append(repo_id)
+        return str(FIXTURE)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    model = models.load_pretrained("openai/gpt-oss-20b", dtype=jnp.float32, progress=False)
+    _assert_logits(model(ref["ids"], ref["attention_mask"]), ref)
+    tok = models.load_tokenizer("openai/gpt-oss-20b")
+    assert tok.decode(tok.encode("The capital of France", add_bos=False)) == "The capital of France"
+    assert calls == ["openai/gpt-oss-20b"] * 2
+
+
 def test_interleave_rows_inverts():
     a = np.arange(2 * 6 * 3).reshape(2, 6, 3)
     np.testing.assert_array_equal(interleave_rows(a)[:, :3], a[:, 0::2])

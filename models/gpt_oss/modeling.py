@@ -310,3 +310,15 @@ class GptOssForCausalLM(_qwen.QwenMoeForCausalLM):
             )
             new.append(nc)
         return self.model.norm(x), new
+
+
+def dequantize_model(model: GptOssForCausalLM) -> GptOssForCausalLM:
+    """A copy of `model` with float routed experts (dequantized in f32): the oracle of the
+    quantized ones."""
+    new = nnx.clone(model)
+    for _, m in nnx.iter_modules(new):
+        if isinstance(m, Experts) and m.quantized:
+            w13 = wj.dequantize_experts(m.weights.canonical_w13(), _F32)
+            w2 = wj.dequantize_experts(wj.layouts.to_canonical_layout(m.weights.w2.get()), _F32)
+            m.weights = FloatExperts(new.cfg, rngs=None, w13=w13, w2=w2)
+    return new
