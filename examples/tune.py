@@ -122,7 +122,7 @@ CONFIRM_ROUNDS = 3
 # tolerance of the kernels against the reference (tests/helpers.py: TOLERANCES; W8A8 under the
 # same activation quantization: tests/test_w8a8.py: W8A8_VS_ORACLE), the output's bf16 rounding.
 MAX_RELATIVE_ERROR = 1e-2
-# The problem key of the mgpu table's W8A8 entries (pallas_kernels/mosaic_gpu/config.py:
+# The problem key of the mgpu table's W8A8 entries (pallas_kernels/mgpu/config.py:
 # LayerShape.table_problem, which the layer's lookup builds): int8 rows, whatever their scheme.
 INT8_ROWS_PROBLEM = {"activations": "int8"}
 

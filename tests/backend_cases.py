@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import wna16_jax as wj
+from wna16_jax import _dispatch
 
 # Element-wise, |out - ref| <= tol * |ref| + ELEMENT_SLACK * tol * rms(ref) (tol: the norm-wise
 # tolerance of the output dtype, helpers.TOLERANCES). Loose by design: a wrong row or column (an
@@ -83,27 +84,36 @@ CASES = (
 @dataclasses.dataclass(frozen=True)
 class Scheme:
     """A weight scheme of real checkpoints: bits, group size (-1: per channel), zero points and
-    the scales' dtype (bfloat16; float16 as GPTQ stores them; float32)."""
+    the scales' dtype (bfloat16; float16 as GPTQ stores them; float32; uint8 E8M0 for MXFP4),
+    and the codes (QuantizedExperts.codes: "int", or "e2m1" for MXFP4)."""
 
     bits: int
     group_size: int
     has_zp: bool
     scale_dtype: str
+    codes: str = "int"
 
     def __str__(self) -> str:
+        if self.codes == "e2m1":
+            return "mxfp4-g32-e8m0-scales"
         zp = "zp" if self.has_zp else "sym"
         return f"int{self.bits}-g{self.group_size}-{zp}-{self.scale_dtype}-scales"
 
 
+# MXFP4 (gpt-oss's experts): E2M1 codes, one E8M0 scale per 32 inputs, no zero points.
+MXFP4 = Scheme(4, 32, False, "uint8", codes="e2m1")
 # Every scheme: groups of 32 (Kimi-K2's), 64, 128 and per channel, with and without zero
-# points, scales in bfloat16, float16 and float32, int4 and int8.
+# points, scales in bfloat16, float16 and float32, int4 and int8; and MXFP4.
 SCHEMES = tuple(
     Scheme(bits, group, has_zp, scale_dtype)
     for bits in (4, 8)
     for group in (32, 64, 128, -1)
     for has_zp in (True, False)
     for scale_dtype in ("bfloat16", "float16", "float32")
-)
+) + (MXFP4,)
+# The spread of random MXFP4 weights in the scheme checks: their E8M0 scales then span 2^-4 to
+# 2^4 (bytes 123 to 131), both sides of 1 (byte 127).
+MXFP4_STD = 18.0
 # The schemes' problem: bf16 activations (every backend's), H and I multiples of every group.
 SCHEME_PROBLEM = dict(T=5, E=4, k=2, H=128, I=128)
 
@@ -123,13 +133,26 @@ class SchemeCases:
             metafunc.parametrize("scheme", schemes, ids=[str(s) for s in schemes])
 
     def supports_scheme(self, scheme: Scheme) -> bool:
-        return scheme.bits in self.BITS and scheme.has_zp in self.ZERO_POINTS
+        """The backend's bits and zero points, and codes it decodes (its Backend.codes)."""
+        codes = _dispatch.get_backend(self.IMPLEMENTATION).codes
+        return (
+            scheme.bits in self.BITS and scheme.has_zp in self.ZERO_POINTS
+            and scheme.codes in codes
+        )  # fmt: skip
 
     def prepare(self, w):
         return w
 
     @staticmethod
     def scheme_weights(rng, scheme: Scheme, e: int, n: int, k: int):
+        if scheme.codes == "e2m1":
+            w = wj.random_quantized_experts(rng, (e, n, k), scheme="mxfp4", std=MXFP4_STD)
+            codes = helpers.numpy_unpack_k(w.qweight, 4)
+            scales = np.asarray(w.scales)
+            # Every E2M1 code, and scales both above and below 1 (E8M0 byte 127).
+            assert set(np.unique(codes)) == set(range(16)), np.unique(codes)
+            assert scales.min() < 127 < scales.max(), (scales.min(), scales.max())
+            return w
         return helpers.random_quantized_experts(
             rng, e, n, k, scheme.bits, scheme.group_size, scheme.has_zp,
             jnp.dtype(scheme.scale_dtype),
@@ -183,7 +206,7 @@ class SchemeCases:
         rows = np.asarray(a, np.float64)[np.arange(t * top_k) // top_k]
         ref = np.einsum("sk,snk->sn", rows, helpers.numpy_dequantize(w)[ids.reshape(-1)])
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
-        ref = gate / (1 + np.exp(-gate)) * up * np.asarray(rw, np.float64)[:, None]
+        ref = 0.5 * gate * (1 + np.tanh(gate / 2)) * up * np.asarray(rw, np.float64)[:, None]
         assert out.shape == ref.shape and out.dtype == jnp.float32
         self.assert_scheme_close(out, ref, f"{scheme} grouped_matmul vs float64")
 

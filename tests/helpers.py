@@ -229,19 +229,33 @@ def numpy_unpack_zeros(zeros, bits: int) -> np.ndarray:
     return out
 
 
+# The OCP MX E2M1 values, written out from the spec's table (code = sign, exponent, mantissa).
+NUMPY_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def numpy_e8m0(x) -> np.ndarray:
+    """float64 2^(x - 127) of E8M0 bytes (NaN for 255)."""
+    x = np.asarray(x).astype(np.int64)
+    return np.where(x == 255, np.nan, np.exp2(x - 127.0))
+
+
 def numpy_dequantize(qw: QuantizedExperts) -> np.ndarray:
     """float64 [E, N, K]: w = (q - z) * scale[e, n, k // G], with z = 8 / 128 without zeros, K
-    in the activations' order (stored input j is input qw.perm[e, j])."""
+    in the activations' order (stored input j is input qw.perm[e, j]); MXFP4 (codes "e2m1"):
+    w = e2m1(q) * 2^(X - 127)."""
     bits = qw.bits
     q = numpy_unpack_k(qw.qweight, bits)  # [E, N, K]
     e, n, k = q.shape
     g = k if qw.group_size == -1 else qw.group_size
-    s = np.asarray(qw.scales, np.float64)  # [E, N, K//G]
-    if qw.zeros is None:
-        z = np.full(s.shape, 1 << (bits - 1), np.int64)
+    if qw.codes == "e2m1":
+        w = NUMPY_E2M1[q] * np.repeat(numpy_e8m0(qw.scales), g, axis=-1)  # [E, N, K]
     else:
-        z = numpy_unpack_zeros(qw.zeros, bits)
-    w = ((q - np.repeat(z, g, axis=-1)) * np.repeat(s, g, axis=-1)).reshape(e, n, k)
+        s = np.asarray(qw.scales, np.float64)  # [E, N, K//G]
+        if qw.zeros is None:
+            z = np.full(s.shape, 1 << (bits - 1), np.int64)
+        else:
+            z = numpy_unpack_zeros(qw.zeros, bits)
+        w = ((q - np.repeat(z, g, axis=-1)) * np.repeat(s, g, axis=-1)).reshape(e, n, k)
     if qw.perm is None:
         return w
     out = np.empty_like(w)
@@ -267,7 +281,7 @@ def with_random_perm(rng: np.random.Generator, qw: QuantizedExperts) -> Quantize
 
 
 def _silu(v: np.ndarray) -> np.ndarray:
-    return v / (1.0 + np.exp(-v))
+    return 0.5 * v * (1.0 + np.tanh(0.5 * v))  # v * sigmoid(v), without exp overflow
 
 
 def numpy_fused_moe(

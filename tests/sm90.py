@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 
-from pallas_kernels.mosaic_gpu.wna16_gemm import SM90_SHARED_MEMORY_BYTES
+from pallas_kernels.mgpu.wna16_gemm import SM90_SHARED_MEMORY_BYTES
 
 # cudaDevAttrMaxSharedMemoryPerBlockOptin of the H100/H200: 227 KiB.
 H200_SHARED_MEMORY_BYTES = SM90_SHARED_MEMORY_BYTES

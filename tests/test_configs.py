@@ -15,12 +15,12 @@ import jax
 import pytest
 
 import wna16_jax as wj
-from pallas_kernels.jax_triton import config as triton_config
-from pallas_kernels.mosaic_gpu import MgpuConfig
-from pallas_kernels.mosaic_gpu import config as mgpu_config
-from pallas_kernels.mosaic_gpu import grouped_matmul as mgpu_gemm
-from pallas_kernels.triton import fused_moe as pallas_moe
-from pallas_kernels.triton import w8a8_gemm
+from pallas_kernels.mgpu import MgpuConfig
+from pallas_kernels.mgpu import config as mgpu_config
+from pallas_kernels.mgpu import grouped_matmul as mgpu_gemm
+from pallas_kernels.pallas import fused_moe as pallas_moe
+from pallas_kernels.pallas import w8a8_gemm
+from pallas_kernels.triton import config as triton_config
 from wna16_jax import BlockConfig, _configs
 from wna16_jax._configs import ConfigRules, GemmShape
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
-from pallas_kernels.triton import fused_moe as pallas_moe
+from pallas_kernels.pallas import fused_moe as pallas_moe
 from wna16_jax import _backend_order, _dispatch
 from wna16_jax import _configs as wj_configs
 

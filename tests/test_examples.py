@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
-from pallas_kernels.mosaic_gpu import config as mgpu_config
+from pallas_kernels.mgpu import config as mgpu_config
 from wna16_jax._configs import GemmShape
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -607,7 +607,7 @@ def test_tune_mgpu_gemm_linear(tmp_path, monkeypatch):
     its winner checked against 'xla' and written under the problem the GEMM's lookup builds
     (GemmShape.table_problem, one expert) at M = its rows. Today's config is reported 1000 s
     slower here, so that the entry is written whatever the interpreter's timings."""
-    from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
+    from pallas_kernels.mgpu.grouped_matmul import linear_config
 
     tune = _load("tune")
     n, k, activation = tune.benchmark_linear.TINY_SHAPES["tiny_gated"]

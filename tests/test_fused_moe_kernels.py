@@ -1,4 +1,4 @@
-"""Tests of the MoE layer from the Pallas-Triton kernels (pallas_kernels.triton.fused_moe).
+"""Tests of the MoE layer from the Pallas-Triton kernels (pallas_kernels.pallas.fused_moe).
 
 The checks every backend passes (tests/backend_cases.py: against the 'xla' reference on the same
 quantized weights and the float64 numpy layer) run twice: interpreted (the Pallas interpreter,
@@ -26,8 +26,8 @@ import pytest
 from backend_cases import ELEMENT_SLACK, FusedMoeCases
 
 import wna16_jax as wj
-from pallas_kernels.triton import fused_moe as pallas_moe
-from pallas_kernels.triton import wna16_gemm as gemm_module
+from pallas_kernels.pallas import fused_moe as pallas_moe
+from pallas_kernels.pallas import wna16_gemm as gemm_module
 from wna16_jax._types import BlockConfig
 
 # Compiled on a GPU, the Pallas interpreter elsewhere (the special paths below).

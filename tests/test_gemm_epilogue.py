@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels.triton import _dequant
-from pallas_kernels.triton._common import slice_major, slice_major_columns
-from pallas_kernels.triton.wna16_gemm import scales_per_group, wna16_gemm
+from pallas_kernels.pallas import _dequant
+from pallas_kernels.pallas._common import slice_major, slice_major_columns
+from pallas_kernels.pallas.wna16_gemm import scales_per_group, wna16_gemm
 from wna16_jax import _activations, _reference
 from wna16_jax._types import BlockConfig
 

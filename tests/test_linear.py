@@ -171,8 +171,8 @@ def weights_multiplied(implementation, w, kw, rows) -> np.ndarray:
     (f32 sums per group, or per-channel sums scaled at the end)."""
     if implementation != MGPU:
         return helpers.bf16_rounded(helpers.numpy_dequantize(w))
-    from pallas_kernels.mosaic_gpu.config import gemm_plan
-    from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
+    from pallas_kernels.mgpu.config import gemm_plan
+    from pallas_kernels.mgpu.grouped_matmul import linear_config
 
     cfg = linear_config(GemmShape.of_weights(kw, m=rows))
     blocks = -(-rows // cfg.block_m)
@@ -185,8 +185,8 @@ def test_linear_splits(monkeypatch):
     """A decode linear (8-row blocks) splits K for 4 programs per SM of 132, counting a gated
     weight's programs as it runs them unsplit (one per gate and up tile pair), each split
     keeping 4 k-steps of 256; larger blocks leave it to the layer's rule (None)."""
-    from pallas_kernels.mosaic_gpu import config as mgpu_config
-    from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
+    from pallas_kernels.mgpu import config as mgpu_config
+    from pallas_kernels.mgpu.grouped_matmul import linear_config
 
     monkeypatch.setattr(mgpu_config, "_num_sms", lambda: 132)
 
@@ -212,8 +212,8 @@ def test_linear_splits(monkeypatch):
 def test_mgpu_linear_configs():
     """The heuristic narrows a program's features until they tile N (576 = 9 x 64), and keeps
     more k-steps in flight for a decode row's long K."""
-    from pallas_kernels.mosaic_gpu.config import default_config, tile_n
-    from pallas_kernels.mosaic_gpu.grouped_matmul import linear_config
+    from pallas_kernels.mgpu.config import default_config, tile_n
+    from pallas_kernels.mgpu.grouped_matmul import linear_config
 
     for m in (1, 8, 64, 4096):
         shape = GemmShape(m=m, n=576, k=7168, num_experts=1, bits=4, group=128, group_size=128)
@@ -222,7 +222,7 @@ def test_mgpu_linear_configs():
     wide = linear_config(dataclasses.replace(shape, n=7168))
     assert wide.block_m == 128 and wide.consumers == 2
     # Decode rows: a long K keeps 4 k-steps in flight (int4 and int8), a short one the layer's.
-    from pallas_kernels.mosaic_gpu.grouped_matmul import DEEP_PIPELINE_STAGES
+    from pallas_kernels.mgpu.grouped_matmul import DEEP_PIPELINE_STAGES
 
     for bits in (4, 8):
         long_k = dataclasses.replace(shape, m=1, n=7168, k=16384, bits=bits)

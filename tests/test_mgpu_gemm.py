@@ -1,6 +1,6 @@
-"""Tests of the Mosaic GPU int4 / int8 GEMM (pallas_kernels/mosaic_gpu/wna16_gemm.py), the 'mgpu'
-backend's MoE layer built on it (pallas_kernels/mosaic_gpu/fused_moe.py) and its weight layouts
-(pallas_kernels/mosaic_gpu/layout.py, through wna16_jax.layouts).
+"""Tests of the Mosaic GPU int4 / int8 GEMM (pallas_kernels/mgpu/wna16_gemm.py), the 'mgpu'
+backend's MoE layer built on it (pallas_kernels/mgpu/fused_moe.py) and its weight layouts
+(pallas_kernels/mgpu/layout.py, through wna16_jax.layouts).
 
 Outputs are compared with float64 numpy on the dequantized weights of the same packed words
 (helpers.numpy_dequantize), and the layer with helpers.numpy_fused_moe, whose activation is
@@ -32,12 +32,12 @@ from wna16_jax._types import QuantizedExperts
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 import wna16_jax as wj  # noqa: E402
-from pallas_kernels.mosaic_gpu import config as mgpu_config  # noqa: E402
-from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe  # noqa: E402
-from pallas_kernels.mosaic_gpu import layout as mgpu_layout  # noqa: E402
-from pallas_kernels.mosaic_gpu.config import MgpuConfig, default_config  # noqa: E402
-from pallas_kernels.mosaic_gpu.convert import w8a8_input_order  # noqa: E402
-from pallas_kernels.mosaic_gpu.wna16_gemm import (  # noqa: E402
+from pallas_kernels.mgpu import config as mgpu_config  # noqa: E402
+from pallas_kernels.mgpu import fused_moe as mgpu_fused_moe  # noqa: E402
+from pallas_kernels.mgpu import layout as mgpu_layout  # noqa: E402
+from pallas_kernels.mgpu.config import MgpuConfig, default_config  # noqa: E402
+from pallas_kernels.mgpu.convert import w8a8_input_order  # noqa: E402
+from pallas_kernels.mgpu.wna16_gemm import (  # noqa: E402
     check_config,
     mgpu_wna16_gemm,
     output_buffer_rows,

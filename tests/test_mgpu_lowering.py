@@ -83,8 +83,8 @@ def lowered_kernels(case) -> list[str]:
     """The case's two GEMMs as the 'mgpu' layer runs them (its config for the case's slots,
     `layer_config`; as many blocks as the alignment uses at most; GEMM1 gated into the
     activation), lowered for CUDA on shapes alone."""
-    from pallas_kernels.mosaic_gpu import config as mgpu_config
-    from pallas_kernels.mosaic_gpu.fused_moe import block_gemm
+    from pallas_kernels.mgpu import config as mgpu_config
+    from pallas_kernels.mgpu.fused_moe import block_gemm
     from wna16_jax._activations import Int8Rows
 
     e, k, h, i, bits, group, zp, scale_dtype, t, w8a8 = case

@@ -12,7 +12,7 @@ import pytest
 from backend_cases import SchemeCases
 
 from pallas_kernels.common.block_configs import block_configs
-from pallas_kernels.triton import fused_moe as pallas_moe
+from pallas_kernels.pallas import fused_moe as pallas_moe
 from wna16_jax import _configs, _pipeline, _reference, _routing
 from wna16_jax._types import BlockConfig
 

@@ -205,14 +205,12 @@ def test_kernel_name_rule_catches_a_branch_on_a_backend():
 
 def test_layer_rules_catch_forbidden_imports():
     """The rules above reject what they must (so the layer test cannot pass vacuously)."""
-    assert _layer_problem("pallas_kernels.triton.fused_moe", "wna16_jax._reference")
-    assert _layer_problem("pallas_kernels.triton.fused_moe", "pallas_kernels.mosaic_gpu.config")
-    assert _layer_problem("wna16_jax._api", "pallas_kernels.triton.backend")
+    assert _layer_problem("pallas_kernels.pallas.fused_moe", "wna16_jax._reference")
+    assert _layer_problem("pallas_kernels.pallas.fused_moe", "pallas_kernels.mgpu.config")
+    assert _layer_problem("wna16_jax._api", "pallas_kernels.pallas.backend")
     assert _layer_problem("models.deepseek_v3.modeling", "wna16_jax._types")
-    assert _layer_problem("examples.benchmark", "pallas_kernels.triton.wna16_gemm")
-    assert (
-        _layer_problem("pallas_kernels.mosaic_gpu.fused_moe", "pallas_kernels.common.align") is None
-    )
+    assert _layer_problem("examples.benchmark", "pallas_kernels.pallas.wna16_gemm")
+    assert _layer_problem("pallas_kernels.mgpu.fused_moe", "pallas_kernels.common.align") is None
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 

@@ -14,7 +14,7 @@ import pytest
 import sm90
 
 import wna16_jax as wj
-from pallas_kernels.triton import fused_moe as pallas_moe
+from pallas_kernels.pallas import fused_moe as pallas_moe
 
 pytestmark = pytest.mark.skipif(sm90.available() is not None, reason=str(sm90.available()))
 

@@ -1,4 +1,4 @@
-"""Tests of the 'triton' backend (pallas_kernels.jax_triton: Triton kernels through jax_triton).
+"""Tests of the 'triton' backend (pallas_kernels.triton: Triton kernels through jax_triton).
 
 Kernel outputs are compared with `wna16_jax._reference` on the *same* quantized weights (the
 GEMM with `grouped_matmul`, the align with `moe_align_block_size`, the layer with the 'xla'
@@ -36,8 +36,8 @@ import pytest
 from backend_cases import CASES, FusedMoeCases
 
 import wna16_jax as wj
-from pallas_kernels.jax_triton import backend as triton_backend
-from pallas_kernels.mosaic_gpu.wna16_gemm import SM90_SHARED_MEMORY_BYTES
+from pallas_kernels.mgpu.wna16_gemm import SM90_SHARED_MEMORY_BYTES
+from pallas_kernels.triton import backend as triton_backend
 from wna16_jax import _configs, _dispatch, _reference
 from wna16_jax._configs import min_block_k
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
@@ -327,8 +327,8 @@ def _sm90():
 @needs_triton
 @pytest.mark.parametrize("case", COMPILE_GEMMS, ids=[f"gemm{i}" for i in range(len(COMPILE_GEMMS))])
 def test_gemm_compiles_for_sm90(case):
-    from pallas_kernels.jax_triton import _launch
-    from pallas_kernels.jax_triton import wna16_gemm as gemm
+    from pallas_kernels.triton import _launch
+    from pallas_kernels.triton import wna16_gemm as gemm
 
     *shape, config, routed, poisoned = case
     e, n, k, bits, group_size, zp, dtype, m, top_k = shape
@@ -358,9 +358,9 @@ def test_gemm_compiles_for_sm90(case):
 def test_deepseek_heuristic_configs_compile_for_sm90(m):
     """Both GEMMs of DeepSeek-V3 (TP=1) with the configs the triton pipeline picks untuned."""
     from pallas_kernels.common.block_configs import block_configs
-    from pallas_kernels.jax_triton import _launch
-    from pallas_kernels.jax_triton import wna16_gemm as gemm
-    from pallas_kernels.jax_triton.config import RULES
+    from pallas_kernels.triton import _launch
+    from pallas_kernels.triton import wna16_gemm as gemm
+    from pallas_kernels.triton.config import RULES
 
     w13 = _abstract_gemm(256, 4096, 7168, 4, 128, True, BF16, m, 8, 16, False)[1]
     w2 = _abstract_gemm(256, 7168, 2048, 4, 128, True, BF16, m, 8, 16, False)[1]
@@ -401,7 +401,7 @@ def test_deepseek_heuristic_configs_compile_for_sm90(m):
     ],
 )
 def test_align_compiles_for_sm90(e, t, k, block_m, with_map):
-    from pallas_kernels.jax_triton import _launch, align
+    from pallas_kernels.triton import _launch, align
 
     ids = jax.ShapeDtypeStruct((t, k), jnp.int32)
     emap = jax.ShapeDtypeStruct((e,), jnp.int32) if with_map else None
@@ -418,7 +418,7 @@ def test_align_compiles_for_sm90(e, t, k, block_m, with_map):
 
 def test_launch_signature_checked():
     """A launch whose arrays or constexprs do not match the kernel's parameters is refused."""
-    from pallas_kernels.jax_triton import _launch
+    from pallas_kernels.triton import _launch
 
     class FakeKernel:
         arg_names = ["x_ptr", "out_ptr", "N"]
@@ -461,7 +461,7 @@ def run_gemm_case(
     experts local (blocks of expert -1). split_k == 1 writes into a NaN-poisoned buffer, so a
     placed row the kernel skips fails the finiteness check.
     """
-    from pallas_kernels.jax_triton.wna16_gemm import wna16_gemm
+    from pallas_kernels.triton.wna16_gemm import wna16_gemm
 
     dtype = jnp.dtype(dtype)
     e_local = max(1, E // 4) if ep else E
@@ -602,7 +602,7 @@ def test_gemm_gpu(rng, jax_triton_ready, case):
 @needs_triton
 def test_gemm_default_out_dtype_is_rounded_f32(rng):
     """out_dtype=None gives a.dtype: the same f32 accumulator rounded once (bitwise)."""
-    from pallas_kernels.jax_triton.wna16_gemm import wna16_gemm
+    from pallas_kernels.triton.wna16_gemm import wna16_gemm
 
     qw = helpers.random_quantized_experts(rng, 4, 64, 128, 4, 64, True, BF16)
     a = jnp.asarray(rng.normal(size=(5, 128)), BF16)
@@ -634,7 +634,7 @@ BAD_GEMM_CONFIGS = [
     ids=["bk-over-K", "split-vs-tiles", "slices-minimum", "span-under-16", "fma", "block-m-1"],
 )
 def test_bad_gemm_config_raises(rng, bits, kdim, group, config, message):
-    from pallas_kernels.jax_triton.wna16_gemm import wna16_gemm
+    from pallas_kernels.triton.wna16_gemm import wna16_gemm
 
     qw = helpers.random_quantized_experts(rng, 4, 128, kdim, bits, group, True, BF16)
     a = jnp.asarray(rng.normal(size=(3, kdim)), BF16)
@@ -649,7 +649,7 @@ def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
     """A tuned table's CUDA-core entries (block_m 1, dot="fma": the H200 table's decode
     configs) are the Pallas kernel's: the Triton pipeline reads no table, takes the heuristic
     and stays right (before, it ran them and returned garbage: relative error 1.0)."""
-    from pallas_kernels.jax_triton import fused_moe as triton_moe
+    from pallas_kernels.triton import fused_moe as triton_moe
 
     fma = BlockConfig(block_m=1, block_n=64, block_k=64, split_k=2, dot="fma")
     monkeypatch.setattr(_configs, "lookup_tuned", lambda *args, **kwargs: fma)
@@ -689,7 +689,7 @@ def make_ids(rng, t, k, e, pattern):
 def check_align(rng, t, k, e, block_m, *, with_map, pattern, interpret):
     """The kernel's routing equals the reference's: counts, expert_ids and sentinel positions
     exactly, each expert's run as a set (the order inside a run follows the atomics)."""
-    from pallas_kernels.jax_triton.align import moe_align_block_size
+    from pallas_kernels.triton.align import moe_align_block_size
 
     ids = make_ids(rng, t, k, e, pattern)
     expert_map = quarter_local_map(rng, e) if with_map else None
@@ -760,7 +760,7 @@ class TestTritonInterpreted(FusedMoeCases):
     CASES = CASES[:2]  # Triton's interpreter is slow
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
-        from pallas_kernels.jax_triton import fused_moe as triton_moe
+        from pallas_kernels.triton import fused_moe as triton_moe
 
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, interpret=True, **kwargs)
 
@@ -777,7 +777,7 @@ class TestTritonCompiled(FusedMoeCases):
         pass
 
     def fused_moe_in_chunks(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
-        from pallas_kernels.jax_triton import fused_moe as triton_moe
+        from pallas_kernels.triton import fused_moe as triton_moe
 
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs)
 
@@ -793,8 +793,8 @@ def _with_dropped_ids(ti, e):
 @pytest.fixture
 def triton_interpret_backend(monkeypatch):
     """Registers, for one test, 'triton_interpret': the triton backend run interpreted."""
-    from pallas_kernels.jax_triton import align
-    from pallas_kernels.jax_triton import fused_moe as triton_moe
+    from pallas_kernels.triton import align
+    from pallas_kernels.triton import fused_moe as triton_moe
 
     _dispatch.registered_backends()  # the built-ins first, so teardown keeps them
     backend = _dispatch.Backend(

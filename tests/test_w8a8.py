@@ -33,10 +33,10 @@ from backend_cases import FusedMoeCases, MoeCase
 from jax.experimental import pallas as pl
 
 import wna16_jax as wj
-from pallas_kernels.mosaic_gpu import config as mgpu_config
-from pallas_kernels.mosaic_gpu import fused_moe as mgpu_moe
-from pallas_kernels.triton import fused_moe as pallas_moe
-from pallas_kernels.triton import w8a8_gemm as w8a8_module
+from pallas_kernels.mgpu import config as mgpu_config
+from pallas_kernels.mgpu import fused_moe as mgpu_moe
+from pallas_kernels.pallas import fused_moe as pallas_moe
+from pallas_kernels.pallas import w8a8_gemm as w8a8_module
 from wna16_jax import _activations, _configs, _dispatch, _reference, formats
 from wna16_jax._types import BlockConfig, QuantizedExperts
 

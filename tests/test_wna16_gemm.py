@@ -1,4 +1,4 @@
-"""Tests of the dequant-fused grouped GEMM (pallas_kernels.triton.wna16_gemm) against the reference.
+"""Tests of the dequant-fused grouped GEMM (pallas_kernels.pallas.wna16_gemm) against the reference.
 
 Every kernel output is compared with `wna16_jax._reference.grouped_matmul` on the *same*
 QuantizedExperts: the reference dequantizes exactly (f32) and multiplies at Precision.HIGHEST, so
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.triton import wna16_gemm as gemm_module
-from pallas_kernels.triton.wna16_gemm import check_gemm_config, scales_per_group, wna16_gemm
+from pallas_kernels.pallas import wna16_gemm as gemm_module
+from pallas_kernels.pallas.wna16_gemm import check_gemm_config, scales_per_group, wna16_gemm
 from wna16_jax import _reference
 from wna16_jax._configs import min_block_k
 from wna16_jax._types import BlockConfig, QuantizedExperts

@@ -1,6 +1,7 @@
-"""wna16_jax: int4/int8 weight-only quantized Mixture-of-Experts for JAX."""
+"""wna16_jax: int4/int8/MXFP4 weight-only quantized Mixture-of-Experts for JAX."""
 
 from wna16_jax import formats, layouts, linear, sharding
+from wna16_jax._activations import ClampedSwiGLU
 from wna16_jax._api import (
     fused_moe,
     gemm_config,
@@ -28,6 +29,7 @@ __all__ = [
     "AlignedRouting",
     "Backend",
     "BlockConfig",
+    "ClampedSwiGLU",
     "MgpuConfig",
     "QuantizedExperts",
     "backend_layout",
@@ -52,7 +54,7 @@ __all__ = [
 
 def __getattr__(name: str):
     """A registered backend's config class by its name (wj.MgpuConfig: the 'mgpu' backend's,
-    defined in its folder, pallas_kernels/mosaic_gpu/), looked up when first used so that
+    defined in its folder, pallas_kernels/mgpu/), looked up when first used so that
     importing wna16_jax imports no kernels."""
     from wna16_jax import _dispatch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -15,13 +16,63 @@ def silu_and_mul(h):
     return jax.nn.silu(h[..., :i]) * h[..., i:]
 
 
-ACTIVATIONS = {"silu": silu_and_mul}
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gated activation (OpenAI's `swiglu`; transformers' GptOssExperts), frozen and
+    hashable: [.., 2I] -> [.., I] with gate = first half, up = second half (the library's
+    [gate; up] rows; `formats.mxfp4.deinterleave_gate_up` converts the checkpoint's
+    interleaved rows once, at load):
+
+        gate = min(gate, limit);  up = clip(up, -limit, limit)
+        out = (up + 1) * gate * sigmoid(alpha * gate)
+
+    Its name "swiglu_oai" as fused_moe's `activation` means ClampedSwiGLU() (alpha 1.702,
+    limit 7.0, gpt-oss's values).
+    """
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        for f in ("alpha", "limit"):
+            v = getattr(self, f)
+            try:
+                fv = float(v)  # numpy scalars become hashable Python floats
+            except (TypeError, ValueError):
+                raise ValueError(f"ClampedSwiGLU.{f}={v!r} must be a float") from None
+            if not (np.isfinite(fv) and fv > 0):
+                raise ValueError(f"ClampedSwiGLU.{f}={v!r} must be positive and finite")
+            object.__setattr__(self, f, fv)
+
+    def __call__(self, h):
+        i = h.shape[-1] // 2
+        gate = jnp.minimum(h[..., :i], self.limit)
+        up = jnp.clip(h[..., i:], -self.limit, self.limit)
+        return (up + 1) * gate * jax.nn.sigmoid(self.alpha * gate)
 
 
-def activate(h, activation: str, dtype=None):
-    """ACTIVATIONS[activation] of GEMM1's sums h [R, 2I], computed in f32 -> [R, I] in dtype
-    (None: left in f32)."""
-    act = ACTIVATIONS[activation](h.astype(jnp.float32))
+ACTIVATIONS = {"silu": silu_and_mul, "swiglu_oai": ClampedSwiGLU()}
+
+
+def normalize_activation(activation):
+    """fused_moe's `activation` as the backends see it: "silu", or a ClampedSwiGLU (its name
+    "swiglu_oai" gives the defaults). Returns None for anything else."""
+    if isinstance(activation, ClampedSwiGLU):
+        return activation
+    if isinstance(activation, str) and activation in ACTIVATIONS:
+        return ACTIVATIONS[activation] if activation != "silu" else activation
+    return None
+
+
+def activation_fn(activation):
+    """The function of a normalized activation ("silu" or a ClampedSwiGLU)."""
+    return ACTIVATIONS[activation] if isinstance(activation, str) else activation
+
+
+def activate(h, activation, dtype=None):
+    """The activation ("silu", "swiglu_oai" or a ClampedSwiGLU) of GEMM1's sums h [R, 2I],
+    computed in f32 -> [R, I] in dtype (None: left in f32)."""
+    act = activation_fn(activation)(h.astype(jnp.float32))
     return act if dtype is None else act.astype(dtype)
 
 
@@ -33,9 +84,9 @@ def weighted_rows(rows, routed_weights, dtype):
     return rows.astype(dtype)
 
 
-def activate_then_weight(h, activation: str, routed_weights, dtype):
-    """A grouped GEMM's activation applied after it: ACTIVATIONS[activation] of the f32 sums
-    h [R, 2I], then each row's routed weight (`weighted_rows`) -> [R, I] in dtype."""
+def activate_then_weight(h, activation, routed_weights, dtype):
+    """A grouped GEMM's activation applied after it: `activate` of the f32 sums h [R, 2I],
+    then each row's routed weight (`weighted_rows`) -> [R, I] in dtype."""
     return weighted_rows(activate(h, activation), routed_weights, dtype)
 
 

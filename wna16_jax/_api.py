@@ -32,6 +32,7 @@ from wna16_jax._types import (
     QuantizedExperts,
 )
 
+ClampedSwiGLU = _activations.ClampedSwiGLU
 ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -92,15 +93,29 @@ def normalize_activation_quant(activation_quant) -> ActivationQuant | None:
     return activation_quant
 
 
-def _check_activation(activation) -> None:
-    if activation not in _activations.ACTIVATIONS:
+def _check_activation(activation):
+    """The activation as the backends see it (`_activations.normalize_activation`)."""
+    normalized = _activations.normalize_activation(activation)
+    if normalized is None:
         raise ValueError(
             f"activation={activation!r} is not supported (supported: "
-            f"{sorted(_activations.ACTIVATIONS)})"
+            f"{sorted(_activations.ACTIVATIONS)} or a wj.ClampedSwiGLU)"
         )
+    return normalized
 
 
-def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, activation):
+def _check_bias(name: str, bias, want: tuple[int, int]) -> None:
+    """A per-expert bias: float [E, N] (`want`)."""
+    check_array(name, bias)
+    if _shape(bias) != want:
+        raise ValueError(f"{name} must be [E, N] = {list(want)}, got shape {_shape(bias)}")
+    if bias.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"{name} dtype must be bfloat16, float16 or float32, got {bias.dtype}")
+
+
+def validate_fused_moe_inputs(
+    x, w13, w2, topk_weights, topk_ids, expert_map, activation, *, w13_bias=None, w2_bias=None
+):
     """Raises ValueError naming the values for any malformed fused_moe input (TypeError for a
     non-array); returns expert_map checked against the local expert count (`check_expert_map`)."""
     check_array("x", x)
@@ -148,16 +163,33 @@ def validate_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, ac
                 f"expert_map has {expert_map.shape[0]} entries, fewer than the {e} local experts"
             )
     _check_activation(activation)
+    if w13_bias is not None:
+        _check_bias("w13_bias", w13_bias, (e, two_i))
+    if w2_bias is not None:
+        _check_bias("w2_bias", w2_bias, (e, h))
     _check_elements("x", x)
     return expert_map
 
 
-def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant):
+def _moe_problem(
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    expert_map,
+    activation,
+    activation_quant,
+    w13_bias=None,
+    w2_bias=None,
+):
     """Validates the inputs; returns (MoEProblem, normalized activation_quant, checked
     expert_map)."""
     expert_map = validate_fused_moe_inputs(
-        x, w13, w2, topk_weights, topk_ids, expert_map, activation
-    )
+        x, w13, w2, topk_weights, topk_ids, expert_map, activation,
+        w13_bias=w13_bias, w2_bias=w2_bias,
+    )  # fmt: skip
+    activation = _check_activation(activation)
     activation_quant = normalize_activation_quant(activation_quant)
     t, h = _shape(x)
     e, two_i, _ = w13.shape
@@ -182,6 +214,9 @@ def _moe_problem(x, w13, w2, topk_weights, topk_ids, expert_map, activation, act
         activation_quant=None if activation_quant is None else activation_quant.scheme,
         layout=w13.layout,
         act_order=w13.has_perm,
+        codes=w13.codes,
+        w2_codes=w2.codes,
+        has_bias=w13_bias is not None or w2_bias is not None,
     )
     return problem, activation_quant, expert_map
 
@@ -197,16 +232,20 @@ def fused_moe(
     topk_ids,
     *,
     expert_map=None,
-    activation: str = "silu",
+    activation: str | ClampedSwiGLU = "silu",
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | object | None = None,
     activation_quant: str | ActivationQuant | None = None,
     out_dtype=None,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """A whole MoE layer with weight-only quantized experts (docs/design.md, steps 1-5).
 
     out[t] = sum_j topk_weights[t, j] * w2[e] @ act(w13[e] @ x[t]),  e = topk_ids[t, j],
-    where act splits its input into gate (rows 0..I-1) and up (rows I..2I-1).
+    where act splits its input into gate (rows 0..I-1) and up (rows I..2I-1). With biases
+    (gpt-oss): out[t] = sum_j topk_weights[t, j] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) +
+    b2[e]), the bias added to each expert's output before its routing weight multiplies it.
 
     With activation_quant (W8A8) both GEMM inputs (x, and act's output) are quantized to
     symmetric int8 with one scale per row (per token, or the given static scales), the GEMMs
@@ -227,7 +266,8 @@ def fused_moe(
             a ValueError for a concrete map; a traced one is checked only under
             `jax.experimental.checkify.checkify` (no host sync inside jit), else its slots are
             dropped.
-        activation: "silu".
+        activation: "silu" (silu(gate) * up), "swiglu_oai" (gpt-oss's clamped SwiGLU with its
+            defaults) or a wj.ClampedSwiGLU(alpha=, limit=).
         implementation: None (automatic), a backend name ("xla", "pallas",
             "pallas_interpret", "mgpu", "triton", ...: `registered_backends()`), or names
             tried in order.
@@ -239,6 +279,11 @@ def fused_moe(
         out_dtype: the output dtype, default x.dtype. Every backend sums the top-k slots in
             f32 and rounds once to it; float32 keeps partial layers exact for a later sum
             (the sharded layer adds its shards' partials in f32 this way).
+        w13_bias: optional [E, 2I] float (bf16, f16 or f32) per-expert bias of GEMM1, rows in
+            w13's [gate; up] order, added to GEMM1's f32 sums before the activation.
+        w2_bias: optional [E, H] float per-expert bias of GEMM2, added to each expert's output
+            row before its routing weight multiplies it. A backend without biases says so
+            and is skipped.
 
     Returns:
         [T, H] in out_dtype.
@@ -249,8 +294,9 @@ def fused_moe(
         NotImplementedError: no requested backend can run the problem (reasons listed).
     """
     problem, activation_quant, expert_map = _moe_problem(
-        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
-    )
+        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant,
+        w13_bias, w2_bias,
+    )  # fmt: skip
     if out_dtype is not None and jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise ValueError(
             f"out_dtype={out_dtype!r} must be one of {[d.name for d in _OUT_DTYPES]} (or None)"
@@ -261,6 +307,10 @@ def fused_moe(
     extra = {} if activation_quant is None else {"activation_quant": activation_quant}
     if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(x.dtype):
         extra["out_dtype"] = jnp.dtype(out_dtype)
+    # Only calls with biases pass them: a backend without biases needs no such args.
+    for name, bias in (("w13_bias", w13_bias), ("w2_bias", w2_bias)):
+        if bias is not None:
+            extra[name] = inference_only(bias)
     return backend.fused_moe(
         inference_only(x),
         w13,
@@ -268,7 +318,7 @@ def fused_moe(
         inference_only(topk_weights),
         ids_as_int32(topk_ids, problem.num_global_experts),
         expert_map=expert_map,
-        activation=activation,
+        activation=problem.activation,
         config=config,
         **extra,
     )
@@ -285,6 +335,8 @@ def select_implementation(
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
     activation_quant=None,
+    w13_bias=None,
+    w2_bias=None,
 ) -> str:
     """The name of the backend `fused_moe` would use for these arguments (nothing runs).
 
@@ -294,8 +346,9 @@ def select_implementation(
         The errors `fused_moe` raises before running anything.
     """
     problem, _, _ = _moe_problem(
-        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant
-    )
+        x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant,
+        w13_bias, w2_bias,
+    )  # fmt: skip
     return _dispatch.select_backend(problem, implementation).name
 
 
@@ -458,7 +511,7 @@ def grouped_matmul(
             f"routed_weights must be [R * top_k] = [{num_slots}], got {_shape(routed_weights)}"
         )
     if activation is not None:
-        _check_activation(activation)
+        activation = _check_activation(activation)
         if w.n % 2:
             raise ValueError(f"activation needs w's rows as [gate; up]: N={w.n} is odd")
     _check_elements("a", a)
@@ -519,6 +572,8 @@ def preferred_layout(
     ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
     problem, _, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
+    if w13.is_mxfp4 or w2.is_mxfp4:  # the kernel layouts hold integer codes
+        return "canonical"
     for layout, name in _dispatch.preferred_layouts():
         bits = KERNEL_LAYOUT_BITS[layout]
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width

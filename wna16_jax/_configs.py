@@ -32,7 +32,8 @@ class GemmShape:
     bits: int
     group: int  # effective group size along K
     group_size: int  # as stored (-1 = per channel)
-    scale_bytes: int = 2  # bytes of a scale: 2 (bfloat16, float16) or 4 (float32)
+    scale_bytes: int = 2  # bytes of a scale: 2 (bfloat16, float16), 4 (float32), 1 (E8M0)
+    codes: str = "int"  # QuantizedExperts.codes: "int" or "e2m1" (MXFP4)
 
     @classmethod
     def of_weights(cls, qw, m: int = 0) -> GemmShape:
@@ -41,6 +42,7 @@ class GemmShape:
         return cls(
             m=m, n=n, k=k, num_experts=e, bits=qw.bits, group=qw.group,
             group_size=qw.group_size, scale_bytes=jnp.dtype(qw.scales.dtype).itemsize,
+            codes=qw.codes,
         )  # fmt: skip
 
     def table_problem(self) -> dict:

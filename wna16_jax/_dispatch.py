@@ -14,7 +14,7 @@ import jax
 
 from wna16_jax import _activations, _backend_order, _configs, _reference
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig, QuantizedExperts
+from wna16_jax._types import CODES, KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -49,6 +49,13 @@ class MoEProblem:
     # w13 has an input permutation (GPTQ act-order, QuantizedExperts.perm): the pipeline
     # (_pipeline.moe_chunk) applies it; a backend that does not run the pipeline refuses it.
     act_order: bool = False
+    # QuantizedExperts.codes of w13 and w2 ("int", or "e2m1": MXFP4); selection refuses codes a
+    # backend does not decode (Backend.codes) before asking unsupported_reason.
+    codes: str = "int"
+    w2_codes: str = "int"
+    # Per-expert biases (fused_moe's w13_bias / w2_bias); refused by backends without
+    # Backend.biases.
+    has_bias: bool = False
 
     @property
     def gemm_input_dtype(self) -> str:
@@ -157,6 +164,10 @@ class Backend:
             reachable as wna16_jax.<class name>.
         layout_conversion: the conversions of its kernel layouts (those of `layouts` other than
             "canonical" that it defines), or None where it defines none.
+        codes: the QuantizedExperts.codes its kernels decode ("int"; "e2m1": MXFP4); selection
+            refuses other weights (codes_reason) for fused_moe and the grouped GEMM.
+        biases: whether its fused_moe takes w13_bias and w2_bias (keywords, passed only when
+            given); selection refuses problems with biases otherwise.
     """
 
     name: str
@@ -169,6 +180,8 @@ class Backend:
     preferred_layouts: tuple[str, ...] = ()
     config_type: type = BlockConfig
     layout_conversion: LayoutConversion | None = None
+    codes: tuple[str, ...] = ("int",)
+    biases: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -185,9 +198,9 @@ DEFAULT_PRIORITY: tuple[str, ...] = ("xla",)
 # registers (imported on the registry's first use; importing the 'triton' backend needs neither
 # triton nor jax_triton).
 BUILTIN_BACKEND_MODULES = (
+    "pallas_kernels.pallas.backend",
+    "pallas_kernels.mgpu.backend",
     "pallas_kernels.triton.backend",
-    "pallas_kernels.mosaic_gpu.backend",
-    "pallas_kernels.jax_triton.backend",
 )
 
 
@@ -258,6 +271,11 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     if layout == "canonical":
         return qw
     qw.validate("weights")
+    if qw.is_mxfp4:
+        raise ValueError(
+            f"MXFP4 weights (codes='e2m1') stay in the canonical layout; the {layout!r} layout "
+            f"holds integer codes"
+        )
     _, n, k = qw.shape
     if reason := kernel_layout_reason(layout, bits=qw.bits, n=n, k=k):
         raise ValueError(reason)
@@ -396,6 +414,8 @@ def compiled_and_interpreted(
     preferred_layouts: tuple[str, ...] = (),
     config_type: type = BlockConfig,
     layout_conversion: LayoutConversion | None = None,
+    codes: tuple[str, ...] = ("int",),
+    biases: bool = False,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
     interpreter, any platform), both reading weights in `layouts`. `fused_moe`, `align`
@@ -405,8 +425,8 @@ def compiled_and_interpreted(
     GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
     says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
     gemm_linear (taking `interpret` too) is GroupedMatmul.linear; preferred_layouts are the
-    compiled backend's (an interpreter is never preferred); config_type and layout_conversion
-    are both's."""
+    compiled backend's (an interpreter is never preferred); config_type, layout_conversion,
+    codes and biases are both's."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -441,6 +461,8 @@ def compiled_and_interpreted(
             preferred_layouts=preferred_layouts,
             config_type=config_type,
             layout_conversion=layout_conversion,
+            codes=codes,
+            biases=biases,
         ),
         Backend(
             name=f"{name}_interpret",
@@ -452,6 +474,8 @@ def compiled_and_interpreted(
             grouped_matmul=grouped(True),
             config_type=config_type,
             layout_conversion=layout_conversion,
+            codes=codes,
+            biases=biases,
         ),
     )
 
@@ -474,9 +498,30 @@ def backend_reason(
         return "has no grouped GEMM that takes an AlignedRouting"
     if reason := layout_reason(backend, problem):
         return reason
+    if reason := codes_reason(backend, problem):
+        return reason
     if isinstance(problem, GemmProblem):
         return backend.grouped_matmul.unsupported_reason(problem)
     return backend.unsupported_reason(problem)
+
+
+# What each QuantizedExperts.codes value is called in a reason.
+CODE_NAMES = {"int": "integer (int4 / int8)", "e2m1": "MXFP4 (E2M1 codes, E8M0 scales)"}
+
+
+def codes_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | None:
+    """Why `backend` cannot decode `problem`'s weights or add its biases (None when it can)."""
+    if isinstance(problem, GemmProblem):
+        weights = (("w", problem.shape.codes),)
+    else:
+        weights = (("w13", problem.codes), ("w2", problem.w2_codes))
+    for name, codes in weights:
+        if codes not in backend.codes:
+            what = name if len(weights) > 1 else "the"
+            return f"{what} weights are {CODE_NAMES.get(codes, codes)}, which it does not decode"
+    if isinstance(problem, MoEProblem) and problem.has_bias and not backend.biases:
+        return "takes no per-expert biases (w13_bias, w2_bias)"
+    return None
 
 
 def select_backend(
@@ -536,7 +581,7 @@ def select_backend(
 
 def _xla_unsupported_reason(problem: MoEProblem) -> str | None:
     # Every weight scheme, with or without int8 activations (any weights: W8A8, W4A8, ...).
-    if problem.activation not in _activations.ACTIVATIONS:
+    if _activations.normalize_activation(problem.activation) is None:
         return f"activation {problem.activation!r} is not one of {sorted(_activations.ACTIVATIONS)}"
     return None
 
@@ -553,6 +598,8 @@ def _xla_fused_moe(
     config,
     activation_quant=None,
     out_dtype=None,
+    w13_bias=None,
+    w2_bias=None,
 ):
     return _reference.fused_moe(
         x,
@@ -565,6 +612,8 @@ def _xla_fused_moe(
         activation_quant=activation_quant,
         block_m=getattr(config, "block_m", None) or 16,  # a backend's own config may have none
         out_dtype=out_dtype,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
 
 
@@ -597,6 +646,8 @@ XLA_BACKEND = Backend(
         config=_xla_gemm_config,
         run=_xla_grouped_matmul,
     ),
+    codes=CODES,
+    biases=True,
 )
 
 _builtins_loaded = False

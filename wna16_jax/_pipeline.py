@@ -56,8 +56,12 @@ class MoeStages:
     gemm1(a1, w13, routed, plan) -> [R, I]: the activation of GEMM1's products (fused in
         GEMM1 where the backend can), one row per slot or per block row; f32 when a1 is
         Int8Rows (it is quantized again for GEMM2), else in the backend's GEMM2 input dtype.
+        Called with the keyword bias ([E, 2I], added to the f32 sums before the activation)
+        when the layer has w13_bias (only backends with Backend.biases get such calls).
     gemm2(act, w2, routed, plan, routed_weights) -> f32 [R', H]: GEMM2's rows; routed_weights
-        (f32 [T*k]) is given where `routed_weights` is "gemm2" (None otherwise).
+        (f32 [T*k]) is given where `routed_weights` is "gemm2" (None otherwise). Called with
+        the keyword bias ([E, H], added to each row before its routed weight) when the layer
+        has w2_bias.
     routed_weights: where each slot's routed weight is applied: "gemm2" (GEMM2 writes a row per
         slot and scales it) or "sum" (GEMM2's rows are in block order: the top-k sum scales the
         rows it gathers).
@@ -122,26 +126,32 @@ def act_order_rows(x, topk_ids, perm, *, num_experts: int, expert_map=None):
     return rows_in_input_order(jnp.repeat(x, topk_ids.shape[1], axis=0), local, perm)
 
 
-def moe_chunk(stages: MoeStages, x, *, w13, w2, topk_weights, topk_ids, expert_map=None):
+def moe_chunk(
+    stages: MoeStages, x, *, w13, w2, topk_weights, topk_ids, expert_map=None, biases=(None, None)
+):
     """One chunk of tokens through `stages`: [t, H] f32, before the output's rounding.
 
     Experts with an input order (w13.perm, act-order) take each slot's row of x in their
     order (`act_order_rows`): the chunk's T*k slots run as tokens of one slot each (the same
-    GEMM rows as before), and their rows are summed over k in f32 after."""
+    GEMM rows as before), and their rows are summed over k in f32 after. biases: (w13_bias,
+    w2_bias), each None or [E, N]."""
     t, k = topk_ids.shape
     distinct = t == 1  # a token's k experts are distinct
     if w13.perm is None:
-        return _slots(stages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct)
+        return _slots(stages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct, biases)
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     rows = act_order_rows(x, topk_ids, w13.perm, num_experts=num_experts, expert_map=expert_map)
     w13 = dataclasses.replace(w13, perm=None)  # applied to the rows
     ids, weights = topk_ids.reshape(-1, 1), topk_weights.reshape(-1, 1)
-    y = _slots(stages, rows, w13, w2, weights, ids, expert_map, distinct)  # [T*k, H] f32
+    y = _slots(stages, rows, w13, w2, weights, ids, expert_map, distinct, biases)  # [T*k, H] f32
     return y.reshape(t, k, -1).sum(axis=1)
 
 
-def _slots(stages: MoeStages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct_experts):
+def _slots(
+    stages: MoeStages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct_experts, biases
+):
     """The stages on x [T, H] and its slots [T, k]: f32 [T, H]."""
+    b13, b2 = ({} if b is None else {"bias": b} for b in biases)
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     plan = stages.plan(t * k, num_experts, w13, w2)
@@ -151,12 +161,12 @@ def _slots(stages: MoeStages, x, w13, w2, topk_weights, topk_ids, expert_map, di
         a, topk_ids, plan, num_experts=num_experts, expert_map=expert_map,
         distinct_experts=distinct_experts,
     )  # fmt: skip
-    act = stages.gemm1(a, w13, routed, plan)  # [R, I]
+    act = stages.gemm1(a, w13, routed, plan, **b13)  # [R, I]
     if quant is not None:
         act = quantize_activations(act, quant, 2)  # int8 rows, a scale per row (per token)
     in_gemm2 = stages.routed_weights == "gemm2"
     weights = topk_weights.reshape(-1).astype(jnp.float32) if in_gemm2 else None
-    y = stages.gemm2(act, w2, routed, plan, weights)  # [R', H] f32
+    y = stages.gemm2(act, w2, routed, plan, weights, **b2)  # [R', H] f32
     return sum_over_top_k(y, routed, None if in_gemm2 else topk_weights)
 
 
@@ -171,6 +181,8 @@ def fused_moe(
     expert_map=None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """The MoE layer (docs/design.md steps 1-5) through a backend's stages, in token chunks.
 
@@ -181,11 +193,15 @@ def fused_moe(
         expert_map: optional int32 [E_global] global -> local (-1 off-shard).
         chunk_tokens: tokens per chunk.
         out_dtype: the output dtype (default x.dtype), rounded once from the f32 sums.
+        w13_bias: optional [E, 2I] per-expert bias of GEMM1 (before the activation).
+        w2_bias: optional [E, H] per-expert bias of GEMM2 (before the routed weights).
 
     Returns:
         [T, H] in out_dtype.
     """
-    run = functools.partial(moe_chunk, stages, w13=w13, w2=w2, expert_map=expert_map)
+    run = functools.partial(
+        moe_chunk, stages, w13=w13, w2=w2, expert_map=expert_map, biases=(w13_bias, w2_bias)
+    )
     return map_token_chunks(
         run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
     )

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from wna16_jax import _pipeline
-from wna16_jax._activations import ACTIVATIONS, Int8Rows
-from wna16_jax._quant import unpack_k, zero_points
-from wna16_jax._routing import local_expert_of, max_padded_len
+from wna16_jax._activations import Int8Rows, activation_fn
+from wna16_jax._quant import E2M1_VALUES, dequantize_mxfp4_codes, e8m0_to_f32, unpack_k, zero_points
+from wna16_jax._routing import local_expert_of, max_padded_len, slot_experts
 from wna16_jax._types import AlignedRouting, QuantizedExperts
 
 
@@ -73,6 +73,8 @@ def moe_align_block_size(
 def _dequantize_one(qw: QuantizedExperts, e):
     """Dequantizes expert `e` (traced index) to f32 [N, K]."""
     q = unpack_k(jax.lax.dynamic_index_in_dim(qw.qweight, e, keepdims=False), qw.bits)
+    if qw.is_mxfp4:
+        return dequantize_mxfp4_codes(q, jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False))
     s = jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False).astype(jnp.float32)
     z = jax.lax.dynamic_index_in_dim(zero_points(qw), e, keepdims=False).astype(jnp.float32)
     n, k = q.shape
@@ -82,8 +84,9 @@ def _dequantize_one(qw: QuantizedExperts, e):
 
 
 def grouped_matmul(
-    a, qw: QuantizedExperts, routing: AlignedRouting, *, top_k: int, routed_weights=None
-):
+    a, qw: QuantizedExperts, routing: AlignedRouting, *, top_k: int, routed_weights=None,
+    bias=None,
+):  # fmt: skip
     """Block-sorted grouped matmul: rows of `a` times dequant(qw[e]).T, in f32.
 
     Args:
@@ -92,6 +95,8 @@ def grouped_matmul(
         routing: AlignedRouting over R * top_k slots (sentinel = R * top_k).
         top_k: slots per row of `a` (1 when `a` already holds one row per slot).
         routed_weights: optional f32 [num_slots] multiplied into each slot's output row.
+        bias: optional [E_local, N] float, expert e's added to its rows (before the routed
+            weights), in f32.
 
     Returns:
         f32 [num_slots, N]: output row per slot (rows of blocks of expert -1 are zero).
@@ -110,6 +115,8 @@ def grouped_matmul(
         e = routing.expert_ids[b]
         w = _dequantize_one(qw, jnp.maximum(e, 0))  # [N, K]
         y = jnp.dot(rows, w.T, precision=jax.lax.Precision.HIGHEST)  # [bm, N]
+        if bias is not None:
+            y = y + bias[jnp.maximum(e, 0)].astype(jnp.float32)
         if routed_weights is not None:
             y = y * routed_weights[jnp.where(valid, slot, 0)][:, None]
         y = jnp.where((e >= 0) & valid[:, None], y, 0.0)
@@ -126,8 +133,12 @@ def grouped_matmul(
 
 def _signed_weights_one(qw: QuantizedExperts, e):
     """Expert `e` (traced) as integer q - z [N, K] (int8 when it fits, else int32) and f32
-    scales [N, G]."""
+    scales [N, G]. MXFP4: 2 * e2m1(q) (integers in [-12, 12]) and 2^(X - 127) / 2."""
     q = unpack_k(jax.lax.dynamic_index_in_dim(qw.qweight, e, keepdims=False), qw.bits)
+    if qw.is_mxfp4:
+        twice = jnp.asarray([2 * v for v in E2M1_VALUES], jnp.int8)[q]  # [N, K]
+        x = jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False)
+        return twice, e8m0_to_f32(x) * jnp.float32(0.5)
     s = jax.lax.dynamic_index_in_dim(qw.scales, e, keepdims=False).astype(jnp.float32)
     z = jax.lax.dynamic_index_in_dim(zero_points(qw), e, keepdims=False).astype(jnp.int32)
     n, k = q.shape
@@ -201,13 +212,22 @@ def grouped_matmul_int8(
 # ---- the layer: the 'xla' backend's MoeStages ---------------------------------------------
 
 
-def _gemm(a, w, routed: _pipeline.Routed, *, top_k: int, routed_weights=None):
-    """A GEMM of the layer in f32; on Int8Rows exact in int32 with the scales applied in f32."""
-    if isinstance(a, Int8Rows):
+def _gemm(a, w, routed: _pipeline.Routed, *, top_k: int, routed_weights=None, bias=None):
+    """A GEMM of the layer in f32; on Int8Rows exact in int32 with the scales applied in f32
+    (a bias, [E, N], added in f32 before the routed weights)."""
+    if isinstance(a, Int8Rows) and bias is None:
         return grouped_matmul_int8(
             a.q, a.scale, w, routed.blocks, top_k=top_k, routed_weights=routed_weights
         )
-    return grouped_matmul(a, w, routed.blocks, top_k=top_k, routed_weights=routed_weights)
+    if isinstance(a, Int8Rows):
+        y = grouped_matmul_int8(a.q, a.scale, w, routed.blocks, top_k=top_k)
+        experts = slot_experts(routed.blocks, y.shape[0])  # each slot's expert's bias
+        b = bias[jnp.maximum(experts, 0)].astype(jnp.float32)
+        y = y + jnp.where(experts[:, None] >= 0, b, 0.0)
+        return y if routed_weights is None else y * routed_weights[:, None]
+    return grouped_matmul(
+        a, w, routed.blocks, top_k=top_k, routed_weights=routed_weights, bias=bias
+    )
 
 
 def _plan(num_slots, num_experts, w13, w2, *, block_m: int) -> int:
@@ -226,16 +246,16 @@ def _route(a, topk_ids, block_m: int, *, num_experts: int, expert_map, distinct_
     )
 
 
-def _gemm1(a, w13, routed, block_m, *, activation: str):
-    h = _gemm(a, w13, routed, top_k=routed.top_k)  # [T*k, 2I] f32
-    return ACTIVATIONS[activation](h)  # [T*k, I] f32: unrounded (the kernels round to x.dtype)
+def _gemm1(a, w13, routed, block_m, *, activation, bias=None):
+    h = _gemm(a, w13, routed, top_k=routed.top_k, bias=bias)  # [T*k, 2I] f32
+    return activation_fn(activation)(h)  # [T*k, I] f32: unrounded (the kernels round to x.dtype)
 
 
-def _gemm2(act, w2, routed, block_m, routed_weights):
-    return _gemm(act, w2, routed, top_k=1, routed_weights=routed_weights)  # [T*k, H] f32
+def _gemm2(act, w2, routed, block_m, routed_weights, bias=None):
+    return _gemm(act, w2, routed, top_k=1, routed_weights=routed_weights, bias=bias)  # [T*k, H]
 
 
-def stages(*, block_m: int = 16, activation: str = "silu", activation_quant=None):
+def stages(*, block_m: int = 16, activation="silu", activation_quant=None):
     """The reference's MoeStages: `moe_align_block_size`, then `grouped_matmul` (or
     `grouped_matmul_int8` on int8 rows) for both GEMMs, the activation in f32 between them."""
     return _pipeline.MoeStages(
@@ -264,6 +284,8 @@ def fused_moe(
     block_m: int = 16,
     chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """Reference MoE layer (docs/design.md steps 1-5) in f32, processed in token chunks.
 
@@ -277,9 +299,11 @@ def fused_moe(
         x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I] (any canonical weights).
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
         expert_map: optional int32 [E_global] global -> local (-1 off-shard).
-        activation: "silu".  activation_quant: None (16-bit activations) or an ActivationQuant
-        with its scales known.  block_m: alignment block.  chunk_tokens: tokens per chunk.
-        out_dtype: the output dtype (default x.dtype).
+        activation: "silu" or a ClampedSwiGLU.  activation_quant: None (16-bit activations) or
+        an ActivationQuant with its scales known.  block_m: alignment block.  chunk_tokens:
+        tokens per chunk.  out_dtype: the output dtype (default x.dtype).
+        w13_bias: optional [E, 2I], added to GEMM1's sums before the activation.
+        w2_bias: optional [E, H], added to GEMM2's rows before the routed weights.
 
     Returns:
         [T, H] in out_dtype.
@@ -294,4 +318,6 @@ def fused_moe(
         expert_map=expert_map,
         chunk_tokens=chunk_tokens,
         out_dtype=out_dtype,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )

@@ -12,6 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_BITS = (4, 8)
+# QuantizedExperts.codes values: "int" (unsigned integer codes q with a zero point, w = (q - z) *
+# scale) and "e2m1" (MXFP4: OCP Microscaling FP4 codes, w = e2m1(q) * 2^(scale - 127)).
+CODES = ("int", "e2m1")
+# The one MXFP4 scheme: 4-bit E2M1 codes, one E8M0 scale per 32 inputs, no zero points.
+MXFP4_GROUP = 32
+# E8M0 scale bytes: 2^(byte - E8M0_BIAS); the byte 0xFF is NaN.
+E8M0_BIAS = 127
 # docs/design.md's 2^31 rule: Pallas' Triton lowering indexes in int32.
 MAX_ARRAY_ELEMENTS = 2**31 - 1
 # BlockConfig.unpack values.
@@ -38,12 +45,19 @@ class QuantizedExperts:
     Attributes (layout "canonical"):
         qweight: uint32 [E, N, K//8] for int4 (k = 8j+i in bits 4i..4i+3 of word j) or
             uint32 [E, N, K//4] for int8 (k = 4j+i in byte i of word j).
-        scales: [E, N, K//G] float (the activation dtype), G = group size.
+        scales: [E, N, K//G] float (the activation dtype), G = group size; uint8 E8M0 for
+            codes "e2m1".
         zeros: uint8 [E, N//2, K//G] for int4 (even n in the low nibble), uint8 [E, N, K//G]
             for int8, or None for symmetric weights (implicit zero 8 or 128).
         bits: 4 or 8 (static).
         group_size: G, or -1 for one group spanning K (static).
         layout: "canonical" (static).
+        codes: what a stored value means (static). "int" (default): an unsigned integer q,
+            w = (q - z) * scale. "e2m1": MXFP4 (OCP Microscaling FP4): bits=4, group_size=32,
+            zeros=None, qweight packed as for int4 with each nibble an E2M1 code (bit 3 the
+            sign, bits 2..1 the exponent, bit 0 the mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+            their negatives, code 8 being -0), scales uint8 [E, N, K//32] E8M0 bytes X
+            meaning 2^(X - 127) (X = 255 is NaN); w = e2m1(q) * 2^(X - 127).
         perm: int32 [E, K], or None: each expert's input order (GPTQ act-order). The packed
             arrays hold expert e's weight with its inputs in the order perm[e] (each group's
             inputs contiguous), so that its product is x[..., perm[e]] @ W_stored[e].T, and
@@ -62,6 +76,7 @@ class QuantizedExperts:
     group_size: int = 128
     layout: str = "canonical"
     perm: Any = None
+    codes: str = "int"
 
     # --- static shape facts -------------------------------------------------------------
     @property
@@ -108,8 +123,13 @@ class QuantizedExperts:
         return self.perm is not None
 
     @property
+    def is_mxfp4(self) -> bool:
+        """E2M1 codes with E8M0 scales (codes "e2m1")."""
+        return self.codes == "e2m1"
+
+    @property
     def dtype(self):
-        """The scales' (activation) dtype."""
+        """The scales' (activation) dtype; uint8 for MXFP4 (E8M0 bytes)."""
         return self.scales.dtype
 
     def validate(self, name: str = "weights") -> None:
@@ -117,6 +137,10 @@ class QuantizedExperts:
         shapes and dtypes."""
         if self.layout not in LAYOUTS:
             raise ValueError(f"{name}: layout={self.layout!r} is not one of {LAYOUTS}")
+        if self.codes not in CODES:
+            raise ValueError(f"{name}: codes={self.codes!r} is not one of {CODES}")
+        if self.is_mxfp4:
+            self._validate_mxfp4_scheme(name)
         if self.layout in KERNEL_LAYOUT_BITS:
             self._validate_mgpu(name)
         else:
@@ -144,7 +168,9 @@ class QuantizedExperts:
                 f"{name}: scales shape {tuple(self.scales.shape)} != expected {(e, n, g)} "
                 f"(E={e}, N={n}, K={k}, group_size={self.group_size})"
             )
-        if not jnp.issubdtype(self.scales.dtype, jnp.floating):
+        if self.is_mxfp4 and self.scales.dtype != jnp.uint8:
+            raise ValueError(f"{name}: MXFP4 scales must be uint8 E8M0, got {self.scales.dtype}")
+        if not self.is_mxfp4 and not jnp.issubdtype(self.scales.dtype, jnp.floating):
             raise ValueError(f"{name}: scales must be floating point, got {self.scales.dtype}")
         if self.zeros is not None:
             if self.bits == 4 and n % 2:
@@ -164,6 +190,22 @@ class QuantizedExperts:
                     f"{name}: {field} has {int(np.prod(arr.shape))} elements, over the 2^31 "
                     f"limit of int32 kernel indexing; shard the experts (expert parallelism) "
                     f"so each device holds fewer"
+                )
+
+    def _validate_mxfp4_scheme(self, name: str) -> None:
+        """codes "e2m1" is MXFP4 only: 4 bits, groups of 32, no zero points, canonical."""
+        want = dict(bits=4, group_size=MXFP4_GROUP, zeros=None, layout="canonical")
+        have = dict(
+            bits=self.bits,
+            group_size=self.group_size,
+            zeros=None if self.zeros is None else "an array",
+            layout=self.layout,
+        )
+        for field, value in want.items():
+            if have[field] != value:
+                raise ValueError(
+                    f"{name}: codes='e2m1' (MXFP4) needs {field}={value!r}, got "
+                    f"{have[field]!r} (MXFP4 is E2M1 codes with one E8M0 scale per 32 inputs)"
                 )
 
     def _validate_perm(self, name: str) -> None:
@@ -256,6 +298,7 @@ class QuantizedExperts:
             bits=ref.bits,
             group_size=ref.group_size,
             perm=perm,
+            codes=ref.codes,
         )
         out.validate(what)
         return out
@@ -310,7 +353,8 @@ class QuantizedExperts:
 
         Canonical zero points are integers and stay as they are; the mgpu layouts' (8 - z or
         128 - z in the scales' dtype) are small integers, exact in every float dtype, and follow
-        the scales.
+        the scales. MXFP4 weights (E8M0 scale bytes, no activation dtype) are returned as they
+        are.
 
         Raises:
             ValueError: `dtype` is not a floating point dtype.
@@ -318,7 +362,7 @@ class QuantizedExperts:
         dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"astype: scales must be floating point, got dtype {dtype}")
-        if self.scales.dtype == dtype:
+        if self.scales.dtype == dtype or self.is_mxfp4:
             return self
         zeros = self.zeros
         if zeros is not None and self.layout != "canonical":
@@ -336,6 +380,7 @@ class QuantizedExperts:
         """What must match for a concatenation along `axis`."""
         e, n, k = self.shape
         return {
+            "codes": self.codes,
             "bits": self.bits,
             "group_size": self.group_size,
             "has_zeros": self.has_zeros,
@@ -383,13 +428,16 @@ def _same_values(a, b, what: str) -> bool:
 jax.tree_util.register_dataclass(
     QuantizedExperts,
     data_fields=["qweight", "scales", "zeros", "perm"],
-    meta_fields=["bits", "group_size", "layout"],
+    meta_fields=["bits", "group_size", "layout", "codes"],
 )
+
+# The meta fields' values of QuantizedExperts exported before the field existed.
+_META_DEFAULTS = ("canonical", "int")  # layout, codes
 
 
 def _deserialize_auxdata(data: bytes) -> tuple:
     aux = tuple(json.loads(data))
-    return aux if len(aux) == 3 else (*aux, "canonical")  # exported before layouts existed
+    return (*aux, *_META_DEFAULTS[len(aux) - 2 :])  # (bits, group_size, ...) of older exports
 
 
 # So that jax.export can serialize functions taking or returning QuantizedExperts.

@@ -8,7 +8,7 @@ Which layout runs fastest here: wj.preferred_layout(w13, w2, dtype=jnp.bfloat16)
 A kernel layout belongs to the backend whose kernels read it: the backend registers its
 conversions with the registry (wna16_jax._dispatch, Backend.layout_conversion), and the
 functions here find them there. "mgpu_int4" and "mgpu_int8", the Mosaic GPU GEMM's, are
-described beside their conversions (pallas_kernels/mosaic_gpu/layout.py).
+described beside their conversions (pallas_kernels/mgpu/layout.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
-"""The 'pallas' and 'pallas_interpret' backends (the Triton-lowered kernels, weights in the
-canonical layout): fused_moe, moe_align_block_size and the grouped GEMM."""
+"""The 'triton' backend (Triton kernels called through jax_triton): fused_moe,
+moe_align_block_size and the grouped GEMM.
+
+Importing this module imports neither triton nor jax_triton: `unsupported_reason` tries them
+(once) and the kernels are imported on the first call.
+"""
 
 from __future__ import annotations
 
@@ -7,110 +11,137 @@ import functools
 
 import jax.numpy as jnp
 
-from pallas_kernels.common.align import moe_align_block_size
-from pallas_kernels.triton import fused_moe as pallas_moe
-from pallas_kernels.triton.w8a8_gemm import MIN_INT8_DOT_K
-from pallas_kernels.triton.wna16_gemm import wna16_gemm
+from pallas_kernels.triton.config import MAX_EXPERTS, MIN_SPAN, RULES
 from wna16_jax import _activations, _configs
-from wna16_jax._configs import min_block_k
-from wna16_jax._dispatch import (
-    GemmProblem,
-    MoEProblem,
-    compiled_and_interpreted,
-    cuda_gpu_reason,
-)
+from wna16_jax._dispatch import AlignProblem, Backend, GemmProblem, GroupedMatmul, MoEProblem
+from wna16_jax._dispatch import cuda_gpu_reason as _gpu_reason
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _gpu_reason(platform: str) -> str | None:
-    """Why the compiled kernels cannot run on this platform (None when they can)."""
-    return cuda_gpu_reason(
-        platform, " (use 'pallas_interpret' to run the same kernels in the Pallas interpreter)"
+@functools.cache
+def import_reason() -> str | None:
+    """Why triton or jax_triton cannot be imported (None when both can); tried once."""
+    for module in ("triton", "jax_triton"):
+        try:
+            __import__(module)
+        except Exception as err:  # any failure (ImportError, a CUDA-less jaxlib) disables it
+            return (
+                f"{module} is not importable ({type(err).__name__}: {err}); install it with "
+                f"pip install 'wna16_jax[triton]' (jax-triton 0.3.1 for triton 3.6)"
+            )
+    return None
+
+
+def shape_reason(problem: MoEProblem) -> str | None:
+    """Why the kernels cannot run `problem`'s shapes and formats (None when they can)."""
+    if problem.activation_quant is not None:
+        return (
+            f"int8 activations (activation_quant={problem.activation_quant!r}, W8A8) are not "
+            f"supported by this backend"
+        )
+    if problem.dtype not in SUPPORTED_DTYPES:
+        return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
+    if problem.activation not in _activations.ACTIVATIONS:
+        names = sorted(_activations.ACTIVATIONS)
+        return f"activation {problem.activation!r} is not one of {names}"
+    if problem.num_global_experts > MAX_EXPERTS:
+        return f"{problem.num_global_experts} experts, over the align kernel's {MAX_EXPERTS}"
+    for what, n in (("2I", 2 * problem.intermediate), ("H", problem.hidden)):
+        if n % MIN_SPAN:
+            return f"{what}={n} output features are not a multiple of {MIN_SPAN} (block_n)"
+    for what, g in (("w13", problem.w13_group), ("w2", problem.w2_group)):
+        if g % MIN_SPAN:
+            return (
+                f"{what} group size {g} is not a multiple of {MIN_SPAN}: each dot of the "
+                f"kernel contracts whole groups or a k-tile inside one"
+            )
+    return None
+
+
+def unsupported_reason(problem: MoEProblem) -> str | None:
+    return _gpu_reason(problem.platform) or import_reason() or shape_reason(problem)
+
+
+def align_unsupported_reason(problem: AlignProblem) -> str | None:
+    reason = _gpu_reason(problem.platform) or import_reason()
+    if reason is None and problem.num_experts > MAX_EXPERTS:
+        reason = f"{problem.num_experts} experts, over the align kernel's {MAX_EXPERTS}"
+    return reason
+
+
+def _fused_moe(
+    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, out_dtype=None
+):
+    from pallas_kernels.triton import fused_moe as triton_moe
+
+    return triton_moe.fused_moe(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        activation=activation,
+        config=config,
+        out_dtype=out_dtype,
     )
 
 
-def _w8a8_reason(problem: MoEProblem) -> str | None:
-    """Why the W8A8 kernels cannot run `problem` (int8 activations)."""
-    inputs = {"w13": problem.hidden, "w2": problem.intermediate}  # each GEMM's K
-    bad = []
-    for name, bits, group_size, has_zeros in problem.weight_schemes():
-        per_channel = group_size == -1 or group_size == inputs[name]
-        if bits != 8 or not per_channel or has_zeros:
-            zeros = "with zero points" if has_zeros else "symmetric"
-            bad.append(f"{name} is int{bits} group_size={group_size} {zeros}")
-    if bad:
-        return (
-            f"int8 activations ({problem.activation_quant}) need int8 per-channel symmetric "
-            f"weights (bits=8, group_size=-1, zeros=None), but {'; '.join(bad)}"
-        )
-    for what, size in (("H", problem.hidden), ("I", problem.intermediate)):
-        if size % MIN_INT8_DOT_K:
-            return (
-                f"{what}={size} is not a multiple of {MIN_INT8_DOT_K}, the smallest k-tile of "
-                f"an int8 tensor-core dot"
-            )
-    return None
+def _align(topk_ids, *, num_experts, block_m, expert_map):
+    from pallas_kernels.triton import align
 
-
-def _shape_reason(problem: MoEProblem) -> str | None:
-    if problem.dtype not in SUPPORTED_DTYPES:
-        return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
-    if problem.activation != "silu":
-        return f"activation {problem.activation!r} is not supported (only 'silu')"
-    if problem.activation_quant is not None:
-        return _w8a8_reason(problem)
-    lo = min_block_k(problem.bits)
-    for what, size in (("H", problem.hidden), ("I", problem.intermediate)):
-        if size % lo:
-            return (
-                f"{what}={size} is not a multiple of {lo}, the smallest k-tile for "
-                f"int{problem.bits} (each dot contracts at least 16 features per value slice)"
-            )
-    for what, g in (("w13", problem.w13_group), ("w2", problem.w2_group)):
-        if g % lo and lo % g:
-            return f"{what} group size {g} does not tile with the smallest k-tile {lo}"
-    return None
-
-
-def _pallas_reason(problem: MoEProblem) -> str | None:
-    return _gpu_reason(problem.platform) or _shape_reason(problem)
+    return align.moe_align_block_size(
+        topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
+    )
 
 
 def gemm_shape_reason(problem: GemmProblem) -> str | None:
-    """Why the grouped GEMM cannot run `problem` on any platform (None when it can)."""
+    """Why the grouped GEMM cannot run `problem`'s shapes and formats (None when it can)."""
+    shape = problem.shape
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
+    if shape.n % MIN_SPAN:
+        return f"N={shape.n} output features are not a multiple of {MIN_SPAN} (block_n)"
+    if shape.group % MIN_SPAN:
+        return (
+            f"group size {shape.group} is not a multiple of {MIN_SPAN}: each dot of the "
+            f"kernel contracts whole groups or a k-tile inside one"
+        )
     try:  # the heuristic raises, naming the problems, where no config fits the shape
-        pallas_moe.RULES.heuristic(problem.shape)
+        RULES.heuristic(shape)
     except ValueError as err:
         return str(err)
     return None
 
 
-def grouped_matmul(
-    a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None, activation=None,
-    interpret=False,
-):  # fmt: skip
-    """The grouped GEMM (`wna16_gemm`) as `GroupedMatmul.run`: the activation (then the routed
-    weights) in its epilogue where fused_moe fuses it (`fused_moe.fuses_activation`), else
-    applied to the f32 sums after it."""
-    gemm = dict(top_k=top_k, config=config, interpret=interpret)
-    if activation is None or pallas_moe.fuses_activation(config, w, activation):
-        return wna16_gemm(
-            a, w, routing, routed_weights, out_dtype=out_dtype, activation=activation, **gemm
-        )
+def gemm_unsupported_reason(problem: GemmProblem) -> str | None:
+    return _gpu_reason(problem.platform) or import_reason() or gemm_shape_reason(problem)
+
+
+def _grouped_matmul(
+    a, w, routing, routed_weights=None, *, top_k, config, out_dtype=None, activation=None
+):
+    from pallas_kernels.triton.wna16_gemm import wna16_gemm
+
+    gemm = dict(top_k=top_k, config=config)
+    if activation is None:
+        return wna16_gemm(a, w, routing, routed_weights, out_dtype=out_dtype, **gemm)
     out = wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm)
     return _activations.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
 
 
-BACKENDS = compiled_and_interpreted(
-    "pallas",
-    pallas_moe.fused_moe,
-    _pallas_reason,
-    _shape_reason,
-    moe_align_block_size,
-    gemm=grouped_matmul,
-    gemm_config=functools.partial(_configs.resolve, pallas_moe.RULES),
-    gemm_shape_reason=gemm_shape_reason,
+BACKENDS = (
+    Backend(
+        name="triton",
+        unsupported_reason=unsupported_reason,
+        fused_moe=_fused_moe,
+        align_unsupported_reason=align_unsupported_reason,
+        moe_align_block_size=_align,
+        grouped_matmul=GroupedMatmul(
+            unsupported_reason=gemm_unsupported_reason,
+            config=functools.partial(_configs.resolve, RULES),
+            run=_grouped_matmul,
+        ),
+    ),
 )

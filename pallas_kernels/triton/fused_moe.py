@@ -1,208 +1,73 @@
-"""The MoE layer from the Pallas-Triton kernels: the pipeline's stages on the align kernel and the
-WNA16 (or W8A8) grouped GEMM, whose GEMM2 applies the routed weights and writes a row per slot."""
+"""The MoE layer from the Triton kernels: the pipeline's stages on the Triton align kernel and
+WNA16 GEMM, whose GEMM2 applies the routed weights and writes a row per slot."""
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common.align import moe_align_block_size
 from pallas_kernels.common.block_configs import block_configs
-from pallas_kernels.triton import w8a8_gemm as w8a8
+from pallas_kernels.triton.align import moe_align_block_size
+from pallas_kernels.triton.config import RULES
 from pallas_kernels.triton.wna16_gemm import wna16_gemm
-from wna16_jax import _configs, _pipeline
-from wna16_jax._activations import ACTIVATIONS, Int8Rows, activate
-from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
-
-# The Pallas-Triton grouped GEMM's ConfigRules: its BlockConfig validity rules and heuristic,
-# and the "pallas" tuned table (measured on this GEMM).
-RULES = _configs.block_config_rules(table="pallas")
+from wna16_jax import _pipeline
+from wna16_jax._activations import activate
+from wna16_jax._types import BlockConfig, QuantizedExperts
 
 
-def gemm_configs(
-    num_slots: int,
-    w13: QuantizedExperts,
-    w2: QuantizedExperts,
-    config: BlockConfig | None,
-    *,
-    activation_quant: ActivationQuant | None = None,
-) -> tuple[BlockConfig, BlockConfig]:
-    """This backend's configs of GEMM1 and GEMM2 (`block_configs`): the WNA16 GEMM's RULES, or
-    the W8A8 GEMM's (`w8a8_gemm.RULES`) with activation_quant."""
-    if activation_quant is None:
-        return block_configs(num_slots, w13, w2, config, rules=RULES)
-    return block_configs(
-        num_slots, w13, w2, config, rules=w8a8.RULES, name=f"W8A8 ({activation_quant.scheme})",
-        shape_of=w8a8.gemm_shape,
-    )  # fmt: skip
+def _plan(num_slots, num_experts, w13, w2, *, config) -> tuple[BlockConfig, BlockConfig]:
+    return block_configs(num_slots, w13, w2, config, rules=RULES)
 
 
-def fuses_activation(c1: BlockConfig, w13: QuantizedExperts, activation: str) -> bool:
-    """Whether GEMM1 computes the activation in its epilogue (not with split-K partials)."""
-    return c1.split_k == 1 and activation == "silu" and (w13.n // 2) % c1.block_n == 0
-
-
-def act_in_slice_major(c1: BlockConfig, c2: BlockConfig, w13, activation: str) -> bool:
-    """Whether GEMM1's fused epilogue writes the activation in GEMM2's slice_major order."""
-    return fuses_activation(c1, w13, activation) and c2.unpack == "slices"
-
-
-def align(topk_ids, *, num_experts, block_m, expert_map, interpret):
-    """This backend's moe_align_block_size (the Pallas align kernel)."""
-    return moe_align_block_size(
-        topk_ids,
-        num_experts=num_experts,
-        block_m=block_m,
-        expert_map=expert_map,
-        interpret=interpret,
-    )
-
-
-def gemm1_and_activation(x, w13, w2, routing, *, top_k, c1, c2, activation, interpret):
-    """[T, H] -> activation(x @ w13.T) per slot [T*k, I] in x.dtype, and whether its columns
-    are in GEMM2's slice_major order (written so by GEMM1's fused epilogue)."""
-    to_slices = act_in_slice_major(c1, c2, w13, activation)
-    out_slice_major = (c2.block_k, w2.bits) if to_slices else None
-    act = _activation_rows(
-        x, w13, routing, top_k=top_k, c1=c1, activation=activation,
-        out_slice_major=out_slice_major, interpret=interpret,
-    )  # fmt: skip
-    return act, to_slices
-
-
-def _activation_rows(x, w13, routing, *, top_k, c1, activation, out_slice_major, interpret):
-    if fuses_activation(c1, w13, activation):
-        return wna16_gemm(
-            x,
-            w13,
-            routing,
-            top_k=top_k,
-            config=c1,
-            interpret=interpret,
-            activation=activation,
-            out_slice_major=out_slice_major,
-        )
-    # split-K partial sums: the activation runs after the whole sum.
-    h = wna16_gemm(x, w13, routing, top_k=top_k, config=c1, interpret=interpret)  # [T*k, 2I]
-    return activate(h, activation, x.dtype)
-
-
-def gemm2_routed(act, w2, routing, topk_weights, *, c2, act_slice_major, interpret):
-    """[T*k, I] -> f32 [T*k, H], each slot's row times its routed weight."""
-    return wna16_gemm(
-        act,
-        w2,
-        routing,
-        topk_weights.reshape(-1).astype(jnp.float32),
-        top_k=1,
-        config=c2,
-        out_dtype=jnp.float32,
-        interpret=interpret,
-        a_slice_major=act_slice_major,
-    )
-
-
-# ---- the pipeline's stages --------------------------------------------------------------------
-
-
-class Plan(NamedTuple):
-    """A chunk's GEMM configs, and GEMM1's output column order where its fused epilogue writes
-    GEMM2's slice_major order: (GEMM2's block_k, w2's bits), else None."""
-
-    c1: BlockConfig
-    c2: BlockConfig
-    out_slice_major: tuple[int, int] | None = None
-
-
-def _plan(num_slots, num_experts, w13, w2, *, config, activation, activation_quant) -> Plan:
-    c1, c2 = gemm_configs(num_slots, w13, w2, config, activation_quant=activation_quant)
-    if activation_quant is None and act_in_slice_major(c1, c2, w13, activation):
-        return Plan(c1, c2, (c2.block_k, w2.bits))
-    return Plan(c1, c2)
-
-
-def _route(a, topk_ids, plan: Plan, *, num_experts, expert_map, distinct_experts, interpret):
+def _route(a, topk_ids, plan, *, num_experts, expert_map, distinct_experts, interpret):
     return _pipeline.slots_in_blocks(
-        functools.partial(align, interpret=interpret),
+        functools.partial(moe_align_block_size, interpret=interpret),
         a,
         topk_ids,
-        block_m=plan.c1.block_m,
+        block_m=plan[0].block_m,
         num_experts=num_experts,
         expert_map=expert_map,
         distinct_experts=distinct_experts,
     )
 
 
-def _gemm1(a, w13, routed, plan: Plan, *, activation, interpret):
-    """[T, H] -> the activation per slot [T*k, I]: in x.dtype (`gemm1_and_activation`), or in
-    f32 from the W8A8 GEMM's f32 output (not rounded before its second quantization)."""
-    routing, k = routed.blocks, routed.top_k
-    if isinstance(a, Int8Rows):
-        h = w8a8.w8a8_gemm(a.q, a.scale, w13, routing, top_k=k, config=plan.c1, interpret=interpret)
-        return ACTIVATIONS[activation](h)  # [T*k, I] f32
-    return _activation_rows(
-        a, w13, routing, top_k=k, c1=plan.c1, activation=activation,
-        out_slice_major=plan.out_slice_major, interpret=interpret,
-    )  # fmt: skip
+def _gemm1(x, w13, routed, plan, *, activation, interpret):
+    """[T, H] -> the activation per slot [T*k, I], rounded to x.dtype (as the Pallas pipeline
+    and vLLM do)."""
+    h = wna16_gemm(  # [T*k, 2I]
+        x, w13, routed.blocks, top_k=routed.top_k, config=plan[0], interpret=interpret
+    )
+    return activate(h, activation, x.dtype)
 
 
-def _gemm2(act, w2, routed, plan: Plan, routed_weights, *, interpret):
+def _gemm2(act, w2, routed, plan, routed_weights, *, interpret):
     """[T*k, I] -> f32 [T*k, H], each slot's row times its routed weight."""
-    if isinstance(act, Int8Rows):
-        return w8a8.w8a8_gemm(
-            act.q,
-            act.scale,
-            w2,
-            routed.blocks,
-            routed_weights,
-            top_k=1,
-            config=plan.c2,
-            interpret=interpret,
-        )
-    return gemm2_routed(
+    return wna16_gemm(
         act,
         w2,
         routed.blocks,
         routed_weights,
-        c2=plan.c2,
-        act_slice_major=plan.out_slice_major is not None,
+        top_k=1,
+        config=plan[1],
+        out_dtype=jnp.float32,
         interpret=interpret,
     )
 
 
-def stages(
-    *,
-    activation: str = "silu",
-    config: BlockConfig | None = None,
-    activation_quant: ActivationQuant | None = None,
-    interpret: bool = False,
-) -> _pipeline.MoeStages:
-    """This backend's MoeStages: the Pallas align kernel, the WNA16 GEMMs (the W8A8 GEMMs with
-    activation_quant), the routed weights applied by GEMM2."""
+def stages(*, activation: str = "silu", config=None, interpret: bool = False):
+    """This backend's MoeStages: the Triton align kernel and WNA16 GEMMs."""
     return _pipeline.MoeStages(
-        plan=functools.partial(
-            _plan, config=config, activation=activation, activation_quant=activation_quant
-        ),
+        plan=functools.partial(_plan, config=config),
         route=functools.partial(_route, interpret=interpret),
         gemm1=functools.partial(_gemm1, activation=activation, interpret=interpret),
         gemm2=functools.partial(_gemm2, interpret=interpret),
-        activation_quant=activation_quant,
     )
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "activation",
-        "config",
-        "interpret",
-        "chunk_tokens",
-        "activation_quant",
-        "out_dtype",
-    ),
+    jax.jit, static_argnames=("activation", "config", "chunk_tokens", "interpret", "out_dtype")
 )
 def fused_moe(
     x,
@@ -214,40 +79,30 @@ def fused_moe(
     expert_map=None,
     activation: str = "silu",
     config: BlockConfig | None = None,
-    interpret: bool = False,
     chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
-    activation_quant: ActivationQuant | None = None,
+    interpret: bool = False,
     out_dtype=None,
 ):
-    """fused_moe (docs/design.md steps 1-5) from the Pallas kernels; inputs already validated.
+    """fused_moe (docs/design.md steps 1-5) from the Triton kernels; inputs already validated.
 
-    GEMM1's activation is rounded to x.dtype (as vLLM does); GEMM2 writes f32 with the routed
-    weights applied, summed over the k slots in f32. With activation_quant (W8A8; w13 and w2
-    int8 per-channel symmetric): x is quantized to int8 rows, GEMM1 runs int8 x int8 -> int32
-    with the scales in its epilogue (f32 out), silu(gate) * up in f32 is quantized again, and
-    GEMM2 runs the same way with the routed weights.
+    GEMM1's output and the activation are rounded to x.dtype (as the Pallas pipeline and vLLM
+    do); GEMM2 writes f32 with the routed weights applied, summed over the k slots in f32.
 
     Args:
         x: [T, H] bf16/f16/f32.  w13: [E, 2I, H].  w2: [E, H, I].
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
-        expert_map: optional int32 [E_global].  activation: "silu".
-        config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM).
-        interpret: run the kernels under the Pallas interpreter.
+        expert_map: optional int32 [E_global].  activation: a key of _activations.ACTIVATIONS.
+        config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM:
+            `block_configs` under RULES: tensor-core configs only).
         chunk_tokens: tokens per chunk for large T.
-        activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
+        interpret: run the kernels in Triton's interpreter on the host (slow; for tests).
         out_dtype: the output dtype (default x.dtype), rounded once from the f32 sum.
 
     Returns:
         [T, H] in out_dtype.
     """
-    moe = stages(
-        activation=activation,
-        config=config,
-        activation_quant=activation_quant,
-        interpret=interpret,
-    )
     return _pipeline.fused_moe(
-        moe,
+        stages(activation=activation, config=config, interpret=interpret),
         x,
         w13,
         w2,

@@ -1,4 +1,4 @@
-"""Dequant-fused grouped matmul over block-sorted token slots (int4/int8 weights, split-K)."""
+"""Dequant-fused grouped matmul over block-sorted token slots in Triton (int4/int8, split-K)."""
 
 from __future__ import annotations
 
@@ -6,307 +6,333 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl  # noqa: F401  (tests patch wna16_gemm.pl.pallas_call)
-from jax.experimental.pallas import triton as plgpu
+import triton
+import triton.language as tl
 
-from pallas_kernels.triton import _dequant
-from pallas_kernels.triton._common import (
-    grouped_gemm_call,
-    grouped_gemm_program,
-    operand_pairs,
-    slice_activations,
-    slice_major,
-    slice_major_columns,
-    slice_words,
-)
+from pallas_kernels.triton import _launch
+from pallas_kernels.triton.config import MIN_SPAN, check_triton_config
 from wna16_jax import _configs
-from wna16_jax._quant import implicit_zero
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
-def _dot(a, w):
-    """f32 [bm, bn] = a [bm, W] . w [bn, W] (contracting W) on the tensor cores."""
-    return jax.lax.dot_general(
-        a,
-        w,
-        dimension_numbers=(((1,), (1,)), ((), ())),
-        # DEFAULT lowers f32 dots to TF32 on the GPU (measured rel err 2.6e-4); HIGHEST is IEEE.
-        # 16-bit operands are exact products either way.
-        precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None,
-        preferred_element_type=jnp.float32,
-    )
+# The exponent trick: or-ing v into the mantissa of the 16-bit float 2^p gives 2^p + v
+# exactly (an int -> float conversion becomes one logical op).
+# dtype name: (bit pattern of 2^p, 2^p, the widest v in bits that stays exact)
+_HALF_MAGIC = {"bfloat16": (0x4300, 128, 7), "float16": (0x6400, 1024, 10)}
 
 
-def _fma(a, w):
-    """f32 [bm, bn, W] products a[m, j] * w[n, j] on the CUDA cores (summed by the caller)."""
-    return a.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None, :, :]
-
-
-def _product(a, w, dot: str):
-    """f32 [bm, bn] = a [bm, W] . w [bn, W]: tensor cores ("mma") or CUDA-core FMAs ("fma")."""
-    return _dot(a, w) if dot == "mma" else jnp.sum(_fma(a, w), axis=2)
-
-
-def scales_per_group(*, block_k, unpack, dot, bits, group, dtype) -> bool:
-    """Whether the kernel takes its exact fast path: values as 16-bit (offset + v) products,
-    the scale applied to each group's [bm, bn] product; else the general path, which scales
-    each value in f32 and rounds it to `dtype` when a k-tile holds several groups.
-
-    The fast path needs unpack="slices" or "join", values exact in `dtype` (int4, or int8 in
-    fp16) and, for tensor-core dots, at least 16 features per dot (a group's slice, or with
-    "join" the group's part of the tile).
-    """
-    if unpack == "tile" or _dequant.half_magic_offset(bits, dtype) is None:
-        return False
-    if unpack == "join":  # one dot over a group's (part of the tile's) features
-        return min(block_k, group) >= 16
-    return dot == "fma" or min(block_k, group) // (32 // bits) >= 16
-
-
-def _tile_products(
-    a_ref,
-    qw_ref,
-    s_ref,
-    z_ref,
-    e,
-    row,
-    n_idxs,
-    k0,
-    *,
-    bits,
-    block_k,
-    group,
-    has_zeros,
-    unpack,
-    asm,
-    dot,
+@triton.jit
+def _span_product(
+    a_rows,  # [BM, 1] pointers to the activation rows
+    qw_rows,  # [BN, 1] pointers to expert e's packed weight rows (uint32 words)
+    s_rows,  # [BN] pointers to expert e's scale rows
+    z_rows,  # [BN] pointers to expert e's zero-point bytes (unused without zeros)
+    z_shift,  # [BN] int32 bit offset of each row's zero point in its byte (int4)
+    k0,  # first input feature of the span
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SPAN: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    LOAD_ONCE: tl.constexpr,
+    MAGIC: tl.constexpr,
+    OFFSET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for each n_idx."""
-    if scales_per_group(block_k=block_k, unpack=unpack, dot=dot, bits=bits, group=group,
-                        dtype=a_ref.dtype):  # fmt: skip
-        return _half_slices_per_group(
-            a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=block_k,
-            group=group, has_zeros=has_zeros, asm=asm, dot=dot, joined=unpack == "join",
-            offset=_dequant.half_magic_offset(bits, a_ref.dtype),
-        )  # fmt: skip
-    return tuple(
-        _tile_product_general(
-            a_ref,
-            qw_ref,
-            s_ref,
-            z_ref,
-            e,
-            row,
-            n_idx,
-            k0,
-            bits=bits,
-            block_k=block_k,
-            group=group,
-            has_zeros=has_zeros,
-            unpack=unpack,
-            dot=dot,
-        )
-        for n_idx in n_idxs
-    )
+    """f32 [BM, BN] = a[:, k0:k0+SPAN] @ dequant(w[:, k0:k0+SPAN]).T, the span inside one group.
 
-
-def _half_slices_per_group(
-    a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, *, bits, block_k, group, has_zeros, asm,
-    offset, dot, joined,
-):  # fmt: skip
-    """The fast path: values exact in the 16-bit activation dtype, one group at a time.
-
-    The k-tile holds one group, part of one, or several whole groups. For each group in it,
-    each value slice converts to offset + v (two values per instruction with asm) and meets
-    its contiguous activation columns in one dot; the group scale multiplies that product, and
-    the offset and zero point come off through the activations' row sums:
-    s * sum_k a (offset + v) - s * (offset + z) * sum_k a.
-    With dot="fma" the products stay [bm, bn, W] f32 FMAs, scaled per group and reduced over W
-    once per k-tile (a cross-lane reduction costs more than the scaling FMA).
-    joined (unpack="join", a_ref in natural order): the converted slices are joined back into
-    feature order and meet the group's activations in one dot (no sum of per-slice products).
+    The group's scale multiplies the [BM, BN] product; the zero point comes off the product
+    as z * rowsum(a) (or off the integers before the dot when no exponent trick applies).
     """
-    per_word = 32 // bits
-    group_k = min(block_k, group)
-    count = group_k // per_word
-    products = [None] * len(n_idxs)  # mma: [bm, bn]; fma: [bm, bn, W]; scaled, over groups
-    corrections = [None] * len(n_idxs)  # [bm, bn]: s * (offset + z) * rowsum, over groups
-    for part in range(block_k // group_k):
-        words = (part * count, count)
-        if joined:
-            kk = k0 + part * group_k + jnp.arange(group_k, dtype=jnp.int32)
-            slices = [(plgpu.load(a_ref.at[row[:, None], kk[None, :]]), kk)]  # [bm, group_k]
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    offs_k = k0 + tl.arange(0, SPAN)
+    a = tl.load(a_rows + offs_k[None, :])  # [BM, SPAN]
+    if LOAD_ONCE:
+        # Each word once: [BN, SPAN / PER_WORD] words -> [BN, SPAN / PER_WORD, PER_WORD] values
+        # -> [BN, SPAN], value i of word j being feature k0 + PER_WORD * j + i.
+        words = tl.load(qw_rows + (k0 // PER_WORD + tl.arange(0, SPAN // PER_WORD))[None, :])
+        shifts = tl.arange(0, PER_WORD) * BITS
+        v = (words[:, :, None] >> shifts[None, None, :]) & MASK
+        v = tl.reshape(v, [words.shape[0], SPAN])
+    else:
+        # Each word loaded once per value it holds (the repeats hit L1), shifted in place.
+        words = tl.load(qw_rows + (offs_k // PER_WORD)[None, :])  # [BN, SPAN]
+        v = (words >> ((offs_k % PER_WORD) * BITS)[None, :]) & MASK  # [BN, SPAN] uint32
+    g = k0 // GROUP
+    s = tl.load(s_rows + g).to(tl.float32)  # [BN]
+    if HAS_ZEROS:
+        z = (tl.load(z_rows + g).to(tl.int32) >> z_shift) & MASK  # [BN]
+    else:
+        z = tl.full(s.shape, 1 << (BITS - 1), tl.int32)  # the implicit zero 8 / 128
+    if OFFSET > 0:
+        # OFFSET + v exactly in the activation dtype; OFFSET and z come off through rowsum(a).
+        w = (v | MAGIC).to(tl.uint16).to(a.dtype, bitcast=True)  # [BN, SPAN]
+        part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+        rowsum = tl.sum(a.to(tl.float32), axis=1)  # [BM]
+        part = part - rowsum[:, None] * (z + OFFSET).to(tl.float32)[None, :]
+    else:
+        # v - z is an integer of at most 9 bits: exact in bf16, fp16 and f32.
+        w = (v.to(tl.int32) - z[:, None]).to(a.dtype)  # [BN, SPAN]
+        part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+    return part * s[None, :]
+
+
+@triton.jit
+def _gemm_program(
+    ids_ptr,  # [P] int32 sorted slot ids; padding holds NUM_SLOTS
+    eids_ptr,  # [NUM_BLOCKS] int32 expert of each block (-1: off-shard or past the end)
+    ntpp_ptr,  # [1] int32 num_tokens_post_padded
+    a_ptr,  # [R, K] activations (bf16/f16/f32); slot s reads row s // TOP_K
+    qw_ptr,  # [E, N, K // PER_WORD] uint32
+    s_ptr,  # [E, N, K // GROUP] scales
+    z_ptr,  # [E, N // 2, K // GROUP] uint8 (int4, even n low nibble) / [E, N, K // GROUP] (int8)
+    rw_ptr,  # [NUM_SLOTS] f32 routed weights (a 1-element dummy without them)
+    out_ptr,  # [NUM_SLOTS, N]; f32 and zeroed when SPLIT_K > 1
+    NUM_SLOTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPAN: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    LOAD_ONCE: tl.constexpr,
+    MAGIC: tl.constexpr,
+    OFFSET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (pid, split): rows of block m_block, columns n_block * BN.., k-tiles of split.
+
+    Blocks at or past num_tokens_post_padded exit at once; blocks of expert -1 store zeros
+    (split_k == 1); padding slots read activation row 0 and are masked out of every store.
+    """
+    PER_WORD: tl.constexpr = 32 // BITS
+    NUM_N_BLOCKS: tl.constexpr = N // BN
+    NUM_GROUPS: tl.constexpr = K // GROUP
+    TILES: tl.constexpr = K // BK // SPLIT_K
+
+    # Programs walk GROUP_M row blocks for each column block, so neighbours share weight tiles.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    per_group = GROUP_M * NUM_N_BLOCKS
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(NUM_BLOCKS - first_m, GROUP_M)
+    m_block = first_m + (pid % per_group) % rows_in_group
+    n_block = (pid % per_group) // rows_in_group
+
+    if m_block * BM < tl.load(ntpp_ptr):
+        e = tl.load(eids_ptr + m_block)
+        slot = tl.load(ids_ptr + m_block * BM + tl.arange(0, BM))  # [BM]
+        valid = slot < NUM_SLOTS  # padding slots are masked out of every store
+        offs_n = n_block * BN + tl.arange(0, BN)  # [BN]
+        out_ptrs = out_ptr + slot.to(tl.int64)[:, None] * N + offs_n[None, :]
+        if e < 0:
+            # Off-shard expert: exact zeros (a split-K buffer is zero already).
+            if SPLIT_K == 1:
+                zero = tl.zeros([BM, BN], out_ptr.dtype.element_ty)
+                tl.store(out_ptrs, zero, mask=valid[:, None])
         else:
-            slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k, words=words)
-        # The slices summed elementwise first: one cross-lane reduction per group.
-        columns = None
-        for a, _ in slices:
-            columns = a.astype(jnp.float32) if columns is None else columns + a
-        rowsum = jnp.sum(columns, axis=1)  # [bm]
-        g = (k0 + part * group_k) // group
-        for r, n_idx in enumerate(n_idxs):
-            tile = slice_words(qw_ref, e, n_idx, k0, bits=bits, block_k=block_k, words=words)
-            halves = _dequant.half_value_slices(tile, bits=bits, dtype=a_ref.dtype, asm=asm)
-            if joined:
-                halves = [_dequant.join_value_slices(halves)]  # [bn, group_k]
-            acc = None
-            for (a, _), w in zip(slices, halves, strict=True):
-                p = _dot(a, w) if dot == "mma" else _fma(a, w)
-                acc = p if acc is None else acc + p
-            s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
-            z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
-            scaled = acc * (s[None, :] if dot == "mma" else s[None, :, None])
-            zs = _offset_plus_zero(z, offset=offset, has_zeros=has_zeros) * s  # [bn]
-            corr = rowsum[:, None] * zs[None, :]
-            products[r] = scaled if products[r] is None else products[r] + scaled
-            corrections[r] = corr if corrections[r] is None else corrections[r] + corr
-    return tuple(
-        (jnp.sum(p, axis=2) if dot == "fma" else p) - c
-        for p, c in zip(products, corrections, strict=True)
-    )
+            row = tl.where(valid, slot // TOP_K, 0).to(tl.int64)
+            a_rows = a_ptr + row[:, None] * K  # [BM, 1]
+            # 64-bit expert offsets: DeepSeek-V3's w13 qweight alone is 3.76e9 bytes.
+            e64 = e.to(tl.int64)
+            qw_rows = qw_ptr + e64 * (N * (K // PER_WORD)) + offs_n[:, None] * (K // PER_WORD)
+            s_rows = s_ptr + e64 * (N * NUM_GROUPS) + offs_n * NUM_GROUPS  # [BN]
+            if BITS == 4:
+                z_rows = z_ptr + e64 * ((N // 2) * NUM_GROUPS) + (offs_n // 2) * NUM_GROUPS
+                z_shift = (offs_n % 2) * 4
+            else:
+                z_rows = z_ptr + e64 * (N * NUM_GROUPS) + offs_n * NUM_GROUPS
+                z_shift = offs_n * 0
+            acc = tl.zeros([BM, BN], tl.float32)
+            for t in range(TILES):
+                k_tile = (split * TILES + t) * BK
+                for sub in tl.static_range(BK // SPAN):
+                    acc += _span_product(
+                        a_rows,
+                        qw_rows,
+                        s_rows,
+                        z_rows,
+                        z_shift,
+                        k_tile + sub * SPAN,
+                        BITS,
+                        GROUP,
+                        SPAN,
+                        HAS_ZEROS,
+                        LOAD_ONCE,
+                        MAGIC,
+                        OFFSET,
+                        DOT_PRECISION,
+                    )
+            if HAS_RW:
+                rw = tl.load(rw_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0)
+                acc = acc * rw[:, None]
+            if SPLIT_K == 1:
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+            else:
+                tl.atomic_add(out_ptrs, acc, mask=valid[:, None], sem="relaxed")
 
 
-def _offset_plus_zero(z, *, offset: float, has_zeros: bool):
-    """f32 offset + z: [bn] for zero points z (int32 [bn]), a scalar for the implicit int."""
-    return (z.astype(jnp.float32) if has_zeros else jnp.float32(z)) + jnp.float32(offset)
-
-
-def _minus_offset_and_zero(acc, rowsum, z, *, offset: float, has_zeros: bool):
-    """sum_k a * (offset + v) -> sum_k a * (v - z): subtracts (offset + z) * sum_k a.
-
-    acc: f32 [bm, bn]; rowsum: f32 [bm] activation sums; z: int32 [bn] zero points, or the
-    implicit int without them.
-    """
-    zf = _offset_plus_zero(z, offset=offset, has_zeros=has_zeros)
-    return acc - rowsum[:, None] * (zf[None, :] if has_zeros else zf)
-
-
-def _tile_product_general(
-    a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros, unpack,
-    dot,
+@triton.jit
+def _wna16_gemm_kernel(
+    ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr,
+    out_ptr,  # [NUM_SLOTS, N] fresh output
+    NUM_SLOTS: tl.constexpr, TOP_K: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_RW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPAN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    LOAD_ONCE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One n_idx, any mode: exact (v - z) through f32, or several groups per tile."""
-    dtype = a_ref.dtype
-    pairs = operand_pairs(
-        a_ref, qw_ref, e, row, n_idx, k0, bits=bits, block_k=block_k, unpack=unpack
-    )
-    if block_k > group:
-        # Several groups per tile: scale (and shift) each value before the dot.
-        acc = None
-        for a, v, kk in pairs:
-            g_idx = (kk // group)[None, :]  # [1, W]
-            s = plgpu.load(s_ref.at[e, n_idx[:, None], g_idx]).astype(jnp.float32)  # [bn, W]
-            z = _zero_points(z_ref, e, n_idx[:, None], g_idx, bits=bits, has_zeros=has_zeros)
-            part = _product(a, (_dequant.to_f32_minus_zero(v, z) * s).astype(dtype), dot)
-            acc = part if acc is None else acc + part
-        return acc
-
-    # One group per tile: the scale multiplies the [bm, bn] product, not the [bn, bk] tile.
-    g = k0 // group
-    s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
-    z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
-    offset = _dequant.half_magic_offset(bits, dtype)
-    acc = None
-    rowsum = None
-    for a, v, _ in pairs:
-        if offset is None:  # exact (v - z) through f32
-            w = _dequant.to_f32_minus_zero(v, z[:, None] if has_zeros else z).astype(dtype)
-            part = _product(a, w, dot)
-        else:  # offset + v exactly in the 16-bit dtype; the offset and z come off below
-            part = _product(a, _dequant.to_half_plus_offset(v, dtype), dot)
-            rs = jnp.sum(a.astype(jnp.float32), axis=1)  # [bm]
-            rowsum = rs if rowsum is None else rowsum + rs
-        acc = part if acc is None else acc + part
-    if offset is not None:
-        acc = _minus_offset_and_zero(acc, rowsum, z, offset=offset, has_zeros=has_zeros)
-    return acc * s[None, :]
+    _gemm_program(
+        ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, out_ptr,
+        NUM_SLOTS, TOP_K, N, K, NUM_BLOCKS, BITS, GROUP, HAS_ZEROS, HAS_RW, BM, BN, BK, SPAN,
+        SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION,
+    )  # fmt: skip
 
 
-def _zero_points(z_ref, e, n_idx, g, *, bits, has_zeros):
-    """Zero points (int32, broadcast shape of n_idx and g), or the implicit int when absent."""
-    if not has_zeros:
-        return implicit_zero(bits)
-    return _load_zeros(z_ref, e, n_idx, g, bits=bits)
-
-
-def _load_zeros(z_ref, e, n_idx, g, *, bits):
-    """Zero points for rows n_idx, group(s) g as int32 (broadcast shape of n_idx and g)."""
-    if bits == 8:
-        return plgpu.load(z_ref.at[e, n_idx, g]).astype(jnp.int32)
-    # [E, N//2, G] uint8: even n in the low nibble.
-    byte = plgpu.load(z_ref.at[e, n_idx // 2, g]).astype(jnp.int32)
-    return (byte >> ((n_idx % 2) * 4)) & 0xF
-
-
-def _gemm_kernel(
-    ids_ref,  # [max_padded] int32 sorted slot ids
-    eids_ref,  # [num_blocks] int32 expert of each block
-    ntpp_ref,  # [1] int32
-    a_ref,  # [R, K] activations (slice_major order when config.unpack == "slices")
-    qw_ref,  # [E, N, K // per_word] uint32
-    s_ref,  # [E, N, K // G]
-    z_ref,  # zeros or None
-    rw_ref,  # [num_slots] f32 routed weights or None
-    out_ref,  # [num_slots + 1, N_out]; row num_slots is a spare row for padding
-    *,
-    num_slots,
-    top_k,
-    n_out,
-    k,
-    bits,
-    group,
-    has_zeros,
-    config: BlockConfig,
-    gated: bool,
-    out_slice_major,
-    asm: bool,
-):
-    def tile_products(e, row, n_idxs, k0):
-        return _tile_products(
-            a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=config.block_k,
-            group=group, has_zeros=has_zeros, unpack=config.unpack, asm=asm, dot=config.dot,
-        )  # fmt: skip
-
-    out_columns = None
-    if out_slice_major is not None:
-        out_bk, out_bits = out_slice_major
-        out_columns = functools.partial(slice_major_columns, block_k=out_bk, bits=out_bits)
-    grouped_gemm_program(
-        ids_ref,
-        eids_ref,
-        ntpp_ref,
-        rw_ref,
-        out_ref,
-        num_slots=num_slots,
-        top_k=top_k,
-        n=n_out,
-        k=k,
-        config=config,
-        tile_product=tile_products,
-        gate_offset=n_out if gated else None,
-        out_columns=out_columns,
-    )
+@triton.jit
+def _wna16_gemm_into_kernel(
+    ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr,
+    init_ptr,  # [NUM_SLOTS, N] the caller's buffer, aliased to out_ptr (not read)
+    out_ptr,
+    NUM_SLOTS: tl.constexpr, TOP_K: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_RW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPAN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    LOAD_ONCE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    _gemm_program(
+        ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, out_ptr,
+        NUM_SLOTS, TOP_K, N, K, NUM_BLOCKS, BITS, GROUP, HAS_ZEROS, HAS_RW, BM, BN, BK, SPAN,
+        SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION,
+    )  # fmt: skip
 
 
 def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     """Raises ValueError when `config` cannot run a GEMM over `qw` ([E, N, K])."""
-    shape = _configs.GemmShape.of_weights(qw)
-    _configs.check_config(config, shape)
+    _configs.check_config(config, _configs.GemmShape.of_weights(qw))
+    check_triton_config(config)
+    span = min(config.block_k, qw.group)
+    if span < MIN_SPAN:
+        raise ValueError(
+            f"group_size={qw.group_size} with block_k={config.block_k} gives dots over "
+            f"{span} input features; the Triton kernel's dots contract at least {MIN_SPAN} "
+            f"(one group, or one k-tile inside a group)"
+        )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "top_k",
-        "config",
-        "out_dtype",
-        "interpret",
-        "activation",
-        "a_slice_major",
-        "out_slice_major",
-        "asm",
-    ),
-)
+def span_of(config: BlockConfig, qw: QuantizedExperts) -> int:
+    """Input features per dot: the k-tile when it lies inside one group, else one group."""
+    return min(config.block_k, qw.group)
+
+
+def gemm_launch(
+    a,
+    qw: QuantizedExperts,
+    routing: AlignedRouting,
+    routed_weights=None,
+    *,
+    top_k: int,
+    config: BlockConfig,
+    out_dtype=None,
+    out_init=None,
+) -> _launch.Launch:
+    """The kernel launch of `wna16_gemm` (arguments as there; arrays or jax.ShapeDtypeStruct).
+
+    Its single output is [R * top_k, N] of out_dtype (split_k == 1; written into out_init when
+    given) or a zeroed f32 split-K buffer (split_k > 1).
+    """
+    check_gemm_config(config, qw)
+    r, k = a.shape
+    _configs.check_gemm_operands(config, routing, k, qw)
+    e, n, _ = qw.shape
+    dtype = jnp.dtype(a.dtype)
+    if dtype.name not in SUPPORTED_DTYPES:
+        raise ValueError(f"activation dtype {dtype} is not one of {SUPPORTED_DTYPES}")
+    num_slots = r * top_k
+    if routed_weights is not None and tuple(routed_weights.shape) != (num_slots,):
+        raise ValueError(
+            f"routed_weights must be [R * top_k] = [{num_slots}], got {tuple(routed_weights.shape)}"
+        )
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    magic, offset, widest = _HALF_MAGIC.get(dtype.name, (0, 0, 0))
+    if qw.bits > widest:  # no exact exponent trick: subtract the zero point before the dot
+        magic, offset = 0, 0
+    num_blocks = routing.expert_ids.shape[0]
+    zeros = qw.zeros if qw.has_zeros else jnp.zeros((1,), jnp.uint8)
+    if routed_weights is None:
+        rw = jnp.zeros((1,), jnp.float32)
+    else:
+        rw = routed_weights.astype(jnp.float32)
+    split = config.split_k > 1
+    out = jax.ShapeDtypeStruct((num_slots, n), jnp.float32 if split else out_dtype)
+    inputs = (
+        routing.sorted_token_ids,
+        routing.expert_ids,
+        routing.num_tokens_post_padded.reshape(1),
+        a,
+        qw.qweight,
+        qw.scales,
+        zeros,
+        rw,
+    )
+    kernel, aliases = _wna16_gemm_kernel, ()
+    if out_init is not None:
+        if split:
+            raise ValueError("out_init needs split_k == 1 (split-K accumulates into zeros)")
+        if (tuple(out_init.shape), jnp.dtype(out_init.dtype)) != (out.shape, out.dtype):
+            raise ValueError(
+                f"out_init must be {out.dtype} {out.shape}, got {out_init.dtype} "
+                f"{tuple(out_init.shape)}"
+            )
+        inputs += (out_init,)
+        kernel, aliases = _wna16_gemm_into_kernel, ((len(inputs) - 1, 0),)
+    return _launch.Launch(
+        kernel=kernel,
+        inputs=inputs,
+        aliases=aliases,
+        outputs=(out,),
+        grid=(num_blocks * (n // config.block_n), config.split_k),
+        constexprs=dict(
+            NUM_SLOTS=num_slots,
+            TOP_K=top_k,
+            N=n,
+            K=k,
+            NUM_BLOCKS=num_blocks,
+            BITS=qw.bits,
+            GROUP=qw.group,
+            HAS_ZEROS=qw.has_zeros,
+            HAS_RW=routed_weights is not None,
+            BM=config.block_m,
+            BN=config.block_n,
+            BK=config.block_k,
+            SPAN=span_of(config, qw),
+            SPLIT_K=config.split_k,
+            GROUP_M=config.group_m,
+            LOAD_ONCE=config.unpack == "slices",
+            MAGIC=magic,
+            OFFSET=offset,
+            # f32 operands dot in IEEE f32 (TF32 keeps 10 mantissa bits); 16-bit ignore it.
+            DOT_PRECISION="ieee" if dtype == jnp.float32 else "tf32",
+        ),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        zeroed_outputs=(0,) if split else (),
+        name=f"triton_wna16_gemm_int{qw.bits}",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "config", "out_dtype", "interpret"))
 def wna16_gemm(
     a,
     qw: QuantizedExperts,
@@ -316,91 +342,53 @@ def wna16_gemm(
     top_k: int,
     config: BlockConfig,
     out_dtype=None,
+    out_init=None,
     interpret: bool = False,
-    activation: str | None = None,
-    a_slice_major: bool = False,
-    out_slice_major: tuple[int, int] | None = None,
-    asm: bool | None = None,
 ):
-    """Grouped matmul of gathered activation rows with dequantized expert weights.
+    """Grouped matmul of gathered activation rows with dequantized expert weights (Triton).
 
     out[s] = (a[s // top_k] @ dequant(qw[e(s)]).T) * routed_weights[s] for each slot s of the
     routing, where e(s) is the expert of the block holding s (zeros for expert -1).
 
+    Each dot contracts a span of min(block_k, G) input features inside one group: the group's
+    scale multiplies the f32 [bm, bn] product, not each weight. For bf16 with int4 and for fp16
+    the values convert by the exponent trick (2^p + v exactly) and (2^p + z) * rowsum(a) comes
+    off the product; otherwise the integers v - z convert exactly before the dot. f32
+    activations dot in IEEE f32. config.unpack: "slices" loads each packed word once and
+    unpacks it in registers (shift by a [32 // bits] vector, reshape); "tile" loads each word
+    once per value it holds (the repeats hit L1) and shifts in place.
+
     Args:
         a: [R, K] bf16/f16/f32 activations; the routing's slots number R * top_k.
-        qw: QuantizedExperts [E, N, K].
+        qw: QuantizedExperts [E, N, K] (group size a multiple of 16, or -1).
         routing: AlignedRouting with block_m == config.block_m.
         routed_weights: optional f32 [R * top_k] per-slot multipliers.
         top_k: slots per activation row.
-        config: BlockConfig (block_k compatible with the group size; split_k > 1 accumulates
-            partial tiles with atomic adds into a zeroed f32 buffer).
+        config: BlockConfig (the rules of `wna16_jax._configs.check_config`; split_k > 1
+            accumulates partial tiles with atomic adds into a zeroed f32 buffer).
         out_dtype: output dtype (default a.dtype; split-K always accumulates in f32).
-        interpret: run under the Pallas interpreter (any platform).
-        activation: None, or "silu" for GEMM1 of an MoE layer: the weights' first N/2 rows are
-            the gate, the last N/2 the up projection, and the kernel returns
-            silu(gate) * up ([R * top_k, N/2], computed in f32 from the unrounded sums;
-            split_k must be 1).
-        a_slice_major: `a` is already in `_common.slice_major` order for config.block_k (e.g.
-            written so by the previous GEMM); only with unpack="slices".
-        out_slice_major: (block_k, bits) of the GEMM that reads this output: store its columns
-            in that GEMM's slice_major order.
-        asm: convert int4/int8 with PTX (two values per instruction) on the fast path; default:
-            when compiled (never in the interpreter).
+        out_init: optional [R * top_k, N] out_dtype buffer the kernel writes into (split_k == 1
+            only); rows it does not write keep their values (tests pass NaN to see coverage).
+        interpret: run in Triton's interpreter on the host (any platform; slow).
 
     Returns:
-        [R * top_k, N] (N/2 with activation) of out_dtype. Rows of slots that sit in no block
-        (ids the alignment dropped) are not written when split_k == 1 and are zero when
-        split_k > 1: callers mask them (fused_moe does, in its reduction).
+        [R * top_k, N] of out_dtype. Rows of slots that sit in no block (ids the alignment
+        dropped) are not written when split_k == 1 and are zero when split_k > 1: callers mask
+        them (fused_moe does, in its reduction).
+
+    Raises:
+        ValueError: a config that cannot run the shapes, a span under 16 features, mismatched
+            shapes or block_m.
     """
-    check_gemm_config(config, qw)
-    r, k = a.shape
-    _configs.check_gemm_operands(config, routing, k, qw)
-    e, n, _ = qw.shape
-    if activation not in (None, "silu"):
-        raise ValueError(f"activation={activation!r} is not None or 'silu'")
-    gated = activation is not None
-    n_out = n // 2 if gated else n
-    if gated and (n % 2 or n_out % config.block_n or config.split_k != 1):
-        raise ValueError(
-            f"activation={activation!r} needs an even N with N/2 a multiple of block_n and "
-            f"split_k=1; got N={n}, {config}"
-        )
-    if a_slice_major and config.unpack != "slices":
-        raise ValueError(f"a_slice_major=True needs unpack='slices', got {config}")
-    if out_slice_major is not None and n_out % out_slice_major[0]:
-        raise ValueError(f"out_slice_major={out_slice_major} does not tile N_out={n_out}")
-    if asm is None:
-        asm = not interpret
-    if asm and interpret:
-        raise ValueError("asm=True runs only compiled (interpret=False)")
-    if config.unpack == "slices" and not a_slice_major:
-        a = slice_major(a, block_k=config.block_k, bits=qw.bits)
-    num_slots = r * top_k
-    out_dtype = jnp.dtype(out_dtype or a.dtype)
-    kernel = functools.partial(
-        _gemm_kernel,
-        num_slots=num_slots,
+    launch = gemm_launch(
+        a,
+        qw,
+        routing,
+        routed_weights,
         top_k=top_k,
-        n_out=n_out,
-        k=k,
-        bits=qw.bits,
-        group=qw.group,
-        has_zeros=qw.has_zeros,
         config=config,
-        gated=gated,
-        out_slice_major=out_slice_major,
-        asm=asm,
-    )
-    out = grouped_gemm_call(
-        kernel,
-        [a, qw.qweight, qw.scales, qw.zeros, routed_weights],
-        routing=routing,
-        num_slots=num_slots,
-        n=n_out,
         out_dtype=out_dtype,
-        config=config,
-        interpret=interpret,
-        name=f"wna16_gemm_int{qw.bits}",
+        out_init=out_init,
     )
-    return out.astype(out_dtype)
+    (out,) = _launch.run(launch, interpret=interpret)
+    return out.astype(out_dtype or a.dtype)

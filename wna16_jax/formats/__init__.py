@@ -1,5 +1,6 @@
-"""Checkpoint formats (AWQ, GPTQ, compressed-tensors) to and from QuantizedExperts."""
+"""Checkpoint formats (AWQ, GPTQ, compressed-tensors, MXFP4) to and from QuantizedExperts."""
 
+from wna16_jax.formats import mxfp4
 from wna16_jax.formats._common import stack
 from wna16_jax.formats.awq import AWQ_ORDER, from_awq, to_awq
 from wna16_jax.formats.compressed_tensors import (
@@ -30,6 +31,7 @@ __all__ = [
     "from_gptq",
     "from_quantization_config",
     "gptq_act_order_permutation",
+    "mxfp4",
     "stack",
     "static_input_scale",
     "to_awq",

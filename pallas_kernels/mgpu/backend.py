@@ -9,11 +9,11 @@ import functools
 import jax
 
 from pallas_kernels.common.align import moe_align_block_size
-from pallas_kernels.mosaic_gpu import fused_moe as mgpu_fused_moe
-from pallas_kernels.mosaic_gpu import grouped_matmul as mgpu_grouped_matmul
-from pallas_kernels.mosaic_gpu import layout as mgpu_layout
-from pallas_kernels.mosaic_gpu.config import MgpuConfig
-from pallas_kernels.mosaic_gpu.wna16_gemm import group_reason
+from pallas_kernels.mgpu import fused_moe as mgpu_fused_moe
+from pallas_kernels.mgpu import grouped_matmul as mgpu_grouped_matmul
+from pallas_kernels.mgpu import layout as mgpu_layout
+from pallas_kernels.mgpu.config import MgpuConfig
+from pallas_kernels.mgpu.wna16_gemm import group_reason
 from wna16_jax import _configs
 from wna16_jax._dispatch import (
     GemmProblem,

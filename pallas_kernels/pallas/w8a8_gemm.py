@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.triton._common import (
+from pallas_kernels.pallas._common import (
     grouped_gemm_call,
     grouped_gemm_program,
     operand_pairs,

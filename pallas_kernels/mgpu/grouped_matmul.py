@@ -17,7 +17,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mosaic_gpu.config import (
+from pallas_kernels.mgpu.config import (
     MgpuConfig,
     default_config,
     fitted_stages,
@@ -27,13 +27,13 @@ from pallas_kernels.mosaic_gpu.config import (
     linear_splits,
     tile_n,
 )
-from pallas_kernels.mosaic_gpu.fused_moe import (
+from pallas_kernels.mgpu.fused_moe import (
     block_gemm,
     block_positions,
     rows_in_block_order,
     used_blocks,
 )
-from pallas_kernels.mosaic_gpu.wna16_gemm import group_reason, mgpu_wna16_gemm, takes_rows
+from pallas_kernels.mgpu.wna16_gemm import group_reason, mgpu_wna16_gemm, takes_rows
 from wna16_jax import _configs
 from wna16_jax._activations import activate, weighted_rows
 from wna16_jax._configs import GemmShape

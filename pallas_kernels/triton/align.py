@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from pallas_kernels.jax_triton import _launch
-from pallas_kernels.jax_triton.config import MAX_EXPERTS
+from pallas_kernels.triton import _launch
+from pallas_kernels.triton.config import MAX_EXPERTS
 from wna16_jax import _routing
 from wna16_jax._routing import max_padded_len
 from wna16_jax._types import AlignedRouting

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.triton import _dequant
+from pallas_kernels.pallas import _dequant
 from wna16_jax._types import AlignedRouting, BlockConfig
 
 

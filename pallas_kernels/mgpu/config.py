@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic_gpu.wna16_gemm import SMEM_BYTES, TILE, stage_bytes, takes_bf16_weights
+from pallas_kernels.mgpu.wna16_gemm import SMEM_BYTES, TILE, stage_bytes, takes_bf16_weights
 from wna16_jax import _configs
 from wna16_jax._types import MGPU_TILE, BlockConfig, QuantizedExperts
 

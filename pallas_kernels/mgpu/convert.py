@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic_gpu import layout
+from pallas_kernels.mgpu import layout
 from wna16_jax._types import MGPU_TILE
 
 # The mgpu layouts' weight tiles are TILE x TILE; TILE features are one wgmma's M.

@@ -1,7 +1,7 @@
 """The Mosaic GPU GEMM's weight layouts, mgpu_int4 and mgpu_int8 (made once, e.g. at load, and
 lossless), and their conversions, which this backend registers (wna16_jax.layouts).
 
-"mgpu_int4" (pallas_kernels/mosaic_gpu/wna16_gemm.py's operands; int4 only):
+"mgpu_int4" (pallas_kernels/mgpu/wna16_gemm.py's operands; int4 only):
   qweight  int4 [E, N/64, K/64, 64, 64]: the canonical nibbles minus 8 (xor 8), in 64x64
            tiles (features x inputs), the k-tiles of each row of tiles consecutive: a k-step of
            the GEMM reads one contiguous run of memory (copied in TMA rows of 128 bytes, a
@@ -10,7 +10,7 @@ lossless), and their conversions, which this backend registers (wna16_jax.layout
            of the converting warpgroup reads its 32 weights as the 16 bytes at 16 t, and
            nibbles p and p + 4 of its word i are the two bf16 of its register 4 i + p of the
            wgmma A operand (WGMMA_LAYOUT), so one shift and one lop3 make a bf16 pair: no
-           shuffles, no permutes (pallas_kernels/mosaic_gpu/wna16_gemm.py).
+           shuffles, no permutes (pallas_kernels/mgpu/wna16_gemm.py).
   scales   [E, K//G, N]: a group's scales for consecutive features are one TMA row.
   zeros    None, or 8 - z as [E, K//G, N] in the scales' dtype (exact: small integers),
            so that w = (qweight + zeros) * scales is the canonical (q - z) * scale.
@@ -25,7 +25,7 @@ lossless), and their conversions, which this backend registers (wna16_jax.layout
            half), so each pair is made from one word (shifted down by 8 bits for s = 1)
            without shuffles or permutes: two lop3 set its low-7-bit fields and its sign bits
            into the bf16 bits of 128, and one subtraction gives q - 128
-           (pallas_kernels/mosaic_gpu/wna16_gemm.py).
+           (pallas_kernels/mgpu/wna16_gemm.py).
   scales   as mgpu_int4's; per channel (group_size -1) or grouped.
   zeros    None, or 128 - z as [E, K//G, N] in the scales' dtype: w = (qweight + zeros) * scales.
   perm     as in the canonical layout (the input order is not part of the packing).

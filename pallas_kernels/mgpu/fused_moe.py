@@ -21,9 +21,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import gather_rows
 from pallas_kernels.common.align import moe_align_block_size
-from pallas_kernels.mosaic_gpu.config import MgpuConfig, gemm_plan, gemm_rows_in_use, layer_config
-from pallas_kernels.mosaic_gpu.convert import w8a8_input_order
-from pallas_kernels.mosaic_gpu.wna16_gemm import mgpu_wna16_gemm
+from pallas_kernels.mgpu.config import MgpuConfig, gemm_plan, gemm_rows_in_use, layer_config
+from pallas_kernels.mgpu.convert import w8a8_input_order
+from pallas_kernels.mgpu.wna16_gemm import mgpu_wna16_gemm
 from wna16_jax import _pipeline
 from wna16_jax._activations import Int8Rows, activate
 from wna16_jax._routing import local_expert_of

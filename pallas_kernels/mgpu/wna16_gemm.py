@@ -1,5 +1,5 @@
 """The int4 / int8 grouped expert GEMM on Hopper tensor cores through Pallas' Mosaic GPU backend
-(the 'mgpu' backend's GEMM; the layer is pallas_kernels/mosaic_gpu/fused_moe.py).
+(the 'mgpu' backend's GEMM; the layer is pallas_kernels/mgpu/fused_moe.py).
 
 Swap-AB: each program computes out[rows of one block, block_n features] as the transpose of
 W[e][features, :] @ x[rows, :]^T. The dequantized weight tile is the wgmma's A operand, taken
@@ -71,7 +71,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mosaic_gpu.convert import (
+from pallas_kernels.mgpu.convert import (
     CONVERTED_BIAS,
     SYMMETRIC_OFFSET,
     TILE,

@@ -1,0 +1,1 @@
+"""The Pallas-Triton backend: dequant-fused grouped GEMMs (int4/int8, W8A8, split-K)."""
