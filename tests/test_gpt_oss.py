@@ -26,7 +26,7 @@ from models.common import tokenizer as tokenizer_module
 from models.common.checkpoint import Checkpoint
 from models.gpt_oss import GptOssConfig, GptOssForCausalLM, route
 from models.gpt_oss.modeling import window_mask
-from models.gpt_oss.params import interleave_rows, save_pretrained
+from models.gpt_oss.params import save_pretrained
 
 FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "gpt_oss"
 
@@ -67,10 +67,16 @@ def test_the_fixture_is_what_the_checks_need(ref):
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", "mgpu_interpret"])
 def test_logits_and_greedy_tokens_match_transformers(ref, implementation):
+    """The MXFP4 experts on each backend (a kernel that does not decode MXFP4 or add biases
+    skips with the reason its selection gives)."""
     model = models.load_pretrained(
         FIXTURE, dtype=jnp.float32, implementation=implementation, progress=False
     )
-    _assert_logits(model(ref["ids"], ref["attention_mask"]), ref)
+    try:
+        logits = model(ref["ids"], ref["attention_mask"])
+    except NotImplementedError as err:
+        pytest.skip(str(err))
+    _assert_logits(logits, ref)
     steps = ref["greedy"].shape[1] - ref["ids"].shape[1]
     tokens = models.generate(model, _prompts(ref), max_new_tokens=steps, eos_id=())
     np.testing.assert_array_equal(np.asarray(tokens)[:, -steps:], ref["greedy"][:, -steps:])
@@ -163,12 +169,6 @@ def test_a_hub_id_loads_the_model_and_its_tokenizer(ref, monkeypatch):
     tok = models.load_tokenizer("openai/gpt-oss-20b")
     assert tok.decode(tok.encode("The capital of France", add_bos=False)) == "The capital of France"
     assert calls == ["openai/gpt-oss-20b"] * 2
-
-
-def test_interleave_rows_inverts():
-    a = np.arange(2 * 6 * 3).reshape(2, 6, 3)
-    np.testing.assert_array_equal(interleave_rows(a)[:, :3], a[:, 0::2])
-    np.testing.assert_array_equal(interleave_rows(interleave_rows(a), inverse=True), a)
 
 
 def _broken_copy(tmp_path, *, tensors=None, qcfg=None) -> pathlib.Path:

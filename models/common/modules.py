@@ -142,7 +142,8 @@ def normal(rngs: Rng, shape, std: float = 1.0):
 class QuantizedTensor(nnx.Module):
     """The leaves of one `wj.QuantizedExperts` [E, N, K] held as NNX variables.
 
-    `get()` rebuilds the QuantizedExperts (bits, group_size and layout are static attributes),
+    `get()` rebuilds the QuantizedExperts (bits, group_size, layout and codes are static
+    attributes),
     which keeps nnx.split / merge / jit working on plain arrays.
     """
 
@@ -154,6 +155,7 @@ class QuantizedTensor(nnx.Module):
         self.bits = int(qe.bits)
         self.group_size = int(qe.group_size)
         self.layout = str(qe.layout)
+        self.codes = str(qe.codes)  # "int", or "e2m1" (MXFP4)
 
     def get(self) -> wj.QuantizedExperts:
         return wj.QuantizedExperts(
@@ -164,6 +166,7 @@ class QuantizedTensor(nnx.Module):
             group_size=self.group_size,
             layout=self.layout,
             perm=None if self.perm is None else self.perm.get_value(),
+            codes=self.codes,
         )
 
     @property

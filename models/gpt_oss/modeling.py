@@ -159,22 +159,14 @@ class Router(nnx.Module):
         return route(logits + self.bias.get_value().astype(_F32), cfg=self.cfg)
 
 
-def swiglu_clamped(h, *, alpha: float, limit: float):
-    """gpt-oss's expert activation on h f32 [..., 2I] with rows [gate; up]: gate clamped above
-    at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
-    i = h.shape[-1] // 2
-    gate = jnp.minimum(h[..., :i], limit)
-    up = jnp.clip(h[..., i:], -limit, limit)
-    return (up + 1.0) * gate * jax.nn.sigmoid(alpha * gate)
-
-
-def float_moe(x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *, alpha, limit):
+def float_moe(x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *, activation):
     """The routed experts on float weights, each token's k experts gathered (the oracle of
     small models: it reads a [T, k, 2I, H] copy of the weights).
 
     Args:
         x: [T, H].  w13: float [E, 2I, H] (gate rows, then up rows).  w2: float [E, H, I].
         w13_bias: [E, 2I].  w2_bias: [E, H].  topk_weights: f32 [T, k].  topk_ids: int [T, k].
+        activation: the wj.ClampedSwiGLU of the experts (`activation_of`).
 
     Returns:
         [T, H] in x.dtype.
@@ -182,7 +174,7 @@ def float_moe(x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *, alpha, l
     x32 = x.astype(_F32)
     h = jnp.einsum("th,tknh->tkn", x32, w13[topk_ids].astype(_F32), precision=_HIGHEST)
     h = h + w13_bias[topk_ids].astype(_F32)  # [T, k, 2I]
-    act = swiglu_clamped(h, alpha=alpha, limit=limit)
+    act = activation(h)  # [T, k, I]
     y = jnp.einsum("tki,tkhi->tkh", act, w2[topk_ids].astype(_F32), precision=_HIGHEST)
     y = y + w2_bias[topk_ids].astype(_F32)  # [T, k, H]
     return jnp.einsum("tkh,tk->th", y, topk_weights.astype(_F32)).astype(x.dtype)
@@ -197,9 +189,9 @@ def random_experts(cfg: GptOssConfig, rngs: Rng):
     return w13, random_quantized(rngs, (e, h, i), cfg.quant, dtype=cfg.dtype)
 
 
-def activation_of(cfg: GptOssConfig):
-    """fused_moe's activation for the config's clamped swiglu."""
-    raise NotImplementedError("the clamped swiglu of fused_moe is not available yet")
+def activation_of(cfg: GptOssConfig) -> wj.ClampedSwiGLU:
+    """The experts' activation (fused_moe's `activation`): the clamped swiglu of the config."""
+    return wj.ClampedSwiGLU(alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
 
 class Experts(nnx.Module):
@@ -236,7 +228,7 @@ class Experts(nnx.Module):
         if not self.quantized:
             w = self.weights
             return float_moe(x, w.w13.get_value(), w.w2.get_value(), b13, b2, topk_weights,
-                             topk_ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)  # fmt: skip
+                             topk_ids, activation=activation_of(cfg))  # fmt: skip
         m = self.weights
         return wj.fused_moe(
             x,

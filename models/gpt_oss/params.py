@@ -37,6 +37,7 @@ from models.common.modules import module_at, set_module
 from models.common.progress import progress_bar
 from models.gpt_oss.config import GptOssConfig
 from models.gpt_oss.modeling import Experts, GptOssForCausalLM
+from wna16_jax.formats import mxfp4
 
 logger = logging.getLogger("models.gpt_oss")
 
@@ -104,16 +105,6 @@ def weight_table(cfg: GptOssConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
             where = full.replace("_proj.bias", "_bias")
             out.append((full, shape, tuple(int(p) if p.isdigit() else p for p in where.split("."))))
     return out
-
-
-def interleave_rows(a: np.ndarray, *, inverse: bool = False) -> np.ndarray:
-    """Rows (axis 1) interleaved as the checkpoints store gate_up (2j gate j, 2j+1 up j) ->
-    [gate; up]; `inverse` the other way. Blocks, scales and biases alike."""
-    n = a.shape[1]
-    order = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])  # [gate; up] <- rows
-    if inverse:
-        order = np.argsort(order)
-    return np.take(a, order, axis=1)
 
 
 def _not_converted(module: str, patterns) -> str | None:
@@ -233,33 +224,22 @@ class _Reader:
             down = self._mxfp4(f"{pre}.down_proj", h, i)
             if up is None or down is None or b13 is None or b2 is None:
                 return None
-            w13 = from_blocks(*(interleave_rows(a) for a in up), name=f"{pre}.gate_up_proj")
-            w2 = from_blocks(*down, name=f"{pre}.down_proj")
-            if w13 is None or w2 is None:
+            try:
+                w13 = mxfp4.from_blocks(*(mxfp4.deinterleave_gate_up(a) for a in up))
+                w2 = mxfp4.from_blocks(*down)
+            except ValueError as err:
+                self.problems.append(f"{pre}: {err}")
                 return None
         else:
             gate_up = self.float(f"{pre}.gate_up_proj", (e, h, 2 * i))
             down = self.float(f"{pre}.down_proj", (e, i, h))
             if gate_up is None or down is None or b13 is None or b2 is None:
                 return None
-            w13 = interleave_rows(gate_up.transpose(0, 2, 1))
+            w13 = mxfp4.deinterleave_gate_up(gate_up.transpose(0, 2, 1))
             w2 = down.transpose(0, 2, 1)
             if self.quant is not None:
                 w13, w2 = (quantize(w, self.quant, cfg.dtype) for w in (w13, w2))
-        return w13, w2, interleave_rows(b13), b2
-
-
-def from_blocks(blocks: np.ndarray, scales: np.ndarray, *, name: str):
-    """MXFP4 blocks uint8 [E, N, K/32, 16] and scales uint8 [E, N, K/32] -> QuantizedExperts
-    [E, N, K] (wna16_jax.formats.mxfp4)."""
-    return wj.formats.mxfp4.from_blocks(jnp.asarray(blocks), jnp.asarray(scales))
-
-
-def to_blocks(qe) -> tuple[np.ndarray, np.ndarray]:
-    """QuantizedExperts [E, N, K] in MXFP4 -> (blocks uint8 [E, N, K/32, 16], scales uint8
-    [E, N, K/32])."""
-    blocks, scales = wj.formats.mxfp4.to_blocks(qe)
-    return np.asarray(blocks), np.asarray(scales)
+        return w13, w2, mxfp4.deinterleave_gate_up(b13), b2
 
 
 def quantize(w, spec: QuantSpec, dtype):
@@ -365,32 +345,32 @@ def save_pretrained(
     tensors: dict[str, np.ndarray] = {}
     for name, _, where in weight_table(cfg):
         tensors[name] = np.asarray(module_at(model, where).get_value())
-    mxfp4 = False
+    wrote_mxfp4 = False
     for layer in range(cfg.num_hidden_layers):
         pre = f"model.layers.{layer}.{EXPERTS}"
         experts = model.model.layers[layer].mlp.experts
-        tensors[f"{pre}.gate_up_proj_bias"] = interleave_rows(
-            np.asarray(experts.w13_bias.get_value()), inverse=True
+        tensors[f"{pre}.gate_up_proj_bias"] = mxfp4.interleave_gate_up(
+            np.asarray(experts.w13_bias.get_value())
         )
         tensors[f"{pre}.down_proj_bias"] = np.asarray(experts.w2_bias.get_value())
         if experts.quantized:
-            mxfp4 = True
+            wrote_mxfp4 = True
             w13 = experts.weights.canonical_w13()
             w2 = wj.layouts.to_canonical_layout(experts.weights.w2.get())
             for proj, qe, rows in (("gate_up_proj", w13, True), ("down_proj", w2, False)):
-                blocks, scales = to_blocks(qe)
+                blocks, scales = mxfp4.to_blocks(qe)
                 if rows:
-                    blocks, scales = (interleave_rows(a, inverse=True) for a in (blocks, scales))
+                    blocks, scales = map(mxfp4.interleave_gate_up, (blocks, scales))
                 tensors[f"{pre}.{proj}_blocks"], tensors[f"{pre}.{proj}_scales"] = blocks, scales
         else:
             w13 = np.asarray(experts.weights.canonical_w13())
-            tensors[f"{pre}.gate_up_proj"] = interleave_rows(w13, inverse=True).transpose(0, 2, 1)
+            tensors[f"{pre}.gate_up_proj"] = mxfp4.interleave_gate_up(w13).transpose(0, 2, 1)
             tensors[f"{pre}.down_proj"] = np.asarray(experts.weights.w2.get_value()).transpose(
                 0, 2, 1
             )
     config = cfg.to_hf_dict()
     config["torch_dtype"] = cfg.dtype
-    if mxfp4:
+    if wrote_mxfp4:
         config["quantization_config"] = {
             "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT),
             "quant_method": "mxfp4",
