@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 import models
 from models.common import tokenizer as tokenizer_module
 from models.common.checkpoint import Checkpoint
+from models.common.modules import QuantizedLinear, RoutedExperts
 from models.gpt_oss import GptOssConfig, GptOssForCausalLM, route
 from models.gpt_oss.modeling import window_mask
 from models.gpt_oss.params import save_pretrained
@@ -254,3 +255,27 @@ def test_presets_have_the_released_parameter_counts(name, billions):
     """The presets' shapes add up to the released models' parameter counts (OpenAI's model
     card: 20.91B and 116.83B, embedding and head included)."""
     assert round(_param_count(GptOssConfig.preset(name)) / 1e9, 2) == billions
+
+
+# ---- MXFP4 routed experts in another family -------------------------------------------------
+
+
+def test_a_deepseek_v3_model_with_mxfp4_experts_runs_the_same_path():
+    """DeepSeek-V3's shape with MXFP4 routed experts (as DeepSeek-V4 ships them; the rest
+    float): drawn at random, its experts run fused_moe on the E2M1 codes and match the model
+    with the same weights dequantized."""
+    from models.common.config import MXFP4
+    from models.deepseek_v3 import DeepseekV3Config, init_random
+    from models.deepseek_v3.modeling import dequantize_model
+
+    cfg = DeepseekV3Config.tiny(quant=MXFP4)
+    model = init_random(cfg, seed=4, on_device=False, progress=False)
+    experts = [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
+    assert len(experts) == cfg.num_hidden_layers - cfg.first_k_dense_replace
+    assert all(m.w13.get().is_mxfp4 and m.w2.get().is_mxfp4 for m in experts)
+    assert not any(isinstance(m, QuantizedLinear) for _, m in nnx.iter_modules(model))
+    ids = np.random.default_rng(5).integers(3, cfg.vocab_size, (2, 7))
+    got, want = np.asarray(model(ids)), np.asarray(dequantize_model(model)(ids))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    tokens = models.generate(model, ids, max_new_tokens=3, eos_id=())
+    assert np.asarray(tokens).shape == (2, 10)

@@ -177,8 +177,11 @@ class QuantizedTensor(nnx.Module):
 def random_quantized(rngs: Rng, shape, spec: QuantSpec, *, dtype) -> wj.QuantizedExperts:
     """Random weights [E, N, K] in the format `spec` says, drawn in the quantized domain by
     `wna16_jax.random_quantized_experts` (weights ~ 1/sqrt(K); scales exact in float16, so
-    saving and reloading a random model is exact), its scales in spec.scale_dtype or `dtype`."""
+    saving and reloading a random model is exact), its scales in spec.scale_dtype or `dtype`
+    (MXFP4: E2M1 codes with uint8 E8M0 scales)."""
     key = rngs if isinstance(rngs, np.random.Generator) else rngs.params()
+    if spec.scheme is not None:
+        return wj.random_quantized_experts(key, shape, scheme=spec.scheme)
     return wj.random_quantized_experts(
         key,
         shape,

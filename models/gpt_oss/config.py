@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from models.common.checkpoint import read_json
-from models.common.config import range_problems, type_problems
+from models.common.config import MXFP4, QuantSpec, range_problems, type_problems
 
 MODEL_TYPE = "gpt_oss"
 ARCHITECTURE = "GptOssForCausalLM"
@@ -59,7 +59,7 @@ class GptOssConfig:
     YaRN rope (`rope_scaling`, None: plain rope). MoE on every layer: a biased router linear,
     softmax over the top-k logits, experts with biases and the clamped swiglu
     (`swiglu_limit`, `swiglu_alpha`). `dtype` and `quant` are not HF's: the activations' dtype,
-    and how a random model quantizes its experts.
+    and how a random model quantizes its experts (models.common.config.MXFP4 as released).
     """
 
     vocab_size: int = 201088
@@ -85,7 +85,7 @@ class GptOssConfig:
     eos_token_id: tuple[int, ...] = (200002,)
     pad_token_id: int | None = 199999
     dtype: str = "bfloat16"
-    quant: Any = dataclasses.field(default=None, compare=False)
+    quant: QuantSpec | None = dataclasses.field(default=None, compare=False)
     quantization_config: dict | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -258,10 +258,10 @@ class GptOssConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GptOssConfig:
-        """A released size at full width (`PRESETS`)."""
+        """A released size at full width (`PRESETS`), its routed experts MXFP4 as released."""
         if name not in PRESETS:
             raise ValueError(f"preset {name!r} is not one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{"quant": MXFP4, **PRESETS[name], **overrides})
 
 
 # The released sizes' config.json values (the rest are the defaults above).

@@ -243,7 +243,9 @@ class _Reader:
 
 
 def quantize(w, spec: QuantSpec, dtype):
-    """float [E, N, K] -> QuantizedExperts as `spec` says."""
+    """float [E, N, K] -> QuantizedExperts as `spec` says (MXFP4 or integer codes)."""
+    if spec.scheme is not None:
+        return wj.quantize_experts(jnp.asarray(w, jnp.float32), scheme=spec.scheme)
     return wj.quantize_experts(
         jnp.asarray(w),
         bits=spec.bits,
@@ -271,8 +273,8 @@ def load_pretrained(
         revision, cache_dir: for a Hub id.
         dtype: activations and float weights.
         implementation: fused_moe backend of the routed experts (None = automatic).
-        quantize: quantize float experts on load ("int4", "int8" or a QuantSpec); MXFP4 ones
-            stay as stored.
+        quantize: quantize float experts on load ("mxfp4", "int4", "int8" or a QuantSpec);
+            MXFP4 ones stay as stored.
         progress: a tqdm bar over the tensors read, once the load has run PROGRESS_DELAY_S.
 
     Raises:
