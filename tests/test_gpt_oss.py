@@ -192,17 +192,18 @@ def _broken_copy(tmp_path, *, tensors=None, qcfg=None) -> pathlib.Path:
 
 def _bad_checkpoints():
     cfg = GptOssConfig.from_json(FIXTURE / "config.json")
-    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    e, h, g = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size // 32  # down_proj
+    assert g == 2  # the group-of-64 case below holds one such group
     name = "model.layers.1.mlp.experts.down_proj"
     u8 = lambda *s: np.zeros(s, np.uint8)  # noqa: E731
     return {
         "scales of the wrong shape": (
-            dict(tensors={f"{name}_scales": u8(e, h, i // 32 + 1)}),
-            rf"{name}_scales: U8 \[4, 64, 5\], expected uint8 \[4, 64, 4\]",
+            dict(tensors={f"{name}_scales": u8(e, h, g + 1)}),
+            rf"{name}_scales: U8 \[{e}, {h}, {g + 1}\], expected uint8 \[{e}, {h}, {g}\]",
         ),
         "blocks of a group of 64": (
-            dict(tensors={f"{name}_blocks": u8(e, h, i // 64, 32), f"{name}_scales": u8(e, h, 2)}),
-            rf"{name}_blocks: U8 \[4, 64, 2, 32\], expected uint8 \[E, N, K/32, 16\]",
+            dict(tensors={f"{name}_blocks": u8(e, h, g // 2, 32), f"{name}_scales": u8(e, h, 1)}),
+            rf"{name}_blocks: U8 \[{e}, {h}, {g // 2}, 32\], expected uint8 \[E, N, K/32, 16\]",
         ),
         "an unknown quant_method": (
             dict(qcfg={"quant_method": "mxfp8"}),

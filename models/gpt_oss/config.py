@@ -237,7 +237,7 @@ class GptOssConfig:
     def tiny(cls, **overrides) -> GptOssConfig:
         """A four-layer model for tests (f32, a 5-token window)."""
         kw = dict(
-            vocab_size=320,
+            vocab_size=160,
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=4,
@@ -249,8 +249,8 @@ class GptOssConfig:
             sliding_window=5,
             rope_scaling=YarnRope(original_max_position_embeddings=64),
             max_position_embeddings=2048,
-            eos_token_id=(313,),
-            pad_token_id=312,
+            eos_token_id=(153,),
+            pad_token_id=152,
             dtype="float32",
         )
         kw.update(overrides)
