@@ -211,8 +211,10 @@ def _bad_checkpoints():
         ),
         "MXFP4 on a module not converted": (
             dict(qcfg={"modules_to_not_convert": ["model.layers.*.mlp.experts", "lm_head"]}),
-            r"model.layers.0.mlp.experts.down_proj_blocks: MXFP4 on model.layers.0.mlp.experts, "
-            r"which quantization_config.modules_to_not_convert lists",
+            r"model.layers.0.mlp.experts.\{down_proj_blocks, down_proj_scales, "
+            r"gate_up_proj_blocks, gate_up_proj_scales\}: MXFP4 tensors, but quantization_config."
+            r"modules_to_not_convert lists model.layers.0.mlp.experts "
+            r"\('model.layers.\*.mlp.experts'\)",
         ),
     }
 

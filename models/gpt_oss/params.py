@@ -123,10 +123,10 @@ class _Reader:
         self.problems: list[str] = []
         qcfg = cfg.quantization_config
         self.method = quant_method(qcfg)
-        if qcfg is not None and self.method not in QUANT_METHODS:
-            self.problems.append(
-                f"{CONFIG_FILE}: quantization_config.quant_method={self.method!r} is not "
-                f"supported (supported: {list(QUANT_METHODS)})"
+        if qcfg is not None and self.method not in QUANT_METHODS:  # nothing else reads right
+            raise ValueError(
+                f"{os.path.join(ckpt.path, CONFIG_FILE)}: quantization_config.quant_method="
+                f"{self.method!r} is not supported (supported: {list(QUANT_METHODS)})"
             )
         patterns = (qcfg or {}).get("modules_to_not_convert") or ()
         self.not_converted = tuple(patterns) if self.method == "mxfp4" else ()
@@ -134,23 +134,25 @@ class _Reader:
 
     def _check_mxfp4_placement(self) -> None:
         """MXFP4 tensors only where the config says: on the routed experts of an mxfp4
-        checkpoint, never on a module modules_to_not_convert lists."""
+        checkpoint, never on a module modules_to_not_convert lists (one problem a module)."""
+        modules: dict[str, list[str]] = {}
         for name in self.ckpt:
-            if not name.endswith(("_blocks", "_scales")):
-                continue
-            module = name.rpartition(".")[0]
-            if self.method != "mxfp4":
-                self.problems.append(
-                    f"{name}: an MXFP4 tensor in a checkpoint whose quantization_config.quant_"
-                    f"method is {self.method!r}, not 'mxfp4'"
-                )
-            elif pattern := _not_converted(module, self.not_converted):
-                self.problems.append(
-                    f"{name}: MXFP4 on {module}, which quantization_config."
-                    f"modules_to_not_convert lists ({pattern!r})"
-                )
+            if name.endswith(("_blocks", "_scales")):
+                module, _, leaf = name.rpartition(".")
+                modules.setdefault(module, []).append(leaf)
+        self.misplaced = set()
+        for module, leaves in modules.items():
+            tensors = f"{module}.{{{', '.join(sorted(leaves))}}}"
+            if pattern := _not_converted(module, self.not_converted):
+                why = f"quantization_config.modules_to_not_convert lists {module} ({pattern!r})"
+            elif self.method != "mxfp4":
+                why = f"quantization_config.quant_method is {self.method!r}, not 'mxfp4'"
             elif not module.endswith("." + EXPERTS):
-                self.problems.append(f"{name}: MXFP4 tensors are read on {EXPERTS} only")
+                why = f"MXFP4 is read on the routed experts ({EXPERTS}) only"
+            else:
+                continue
+            self.misplaced.add(module)
+            self.problems.append(f"{tensors}: MXFP4 tensors, but {why}")
 
     def float(self, name: str, shape) -> np.ndarray | None:
         if name not in self.ckpt:
@@ -208,16 +210,12 @@ class _Reader:
         b13 = self.float(f"{pre}.gate_up_proj_bias", (e, 2 * i))
         b2 = self.float(f"{pre}.down_proj_bias", (e, h))
         if f"{pre}.gate_up_proj_blocks" in self.ckpt or f"{pre}.gate_up_proj" not in self.ckpt:
+            if pre in self.misplaced:
+                return None  # reported by _check_mxfp4_placement
             if self.method != "mxfp4":
                 self.problems.append(
                     f"{pre}.gate_up_proj: missing (a float checkpoint holds the experts as "
                     f"gate_up_proj [E, H, 2I] and down_proj [E, I, H])"
-                )
-                return None
-            if pattern := _not_converted(pre, self.not_converted):
-                self.problems.append(
-                    f"{pre}: MXFP4 experts, but quantization_config.modules_to_not_convert "
-                    f"lists them ({pattern!r})"
                 )
                 return None
             up = self._mxfp4(f"{pre}.gate_up_proj", 2 * i, h)
