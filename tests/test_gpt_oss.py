@@ -24,8 +24,9 @@ from safetensors.numpy import load_file, save_file
 import models
 from models.common import tokenizer as tokenizer_module
 from models.common.checkpoint import Checkpoint
+from models.common.config import MXFP4
 from models.common.modules import QuantizedLinear, RoutedExperts
-from models.gpt_oss import GptOssConfig, GptOssForCausalLM, route
+from models.gpt_oss import GptOssConfig, GptOssForCausalLM, dequantize_model, init_random, route
 from models.gpt_oss.modeling import window_mask
 from models.gpt_oss.params import save_pretrained
 
@@ -267,7 +268,6 @@ def test_a_deepseek_v3_model_with_mxfp4_experts_runs_the_same_path():
     """DeepSeek-V3's shape with MXFP4 routed experts (as DeepSeek-V4 ships them; the rest
     float): drawn at random, its experts run fused_moe on the E2M1 codes and match the model
     with the same weights dequantized."""
-    from models.common.config import MXFP4
     from models.deepseek_v3 import DeepseekV3Config, init_random
     from models.deepseek_v3.modeling import dequantize_model
 
@@ -282,3 +282,37 @@ def test_a_deepseek_v3_model_with_mxfp4_experts_runs_the_same_path():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     tokens = models.generate(model, ids, max_new_tokens=3, eos_id=())
     assert np.asarray(tokens).shape == (2, 10)
+
+
+def test_the_presets_draw_mxfp4_experts_at_full_width():
+    """gpt-oss-20b's preset (two layers here): MXFP4 routed experts [32, 2 * 2880, 2880] with
+    uint8 scales, everything else float."""
+    cfg = GptOssConfig.preset("gpt-oss-20b", num_hidden_layers=2)
+    model = nnx.eval_shape(lambda: GptOssForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    w13 = model.model.layers[0].mlp.experts.weights.w13
+    assert (w13.shape, w13.codes, w13.group_size) == ((32, 5760, 2880), "e2m1", 32)
+    assert w13.scales.get_value().dtype == jnp.uint8
+    assert not any(isinstance(m, QuantizedLinear) for _, m in nnx.iter_modules(model))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", "mgpu_interpret"])
+def test_mxfp4_experts_match_their_dequantized_twin(implementation):
+    """A random MXFP4 model on each backend against the same weights dequantized (float
+    experts, `float_moe`): fused_moe's biases and clamped swiglu on the E2M1 codes. H and I are
+    multiples of 128 (the kernels' k-tiles); a kernel that does not take MXFP4 or biases skips
+    with its selection's reason."""
+    cfg = GptOssConfig.tiny(hidden_size=128, intermediate_size=256, quant=MXFP4)
+    model = init_random(cfg, seed=6, implementation=implementation)
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 9))
+    want = np.asarray(dequantize_model(model)(ids))
+    if implementation != "xla":
+        layout = model.resolve_expert_layout("auto", implementation)
+        try:
+            model.set_expert_layout(layout)
+        except (NotImplementedError, ValueError) as err:
+            pytest.skip(f"{implementation}: {err}")
+    try:
+        got = np.asarray(model(ids))
+    except NotImplementedError as err:
+        pytest.skip(str(err))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -314,3 +314,21 @@ def dequantize_model(model: GptOssForCausalLM) -> GptOssForCausalLM:
             w2 = wj.dequantize_experts(wj.layouts.to_canonical_layout(m.weights.w2.get()), _F32)
             m.weights = FloatExperts(new.cfg, rngs=None, w13=w13, w2=w2)
     return new
+
+
+def param_bytes(cfg: GptOssConfig) -> int:
+    """Bytes of the model's weights (from an abstract model: nothing is allocated)."""
+    abstract = nnx.eval_shape(lambda: GptOssForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(abstract)))
+
+
+def init_random(
+    cfg: GptOssConfig, *, seed: int = 0, implementation=None, on_device: bool | None = None
+) -> GptOssForCausalLM:
+    """A model of random weights, its experts as cfg.quant says (the presets: MXFP4), drawn
+    on the device (`on_device`, default above the Qwen family's HOST_INIT_MAX_BYTES) or with
+    numpy on the host."""
+    if on_device is None:
+        on_device = param_bytes(cfg) > _qwen.HOST_INIT_MAX_BYTES
+    rngs = nnx.Rngs(seed) if on_device else np.random.default_rng(seed)
+    return GptOssForCausalLM(cfg, rngs=rngs, implementation=implementation)
