@@ -142,6 +142,7 @@ def main(argv=None):
     import numpy as np
     from flax import nnx
 
+    import models
     from models.deepseek_v3 import DeepseekV3Config, generate, init_random, sharding
 
     on_gpu = jax.default_backend() == "gpu"
@@ -166,20 +167,24 @@ def main(argv=None):
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     print(f"weights drawn on the devices in {time.perf_counter() - t0:.1f} s", flush=True)
     t1 = time.perf_counter()
-    model.set_linear_implementation(args.linear_implementation)
+    models.prepare(  # the kernels chosen and the weights converted to their layouts, once
+        model,
+        implementation=args.implementation,
+        linear_implementation=args.linear_implementation,
+        expert_layout=args.expert_layout,
+    )
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     # kv_b_proj runs no GEMM (attention reads its dequantized weight): not counted.
     linears = collections.Counter(
         m.kernel(cfg.dtype) or "xla" for m in model.gemm_linears().values()
     )
     linears = ", ".join(f"{n} on {name!r}" for name, n in linears.most_common()) or "none"
-    print(f"quantized linears: {linears} ({time.perf_counter() - t1:.1f} s)", flush=True)
-    layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
-    if layout != "canonical":
-        t1 = time.perf_counter()
-        model.set_expert_layout(layout)
-        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
-        print(f"experts converted to {layout} in {time.perf_counter() - t1:.1f} s", flush=True)
+    layouts = ", ".join(sorted({m.layout for m in model.routed_experts()})) or "none"
+    print(
+        f"quantized linears: {linears}; experts in the {layouts} layout "
+        f"({time.perf_counter() - t1:.1f} s)",
+        flush=True,
+    )
     expert_bytes_per_expert, other_bytes = _weight_bytes(model)
     n_copy = (1 << 28) if on_gpu else (1 << 20)  # f32 values: 1 GiB on a GPU
     copy_bps = 2 * n_copy * 4 / benchmark.time_copy(n_copy, iters=10, repeats=3)
@@ -225,7 +230,7 @@ def main(argv=None):
         device_kind=jax.devices()[0].device_kind,
         jax=jax.__version__,
         copy_bytes_per_s=copy_bps,
-        expert_layout=layout,
+        expert_layout=layouts,
         linears=linears,
         routed_expert_bytes_per_expert_all_layers=expert_bytes_per_expert,
         other_weight_bytes=other_bytes,

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import functools
 import logging
 import os
@@ -46,27 +45,14 @@ from flax import nnx
 
 import models
 import wna16_jax as wj
-from models import qwen_moe
-from models.common.checkpoint import read_json
-from models.deepseek_v3 import (
-    DeepseekV3Config,
-    QuantSpec,
-    generate,
-    init_random,
-    load_chat_template,
-    load_generation_config,
-    load_pretrained,
-    load_tokenizer,
-    resolve_checkpoint,
-    sharding,
-)
-from models.deepseek_v3.modeling import (
-    Embed,
-    FloatExperts,
-    RoutedExperts,
-    dequantize_model,
-)
-from models.qwen_moe import QwenMoeConfig, QwenMoeForCausalLM
+from models import registry
+from models.common import sharding
+from models.common.causal_lm import dequantize_model
+from models.common.checkpoint import resolve_checkpoint
+from models.common.config import QuantSpec
+from models.common.generate import generate, load_generation_config
+from models.common.modules import Embed, FloatExperts, RoutedExperts
+from models.common.tokenizer import load_chat_template, load_tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,12 +64,11 @@ import benchmark  # noqa: E402  (the copy ceiling, arrays' bytes)
 DEFAULT_MAX_NEW_TOKENS = 16
 
 # --preset: a random model of a released size, int4 as its release is (GPTQ-like for Qwen:
-# group 128 symmetric, float16 scales; Kimi-K2's group 32 symmetric routed experts).
-PRESETS = {
-    "deepseek-v3": DeepseekV3Config.deepseek_v3,
-    "kimi-k2": DeepseekV3Config.kimi_k2,
-    **{name: functools.partial(QwenMoeConfig.preset, name) for name in sorted(qwen_moe.PRESETS)},
-}
+# group 128 symmetric, float16 scales; Kimi-K2's group 32 symmetric routed experts): every
+# family's presets, from the registry.
+PRESETS = {name: make for name, (_, make) in registry.presets().items()}
+# --family: whose tiny (or --full-width-layers) random model; the registry's first by default.
+FAMILIES = registry.FAMILY_PACKAGES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,6 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=sorted(PRESETS),
         help="random model of a released size, quantized as its int4 release (Qwen: GPTQ-like "
         "int4 group 128 symmetric, float16 scales); --layers keeps fewer layers",
+    )
+    p.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default=FAMILIES[0],
+        help=f"the family of the tiny random model and of --full-width-layers (default "
+        f"{FAMILIES[0]})",
     )
     p.add_argument(
         "--layers",
@@ -403,30 +395,25 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
     """(model, tokenizer, description) for the arguments, placed on `mesh` when given;
     `checkpoint`: the local directory of --model (`checkpoint_dir`)."""
     progress = not args.no_progress
+    placement = dict(mesh=mesh, moe_mode=args.moe_mode, progress=progress)
     if args.preset:
-        return build_preset(args, mesh)
+        return build_preset(args, placement)
     if args.model:
         local = checkpoint or checkpoint_dir(args)
-        family = models.family_of(read_json(os.path.join(local, "config.json")))
-        kw = dict(
+        model = models.load_pretrained(  # each tensor placed on the mesh as it is read
+            local,
             dtype=args.dtype or "bfloat16",
             implementation=args.implementation,
             quantize=args.quantize,
-            progress=progress,
+            mtp=bool(args.mtp),
+            **placement,
         )
-        if family == "deepseek_v3":  # each tensor placed on the mesh as it is read
-            model = load_pretrained(
-                local, mesh=mesh, moe_mode=args.moe_mode, mtp=bool(args.mtp), **kw
-            )
-        else:
-            model = models.load_pretrained(local, **kw)
-            if mesh is not None:
-                qwen_moe.shard_model(model, mesh, moe_mode=args.moe_mode)
         what = args.model
-        aq = next((m.activation_quant for m in _quantized_experts(model)), None)
+        aq = next((m.activation_quant for m in model.routed_experts()), None)
         if aq is not None:  # one scheme in every layer (load_pretrained refuses others)
             what += f" (routed experts W8A8: {aq.scheme} activations)"
         return model, load_tokenizer(local, cfg=model.cfg), what
+    family = registry.families()[args.family]
     bits = 8 if args.quantize == "int8" else 4
     if args.activation_quant:  # W8A8: the weights its kernels take
         quant, weights = QuantSpec(bits=8, group_size=-1, has_zp=False), "int8 per channel"
@@ -434,97 +421,71 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
         quant, weights = QuantSpec(bits=bits, group_size=128), f"int{bits}"
     else:
         quant, weights = QuantSpec(bits=bits, group_size=32), f"int{bits}"
-    if args.full_width_layers:
-        cfg = DeepseekV3Config.full_width(
-            args.full_width_layers, dtype=args.dtype or "bfloat16", quant=quant
-        )
-        what = f"random DeepSeek-V3 width, {args.full_width_layers} layers, {weights}"
-    else:
-        cfg = DeepseekV3Config.tiny(dtype=args.dtype or "float32", quant=quant)
-        what = f"tiny random model, {weights}"
+    overrides = dict(quant=quant)
     if args.mtp:
-        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=1)
+        overrides["num_nextn_predict_layers"] = 1
+    if args.full_width_layers:
+        if family.full_width is None:
+            raise SystemExit(f"--full-width-layers: {args.family} has none; use --preset")
+        cfg = family.full_width(args.full_width_layers, dtype=args.dtype or "bfloat16", **overrides)
+        what = f"random {args.family} width, {args.full_width_layers} layers, {weights}"
+    else:
+        cfg = family.config_class.tiny(dtype=args.dtype or "float32", **overrides)
+        what = f"tiny random {args.family} model, {weights}"
+    if args.mtp:
         what += ", with its MTP layer"
     if args.activation_quant:
         what += f", routed experts W8A8 ({args.activation_quant} activations)"
-    model = init_random(
-        cfg,
-        seed=args.seed,
-        implementation=args.implementation,
-        mesh=mesh,
-        moe_mode=args.moe_mode,
-        progress=progress,
-    )
+    model = family.init_random(cfg, seed=args.seed, implementation=args.implementation, **placement)
     model.set_activation_quant(args.activation_quant)
     return model, load_tokenizer(None, cfg=cfg), what
 
 
-def build_preset(args, mesh=None):
+def build_preset(args, placement: dict):
     """(model, tokenizer, description) of --preset: random weights of a released size
-    (--layers: fewer layers), in --dtype (default bfloat16)."""
+    (--layers: fewer layers), in --dtype (default bfloat16), placed as `placement` says."""
     overrides = {"dtype": args.dtype or "bfloat16"}
     if args.layers:
         overrides["num_hidden_layers"] = args.layers
     cfg = PRESETS[args.preset](**overrides)
-    if isinstance(cfg, QwenMoeConfig):
-        model = qwen_moe.init_random(cfg, seed=args.seed, implementation=args.implementation)
-        if mesh is not None:
-            qwen_moe.shard_model(model, mesh, moe_mode=args.moe_mode)
-    else:
-        if args.layers:
-            cfg = dataclasses.replace(
-                cfg, first_k_dense_replace=min(cfg.first_k_dense_replace, args.layers - 1)
-            )
-        model = init_random(
-            cfg,
-            seed=args.seed,
-            implementation=args.implementation,
-            mesh=mesh,
-            moe_mode=args.moe_mode,
-            progress=not args.no_progress,
-        )
+    model = registry.family_of_model(cfg).init_random(
+        cfg, seed=args.seed, implementation=args.implementation, **placement
+    )
     what = f"random {args.preset}, {cfg.num_hidden_layers} layers, {cfg.quant}"
     return model, load_tokenizer(None, cfg=cfg), what
 
 
-def _dequantized(model):
-    """The float copy of `model` (its family's dequantize_model)."""
-    if isinstance(model, QwenMoeForCausalLM):
-        return qwen_moe.dequantize_model(model)
-    return dequantize_model(model)
-
-
-def _quantized_experts(model) -> list[RoutedExperts]:
-    return [m for _, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)]
-
-
 def prepare_model(model, args, linears: str, *, progress: bool):
-    """The built model as the flags ask it to run: --float-weights (a float copy), the
-    lm_head quantized (--quantize-lm-head), the quantized linears on `linears` and the experts
-    in their layout (--expert-layout), each step printed."""
+    """The built model as the flags ask it to run: --float-weights (a float copy), then
+    `models.prepare` (the lm_head quantized with --quantize-lm-head, the quantized linears on
+    `linears`, the experts in their layout, --expert-layout), each step printed."""
     if args.float_weights:
         if model.sharding is not None:
             raise SystemExit("--float-weights needs an unsharded model (no --mesh)")
         t1 = time.perf_counter()
-        model = _dequantized(model)  # the quantized model is dropped: one copy kept
+        model = dequantize_model(model)  # the quantized model is dropped: one copy kept
         print(f"weights dequantized to {model.cfg.dtype} ({time.perf_counter() - t1:.1f} s)")
+    if args.quantize_lm_head and model.sharding is not None:
+        raise SystemExit("--quantize-lm-head needs an unsharded model (no --mesh)")
+    t1 = time.perf_counter()
+    models.prepare(
+        model,
+        implementation=args.implementation,
+        linear_implementation=linears,
+        expert_layout=args.expert_layout,
+        quantize_lm_head=args.quantize_lm_head,
+        fuse_linears=not args.no_fuse_linears,
+        progress=progress,
+    )
     if args.quantize_lm_head:
-        if not hasattr(model, "quantize_lm_head"):
-            raise SystemExit("--quantize-lm-head: the DeepSeek family's models only")
-        if model.sharding is not None:
-            raise SystemExit("--quantize-lm-head needs an unsharded model (no --mesh)")
-        model.quantize_lm_head(args.quantize_lm_head)
         print(f"lm_head quantized to {args.quantize_lm_head}")
-    model.set_linear_implementation(linears, fuse=not args.no_fuse_linears, progress=progress)
     counts, reasons = linear_backends(model)
     print(f"quantized linears: {counts}")
     for reason in reasons:
         print(f"  {reason}")
-    layout = model.resolve_expert_layout(args.expert_layout, args.implementation)
-    if layout != "canonical":
-        t1 = time.perf_counter()
-        model.set_expert_layout(layout, progress=progress)
-        print(f"experts converted to the {layout} layout ({time.perf_counter() - t1:.1f} s)")
+    layouts = sorted({m.layout for m in model.routed_experts()})
+    if layouts and layouts != ["canonical"]:
+        print(f"experts in the {', '.join(layouts)} layout ({time.perf_counter() - t1:.1f} s)")
     return model
 
 
@@ -546,7 +507,7 @@ def chosen_backend(model, tokens: int) -> tuple[str, list[str]]:
     """The fused_moe backend of the routed experts for `tokens` tokens, as each device sees
     them (its own shard of the experts), by wj.select_implementation; with the automatic
     choice also why each other backend cannot run them (`unavailable`)."""
-    experts = _quantized_experts(model)
+    experts = model.routed_experts()
     if not experts:
         return "none (float experts)", []
     m = experts[0]

@@ -47,7 +47,7 @@ import arg_types  # noqa: E402
 import benchmark  # noqa: E402
 import generate as generate_example  # noqa: E402
 
-from models.deepseek_v3 import generate  # noqa: E402
+from models.common.generate import generate  # noqa: E402
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:

@@ -1,63 +1,35 @@
 """The model families, behind one entry point that reads a checkpoint's config.json:
 
     model = models.load_pretrained("Qwen/Qwen3-30B-A3B-GPTQ-Int4")   # or a local directory
+    model = models.prepare(model, linear_implementation="auto")       # kernels, layouts: once
     tokenizer = models.load_tokenizer(path)
     tokens = models.generate(model, tokenizer.encode("Hello"), max_new_tokens=32)
     logits = model(ids)                                               # f32 [B, S, vocab]
 
-Each family keeps its own entry points (models.deepseek_v3, models.qwen_moe).
+The families are found in one table (`models.registry.FAMILY_PACKAGES`); each keeps its own
+entry points too (models.deepseek_v3, models.qwen_moe).
 """
 
 from __future__ import annotations
 
 import os
 
-from models import deepseek_v3, gpt_oss, qwen_moe
+from models import registry
 from models.common.checkpoint import CONFIG_FILE, read_json, resolve_checkpoint
 from models.common.generate import generate
 from models.common.tokenizer import load_tokenizer as _load_tokenizer
-
-# config.json model_type -> the family (a models.<family> package) that runs it.
-MODEL_TYPES = {
-    "deepseek_v3": "deepseek_v3",
-    "deepseek_v2": "deepseek_v3",
-    "kimi_k2": "deepseek_v3",  # Kimi-K2: the DeepSeek-V3 architecture
-    "qwen2_moe": "qwen_moe",
-    "qwen3_moe": "qwen_moe",
-    "gpt_oss": "gpt_oss",
-}
-# config.json architectures -> the family, where model_type names none of MODEL_TYPES.
-ARCHITECTURES = {
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "DeepseekV2ForCausalLM": "deepseek_v3",
-    "Qwen2MoeForCausalLM": "qwen_moe",
-    "Qwen3MoeForCausalLM": "qwen_moe",
-    "GptOssForCausalLM": "gpt_oss",
-}
-_LOADERS = {
-    "deepseek_v3": deepseek_v3.load_pretrained,
-    "qwen_moe": qwen_moe.load_pretrained,
-    "gpt_oss": gpt_oss.load_pretrained,
-}
+from models.registry import family_of
+from models.serving import prepare
 
 
-def family_of(config: dict) -> str:
-    """The family of a config.json dict: by its model_type, else its architectures.
-
-    Raises:
-        ValueError: neither is supported; the supported ones listed.
-    """
-    model_type = config.get("model_type")
-    if model_type in MODEL_TYPES:
-        return MODEL_TYPES[model_type]
-    for arch in config.get("architectures") or ():
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    raise ValueError(
-        f"model_type={model_type!r} (architectures {config.get('architectures')}) is not "
-        f"supported; supported model types: {sorted(MODEL_TYPES)}, architectures: "
-        f"{sorted(ARCHITECTURES)}"
-    )
+def __getattr__(name: str):
+    # MODEL_TYPES / ARCHITECTURES: {config.json value: family name}, read from the registry
+    # when asked for (the families are imported on first use).
+    if name == "MODEL_TYPES":
+        return registry.model_types()
+    if name == "ARCHITECTURES":
+        return registry.architectures()
+    raise AttributeError(f"module 'models' has no attribute {name!r}")
 
 
 def load_pretrained(
@@ -68,8 +40,9 @@ def load_pretrained(
     **kwargs,
 ):
     """Loads a checkpoint (a local directory or a Hugging Face Hub id) with its family's
-    loader, chosen by config.json (`family_of`); `kwargs` go to that loader (dtype,
-    implementation, quantize, progress; the DeepSeek family also mesh, specs, moe_mode).
+    loader (`models.common.loader` on the family's name table), the family chosen by
+    config.json (`family_of`); `kwargs` go to the loader (dtype, implementation, quantize,
+    progress, mesh, moe_mode; a family with a draft layer also mtp).
 
     Raises:
         FileNotFoundError: no such directory or Hub repository, or no config.json.
@@ -78,7 +51,7 @@ def load_pretrained(
     """
     path = resolve_checkpoint(path_or_hub_id, revision=revision, cache_dir=cache_dir)
     family = family_of(read_json(os.path.join(path, CONFIG_FILE)))
-    return _LOADERS[family](path, **kwargs)
+    return registry.families()[family].load_pretrained(path, **kwargs)
 
 
 def load_tokenizer(path_or_hub_id: str | os.PathLike | None = None, **kwargs):
@@ -90,11 +63,24 @@ def load_tokenizer(path_or_hub_id: str | os.PathLike | None = None, **kwargs):
     return _load_tokenizer(path_or_hub_id, **kwargs)
 
 
+def init_random(cfg, **kwargs):
+    """A random model of `cfg`'s family (`kwargs`: seed, implementation, mesh, moe_mode,
+    progress, ... as the family's init_random takes them)."""
+    return registry.family_of_model(cfg).init_random(cfg, **kwargs)
+
+
+def save_pretrained(model, path: str | os.PathLike, **kwargs) -> None:
+    """Writes `model` as a Hugging Face directory with its family's name table
+    (`models.common.loader.save_pretrained`: format, max_shard_bytes)."""
+    registry.family_of_model(model).save_pretrained(model, path, **kwargs)
+
+
 __all__ = [
-    "ARCHITECTURES",
-    "MODEL_TYPES",
     "family_of",
     "generate",
+    "init_random",
     "load_pretrained",
     "load_tokenizer",
+    "prepare",
+    "save_pretrained",
 ]

@@ -30,12 +30,12 @@ from jax.sharding import PartitionSpec as P
 from test_deepseek_v3_common import assert_close, tiny_config, tiny_model
 
 import wna16_jax as wj
+from models.common import loader
 from models.deepseek_v3 import (
     QuantSpec,
     generate,
     init_random,
     load_pretrained,
-    params,
     save_pretrained,
 )
 from models.deepseek_v3 import sharding as sh
@@ -341,13 +341,13 @@ def test_load_pretrained_on_mesh(devices8, awq_dir, layout, monkeypatch):
     (values and shardings), hence identical logits."""
     mesh = sh.make_mesh(**LAYOUTS[layout])
     blocks = []
-    read = params._read_experts
+    read = loader._read_experts
 
     def recording(cfg, ckpt, qcfg, entry, form, experts, problems):
         blocks.append(experts)
         return read(cfg, ckpt, qcfg, entry, form, experts, problems)
 
-    monkeypatch.setattr(params, "_read_experts", recording)
+    monkeypatch.setattr(loader, "_read_experts", recording)
     loaded = load_pretrained(awq_dir, dtype=jnp.float32, mesh=mesh, progress=False)
     per = tiny_config().n_routed_experts // mesh.shape["expert"]
     moe_layers = tiny_config().num_hidden_layers - tiny_config().first_k_dense_replace

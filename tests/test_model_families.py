@@ -178,10 +178,7 @@ def test_family_on_a_mesh(devices8, family, kind, axes):
     model, ref = _load(family, kind)
     want = np.asarray(model(ref["ids"]))
     mesh = make_mesh(**axes, devices=devices8)
-    if family == "kimi_k2":
-        models.deepseek_v3.shard_model(model, mesh)
-    else:
-        models.qwen_moe.sharding.shard_model(model, mesh)
+    models.prepare(model, mesh=mesh)  # the family's shard_model, from the registry
     experts = next(
         m for _, m in nnx.iter_modules(model) if isinstance(m, (RoutedExperts, FloatExperts))
     )
@@ -223,3 +220,78 @@ def test_example_presets_are_the_released_sizes():
     assert cfg.num_hidden_layers == 2 and cfg.quant == models.qwen_moe.GPTQ_INT4
     kimi = example.PRESETS["kimi-k2"]()
     assert (kimi.n_routed_experts, kimi.n_group, kimi.first_k_dense_replace) == (384, 1, 1)
+
+
+# ---- the registry and the serving call ------------------------------------------------------
+
+
+def test_every_registered_family_describes_itself():
+    """Each package of models.registry.FAMILY_PACKAGES registers a Family whose model is a
+    CausalLM, whose model types and architectures lead back to it, and whose presets make its
+    own config (a config only: nothing is drawn)."""
+    from models import registry
+    from models.common.causal_lm import CausalLM
+
+    families = registry.families()
+    assert tuple(families) == registry.FAMILY_PACKAGES
+    for name, family in families.items():
+        assert issubclass(family.model_class, CausalLM), name
+        for model_type in family.model_types:
+            assert models.family_of({"model_type": model_type}) == name
+        for arch in family.architectures:
+            assert models.family_of({"model_type": "unknown", "architectures": [arch]}) == name
+        for preset, make in family.presets.items():
+            cfg = make(num_hidden_layers=2)
+            assert isinstance(cfg, family.config_class), preset
+            assert registry.family_of_model(cfg) is family
+        cfg = family.config_class.tiny()
+        assert registry.family_of_model(family.model_class.abstract(cfg)) is family
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_prepare_is_the_ordered_calls(model_type):
+    """models.prepare(model, ...) leaves the model as the four ordered calls it replaces
+    (quantize_lm_head, set_implementation, set_linear_implementation, set_expert_layout): the
+    same modules and layouts, and logits equal to the last bit."""
+    from models.common.config import QuantSpec
+
+    cfg = QwenMoeConfig.tiny(model_type=model_type, quant=QuantSpec(bits=4, group_size=32))
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 6))
+    prepared = models.prepare(
+        init_random(cfg, seed=4),
+        implementation="xla",
+        linear_implementation="xla",
+        expert_layout="canonical",
+        quantize_lm_head="int8",
+        progress=False,
+    )
+    by_hand = init_random(cfg, seed=4)
+    by_hand.quantize_lm_head("int8")
+    by_hand.set_implementation("xla")
+    by_hand.set_linear_implementation("xla", progress=False)
+    by_hand.set_expert_layout("canonical", progress=False)
+    assert isinstance(prepared.lm_head, QuantizedLinear)
+    assert prepared.lm_head.weight.bits == 8
+    assert {m.implementation for m in prepared.routed_experts()} == {"xla"}
+    assert nnx.graphdef(prepared) == nnx.graphdef(by_hand)
+    np.testing.assert_array_equal(np.asarray(prepared(ids)), np.asarray(by_hand(ids)))
+
+
+def test_prepare_converts_the_experts_layer_by_layer_losslessly():
+    """A named kernel layout converts every routed-expert layer (one at a time) and back
+    bit for bit; an unknown layout is refused with the known ones named."""
+    import wna16_jax as wj
+    from models.common.config import QuantSpec
+
+    cfg = QwenMoeConfig.tiny(quant=QuantSpec(bits=4, group_size=32))
+    model = init_random(cfg, seed=5)
+    before = [jax.tree.map(np.asarray, m.w13.get()) for m in model.routed_experts()]
+    layout = wj.backend_layout("mgpu_interpret", bits=4)
+    models.prepare(model, expert_layout=layout, progress=False)
+    assert {m.layout for m in model.routed_experts()} == {layout}
+    for m, want in zip(model.routed_experts(), before, strict=True):
+        got = jax.tree.map(np.asarray, m.canonical_w13())
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="expert_layout='tiles'.*canonical"):
+        models.prepare(model, expert_layout="tiles")

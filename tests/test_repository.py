@@ -215,6 +215,51 @@ def test_layer_rules_catch_forbidden_imports():
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+
+def _family_packages() -> tuple[str, ...]:
+    """models.registry.FAMILY_PACKAGES, read from its source (no model package imported)."""
+    tree = ast.parse((ROOT / "models" / "registry.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["FAMILY_PACKAGES"]:
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError("models/registry.py defines no FAMILY_PACKAGES")
+
+
+def _family_problem(importer: str, imported: str, families: tuple[str, ...]) -> str | None:
+    """Why `importer` may not import the family module `imported`: outside a family's folder
+    only the registry reaches a family (the one line that adds it); an example named after a
+    family (examples/full_deepseek_v3.py) may import that family."""
+    parts = imported.split(".")
+    if parts[0] != "models" or len(parts) < 2 or parts[1] not in families:
+        return None
+    family = parts[1]
+    if importer == "models.registry" or importer.split(".")[:2] == ["models", family]:
+        return None
+    if importer.startswith("examples.") and family in importer:
+        return None
+    return f"code outside models/{family}/ names the family (ask models.registry)"
+
+
+def test_only_the_registry_names_a_family(import_graph):
+    families = _family_packages()
+    problems = [
+        f"{importer} -> {imported}: {why}"
+        for importer, imported_set in sorted(import_graph.items())
+        for imported in sorted(imported_set)
+        if (why := _family_problem(importer, imported, families))
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_family_rule_catches_a_family_named_elsewhere():
+    families = ("deepseek_v3", "qwen_moe")
+    assert _family_problem("models.common.loader", "models.qwen_moe.params", families)
+    assert _family_problem("examples.generate", "models.deepseek_v3", families)
+    assert _family_problem("models.qwen_moe.params", "models.deepseek_v3.config", families)
+    assert _family_problem("models.registry", "models.qwen_moe", families) is None
+    assert _family_problem("models.qwen_moe.sharding", "models.qwen_moe.modeling", families) is None
+    assert _family_problem("examples.full_deepseek_v3", "models.deepseek_v3", families) is None
+
 # Words that name run records rather than the code: work sessions and their numbered calls,
 # issue numbers, the GPU-lending machinery. Written in pieces so that this file passes itself.
 _RUN_RECORD_PATTERNS = [

@@ -776,6 +776,56 @@ def set_module(root: nnx.Module, path: tuple, value) -> None:
         setattr(parent, path[-1], value)
 
 
+# ---- the MoE block --------------------------------------------------------------------------
+
+
+class Router(nnx.Module):
+    """The MoE gate: weight [E, H] in the model dtype, logits in f32; a family's subclass
+    writes `route` (its scoring and top-k) and adds what its gate holds beside the weight."""
+
+    def __init__(self, cfg, *, rngs: Rng):
+        self.cfg = cfg
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        self.weight = nnx.Param(jnp.asarray(normal(rngs, (e, h), h**-0.5), cfg.dtype))
+
+    def route(self, logits):
+        """f32 [T, E] -> (topk_weights f32 [T, k], topk_ids int32 [T, k])."""
+        raise NotImplementedError(f"{type(self).__name__} does not define route")
+
+    def __call__(self, x):
+        """x [T, H] -> (topk_weights f32 [T, k], topk_ids int32 [T, k])."""
+        w = self.weight.get_value().astype(_F32)
+        return self.route(jnp.dot(x.astype(_F32), w.T, precision=_HIGHEST))
+
+
+class MoEBlock(nnx.Module):
+    """The family's ROUTER (`gate`), the routed experts (`experts`: RoutedExperts where the
+    config quantizes them, else FloatExperts) and whatever `shared` adds (a family's shared
+    experts; None: nothing). Subclasses build their shared experts after this constructor,
+    the order their random weights are drawn in."""
+
+    ROUTER: type
+
+    def __init__(self, cfg, *, rngs: Rng):
+        self.gate = self.ROUTER(cfg, rngs=rngs)
+        if cfg.quantizes("experts"):
+            self.experts = RoutedExperts(cfg, rngs=rngs)
+        else:
+            self.experts = FloatExperts(cfg, rngs=rngs)
+
+    def shared(self, x):
+        """x [B, S, H] -> what the shared experts add [B, S, H], or None."""
+        return None
+
+    def __call__(self, x):
+        b, s, h = x.shape
+        xt = x.reshape(b * s, h)
+        topk_weights, topk_ids = self.gate(xt)
+        out = self.experts(xt, topk_weights, topk_ids).reshape(b, s, h)
+        extra = self.shared(x)
+        return out if extra is None else out + extra
+
+
 # ---- the decoder ---------------------------------------------------------------------------
 
 
@@ -806,16 +856,13 @@ class PreNormDecoderLayer(nnx.Module):
 
 
 class DecoderStack(nnx.Module):
-    """The embedding, the family's decoder layers (LAYER, built as cls(cfg, i, rngs=)) and the
-    final norm, drawing their random weights in that order."""
+    """The embedding, the decoder layers (`layer`, a family's PreNormDecoderLayer subclass,
+    built as layer(cfg, i, rngs=)) and the final norm, drawing their random weights in that
+    order."""
 
-    LAYER: type
-
-    def __init__(self, cfg, *, rngs: Rng):
+    def __init__(self, cfg, layer: type, *, rngs: Rng):
         self.embed_tokens = Embed(cfg, rngs=rngs)
-        self.layers = nnx.List(
-            [self.LAYER(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
-        )
+        self.layers = nnx.List([layer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
 
 

@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import wna16_jax as wj
+from models.common.causal_lm import KVCache
 
 logger = logging.getLogger("models")
 
@@ -210,3 +212,125 @@ def reorder_w13(w13, from_shards: int, to_shards: int):
 def state_shardings(state):
     """The shardings of the arrays of a state (its current placement), as a tree."""
     return jax.tree.map(lambda a: a.sharding, state)
+
+
+# ---- a sharded model's plan -----------------------------------------------------------------
+
+
+MOE_MODES = ("replicated", "all_to_all", "auto")
+
+
+class ShardedExperts:
+    """What every family's ModelSharding (a frozen dataclass with `mesh`, `moe_mode` and
+    `token_threshold`) shares: the routed experts on the mesh, the batch check and the cache's
+    shardings. A family's subclass gives the axes (`expert_axis`, `tensor_axis`,
+    `data_axis`: a name or None) and `cache_specs`.
+
+    `moe_mode` as in `wna16_jax.sharding.fused_moe_ep`: "replicated" (every device sees every
+    token; one psum), "all_to_all" (tokens split over the expert axis, gathered and
+    reduce-scattered) or "auto" (replicated up to `token_threshold` tokens).
+    """
+
+    mesh: Mesh
+    moe_mode: str
+    token_threshold: int
+
+    def _check_moe_mode(self) -> None:
+        if self.moe_mode not in MOE_MODES:
+            raise ValueError(f"moe_mode={self.moe_mode!r} is not one of {MOE_MODES}")
+
+    def size(self, entry) -> int:
+        """Devices along a spec entry (an axis name, a tuple of names, or None)."""
+        if entry is None:
+            return 1
+        names = entry if isinstance(entry, tuple) else (entry,)
+        return int(np.prod([self.mesh.shape[a] for a in names]))
+
+    @property
+    def expert_shards(self) -> int:
+        return self.size(self.expert_axis)
+
+    @property
+    def tensor_shards(self) -> int:
+        return self.size(self.tensor_axis)
+
+    def named(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def check_batch(self, batch: int) -> None:
+        n = self.size(self.data_axis)
+        if batch % n:
+            raise ValueError(
+                f"batch {batch} is not divisible by the data axis ({n} devices); pad the batch "
+                f"or use a mesh with data=1"
+            )
+
+    def cache_specs(self) -> tuple[P, P, P]:
+        """The PartitionSpecs of a cache layer [B, L, ...], of its valid slots [B, L] and of
+        its next positions [B]."""
+        raise NotImplementedError(f"{type(self).__name__} does not define cache_specs")
+
+    def cache_shardings(self, num_layers: int) -> KVCache:
+        """NamedShardings of a KVCache (a KVCache of shardings)."""
+        layer, valid, pos = self.cache_specs()
+        return KVCache(
+            layers=(self.named(layer),) * num_layers,
+            valid=self.named(valid),
+            next_pos=self.named(pos),
+            index=self.named(P()),
+        )
+
+    def quantized_moe(
+        self, x, w13, w2, topk_weights, topk_ids, *, implementation=None, activation_quant=None
+    ):
+        """The routed experts of one layer: `wna16_jax.sharding.fused_moe_ep` over this mesh's
+        expert, tensor and data axes (each device runs its own experts; no weight moves).
+
+        Args:
+            x: [T, H].  w13: QuantizedExperts [E, 2I, H], E over the expert axis, rows over
+                the tensor axis (interleaved for it).  w2: [E, H, I], I over the tensor axis.
+            topk_weights: f32 [T, k].  topk_ids: int32 [T, k] global expert ids.
+            implementation: the fused_moe backend.
+            activation_quant: None or the experts' W8A8 activation quantization (fused_moe's),
+                run on every shard.
+
+        Returns:
+            [T, H] in x.dtype.
+        """
+        return wj.sharding.fused_moe_ep(
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            mesh=self.mesh,
+            expert_axis=self.expert_axis,
+            tensor_axis=self.tensor_axis,
+            data_axis=self.data_axis,
+            mode=self.moe_mode,
+            token_threshold=self.token_threshold,
+            implementation=implementation,
+            activation_quant=activation_quant,
+        )
+
+    def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids):
+        """Float routed experts (tokens replicated): `local_fn(x, w13, w2, weights, local_ids)`
+        on each device's experts (local_ids -1 for experts elsewhere), psum over the expert and
+        tensor axes. Shapes as in `quantized_moe` with float w13 / w2."""
+        ea, ta = self.expert_axis, self.tensor_axis
+        num_experts = w13.shape[0]
+
+        def body(x, w13, w2, topk_weights, topk_ids):
+            ids = wj.sharding.local_expert_ids(topk_ids, num_experts, ea)
+            y = local_fn(x, w13, w2, topk_weights, ids)
+            axes = tuple(a for a in (ea, ta) if a is not None)
+            return jax.lax.psum(y, axes) if axes else y
+
+        tok = P(self.data_axis)
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(tok, P(ea, ta, None), P(ea, None, ta), tok, tok),
+            out_specs=tok,
+            check_vma=False,
+        )(x, w13, w2, topk_weights, topk_ids)

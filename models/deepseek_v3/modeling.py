@@ -8,53 +8,48 @@ E experts, k top-k, I intermediate, R kv_lora_rank, dr rope dim, dn nope dim, dv
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import wna16_jax as wj
+from models.common.causal_lm import CausalLM
+from models.common.causal_lm import KVCache as KVCache
+from models.common.causal_lm import decode_positions_and_mask as decode_positions_and_mask
+from models.common.causal_lm import dequantize_model as dequantize_model
+from models.common.causal_lm import linear_at as linear_at
 from models.common.modules import (
     MLP,
-    DecoderStack,
-    Embed,
-    FloatExperts,
     FusedLinear,
     Fusion,
-    Linear,
     ModelSharding,
+    MoEBlock,
     PreNormDecoderLayer,
-    QuantizedLinear,
     RMSNorm,
     Rng,
-    RoutedExperts,
-    activation_quant_of,
-    chunk_mask,
+    Router,
     constrain,
-    decode_mask,
     make_linear,
-    module_at,
     normal,
-    positions_from_mask,
-    set_module,
 )
-from models.common.modules import QuantizedTensor as QuantizedTensor
 
 # The shared layers (models.common.modules), under this module's names too.
+from models.common.modules import Embed as Embed
+from models.common.modules import FloatExperts as FloatExperts
+from models.common.modules import Linear as Linear
+from models.common.modules import QuantizedLinear as QuantizedLinear
+from models.common.modules import QuantizedTensor as QuantizedTensor
 from models.common.modules import QuantParam as QuantParam
+from models.common.modules import RoutedExperts as RoutedExperts
 from models.common.modules import float_experts as float_experts
 from models.common.modules import fusion_reason as fusion_reason
 from models.common.modules import random_quantized as random_quantized
 from models.common.progress import PROGRESS_DELAY_S as PROGRESS_DELAY_S
 from models.common.progress import progress_bar as progress_bar
-from models.deepseek_v3.config import DeepseekV3Config, QuantSpec, yarn_get_mscale
+from models.deepseek_v3.config import DeepseekV3Config, yarn_get_mscale
 
 logger = logging.getLogger("models.deepseek_v3")
 
@@ -119,30 +114,6 @@ def apply_rope(x, cos, sin):
 
 
 # ---- attention ------------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """The compressed MLA cache: per layer one array of the normalized latent and the rotated
-    rope key side by side (DeepSeek's and vLLM's MLA layout: keys of R + dr, the first R also
-    the values).
-
-    Attributes:
-        latent: per layer [B, L, R + dr] (model dtype): [..., :R] c_kv, [..., R:] roped k_pe.
-        valid: bool [B, L]: the slot holds a real token (left padding is False).
-        next_pos: int32 [B]: rope position of each row's next token.
-        index: int32 []: the next slot to write (shared by all rows).
-    """
-
-    latent: tuple
-    valid: jax.Array
-    next_pos: jax.Array
-    index: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return self.valid.shape[1]
 
 
 class MLAttention(nnx.Module):
@@ -351,35 +322,30 @@ def route(logits, bias, *, cfg: DeepseekV3Config):
     return weights * cfg.routed_scaling_factor, ids.astype(jnp.int32)
 
 
-class Router(nnx.Module):
+class DeepseekRouter(Router):
     """The MoE gate: weight [E, H], e_score_correction_bias f32 [E] (noaux_tc only)."""
 
     def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
-        self.cfg = cfg
-        e, hdim = cfg.n_routed_experts, cfg.hidden_size
-        # Stored in the model dtype like HF; the logits are computed in f32.
-        self.weight = nnx.Param(jnp.asarray(normal(rngs, (e, hdim), hdim**-0.5), cfg.dtype))
+        super().__init__(cfg, rngs=rngs)
         if cfg.topk_method == "noaux_tc":
-            self.e_score_correction_bias = nnx.Param(jnp.asarray(normal(rngs, (e,), 0.1)))
+            self.e_score_correction_bias = nnx.Param(
+                jnp.asarray(normal(rngs, (cfg.n_routed_experts,), 0.1))
+            )
         else:
             self.e_score_correction_bias = None
 
-    def __call__(self, x):
-        """x [T, H] -> (topk_weights f32 [T, k], topk_ids int32 [T, k])."""
-        logits = jnp.dot(x.astype(_F32), self.weight.get_value().astype(_F32).T, precision=_HIGHEST)
+    def route(self, logits):
         bias = self.e_score_correction_bias
         return route(logits, None if bias is None else bias.get_value(), cfg=self.cfg)
 
 
-class MoE(nnx.Module):
+class MoE(MoEBlock):
     """Router + routed experts + shared experts (HF DeepseekV3MoE)."""
 
+    ROUTER = DeepseekRouter
+
     def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng):
-        self.gate = Router(cfg, rngs=rngs)
-        if cfg.quantizes("experts"):
-            self.experts = RoutedExperts(cfg, rngs=rngs)
-        else:
-            self.experts = FloatExperts(cfg, rngs=rngs)
+        super().__init__(cfg, rngs=rngs)
         if cfg.n_shared_experts:
             self.shared_experts = MLP(
                 cfg,
@@ -390,14 +356,8 @@ class MoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, x):
-        b, s, hdim = x.shape
-        xt = x.reshape(b * s, hdim)
-        topk_weights, topk_ids = self.gate(xt)
-        out = self.experts(xt, topk_weights, topk_ids).reshape(b, s, hdim)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+    def shared(self, x):
+        return None if self.shared_experts is None else self.shared_experts(x)
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -408,501 +368,38 @@ class DecoderLayer(PreNormDecoderLayer):
     MOE = MoE
 
 
-class DeepseekV3Model(DecoderStack):
-    # The parts draw their random weights in the order `random_parts` lists.
+class DeepseekV3ForCausalLM(CausalLM):
+    """The causal LM (models.common.causal_lm.CausalLM) with MLA attention: DeepSeek's YaRN
+    rope and the latent cache [B, L, R + dr] per layer; `mtp` holds the multi-token-prediction
+    layer (mtp.MultiTokenPredictor) where one is loaded (load_pretrained(mtp=True)) or drawn
+    (init_random, num_nextn_predict_layers)."""
+
     LAYER = DecoderLayer
 
+    def rope(self, positions):
+        return rope_cos_sin(self.cfg, positions)
 
-def decode_positions_and_mask(cache: KVCache, b: int, s: int):
-    """For S tokens appended to every row at slots index..index+S-1: their rope positions
-    int32 [B, S] (from next_pos), the cache's valid slots bool [B, L] with them, and the
-    attention mask bool [B, S, L] (`decode_mask`: valid slots up to each query's own)."""
-    idx = cache.index
-    positions = cache.next_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
-    valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((b, s), bool), (0, idx))
-    return positions, valid, decode_mask(valid, idx, s)
-
-
-class DeepseekV3ForCausalLM(nnx.Module):
-    """The causal LM: `model(input_ids)` -> f32 logits; `prefill` / `decode` for generation."""
-
-    def __init__(self, cfg: DeepseekV3Config, *, rngs: Rng, implementation=None):
-        self.cfg = cfg
-        self.model = DeepseekV3Model(cfg, rngs=rngs)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs=rngs)
-        # Set by sharding.shard_model / init_random(mesh=) / load_pretrained(mesh=).
-        self.sharding: ModelSharding | None = None
-        # The multi-token-prediction draft layer (mtp.MultiTokenPredictor), set where one is
-        # loaded (load_pretrained(mtp=True)) or drawn (init_random, num_nextn_predict_layers).
-        self.mtp = nnx.data(None)
-        if implementation is not None:
-            self.set_implementation(implementation)
-
-    # --- configuration -------------------------------------------------------------------
-    def set_implementation(self, implementation: str | Sequence[str] | None) -> None:
-        """Selects the fused_moe backend of every routed-expert layer (None = automatic)."""
-        if implementation is not None and not isinstance(implementation, str):
-            implementation = tuple(implementation)
-        for _, m in nnx.iter_modules(self):
-            if isinstance(m, RoutedExperts):
-                m.implementation = implementation
-
-    def set_activation_quant(self, activation_quant: str | wj.ActivationQuant | None) -> None:
-        """Sets how every routed-expert layer quantizes its activations (fused_moe's
-        activation_quant): None (16-bit activations), "int8_per_token" or a
-        wj.ActivationQuant (static scales: the same in every layer). A checkpoint's own
-        (per-layer static scales included) is set by `params.load_pretrained`.
-
-        W8A8 kernels need int8 per-channel symmetric experts (QuantSpec(bits=8,
-        group_size=-1, has_zp=False)); the 'xla' backend runs any weights, and fused_moe
-        names the reason where a backend cannot. The non-expert linears keep 16-bit
-        activations.
-
-        Raises:
-            ValueError: a value `activation_quant_of` refuses, or int8 activations on a model
-                without quantized routed experts (float experts run 16-bit activations).
-        """
-        aq = activation_quant_of(activation_quant)
-        experts = [m for _, m in nnx.iter_modules(self) if isinstance(m, RoutedExperts)]
-        if aq is not None and not experts:
-            raise ValueError(
-                f"activation_quant={aq}: the model has no quantized routed experts (float "
-                f"experts run 16-bit activations)"
-            )
-        for m in experts:
-            m.activation_quant = aq
-
-    def set_expert_layout(self, layout: str, *, progress: bool = True) -> None:
-        """Converts every routed-expert layer's weights to `layout` (wna16_jax.layouts):
-        "mgpu_int4" for the 'mgpu' backend (fused_moe then picks it automatically), or back to
-        "canonical". One layer at a time, each replaced (no second copy of the experts);
-        `progress`: a tqdm bar over the layers (`progress_bar`)."""
-        layers = [m for _, m in nnx.iter_modules(self) if isinstance(m, RoutedExperts)]
-        bar = progress_bar(layers, desc=f"experts to {layout}", unit="layer", enabled=progress)
-        for m in bar:
-            m.set_layout(layout)
-            jax.block_until_ready(m.w13.qweight.get_value())  # the bar follows the device
-
-    def resolve_expert_layout(self, requested: str, implementation=None) -> str:
-        """The experts' layout for a `requested` one ("auto", or a wna16_jax.layouts name) and
-        a fused_moe `implementation`: "auto" means, for a named implementation, the first of
-        its layouts that holds the experts' bits (`wna16_jax.backend_layout`: mgpu_int4 or
-        mgpu_int8 for the 'mgpu' backends, canonical for the others), and
-        `preferred_expert_layout()` when none is named."""
-        if requested != "auto":
-            return requested
-        if isinstance(implementation, str):
-            bits = next(
-                (m.w13.bits for _, m in nnx.iter_modules(self) if isinstance(m, RoutedExperts)), 4
-            )
-            return wj.backend_layout(implementation, bits=bits)
-        if implementation is not None:  # a sequence of names: the first decides
-            return self.resolve_expert_layout("auto", tuple(implementation)[0])
-        return self.preferred_expert_layout()
-
-    def preferred_expert_layout(self) -> str:
-        """wna16_jax.preferred_layout for the routed experts on this platform, for the
-        activations they run (cfg.dtype, their activation_quant: W8A8 experts take int8 rows
-        whatever the dtype) and for one tensor shard's slice when they are split over a tensor
-        axis; "canonical" for a model without routed experts."""
-        for _, m in nnx.iter_modules(self):
-            if isinstance(m, RoutedExperts):
-                w13, w2 = m.w13.get(), m.w2.get()
-                n = m.w13_tp_shards
-                if n != 1:  # one tensor shard's slice: 2I/n rows of w13, I/n of w2's K
-                    shard = functools.partial(wj.sharding.tensor_shard, num_shards=n)
-                    w13 = jax.eval_shape(functools.partial(shard, split="n"), w13)
-                    w2 = jax.eval_shape(functools.partial(shard, split="k"), w2)
-                return wj.preferred_layout(
-                    w13, w2, dtype=self.cfg.dtype, activation_quant=m.activation_quant
-                )
-        return "canonical"
-
-    def set_linear_implementation(
-        self, implementation: str, *, fuse: bool = True, progress: bool = True
-    ) -> None:
-        """Selects how every quantized non-expert linear runs, converting its weight to the
-        layout that implementation reads (`wna16_jax.linear.preferred_layout`):
-        - "xla" (the default): dequantize + dot, canonical layout; works under any sharding;
-        - "auto": the fastest kernel here (`wna16_jax.linear.quantized_matmul`'s automatic
-          choice: the Mosaic GPU GEMM on mgpu_int4 weights on an H100/H200, the Pallas GEMM
-          on other NVIDIA GPUs, else "xla");
-        - a backend with a grouped GEMM ("mgpu", "pallas", "mgpu_interpret", ...).
-        Layers a kernel does not take here stay on "xla" (why, for a named backend, is
-        logged). `progress`: a tqdm bar over the linears (`progress_bar`).
-
-        On a sharded model (`sharding.shard_model`, `init_random` / `load_pretrained` with a
-        mesh) each kernel runs per device on its shard of the weight (`LinearSharding`,
-        `wna16_jax.sharding.quantized_matmul_sharded`): the layout and the kernel are chosen
-        for the shard, and each device converts its own shard. A shard a kernel cannot run
-        (e.g. q_b_proj's rows per device not whole 64-row tiles of the mgpu layout) leaves
-        that linear on "xla", the reason logged.
-
-        kv_b_proj runs no GEMM (attention reads its dequantized weight:
-        `dequantized_linears`): it stays canonical on "xla", converted for no kernel.
-
-        On an unsharded model a kernel also runs the linears that read one input as one GEMM
-        (`FusedLinear`): MLP's gate_proj and up_proj as gate_up_proj (silu(gate) * up in the
-        GEMM's epilogue), MLA's q_a_proj and kv_a_proj_with_mqa as qkv_a_proj, where both
-        parts are QuantizedLinears of one format (`fusion_reason`) and the kernel takes the
-        fused weight (why a pair stays apart is logged); `fuse=False` keeps them apart. "xla"
-        splits them back into the HF module tree, bit-identically. A sharded model never
-        fuses: a fused weight has no ShardingSpecs field of its own, and a [gate; up] weight
-        split column-parallel would need each shard's gate and up rows side by side
-        (TP-interleaved halves, as the routed experts' w13).
-
-        Raises:
-            ValueError: `implementation` is neither "auto" nor a registered backend.
-        """
-        if implementation != "auto" and implementation not in wj.registered_backends():
-            raise ValueError(
-                f"linear implementation {implementation!r} is neither 'auto' nor a registered "
-                f"backend {wj.registered_backends()}"
-            )
-        chosen = None if implementation == "auto" else implementation
-        self._unfuse_linears()
-        for m in self.dequantized_linears().values():
-            m.set_implementation("xla", dtype=self.cfg.dtype)
-        pairs = []  # (owner, {name: part}): linears that may run as one GEMM
-        if fuse and implementation != "xla" and self.sharding is None:
-            for owner in self._fusing_modules():
-                parts = owner.FUSION.unfused(owner)
-                if parts and any(isinstance(m, QuantizedLinear) for m in parts.values()):
-                    pairs.append((owner, parts))
-        paired = {id(m) for _, parts in pairs for m in parts.values()}
-        singles = [m for m in self.gemm_linears().values() if id(m) not in paired]
-        paths = {id(m): ".".join(map(str, p)) for p, m in nnx.iter_modules(self)}
-        on_xla = collections.defaultdict(list)  # why a named kernel does not run a linear
-        apart = collections.Counter()  # why pairs stay two GEMMs
-        desc = f"linears for {implementation}"
-        for item in progress_bar(pairs + singles, desc=desc, unit="linear", enabled=progress):
-            if isinstance(item, QuantizedLinear):
-                module, alone = item, [item]
-            else:
-                module, parts = item
-                why = module.FUSION.fuse(module, chosen, cfg=self.cfg)  # converts the fused one
-                alone = []
-                if why is not None:
-                    apart[why] += 1
-                    alone = [m for m in parts.values() if isinstance(m, QuantizedLinear)]
-            for m in alone:
-                m.set_implementation(chosen, dtype=self.cfg.dtype)
-                if (why := m.kernel_reason(self.cfg.dtype)) is not None:
-                    on_xla[why].append(paths[id(m)])
-            jax.block_until_ready(nnx.state(module))  # the bar follows the device
-        for why, count in apart.items():
-            logger.info("%s (%d modules)", why, count)
-        for why, where in on_xla.items():
-            more = f" and {len(where) - 1} more linears stay" if len(where) > 1 else " stays"
-            logger.info("%s%s on 'xla': %s", where[0], more, why)
-
-    def _quantized_linears(self, *, dequantized: bool) -> dict[str, QuantizedLinear]:
-        """{module path: layer} of the QuantizedLinears read only as a dequantized weight
-        (`dequantized`), or of the others."""
-        read_dense = {
-            id(getattr(m, name))
-            for _, m in nnx.iter_modules(self)
-            if isinstance(m, MLAttention)
-            for name in m.DEQUANTIZED
-        }
-        return {
-            ".".join(map(str, path)): m
-            for path, m in nnx.iter_modules(self)
-            if isinstance(m, QuantizedLinear) and (id(m) in read_dense) == dequantized
-        }
-
-    def gemm_linears(self) -> dict[str, QuantizedLinear]:
-        """{module path: layer} of the quantized linears the model runs as a GEMM of their
-        input, on their `implementation` (FusedLinears included, in place of their parts)."""
-        return self._quantized_linears(dequantized=False)
-
-    def dequantized_linears(self) -> dict[str, QuantizedLinear]:
-        """{module path: layer} of the quantized linears the model reads only as their
-        dequantized weight, never as a GEMM (MLA's kv_b_proj: `MLAttention.DEQUANTIZED`);
-        `set_linear_implementation` leaves them canonical on "xla"."""
-        return self._quantized_linears(dequantized=True)
-
-    def _fusing_modules(self) -> list[MLP | MLAttention]:
-        """The modules with a `Fusion` (their linears that read one input)."""
-        return [m for _, m in nnx.iter_modules(self) if isinstance(m, (MLP, MLAttention))]
-
-    def _unfuse_linears(self) -> None:
-        """Every FusedLinear split back into its parts (the HF module tree)."""
-        for owner in self._fusing_modules():
-            owner.FUSION.unfuse(owner)
-
-    def fused_linears(self) -> list[str]:
-        """The module paths of the FusedLinears this model runs (e.g.
-        "model.layers.0.mlp.gate_up_proj"); empty on "xla" or a sharded model."""
-        return [
-            ".".join(map(str, path))
-            for path, m in nnx.iter_modules(self)
-            if isinstance(m, FusedLinear)
-        ]
-
-    def quantize_lm_head(self, spec: QuantSpec | str) -> None:
-        """Replaces the float lm_head with a QuantizedLinear of `spec` ("int4", "int8" or a
-        QuantSpec: bits, group_size, has_zp; round to nearest), canonical layout on "xla";
-        `set_linear_implementation` then moves it to a kernel with the other linears.
-
-        The vocabulary projection is the largest weight a decode step reads (DeepSeek-V3: 129280
-        x 7168, 1.85 GB as the checkpoints ship it, bf16); int4 g128 reads about a quarter of
-        those bytes, int8 half, for the quantization error in the logits that the model's
-        other linears already carry. A serving choice: the model's checkpoint keeps a float
-        lm_head (`save_pretrained` writes this one quantized).
-
-        Raises:
-            ValueError: the lm_head is tied to the embedding table, already quantized, or the
-                model is sharded (quantize before sharding).
-        """
-        spec = QuantSpec.parse(spec)
-        if self.lm_head is None:
-            raise ValueError(
-                "the lm_head is the embedding table (tie_word_embeddings): it is not quantized"
-            )
-        if isinstance(self.lm_head, QuantizedLinear):
-            raise ValueError("the lm_head is already quantized")
-        if self.sharding is not None:
-            raise ValueError("quantize_lm_head needs an unsharded model (quantize, then shard)")
-        w = self.lm_head.weight.get_value()  # [V, H]
-        n, k = w.shape
-        qe = wj.quantize_experts(
-            w[None],
-            bits=spec.bits,
-            group_size=spec.group_for(k),
-            has_zp=spec.has_zp,
-            scale_dtype=jnp.dtype(self.cfg.dtype),
-        )
-        self.lm_head = QuantizedLinear(self.cfg, k, n, rngs=None, qe=qe)
+    def cache_layer_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
+        return (batch, max_len, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim)
 
     def dequantize_kv_b(self) -> None:
-        """Replaces every quantized kv_b_proj with a float Linear holding its dequantized weight
-        (cfg.dtype), in place.
-
-        The absorbed decode multiplies W_UK and W_UV (kv_b_proj's two halves) into every
-        token's queries and outputs; a quantized kv_b would be dequantized in every step of
-        the decode loop (XLA does not hoist loop-invariant work out of a loop on GPUs).
-        `generate` calls this on its own traced copy of the model before the loop, so the
-        weights are dequantized once per call and the model's stored kv_b stays quantized.
-        Tokens are unchanged: the step dequantized to cfg.dtype as well.
-        """
-        for _, m in list(nnx.iter_modules(self)):
-            if isinstance(m, MLAttention) and isinstance(m.kv_b_proj, QuantizedLinear):
-                _, n, k = m.kv_b_proj.weight.shape
-                dense = m.kv_b_proj.dense_weight(self.cfg.dtype)
-                m.kv_b_proj = Linear(self.cfg, k, n, rngs=None, weight=dense)
-
-    def prepare_decode(self) -> None:
-        """What `generate` runs on its traced copy of the model before the decode loop:
-        `dequantize_kv_b`."""
-        self.dequantize_kv_b()
-
-    @property
-    def implementation(self):
-        for _, m in nnx.iter_modules(self):
-            if isinstance(m, RoutedExperts):
-                return m.implementation
-        return None
-
-    def set_sharding(self, sharding: ModelSharding | None) -> None:
-        """Records the mesh and specs the model runs with on every module that uses them.
-
-        Low level: it moves no weight; `sharding.shard_model` places the weights and calls it.
-        Each QuantizedLinear gets its own LinearSharding (`ModelSharding.linear`: the split of
-        its weight by the ShardingSpecs field of its name).
-        """
-        for path, m in nnx.iter_modules(self):
-            if isinstance(m, QuantizedLinear):
-                m.sharding = None if sharding is None else sharding.linear(path, m.weight)
-            elif hasattr(m, "sharding"):
-                m.sharding = sharding
-
-    # --- forward -------------------------------------------------------------------------
-    def _logits(self, x):
-        if isinstance(self.lm_head, QuantizedLinear):
-            return self.lm_head(x, out_dtype=_F32)
-        if self.lm_head is None:
-            w = self.model.embed_tokens.weight.get_value()
-        else:
-            w = self.lm_head.dense_weight(x.dtype)
-        return jnp.einsum("...h,vh->...v", x, w.astype(x.dtype), preferred_element_type=_F32)
-
-    def _run(self, ids, positions, mask, *, mode, cache=None, index=None):
-        cos, sin = rope_cos_sin(self.cfg, positions)
-        x = constrain(self.sharding, self.model.embed_tokens(ids), "act_btd")
-        new = []
-        for i, layer in enumerate(self.model.layers):
-            layer_cache = None if cache is None else cache.latent[i]
-            x, nc = layer(x, cos=cos, sin=sin, mask=mask, mode=mode, cache=layer_cache, index=index)
-            x = constrain(self.sharding, x, "act_btd")
-            new.append(nc)
-        return self.model.norm(x), new
-
-    def __call__(self, input_ids, attention_mask=None):
-        """Logits without a cache.
-
-        Args:
-            input_ids: int32 [B, S].
-            attention_mask: optional [B, S] (1 = token, 0 = left padding).
-
-        Returns:
-            f32 [B, S, vocab].
-        """
-        input_ids = jnp.asarray(input_ids, jnp.int32)
-        if attention_mask is None:
-            attention_mask = jnp.ones(input_ids.shape, bool)
-        key_valid = jnp.asarray(attention_mask).astype(bool)
-        x, _ = self._run(
-            input_ids, positions_from_mask(key_valid), chunk_mask(key_valid), mode="full"
-        )
-        return self._logits(x)
-
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        cfg = self.cfg
-        n = cfg.num_hidden_layers
-        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim  # R + dr
-        return KVCache(
-            latent=tuple(jnp.zeros((batch, max_len, width), cfg.dtype) for _ in range(n)),
-            valid=jnp.zeros((batch, max_len), bool),
-            next_pos=jnp.zeros((batch,), jnp.int32),
-            index=jnp.zeros((), jnp.int32),
-        )
-
-    def prefill(self, input_ids, attention_mask, *, max_len: int, return_hidden: bool = False):
-        """Runs the (left-padded) prompt and fills a fresh cache of `max_len` slots.
-
-        Args:
-            input_ids: int32 [B, S].  attention_mask: [B, S], 0 on left padding.
-            max_len: static cache length L >= S.
-            return_hidden: also return the final norm's output [B, S, H] (what the MTP layer
-                reads).
-
-        Returns:
-            (f32 [B, vocab] logits of the last column, KVCache with index = S), then the
-            hidden states with return_hidden.
-        """
-        input_ids = jnp.asarray(input_ids, jnp.int32)
-        b, s = input_ids.shape
-        if max_len < s:
-            raise ValueError(f"max_len={max_len} is shorter than the prompt ({s} tokens)")
-        key_valid = jnp.asarray(attention_mask).astype(bool)
-        cache = self.init_cache(b, max_len)
-        x, new = self._run(
-            input_ids,
-            positions_from_mask(key_valid),
-            chunk_mask(key_valid),
-            mode="prefill",
-            cache=cache,
-        )
-        cache = KVCache(
-            latent=tuple(new),
-            valid=jax.lax.dynamic_update_slice(cache.valid, key_valid, (0, 0)),
-            next_pos=key_valid.sum(axis=1).astype(jnp.int32),
-            index=jnp.asarray(s, jnp.int32),
-        )
-        if return_hidden:
-            return self._logits(x[:, -1]), cache, x
-        return self._logits(x[:, -1]), cache
-
-    def decode(self, tokens, cache: KVCache, *, return_hidden: bool = False):
-        """Appends tokens int32 [B, S] (or [B]) to every row and attends over the cache
-        (absorbed MLA).
-
-        Returns:
-            (f32 logits [B, S, vocab] (or [B, vocab]), the updated KVCache), then with
-            return_hidden the final norm's output [B, S, H] (or [B, H]).
-        """
-        tokens = jnp.asarray(tokens, jnp.int32)
-        squeeze = tokens.ndim == 1
-        if squeeze:
-            tokens = tokens[:, None]
-        positions, valid, mask = decode_positions_and_mask(cache, *tokens.shape)
-        idx = cache.index
-        x, new = self._run(tokens, positions, mask, mode="decode", cache=cache, index=idx)
-        s = tokens.shape[1]
-        cache = KVCache(
-            latent=tuple(new),
-            valid=valid,
-            next_pos=cache.next_pos + s,
-            index=idx + s,
-        )
-        logits = self._logits(x)
-        if squeeze:
-            logits, x = logits[:, 0], x[:, 0]
-        return (logits, cache, x) if return_hidden else (logits, cache)
+        """Replaces every quantized kv_b_proj with a float Linear holding its dequantized
+        weight (cfg.dtype), in place (`dequantize_attention_linears`: the absorbed decode
+        multiplies W_UK and W_UV into every token's queries and outputs)."""
+        self.dequantize_attention_linears()
 
 
 def abstract_model(cfg: DeepseekV3Config) -> DeepseekV3ForCausalLM:
-    """The model with jax.ShapeDtypeStruct in place of every array (nothing is allocated): the
-    frame that loading and random init fill part by part."""
-    return nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    """The model with jax.ShapeDtypeStruct in place of every array (nothing is allocated)."""
+    return DeepseekV3ForCausalLM.abstract(cfg)
 
 
-def random_parts(cfg: DeepseekV3Config) -> list[tuple[tuple, str, Callable[[Rng], nnx.Module]]]:
-    """The parts of DeepseekV3ForCausalLM that hold weights, as (path, kind, build(rngs)), in
-    the order its constructor draws their random weights: built one after another from one
-    random stream they hold the constructor's values. Parts of one kind have the same structure
-    (`sharding.init_random` compiles one program per kind)."""
-    parts = [(("model", "embed_tokens"), "embed", lambda rngs: Embed(cfg, rngs=rngs))]
-    for i in range(cfg.num_hidden_layers):
-        kind = "moe_layer" if cfg.is_moe_layer(i) else "dense_layer"
-        build = lambda rngs, i=i: DecoderLayer(cfg, i, rngs=rngs)
-        parts.append((("model", "layers", i), kind, build))
-    norm = lambda rngs: RMSNorm(cfg, cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs)
-    parts.append((("model", "norm"), "norm", norm))
-    if not cfg.tie_word_embeddings:
-        head = lambda rngs: Linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs=rngs)
-        parts.append((("lm_head",), "lm_head", head))
-    return parts
-
-
-def linear_at(root: DeepseekV3ForCausalLM, path: tuple):
-    """The linear at the HF module path `path` (e.g. ("model", "layers", 0, "mlp",
-    "gate_proj")), also while it runs fused: then split off its FusedLinear (canonical
-    layout, bit-identical)."""
-    owner = module_at(root, path[:-1])
-    if isinstance(owner, (MLP, MLAttention)) and path[-1] in owner.FUSION.parts:
-        return owner.FUSION.part(owner, path[-1])
-    return getattr(owner, path[-1])
+def random_parts(cfg: DeepseekV3Config):
+    """`CausalLM.random_parts` of DeepseekV3ForCausalLM (`sharding.init_random` compiles one
+    program per kind of part)."""
+    return DeepseekV3ForCausalLM.random_parts(cfg)
 
 
 def param_bytes(cfg: DeepseekV3Config) -> int:
     """Bytes of the model's weights (from an abstract model: nothing is allocated)."""
-    abstract = abstract_model(cfg)
-    return sum(
-        int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-        for a in jax.tree.leaves(nnx.state(abstract))
-    )
-
-
-def dequantize_model(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
-    """A float copy of `model`: every quantized linear and the routed experts replaced by float
-    modules holding the dequantized weights (in cfg.dtype). The test oracle for WNA16 layers;
-    float experts run 16-bit activations (a W8A8 model's activation_quant is not kept).
-
-    Raises:
-        ValueError: the model is sharded (move it to one device with sharding.shard_model).
-    """
-    if model.sharding is not None:
-        raise ValueError("dequantize_model needs an unsharded model: shard_model(model, None)")
-    new = nnx.clone(model)
-    new._unfuse_linears()  # the HF module tree: a float Linear per part
-    cfg = new.cfg
-    for path, module in list(nnx.iter_modules(new)):
-        if isinstance(module, QuantizedLinear):
-            _, n, k = module.weight.shape
-            repl = Linear(cfg, k, n, rngs=None, weight=module.dense_weight(_F32))
-        elif isinstance(module, RoutedExperts):
-            repl = FloatExperts(
-                cfg,
-                rngs=None,
-                w13=wj.dequantize_experts(module.canonical_w13(), _F32),
-                w2=wj.dequantize_experts(module.w2.get(), _F32),
-            )
-        else:
-            continue
-        set_module(new, path, repl)
-    return new
+    return DeepseekV3ForCausalLM.param_bytes(cfg)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.common.causal_lm import empty_cache
 from models.common.modules import chunk_mask, positions_from_mask
 from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.modeling import (
@@ -37,10 +38,10 @@ from models.deepseek_v3.modeling import (
 # eh_proj stays float unless the checkpoint stores it quantized (as lm_head: not a target).
 # fmt: off
 MTP_NAME_TABLE: tuple[tuple[str, str, str, str | None], ...] = (
-    ("enorm",             "norm",   "H",    None),
-    ("hnorm",             "norm",   "H",    None),
+    ("enorm",             "weight", "H",    None),
+    ("hnorm",             "weight", "H",    None),
     ("eh_proj",           "linear", "H H2", None),
-    ("shared_head.norm",  "norm",   "H",    None),
+    ("shared_head.norm",  "weight", "H",    None),
 )
 # fmt: on
 # The attribute of DeepseekV3ForCausalLM that holds the layer (its module paths start here).
@@ -109,14 +110,7 @@ def draft_logits(model, g):
 
 def init_mtp_cache(model, batch: int, max_len: int) -> KVCache:
     """An empty latent cache for the MTP layer (one layer's)."""
-    cfg = model.cfg
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return KVCache(
-        latent=(jnp.zeros((batch, max_len, width), cfg.dtype),),
-        valid=jnp.zeros((batch, max_len), bool),
-        next_pos=jnp.zeros((batch,), jnp.int32),
-        index=jnp.zeros((), jnp.int32),
-    )
+    return empty_cache(model.cache_layer_shape(batch, max_len), 1, model.cfg.dtype)
 
 
 def mtp_prefill(model, hidden, next_ids, attention_mask, *, max_len: int):
@@ -135,10 +129,10 @@ def mtp_prefill(model, hidden, next_ids, attention_mask, *, max_len: int):
         sin=sin,
         mask=chunk_mask(key_valid),
         mode="prefill",
-        cache=cache.latent[0],
+        cache=cache.layers[0],
     )
     cache = KVCache(
-        latent=(latent,),
+        layers=(latent,),
         valid=jax.lax.dynamic_update_slice(cache.valid, key_valid, (0, 0)),
         next_pos=key_valid.sum(axis=1).astype(jnp.int32),
         index=jnp.asarray(s, jnp.int32),
@@ -160,10 +154,10 @@ def mtp_decode(model, hidden, next_ids, cache: KVCache):
         sin=sin,
         mask=mask,
         mode="decode",
-        cache=cache.latent[0],
+        cache=cache.layers[0],
         index=cache.index,
     )
     cache = KVCache(
-        latent=(latent,), valid=valid, next_pos=cache.next_pos + s, index=cache.index + s
+        layers=(latent,), valid=valid, next_pos=cache.next_pos + s, index=cache.index + s
     )
     return g, cache

@@ -54,7 +54,9 @@ from models.common.modules import (
 from models.common.sharding import AXES as AXES
 from models.common.sharding import DATA as DATA
 from models.common.sharding import EXPERT as EXPERT
+from models.common.sharding import MOE_MODES as MOE_MODES
 from models.common.sharding import TENSOR as TENSOR
+from models.common.sharding import ShardedExperts
 from models.common.sharding import describe as describe
 from models.common.sharding import host_device as host_device
 from models.common.sharding import make_mesh as make_mesh
@@ -66,17 +68,13 @@ from models.common.sharding import use_cpu_devices as use_cpu_devices
 from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.modeling import (
     DeepseekV3ForCausalLM,
-    KVCache,
     abstract_model,
-    param_bytes,
     progress_bar,
     random_parts,
 )
 from models.deepseek_v3.mtp import random_mtp
 
 logger = logging.getLogger("models.deepseek_v3")
-
-MOE_MODES = ("replicated", "all_to_all", "auto")
 
 _logged: set = set()
 
@@ -212,13 +210,12 @@ def _clean(entries) -> P:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSharding:
-    """How a sharded model runs: its mesh and specs, and the MoE token mode.
+class ModelSharding(ShardedExperts):
+    """How a sharded model runs: its mesh and specs, and the MoE token mode (the routed
+    experts' shard_map, the batch check and the cache's shardings: `ShardedExperts`).
 
     Static (hashable): the modules hold it as an attribute, so it is part of the graphdef and
-    every trace sees it. `moe_mode` as in `wna16_jax.sharding.fused_moe_ep`: "replicated"
-    (every device sees every token; one psum), "all_to_all" (tokens split over the expert axis,
-    gathered and reduce-scattered) or "auto" (replicated up to `token_threshold` tokens).
+    every trace sees it.
     """
 
     mesh: Mesh
@@ -227,8 +224,7 @@ class ModelSharding:
     token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD
 
     def __post_init__(self):
-        if self.moe_mode not in MOE_MODES:
-            raise ValueError(f"moe_mode={self.moe_mode!r} is not one of {MOE_MODES}")
+        self._check_moe_mode()
         w13, w2 = self.specs.moe_w13_efd, self.specs.moe_w2_edf
         if (_at(w13, 0), _at(w13, 1)) != (_at(w2, 0), _at(w2, 2)):
             raise ValueError(
@@ -249,42 +245,13 @@ class ModelSharding:
     def data_axis(self) -> str | None:
         return _at(self.specs.act_btd, 0)
 
-    def size(self, entry) -> int:
-        """Devices along a spec entry (an axis name, a tuple of names, or None)."""
-        return _entry_size(self.mesh, entry)
-
-    @property
-    def expert_shards(self) -> int:
-        return self.size(self.expert_axis)
-
-    @property
-    def tensor_shards(self) -> int:
-        return self.size(self.tensor_axis)
-
-    def named(self, spec: P) -> NamedSharding:
-        return NamedSharding(self.mesh, spec)
-
     # --- activations ---------------------------------------------------------------------
     def constrain(self, x, field: str):
         """`x` pinned to the spec `field` of ShardingSpecs (inside jit)."""
         return jax.lax.with_sharding_constraint(x, self.named(getattr(self.specs, field)))
 
-    def check_batch(self, batch: int) -> None:
-        n = self.size(self.data_axis)
-        if batch % n:
-            raise ValueError(
-                f"batch {batch} is not divisible by the data axis ({n} devices); pad the batch "
-                f"or use a mesh with data=1"
-            )
-
-    def cache_shardings(self, num_layers: int) -> KVCache:
-        """NamedShardings of a KVCache (a KVCache of shardings)."""
-        return KVCache(
-            latent=(self.named(self.specs.cache_blr),) * num_layers,
-            valid=self.named(self.specs.cache_bl),
-            next_pos=self.named(self.specs.cache_b),
-            index=self.named(P()),
-        )
+    def cache_specs(self) -> tuple[P, P, P]:
+        return self.specs.cache_blr, self.specs.cache_bl, self.specs.cache_b
 
     def put(self, host_array, spec: P) -> jax.Array:
         """A host (numpy) array placed on the mesh, each device given only its slice."""
@@ -312,62 +279,6 @@ class ModelSharding:
             self.mesh, getattr(self.specs, field), (n, k), weight, f"{what}.weight"
         )
         return LinearSharding(self.mesh, row_axis=self.data_axis, n_axis=n_ax, k_axis=k_ax)
-
-    # --- routed experts ------------------------------------------------------------------
-    def quantized_moe(
-        self, x, w13, w2, topk_weights, topk_ids, *, implementation=None, activation_quant=None
-    ):
-        """The routed experts of one layer: `wna16_jax.sharding.fused_moe_ep` over this mesh's
-        expert, tensor and data axes (each device runs its own experts; no weight moves).
-
-        Args:
-            x: [T, H].  w13: QuantizedExperts [E, 2I, H] sharded as moe_w13_efd (rows
-                interleaved for the tensor axis).  w2: [E, H, I] sharded as moe_w2_edf.
-            topk_weights: f32 [T, k].  topk_ids: int32 [T, k] global expert ids.
-            implementation: the fused_moe backend.
-            activation_quant: None or the experts' W8A8 activation quantization (fused_moe's),
-                run on every shard.
-
-        Returns:
-            [T, H] in x.dtype.
-        """
-        return wj.sharding.fused_moe_ep(
-            x,
-            w13,
-            w2,
-            topk_weights,
-            topk_ids,
-            mesh=self.mesh,
-            expert_axis=self.expert_axis,
-            tensor_axis=self.tensor_axis,
-            data_axis=self.data_axis,
-            mode=self.moe_mode,
-            token_threshold=self.token_threshold,
-            implementation=implementation,
-            activation_quant=activation_quant,
-        )
-
-    def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids):
-        """Float routed experts (tokens replicated): `local_fn(x, w13, w2, weights, local_ids)`
-        on each device's experts (local_ids -1 for experts elsewhere), psum over the expert and
-        tensor axes. Shapes as in `quantized_moe` with float w13 / w2."""
-        ea, ta = self.expert_axis, self.tensor_axis
-        num_experts = w13.shape[0]
-
-        def body(x, w13, w2, topk_weights, topk_ids):
-            ids = wj.sharding.local_expert_ids(topk_ids, num_experts, ea)
-            y = local_fn(x, w13, w2, topk_weights, ids)
-            axes = tuple(a for a in (ea, ta) if a is not None)
-            return jax.lax.psum(y, axes) if axes else y
-
-        tok = P(self.data_axis)
-        return jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(tok, P(ea, ta, None), P(ea, None, ta), tok, tok),
-            out_specs=tok,
-            check_vma=False,
-        )(x, w13, w2, topk_weights, topk_ids)
 
 
 # ---- the spec of every variable -------------------------------------------------------------
@@ -625,11 +536,6 @@ def _place(value, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
 
-# Above this many bytes of weights a random model is generated on device under jit; below it,
-# on the host with numpy (XLA compiling ~100 separate random ops costs tens of seconds on CPU).
-HOST_INIT_MAX_BYTES = 1 << 30
-
-
 def init_random(
     cfg: DeepseekV3Config,
     *,
@@ -652,7 +558,7 @@ def init_random(
         implementation: fused_moe backend of the routed experts (None = automatic).
         on_device: generate the weights on the device(s) (True: one jitted program per kind
             of part, `part_programs`) or with numpy on the host (False); None picks the host
-            below HOST_INIT_MAX_BYTES.
+            below `causal_lm.HOST_INIT_MAX_BYTES`.
         mesh: a mesh (`make_mesh`) to place the model on. On device, every device
             generates only its own shard of the weights (`init_sharded`: no device ever
             holds all experts; values equal those of on_device=True without a mesh); on the
@@ -673,8 +579,7 @@ def init_random(
             f"num_nextn_predict_layers={cfg.num_nextn_predict_layers} with a mesh: the MTP "
             f"layer runs on one device (pass num_nextn_predict_layers=0 in the config)"
         )
-    if on_device is None:
-        on_device = param_bytes(cfg) > HOST_INIT_MAX_BYTES
+    on_device = DeepseekV3ForCausalLM.draws_on_device(cfg, on_device)
     if mesh is not None and on_device:
         model = init_sharded(
             cfg, mesh, seed=seed, specs=specs, moe_mode=moe_mode, progress=progress

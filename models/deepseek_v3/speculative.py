@@ -166,7 +166,7 @@ def _settle(cache: KVCache, index, next_pos, keep, gained, advance) -> KVCache:
     valid where keep [B, k + 1]; next_pos advances by gained [B], index by advance."""
     valid = jax.lax.dynamic_update_slice(cache.valid, keep, (0, index))
     return KVCache(
-        latent=cache.latent, valid=valid, next_pos=next_pos + gained, index=index + advance
+        layers=cache.layers, valid=valid, next_pos=next_pos + gained, index=index + advance
     )
 
 
@@ -220,7 +220,7 @@ def _speculative_decode(
             ds.append(d)
             qs.append(q)
             g = g[:, 0]
-        c = KVCache(latent=c.latent, valid=c.valid, next_pos=mcache.next_pos, index=mcache.index)
+        c = KVCache(layers=c.layers, valid=c.valid, next_pos=mcache.next_pos, index=mcache.index)
         return jnp.stack(ds, axis=1), None if greedy else jnp.stack(qs, axis=1), c
 
     key, sub = jax.random.split(key)

@@ -184,6 +184,20 @@ class QwenMoeConfig:
         except (KeyError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF config.json dict (what `from_hf_dict` reads back); `dtype` and `quant` are
+        not written."""
+        skip = ("dtype", "quant", "quantization_config", "eos_token_id", "mlp_only_layers")
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        eos = self.eos_token_id
+        d["eos_token_id"] = None if not eos else eos[0] if len(eos) == 1 else list(eos)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
+        d["architectures"] = [MODEL_TYPES[self.model_type]]
+        d["torch_dtype"] = self.dtype
+        if self.quantization_config is not None:
+            d["quantization_config"] = self.quantization_config
+        return d
+
     # --- presets -----------------------------------------------------------------------------
     @classmethod
     def tiny(cls, **overrides) -> QwenMoeConfig:

@@ -30,9 +30,9 @@ from models.common.modules import (
     QuantizedLinear,
     RoutedExperts,
 )
-from models.common.sharding import AXES, make_mesh, reorder_w13
+from models.common.sharding import AXES, ShardedExperts, make_mesh, reorder_w13
 from models.qwen_moe.config import QwenMoeConfig
-from models.qwen_moe.modeling import Attention, KVCache, QwenMoeForCausalLM
+from models.qwen_moe.modeling import Attention, QwenMoeForCausalLM
 
 # The attention linears split over the heads: column parallel (N) or row parallel (K).
 _COLUMNS = ("q_proj", "k_proj", "v_proj")
@@ -83,15 +83,17 @@ class ShardingSpecs:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSharding:
-    """How a sharded Qwen model runs (models.common.modules.ModelSharding's protocol, and
-    what models.common.generate asks of it). `moe_mode` as in
-    `wna16_jax.sharding.fused_moe_ep`."""
+class ModelSharding(ShardedExperts):
+    """How a sharded Qwen model runs (models.common.modules.ModelSharding's protocol; the
+    routed experts' shard_map, the batch check and the cache's shardings: `ShardedExperts`)."""
 
     mesh: Mesh
     specs: ShardingSpecs
     moe_mode: str = "replicated"
     token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD
+
+    def __post_init__(self):
+        self._check_moe_mode()
 
     @property
     def expert_axis(self) -> str | None:
@@ -102,11 +104,8 @@ class ModelSharding:
         return self.specs.tensor
 
     @property
-    def tensor_shards(self) -> int:
-        return 1 if self.specs.tensor is None else self.mesh.shape[self.specs.tensor]
-
-    def named(self, spec: P) -> NamedSharding:
-        return NamedSharding(self.mesh, spec)
+    def data_axis(self) -> str | None:
+        return self.specs.data
 
     def put(self, host_array, spec: P) -> jax.Array:
         return jax.device_put(np.asarray(host_array), self.named(spec))
@@ -114,19 +113,9 @@ class ModelSharding:
     def constrain(self, x, field: str):
         return x  # XLA propagates the weights' placement
 
-    def check_batch(self, batch: int) -> None:
-        n = 1 if self.specs.data is None else self.mesh.shape[self.specs.data]
-        if batch % n:
-            raise ValueError(f"batch {batch} is not divisible by the data axis ({n} devices)")
-
-    def cache_shardings(self, num_layers: int) -> KVCache:
-        d, h = self.specs.data, self.specs.heads
-        return KVCache(
-            kv=(self.named(P(d, None, None, h, None)),) * num_layers,
-            valid=self.named(P(d, None)),
-            next_pos=self.named(P(d)),
-            index=self.named(P()),
-        )
+    def cache_specs(self) -> tuple[P, P, P]:
+        d = self.specs.data
+        return P(d, None, None, self.specs.heads, None), P(d, None), P(d)
 
     def linear(self, path: tuple, weight) -> LinearSharding:
         """The attention's linears over the heads (q/k/v rows, o_proj's columns) where the
@@ -141,47 +130,6 @@ class ModelSharding:
         if n_ax and (n // shards) % 2:
             n_ax = None
         return LinearSharding(self.mesh, row_axis=self.specs.data, n_axis=n_ax, k_axis=k_ax)
-
-    def quantized_moe(
-        self, x, w13, w2, topk_weights, topk_ids, *, implementation=None, activation_quant=None
-    ):
-        """One layer's routed experts: `wna16_jax.sharding.fused_moe_ep` over the mesh."""
-        return wj.sharding.fused_moe_ep(
-            x,
-            w13,
-            w2,
-            topk_weights,
-            topk_ids,
-            mesh=self.mesh,
-            expert_axis=self.expert_axis,
-            tensor_axis=self.tensor_axis,
-            data_axis=self.specs.data,
-            mode=self.moe_mode,
-            token_threshold=self.token_threshold,
-            implementation=implementation,
-            activation_quant=activation_quant,
-        )
-
-    def float_moe(self, local_fn, x, w13, w2, topk_weights, topk_ids):
-        """Float routed experts: `local_fn` on each device's experts (ids of experts
-        elsewhere -1), summed over the expert and tensor axes."""
-        ea, ta = self.expert_axis, self.tensor_axis
-        num_experts = w13.shape[0]
-
-        def body(x, w13, w2, topk_weights, topk_ids):
-            ids = wj.sharding.local_expert_ids(topk_ids, num_experts, ea)
-            y = local_fn(x, w13, w2, topk_weights, ids)
-            axes = tuple(a for a in (ea, ta) if a is not None)
-            return jax.lax.psum(y, axes) if axes else y
-
-        tok = P(self.specs.data)
-        return jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(tok, P(ea, ta, None), P(ea, None, ta), tok, tok),
-            out_specs=tok,
-            check_vma=False,
-        )(x, w13, w2, topk_weights, topk_ids)
 
 
 def _put_tree(tree, specs, mesh: Mesh):
@@ -250,4 +198,27 @@ def shard_model(
     return model
 
 
-__all__ = ["ModelSharding", "ShardingSpecs", "make_mesh", "shard_model"]
+def init_random(
+    cfg: QwenMoeConfig,
+    *,
+    seed: int = 0,
+    implementation=None,
+    on_device: bool | None = None,
+    mesh=None,
+    moe_mode: str = "replicated",
+    progress: bool = True,
+) -> QwenMoeForCausalLM:
+    """A model of random weights, quantized where cfg.quant says (scales in
+    cfg.quant.scale_dtype, e.g. GPTQ's float16): drawn on the device or with numpy on the
+    host (`on_device`: `CausalLM.draws_on_device`); with a `mesh`, then placed on it
+    (`shard_model`, `moe_mode` its MoE token mode). `progress` is accepted for the registry's
+    signature (the model is drawn whole, without a bar)."""
+    on_device = QwenMoeForCausalLM.draws_on_device(cfg, on_device)
+    rngs = nnx.Rngs(seed) if on_device else np.random.default_rng(seed)
+    model = QwenMoeForCausalLM(cfg, rngs=rngs, implementation=implementation)
+    if mesh is not None:
+        shard_model(model, mesh, moe_mode=moe_mode)
+    return model
+
+
+__all__ = ["ModelSharding", "ShardingSpecs", "init_random", "make_mesh", "shard_model"]
