@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 FAMILY_PACKAGES = (
     "deepseek_v3",
     "qwen_moe",
+    "gpt_oss",
 )
 
 

@@ -143,6 +143,16 @@ class GptOssConfig:
     def moe_intermediate_size(self) -> int:
         return self.intermediate_size
 
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    qk_norm = False  # no q/k norms
+
     def is_moe_layer(self, i: int) -> bool:
         return True
 

@@ -19,19 +19,23 @@ import numpy as np
 from flax import nnx
 
 import wna16_jax as wj
+from models.common.attention import Attention as GQAttention
+from models.common.causal_lm import CausalLM
+from models.common.causal_lm import KVCache as KVCache
+from models.common.causal_lm import dequantize_model as dequantize_model
 from models.common.modules import (
-    DecoderStack,
     FloatExperts,
-    Linear,
     PreNormDecoderLayer,
     Rng,
     RoutedExperts,
-    make_linear,
+    constrain,
     normal,
     random_quantized,
 )
+from models.common.modules import (
+    Router as RouterBase,
+)
 from models.gpt_oss.config import GptOssConfig
-from models.qwen_moe import modeling as _qwen
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -78,8 +82,6 @@ def rope_cos_sin(cfg: GptOssConfig, positions):
 
 # ---- attention ------------------------------------------------------------------------------
 
-KVCache = _qwen.KVCache
-
 
 def window_mask(mask, window: int, first_query_slot=0):
     """`mask` bool [B, S, L] narrowed to a sliding window: query s (at cache slot
@@ -90,26 +92,15 @@ def window_mask(mask, window: int, first_query_slot=0):
     return mask & (key > query - window)[None]
 
 
-class Attention(_qwen.Attention):
-    """GQA with q/k/v/o biases and a learned sink per query head: softmax over the scores and
-    the head's sink logit, the sink's share dropped (it takes weight from every value)."""
+class Attention(GQAttention):
+    """GQA with q/k/v/o biases (`attention_bias`) and a learned sink per query head: softmax
+    over the scores and the head's sink logit, the sink's share dropped (it takes weight from
+    every value)."""
 
     def __init__(self, cfg: GptOssConfig, *, rngs: Rng):
-        self.cfg = cfg
-        h, d = cfg.hidden_size, cfg.head_dim
-        n, m = cfg.num_attention_heads, cfg.num_key_value_heads
-        lin = lambda k, out: make_linear(cfg, k, out, target="attention", rngs=rngs)
-        self.q_proj = lin(h, n * d)
-        self.k_proj = lin(h, m * d)
-        self.v_proj = lin(h, m * d)
-        self.o_proj = lin(n * d, h)
-        bias = cfg.attention_bias
-        self.q_bias = _qwen._bias(cfg, n * d, rngs, bias)
-        self.k_bias = _qwen._bias(cfg, m * d, rngs, bias)
-        self.v_bias = _qwen._bias(cfg, m * d, rngs, bias)
-        self.o_bias = _qwen._bias(cfg, h, rngs, bias)
+        super().__init__(cfg, rngs=rngs)
+        n = cfg.num_attention_heads
         self.sinks = nnx.Param(jnp.asarray(normal(rngs, (n,), 1.0), cfg.dtype))  # [n]
-        self.q_norm = self.k_norm = None
 
     def _attend(self, q, k, v, mask):
         """q [B, S, n, D], k / v [B, L, m, D], mask bool [B, S, L] -> [B, S, n, D]."""
@@ -143,19 +134,14 @@ def route(logits, *, cfg: GptOssConfig):
     return jax.nn.softmax(values, axis=-1), ids.astype(jnp.int32)
 
 
-class Router(nnx.Module):
+class Router(RouterBase):
     """The biased router linear: weight [E, H], bias [E] (model dtype); logits in f32."""
 
     def __init__(self, cfg: GptOssConfig, *, rngs: Rng):
-        self.cfg = cfg
-        e, h = cfg.num_local_experts, cfg.hidden_size
-        self.weight = nnx.Param(jnp.asarray(normal(rngs, (e, h), h**-0.5), cfg.dtype))
-        self.bias = nnx.Param(jnp.asarray(normal(rngs, (e,), 0.1), cfg.dtype))
+        super().__init__(cfg, rngs=rngs)
+        self.bias = nnx.Param(jnp.asarray(normal(rngs, (cfg.n_routed_experts,), 0.1), cfg.dtype))
 
-    def __call__(self, x):
-        """x [T, H] -> (topk_weights f32 [T, k], topk_ids int32 [T, k])."""
-        w = self.weight.get_value().astype(_F32)
-        logits = jnp.dot(x.astype(_F32), w.T, precision=_HIGHEST)
+    def route(self, logits):
         return route(logits + self.bias.get_value().astype(_F32), cfg=self.cfg)
 
 
@@ -265,70 +251,70 @@ class DecoderLayer(PreNormDecoderLayer):
     MOE = MoE
 
 
-class GptOssModel(DecoderStack):
+class GptOssForCausalLM(CausalLM):
+    """The causal LM (models.common.causal_lm.CausalLM) with sink attention and YaRN rope;
+    its cache holds keys and values [B, L, 2, m, D] per layer, and its sliding layers narrow
+    the causal mask to their window."""
+
     LAYER = DecoderLayer
 
+    def rope(self, positions):
+        return rope_cos_sin(self.cfg, positions)
 
-class GptOssForCausalLM(_qwen.QwenMoeForCausalLM):
-    """The causal LM: `model(input_ids)` -> f32 logits; `prefill` / `decode` for generation
-    (models.common.generate). Sliding layers narrow the causal mask to their window."""
-
-    def __init__(self, cfg: GptOssConfig, *, rngs: Rng, implementation=None):
-        self.cfg = cfg
-        self.model = GptOssModel(cfg, rngs=rngs)
-        self.lm_head = None if cfg.tie_word_embeddings else (
-            Linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs=rngs))  # fmt: skip
-        self.sharding = None
-        if implementation is not None:
-            self.set_implementation(implementation)
+    def cache_layer_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
+        cfg = self.cfg
+        return (batch, max_len, 2, cfg.num_key_value_heads, cfg.head_dim)
 
     def _run(self, ids, positions, mask, *, mode, cache=None, index=None):
         cfg = self.cfg
-        inv_freq_cos, inv_freq_sin = rope_cos_sin(cfg, positions)
-        first = 0 if mode != "decode" else index
-        sliding = window_mask(mask, cfg.sliding_window, first)
-        x = self.model.embed_tokens(ids)
+        cos, sin = self.rope(positions)
+        sliding = window_mask(mask, cfg.sliding_window, 0 if mode != "decode" else index)
+        x = constrain(self.sharding, self.model.embed_tokens(ids), "act_btd")
         new = []
         for i, layer in enumerate(self.model.layers):
-            layer_cache = None if cache is None else cache.kv[i]
+            layer_cache = None if cache is None else cache.layers[i]
+            layer_mask = sliding if cfg.is_sliding(i) else mask
             x, nc = layer(
-                x,
-                cos=inv_freq_cos,
-                sin=inv_freq_sin,
-                mask=sliding if cfg.is_sliding(i) else mask,
-                mode=mode,
-                cache=layer_cache,
-                index=index,
+                x, cos=cos, sin=sin, mask=layer_mask, mode=mode, cache=layer_cache, index=index
             )
+            x = constrain(self.sharding, x, "act_btd")
             new.append(nc)
         return self.model.norm(x), new
 
 
-def dequantize_model(model: GptOssForCausalLM) -> GptOssForCausalLM:
-    """A copy of `model` with float routed experts (dequantized in f32): the oracle of the
-    quantized ones."""
-    new = nnx.clone(model)
-    for _, m in nnx.iter_modules(new):
-        if isinstance(m, Experts) and m.quantized:
-            w13 = wj.dequantize_experts(m.weights.canonical_w13(), _F32)
-            w2 = wj.dequantize_experts(wj.layouts.to_canonical_layout(m.weights.w2.get()), _F32)
-            m.weights = FloatExperts(new.cfg, rngs=None, w13=w13, w2=w2)
-    return new
-
-
-def param_bytes(cfg: GptOssConfig) -> int:
-    """Bytes of the model's weights (from an abstract model: nothing is allocated)."""
-    abstract = nnx.eval_shape(lambda: GptOssForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(abstract)))
-
-
 def init_random(
-    cfg: GptOssConfig, *, seed: int = 0, implementation=None, on_device: bool | None = None
+    cfg: GptOssConfig,
+    *,
+    seed: int = 0,
+    implementation=None,
+    on_device: bool | None = None,
+    mesh=None,
+    moe_mode: str = "replicated",
+    progress: bool = True,
 ) -> GptOssForCausalLM:
     """A model of random weights, its experts as cfg.quant says (the presets: MXFP4), drawn
-    on the device (`on_device`, default above the Qwen family's HOST_INIT_MAX_BYTES) or with
-    numpy on the host."""
-    if on_device is None:
-        on_device = param_bytes(cfg) > _qwen.HOST_INIT_MAX_BYTES
+    on the device or with numpy on the host (`on_device`: `CausalLM.draws_on_device`).
+    `moe_mode` and `progress` are accepted for the registry's signature.
+
+    Raises:
+        NotImplementedError: a mesh (`shard_model`).
+    """
+    if mesh is not None:
+        shard_model(None, mesh)
+    on_device = GptOssForCausalLM.draws_on_device(cfg, on_device)
     rngs = nnx.Rngs(seed) if on_device else np.random.default_rng(seed)
     return GptOssForCausalLM(cfg, rngs=rngs, implementation=implementation)
+
+
+def shard_model(model, mesh, *, moe_mode: str = "replicated"):
+    """gpt-oss runs on one device: its experts' biases have no sharded fused_moe yet.
+
+    Raises:
+        NotImplementedError: always, for a mesh; None (one device) returns the model.
+    """
+    if mesh is None:
+        return model
+    raise NotImplementedError(
+        "gpt-oss on a mesh is not supported: its routed experts' biases have no sharded "
+        "fused_moe (wna16_jax.sharding); run it on one device"
+    )

@@ -36,7 +36,7 @@ from models.common.config import QuantSpec
 from models.common.modules import module_at, set_module
 from models.common.progress import progress_bar
 from models.gpt_oss.config import GptOssConfig
-from models.gpt_oss.modeling import Experts, GptOssForCausalLM
+from models.gpt_oss.modeling import Experts, GptOssForCausalLM, shard_model
 from wna16_jax.formats import mxfp4
 
 logger = logging.getLogger("models.gpt_oss")
@@ -262,6 +262,9 @@ def load_pretrained(
     implementation=None,
     quantize: str | QuantSpec | None = None,
     progress: bool = True,
+    mesh=None,
+    moe_mode: str = "replicated",
+    mtp: bool = False,
 ) -> GptOssForCausalLM:
     """Loads a gpt-oss checkpoint: a local directory or a Hub id ("openai/gpt-oss-20b").
 
@@ -274,6 +277,9 @@ def load_pretrained(
         quantize: quantize float experts on load ("mxfp4", "int4", "int8" or a QuantSpec);
             MXFP4 ones stay as stored.
         progress: a tqdm bar over the tensors read, once the load has run PROGRESS_DELAY_S.
+        mesh, moe_mode: the registry's placement arguments; gpt-oss loads onto one device
+            (a mesh raises NotImplementedError: `modeling.shard_model`).
+        mtp: gpt-oss has no draft layer (True raises ValueError).
 
     Raises:
         FileNotFoundError: no such directory or Hub repository, or a missing file (named).
@@ -282,6 +288,9 @@ def load_pretrained(
             another shape, an unknown quant_method, MXFP4 on a module the config lists in
             modules_to_not_convert).
     """
+    if mtp:
+        raise ValueError("mtp=True: gpt-oss has no multi-token-prediction layer")
+    shard_model(None, mesh, moe_mode=moe_mode)  # one device only
     path = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir)
     spec = QuantSpec.parse(quantize)
     cfg = GptOssConfig.from_json(os.path.join(path, CONFIG_FILE), dtype=jnp.dtype(dtype).name)
@@ -328,17 +337,29 @@ def load_pretrained(
     return model
 
 
+SAVE_FORMATS = ("mxfp4",)
+
+
 def save_pretrained(
-    model: GptOssForCausalLM, path: str | os.PathLike, *, max_shard_bytes: int | None = None
+    model: GptOssForCausalLM,
+    path: str | os.PathLike,
+    *,
+    format: str = "mxfp4",
+    max_shard_bytes: int | None = None,
 ) -> None:
     """Writes the checkpoints' layout into the directory `path` (created): config.json, float
     tensors in the model dtype, MXFP4 experts as blocks and scales with gate and up rows
     interleaved (quantization_config {quant_method: mxfp4, modules_to_not_convert}), float
     experts as transformers keeps them; sharded with an index when `max_shard_bytes` is set.
 
+    `format` is the registry's argument: "mxfp4", the layout the checkpoints ship.
+
     Raises:
-        ValueError: quantized experts that are not MXFP4 (the Hub layout has no int4 / int8).
+        ValueError: another format, or quantized experts that are not MXFP4 (the Hub layout
+            has no int4 / int8).
     """
+    if format not in SAVE_FORMATS:
+        raise ValueError(f"format={format!r} is not one of {SAVE_FORMATS} (gpt-oss's layout)")
     cfg = model.cfg
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
