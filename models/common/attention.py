@@ -23,6 +23,11 @@ def apply_rope(x, cos, sin):
     return x * cos + rot * sin
 
 
+def kv_cache_shape(cfg, batch: int, max_len: int) -> tuple[int, ...]:
+    """One layer's cache entry: keys then values [B, L, 2, m, D] (roped keys)."""
+    return (batch, max_len, 2, cfg.num_key_value_heads, cfg.head_dim)
+
+
 def _bias(cfg, n: int, rngs: Rng, present: bool):
     return nnx.Param(jnp.asarray(normal(rngs, (n,), 0.1), cfg.dtype)) if present else None
 
@@ -67,11 +72,16 @@ class Attention(nnx.Module):
         )
         scores = scores * d**-0.5
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(_F32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        probs = self._softmax(scores).astype(q.dtype)
         out = jnp.einsum(
             "bmgsl,blmd->bsmgd", probs, v, precision=_HIGHEST, preferred_element_type=_F32
         )
         return out.astype(q.dtype).reshape(b, s, n, d)
+
+    def _softmax(self, scores):
+        """The attention weights of the masked, scaled scores f32 [B, m, g, S, L] (a family
+        with another softmax overrides it)."""
+        return jax.nn.softmax(scores, axis=-1)
 
     def __call__(self, x, *, cos, sin, mask, mode: str, cache=None, index=None):
         """x [B, S, H]; mask bool [B, S, S] ("full", "prefill") or [B, S, L] ("decode");

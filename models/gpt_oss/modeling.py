@@ -20,6 +20,7 @@ from flax import nnx
 
 import wna16_jax as wj
 from models.common.attention import Attention as GQAttention
+from models.common.attention import kv_cache_shape
 from models.common.causal_lm import CausalLM
 from models.common.causal_lm import KVCache as KVCache
 from models.common.causal_lm import dequantize_model as dequantize_model
@@ -102,26 +103,13 @@ class Attention(GQAttention):
         n = cfg.num_attention_heads
         self.sinks = nnx.Param(jnp.asarray(normal(rngs, (n,), 1.0), cfg.dtype))  # [n]
 
-    def _attend(self, q, k, v, mask):
-        """q [B, S, n, D], k / v [B, L, m, D], mask bool [B, S, L] -> [B, S, n, D]."""
-        b, s, n, d = q.shape
-        m = k.shape[2]
-        qg = q.reshape(b, s, m, n // m, d)  # query head j*g + i reads key/value head j
-        scores = jnp.einsum(
-            "bsmgd,blmd->bmgsl", qg, k, precision=_HIGHEST, preferred_element_type=_F32
-        )
-        scores = jnp.where(mask[:, None, None], scores * d**-0.5, jnp.finfo(_F32).min)
-        sinks = self.sinks.get_value().astype(_F32).reshape(m, n // m)
-        sinks = jnp.broadcast_to(sinks[None, :, :, None, None], (b, m, n // m, s, 1))
-        probs = jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
-        out = jnp.einsum(
-            "bmgsl,blmd->bsmgd",
-            probs.astype(q.dtype),
-            v,
-            precision=_HIGHEST,
-            preferred_element_type=_F32,
-        )
-        return out.astype(q.dtype).reshape(b, s, n, d)
+    def _softmax(self, scores):
+        """scores f32 [B, m, g, S, L] -> the softmax over them and each head's sink logit,
+        the sink's column dropped."""
+        b, m, g, s, _ = scores.shape
+        sinks = self.sinks.get_value().astype(_F32).reshape(1, m, g, 1, 1)  # head j*g + i
+        sinks = jnp.broadcast_to(sinks, (b, m, g, s, 1))
+        return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
 
 
 # ---- MoE ------------------------------------------------------------------------------------
@@ -262,8 +250,7 @@ class GptOssForCausalLM(CausalLM):
         return rope_cos_sin(self.cfg, positions)
 
     def cache_layer_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
-        cfg = self.cfg
-        return (batch, max_len, 2, cfg.num_key_value_heads, cfg.head_dim)
+        return kv_cache_shape(self.cfg, batch, max_len)
 
     def _run(self, ids, positions, mask, *, mode, cache=None, index=None):
         cfg = self.cfg

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.common.attention import Attention
+from models.common.attention import Attention, kv_cache_shape
 from models.common.causal_lm import CausalLM
 from models.common.causal_lm import KVCache as KVCache
 from models.common.causal_lm import dequantize_model as dequantize_model
@@ -101,5 +101,4 @@ class QwenMoeForCausalLM(CausalLM):
         return rope_cos_sin(self.cfg, positions)
 
     def cache_layer_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
-        cfg = self.cfg
-        return (batch, max_len, 2, cfg.num_key_value_heads, cfg.head_dim)
+        return kv_cache_shape(self.cfg, batch, max_len)
