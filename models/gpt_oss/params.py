@@ -19,9 +19,9 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import wna16_jax as wj
+from models.common import loader
 from models.common.checkpoint import (
     CONFIG_FILE,
     FLOAT_DTYPES,
@@ -51,60 +51,62 @@ MODULES_TO_NOT_CONVERT = (
     "lm_head",
 )
 
-# One row per float tensor: (name, shape letters, present when). "layer." stands for
-# "model.layers.{i}."; the module path is the name's, but a projection's bias
+# The float tensors, as models.common.loader's rows (name, kind, shape letters, present when,
+# quantization target): "weight" a module's `{name}.weight`, "param" the tensor `name` itself
+# (biases, sinks). "layer." stands for "model.layers.{i}."; a projection's bias
 # "self_attn.q_proj.bias" lives on the attention as "self_attn.q_bias". The routed experts
-# ("layer.mlp.experts", EXPERTS) are read apart.
+# ("layer.mlp.experts", EXPERTS: MXFP4 blocks and scales, or float) are read apart.
 # fmt: off
-NAME_TABLE: tuple[tuple[str, str, str], ...] = (
-    ("model.embed_tokens.weight",             "V H",   "always"),
-    ("model.norm.weight",                     "H",     "always"),
-    ("lm_head.weight",                        "V H",   "untied"),
-    ("layer.input_layernorm.weight",          "H",     "always"),
-    ("layer.post_attention_layernorm.weight", "H",     "always"),
-    ("layer.self_attn.q_proj.weight",         "Nq H",  "always"),
-    ("layer.self_attn.k_proj.weight",         "Nkv H", "always"),
-    ("layer.self_attn.v_proj.weight",         "Nkv H", "always"),
-    ("layer.self_attn.o_proj.weight",         "H Nq",  "always"),
-    ("layer.self_attn.q_proj.bias",           "Nq",    "bias"),
-    ("layer.self_attn.k_proj.bias",           "Nkv",   "bias"),
-    ("layer.self_attn.v_proj.bias",           "Nkv",   "bias"),
-    ("layer.self_attn.o_proj.bias",           "H",     "bias"),
-    ("layer.self_attn.sinks",                 "n",     "always"),
-    ("layer.mlp.router.weight",               "E H",   "always"),
-    ("layer.mlp.router.bias",                 "E",     "always"),
+NAME_TABLE: tuple[loader.Row, ...] = (
+    ("model.embed_tokens",             "weight", "V H",   "always", None),
+    ("model.norm",                     "weight", "H",     "always", None),
+    ("lm_head",                        "weight", "V H",   "untied", None),
+    ("layer.input_layernorm",          "weight", "H",     "always", None),
+    ("layer.post_attention_layernorm", "weight", "H",     "always", None),
+    ("layer.self_attn.q_proj",         "weight", "Nq H",  "always", None),
+    ("layer.self_attn.k_proj",         "weight", "Nkv H", "always", None),
+    ("layer.self_attn.v_proj",         "weight", "Nkv H", "always", None),
+    ("layer.self_attn.o_proj",         "weight", "H Nq",  "always", None),
+    ("layer.self_attn.q_proj.bias",    "param",  "Nq",    "bias",   None),
+    ("layer.self_attn.k_proj.bias",    "param",  "Nkv",   "bias",   None),
+    ("layer.self_attn.v_proj.bias",    "param",  "Nkv",   "bias",   None),
+    ("layer.self_attn.o_proj.bias",    "param",  "H",     "bias",   None),
+    ("layer.self_attn.sinks",          "param",  "n",     "always", None),
+    ("layer.mlp.router",               "weight", "E H",   "always", None),
+    ("layer.mlp.router.bias",          "param",  "E",     "always", None),
 )
 # fmt: on
 EXPERTS = "mlp.experts"
-_DIMS = {
-    "V": lambda c: c.vocab_size,
-    "H": lambda c: c.hidden_size,
-    "I": lambda c: c.intermediate_size,
-    "E": lambda c: c.num_local_experts,
-    "n": lambda c: c.num_attention_heads,
-    "Nq": lambda c: c.num_attention_heads * c.head_dim,
-    "Nkv": lambda c: c.num_key_value_heads * c.head_dim,
-}
-_PRESENT = {
-    "always": lambda c: True,
-    "untied": lambda c: not c.tie_word_embeddings,
-    "bias": lambda c: c.attention_bias,
-}
+NAMES = loader.NameTable(
+    rows=NAME_TABLE,
+    dims={
+        "V": lambda c: c.vocab_size,
+        "H": lambda c: c.hidden_size,
+        "E": lambda c: c.num_local_experts,
+        "n": lambda c: c.num_attention_heads,
+        "Nq": lambda c: c.num_attention_heads * c.head_dim,
+        "Nkv": lambda c: c.num_key_value_heads * c.head_dim,
+    },
+    present={
+        "always": lambda c, i: True,
+        "untied": lambda c, i: not c.tie_word_embeddings,
+        "bias": lambda c, i: c.attention_bias,
+    },
+    model_class=GptOssForCausalLM,
+    config_class=GptOssConfig,
+    logger="models.gpt_oss",
+    module_path=lambda name: loader.hf_module_path(name.replace("_proj.bias", "_bias")),
+)
 
 
-def weight_table(cfg: GptOssConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
-    """Every float tensor the config implies: (HF name, shape, module path)."""
-    out = []
-    for name, dims, present in NAME_TABLE:
-        if not _PRESENT[present](cfg):
-            continue
-        shape = tuple(_DIMS[d](cfg) for d in dims.split())
-        per_layer = name.startswith("layer.")
-        for i in range(cfg.num_hidden_layers) if per_layer else (None,):
-            full = f"model.layers.{i}.{name[len('layer.') :]}" if per_layer else name
-            where = full.replace("_proj.bias", "_bias")
-            out.append((full, shape, tuple(int(p) if p.isdigit() else p for p in where.split("."))))
-    return out
+def _variable(model, entry: loader.WeightEntry):
+    """The nnx variable a float row fills: its module's `weight`, or the param itself."""
+    var = module_at(model, entry.path)
+    return var.weight if entry.kind == "weight" else var
+
+
+def _tensor_name(entry: loader.WeightEntry) -> str:
+    return f"{entry.name}.weight" if entry.kind == "weight" else entry.name
 
 
 def _not_converted(module: str, patterns) -> str | None:
@@ -296,8 +298,8 @@ def load_pretrained(
     cfg = GptOssConfig.from_json(os.path.join(path, CONFIG_FILE), dtype=jnp.dtype(dtype).name)
     ckpt = Checkpoint(path)
     reader = _Reader(cfg, ckpt, spec)
-    model = nnx.eval_shape(lambda: GptOssForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    table = weight_table(cfg)
+    model = GptOssForCausalLM.abstract(cfg)
+    table = loader.weight_table(NAMES, cfg)
     bar = progress_bar(
         range(len(table) + cfg.num_hidden_layers),
         desc=f"loading {os.path.basename(path)}",
@@ -305,10 +307,10 @@ def load_pretrained(
         enabled=progress,
     )
     try:
-        for name, shape, where in table:
-            value = reader.float(name, shape)
+        for entry in table:
+            value = reader.float(_tensor_name(entry), entry.shape)
             if value is not None:
-                module_at(model, where).set_value(jnp.asarray(value, cfg.dtype))
+                _variable(model, entry).set_value(jnp.asarray(value, cfg.dtype))
             bar.update(1)
         for layer in range(cfg.num_hidden_layers):
             read = reader.experts(layer)
@@ -364,8 +366,8 @@ def save_pretrained(
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for name, _, where in weight_table(cfg):
-        tensors[name] = np.asarray(module_at(model, where).get_value())
+    for entry in loader.weight_table(NAMES, cfg):
+        tensors[_tensor_name(entry)] = np.asarray(_variable(model, entry).get_value())
     wrote_mxfp4 = False
     for layer in range(cfg.num_hidden_layers):
         pre = f"model.layers.{layer}.{EXPERTS}"
