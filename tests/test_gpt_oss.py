@@ -316,3 +316,22 @@ def test_mxfp4_experts_match_their_dequantized_twin(implementation):
     except NotImplementedError as err:
         pytest.skip(str(err))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "generate.py"
+
+
+def test_example_generates_from_the_checkpoint_with_its_presets(capsys):
+    """examples/generate.py --model reads the gpt-oss checkpoint and generates; its --preset
+    choices hold gpt-oss-20b and -120b at their released config with MXFP4 experts."""
+    import helpers
+
+    example = helpers.load_script(EXAMPLE, "example_generate", [EXAMPLE.parent])
+    argv = ["--model", str(FIXTURE), "--dtype", "float32", "--max-new-tokens", "2"]
+    assert example.main([*argv, "--no-warmup", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {FIXTURE}" in out and "[0] tokens:" in out
+    args = example.parse_args(["--preset", "gpt-oss-120b", "--layers", "2"])
+    cfg = example.PRESETS[args.preset](num_hidden_layers=args.layers)
+    assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers) == (128, 4, 2)
+    assert cfg.quant == MXFP4 and example.PRESETS["gpt-oss-20b"]().num_local_experts == 32
