@@ -335,3 +335,24 @@ def test_example_generates_from_the_checkpoint_with_its_presets(capsys):
     cfg = example.PRESETS[args.preset](num_hidden_layers=args.layers)
     assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers) == (128, 4, 2)
     assert cfg.quant == MXFP4 and example.PRESETS["gpt-oss-20b"]().num_local_experts == 32
+
+
+def test_a_dequantized_checkpoint_loads_float_or_quantized_again(ref, tmp_path):
+    """The experts dequantized and saved as transformers keeps float ones (gate_up_proj
+    [E, H, 2I] interleaved, down_proj [E, I, H]) load back to the same logits, float or
+    quantized again with quantize="mxfp4" (the weights are MXFP4 values: exact again)."""
+    model = models.load_pretrained(FIXTURE, dtype=jnp.float32, progress=False)
+    want = np.asarray(model(ref["ids"], ref["attention_mask"]))
+    save_pretrained(dequantize_model(model), tmp_path)
+    names = set(Checkpoint(tmp_path))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert not any(n.endswith("_blocks") for n in names)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    for quantize in (None, "mxfp4"):
+        again = models.load_pretrained(
+            tmp_path, dtype=jnp.float32, quantize=quantize, progress=False
+        )
+        experts = again.model.layers[0].mlp.experts
+        assert experts.quantized == (quantize == "mxfp4")
+        got = np.asarray(again(ref["ids"], ref["attention_mask"]))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
