@@ -25,6 +25,7 @@ Examples (GPU):
     python examples/benchmark.py --activation-quant int8_per_token --m 1 256 4096    # W8A8
     python examples/benchmark.py --group-size 32 --no-zp --scale-dtype float16 --m 1 4096
     python examples/benchmark.py --preset kimi-k2-ep8 --m 64 160 400 --straight 32  # 8/20/50 a GPU
+    python examples/benchmark.py --preset gpt-oss-120b --m 1 16 256 4096           # MXFP4
     python examples/benchmark.py --m 1 16 --json out/bench.json --plot out/roofline.png
 """
 
@@ -60,12 +61,17 @@ PRESETS = {
     # experts local, native int4 g32 symmetric; M counts the tokens of all 8 GPUs (20 per GPU:
     # --m 160), routed over all 384 experts.
     "kimi-k2-ep8": (384, 8, 7168, 2048, 32),
+    # gpt-oss's MoE layers: MXFP4 experts (E2M1 codes, one E8M0 scale per 32 inputs).
+    "gpt-oss-120b": (128, 4, 2880, 2880, 32),
+    "gpt-oss-20b": (32, 4, 2880, 2880, 32),
     "tiny": (8, 2, 256, 128, 64),
 }
 # Presets run as one of this many expert-parallel shards (the rest: all experts local).
 EXPERT_SHARDS = {"kimi-k2-ep8": 8}
 # Presets with symmetric weights by default (Kimi-K2 ships them).
 SYMMETRIC_PRESETS = ("kimi-k2-ep8",)
+# Presets whose experts are MXFP4 (the checkpoints ship them so); --mxfp4 makes any preset's.
+MXFP4_PRESETS = ("gpt-oss-120b", "gpt-oss-20b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +88,7 @@ class Problem:
     routing: str = "uniform"  # or "identical": every token routed as the set's first
     scale_dtype: str | None = None  # the scales' dtype (None: the activations')
     expert_shards: int = 1  # run one of this many expert-parallel shards: E / shards experts
+    scheme: str | None = None  # None (integer codes: bits, group_size, has_zp) or "mxfp4"
 
     @property
     def local_experts(self) -> int:
@@ -122,6 +129,8 @@ def random_experts(key, problem: Problem):
         has_zeros=problem.has_zp,
         dtype=jnp.dtype(problem.scale_dtype or problem.dtype),
     )
+    if problem.scheme is not None:
+        make = functools.partial(wj.random_quantized_experts, scheme=problem.scheme)
     e, h, i = problem.local_experts, problem.hidden, problem.intermediate
     return make(jax.random.fold_in(key, 1), (e, 2 * i, h)), make(
         jax.random.fold_in(key, 2), (e, h, i)
@@ -704,6 +713,13 @@ def main(argv=None):
         + ")",
     )
     p.add_argument(
+        "--mxfp4",
+        action="store_true",
+        help="MXFP4 weights (E2M1 codes, E8M0 scales per 32 inputs: the default of "
+        + ", ".join(MXFP4_PRESETS)
+        + "; --bits, --group-size, --no-zp and --scale-dtype are ignored then)",
+    )
+    p.add_argument(
         "--scale-dtype",
         choices=("bfloat16", "float16", "float32"),
         default=None,
@@ -799,9 +815,18 @@ def main(argv=None):
         routing=args.routing, scale_dtype=args.scale_dtype,
         expert_shards=EXPERT_SHARDS.get(args.preset, 1),
     )  # fmt: skip
+    if args.mxfp4 or args.preset in MXFP4_PRESETS:
+        problem = dataclasses.replace(
+            problem, group_size=32, bits=4, has_zp=False, scale_dtype=None, scheme="mxfp4"
+        )
     if args.activation_quant:  # W8A8 runs int8 per-channel symmetric weights
         problem = dataclasses.replace(
-            problem, group_size=-1, bits=8, has_zp=False, activation_quant=args.activation_quant
+            problem,
+            group_size=-1,
+            bits=8,
+            has_zp=False,
+            activation_quant=args.activation_quant,
+            scheme=None,
         )
     ms = args.m or ([1, 4, 16, 64, 256, 1024, 4096] if on_gpu else [1, 4])
     impls = args.implementations or (

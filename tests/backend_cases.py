@@ -124,6 +124,8 @@ class SchemeCases:
     subclass sets IMPLEMENTATION, BITS, ZERO_POINTS and `prepare` (the layout it reads)."""
 
     IMPLEMENTATION: str = ""
+    # The registered backend whose Backend.codes say which codes run (None: IMPLEMENTATION).
+    BACKEND: str | None = None
     BITS: tuple[int, ...] = (4, 8)
     ZERO_POINTS: tuple[bool, ...] = (True, False)
 
@@ -134,7 +136,7 @@ class SchemeCases:
 
     def supports_scheme(self, scheme: Scheme) -> bool:
         """The backend's bits and zero points, and codes it decodes (its Backend.codes)."""
-        codes = _dispatch.get_backend(self.IMPLEMENTATION).codes
+        codes = _dispatch.get_backend(self.BACKEND or self.IMPLEMENTATION).codes
         return (
             scheme.bits in self.BITS and scheme.has_zp in self.ZERO_POINTS
             and scheme.codes in codes

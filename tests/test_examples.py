@@ -127,6 +127,35 @@ def test_benchmark_expert_shard_in_the_interpreter():
     helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "expert shard vs xla")
 
 
+def test_benchmark_mxfp4(capsys):
+    """--mxfp4 (the gpt-oss presets' weights) on a tiny layer: the Pallas and Mosaic GPU
+    kernels in their interpreters, the weight bytes a step reads counting half a byte a code
+    and the uint8 E8M0 scales, and each layer equal to 'xla' on the same weights."""
+    bench = _load("benchmark")
+    assert set(bench.MXFP4_PRESETS) <= set(bench.PRESETS)
+    assert bench.PRESETS["gpt-oss-120b"] == (128, 4, 2880, 2880, 32)
+    result = bench.main(
+        ["--preset", "tiny", "--mxfp4", "--implementations", "pallas_interpret",
+         "mgpu_interpret", "--m", "2", "--iters", "1", "--repeats", "1", "--sets", "1"]
+    )  # fmt: skip
+    assert "%copy" in capsys.readouterr().out
+    assert result["problem"]["scheme"] == "mxfp4" and result["failed"] == []
+    e, k, h, i = 8, 2, 256, 128
+    per_expert = 3 * h * i // 2 + 3 * h * i // 32  # codes + scales of w13 and w2
+    for row in result["rows"]:
+        assert row["weight_bytes"] == per_expert * row["experts_touched"]
+    problem = bench.Problem(e, k, h, i, 32, bits=4, has_zp=False, scheme="mxfp4")
+    key = jax.random.key(0)
+    w13, w2 = bench.random_experts(key, problem)
+    assert w13.is_mxfp4 and w13.scales.dtype == jnp.uint8 and w2.shape == (e, h, i)
+    [(x, tw, ids)] = [tuple(a[0] for a in bench.random_inputs(key, problem, 4, 1))]
+    ref = bench.moe_layer(w13, w2, x, tw, ids, implementation="xla", config=None)
+    for impl in ("pallas_interpret", "mgpu_interpret"):
+        a, b = (wj.layouts.to_kernel_layout(w, wj.backend_layout(impl, 4)) for w in (w13, w2))
+        out = bench.moe_layer(a, b, x, tw, ids, implementation=impl, config=None)
+        helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, f"{impl} vs xla")
+
+
 def test_benchmark_reports_a_backend_that_cannot_run():
     """'mgpu' (compiled) on a CPU: no row, a failure naming each layout's reason."""
     bench = _load("benchmark")

@@ -26,7 +26,8 @@ import wna16_jax as wj
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "mgpu_kernels.json"
 
-# name: (E, top_k, H, I, bits, group, zero points, scale dtype, tokens, W8A8)
+# name: (E, top_k, H, I, bits, group, zero points, scale dtype, tokens, W8A8); scale dtype
+# "e8m0": MXFP4 (E2M1 codes, group 32, held by the mgpu_int4 layout).
 CASES = {
     "deepseek-v3-g128-zp-m1": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 1, False),
     "deepseek-v3-g128-zp-m16": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 16, False),
@@ -41,6 +42,9 @@ CASES = {
     "qwen3-moe-g128-sym-fp16-m64": (128, 8, 2048, 768, 4, 128, False, "float16", 64, False),
     "w8a16-per-channel-m4096": (256, 8, 7168, 2048, 8, -1, False, "bfloat16", 4096, False),
     "w8a8-per-channel-m256": (256, 8, 7168, 2048, 8, -1, False, "bfloat16", 256, True),
+    "gpt-oss-120b-mxfp4-m1": (128, 4, 2880, 2880, 4, 32, False, "e8m0", 1, False),
+    "gpt-oss-120b-mxfp4-m4096": (128, 4, 2880, 2880, 4, 32, False, "e8m0", 4096, False),
+    "deepseek-v3-mxfp4-m16": (256, 8, 7168, 2048, 4, 32, False, "e8m0", 16, False),
 }
 
 
@@ -90,6 +94,9 @@ def lowered_kernels(case) -> list[str]:
     e, k, h, i, bits, group, zp, scale_dtype, t, w8a8 = case
 
     def experts(n, kk):
+        if scale_dtype == "e8m0":
+            qw = wj.random_quantized_experts(jax.random.key(0), (e, n, kk), scheme="mxfp4")
+            return wj.layouts.to_kernel_layout(qw, "mgpu_int4")
         qw = wj.random_quantized_experts(
             jax.random.key(0), (e, n, kk), bits=bits, group_size=group, has_zeros=zp,
             dtype=jnp.dtype(scale_dtype),

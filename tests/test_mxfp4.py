@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
 import helpers
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,10 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.mgpu import convert as mgpu_convert
+from pallas_kernels.pallas.wna16_gemm import wna16_gemm
+from wna16_jax._configs import GemmShape, config_problems
+from wna16_jax._types import BlockConfig
 from wna16_jax.formats import mxfp4
 
 # ---- decode ---------------------------------------------------------------------------------
@@ -125,8 +132,6 @@ def test_quantize_refuses_other_mxfp4_settings(kwargs, message):
     ],
 )
 def test_validate_names_what_mxfp4_needs(changes, message):
-    import dataclasses
-
     w = wj.random_quantized_experts(np.random.default_rng(0), (1, 4, 64), scheme="mxfp4")
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(w, **changes).validate("w13")
@@ -211,11 +216,25 @@ def _numpy_gpt_oss_moe(x, w13, w2, b13, b2, tw, ids, alpha=1.702, limit=7.0):
     return out
 
 
+# (implementation, config): 'xla'; the Pallas layer (interpreted) with its own configs (the
+# activation and the biases in GEMM1's epilogue) and with split-K (GEMM1's biases added by the
+# first split, the activation after the sum).
+GPT_OSS_CASES = [
+    ("xla", None),
+    ("pallas_interpret", None),
+    ("pallas_interpret", BlockConfig(block_m=16, block_n=64, block_k=64, split_k=2, unpack="tile")),
+]
+
+
 @pytest.mark.parametrize("activation", ["swiglu_oai", wj.ClampedSwiGLU(alpha=1.5, limit=3.0)])
-def test_gpt_oss_layer_on_xla(rng, activation):
+@pytest.mark.parametrize(
+    "implementation, config", GPT_OSS_CASES, ids=["xla", "pallas", "pallas-split-k"]
+)
+def test_gpt_oss_layer(rng, activation, implementation, config):
     """MXFP4 experts with both biases and the clamped SwiGLU match the float64 layer; the
-    clamps are reached (gate above the limit, up on both sides)."""
-    t, e, k, h, i = 6, 8, 4, 128, 64
+    clamps are reached (gate above the limit, up on both sides). 'xla' keeps the activation in
+    f32 (tolerance of f32 sums); the kernels round it to bf16 before GEMM2 (bf16's)."""
+    t, e, k, h, i = 6, 8, 4, 256, 128
     x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
     w13 = wj.random_quantized_experts(rng, (e, 2 * i, h), scheme="mxfp4", std=0.5)
     w2 = wj.random_quantized_experts(rng, (e, h, i), scheme="mxfp4", std=0.1)
@@ -225,14 +244,17 @@ def test_gpt_oss_layer_on_xla(rng, activation):
     out = wj.fused_moe(
         x, w13, w2, jnp.asarray(tw), jnp.asarray(ids), activation=activation,
         w13_bias=jnp.asarray(b13), w2_bias=jnp.asarray(b2), out_dtype=jnp.float32,
-        implementation="xla",
+        implementation=implementation, config=config,
     )  # fmt: skip
     fn = activation if isinstance(activation, wj.ClampedSwiGLU) else wj.ClampedSwiGLU()
     w13d, w2d = helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2)
     hid = np.einsum("th,enh->ten", np.asarray(x, np.float64), w13d) + b13  # [T, E, 2I]
     assert (hid[..., :i] > fn.limit).any() and (np.abs(hid[..., i:]) > fn.limit).any()
     want = _numpy_gpt_oss_moe(x, w13d, w2d, b13, b2, tw, ids, fn.alpha, fn.limit)
-    helpers.assert_finite_and_close(np.asarray(out), want, 1e-5, "gpt-oss layer vs float64")
+    tol = 1e-5 if implementation == "xla" else helpers.tolerance(jnp.bfloat16)
+    helpers.assert_finite_and_close(
+        np.asarray(out), want, tol, f"gpt-oss layer on {implementation} vs float64", slack=5.0
+    )
 
 
 def test_biases_are_checked_and_refused_by_backends_without_them(rng):
@@ -245,11 +267,191 @@ def test_biases_are_checked_and_refused_by_backends_without_them(rng):
         wj.fused_moe(x, w13, w2, tw, ids, w13_bias=jnp.zeros((e, i)))
     with pytest.raises(ValueError, match="w2_bias dtype"):
         wj.fused_moe(x, w13, w2, tw, ids, w2_bias=jnp.zeros((e, h), jnp.int32))
+    m13, m2 = (wj.layouts.to_kernel_layout(w, "mgpu_int4") for w in (w13, w2))
     with pytest.raises(NotImplementedError, match="no per-expert biases"):
-        wj.fused_moe(
-            x, w13, w2, tw, ids, w2_bias=jnp.ones((e, h)), implementation="pallas_interpret"
-        )
+        wj.fused_moe(x, m13, m2, tw, ids, w2_bias=jnp.ones((e, h)), implementation="mgpu_interpret")
     with pytest.raises(ValueError, match="activation='gelu'"):
         wj.fused_moe(x, w13, w2, tw, ids, activation="gelu")
     with pytest.raises(ValueError, match="alpha"):
         wj.ClampedSwiGLU(alpha=-1.0)
+
+
+# ---- the Pallas kernel's paths --------------------------------------------------------------
+
+
+def _pallas_configs() -> list[BlockConfig]:
+    """Configs of every decode path of the Pallas GEMM on MXFP4 (K=256): one group per k-tile
+    and several, each unpack mode, tensor-core and CUDA-core dots, split-K."""
+    shape = GemmShape(m=8, n=64, k=256, num_experts=4, bits=4, group=32, group_size=32,
+                      scale_bytes=1, codes="e2m1")  # fmt: skip
+    out = []
+    for unpack in ("slices", "tile", "join"):
+        for dot, block_m in (("mma", 16), ("fma", 4)):
+            for block_k in (32, 64, 128, 256):
+                for split_k in (1, 2):
+                    cfg = BlockConfig(block_m=block_m, block_n=32, block_k=block_k,
+                                      split_k=split_k, unpack=unpack, dot=dot)  # fmt: skip
+                    if not config_problems(cfg, shape) and 256 // block_k % split_k == 0:
+                        out.append(cfg)
+    return out
+
+
+# Every path in bf16; f32 and f16 activations on the one-k-step configs of each unpack mode.
+PALLAS_CASES = [(c, jnp.bfloat16) for c in _pallas_configs()] + [
+    (c, dtype)
+    for c in _pallas_configs()
+    if c.block_k == 256 and c.dot == "mma"
+    for dtype in (jnp.float16, jnp.float32)
+]
+
+
+@pytest.mark.parametrize(
+    "config, dtype", PALLAS_CASES, ids=[f"{c}-{jnp.dtype(d).name}" for c, d in PALLAS_CASES]
+)
+def test_pallas_gemm_paths(rng, config, dtype):
+    """Every path of the Pallas grouped GEMM (interpreted) on MXFP4 weights whose scales lie on
+    both sides of 1 matches the f32 reference on the same weights: E2M1 values times powers of
+    two are exact in bf16, so each path is exact up to f32 summation order."""
+    t, top_k, e, n, k = 4, 2, 4, 64, 256
+    w = wj.random_quantized_experts(rng, (e, n, k), scheme="mxfp4", std=18.0)
+    scales = np.asarray(w.scales)
+    assert scales.min() < 127 < scales.max()
+    a = jnp.asarray(rng.normal(size=(t, k)), dtype)
+    _, ids = helpers.random_routing(rng, t, top_k, e)
+    routing = wj.moe_align_block_size(
+        jnp.asarray(ids), num_experts=e, block_m=config.block_m, implementation="xla"
+    )
+    out = wna16_gemm(
+        a, w, routing, top_k=top_k, config=config, interpret=True, out_dtype=jnp.float32
+    )
+    rows = np.asarray(a, np.float64)[np.arange(t * top_k) // top_k]
+    ref = np.einsum("sk,snk->sn", rows, helpers.numpy_dequantize(w)[ids.reshape(-1)])
+    helpers.assert_finite_and_close(
+        np.asarray(out), ref, 1e-5, f"pallas {config} {jnp.dtype(dtype).name}", slack=5.0,
+        require_signal=True,
+    )  # fmt: skip
+
+
+# ---- the Mosaic GPU layout and converter ----------------------------------------------------
+
+
+def test_mgpu_layout_round_trip(rng):
+    """MXFP4 in the mgpu_int4 layout: codes as they are, scales as their bf16 values; back to
+    the canonical layout exactly, the E8M0 bytes 0 (2^-127) and 255 (NaN) included."""
+    w = wj.random_quantized_experts(rng, (2, 128, 128), scheme="mxfp4")
+    scales = np.asarray(w.scales).copy()
+    scales[0, 0, :2] = (0, 255)
+    scales[1, 5, 1] = 254
+    w = dataclasses.replace(w, scales=jnp.asarray(scales))
+    kw = wj.layouts.to_kernel_layout(w, "mgpu_int4")
+    assert kw.is_mxfp4 and kw.scales.dtype == jnp.bfloat16 and kw.scales.shape == (2, 4, 128)
+    assert wj.layouts.to_kernel_layout(w, "mgpu_int4").layout == "mgpu_int4"
+    back = wj.layouts.to_canonical_layout(kw)
+    np.testing.assert_array_equal(np.asarray(back.qweight), np.asarray(w.qweight))
+    np.testing.assert_array_equal(np.asarray(back.scales), scales)
+    assert back.is_mxfp4 and back.layout == "canonical"
+
+
+def test_mgpu_converter_pairs_every_code_pair():
+    """The PTX of the converter's MXFP4 pairs (its tables and masks, run in Python as the
+    instructions define them) makes the bf16 values of every two codes, other bits set."""
+    values = np.asarray(helpers.NUMPY_E2M1, np.float32)
+    for lo in range(16):
+        for hi in range(16):
+            word = lo | (hi << 16) | 0xABC0DEF0  # the word's other nibbles
+            pair = mgpu_convert.e2m1_bf16_pair_reference(word)
+            got = np.array([pair & 0xFFFF, pair >> 16], np.uint16)
+            want = values[[lo, hi]].view(np.uint32) >> 16  # bf16: the f32's top half
+            np.testing.assert_array_equal(got, want.astype(np.uint16), err_msg=f"{lo}, {hi}")
+
+
+# ---- the Triton kernel ----------------------------------------------------------------------
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (pip install triton==3.6.0 interprets the kernels on CPU)",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "config",
+    [
+        BlockConfig(block_m=16, block_n=32, block_k=128, unpack="slices"),
+        BlockConfig(block_m=16, block_n=32, block_k=32, unpack="tile"),
+        BlockConfig(block_m=16, block_n=32, block_k=64, split_k=2, unpack="tile"),
+    ],
+    ids=str,
+)
+def test_triton_gemm_interpreted(rng, config):
+    """The Triton GEMM in Triton's interpreter on MXFP4 (every code, scales on both sides of
+    1): equal to the float64 product on the same weights up to f32 summation order."""
+    from pallas_kernels.triton.wna16_gemm import wna16_gemm as triton_gemm
+
+    t, top_k, e, n, k = 3, 2, 4, 64, 256
+    w = wj.random_quantized_experts(rng, (e, n, k), scheme="mxfp4", std=18.0)
+    assert np.asarray(w.scales).min() < 127 < np.asarray(w.scales).max()
+    a = jnp.asarray(rng.normal(size=(t, k)), jnp.bfloat16)
+    _, ids = helpers.random_routing(rng, t, top_k, e)
+    routing = wj.moe_align_block_size(
+        jnp.asarray(ids), num_experts=e, block_m=config.block_m, implementation="xla"
+    )
+    out = triton_gemm(
+        a, w, routing, top_k=top_k, config=config, out_dtype=jnp.float32, interpret=True
+    )
+    rows = np.asarray(a, np.float64)[np.arange(t * top_k) // top_k]
+    ref = np.einsum("sk,snk->sn", rows, helpers.numpy_dequantize(w)[ids.reshape(-1)])
+    helpers.assert_finite_and_close(
+        np.asarray(out), ref, 1e-5, f"triton {config}", slack=5.0, require_signal=True
+    )
+
+
+@needs_triton
+def test_triton_layer_interpreted_with_gpt_oss_activation(rng):
+    """The Triton layer (interpreted) on MXFP4 experts with the clamped SwiGLU matches 'xla'."""
+    from pallas_kernels.triton import fused_moe as triton_moe
+
+    t, e, k, h, i = 3, 4, 2, 128, 64
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
+    w13 = wj.random_quantized_experts(rng, (e, 2 * i, h), scheme="mxfp4", std=0.5)
+    w2 = wj.random_quantized_experts(rng, (e, h, i), scheme="mxfp4", std=0.1)
+    tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, k, e))
+    act = wj.ClampedSwiGLU()
+    out = triton_moe.fused_moe(x, w13, w2, tw, ids, activation=act, interpret=True)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla")
+    helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "triton vs xla")
+
+
+# ---- a DeepSeek-V3-shaped layer -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", "mgpu_interpret"])
+def test_deepseek_v3_routing_with_mxfp4_experts(rng, implementation):
+    """A DeepSeek-V3-shaped layer (256 routed experts, DeepSeek-V3's routing: sigmoid scores
+    with the correction bias, 8 groups, top-4 groups, top-8, scaling 2.5; H and I scaled down)
+    with random MXFP4 experts through fused_moe on each backend equals the float64 layer on
+    the dequantized experts."""
+    from models.deepseek_v3.config import DeepseekV3Config
+    from models.deepseek_v3.modeling import route
+
+    cfg = DeepseekV3Config.tiny(
+        n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, dtype="bfloat16"
+    )
+    t, e, h, i = 6, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    logits = jnp.asarray(rng.normal(size=(t, e)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(e,)) * 0.1, jnp.float32)
+    tw, ids = route(logits, bias, cfg=cfg)
+    assert ids.shape == (t, 8) and len(np.unique(np.asarray(ids))) > 8
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
+    w13 = wj.random_quantized_experts(rng, (e, 2 * i, h), scheme="mxfp4")
+    w2 = wj.random_quantized_experts(rng, (e, h, i), scheme="mxfp4")
+    layout = wj.backend_layout(implementation, 4)
+    out = wj.fused_moe(
+        x, wj.layouts.to_kernel_layout(w13, layout), wj.layouts.to_kernel_layout(w2, layout),
+        tw, ids, implementation=implementation,
+    )  # fmt: skip
+    want = helpers.numpy_fused_moe(
+        x, helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2), tw, ids,
+        activation_dtype=jnp.dtype(jnp.bfloat16),
+    )  # fmt: skip
+    helpers.assert_close(out, want, jnp.bfloat16, f"{implementation} vs float64")

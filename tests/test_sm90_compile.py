@@ -180,3 +180,72 @@ def test_gather_rows_builds_for_sm90():
     (kernel,) = sm90.compile_for_sm90(gather_rows, *args)
     assert kernel.name == "gather_rows"
     assert "ld.global.v4.b32" in kernel.ptx and "st.global.v4.b32" in kernel.ptx
+
+
+def abstract_mxfp4_experts(n, k):
+    """[E, N, K] MXFP4 experts: E2M1 codes in uint32 words, uint8 E8M0 scales per 32 inputs."""
+    return wj.QuantizedExperts(
+        jax.ShapeDtypeStruct((E, n, k // 8), jnp.uint32),
+        jax.ShapeDtypeStruct((E, n, k // 32), jnp.uint8),
+        None,
+        bits=4,
+        group_size=32,
+        codes="e2m1",
+    )
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, None),
+        (4096, None),
+        (1, wj.BlockConfig(block_m=1, block_n=64, block_k=128, dot="fma")),
+        (16, wj.BlockConfig(block_m=16, block_n=128, block_k=128, unpack="join")),
+        (256, wj.BlockConfig(block_m=16, block_n=64, block_k=128, unpack="tile")),
+    ],
+    ids=["m1", "m4096", "m1-fma", "m16-join", "m256-tile-4-groups"],
+)
+def test_mxfp4_kernels_build_for_sm90(m, config):
+    """MXFP4 experts at DeepSeek-V3 shapes: the GEMMs decode E2M1 and E8M0 and build for
+    sm_90, within its shared memory."""
+    args = (
+        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
+        abstract_mxfp4_experts(2 * I, H),
+        abstract_mxfp4_experts(H, I),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+    )
+    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert [k.name for k in gemms] == ["wna16_gemm_mxfp4"] * 2, [k.name for k in kernels]
+    for k in kernels:
+        assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES, (
+            f"{k.name} (warps {k.num_warps}, stages {k.num_stages}) needs {k.shared_bytes} "
+            f"bytes of shared memory"
+        )
+
+
+@pytest.mark.parametrize("m", [1, 256])
+def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m):
+    """gpt-oss's expert math on MXFP4 experts (DeepSeek-V3 shapes: gpt-oss's own H = 2880 is not
+    a multiple of the Pallas kernels' 128-wide int4 k-tile): both biases and the clamped
+    SwiGLU in the GEMMs' epilogues build for sm_90."""
+    args = (
+        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
+        abstract_mxfp4_experts(2 * I, H),
+        abstract_mxfp4_experts(H, I),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+        jax.ShapeDtypeStruct((E, 2 * I), jnp.float32),
+        jax.ShapeDtypeStruct((E, H), jnp.float32),
+    )
+
+    def layer(x, w13, w2, tw, ids, b13, b2):
+        return pallas_moe.fused_moe(
+            x, w13, w2, tw, ids, activation=wj.ClampedSwiGLU(), w13_bias=b13, w2_bias=b2
+        )
+
+    kernels = sm90.compile_for_sm90(layer, *args)
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert [k.name for k in gemms] == ["wna16_gemm_mxfp4"] * 2, [k.name for k in kernels]
+    assert all(k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES for k in kernels)

@@ -572,8 +572,6 @@ def preferred_layout(
     ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
     problem, _, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
-    if w13.is_mxfp4 or w2.is_mxfp4:  # the kernel layouts hold integer codes
-        return "canonical"
     for layout, name in _dispatch.preferred_layouts():
         bits = KERNEL_LAYOUT_BITS[layout]
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width

@@ -271,11 +271,6 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     if layout == "canonical":
         return qw
     qw.validate("weights")
-    if qw.is_mxfp4:
-        raise ValueError(
-            f"MXFP4 weights (codes='e2m1') stay in the canonical layout; the {layout!r} layout "
-            f"holds integer codes"
-        )
     _, n, k = qw.shape
     if reason := kernel_layout_reason(layout, bits=qw.bits, n=n, k=k):
         raise ValueError(reason)

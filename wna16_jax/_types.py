@@ -66,7 +66,8 @@ class QuantizedExperts:
     Layouts "mgpu_int4" and "mgpu_int8" (read by the 'mgpu' backend, and by 'xla' through
     wna16_jax.layouts.to_canonical_layout): qweight int4 (int8) [E, N/64, K/64, 64, 64] holding
     q - 8 (q - 128) in 64x64 tiles (N and K multiples of 64); scales [E, K//G, N]; zeros None
-    or 8 - z (128 - z) as [E, K//G, N] in the scales' dtype.
+    or 8 - z (128 - z) as [E, K//G, N] in the scales' dtype. MXFP4 in "mgpu_int4": the E2M1
+    codes' bits as they are, scales bfloat16 [E, K//32, N] holding 2^(X - 127), zeros None.
     """
 
     qweight: Any
@@ -193,8 +194,10 @@ class QuantizedExperts:
                 )
 
     def _validate_mxfp4_scheme(self, name: str) -> None:
-        """codes "e2m1" is MXFP4 only: 4 bits, groups of 32, no zero points, canonical."""
-        want = dict(bits=4, group_size=MXFP4_GROUP, zeros=None, layout="canonical")
+        """codes "e2m1" is MXFP4 only: 4 bits, groups of 32, no zero points, in the canonical
+        layout or mgpu_int4's (its codes as they are, its scales' values in bfloat16)."""
+        layout = self.layout if self.layout == "mgpu_int4" else "canonical"
+        want = dict(bits=4, group_size=MXFP4_GROUP, zeros=None, layout=layout)
         have = dict(
             bits=self.bits,
             group_size=self.group_size,

@@ -22,6 +22,7 @@ from wna16_jax._dispatch import (
     compiled_and_interpreted,
     cuda_gpu_reason,
 )
+from wna16_jax._types import CODES
 
 # The Mosaic GPU GEMM: 64 output features per program.
 MGPU_SPAN = 64
@@ -100,4 +101,5 @@ BACKENDS = compiled_and_interpreted(
         to_kernel=mgpu_layout.to_mgpu_layout,
         to_canonical=mgpu_layout.to_canonical,
     ),
+    codes=CODES,
 )

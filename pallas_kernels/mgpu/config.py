@@ -355,13 +355,16 @@ def down_config(cfg: MgpuConfig) -> MgpuConfig:
 def fitted_config(cfg: MgpuConfig, w: QuantizedExperts) -> MgpuConfig:
     """cfg for a GEMM on `w`: a k-step of several groups (block_k > G) that does not tile the
     GEMM's K becomes one group (e.g. DeepSeek-V2-Lite's GEMM2, K = I = 1408: 11 groups of 128
-    but no whole steps of 256; a group under 64 inputs: one 64-wide k-tile), and features per
-    warpgroup that do not tile N become 64."""
+    but no whole steps of 256; a group under 64 inputs: one 64-wide k-tile), features per
+    warpgroup that do not tile N become 64, and two consumer warpgroups whose 128 features
+    still do not tile it one (gpt-oss's GEMM2, N = H = 2880: 45 tiles of 64)."""
     n, k, group = w.shape[1], w.shape[2], w.group
     if cfg.block_k > group and k % cfg.block_k:
         cfg = dataclasses.replace(cfg, block_k=group if group % TILE == 0 else TILE)
     if n % tile_n(cfg):
         cfg = dataclasses.replace(cfg, block_n=64)
+    if n % tile_n(cfg) and cfg.consumers > 1:
+        cfg = dataclasses.replace(cfg, consumers=1)
     return cfg
 
 

@@ -1,7 +1,8 @@
 """The Mosaic GPU GEMM's dequantizing converter: a stored 64x64 weight tile of the mgpu_int4 /
 mgpu_int8 layouts (shared memory, values in wgmma register order: layout.tile_order) to the
 wgmma's A operand in registers, by inline PTX on each thread's own 16-byte loads (no shuffles,
-no permutes), and for W8A8 the int8 operand tile; in the interpreter the same values as arrays.
+no permutes), and for W8A8 the int8 operand tile; MXFP4's E2M1 codes to their bf16 values; in
+the interpreter the same values as arrays.
 """
 
 from __future__ import annotations
@@ -45,6 +46,58 @@ lop3.b32 s0, $1, 0x007F007F, 0x43004300, {_AND_OR:#x};  // 128 + (b & 127)
 lop3.b32 s1, $1, 0x00800080, 0x43004300, {_AND_OR:#x};  // 128, or 256 for b < 0
 sub.bf16x2 $0, s0, s1;
 }}"""
+
+
+# MXFP4: a bf16 pair of the E2M1 codes in the low nibbles of a word's 16-bit halves. Two prmt
+# look the magnitudes (code & 7) up in byte tables, the low and the high bytes of the bf16
+# values of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080,
+# 0x40C0), each magnitude selecting bytes 0 and 1 (2 and 3) of its half; a lop3 keeps each
+# half's low byte from the first and high byte from the second, and one more ors in the code's
+# sign bit (bit 3 -> bit 15). Exact for every code: the values are normal bf16 (or +-0).
+E2M1_BF16_LOW_BYTES = (0xC0800000, 0xC0804000)  # table bytes 0-3, 4-7 (magnitudes 0-7)
+E2M1_BF16_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
+_SELECT_OR_KEEP = (0xF0 & 0xAA) | (0xCC & ~0xAA & 0xFF)  # (a & c) | (b & ~c)
+_E2M1_PAIR = f"""{{
+.reg .b32 s<3>, t<4>;
+and.b32 s0, $1, 0x7;                     // the low half's magnitude: selector nibble 0
+shr.u32 s1, $1, 8;
+and.b32 s1, s1, 0x700;                   // the high half's: selector nibble 2
+or.b32 s0, s0, s1;
+shl.b32 s1, s0, 4;
+or.b32 s0, s0, s1;                       // and again in nibbles 1 and 3
+mov.b32 t0, {E2M1_BF16_LOW_BYTES[0]:#x};
+mov.b32 t1, {E2M1_BF16_LOW_BYTES[1]:#x};
+mov.b32 t2, {E2M1_BF16_HIGH_BYTES[0]:#x};
+mov.b32 t3, {E2M1_BF16_HIGH_BYTES[1]:#x};
+prmt.b32 s1, t0, t1, s0;                 // each byte: the low byte of its half's value
+prmt.b32 s2, t2, t3, s0;                 // each byte: the high byte
+lop3.b32 s1, s1, s2, 0x00FF00FF, {_SELECT_OR_KEEP:#x};
+shl.b32 s2, $1, 12;                      // the signs, bits 3 and 19, to 15 and 31
+lop3.b32 $0, s2, 0x80008000, s1, {_AND_OR:#x};
+}}"""
+
+
+def e2m1_bf16_pair_reference(word: int) -> int:
+    """What _E2M1_PAIR computes, in Python: the two bf16 (bits, a 32-bit int) of the E2M1
+    codes in bits 0-3 and 16-19 of `word` (for the converter's test)."""
+
+    def prmt(a: int, b: int, sel: int) -> int:
+        pool = (a | (b << 32)).to_bytes(8, "little")
+        return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+    sel = (word & 0x7) | ((word >> 8) & 0x700)
+    sel |= sel << 4
+    low = prmt(*E2M1_BF16_LOW_BYTES, sel)
+    high = prmt(*E2M1_BF16_HIGH_BYTES, sel)
+    pair = (low & 0x00FF00FF) | (high & 0xFF00FF00)
+    return pair | ((word << 12) & 0x80008000)
+
+
+def e2m1_values(q):
+    """int32 arrays whose low 4 bits are E2M1 codes -> their f32 values (exact)."""
+    from pallas_kernels.pallas._dequant import e2m1_to_f32
+
+    return e2m1_to_f32(q.astype(jnp.uint32) & jnp.uint32(15))
 
 
 def _thread_words(ref, first: int):
@@ -92,10 +145,14 @@ def _register_tile(q_tile, dtype, fill, *, eight_bit: bool, is_signed, columns: 
     return tile(q_tile)
 
 
-def converted_tile(q_tile, bits: int, dtype, interpret: bool, part: int = 0, parts: int = 1):
+def converted_tile(
+    q_tile, bits: int, dtype, interpret: bool, part: int = 0, parts: int = 1, *, codes="int"
+):
     """The stored 64x64 tile q_tile (shared memory, in register order: layout.tile_order(bits))
     in bf16 plus CONVERTED_BIAS[bits], exact: 128 + q for int4, q - 128 for int8 (q the
-    canonical value); with parts > 1 only its columns (inputs) of k-part `part` of `parts`
+    canonical value); codes "e2m1" (MXFP4 in the mgpu_int4 layout): the E2M1 values of the
+    stored codes, exact, by _E2M1_PAIR for each register's pair of nibbles; with parts > 1
+    only its columns (inputs) of k-part `part` of `parts`
     equal ones, [64, 64 / parts] (a group of 64 / parts inputs). Compiled: in the wgmma A
     operand's register layout (Mosaic GPU's WGMMA_LAYOUT) through inline Mosaic GPU: thread t
     of the warpgroup loads its int4 16 bytes at 16 t, and nibbles s and s + 4 of its word i
@@ -105,9 +162,12 @@ def converted_tile(q_tile, bits: int, dtype, interpret: bool, part: int = 0, par
     the registers of its column tiles. interpret: the same values as a jnp array (the
     interpreter's wgmma takes A from shared memory only)."""
     width = TILE // parts
+    e2m1 = codes == "e2m1"
     if interpret:
         q = q_tile[...].astype(jnp.int32).reshape(TILE, TILE)
         q = layout.from_tile_order(q, bits)[:, part * width : (part + 1) * width]
+        if e2m1:
+            return e2m1_values(q).astype(dtype)
         return q.astype(dtype) + CONVERTED_BIAS[bits]
 
     from jax._src.lib.mlir import ir
@@ -133,6 +193,8 @@ def converted_tile(q_tile, bits: int, dtype, interpret: bool, part: int = 0, par
 
         if bits == 4:  # nibbles s and s + 4 of word i: register 4 i + s, by a shift and a lop3
             asm = f"lop3.b32 $0, $1, 0x000F000F, {_BF16_128_XOR_8:#x}, {_AND_XOR:#x};"
+            if e2m1:
+                asm = _E2M1_PAIR
             for i, word in enumerate(_thread_words(ref, 0)):
                 for s in range(4):
                     if ours(4 * i + s):

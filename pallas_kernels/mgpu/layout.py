@@ -29,6 +29,12 @@ lossless), and their conversions, which this backend registers (wna16_jax.layout
   scales   as mgpu_int4's; per channel (group_size -1) or grouped.
   zeros    None, or 128 - z as [E, K//G, N] in the scales' dtype: w = (qweight + zeros) * scales.
   perm     as in the canonical layout (the input order is not part of the packing).
+
+MXFP4 weights (codes "e2m1") take the mgpu_int4 layout with
+  qweight  int4 tiles as above holding the E2M1 codes' bits as they are (no flip);
+  scales   [E, K//32, N] bfloat16: the E8M0 scales' values 2^(X - 127), exact (bfloat16 has
+           f32's exponent range; X = 0 is the subnormal 2^-127, X = 255 NaN);
+  zeros    None; so that w = e2m1(qweight) * scales.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from wna16_jax._quant import pack_zeros, unpack_zeros
+from wna16_jax._quant import e8m0_to_f32, pack_zeros, unpack_zeros
 from wna16_jax._types import KERNEL_LAYOUT_BITS, MGPU_TILE, QuantizedExperts
 
 # The layouts, each holding weights of one bit width (KERNEL_LAYOUT_BITS).
@@ -65,6 +71,13 @@ def to_mgpu_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     e, n, k = qw.shape
     bits = KERNEL_LAYOUT_BITS[layout]
     stored = jnp.dtype(f"int{bits}")  # q - 2^(bits-1)
+    if qw.is_mxfp4:  # the codes' bits as they are, the scales' values in bfloat16
+        q = tiled(lax.bitcast_convert_type(jnp.asarray(qw.qweight), stored).reshape(e, n, k))
+        scales = e8m0_to_f32(jnp.asarray(qw.scales)).astype(jnp.bfloat16)  # [E, N, K//32]
+        return QuantizedExperts(
+            qweight=q, scales=jnp.swapaxes(scales, 1, 2), zeros=None, bits=4,
+            group_size=qw.group_size, layout=layout, perm=qw.perm, codes=qw.codes,
+        )  # fmt: skip
     words = qw.qweight ^ jnp.uint32(_FLIP_TOP_BIT[bits])
     q = tiled(lax.bitcast_convert_type(words, stored).reshape(e, n, k))
     offset = None
@@ -88,6 +101,11 @@ def to_canonical(qw: QuantizedExperts) -> QuantizedExperts:
     e, n, k = qw.shape
     words = untiled(qw.qweight).reshape(e, n, k * bits // 32, 32 // bits)
     words = lax.bitcast_convert_type(words, jnp.uint32)
+    if qw.is_mxfp4:
+        return QuantizedExperts(
+            qweight=words, scales=_e8m0_bytes(jnp.swapaxes(qw.scales, 1, 2)), zeros=None,
+            bits=4, group_size=qw.group_size, perm=qw.perm, codes=qw.codes,
+        )  # fmt: skip
     zeros = None
     if qw.zeros is not None:
         z = (1 << (bits - 1)) - jnp.swapaxes(qw.zeros, 1, 2).astype(jnp.int32)  # [E, N, K//G]
@@ -100,6 +118,14 @@ def to_canonical(qw: QuantizedExperts) -> QuantizedExperts:
         group_size=qw.group_size,
         perm=qw.perm,
     )
+
+
+def _e8m0_bytes(scales):
+    """Powers of two 2^(X - 127) (any float dtype) -> their E8M0 bytes X (uint8), exactly."""
+    f = scales.astype(jnp.float32)
+    x = (lax.bitcast_convert_type(f, jnp.uint32) >> 23).astype(jnp.uint8)
+    x = jnp.where(f == e8m0_to_f32(jnp.uint8(0)), jnp.uint8(0), x)  # the subnormal 2^-127
+    return jnp.where(jnp.isnan(f), jnp.uint8(255), x)
 
 
 # A 64x64 tile (row r, column c) as the indices of the wgmma A operand's registers

@@ -348,6 +348,7 @@ class GemmPlan:
     interpret: bool
     profile_regions: tuple[str, ...]
     profile_dir: str | None
+    codes: str = "int"  # QuantizedExperts.codes: "e2m1" (MXFP4) converts to E2M1 values
 
     @property
     def w8a8(self) -> bool:
@@ -411,7 +412,7 @@ class GemmPlan:
 
     @property
     def bias(self) -> int:
-        return CONVERTED_BIAS[self.bits]
+        return 0 if self.codes == "e2m1" else CONVERTED_BIAS[self.bits]
 
     @property
     def tile_rows(self) -> int:  # a weight tile's TMA rows
@@ -487,7 +488,7 @@ def make_plan(
         stages=min(max_concurrent_steps, tiles_per_program * steps), consumers=consumers,
         splits=splits, gated=gated, tiles=tiles_per_program, halvings=block_halvings,
         narrow=narrow, buffer_rows=0, bf16_weights=bf16_weights, interpret=interpret,
-        profile_regions=tuple(profile_regions), profile_dir=profile_dir,
+        profile_regions=tuple(profile_regions), profile_dir=profile_dir, codes=w.codes,
     )  # fmt: skip
     if block_experts.shape != (plan.blocks,):
         raise ValueError(
@@ -685,7 +686,9 @@ def dequantized(prog: Program, q_smem, offset, s, m, scale=None):
         if plan.w8a8:
             wt = int8_operand_tile(q_tile, plan.interpret)
         else:
-            wt = converted_tile(q_tile, plan.bits, plan.dtype, plan.interpret, part, plan.parts)
+            wt = converted_tile(
+                q_tile, plan.bits, plan.dtype, plan.interpret, part, plan.parts, codes=plan.codes
+            )
         if offset is not None:
             wt = wt - lax.broadcast_in_dim(offset, wt.shape, [0])
         elif plan.bias:  # symmetric int4 in the interpreter: the constant

@@ -97,6 +97,21 @@ def silu(x):
     return x / (1.0 + jnp.exp(-x))
 
 
+def gated(activation):
+    """The fused epilogue's (gate, up) -> f32 of an activation: "silu" (silu(gate) * up) or a
+    ClampedSwiGLU (gpt-oss's: gate clamped above at limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate))."""
+    if activation == "silu":
+        return lambda gate, up: silu(gate) * up
+    alpha, limit = activation.alpha, activation.limit
+
+    def clamped_swiglu(gate, up):
+        g = jnp.minimum(gate, limit)
+        return (jnp.clip(up, -limit, limit) + 1.0) * (g / (1.0 + jnp.exp(-alpha * g)))
+
+    return clamped_swiglu
+
+
 def grouped_gemm_program(
     ids_ref,  # [max_padded] int32 sorted slot ids
     eids_ref,  # [num_blocks] int32 expert of each block
@@ -114,6 +129,8 @@ def grouped_gemm_program(
     epilogue: Callable | None = None,
     gate_offset: int | None = None,
     out_columns: Callable | None = None,
+    bias_ref=None,
+    activation="silu",
 ):
     """One program of a grouped GEMM over block-sorted token slots.
 
@@ -134,6 +151,9 @@ def grouped_gemm_program(
             silu(gate) * up in f32 arithmetic (`n` counts output columns: gate_offset of them).
         out_columns: n_idx -> the output columns to store to (default n_idx), e.g. the
             slice_major order the next GEMM reads.
+        bias_ref: None, or [E, N] per-expert biases added to the f32 sums (gate's and up's)
+            before the activation and the routed weight (by split 0 alone under split-K).
+        activation: the fused activation of gate_offset: "silu" or a ClampedSwiGLU (`gated`).
     """
     bm, bn, bk, split_k = config.block_m, config.block_n, config.block_k, config.split_k
     num_n_blocks = n // bn
@@ -174,6 +194,9 @@ def grouped_gemm_program(
                 acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((bm, bn), acc_dtype))
                 if epilogue is not None:
                     acc = epilogue(acc, e, row, n_idx)
+                if bias_ref is not None:
+                    b = plgpu.load(bias_ref.at[e, n_idx]).astype(jnp.float32)  # [bn]
+                    acc = acc + (b if split_k == 1 else jnp.where(split == 0, b, 0.0))[None, :]
             else:
 
                 def gated_body(t, accs):
@@ -185,7 +208,12 @@ def grouped_gemm_program(
                 if epilogue is not None:
                     gate = epilogue(gate, e, row, n_idx)
                     up = epilogue(up, e, row, n_idx + gate_offset)
-                acc = silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+                gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+                if bias_ref is not None:
+                    gate = gate + plgpu.load(bias_ref.at[e, n_idx]).astype(jnp.float32)[None, :]
+                    b_up = plgpu.load(bias_ref.at[e, n_idx + gate_offset]).astype(jnp.float32)
+                    up = up + b_up[None, :]
+                acc = gated(activation)(gate, up)
             if rw_ref is not None:
                 rw = plgpu.load(rw_ref.at[jnp.where(valid, slot, 0)])  # [bm]
                 acc = acc * rw[:, None]

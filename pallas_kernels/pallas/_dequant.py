@@ -1,4 +1,4 @@
-"""In-kernel int4/int8 -> float conversion without integer-to-float instructions.
+"""In-kernel int4/int8 and E2M1 (MXFP4) -> float conversion without integer-to-float instructions.
 
 A packed uint32 word holds 32 // bits values; value i of word j is input feature
 k = (32 // bits) * j + i. Kernels load a [bn, W] tile of words once and take value slice i of
@@ -9,6 +9,10 @@ asm=True): `prmt` gathers byte q of two words into one register, (`shr` moves th
 down,) `lop3` masks a value out of each half and ors the exponent pattern in, so one register
 holds two 16-bit floats (the trick of Marlin-class kernels). The interpreter runs the same
 arithmetic in jnp (asm=False).
+
+E2M1 codes (MXFP4: bit 3 the sign, bits 2..1 the exponent, bit 0 the mantissa) become f32
+by building the value's bits (`e2m1_to_f32`); their E8M0 scales, 2^(X - 127), are X placed in
+an f32's exponent field (`e8m0_to_f32`).
 
 Conversion uses the exponent trick: or-ing v into the mantissa of a power of two 2^p gives the
 float 2^p + v exactly (when v < 2^p's unit in the last place allows), so an int -> float
@@ -58,6 +62,27 @@ def to_f32_minus_zero(v, z):
     """uint32 v, zero point z (int32 array or int, broadcastable) -> f32 (v - z), exact."""
     f = jax.lax.bitcast_convert_type(v | jnp.uint32(_F32_MAGIC), jnp.float32)  # 2^23 + v
     return f - (jnp.float32(2.0**23) + jnp.asarray(z).astype(jnp.float32))
+
+
+def e2m1_to_f32(v):
+    """uint32 E2M1 codes v in [0, 16) -> their f32 values, exactly: the bits of 0, 0.5, 1,
+    1.5, 2, 3, 4, 6 are 0, 252 << 22 and (m + 252) << 22 for the magnitudes m = 2..7, and bit 3
+    of the code is the sign (code 8 is -0)."""
+    mag = v & jnp.uint32(7)
+    bits = jnp.where(mag < 2, mag * jnp.uint32(252 << 22), (mag + jnp.uint32(252)) << 22)
+    return jax.lax.bitcast_convert_type(bits | ((v & jnp.uint32(8)) << 28), jnp.float32)
+
+
+def e8m0_to_f32(x):
+    """E8M0 scale bytes x (uint8) -> f32 2^(x - 127): x in the exponent field. x = 0 (2^-127,
+    an f32 subnormal) gives 0 and x = 255 (NaN) gives inf."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 23, jnp.float32)
+
+
+def e2m1_value_slices(words, dtype):
+    """Every value slice of a uint32 word tile of E2M1 codes as `dtype` arrays of their values
+    (exact in bf16, f16 and f32): 8 arrays shaped like `words`, array i holding value i."""
+    return [e2m1_to_f32(value_slice(words, i, bits=4)).astype(dtype) for i in range(8)]
 
 
 def _prmt_both_halves(q: int) -> int:

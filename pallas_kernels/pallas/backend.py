@@ -19,6 +19,7 @@ from wna16_jax._dispatch import (
     compiled_and_interpreted,
     cuda_gpu_reason,
 )
+from wna16_jax._types import CODES
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -56,8 +57,10 @@ def _w8a8_reason(problem: MoEProblem) -> str | None:
 def _shape_reason(problem: MoEProblem) -> str | None:
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
-    if problem.activation != "silu":
-        return f"activation {problem.activation!r} is not supported (only 'silu')"
+    if _activations.normalize_activation(problem.activation) is None:
+        return f"activation {problem.activation!r} is not 'silu' or a ClampedSwiGLU"
+    if problem.activation_quant is not None and problem.has_bias:
+        return "per-expert biases with int8 activations (W8A8) are not supported"
     if problem.activation_quant is not None:
         return _w8a8_reason(problem)
     lo = min_block_k(problem.bits)
@@ -113,4 +116,6 @@ BACKENDS = compiled_and_interpreted(
     gemm=grouped_matmul,
     gemm_config=functools.partial(_configs.resolve, pallas_moe.RULES),
     gemm_shape_reason=gemm_shape_reason,
+    codes=CODES,
+    biases=True,
 )

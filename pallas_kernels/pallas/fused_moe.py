@@ -14,7 +14,7 @@ from pallas_kernels.common.block_configs import block_configs
 from pallas_kernels.pallas import w8a8_gemm as w8a8
 from pallas_kernels.pallas.wna16_gemm import wna16_gemm
 from wna16_jax import _configs, _pipeline
-from wna16_jax._activations import ACTIVATIONS, Int8Rows, activate
+from wna16_jax._activations import Int8Rows, activate, activation_fn, normalize_activation
 from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
 
 # The Pallas-Triton grouped GEMM's ConfigRules: its BlockConfig validity rules and heuristic,
@@ -40,9 +40,11 @@ def gemm_configs(
     )  # fmt: skip
 
 
-def fuses_activation(c1: BlockConfig, w13: QuantizedExperts, activation: str) -> bool:
-    """Whether GEMM1 computes the activation in its epilogue (not with split-K partials)."""
-    return c1.split_k == 1 and activation == "silu" and (w13.n // 2) % c1.block_n == 0
+def fuses_activation(c1: BlockConfig, w13: QuantizedExperts, activation) -> bool:
+    """Whether GEMM1 computes the activation ("silu" or a ClampedSwiGLU) in its epilogue (not
+    with split-K partials)."""
+    known = normalize_activation(activation) is not None
+    return c1.split_k == 1 and known and (w13.n // 2) % c1.block_n == 0
 
 
 def act_in_slice_major(c1: BlockConfig, c2: BlockConfig, w13, activation: str) -> bool:
@@ -61,19 +63,25 @@ def align(topk_ids, *, num_experts, block_m, expert_map, interpret):
     )
 
 
-def gemm1_and_activation(x, w13, w2, routing, *, top_k, c1, c2, activation, interpret):
+def gemm1_and_activation(
+    x, w13, w2, routing, *, top_k, c1, c2, activation, interpret, bias=None
+):  # fmt: skip
     """[T, H] -> activation(x @ w13.T) per slot [T*k, I] in x.dtype, and whether its columns
     are in GEMM2's slice_major order (written so by GEMM1's fused epilogue)."""
     to_slices = act_in_slice_major(c1, c2, w13, activation)
     out_slice_major = (c2.block_k, w2.bits) if to_slices else None
     act = _activation_rows(
         x, w13, routing, top_k=top_k, c1=c1, activation=activation,
-        out_slice_major=out_slice_major, interpret=interpret,
+        out_slice_major=out_slice_major, interpret=interpret, bias=bias,
     )  # fmt: skip
     return act, to_slices
 
 
-def _activation_rows(x, w13, routing, *, top_k, c1, activation, out_slice_major, interpret):
+def _activation_rows(
+    x, w13, routing, *, top_k, c1, activation, out_slice_major, interpret, bias=None
+):  # fmt: skip
+    """GEMM1 and the activation (bias: [E, 2I], added in GEMM1's epilogue, or None)."""
+    extra = {} if bias is None else {"bias": bias}
     if fuses_activation(c1, w13, activation):
         return wna16_gemm(
             x,
@@ -84,14 +92,17 @@ def _activation_rows(x, w13, routing, *, top_k, c1, activation, out_slice_major,
             interpret=interpret,
             activation=activation,
             out_slice_major=out_slice_major,
+            **extra,
         )
     # split-K partial sums: the activation runs after the whole sum.
-    h = wna16_gemm(x, w13, routing, top_k=top_k, config=c1, interpret=interpret)  # [T*k, 2I]
-    return activate(h, activation, x.dtype)
+    h = wna16_gemm(x, w13, routing, top_k=top_k, config=c1, interpret=interpret, **extra)
+    return activate(h, activation, x.dtype)  # [T*k, 2I] -> [T*k, I]
 
 
-def gemm2_routed(act, w2, routing, topk_weights, *, c2, act_slice_major, interpret):
-    """[T*k, I] -> f32 [T*k, H], each slot's row times its routed weight."""
+def gemm2_routed(act, w2, routing, topk_weights, *, c2, act_slice_major, interpret, bias=None):
+    """[T*k, I] -> f32 [T*k, H], each slot's row (plus its expert's bias: [E, H] or None)
+    times its routed weight."""
+    extra = {} if bias is None else {"bias": bias}
     return wna16_gemm(
         act,
         w2,
@@ -102,6 +113,7 @@ def gemm2_routed(act, w2, routing, topk_weights, *, c2, act_slice_major, interpr
         out_dtype=jnp.float32,
         interpret=interpret,
         a_slice_major=act_slice_major,
+        **extra,
     )
 
 
@@ -136,20 +148,20 @@ def _route(a, topk_ids, plan: Plan, *, num_experts, expert_map, distinct_experts
     )
 
 
-def _gemm1(a, w13, routed, plan: Plan, *, activation, interpret):
+def _gemm1(a, w13, routed, plan: Plan, *, activation, interpret, bias=None):
     """[T, H] -> the activation per slot [T*k, I]: in x.dtype (`gemm1_and_activation`), or in
     f32 from the W8A8 GEMM's f32 output (not rounded before its second quantization)."""
     routing, k = routed.blocks, routed.top_k
     if isinstance(a, Int8Rows):
         h = w8a8.w8a8_gemm(a.q, a.scale, w13, routing, top_k=k, config=plan.c1, interpret=interpret)
-        return ACTIVATIONS[activation](h)  # [T*k, I] f32
+        return activation_fn(activation)(h)  # [T*k, I] f32
     return _activation_rows(
         a, w13, routing, top_k=k, c1=plan.c1, activation=activation,
-        out_slice_major=plan.out_slice_major, interpret=interpret,
+        out_slice_major=plan.out_slice_major, interpret=interpret, bias=bias,
     )  # fmt: skip
 
 
-def _gemm2(act, w2, routed, plan: Plan, routed_weights, *, interpret):
+def _gemm2(act, w2, routed, plan: Plan, routed_weights, *, interpret, bias=None):
     """[T*k, I] -> f32 [T*k, H], each slot's row times its routed weight."""
     if isinstance(act, Int8Rows):
         return w8a8.w8a8_gemm(
@@ -170,6 +182,7 @@ def _gemm2(act, w2, routed, plan: Plan, routed_weights, *, interpret):
         c2=plan.c2,
         act_slice_major=plan.out_slice_major is not None,
         interpret=interpret,
+        bias=bias,
     )
 
 
@@ -218,6 +231,8 @@ def fused_moe(
     chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
     activation_quant: ActivationQuant | None = None,
     out_dtype=None,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """fused_moe (docs/design.md steps 1-5) from the Pallas kernels; inputs already validated.
 
@@ -230,12 +245,14 @@ def fused_moe(
     Args:
         x: [T, H] bf16/f16/f32.  w13: [E, 2I, H].  w2: [E, H, I].
         topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
-        expert_map: optional int32 [E_global].  activation: "silu".
+        expert_map: optional int32 [E_global].  activation: "silu" or a ClampedSwiGLU.
         config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM).
         interpret: run the kernels under the Pallas interpreter.
         chunk_tokens: tokens per chunk for large T.
         activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
         out_dtype: the output dtype (default x.dtype), rounded once from the f32 sum.
+        w13_bias: optional [E, 2I] float, added in GEMM1's epilogue before the activation.
+        w2_bias: optional [E, H] float, added in GEMM2's epilogue before the routed weights.
 
     Returns:
         [T, H] in out_dtype.
@@ -256,4 +273,6 @@ def fused_moe(
         expert_map=expert_map,
         chunk_tokens=chunk_tokens,
         out_dtype=out_dtype,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )

@@ -1,4 +1,4 @@
-"""Dequant-fused grouped matmul over block-sorted token slots (int4/int8 weights, split-K)."""
+"""Dequant-fused grouped matmul over block-sorted token slots (int4/int8/MXFP4 weights, split-K)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pallas_kernels.pallas._common import (
     slice_words,
 )
 from wna16_jax import _configs
+from wna16_jax._activations import normalize_activation
 from wna16_jax._quant import implicit_zero
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
@@ -47,16 +48,17 @@ def _product(a, w, dot: str):
     return _dot(a, w) if dot == "mma" else jnp.sum(_fma(a, w), axis=2)
 
 
-def scales_per_group(*, block_k, unpack, dot, bits, group, dtype) -> bool:
+def scales_per_group(*, block_k, unpack, dot, bits, group, dtype, codes="int") -> bool:
     """Whether the kernel takes its exact fast path: values as 16-bit (offset + v) products,
     the scale applied to each group's [bm, bn] product; else the general path, which scales
     each value in f32 and rounds it to `dtype` when a k-tile holds several groups.
 
     The fast path needs unpack="slices" or "join", values exact in `dtype` (int4, or int8 in
-    fp16) and, for tensor-core dots, at least 16 features per dot (a group's slice, or with
-    "join" the group's part of the tile).
+    fp16; E2M1 values in any dtype) and, for tensor-core dots, at least 16 features per dot (a
+    group's slice, or with "join" the group's part of the tile).
     """
-    if unpack == "tile" or _dequant.half_magic_offset(bits, dtype) is None:
+    exact = codes == "e2m1" or _dequant.half_magic_offset(bits, dtype) is not None
+    if unpack == "tile" or not exact:
         return False
     if unpack == "join":  # one dot over a group's (part of the tile's) features
         return min(block_k, group) >= 16
@@ -80,10 +82,16 @@ def _tile_products(
     unpack,
     asm,
     dot,
+    codes="int",
 ):
     """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for each n_idx."""
     if scales_per_group(block_k=block_k, unpack=unpack, dot=dot, bits=bits, group=group,
-                        dtype=a_ref.dtype):  # fmt: skip
+                        dtype=a_ref.dtype, codes=codes):  # fmt: skip
+        if codes == "e2m1":
+            return _e2m1_slices_per_group(
+                a_ref, qw_ref, s_ref, e, row, n_idxs, k0, block_k=block_k, group=group,
+                dot=dot, joined=unpack == "join",
+            )  # fmt: skip
         return _half_slices_per_group(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=block_k,
             group=group, has_zeros=has_zeros, asm=asm, dot=dot, joined=unpack == "join",
@@ -105,9 +113,43 @@ def _tile_products(
             has_zeros=has_zeros,
             unpack=unpack,
             dot=dot,
+            codes=codes,
         )
         for n_idx in n_idxs
     )
+
+
+def _e2m1_slices_per_group(
+    a_ref, qw_ref, s_ref, e, row, n_idxs, k0, *, block_k, group, dot, joined
+):  # fmt: skip
+    """`_half_slices_per_group` for MXFP4: each value slice decoded to its E2M1 values (exact
+    in the activation dtype) meets its activations in one dot per group, and the group's
+    power-of-two scale multiplies the product (no offset or zero point to take off)."""
+    per_word = 8
+    group_k = min(block_k, group)
+    count = group_k // per_word
+    products = [None] * len(n_idxs)  # mma: [bm, bn]; fma: [bm, bn, W]; scaled, over groups
+    for part in range(block_k // group_k):
+        words = (part * count, count)
+        if joined:
+            kk = k0 + part * group_k + jnp.arange(group_k, dtype=jnp.int32)
+            slices = [(plgpu.load(a_ref.at[row[:, None], kk[None, :]]), kk)]  # [bm, group_k]
+        else:
+            slices = slice_activations(a_ref, row, k0, bits=4, block_k=block_k, words=words)
+        g = (k0 + part * group_k) // group
+        for r, n_idx in enumerate(n_idxs):
+            tile = slice_words(qw_ref, e, n_idx, k0, bits=4, block_k=block_k, words=words)
+            values = _dequant.e2m1_value_slices(tile, a_ref.dtype)  # 8 x [bn, count]
+            if joined:
+                values = [_dequant.join_value_slices(values)]  # [bn, group_k]
+            acc = None
+            for (a, _), w in zip(slices, values, strict=True):
+                p = _dot(a, w) if dot == "mma" else _fma(a, w)
+                acc = p if acc is None else acc + p
+            s = _dequant.e8m0_to_f32(plgpu.load(s_ref.at[e, n_idx, g]))  # [bn]
+            scaled = acc * (s[None, :] if dot == "mma" else s[None, :, None])
+            products[r] = scaled if products[r] is None else products[r] + scaled
+    return tuple(jnp.sum(p, axis=2) if dot == "fma" else p for p in products)
 
 
 def _half_slices_per_group(
@@ -183,13 +225,17 @@ def _minus_offset_and_zero(acc, rowsum, z, *, offset: float, has_zeros: bool):
 
 def _tile_product_general(
     a_ref, qw_ref, s_ref, z_ref, e, row, n_idx, k0, *, bits, block_k, group, has_zeros, unpack,
-    dot,
+    dot, codes="int",
 ):  # fmt: skip
     """One n_idx, any mode: exact (v - z) through f32, or several groups per tile."""
     dtype = a_ref.dtype
     pairs = operand_pairs(
         a_ref, qw_ref, e, row, n_idx, k0, bits=bits, block_k=block_k, unpack=unpack
     )
+    if codes == "e2m1":
+        return _e2m1_tile_product(
+            s_ref, e, n_idx, k0, pairs, block_k=block_k, group=group, dot=dot, dtype=dtype
+        )
     if block_k > group:
         # Several groups per tile: scale (and shift) each value before the dot.
         acc = None
@@ -222,6 +268,25 @@ def _tile_product_general(
     return acc * s[None, :]
 
 
+def _e2m1_tile_product(s_ref, e, n_idx, k0, pairs, *, block_k, group, dot, dtype):
+    """`_tile_product_general` for MXFP4: where a k-tile holds several groups, E2M1 values
+    times their power-of-two scales in f32 (exact), rounded to `dtype`; within one group the
+    values meet the activations and the scale multiplies the [bm, bn] product."""
+    several = block_k > group
+    acc = None
+    for a, v, kk in pairs:
+        w = _dequant.e2m1_to_f32(v)  # [bn, W]
+        if several:
+            s = plgpu.load(s_ref.at[e, n_idx[:, None], (kk // group)[None, :]])  # [bn, W]
+            w = w * _dequant.e8m0_to_f32(s)
+        part = _product(a, w.astype(dtype), dot)
+        acc = part if acc is None else acc + part
+    if several:
+        return acc
+    s = _dequant.e8m0_to_f32(plgpu.load(s_ref.at[e, n_idx, k0 // group]))  # [bn]
+    return acc * s[None, :]
+
+
 def _zero_points(z_ref, e, n_idx, g, *, bits, has_zeros):
     """Zero points (int32, broadcast shape of n_idx and g), or the implicit int when absent."""
     if not has_zeros:
@@ -247,6 +312,7 @@ def _gemm_kernel(
     s_ref,  # [E, N, K // G]
     z_ref,  # zeros or None
     rw_ref,  # [num_slots] f32 routed weights or None
+    bias_ref,  # [E, N] per-expert biases or None
     out_ref,  # [num_slots + 1, N_out]; row num_slots is a spare row for padding
     *,
     num_slots,
@@ -260,11 +326,14 @@ def _gemm_kernel(
     gated: bool,
     out_slice_major,
     asm: bool,
+    codes: str = "int",
+    activation="silu",
 ):
     def tile_products(e, row, n_idxs, k0):
         return _tile_products(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=config.block_k,
             group=group, has_zeros=has_zeros, unpack=config.unpack, asm=asm, dot=config.dot,
+            codes=codes,
         )  # fmt: skip
 
     out_columns = None
@@ -285,6 +354,8 @@ def _gemm_kernel(
         tile_product=tile_products,
         gate_offset=n_out if gated else None,
         out_columns=out_columns,
+        bias_ref=bias_ref,
+        activation=activation,
     )
 
 
@@ -321,6 +392,7 @@ def wna16_gemm(
     a_slice_major: bool = False,
     out_slice_major: tuple[int, int] | None = None,
     asm: bool | None = None,
+    bias=None,
 ):
     """Grouped matmul of gathered activation rows with dequantized expert weights.
 
@@ -329,7 +401,8 @@ def wna16_gemm(
 
     Args:
         a: [R, K] bf16/f16/f32 activations; the routing's slots number R * top_k.
-        qw: QuantizedExperts [E, N, K].
+        qw: QuantizedExperts [E, N, K], integer codes or MXFP4 (E8M0 scale bytes 0 and 255,
+            2^-127 and NaN, read as 0 and inf).
         routing: AlignedRouting with block_m == config.block_m.
         routed_weights: optional f32 [R * top_k] per-slot multipliers.
         top_k: slots per activation row.
@@ -337,16 +410,18 @@ def wna16_gemm(
             partial tiles with atomic adds into a zeroed f32 buffer).
         out_dtype: output dtype (default a.dtype; split-K always accumulates in f32).
         interpret: run under the Pallas interpreter (any platform).
-        activation: None, or "silu" for GEMM1 of an MoE layer: the weights' first N/2 rows are
-            the gate, the last N/2 the up projection, and the kernel returns
-            silu(gate) * up ([R * top_k, N/2], computed in f32 from the unrounded sums;
-            split_k must be 1).
+        activation: None, or "silu" or a ClampedSwiGLU for GEMM1 of an MoE layer: the weights'
+            first N/2 rows are the gate, the last N/2 the up projection, and the kernel returns
+            silu(gate) * up (or the clamped SwiGLU) ([R * top_k, N/2], computed in f32 from the
+            unrounded sums; split_k must be 1).
         a_slice_major: `a` is already in `_common.slice_major` order for config.block_k (e.g.
             written so by the previous GEMM); only with unpack="slices".
         out_slice_major: (block_k, bits) of the GEMM that reads this output: store its columns
             in that GEMM's slice_major order.
         asm: convert int4/int8 with PTX (two values per instruction) on the fast path; default:
             when compiled (never in the interpreter).
+        bias: optional [E, N] float per-expert biases, added to the f32 sums before the
+            activation and the routed weights.
 
     Returns:
         [R * top_k, N] (N/2 with activation) of out_dtype. Rows of slots that sit in no block
@@ -357,8 +432,10 @@ def wna16_gemm(
     r, k = a.shape
     _configs.check_gemm_operands(config, routing, k, qw)
     e, n, _ = qw.shape
-    if activation not in (None, "silu"):
-        raise ValueError(f"activation={activation!r} is not None or 'silu'")
+    if activation is not None and normalize_activation(activation) is None:
+        raise ValueError(f"activation={activation!r} is not None, 'silu' or a ClampedSwiGLU")
+    if bias is not None and tuple(bias.shape) != (e, n):
+        raise ValueError(f"bias must be [E, N] = {[e, n]}, got {tuple(bias.shape)}")
     gated = activation is not None
     n_out = n // 2 if gated else n
     if gated and (n % 2 or n_out % config.block_n or config.split_k != 1):
@@ -391,16 +468,18 @@ def wna16_gemm(
         gated=gated,
         out_slice_major=out_slice_major,
         asm=asm,
+        codes=qw.codes,
+        activation=normalize_activation(activation) if gated else "silu",
     )
     out = grouped_gemm_call(
         kernel,
-        [a, qw.qweight, qw.scales, qw.zeros, routed_weights],
+        [a, qw.qweight, qw.scales, qw.zeros, routed_weights, bias],
         routing=routing,
         num_slots=num_slots,
         n=n_out,
         out_dtype=out_dtype,
         config=config,
         interpret=interpret,
-        name=f"wna16_gemm_int{qw.bits}",
+        name="wna16_gemm_mxfp4" if qw.is_mxfp4 else f"wna16_gemm_int{qw.bits}",
     )
     return out.astype(out_dtype)

@@ -15,6 +15,7 @@ from pallas_kernels.triton.config import MAX_EXPERTS, MIN_SPAN, RULES
 from wna16_jax import _activations, _configs
 from wna16_jax._dispatch import AlignProblem, Backend, GemmProblem, GroupedMatmul, MoEProblem
 from wna16_jax._dispatch import cuda_gpu_reason as _gpu_reason
+from wna16_jax._types import CODES
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -42,7 +43,7 @@ def shape_reason(problem: MoEProblem) -> str | None:
         )
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
-    if problem.activation not in _activations.ACTIVATIONS:
+    if _activations.normalize_activation(problem.activation) is None:
         names = sorted(_activations.ACTIVATIONS)
         return f"activation {problem.activation!r} is not one of {names}"
     if problem.num_global_experts > MAX_EXPERTS:
@@ -143,5 +144,6 @@ BACKENDS = (
             config=functools.partial(_configs.resolve, RULES),
             run=_grouped_matmul,
         ),
+        codes=CODES,
     ),
 )

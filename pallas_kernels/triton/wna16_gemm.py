@@ -1,4 +1,4 @@
-"""Dequant-fused grouped matmul over block-sorted token slots in Triton (int4/int8, split-K)."""
+"""Dequant-fused grouped matmul over block-sorted token slots in Triton (int4/int8/MXFP4)."""
 
 from __future__ import annotations
 
@@ -38,11 +38,14 @@ def _span_product(
     MAGIC: tl.constexpr,
     OFFSET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    E2M1: tl.constexpr,
 ):
     """f32 [BM, BN] = a[:, k0:k0+SPAN] @ dequant(w[:, k0:k0+SPAN]).T, the span inside one group.
 
     The group's scale multiplies the [BM, BN] product; the zero point comes off the product
     as z * rowsum(a) (or off the integers before the dot when no exponent trick applies).
+    E2M1 (MXFP4): the codes' values (exact in every activation dtype) meet the activations and
+    the group's E8M0 scale 2^(X - 127) multiplies the product.
     """
     PER_WORD: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -60,6 +63,15 @@ def _span_product(
         words = tl.load(qw_rows + (offs_k // PER_WORD)[None, :])  # [BN, SPAN]
         v = (words >> ((offs_k % PER_WORD) * BITS)[None, :]) & MASK  # [BN, SPAN] uint32
     g = k0 // GROUP
+    if E2M1:
+        # The value's f32 bits: 0, 252 << 22 (0.5) and (m + 252) << 22 for the magnitudes
+        # m = 2..7 (1 .. 6); the code's bit 3 is the sign. The scale: X in the exponent field.
+        mag = v & 7
+        bits = tl.where(mag < 2, mag * (252 << 22), (mag + 252) << 22) | ((v & 8) << 28)
+        w = bits.to(tl.float32, bitcast=True).to(a.dtype)  # [BN, SPAN]
+        x = tl.load(s_rows + g).to(tl.uint32)  # [BN] E8M0 bytes
+        s = (x << 23).to(tl.float32, bitcast=True)
+        return tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION) * s[None, :]
     s = tl.load(s_rows + g).to(tl.float32)  # [BN]
     if HAS_ZEROS:
         z = (tl.load(z_rows + g).to(tl.int32) >> z_shift) & MASK  # [BN]
@@ -108,6 +120,7 @@ def _gemm_program(
     MAGIC: tl.constexpr,
     OFFSET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    E2M1: tl.constexpr,
 ):
     """Program (pid, split): rows of block m_block, columns n_block * BN.., k-tiles of split.
 
@@ -171,6 +184,7 @@ def _gemm_program(
                         MAGIC,
                         OFFSET,
                         DOT_PRECISION,
+                        E2M1,
                     )
             if HAS_RW:
                 rw = tl.load(rw_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0)
@@ -190,12 +204,12 @@ def _wna16_gemm_kernel(
     HAS_ZEROS: tl.constexpr, HAS_RW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPAN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     LOAD_ONCE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, E2M1: tl.constexpr,
 ):  # fmt: skip
     _gemm_program(
         ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, out_ptr,
         NUM_SLOTS, TOP_K, N, K, NUM_BLOCKS, BITS, GROUP, HAS_ZEROS, HAS_RW, BM, BN, BK, SPAN,
-        SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION,
+        SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION, E2M1,
     )  # fmt: skip
 
 
@@ -209,12 +223,12 @@ def _wna16_gemm_into_kernel(
     HAS_ZEROS: tl.constexpr, HAS_RW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPAN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     LOAD_ONCE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, E2M1: tl.constexpr,
 ):  # fmt: skip
     _gemm_program(
         ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, out_ptr,
         NUM_SLOTS, TOP_K, N, K, NUM_BLOCKS, BITS, GROUP, HAS_ZEROS, HAS_RW, BM, BN, BK, SPAN,
-        SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION,
+        SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION, E2M1,
     )  # fmt: skip
 
 
@@ -266,7 +280,7 @@ def gemm_launch(
         )
     out_dtype = jnp.dtype(out_dtype or dtype)
     magic, offset, widest = _HALF_MAGIC.get(dtype.name, (0, 0, 0))
-    if qw.bits > widest:  # no exact exponent trick: subtract the zero point before the dot
+    if qw.bits > widest or qw.is_mxfp4:  # no exponent trick: integers (or E2M1 values) dotted
         magic, offset = 0, 0
     num_blocks = routing.expert_ids.shape[0]
     zeros = qw.zeros if qw.has_zeros else jnp.zeros((1,), jnp.uint8)
@@ -324,11 +338,12 @@ def gemm_launch(
             OFFSET=offset,
             # f32 operands dot in IEEE f32 (TF32 keeps 10 mantissa bits); 16-bit ignore it.
             DOT_PRECISION="ieee" if dtype == jnp.float32 else "tf32",
+            E2M1=qw.is_mxfp4,
         ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         zeroed_outputs=(0,) if split else (),
-        name=f"triton_wna16_gemm_int{qw.bits}",
+        name="triton_wna16_gemm_mxfp4" if qw.is_mxfp4 else f"triton_wna16_gemm_int{qw.bits}",
     )
 
 
@@ -360,7 +375,8 @@ def wna16_gemm(
 
     Args:
         a: [R, K] bf16/f16/f32 activations; the routing's slots number R * top_k.
-        qw: QuantizedExperts [E, N, K] (group size a multiple of 16, or -1).
+        qw: QuantizedExperts [E, N, K] (group size a multiple of 16, or -1), integer codes or
+            MXFP4 (E8M0 scale bytes 0 and 255, 2^-127 and NaN, read as 0 and inf).
         routing: AlignedRouting with block_m == config.block_m.
         routed_weights: optional f32 [R * top_k] per-slot multipliers.
         top_k: slots per activation row.
