@@ -45,7 +45,7 @@ from flax import nnx
 
 import models
 import wna16_jax as wj
-from models import registry
+from models import load_pretrained, registry
 from models.common import sharding
 from models.common.causal_lm import dequantize_model
 from models.common.checkpoint import resolve_checkpoint
@@ -400,7 +400,7 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
         return build_preset(args, placement)
     if args.model:
         local = checkpoint or checkpoint_dir(args)
-        model = models.load_pretrained(  # each tensor placed on the mesh as it is read
+        model = load_pretrained(  # each tensor placed on the mesh as it is read
             local,
             dtype=args.dtype or "bfloat16",
             implementation=args.implementation,

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import importlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 # The packages under models/ that hold a family, in the order they are listed and searched;
 # the first is the default family of a random model (examples/generate.py).
@@ -32,12 +33,10 @@ class Family:
         model_types: config.json `model_type` values it reads.
         architectures: config.json `architectures` entries it reads (where the model type is
             none of any family's).
-        model_class: its CausalLM subclass.
-        config_class: its frozen config (with `from_json`, `tiny`).
-        load_pretrained: `(path, **kwargs) -> model` (the loader engine on its name table).
+        names: its checkpoint name table (`models.common.loader.NameTable`), which names its
+            model and config classes and gives `load_pretrained` / `save_pretrained`.
         init_random: `(cfg, *, seed, implementation, mesh, moe_mode, progress, ...) -> model`.
         shard_model: `(model, mesh, *, moe_mode) -> model`, placing an in-memory model.
-        save_pretrained: `(model, path, *, format, max_shard_bytes) -> None`.
         presets: {name: (**overrides) -> config} of released sizes ("deepseek-v3", ...).
         full_width: `(num_layers, **overrides) -> config`: its flagship's width with fewer
             layers, for random models at full size; None where it has none.
@@ -46,14 +45,29 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     architectures: tuple[str, ...]
-    model_class: type
-    config_class: type
-    load_pretrained: Callable
+    names: Any
     init_random: Callable
     shard_model: Callable
-    save_pretrained: Callable
     presets: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
     full_width: Callable | None = None
+
+    @property
+    def model_class(self) -> type:
+        """Its CausalLM subclass."""
+        return self.names.model_class
+
+    @property
+    def config_class(self) -> type:
+        """Its frozen config (with `from_json`, `tiny`)."""
+        return self.names.config_class
+
+    def load_pretrained(self, path, **kwargs):
+        """The loader engine on its name table (`models.common.loader.load_pretrained`)."""
+        return self.names.load_pretrained(path, **kwargs)
+
+    def save_pretrained(self, model, path, **kwargs) -> None:
+        """The writer on its name table (`models.common.loader.save_pretrained`)."""
+        self.names.save_pretrained(model, path, **kwargs)
 
 
 @functools.cache

@@ -33,6 +33,7 @@ from test_deepseek_v3_common import (
 from test_deepseek_v3_reference import reference_logits
 
 import wna16_jax as wj
+from models.common import loader
 from models.common import progress as progress_module
 from models.deepseek_v3 import QuantSpec, load_pretrained, save_pretrained, sharding
 from models.deepseek_v3 import params as params_module
@@ -260,7 +261,7 @@ def test_fp8_default_is_int4_with_a_warning(fp8, caplog, monkeypatch):
         return out
 
     monkeypatch.setattr(progress_module, "tqdm", Bar)
-    monkeypatch.setattr(params_module, "dequantize_fp8", tracked)
+    monkeypatch.setattr(loader, "dequantize_fp8", tracked)  # the loader engine reads FP8
     with caplog.at_level(logging.WARNING, logger="models.deepseek_v3"):
         model = load_pretrained(fp8.path, dtype=jnp.float32, progress=False)
     assert "holds FP8 weights and quantize=None: quantizing them to int4" in caplog.text

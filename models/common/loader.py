@@ -88,10 +88,47 @@ Row = tuple[str, str, str, str, "str | None"]
 KINDS = ("weight", "param", "param_f32", "linear", "experts")
 
 
+# The rows every pre-norm decoder family holds under Hugging Face's names: the embedding, the
+# final norm, the head and each layer's two norms (letters V vocabulary, H hidden; conditions
+# "always" and "untied"), and a dense layer's gated MLP (F its intermediate size, condition
+# "dense"). A family's table starts with them and adds its attention and MoE rows.
+DECODER_ROWS: tuple[Row, ...] = (
+    ("model.embed_tokens", "weight", "V H", "always", None),
+    ("model.norm", "weight", "H", "always", None),
+    ("lm_head", "linear", "V H", "untied", None),
+    ("layer.input_layernorm", "weight", "H", "always", None),
+    ("layer.post_attention_layernorm", "weight", "H", "always", None),
+    ("layer.mlp.gate_proj", "linear", "F H", "dense", "dense_mlp"),
+    ("layer.mlp.up_proj", "linear", "F H", "dense", "dense_mlp"),
+    ("layer.mlp.down_proj", "linear", "H F", "dense", "dense_mlp"),
+)
+
+
 def hf_module_path(name: str) -> tuple[str | int, ...]:
     """The module path of an HF name: its parts, integers for list indices (the NNX modules
     carry HF's names)."""
     return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorKind:
+    """A family's own kind of row, for tensors the built-in kinds do not read (e.g. experts
+    stored fused, or in a format of the family's own). Its tensors are `{row name}` and
+    `{row name}.*`, so unused-tensor reporting covers them.
+
+    Attributes:
+        check: `(ckpt, entry, cfg, qcfg, problems) -> int | None`: checks the entry's tensors
+            from the headers (`ckpt.meta`), appending each problem to `problems`; returns the
+            number of tensors it will read (None: not loadable).
+        read: `(ckpt, entry, cfg, qcfg, implementation) -> nnx.Module | array`: the module put
+            at `entry.path`, or the value of the variable there.
+        write: `(model, entry, format) -> {tensor name: numpy array}` for `save_pretrained`
+            (None: a model holding such rows is not saved).
+    """
+
+    check: Callable
+    read: Callable
+    write: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +141,9 @@ class DraftLayer:
     rows: tuple[tuple[str, str, str, str | None], ...]
     build: Callable  # (cfg, *, rngs) -> the layer module
     check: Callable  # (cfg) -> None, raising ValueError where the config has no such layer
+    # (model, float dtype or None) -> {tensor name: array} the checkpoint holds beside the
+    # layer's own (DeepSeek's copies of the shared embedding and head), written on save.
+    saved_copies: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +155,7 @@ class NameTable:
         dims: {shape letter: cfg -> size}.
         present: {condition: (cfg, layer index or None) -> bool}.
         model_class, config_class: its CausalLM subclass and config (`from_json(path, dtype=,
-            quant=)`, `to_hf_dict()`).
-        logger: the family's logger name (what loading logs and warns under).
+            quant=)`, `to_hf_dict()`); loading logs under the model's package's logger.
         module_path: HF name -> module path (default `hf_module_path`; Qwen's biases live on
             the attention as `q_bias`).
         draft: its draft layer, or None.
@@ -124,6 +163,7 @@ class NameTable:
             path, ms))` where tensors go to their shards as they are read; None loads onto
             one device and places the model with `shard_model` after.
         shard_model: `(model, mesh, *, moe_mode) -> model` (with sharded_loading None).
+        kinds: {kind: TensorKind} of the family's own kinds of rows.
     """
 
     rows: tuple[Row, ...]
@@ -131,17 +171,17 @@ class NameTable:
     present: Mapping[str, Callable]
     model_class: type
     config_class: type
-    logger: str
     module_path: Callable[[str], tuple] = hf_module_path
     draft: DraftLayer | None = None
     sharded_loading: Callable | None = None
     shard_model: Callable | None = None
+    kinds: Mapping[str, TensorKind] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         bad = []
         for name, kind, dims, present, _ in self.rows:
-            if kind not in KINDS:
-                bad.append(f"{name}: kind {kind!r} is not one of {KINDS}")
+            if kind not in KINDS and kind not in self.kinds:
+                bad.append(f"{name}: kind {kind!r} is not one of {(*KINDS, *self.kinds)}")
             bad += [
                 f"{name}: no size for shape letter {d!r}"
                 for d in dims.split()
@@ -152,12 +192,24 @@ class NameTable:
         if bad:
             raise ValueError("name table: " + "; ".join(bad))
 
+    def __repr__(self) -> str:
+        return f"NameTable({self.model_class.__name__}, {len(self.rows)} rows)"
+
     def shape(self, cfg, dims: str) -> tuple[int, ...]:
         return tuple(self.dims[d](cfg) for d in dims.split())
 
     @property
     def log(self) -> logging.Logger:
-        return logging.getLogger(self.logger)
+        """The family's logger ("models.deepseek_v3", ...)."""
+        return logging.getLogger(self.model_class.__module__.rpartition(".")[0])
+
+    def load_pretrained(self, path, **kwargs):
+        """`load_pretrained(self, path, **kwargs)`: the family's loader."""
+        return load_pretrained(self, path, **kwargs)
+
+    def save_pretrained(self, model, path, **kwargs) -> None:
+        """`save_pretrained(self, model, path, **kwargs)`: the family's writer."""
+        save_pretrained(self, model, path, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +415,10 @@ def check_checkpoint(
                 continue
             _check_float(ckpt, name, entry.shape, problems)
             plans.append(_Plan(entry, "float", 1))
+        elif entry.kind in names.kinds:
+            count = names.kinds[entry.kind].check(ckpt, entry, cfg, qcfg, problems)
+            if count is not None:
+                plans.append(_Plan(entry, entry.kind, count))
         elif entry.kind == "linear":
             form = _linear_form(ckpt, entry.name, entry.shape, qcfg, problems, fp8_block)
             if form is not None:
@@ -818,7 +874,7 @@ def load_pretrained(
                 entry = plan.entry
                 aq = acts.experts.get(entry.name)
                 try:
-                    _install(model, cfg, ckpt, qcfg, plan, implementation, problems, ms, aq)
+                    _install(names, model, cfg, ckpt, qcfg, plan, implementation, problems, ms, aq)
                     if ms is not None:
                         place(model, entry.path, ms)
                 except ValueError as err:
@@ -854,11 +910,27 @@ def load_pretrained(
 
 
 def _install(
-    model, cfg, ckpt, qcfg, plan: _Plan, implementation, problems, ms=None, activation_quant=None
+    names: NameTable,
+    model,
+    cfg,
+    ckpt,
+    qcfg,
+    plan: _Plan,
+    implementation,
+    problems,
+    ms=None,
+    activation_quant=None,
 ) -> None:
     """Reads one plan entry and puts it into the (abstract) model; with a ModelSharding `ms`,
     placed on its mesh; routed experts run `activation_quant` (None: 16-bit activations)."""
     entry = plan.entry
+    if entry.kind in names.kinds:
+        value = names.kinds[entry.kind].read(ckpt, entry, cfg, qcfg, implementation)
+        if isinstance(value, nnx.Module):
+            set_module(model, entry.path, value)
+        else:
+            module_at(model, entry.path).set_value(value)
+        return
     if entry.kind == "experts" and ms is not None:
         module = _sharded_experts_module(
             cfg, ckpt, qcfg, entry, plan.form, implementation, ms, problems, activation_quant
@@ -1127,20 +1199,21 @@ def save_pretrained(
         elif entry.kind in ("param", "param_f32"):
             dtype = np.float32 if entry.kind == "param_f32" else float_dtype
             put(entry.name, module_at(model, entry.path).get_value(), dtype)
+        elif entry.kind in names.kinds:
+            write = names.kinds[entry.kind].write
+            if write is None:
+                raise ValueError(f"{entry.name}: its kind {entry.kind!r} is not saved")
+            for name, arr in write(model, entry, format).items():
+                put(name, arr)
         elif entry.kind == "experts" and experts_aq is not None:
             aq = module_at(model, entry.path).activation_quant
             if aq.scheme == "int8_static":  # this layer's scales, on each of its experts
                 for _, proj, prefix in entry.expert_names(entry.shape[0]):
                     scale = aq.gemm2_scale if proj == "down_proj" else aq.gemm1_scale
                     put(f"{prefix}.input_scale", np.array([scale], np.float32))
-    if model.mtp is not None and not isinstance(model.lm_head, QuantizedLinear):
-        # The MTP layer's copies of the shared embedding and head, as DeepSeek's checkpoints
-        # hold them (engines that load the layer apart read them; loading here does not).
-        layer = f"model.layers.{cfg.num_hidden_layers}"
-        embed = model.model.embed_tokens.weight.get_value()
-        head = embed if model.lm_head is None else model.lm_head.weight.get_value()
-        put(f"{layer}.embed_tokens.weight", embed, float_dtype)
-        put(f"{layer}.shared_head.head.weight", head, float_dtype)
+    if model.mtp is not None and names.draft.saved_copies is not None:
+        for name, arr in names.draft.saved_copies(model).items():
+            put(name, arr, float_dtype)
     keys, float_linears, act_order = set(), [], False
     for name, value in _named_linears(names, model):
         if not isinstance(value, wj.QuantizedExperts):

@@ -9,10 +9,12 @@ and places its model on a mesh made here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -220,22 +222,26 @@ def state_shardings(state):
 MOE_MODES = ("replicated", "all_to_all", "auto")
 
 
+@dataclasses.dataclass(frozen=True)
 class ShardedExperts:
-    """What every family's ModelSharding (a frozen dataclass with `mesh`, `moe_mode` and
-    `token_threshold`) shares: the routed experts on the mesh, the batch check and the cache's
-    shardings. A family's subclass gives the axes (`expert_axis`, `tensor_axis`,
-    `data_axis`: a name or None) and `cache_specs`.
+    """What every family's ModelSharding shares: its mesh, its specs (the family's
+    ShardingSpecs), the MoE token mode, and from them the routed experts on the mesh, the
+    batch check and the cache's shardings. A family's subclass gives the axes
+    (`expert_axis`, `tensor_axis`, `data_axis`: a name or None) and `cache_specs`.
 
-    `moe_mode` as in `wna16_jax.sharding.fused_moe_ep`: "replicated" (every device sees every
-    token; one psum), "all_to_all" (tokens split over the expert axis, gathered and
-    reduce-scattered) or "auto" (replicated up to `token_threshold` tokens).
+    Static (hashable): the modules hold it as an attribute, so it is part of the graphdef and
+    every trace sees it. `moe_mode` as in `wna16_jax.sharding.fused_moe_ep`: "replicated"
+    (every device sees every token; one psum), "all_to_all" (tokens split over the expert
+    axis, gathered and reduce-scattered) or "auto" (replicated up to `token_threshold`
+    tokens).
     """
 
     mesh: Mesh
-    moe_mode: str
-    token_threshold: int
+    specs: Any
+    moe_mode: str = "replicated"
+    token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD
 
-    def _check_moe_mode(self) -> None:
+    def __post_init__(self):
         if self.moe_mode not in MOE_MODES:
             raise ValueError(f"moe_mode={self.moe_mode!r} is not one of {MOE_MODES}")
 

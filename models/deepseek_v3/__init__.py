@@ -40,12 +40,9 @@ FAMILY = Family(
     name="deepseek_v3",
     model_types=("deepseek_v3", "deepseek_v2", "kimi_k2"),  # Kimi-K2: the V3 architecture
     architectures=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
-    model_class=DeepseekV3ForCausalLM,
-    config_class=DeepseekV3Config,
-    load_pretrained=load_pretrained,
+    names=params.NAMES,
     init_random=init_random,
     shard_model=shard_model,
-    save_pretrained=save_pretrained,
     presets={
         "deepseek-v3": _released(DeepseekV3Config.deepseek_v3),
         "kimi-k2": _released(DeepseekV3Config.kimi_k2),

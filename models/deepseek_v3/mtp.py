@@ -26,6 +26,7 @@ from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.modeling import (
     DecoderLayer,
     KVCache,
+    QuantizedLinear,
     RMSNorm,
     Rng,
     decode_positions_and_mask,
@@ -84,6 +85,18 @@ def check_mtp_config(cfg: DeepseekV3Config) -> None:
             f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}: the MTP layer needs a "
             f"config with num_nextn_predict_layers=1 (DeepSeek-V3's one layer)"
         )
+
+
+def saved_copies(model) -> dict:
+    """The MTP layer's copies of the shared embedding and head, as DeepSeek's checkpoints hold
+    them (engines that load the layer apart read them; loading here does not); none beside a
+    quantized head."""
+    if isinstance(model.lm_head, QuantizedLinear):
+        return {}
+    layer = f"model.layers.{model.cfg.num_hidden_layers}"
+    embed = model.model.embed_tokens.weight.get_value()
+    head = embed if model.lm_head is None else model.lm_head.weight.get_value()
+    return {f"{layer}.embed_tokens.weight": embed, f"{layer}.shared_head.head.weight": head}
 
 
 def random_mtp(cfg: DeepseekV3Config, *, seed: int, on_device: bool) -> MultiTokenPredictor:

@@ -8,7 +8,6 @@ names, shapes and sharded placement.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 from models.common import loader
@@ -25,12 +24,8 @@ from models.deepseek_v3.modeling import DeepseekV3ForCausalLM
 # "experts.{j}.{gate,up,down}_proj" stacked into one module. Shapes use the letters of _DIMS;
 # the experts row gives (E, I, H).
 # fmt: off
-NAME_TABLE: tuple[tuple[str, str, str, str, str | None], ...] = (
-    ("model.embed_tokens",                     "weight",    "V H",   "always",    None),
-    ("model.norm",                             "weight",    "H",     "always",    None),
-    ("lm_head",                                "linear",    "V H",   "untied",    None),
-    ("layer.input_layernorm",                  "weight",    "H",     "always",    None),
-    ("layer.post_attention_layernorm",         "weight",    "H",     "always",    None),
+NAME_TABLE: tuple[loader.Row, ...] = (
+    *loader.DECODER_ROWS,
     ("layer.self_attn.q_proj",                 "linear",    "Hq H",  "no_q_lora", "attention"),
     ("layer.self_attn.q_a_proj",               "linear",    "Q H",   "q_lora",    "attention"),
     ("layer.self_attn.q_a_layernorm",          "weight",    "Q",     "q_lora",    None),
@@ -39,9 +34,6 @@ NAME_TABLE: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("layer.self_attn.kv_a_layernorm",         "weight",    "R",     "always",    None),
     ("layer.self_attn.kv_b_proj",              "linear",    "Hkv R", "always",    "attention"),
     ("layer.self_attn.o_proj",                 "linear",    "H Hv",  "always",    "attention"),
-    ("layer.mlp.gate_proj",                    "linear",    "D H",   "dense",     "dense_mlp"),
-    ("layer.mlp.up_proj",                      "linear",    "D H",   "dense",     "dense_mlp"),
-    ("layer.mlp.down_proj",                    "linear",    "H D",   "dense",     "dense_mlp"),
     ("layer.mlp.gate",                         "weight",    "E H",   "moe",       None),
     ("layer.mlp.gate.e_score_correction_bias", "param_f32", "E",     "noaux_tc",  None),
     ("layer.mlp.shared_experts.gate_proj",     "linear",    "Is H",  "shared",    "shared_experts"),
@@ -61,7 +53,7 @@ _DIMS: dict[str, Callable[[DeepseekV3Config], int]] = {
     "Rp": lambda c: c.kv_lora_rank + c.qk_rope_head_dim,
     "Hkv": lambda c: c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
     "Hv": lambda c: c.num_attention_heads * c.v_head_dim,
-    "D": lambda c: c.intermediate_size,
+    "F": lambda c: c.intermediate_size,
     "E": lambda c: c.n_routed_experts,
     "I": lambda c: c.moe_intermediate_size,
     "Is": lambda c: c.moe_intermediate_size * (c.n_shared_experts or 0),
@@ -84,26 +76,25 @@ def _sharded_loading(mesh, cfg, *, specs, moe_mode):
     return ms, sharding.place_variables
 
 
+# The table, the sizes of its letters and its conditions, for this model and config.
 NAMES = loader.NameTable(
-    rows=NAME_TABLE,
-    dims=_DIMS,
-    present=_PRESENT,
-    model_class=DeepseekV3ForCausalLM,
-    config_class=DeepseekV3Config,
-    logger="models.deepseek_v3",
+    NAME_TABLE,
+    _DIMS,
+    _PRESENT,
+    DeepseekV3ForCausalLM,
+    DeepseekV3Config,
     draft=loader.DraftLayer(
         attribute=mtp_layer.MTP_ATTRIBUTE,
         rows=mtp_layer.MTP_NAME_TABLE,
         build=mtp_layer.MultiTokenPredictor,
         check=mtp_layer.check_mtp_config,
+        saved_copies=mtp_layer.saved_copies,
     ),
     sharded_loading=_sharded_loading,
 )
 
-load_pretrained = functools.partial(loader.load_pretrained, NAMES)
-load_pretrained.__doc__ = loader.load_pretrained.__doc__
-save_pretrained = functools.partial(loader.save_pretrained, NAMES)
-save_pretrained.__doc__ = loader.save_pretrained.__doc__
+load_pretrained = NAMES.load_pretrained
+save_pretrained = NAMES.save_pretrained
 
 
 def weight_table(cfg: DeepseekV3Config, *, mtp: bool = False) -> list[loader.WeightEntry]:

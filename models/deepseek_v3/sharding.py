@@ -212,19 +212,11 @@ def _clean(entries) -> P:
 @dataclasses.dataclass(frozen=True)
 class ModelSharding(ShardedExperts):
     """How a sharded model runs: its mesh and specs, and the MoE token mode (the routed
-    experts' shard_map, the batch check and the cache's shardings: `ShardedExperts`).
-
-    Static (hashable): the modules hold it as an attribute, so it is part of the graphdef and
-    every trace sees it.
-    """
-
-    mesh: Mesh
-    specs: ShardingSpecs
-    moe_mode: str = "replicated"
-    token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD
+    experts' shard_map, the batch check and the cache's shardings: `ShardedExperts`);
+    `specs` a ShardingSpecs."""
 
     def __post_init__(self):
-        self._check_moe_mode()
+        super().__post_init__()
         w13, w2 = self.specs.moe_w13_efd, self.specs.moe_w2_edf
         if (_at(w13, 0), _at(w13, 1)) != (_at(w2, 0), _at(w2, 2)):
             raise ValueError(

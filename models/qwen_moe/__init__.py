@@ -2,7 +2,7 @@
 
 import functools
 
-from models.qwen_moe import sharding
+from models.qwen_moe import params, sharding
 from models.qwen_moe.config import GPTQ_INT4, MODEL_TYPES, PRESETS, QwenMoeConfig
 from models.qwen_moe.modeling import KVCache, QwenMoeForCausalLM, dequantize_model, route
 from models.qwen_moe.params import load_pretrained, save_pretrained
@@ -13,12 +13,9 @@ FAMILY = Family(
     name="qwen_moe",
     model_types=tuple(MODEL_TYPES),
     architectures=tuple(MODEL_TYPES.values()),
-    model_class=QwenMoeForCausalLM,
-    config_class=QwenMoeConfig,
-    load_pretrained=load_pretrained,
+    names=params.NAMES,
     init_random=init_random,
     shard_model=shard_model,
-    save_pretrained=save_pretrained,
     presets={name: functools.partial(QwenMoeConfig.preset, name) for name in sorted(PRESETS)},
 )
 

@@ -7,7 +7,6 @@ as config.json's quantization_config says; scales as stored), placement on a mes
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 from models.common import loader
@@ -19,12 +18,8 @@ from models.qwen_moe.modeling import QwenMoeForCausalLM
 # the module path is the name's, but a projection's bias "self_attn.q_proj.bias" lives on the
 # attention as "self_attn.q_bias" (`module_path`).
 # fmt: off
-NAME_TABLE: tuple[tuple[str, str, str, str, str | None], ...] = (
-    ("model.embed_tokens",                    "weight",  "V H",   "always",   None),
-    ("model.norm",                            "weight",  "H",     "always",   None),
-    ("lm_head",                               "linear",  "V H",   "untied",   None),
-    ("layer.input_layernorm",                 "weight",  "H",     "always",   None),
-    ("layer.post_attention_layernorm",        "weight",  "H",     "always",   None),
+NAME_TABLE: tuple[loader.Row, ...] = (
+    *loader.DECODER_ROWS,
     ("layer.self_attn.q_proj",                "linear",  "Nq H",  "always",   "attention"),
     ("layer.self_attn.k_proj",                "linear",  "Nkv H", "always",   "attention"),
     ("layer.self_attn.v_proj",                "linear",  "Nkv H", "always",   "attention"),
@@ -35,9 +30,6 @@ NAME_TABLE: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("layer.self_attn.o_proj.bias",           "param",   "H",     "o_bias",   None),
     ("layer.self_attn.q_norm",                "weight",  "D",     "qk_norm",  None),
     ("layer.self_attn.k_norm",                "weight",  "D",     "qk_norm",  None),
-    ("layer.mlp.gate_proj",                   "linear",  "F H",   "dense",    "dense_mlp"),
-    ("layer.mlp.up_proj",                     "linear",  "F H",   "dense",    "dense_mlp"),
-    ("layer.mlp.down_proj",                   "linear",  "H F",   "dense",    "dense_mlp"),
     ("layer.mlp.gate",                        "weight",  "E H",   "moe",      None),
     ("layer.mlp.experts",                     "experts", "E I H", "moe",      "experts"),
     ("layer.mlp.shared_expert.gate_proj",     "linear",  "Is H",  "shared",   "shared_experts"),
@@ -76,18 +68,16 @@ def module_path(name: str) -> tuple:
     return loader.hf_module_path(name.replace("_proj.bias", "_bias"))
 
 
+# The table, the sizes of its letters and its conditions, for this model and config.
 NAMES = loader.NameTable(
-    rows=NAME_TABLE,
-    dims=_DIMS,
-    present=_PRESENT,
-    model_class=QwenMoeForCausalLM,
-    config_class=QwenMoeConfig,
-    logger="models.qwen_moe",
+    NAME_TABLE,
+    _DIMS,
+    _PRESENT,
+    QwenMoeForCausalLM,
+    QwenMoeConfig,
     module_path=module_path,
     shard_model=sharding.shard_model,
 )
 
-load_pretrained = functools.partial(loader.load_pretrained, NAMES)
-load_pretrained.__doc__ = loader.load_pretrained.__doc__
-save_pretrained = functools.partial(loader.save_pretrained, NAMES)
-save_pretrained.__doc__ = loader.save_pretrained.__doc__
+load_pretrained = NAMES.load_pretrained
+save_pretrained = NAMES.save_pretrained

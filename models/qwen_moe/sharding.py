@@ -85,15 +85,8 @@ class ShardingSpecs:
 @dataclasses.dataclass(frozen=True)
 class ModelSharding(ShardedExperts):
     """How a sharded Qwen model runs (models.common.modules.ModelSharding's protocol; the
-    routed experts' shard_map, the batch check and the cache's shardings: `ShardedExperts`)."""
-
-    mesh: Mesh
-    specs: ShardingSpecs
-    moe_mode: str = "replicated"
-    token_threshold: int = wj.sharding.DEFAULT_TOKEN_THRESHOLD
-
-    def __post_init__(self):
-        self._check_moe_mode()
+    routed experts' shard_map, the batch check and the cache's shardings: `ShardedExperts`);
+    `specs` a ShardingSpecs."""
 
     @property
     def expert_axis(self) -> str | None:
