@@ -208,7 +208,8 @@ def _bad_checkpoints():
         ),
         "an unknown quant_method": (
             dict(qcfg={"quant_method": "mxfp8"}),
-            r"quantization_config.quant_method='mxfp8' is not supported \(supported: \['mxfp4'\]",
+            r"1 problem\(s\):\n  - quantization_config: quant_method='mxfp8' is not supported "
+            r"\(supported: \['awq', 'compressed-tensors', 'fp8', 'gptq', 'mxfp4'\]\)$",
         ),
         "MXFP4 on a module not converted": (
             dict(qcfg={"modules_to_not_convert": ["model.layers.*.mlp.experts", "lm_head"]}),

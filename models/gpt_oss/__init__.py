@@ -2,6 +2,7 @@
 
 import functools
 
+from models.gpt_oss import params
 from models.gpt_oss.config import ARCHITECTURE, MODEL_TYPE, PRESETS, GptOssConfig, YarnRope
 from models.gpt_oss.modeling import (
     GptOssForCausalLM,
@@ -18,12 +19,9 @@ FAMILY = Family(
     name="gpt_oss",
     model_types=(MODEL_TYPE,),
     architectures=(ARCHITECTURE,),
-    model_class=GptOssForCausalLM,
-    config_class=GptOssConfig,
-    load_pretrained=load_pretrained,
+    names=params.NAMES,
     init_random=init_random,
     shard_model=shard_model,
-    save_pretrained=save_pretrained,
     presets={name: functools.partial(GptOssConfig.preset, name) for name in sorted(PRESETS)},
 )
 
