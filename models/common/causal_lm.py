@@ -46,8 +46,6 @@ from models.common.modules import (
 )
 from models.common.progress import progress_bar
 
-logger = logging.getLogger("models")
-
 _F32 = jnp.float32
 
 # Above this many bytes of weights a random model is drawn on the device (jax.random under
@@ -141,6 +139,11 @@ class CausalLM(nnx.Module):
     def cache_layer_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
         """The shape [B, L, ...] of one layer's cache entry."""
         raise NotImplementedError(f"{type(self).__name__} does not define cache_layer_shape")
+
+    @classmethod
+    def logger(cls) -> logging.Logger:
+        """The family's logger: its package's name ("models.deepseek_v3", ...)."""
+        return logging.getLogger(cls.__module__.rpartition(".")[0])
 
     # --- parts -----------------------------------------------------------------------------
     @classmethod
@@ -327,11 +330,12 @@ class CausalLM(nnx.Module):
                 if (why := m.kernel_reason(self.cfg.dtype)) is not None:
                     on_xla[why].append(paths[id(m)])
             jax.block_until_ready(nnx.state(module))  # the bar follows the device
+        log = self.logger()
         for why, count in apart.items():
-            logger.info("%s (%d modules)", why, count)
+            log.info("%s (%d modules)", why, count)
         for why, where in on_xla.items():
             more = f" and {len(where) - 1} more linears stay" if len(where) > 1 else " stays"
-            logger.info("%s%s on 'xla': %s", where[0], more, why)
+            log.info("%s%s on 'xla': %s", where[0], more, why)
 
     def _quantized_linears(self, *, dequantized: bool) -> dict[str, QuantizedLinear]:
         """{module path: layer} of the QuantizedLinears read only as a dequantized weight

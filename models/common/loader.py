@@ -207,7 +207,7 @@ class NameTable:
     @property
     def log(self) -> logging.Logger:
         """The family's logger ("models.deepseek_v3", ...)."""
-        return logging.getLogger(self.model_class.__module__.rpartition(".")[0])
+        return self.model_class.logger()
 
     def load_pretrained(self, path, **kwargs):
         """`load_pretrained(self, path, **kwargs)`: the family's loader."""
