@@ -182,6 +182,17 @@ def test_gather_rows_builds_for_sm90():
     assert "ld.global.v4.b32" in kernel.ptx and "st.global.v4.b32" in kernel.ptx
 
 
+def mxfp4_layer_args(m: int) -> tuple:
+    """fused_moe's arguments (shapes) at DeepSeek-V3 shapes with MXFP4 experts, m tokens."""
+    return (
+        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
+        abstract_mxfp4_experts(2 * I, H),
+        abstract_mxfp4_experts(H, I),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+    )
+
+
 def abstract_mxfp4_experts(n, k):
     """[E, N, K] MXFP4 experts: E2M1 codes in uint32 words, uint8 E8M0 scales per 32 inputs."""
     return wj.QuantizedExperts(
@@ -208,13 +219,7 @@ def abstract_mxfp4_experts(n, k):
 def test_mxfp4_kernels_build_for_sm90(m, config):
     """MXFP4 experts at DeepSeek-V3 shapes: the GEMMs decode E2M1 and E8M0 and build for
     sm_90, within its shared memory."""
-    args = (
-        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
-        abstract_mxfp4_experts(2 * I, H),
-        abstract_mxfp4_experts(H, I),
-        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
-        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
-    )
+    args = mxfp4_layer_args(m)
     kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
     gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
     assert [k.name for k in gemms] == ["wna16_gemm_mxfp4"] * 2, [k.name for k in kernels]
@@ -231,11 +236,7 @@ def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m):
     a multiple of the Pallas kernels' 128-wide int4 k-tile): both biases and the clamped
     SwiGLU in the GEMMs' epilogues build for sm_90."""
     args = (
-        jax.ShapeDtypeStruct((m, H), jnp.bfloat16),
-        abstract_mxfp4_experts(2 * I, H),
-        abstract_mxfp4_experts(H, I),
-        jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
-        jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
+        *mxfp4_layer_args(m),
         jax.ShapeDtypeStruct((E, 2 * I), jnp.float32),
         jax.ShapeDtypeStruct((E, H), jnp.float32),
     )

@@ -87,15 +87,10 @@ def _tile_products(
     """f32 [bm, bn] = a[row, k0:k0+bk] @ dequant(w[e, n_idx, k0:k0+bk]).T for each n_idx."""
     if scales_per_group(block_k=block_k, unpack=unpack, dot=dot, bits=bits, group=group,
                         dtype=a_ref.dtype, codes=codes):  # fmt: skip
-        if codes == "e2m1":
-            return _e2m1_slices_per_group(
-                a_ref, qw_ref, s_ref, e, row, n_idxs, k0, block_k=block_k, group=group,
-                dot=dot, joined=unpack == "join",
-            )  # fmt: skip
         return _half_slices_per_group(
             a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, bits=bits, block_k=block_k,
             group=group, has_zeros=has_zeros, asm=asm, dot=dot, joined=unpack == "join",
-            offset=_dequant.half_magic_offset(bits, a_ref.dtype),
+            offset=_dequant.half_magic_offset(bits, a_ref.dtype), codes=codes,
         )  # fmt: skip
     return tuple(
         _tile_product_general(
@@ -119,42 +114,9 @@ def _tile_products(
     )
 
 
-def _e2m1_slices_per_group(
-    a_ref, qw_ref, s_ref, e, row, n_idxs, k0, *, block_k, group, dot, joined
-):  # fmt: skip
-    """`_half_slices_per_group` for MXFP4: each value slice decoded to its E2M1 values (exact
-    in the activation dtype) meets its activations in one dot per group, and the group's
-    power-of-two scale multiplies the product (no offset or zero point to take off)."""
-    per_word = 8
-    group_k = min(block_k, group)
-    count = group_k // per_word
-    products = [None] * len(n_idxs)  # mma: [bm, bn]; fma: [bm, bn, W]; scaled, over groups
-    for part in range(block_k // group_k):
-        words = (part * count, count)
-        if joined:
-            kk = k0 + part * group_k + jnp.arange(group_k, dtype=jnp.int32)
-            slices = [(plgpu.load(a_ref.at[row[:, None], kk[None, :]]), kk)]  # [bm, group_k]
-        else:
-            slices = slice_activations(a_ref, row, k0, bits=4, block_k=block_k, words=words)
-        g = (k0 + part * group_k) // group
-        for r, n_idx in enumerate(n_idxs):
-            tile = slice_words(qw_ref, e, n_idx, k0, bits=4, block_k=block_k, words=words)
-            values = _dequant.e2m1_value_slices(tile, a_ref.dtype)  # 8 x [bn, count]
-            if joined:
-                values = [_dequant.join_value_slices(values)]  # [bn, group_k]
-            acc = None
-            for (a, _), w in zip(slices, values, strict=True):
-                p = _dot(a, w) if dot == "mma" else _fma(a, w)
-                acc = p if acc is None else acc + p
-            s = _dequant.e8m0_to_f32(plgpu.load(s_ref.at[e, n_idx, g]))  # [bn]
-            scaled = acc * (s[None, :] if dot == "mma" else s[None, :, None])
-            products[r] = scaled if products[r] is None else products[r] + scaled
-    return tuple(jnp.sum(p, axis=2) if dot == "fma" else p for p in products)
-
-
 def _half_slices_per_group(
     a_ref, qw_ref, s_ref, z_ref, e, row, n_idxs, k0, *, bits, block_k, group, has_zeros, asm,
-    offset, dot, joined,
+    offset, dot, joined, codes="int",
 ):  # fmt: skip
     """The fast path: values exact in the 16-bit activation dtype, one group at a time.
 
@@ -167,7 +129,11 @@ def _half_slices_per_group(
     once per k-tile (a cross-lane reduction costs more than the scaling FMA).
     joined (unpack="join", a_ref in natural order): the converted slices are joined back into
     feature order and meet the group's activations in one dot (no sum of per-slice products).
+    codes "e2m1" (MXFP4): each slice is decoded to its E2M1 values (exact in the activation
+    dtype) and the group's power-of-two E8M0 scale multiplies the product: no offset or zero
+    point to take off.
     """
+    e2m1 = codes == "e2m1"
     per_word = 32 // bits
     group_k = min(block_k, group)
     count = group_k // per_word
@@ -180,32 +146,40 @@ def _half_slices_per_group(
             slices = [(plgpu.load(a_ref.at[row[:, None], kk[None, :]]), kk)]  # [bm, group_k]
         else:
             slices = slice_activations(a_ref, row, k0, bits=bits, block_k=block_k, words=words)
-        # The slices summed elementwise first: one cross-lane reduction per group.
-        columns = None
-        for a, _ in slices:
-            columns = a.astype(jnp.float32) if columns is None else columns + a
-        rowsum = jnp.sum(columns, axis=1)  # [bm]
+        if not e2m1:  # the slices summed elementwise first: one cross-lane reduction per group
+            columns = None
+            for a, _ in slices:
+                columns = a.astype(jnp.float32) if columns is None else columns + a
+            rowsum = jnp.sum(columns, axis=1)  # [bm]
         g = (k0 + part * group_k) // group
         for r, n_idx in enumerate(n_idxs):
             tile = slice_words(qw_ref, e, n_idx, k0, bits=bits, block_k=block_k, words=words)
-            halves = _dequant.half_value_slices(tile, bits=bits, dtype=a_ref.dtype, asm=asm)
+            if e2m1:
+                halves = _dequant.e2m1_value_slices(tile, a_ref.dtype)  # the values
+            else:
+                halves = _dequant.half_value_slices(tile, bits=bits, dtype=a_ref.dtype, asm=asm)
             if joined:
                 halves = [_dequant.join_value_slices(halves)]  # [bn, group_k]
             acc = None
             for (a, _), w in zip(slices, halves, strict=True):
                 p = _dot(a, w) if dot == "mma" else _fma(a, w)
                 acc = p if acc is None else acc + p
-            s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
-            z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
+            if e2m1:
+                s = _dequant.e8m0_to_f32(plgpu.load(s_ref.at[e, n_idx, g]))  # [bn]
+            else:
+                s = plgpu.load(s_ref.at[e, n_idx, g]).astype(jnp.float32)  # [bn]
             scaled = acc * (s[None, :] if dot == "mma" else s[None, :, None])
+            products[r] = scaled if products[r] is None else products[r] + scaled
+            if e2m1:
+                continue
+            z = _zero_points(z_ref, e, n_idx, g, bits=bits, has_zeros=has_zeros)  # [bn] or int
             zs = _offset_plus_zero(z, offset=offset, has_zeros=has_zeros) * s  # [bn]
             corr = rowsum[:, None] * zs[None, :]
-            products[r] = scaled if products[r] is None else products[r] + scaled
             corrections[r] = corr if corrections[r] is None else corrections[r] + corr
-    return tuple(
-        (jnp.sum(p, axis=2) if dot == "fma" else p) - c
-        for p, c in zip(products, corrections, strict=True)
-    )
+    sums = tuple(jnp.sum(p, axis=2) if dot == "fma" else p for p in products)
+    if e2m1:
+        return sums
+    return tuple(p - c for p, c in zip(sums, corrections, strict=True))
 
 
 def _offset_plus_zero(z, *, offset: float, has_zeros: bool):
