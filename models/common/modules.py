@@ -143,8 +143,7 @@ class QuantizedTensor(nnx.Module):
     """The leaves of one `wj.QuantizedExperts` [E, N, K] held as NNX variables.
 
     `get()` rebuilds the QuantizedExperts (bits, group_size, layout and codes are static
-    attributes),
-    which keeps nnx.split / merge / jit working on plain arrays.
+    attributes), which keeps nnx.split / merge / jit working on plain arrays.
     """
 
     def __init__(self, qe: wj.QuantizedExperts):
