@@ -278,7 +278,9 @@ def test_errors(rng, e, k_x, implementation, error, message):
 def test_gated_errors(rng):
     w = helpers.random_quantized_experts(rng, 1, 96, 128, 4, 128, True, jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(2, 128)), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"activation='gelu' is not one of \['silu'\]"):
+    with pytest.raises(
+        ValueError, match=r"activation='gelu' is not one of \['silu', 'swiglu_oai'\]"
+    ):
         linear.quantized_matmul(x, w, activation="gelu")
     odd = helpers.random_quantized_experts(rng, 1, 95, 128, 4, 128, False, jnp.bfloat16)
     with pytest.raises(ValueError, match="N=95 is not even"):

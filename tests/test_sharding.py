@@ -326,6 +326,21 @@ def test_sharded_matches_unsharded(rng, devices8, layout_name, T, mode):
     assert out.sharding.spec == (P(token_axis, None) if sharded_out else P(None, None))
 
 
+@pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
+def test_mxfp4_experts_sharded(rng, devices8, mode):
+    """MXFP4 experts (codes "e2m1", which the weights' specs carry) over 4 expert shards equal
+    the unsharded layer and the float64 one."""
+    layout = LAYOUTS["ep4"]
+    mesh = make_mesh(layout, devices8)
+    x, _, _, wts, ids = make_problem(rng, layout, 13)
+    w13 = wj.random_quantized_experts(rng, (E, 2 * I, H), scheme="mxfp4")
+    w2 = wj.random_quantized_experts(rng, (E, H, I), scheme="mxfp4")
+    assert sh.expert_specs(w13, expert_axis="e").codes == "e2m1"
+    w13s, w2s = place(layout, mesh, w13, w2)
+    out = sharded_fn(layout, mesh, mode=mode, implementation="xla")(x, w13s, w2s, wts, ids)
+    check_against_unsharded(out, x, w13, w2, wts, ids)
+
+
 @pytest.mark.parametrize("layout_name", ["ep2", "ep2xtp2"])
 def test_act_order_w13(rng, devices8, layout_name):
     """w13 with an input permutation (act-order): perm [E, H] is split on E only (a tensor

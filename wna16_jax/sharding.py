@@ -137,12 +137,14 @@ def expert_specs(
         k_axis,
         layout=qw.layout,
         has_perm=qw.has_perm,
+        codes=qw.codes,
     )
 
 
 def _specs(
-    bits, group_size, has_zeros, expert_axis, n_axis, k_axis, layout="canonical", has_perm=False
-) -> QuantizedExperts:
+    bits, group_size, has_zeros, expert_axis, n_axis, k_axis, layout="canonical", has_perm=False,
+    codes="int",
+) -> QuantizedExperts:  # fmt: skip
     k_groups = None if group_size == -1 else k_axis
     # Per-group arrays: [E, N, K//G] canonically, [E, K//G, N] in the mgpu layouts.
     per_group = (
@@ -158,6 +160,7 @@ def _specs(
         group_size=group_size,
         layout=layout,
         perm=P(expert_axis, None) if has_perm else None,
+        codes=codes,
     )
 
 
