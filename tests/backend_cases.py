@@ -10,12 +10,14 @@ A subclass names the backend and says what it runs:
 
     class TestPallasInterpreted(FusedMoeCases):
         IMPLEMENTATION = "pallas_interpret"
-        BACKEND_FUSED_MOE = staticmethod(functools.partial(pallas_moe.fused_moe, interpret=True))
+        BACKEND_FUSED_MOE = staticmethod(
+            helpers.pipeline_fused_moe(pallas_moe.stages, interpret=True)
+        )
 
     @pytest.mark.gpu
     class TestPallasCompiled(TestPallasInterpreted):
         IMPLEMENTATION = "pallas"
-        BACKEND_FUSED_MOE = staticmethod(pallas_moe.fused_moe)
+        BACKEND_FUSED_MOE = staticmethod(helpers.pipeline_fused_moe(pallas_moe.stages))
 
 BITS, ZERO_POINTS, DTYPES and ACTIVATION_QUANTS filter the grid CASES (or a subclass gives its
 own CASES); SMALL is the problem of the other checks; LAYOUT the weights' layout the backend
@@ -28,11 +30,13 @@ subclasses it alone.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import wna16_jax as wj
 from wna16_jax import _dispatch
@@ -117,6 +121,47 @@ MXFP4_STD = 18.0
 # The schemes' problem: bf16 activations (every backend's), H and I multiples of every group.
 SCHEME_PROBLEM = dict(T=5, E=4, k=2, H=128, I=128)
 
+# Batch invariance: row r of a call with M rows equals the same row computed alone, bit for
+# bit, for each M and r at the first, middle and last position. CI runs SAMPLED_SCHEMES (int4
+# and int8, with and without zero points, groups of 32, 128 and per channel, each scale dtype);
+# WNA16_TEST_ALL_SCHEMES=1 runs every scheme of SCHEMES.
+INVARIANT_MS = (1, 2, 7, 64, 300)
+ALL_SCHEMES_ENV = "WNA16_TEST_ALL_SCHEMES"
+SAMPLED_SCHEMES = (
+    Scheme(4, 32, True, "bfloat16"),
+    Scheme(8, 128, False, "float16"),
+    Scheme(4, -1, False, "float32"),
+)
+
+
+def invariant_schemes() -> tuple[Scheme, ...]:
+    """The schemes of the batch-invariance checks: SAMPLED_SCHEMES, or every one under
+    WNA16_TEST_ALL_SCHEMES=1."""
+    return SCHEMES if os.environ.get(ALL_SCHEMES_ENV) == "1" else SAMPLED_SCHEMES
+
+
+def invariant_positions(m: int) -> tuple[int, ...]:
+    """The rows checked in a call of m rows: first, middle, last."""
+    return tuple(sorted({0, m // 2, m - 1}))
+
+
+def assert_rows_batch_invariant(call, num_rows: int, what: str) -> None:
+    """call(rows) -> [len(rows), ...]: for each M of INVARIANT_MS (up to num_rows), the rows at
+    `invariant_positions` of call(range(M)) equal call([r]) bit for bit (AssertionError naming
+    M, r and the number of differing elements otherwise)."""
+    alone: dict[int, np.ndarray] = {}
+    for m in (m for m in INVARIANT_MS if m <= num_rows):
+        batch = np.asarray(call(np.arange(m)), np.float32)
+        for r in invariant_positions(m):
+            if r not in alone:
+                alone[r] = np.asarray(call(np.array([r])), np.float32)[0]
+            differ = int(np.sum(batch[r] != alone[r]))
+            assert differ == 0, (
+                f"{what}: row {r} of a call with M={m} rows differs from the row alone in "
+                f"{differ} of {alone[r].size} elements (max |diff| "
+                f"{np.max(np.abs(batch[r] - alone[r]))})"
+            )
+
 
 class SchemeCases:
     """The SCHEMES on fused_moe, the grouped GEMM and the quantized linear, each against the
@@ -128,11 +173,19 @@ class SchemeCases:
     BACKEND: str | None = None
     BITS: tuple[int, ...] = (4, 8)
     ZERO_POINTS: tuple[bool, ...] = (True, False)
+    # True: the backend computes rows batch-invariantly (batch_invariant=True); False: it
+    # refuses batch_invariant=True with its reason; None: not checked (no registered name).
+    BATCH_INVARIANT: bool | None = True
 
     def pytest_generate_tests(self, metafunc):
         if "scheme" in metafunc.fixturenames:
             schemes = [s for s in SCHEMES if self.supports_scheme(s)]
             metafunc.parametrize("scheme", schemes, ids=[str(s) for s in schemes])
+        if "invariant_scheme" in metafunc.fixturenames:
+            schemes = [s for s in invariant_schemes() if self.supports_scheme(s)]
+            if self.BATCH_INVARIANT is not True:
+                schemes = []  # refused (test_batch_invariant_refused) or not checked
+            metafunc.parametrize("invariant_scheme", schemes, ids=[str(s) for s in schemes])
 
     def supports_scheme(self, scheme: Scheme) -> bool:
         """The backend's bits and zero points, and codes it decodes (its Backend.codes)."""
@@ -221,13 +274,87 @@ class SchemeCases:
         assert out.shape == ref.shape and out.dtype == jnp.bfloat16
         self.assert_scheme_close(out, ref, f"{scheme} linear vs float64")
 
+    # ---- batch invariance ------------------------------------------------------------------
+
+    def invariant_inputs(self, rng, scheme: Scheme):
+        """x [300, H] bf16, w13, w2 in the backend's layout, the routing [300, k] (numpy)."""
+        p, t = SCHEME_PROBLEM, max(INVARIANT_MS)
+        x = jnp.asarray(rng.normal(size=(t, p["H"])), jnp.bfloat16)
+        w13 = self.prepare(self.scheme_weights(rng, scheme, p["E"], 2 * p["I"], p["H"]))
+        w2 = self.prepare(self.scheme_weights(rng, scheme, p["E"], p["H"], p["I"]))
+        return x, w13, w2, helpers.random_routing(rng, t, p["k"], p["E"])
+
+    def test_batch_invariant_fused_moe(self, rng, invariant_scheme):
+        x, w13, w2, (tw, ti) = self.invariant_inputs(rng, invariant_scheme)
+
+        def call(rows):
+            return wj.fused_moe(
+                x[rows], w13, w2, jnp.asarray(tw[rows]), jnp.asarray(ti[rows]),
+                implementation=self.IMPLEMENTATION, batch_invariant=True,
+            )  # fmt: skip
+
+        assert_rows_batch_invariant(call, x.shape[0], f"{self.IMPLEMENTATION} fused_moe")
+
+    def test_batch_invariant_grouped_matmul(self, rng, invariant_scheme):
+        """GEMM1 with silu and routed weights: each slot's row alone and in M tokens' slots."""
+        x, w13, _, (tw, ti) = self.invariant_inputs(rng, invariant_scheme)
+        e, top_k = SCHEME_PROBLEM["E"], SCHEME_PROBLEM["k"]
+        cfg = wj.gemm_config(w13, top_k, implementation=self.IMPLEMENTATION, batch_invariant=True)
+        assert cfg == wj.gemm_config(
+            w13, 300 * top_k, implementation=self.IMPLEMENTATION, batch_invariant=True
+        ), "a batch-invariant config depends on M"
+
+        def call(rows):
+            routing = wj.moe_align_block_size(
+                jnp.asarray(ti[rows]), num_experts=e, block_m=cfg.block_m, implementation="xla"
+            )
+            out = wj.grouped_matmul(
+                x[rows], w13, routing, jnp.asarray(tw[rows].reshape(-1)), top_k=top_k,
+                implementation=self.IMPLEMENTATION, out_dtype=jnp.float32, activation="silu",
+                batch_invariant=True,
+            )  # fmt: skip
+            return out.reshape(len(rows), -1)  # a token's k slot rows side by side
+
+        assert_rows_batch_invariant(call, x.shape[0], f"{self.IMPLEMENTATION} grouped_matmul")
+
+    def test_batch_invariant_linear(self, rng, invariant_scheme):
+        w = self.prepare(self.scheme_weights(rng, invariant_scheme, 1, 192, SCHEME_PROBLEM["H"]))
+        x = jnp.asarray(rng.normal(size=(max(INVARIANT_MS), SCHEME_PROBLEM["H"])), jnp.bfloat16)
+
+        def call(rows):
+            return wj.linear.quantized_matmul(
+                x[rows], w, implementation=self.IMPLEMENTATION, batch_invariant=True
+            )
+
+        assert_rows_batch_invariant(call, x.shape[0], f"{self.IMPLEMENTATION} linear")
+
+    def test_batch_invariant_refused(self, rng):
+        """A backend that cannot guarantee batch invariance refuses it with its reason, and the
+        automatic choice passes over it."""
+        if self.BATCH_INVARIANT is not False:
+            pytest.skip(f"{self.IMPLEMENTATION} runs batch_invariant=True or is not checked")
+        scheme = next(s for s in SCHEMES if self.supports_scheme(s))
+        p = SCHEME_PROBLEM
+        x = jnp.asarray(rng.normal(size=(3, p["H"])), jnp.bfloat16)
+        w13 = self.prepare(self.scheme_weights(rng, scheme, p["E"], 2 * p["I"], p["H"]))
+        w2 = self.prepare(self.scheme_weights(rng, scheme, p["E"], p["H"], p["I"]))
+        tw, ti = (jnp.asarray(a) for a in helpers.random_routing(rng, 3, p["k"], p["E"]))
+        args = (x, w13, w2, tw, ti)
+        with np.testing.assert_raises_regex(NotImplementedError, "batch-invariant"):
+            wj.fused_moe(*args, implementation=self.IMPLEMENTATION, batch_invariant=True)
+        chosen = wj.select_implementation(
+            *args, implementation=(self.IMPLEMENTATION, "xla"), batch_invariant=True
+        )
+        assert chosen == "xla"
+
 
 class FusedMoeCases(SchemeCases):
     """The checks; see the module docstring for what a subclass sets."""
 
     IMPLEMENTATION: str = ""  # the backend's name in wj.fused_moe
-    # The backend module's fused_moe (with interpret bound): the token chunks' size is its own
-    # argument (chunk_tokens), not the public API's.
+    # The backend module's layer as the library runs it (helpers.pipeline_fused_moe of its
+    # stages, interpret bound): the token chunks' size is the pipeline's argument (chunk_tokens),
+    # not the public API's.
     BACKEND_FUSED_MOE = None
     LAYOUT = "canonical"
     BITS: tuple[int, ...] = (4, 8)
@@ -275,7 +402,7 @@ class FusedMoeCases(SchemeCases):
         )  # fmt: skip
 
     def fused_moe_in_chunks(self, x, w13, w2, topk_weights, topk_ids, *, chunk_tokens, **kwargs):
-        """The backend module's fused_moe in chunks of chunk_tokens tokens."""
+        """The backend's layer in chunks of chunk_tokens tokens."""
         return self.BACKEND_FUSED_MOE(
             x, self.prepare(w13), self.prepare(w2), topk_weights, topk_ids,
             chunk_tokens=chunk_tokens, **kwargs,

@@ -9,6 +9,7 @@ the same oracle. Random quantized weights come from the library's one generator,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import pathlib
 import sys
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import wna16_jax as wj
-from wna16_jax import AlignedRouting, QuantizedExperts
+from wna16_jax import AlignedRouting, QuantizedExperts, _pipeline
 
 # ---- tolerances -----------------------------------------------------------------------------
 
@@ -34,6 +35,14 @@ TOLERANCES: dict[np.dtype, float] = {
     # the intermediate activation to bf16, a second rounding of the same size.
     jnp.dtype(jnp.bfloat16): 1e-2,
 }
+
+
+@functools.cache
+def pipeline_fused_moe(stages, **bound):
+    """A backend module's MoE layer as the library runs it: `_pipeline.run` on its stages factory
+    with `bound` (e.g. interpret=True), called like fused_moe plus the pipeline's chunk_tokens.
+    Cached, so that each (stages, bound) is one static argument of the jitted pipeline."""
+    return functools.partial(_pipeline.run, functools.partial(stages, **bound))
 
 
 def tolerance(dtype) -> float:

@@ -15,6 +15,7 @@ import jax
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.common import block_configs
 from pallas_kernels.mgpu import MgpuConfig
 from pallas_kernels.mgpu import config as mgpu_config
 from pallas_kernels.mgpu import grouped_matmul as mgpu_gemm
@@ -127,13 +128,13 @@ def test_block_config_rejects(kwargs, message):
     ],
 )
 def test_check_config(config, shape, substrings):
-    problems = _configs.config_problems(config, shape)
+    problems = block_configs.config_problems(config, shape)
     if not substrings:
         assert problems == []
-        _configs.check_config(config, shape)
+        block_configs.check_config(config, shape)
         return
     with pytest.raises(ValueError) as err:
-        _configs.check_config(config, shape)
+        block_configs.check_config(config, shape)
     msg = str(err.value)
     assert f"N={shape.n}, K={shape.k}" in msg
     for s in substrings:
@@ -165,14 +166,16 @@ UNFIT_NK = {(24, 40)}
 def test_heuristic_config_is_valid(n, k, bits, group_size, e):
     if (n, k) in UNFIT_NK:
         with pytest.raises(ValueError, match="no block config fits"):
-            _configs.heuristic_config(_shape(m=8, n=n, k=k, e=e, bits=bits, group_size=group_size))
+            block_configs.heuristic_config(
+                _shape(m=8, n=n, k=k, e=e, bits=bits, group_size=group_size)
+            )
         return
     for m in (1, 8, 64, 512, 4096 * 8, 65536 * 8):
         shape = _shape(m=m, n=n, k=k, e=e, bits=bits, group_size=group_size)
         for allow_fma in (True, False):
-            cfg = _configs.heuristic_config(shape, allow_fma=allow_fma)
+            cfg = block_configs.heuristic_config(shape, allow_fma=allow_fma)
             assert isinstance(cfg, BlockConfig)
-            assert _configs.config_problems(cfg, shape) == [], (m, cfg)
+            assert block_configs.config_problems(cfg, shape) == [], (m, cfg)
             if cfg.dot == "fma":  # decode: at most a quarter of a row per expert
                 assert allow_fma and 4 * m <= e and cfg.block_m == 1, (m, cfg)
             else:
@@ -189,12 +192,12 @@ def test_heuristic_decode_is_fma_with_split_k(n, k, split_k):
     the H200, split-K into chunks of at least 4 k-tiles; 128 slots take 16-row tensor-core
     tiles again, and allow_fma=False (tensor-core-only kernels) never gives "fma"."""
     decode = _shape(m=8, n=n, k=k, e=256, bits=4, group_size=128)
-    cfg = _configs.heuristic_config(decode)
+    cfg = block_configs.heuristic_config(decode)
     assert (cfg.dot, cfg.block_m, cfg.block_n, cfg.split_k) == ("fma", 1, 128, split_k)
     assert (k // cfg.block_k) // cfg.split_k >= 4 or cfg.split_k == 1
-    mma = _configs.heuristic_config(decode, allow_fma=False)
+    mma = block_configs.heuristic_config(decode, allow_fma=False)
     assert mma.dot == "mma" and mma.block_m == 16 and mma.split_k == 1
-    batch = _configs.heuristic_config(_shape(m=128, n=n, k=k, e=256, bits=4, group_size=128))
+    batch = block_configs.heuristic_config(_shape(m=128, n=n, k=k, e=256, bits=4, group_size=128))
     assert batch.dot == "mma" and batch.block_m == 16
 
 
@@ -203,7 +206,7 @@ def test_heuristic_refuses_when_no_config_fits(k, group_size):
     """int4 groups that end inside a packed word leave no power-of-two block_k: say so."""
     shape = _shape(m=4, n=64, k=k, e=4, bits=4, group_size=group_size)
     with pytest.raises(ValueError, match=f"incompatible with group_size={group_size}"):
-        _configs.heuristic_config(shape)
+        block_configs.heuristic_config(shape)
 
 
 # ---- tuned tables ---------------------------------------------------------------------------
@@ -400,9 +403,9 @@ def test_mgpu_gemm_reads_its_table(tuned, on_device):
 def test_resolve_never_returns_an_invalid_entry(tuned, on_device, bad):
     tuned(pallas=TABLE + [_entry(64, **bad)])
     shape = _shape(m=64)
-    assert _configs.config_problems(BlockConfig(**bad), shape)  # the entry really is invalid
+    assert block_configs.config_problems(BlockConfig(**bad), shape)  # the entry really is invalid
     cfg, source = _configs.resolve(pallas_moe.RULES, shape, None)
-    assert _configs.config_problems(cfg, shape) == []
+    assert block_configs.config_problems(cfg, shape) == []
     assert (cfg, source) == (pallas_moe.RULES.heuristic(shape), "heuristic")
 
 
@@ -418,8 +421,8 @@ def test_tensor_core_rules_pass_over_fma_entries(tuned, on_device):
     assert _configs.resolve(pallas_moe.RULES, shape) == (BlockConfig(**fma), f"tuned:{DEVICE}")
     cfg, source = _configs.resolve(triton_config.RULES, shape)
     assert source == "heuristic" and cfg.dot == "mma" and cfg.block_m == 16
-    assert cfg == _configs.heuristic_config(shape, allow_fma=False)
-    tensor_core = _configs.block_config_rules(table="pallas", allow_fma=False)
+    assert cfg == block_configs.heuristic_config(shape, allow_fma=False)
+    tensor_core = block_configs.block_config_rules(table="pallas", allow_fma=False)
     assert _configs.resolve(tensor_core, shape) == (cfg, "heuristic")
     tuned(pallas=[_entry(8, **mma)])
     assert _configs.resolve(tensor_core, shape) == (BlockConfig(**mma), f"tuned:{DEVICE}")

@@ -16,8 +16,6 @@ How to run:
 
 from __future__ import annotations
 
-import functools
-
 import helpers
 import jax
 import jax.numpy as jnp
@@ -39,13 +37,13 @@ BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
 
 class TestPallasInterpreted(FusedMoeCases):
     IMPLEMENTATION = "pallas_interpret"
-    BACKEND_FUSED_MOE = staticmethod(functools.partial(pallas_moe.fused_moe, interpret=True))
+    BACKEND_FUSED_MOE = staticmethod(helpers.pipeline_fused_moe(pallas_moe.stages, interpret=True))
 
 
 @pytest.mark.gpu
 class TestPallasCompiled(FusedMoeCases):
     IMPLEMENTATION = "pallas"
-    BACKEND_FUSED_MOE = staticmethod(pallas_moe.fused_moe)
+    BACKEND_FUSED_MOE = staticmethod(helpers.pipeline_fused_moe(pallas_moe.stages))
 
 
 def assert_moe_close(out, ref, dtype, what: str, tol: float | None = None) -> None:
@@ -149,7 +147,7 @@ def test_block_k_below_kernel_minimum_raises(rng):
     """int4 block_k=64 (8 values per dot: garbage on the H200) is refused with a ValueError.
 
     Raised while tracing, so no kernel runs; but it comes from wna16_gemm's own check, after
-    the align kernel was traced: _configs.config_problems does not hold this rule.
+    the align kernel was traced: block_configs.config_problems does not hold this rule.
     """
     x, w13, w2, tw, ti = helpers.random_moe_inputs(rng, T=3, H=128, I=128, E=8, k=2)
     config = BlockConfig(block_m=16, block_n=64, block_k=64)

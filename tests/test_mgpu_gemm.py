@@ -539,10 +539,13 @@ MGPU_CASES = (
 
 class TestMgpuInterpreted(FusedMoeCases):
     IMPLEMENTATION = "mgpu_interpret"
-    BACKEND_FUSED_MOE = staticmethod(functools.partial(mgpu_fused_moe.fused_moe, interpret=True))
+    BACKEND_FUSED_MOE = staticmethod(
+        helpers.pipeline_fused_moe(mgpu_fused_moe.stages, interpret=True)
+    )
     BITS = (4, 8)
     DTYPES = ("bfloat16",)
     CASES = MGPU_CASES
+    BATCH_INVARIANT = False  # its K splits follow the number of blocks
 
     def prepare(self, w):
         return prepare_weights(w)  # mgpu_int4 or mgpu_int8 by its bits
@@ -551,7 +554,7 @@ class TestMgpuInterpreted(FusedMoeCases):
 @pytest.mark.gpu
 class TestMgpuCompiled(TestMgpuInterpreted):
     IMPLEMENTATION = "mgpu"
-    BACKEND_FUSED_MOE = staticmethod(mgpu_fused_moe.fused_moe)
+    BACKEND_FUSED_MOE = staticmethod(helpers.pipeline_fused_moe(mgpu_fused_moe.stages))
 
 
 @pytest.mark.parametrize("has_zp", [True, False], ids=["zp", "sym"])

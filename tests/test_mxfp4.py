@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import wna16_jax as wj
+from pallas_kernels.common.block_configs import config_problems
 from pallas_kernels.mgpu import convert as mgpu_convert
 from pallas_kernels.pallas.wna16_gemm import wna16_gemm
-from wna16_jax._configs import GemmShape, config_problems
+from wna16_jax._configs import GemmShape
 from wna16_jax._types import BlockConfig
 from wna16_jax.formats import mxfp4
 
@@ -417,7 +418,8 @@ def test_triton_layer_interpreted_with_gpt_oss_activation(rng):
     w2 = wj.random_quantized_experts(rng, (e, h, i), scheme="mxfp4", std=0.1)
     tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, k, e))
     act = wj.ClampedSwiGLU()
-    out = triton_moe.fused_moe(x, w13, w2, tw, ids, activation=act, interpret=True)
+    layer = helpers.pipeline_fused_moe(triton_moe.stages, interpret=True)
+    out = layer(x, w13, w2, tw, ids, activation=act)
     ref = wj.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla")
     helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "triton vs xla")
 

@@ -13,7 +13,7 @@ from backend_cases import SchemeCases
 
 from pallas_kernels.common.block_configs import block_configs
 from pallas_kernels.pallas import fused_moe as pallas_moe
-from wna16_jax import _configs, _pipeline, _reference, _routing
+from wna16_jax import _activations, _configs, _pipeline, _reference, _routing
 from wna16_jax._types import BlockConfig
 
 # ---- moe_align_block_size -------------------------------------------------------------------
@@ -124,11 +124,11 @@ def _oracle(x, w13, w2, topk_weights, topk_ids, expert_map=None):
     )
 
 
-def _check_fused(rng, *, T, H, I, E, k, bits, group_size, has_zp, dtype, block_m=16):
+def _check_fused(rng, *, T, H, I, E, k, bits, group_size, has_zp, dtype):
     x, w13, w2, wts, ids = helpers.random_moe_inputs(
         rng, T=T, H=H, I=I, E=E, k=k, bits=bits, group_size=group_size, has_zp=has_zp, dtype=dtype
     )
-    out = _reference.fused_moe(x, w13, w2, wts, ids, block_m=block_m)
+    out = _reference.fused_moe(x, w13, w2, wts, ids)
     assert out.dtype == dtype and out.shape == (T, H)
     helpers.assert_close(out, _oracle(x, w13, w2, wts, ids), dtype)
 
@@ -153,16 +153,16 @@ def test_fused_moe_dtypes_and_formats(rng, dtype, bits, has_zp):
 
 
 @pytest.mark.parametrize(
-    "T, H, I, E, k, group_size, block_m",
+    "T, H, I, E, k, group_size",
     [
-        (29, 128, 64, 6, 2, 64, 16),  # E not a power of two
-        (16, 64, 96, 5, 3, -1, 32),  # per-channel, I not a power of two
-        (40, 256, 32, 8, 4, 128, 16),  # group spans w13's K=256 in two, w2's K=32: G=128 > I
-        (1, 64, 32, 4, 1, 32, 16),  # T = 1, k = 1
-        (1, 64, 32, 8, 8, 32, 64),  # T = 1, every expert
+        (29, 128, 64, 6, 2, 64),  # E not a power of two
+        (16, 64, 96, 5, 3, -1),  # per-channel, I not a power of two
+        (40, 256, 32, 8, 4, 128),  # group spans w13's K=256 in two, w2's K=32: G=128 > I
+        (1, 64, 32, 4, 1, 32),  # T = 1, k = 1
+        (1, 64, 32, 8, 8, 32),  # T = 1, every expert
     ],
 )
-def test_fused_moe_shapes(rng, T, H, I, E, k, group_size, block_m):
+def test_fused_moe_shapes(rng, T, H, I, E, k, group_size):
     if group_size != -1 and I % group_size:
         group_size = -1  # w2's K = I must hold whole groups
     _check_fused(
@@ -176,7 +176,6 @@ def test_fused_moe_shapes(rng, T, H, I, E, k, group_size, block_m):
         group_size=group_size,
         has_zp=True,
         dtype=jnp.float32,
-        block_m=block_m,
     )
 
 
@@ -248,18 +247,18 @@ def test_fused_moe_expert_map(rng, dtype, E_global):
 
 @pytest.mark.parametrize("T, chunk_tokens", [(37, 8), (20, 5)])
 def test_fused_moe_chunking(rng, T, chunk_tokens):
-    """chunk_tokens < T processes tokens in chunks (the last one padded, `_pipeline`'s
-    map_token_chunks) with the same result, bit for bit: a token's sums do not depend on the
-    other tokens of its chunk."""
+    """The layer on chunks of chunk_tokens tokens gives the layer on all T, bit for bit: a
+    token's sums do not depend on the other tokens of its call (every GEMM of the reference has
+    TOKEN_BLOCK rows)."""
     x, w13, w2, wts, ids = helpers.random_moe_inputs(
         rng, T=T, H=64, I=32, E=6, k=2, dtype=jnp.float32
     )
     ids = np.asarray(ids).copy()
     ids[-1, 0] = -1  # a dropped slot near the padded tail
     ids = jnp.asarray(ids)
-    chunked = _reference.fused_moe(x, w13, w2, wts, ids, chunk_tokens=chunk_tokens)
+    parts = [slice(start, start + chunk_tokens) for start in range(0, T, chunk_tokens)]
+    chunked = jnp.concatenate([_reference.fused_moe(x[c], w13, w2, wts[c], ids[c]) for c in parts])
     whole = _reference.fused_moe(x, w13, w2, wts, ids)
-    assert T <= _pipeline.DEFAULT_CHUNK_TOKENS  # whole: one chunk
     np.testing.assert_array_equal(np.asarray(chunked), np.asarray(whole))
     helpers.assert_close(chunked, _oracle(x, w13, w2, wts, ids), jnp.float32)
 
@@ -288,15 +287,37 @@ def test_grouped_matmul_matches_numpy(rng):
 # ---- the pipeline (wna16_jax._pipeline) -----------------------------------------------------
 
 
+def _reference_stages(block_m: int = 16) -> _pipeline.MoeStages:
+    """MoeStages from the reference's align and grouped GEMM (f32, the activation unrounded)."""
+
+    def route(a, topk_ids, plan, *, num_experts, expert_map, distinct_experts):
+        return _pipeline.slots_in_blocks(
+            _reference.moe_align_block_size, a, topk_ids, block_m=block_m,
+            num_experts=num_experts, expert_map=expert_map,
+        )  # fmt: skip
+
+    def gemm1(a, w13, routed, plan):
+        h = _reference.grouped_matmul(a, w13, routed.blocks, top_k=routed.top_k)  # [T*k, 2I]
+        return _activations.ACTIVATIONS["silu"](h)
+
+    def gemm2(act, w2, routed, plan, routed_weights):
+        return _reference.grouped_matmul(
+            act, w2, routed.blocks, top_k=1, routed_weights=routed_weights
+        )
+
+    return _pipeline.MoeStages(plan=lambda *args: None, route=route, gemm1=gemm1, gemm2=gemm2)
+
+
 def test_routed_weights_in_the_sum_equal_gemm2s(rng):
-    """The reference's stages with the routed weights applied by the top-k sum (as the Mosaic
-    GPU layer does) instead of GEMM2: the same layer, to f32 rounding."""
+    """The pipeline on stages of the reference's align and grouped GEMM, with the routed weights
+    applied by the top-k sum (as the Mosaic GPU layer does) instead of GEMM2: the same layer, to
+    f32 rounding."""
     x, w13, w2, wts, ids = helpers.random_moe_inputs(
         rng, T=11, H=64, I=32, E=6, k=3, dtype=jnp.float32
     )
     ids = np.asarray(ids).copy()
     ids[0, 1] = -1  # dropped: its row is not kept
-    in_gemm2 = _reference.stages()
+    in_gemm2 = _reference_stages()
     in_sum = dataclasses.replace(in_gemm2, routed_weights="sum")
     want = jax.jit(lambda ids: _pipeline.fused_moe(in_gemm2, x, w13, w2, wts, ids))(ids)
     got = jax.jit(lambda ids: _pipeline.fused_moe(in_sum, x, w13, w2, wts, ids))(ids)

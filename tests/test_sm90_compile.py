@@ -8,6 +8,7 @@ it (`pip install triton==3.6.0`) a GPU-free machine catches build failures befor
 
 from __future__ import annotations
 
+import helpers
 import jax
 import jax.numpy as jnp
 import pytest
@@ -63,7 +64,9 @@ def test_deepseek_v3_kernels_build_for_sm90(m, bits, group_size, has_zeros, dtyp
         jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
         jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
     )
-    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a), *args)
+    kernels = sm90.compile_for_sm90(
+        lambda *a: helpers.pipeline_fused_moe(pallas_moe.stages)(*a), *args
+    )
     gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
     assert len(gemms) == 2, [k.name for k in kernels]
     for k in kernels:
@@ -87,7 +90,9 @@ def deepseek_gemm_kernels(m: int, config) -> list:
         jax.ShapeDtypeStruct((m, TOP_K), jnp.float32),
         jax.ShapeDtypeStruct((m, TOP_K), jnp.int32),
     )
-    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
+    kernels = sm90.compile_for_sm90(
+        lambda *a: helpers.pipeline_fused_moe(pallas_moe.stages)(*a, config=config), *args
+    )
     gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
     assert len(gemms) == 2, [k.name for k in kernels]
     return gemms
@@ -220,7 +225,8 @@ def test_mxfp4_kernels_build_for_sm90(m, config):
     """MXFP4 experts at DeepSeek-V3 shapes: the GEMMs decode E2M1 and E8M0 and build for
     sm_90, within its shared memory."""
     args = mxfp4_layer_args(m)
-    kernels = sm90.compile_for_sm90(lambda *a: pallas_moe.fused_moe(*a, config=config), *args)
+    layer = helpers.pipeline_fused_moe(pallas_moe.stages)
+    kernels = sm90.compile_for_sm90(lambda *a: layer(*a, config=config), *args)
     gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
     assert [k.name for k in gemms] == ["wna16_gemm_mxfp4"] * 2, [k.name for k in kernels]
     for k in kernels:
@@ -242,7 +248,7 @@ def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m):
     )
 
     def layer(x, w13, w2, tw, ids, b13, b2):
-        return pallas_moe.fused_moe(
+        return helpers.pipeline_fused_moe(pallas_moe.stages)(
             x, w13, w2, tw, ids, activation=wj.ClampedSwiGLU(), w13_bias=b13, w2_bias=b2
         )
 

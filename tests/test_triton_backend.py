@@ -36,10 +36,11 @@ import pytest
 from backend_cases import CASES, FusedMoeCases
 
 import wna16_jax as wj
+from pallas_kernels.common import block_configs
+from pallas_kernels.common.block_configs import min_block_k
 from pallas_kernels.mgpu.wna16_gemm import SM90_SHARED_MEMORY_BYTES
 from pallas_kernels.triton import backend as triton_backend
 from wna16_jax import _configs, _dispatch, _reference
-from wna16_jax._configs import min_block_k
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -657,7 +658,7 @@ def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
     c1, c2 = triton_moe._plan(t * k, e, w13, w2, config=None)  # what the pipeline asks
-    heuristic = _configs.heuristic_config(
+    heuristic = block_configs.heuristic_config(
         _configs.GemmShape.of_weights(w13, m=t * k), allow_fma=False
     )
     assert c1 == heuristic
@@ -665,7 +666,7 @@ def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
     x = jnp.asarray(rng.normal(size=(t, h)), BF16)
     tw, ids = helpers.random_routing(rng, t, k, e)
     args = (x, w13, w2, jnp.asarray(tw, F32), jnp.asarray(ids, jnp.int32))
-    out = triton_moe.fused_moe(*args, interpret=True)
+    out = helpers.pipeline_fused_moe(triton_moe.stages, interpret=True)(*args)
     ref = wj.fused_moe(*args, implementation="xla")
     helpers.assert_close(out, ref, BF16, "triton fused_moe with an fma tuned entry")
 
@@ -759,6 +760,7 @@ class TestTritonInterpreted(FusedMoeCases):
     IMPLEMENTATION = "triton (interpreted)"
     BACKEND = "triton"
     CASES = CASES[:2]  # Triton's interpreter is slow
+    BATCH_INVARIANT = None  # no registered backend runs the interpreted kernels
 
     def supports_scheme(self, scheme) -> bool:
         """None: the scheme checks call the public API, which runs no Triton kernel in Triton's
@@ -768,7 +770,9 @@ class TestTritonInterpreted(FusedMoeCases):
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
         from pallas_kernels.triton import fused_moe as triton_moe
 
-        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, interpret=True, **kwargs)
+        return helpers.pipeline_fused_moe(triton_moe.stages, interpret=True)(
+            x, w13, w2, topk_weights, topk_ids, **kwargs
+        )
 
     def fused_moe_in_chunks(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
         return self.fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs)
@@ -785,7 +789,9 @@ class TestTritonCompiled(FusedMoeCases):
     def fused_moe_in_chunks(self, x, w13, w2, topk_weights, topk_ids, **kwargs):
         from pallas_kernels.triton import fused_moe as triton_moe
 
-        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, **kwargs)
+        return helpers.pipeline_fused_moe(triton_moe.stages)(
+            x, w13, w2, topk_weights, topk_ids, **kwargs
+        )
 
 
 def _with_dropped_ids(ti, e):
@@ -806,7 +812,7 @@ def triton_interpret_backend(monkeypatch):
     backend = _dispatch.Backend(
         name="triton_interpret",
         unsupported_reason=triton_backend.shape_reason,
-        fused_moe=functools.partial(triton_moe.fused_moe, interpret=True),
+        stages=functools.partial(triton_moe.stages, interpret=True),
         align_unsupported_reason=lambda problem: None,
         moe_align_block_size=functools.partial(align.moe_align_block_size, interpret=True),
     )

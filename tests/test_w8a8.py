@@ -18,7 +18,6 @@ How to run:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import sys
@@ -327,7 +326,7 @@ W8A8_CASES = (
 
 class TestW8A8Interpreted(FusedMoeCases):
     IMPLEMENTATION = "pallas_interpret"
-    BACKEND_FUSED_MOE = staticmethod(functools.partial(pallas_moe.fused_moe, interpret=True))
+    BACKEND_FUSED_MOE = staticmethod(helpers.pipeline_fused_moe(pallas_moe.stages, interpret=True))
     ACTIVATION_QUANTS = ("int8_per_token", "int8_static")
     CASES = W8A8_CASES
     SMALL = MoeCase(9, 8, 2, 128, 128, 8, -1, False, act_quant="int8_per_token")
@@ -346,7 +345,7 @@ class TestW8A8Interpreted(FusedMoeCases):
 @pytest.mark.gpu
 class TestW8A8Compiled(TestW8A8Interpreted):
     IMPLEMENTATION = "pallas"
-    BACKEND_FUSED_MOE = staticmethod(pallas_moe.fused_moe)
+    BACKEND_FUSED_MOE = staticmethod(helpers.pipeline_fused_moe(pallas_moe.stages))
 
     def assert_close(self, out, ref, dtype, what: str) -> None:
         FusedMoeCases.assert_close(self, out, ref, dtype, what)
@@ -358,7 +357,9 @@ class TestW8A8MosaicGpu(FusedMoeCases):
     oracle's once per row), so only the tolerance, not bitwise equality, holds."""
 
     IMPLEMENTATION = "mgpu" if ON_GPU else "mgpu_interpret"
-    BACKEND_FUSED_MOE = staticmethod(functools.partial(mgpu_moe.fused_moe, interpret=INTERPRET))
+    BACKEND_FUSED_MOE = staticmethod(
+        helpers.pipeline_fused_moe(mgpu_moe.stages, interpret=INTERPRET)
+    )
     LAYOUT = "mgpu_int8"
     ACTIVATION_QUANTS = ("int8_per_token", "int8_static")
     CASES = W8A8_CASES

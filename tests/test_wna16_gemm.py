@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common.block_configs import min_block_k
 from pallas_kernels.pallas import wna16_gemm as gemm_module
 from pallas_kernels.pallas.wna16_gemm import check_gemm_config, scales_per_group, wna16_gemm
 from wna16_jax import _reference
-from wna16_jax._configs import min_block_k
 from wna16_jax._types import BlockConfig, QuantizedExperts
 
 # Compiled on a GPU, the Pallas interpreter elsewhere: the same tests run both ways.

@@ -1,6 +1,6 @@
 """wna16_jax: int4/int8/MXFP4 weight-only quantized Mixture-of-Experts for JAX."""
 
-from wna16_jax import formats, layouts, linear, sharding
+from wna16_jax import backend_api, formats, layouts, linear, sharding
 from wna16_jax._activations import ClampedSwiGLU
 from wna16_jax._api import (
     fused_moe,
@@ -10,7 +10,13 @@ from wna16_jax._api import (
     preferred_layout,
     select_implementation,
 )
-from wna16_jax._dispatch import Backend, backend_layout, register_backend, registered_backends
+from wna16_jax._dispatch import (
+    REFERENCE_BACKEND,
+    Backend,
+    backend_layout,
+    register_backend,
+    registered_backends,
+)
 from wna16_jax._quant import (
     check_finite,
     dequantize_experts,
@@ -32,6 +38,8 @@ __all__ = [
     "ClampedSwiGLU",
     "MgpuConfig",
     "QuantizedExperts",
+    "REFERENCE_BACKEND",
+    "backend_api",
     "backend_layout",
     "check_finite",
     "dequantize_experts",
@@ -58,7 +66,9 @@ def __getattr__(name: str):
     importing wna16_jax imports no kernels."""
     from wna16_jax import _dispatch
 
-    found = _dispatch.config_class(name)
+    # A class name only: `from wna16_jax import <submodule>` asks here first, before the
+    # submodule is imported, and must not load the backends (they import the library).
+    found = _dispatch.config_class(name) if name[:1].isupper() else None
     if found is None:
         raise AttributeError(f"module 'wna16_jax' has no attribute {name!r}")
     return found

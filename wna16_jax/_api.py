@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wna16_jax import _activations, _dispatch
+from wna16_jax import _activations, _dispatch, _pipeline
 from wna16_jax._checks import (
     as_int,
     check_array,
@@ -18,13 +19,11 @@ from wna16_jax._checks import (
     check_values_in,
     ids_as_int32,
 )
-from wna16_jax._configs import GemmShape
+from wna16_jax._configs import GemmShape, batch_invariant_config
 from wna16_jax._inference_only import inference_only
-from wna16_jax._pipeline import rows_in_input_order
 from wna16_jax._routing import slot_experts
 from wna16_jax._types import (
     ACTIVATION_QUANT_SCHEMES,
-    KERNEL_LAYOUT_BITS,
     MAX_ARRAY_ELEMENTS,
     ActivationQuant,
     AlignedRouting,
@@ -180,6 +179,7 @@ def _moe_problem(
     expert_map,
     activation,
     activation_quant,
+    batch_invariant=False,
     w13_bias=None,
     w2_bias=None,
 ):
@@ -217,8 +217,16 @@ def _moe_problem(
         codes=w13.codes,
         w2_codes=w2.codes,
         has_bias=w13_bias is not None or w2_bias is not None,
+        batch_invariant=_check_flag("batch_invariant", batch_invariant),
     )
     return problem, activation_quant, expert_map
+
+
+def _check_flag(name: str, value) -> bool:
+    """A static boolean argument: True or False (a traced or non-bool value is refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False (a static argument), got {value!r}")
+    return bool(value)
 
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -237,6 +245,7 @@ def fused_moe(
     config: BlockConfig | object | None = None,
     activation_quant: str | ActivationQuant | None = None,
     out_dtype=None,
+    batch_invariant: bool = False,
     w13_bias=None,
     w2_bias=None,
 ):
@@ -284,6 +293,12 @@ def fused_moe(
         w2_bias: optional [E, H] float per-expert bias of GEMM2, added to each expert's output
             row before its routing weight multiplies it. A backend without biases says so
             and is skipped.
+        batch_invariant: static; True computes each token's row in an order that does not
+            depend on the other tokens of the call (how many, or where the token sits): configs
+            fixed for the weights' shape (not chosen by T), no K split, the k slots summed in
+            order, the same padding for every T. Row t of a call then equals the same token's
+            call alone bit for bit, and every run gives the same bits. A backend that cannot
+            guarantee it is refused with its reason (docs/design.md, 'Batch invariance').
 
     Returns:
         [T, H] in out_dtype.
@@ -295,7 +310,7 @@ def fused_moe(
     """
     problem, activation_quant, expert_map = _moe_problem(
         x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant,
-        w13_bias, w2_bias,
+        batch_invariant, w13_bias, w2_bias,
     )  # fmt: skip
     if out_dtype is not None and jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise ValueError(
@@ -311,7 +326,13 @@ def fused_moe(
     for name, bias in (("w13_bias", w13_bias), ("w2_bias", w2_bias)):
         if bias is not None:
             extra[name] = inference_only(bias)
-    return backend.fused_moe(
+    if problem.batch_invariant:
+        extra["batch_invariant"] = True
+    # A kernel backend's stages run in the library's pipeline; the reference is its own layer.
+    layer = backend.fused_moe
+    if backend.stages is not None:
+        layer = functools.partial(_pipeline.run, backend.stages)
+    return layer(
         inference_only(x),
         w13,
         w2,
@@ -335,6 +356,7 @@ def select_implementation(
     activation: str = "silu",
     implementation: str | Sequence[str] | None = None,
     activation_quant=None,
+    batch_invariant: bool = False,
     w13_bias=None,
     w2_bias=None,
 ) -> str:
@@ -347,7 +369,7 @@ def select_implementation(
     """
     problem, _, _ = _moe_problem(
         x, w13, w2, topk_weights, topk_ids, expert_map, activation, activation_quant,
-        w13_bias, w2_bias,
+        batch_invariant, w13_bias, w2_bias,
     )  # fmt: skip
     return _dispatch.select_backend(problem, implementation).name
 
@@ -402,7 +424,9 @@ def moe_align_block_size(
     )
 
 
-def _gemm_problem(w: QuantizedExperts, num_slots: int, dtype) -> _dispatch.GemmProblem:
+def _gemm_problem(
+    w: QuantizedExperts, num_slots: int, dtype, batch_invariant=False
+) -> _dispatch.GemmProblem:
     if not isinstance(w, QuantizedExperts):
         raise ValueError(f"w must be a QuantizedExperts, got {type(w).__name__}")
     w.validate("w")
@@ -414,7 +438,16 @@ def _gemm_problem(w: QuantizedExperts, num_slots: int, dtype) -> _dispatch.GemmP
         dtype=jnp.dtype(dtype).name,
         has_zeros=w.has_zeros,
         layout=w.layout,
+        batch_invariant=_check_flag("batch_invariant", batch_invariant),
     )
+
+
+def gemm_config_for(backend, problem: _dispatch.GemmProblem, config):
+    """(config, source) of `backend`'s grouped GEMM for `problem`: GroupedMatmul.config, at a
+    fixed M without a K split where the problem is batch-invariant (`batch_invariant_config`)."""
+    if problem.batch_invariant:
+        return batch_invariant_config(backend.grouped_matmul.config, problem.shape, config)
+    return backend.grouped_matmul.config(problem.shape, config)
 
 
 def gemm_config(
@@ -424,6 +457,7 @@ def gemm_config(
     dtype=jnp.bfloat16,
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | None = None,
+    batch_invariant: bool = False,
 ) -> BlockConfig:
     """The BlockConfig a backend's grouped GEMM runs for `num_slots` rows over `w` (nothing runs).
 
@@ -433,6 +467,8 @@ def gemm_config(
         dtype: the activations' dtype.
         implementation: as for `grouped_matmul`.
         config: a BlockConfig to check against the shapes (returned when it fits).
+        batch_invariant: the config `grouped_matmul(..., batch_invariant=True)` runs: the
+            same for every num_slots, without a K split.
 
     Returns:
         config, else the device's tuned table's (nearest M of this problem), else the
@@ -442,9 +478,10 @@ def gemm_config(
         ValueError: a config that cannot run the shapes (the problems quoted), bad inputs.
         NotImplementedError: no requested backend has a grouped GEMM that runs it.
     """
-    problem = _gemm_problem(w, as_int("num_slots", num_slots, minimum=0), dtype)
+    num_slots = as_int("num_slots", num_slots, minimum=0)
+    problem = _gemm_problem(w, num_slots, dtype, batch_invariant)
     backend = _dispatch.select_backend(problem, implementation)
-    return backend.grouped_matmul.config(problem.shape, config)[0]
+    return gemm_config_for(backend, problem, config)[0]
 
 
 def grouped_matmul(
@@ -458,6 +495,7 @@ def grouped_matmul(
     implementation: str | Sequence[str] | None = None,
     out_dtype=None,
     activation: str | None = None,
+    batch_invariant: bool = False,
 ):
     """The grouped GEMM of fused_moe (its steps 2 and 4) on its own, through a backend's kernel.
 
@@ -480,6 +518,9 @@ def grouped_matmul(
         out_dtype: the output dtype (default a.dtype), rounded once from the f32 sums.
         activation: None, or "silu": w's rows are [gate; up] (w13) and the result is
             silu(gate) * up of the f32 sums, [R * top_k, N/2].
+        batch_invariant: static; each slot's row computed in an order that does not depend on
+            the number of slots (the config of `gemm_config(..., batch_invariant=True)`: fixed
+            for w's shape, no K split; align the routing with its block_m).
 
     Returns:
         [R * top_k, N] (N/2 with activation) in out_dtype. Rows of slots that sit in no block
@@ -493,7 +534,7 @@ def grouped_matmul(
     if a.ndim != 2:
         raise ValueError(f"a must be [R, K], got shape {_shape(a)}")
     top_k = as_int("top_k", top_k, minimum=1)
-    problem = _gemm_problem(w, int(a.shape[0]) * top_k, a.dtype)
+    problem = _gemm_problem(w, int(a.shape[0]) * top_k, a.dtype, batch_invariant)
     if a.shape[1] != w.k:
         raise ValueError(f"a has K={a.shape[1]} input features but w has K={w.k}")
     if not isinstance(routing, AlignedRouting):
@@ -516,7 +557,7 @@ def grouped_matmul(
             raise ValueError(f"activation needs w's rows as [gate; up]: N={w.n} is odd")
     _check_elements("a", a)
     backend = _dispatch.select_backend(problem, implementation)
-    config, _ = backend.grouped_matmul.config(problem.shape, config)
+    config, _ = gemm_config_for(backend, problem, config)
     if config.block_m != routing.block_m:
         raise ValueError(
             f"the routing was aligned with block_m={routing.block_m} but the config has "
@@ -525,7 +566,7 @@ def grouped_matmul(
         )
     if w.has_perm:  # act-order: each slot's row in its block's expert's input order
         experts = slot_experts(routing, num_slots)
-        a = rows_in_input_order(jnp.repeat(a, top_k, axis=0), experts, w.perm)
+        a = _pipeline.rows_in_input_order(jnp.repeat(a, top_k, axis=0), experts, w.perm)
         w, top_k = dataclasses.replace(w, perm=None), 1
     return backend.grouped_matmul.run(
         inference_only(a),
@@ -573,7 +614,7 @@ def preferred_layout(
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
     problem, _, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
     for layout, name in _dispatch.preferred_layouts():
-        bits = KERNEL_LAYOUT_BITS[layout]
+        bits = _dispatch.layout_bits(layout)
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width
             continue
         candidate = dataclasses.replace(problem, layout=layout)

@@ -1,5 +1,5 @@
-"""The backend registry, the one place that knows the backends: fused_moe, moe_align_block_size
-and (optionally) the grouped GEMM of each, its weight layouts and config class; each says why it
+"""The backend registry, the one place that knows the backends: the MoE stages, align and
+(optionally) the grouped GEMM of each, its weight layouts and config class; each says why it
 cannot run a problem; selection by platform priority."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import dataclasses
 import functools
 import importlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from wna16_jax import _activations, _backend_order, _configs, _reference
+from wna16_jax import _activations, _backend_order, _configs, _reference, _types
 from wna16_jax._configs import GemmShape
-from wna16_jax._types import CODES, KERNEL_LAYOUT_BITS, LAYOUTS, BlockConfig, QuantizedExperts
+from wna16_jax._types import CODES, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -56,6 +56,8 @@ class MoEProblem:
     # Per-expert biases (fused_moe's w13_bias / w2_bias); refused by backends without
     # Backend.biases.
     has_bias: bool = False
+    # batch_invariant=True: each token's row must not depend on the other rows of the call.
+    batch_invariant: bool = False
 
     @property
     def gemm_input_dtype(self) -> str:
@@ -91,6 +93,14 @@ class GemmProblem:
     dtype: str  # activation dtype name
     has_zeros: bool
     layout: str = "canonical"
+    batch_invariant: bool = False  # as MoEProblem's
+
+
+# The reason of a backend that does not say it computes rows batch-invariantly.
+NOT_BATCH_INVARIANT = (
+    "does not guarantee batch-invariant rows (batch_invariant=True): its configs or reduction "
+    "order may depend on the number of rows in the call"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,36 +135,53 @@ class GroupedMatmul:
 
 @dataclasses.dataclass(frozen=True)
 class LayoutConversion:
-    """A backend's kernel layouts' conversions (wna16_jax.layouts), lossless both ways.
+    """A backend's kernel layouts (wna16_jax.layouts): what each holds, their checks, shapes
+    and shard granularity, and their conversions, lossless both ways.
 
     Attributes:
+        bits: {layout: the bits of the weights it holds} (each layout holds one bit width).
         reason: (layout, *, bits, n, k) -> why `layout` cannot hold weights [E, N, K] of `bits`
             bits (None when it can).
         to_kernel: (qw, layout) -> canonical, validated `qw` (held by `layout`) in `layout`.
         to_canonical: qw in one of the layouts -> the canonical layout.
+        shape: qw in one of the layouts -> its logical [E, N, K].
+        validate: (qw, name) -> None, raising ValueError naming `name` and the offending
+            values where qw's arrays do not have its layout's shapes and dtypes.
+        granularity: a shard of weights in these layouts splits N and K into multiples of it
+            (the kernel's weight tile).
     """
 
+    bits: Mapping[str, int]
     reason: Callable[..., str | None]
     to_kernel: Callable[[QuantizedExperts, str], QuantizedExperts]
     to_canonical: Callable[[QuantizedExperts], QuantizedExperts]
+    shape: Callable[[QuantizedExperts], tuple[int, int, int]]
+    validate: Callable[[QuantizedExperts, str], None]
+    granularity: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """A fused_moe implementation.
+    """A fused_moe implementation: the stages it plugs into the one pipeline
+    (wna16_jax._pipeline, run by the library), or a layer computed on its own (the 'xla'
+    reference, independent of the pipeline by design).
 
     Attributes:
         name: the name users pass as `implementation`.
         unsupported_reason: problem -> None when it can run, else a sentence saying why not.
-        fused_moe: (x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config) -> out;
-            called with the keyword activation_quant (an ActivationQuant) too when the problem
-            has one, so a backend that accepts such problems must take it, and with out_dtype
-            when the caller asks for an output dtype other than x's.
         align_unsupported_reason: AlignProblem -> None or why not.
         moe_align_block_size: (topk_ids, *, num_experts, block_m, expert_map) -> AlignedRouting.
+        stages: (*, activation, config, activation_quant) -> MoeStages: the backend's part of
+            the pipeline, which wna16_jax.fused_moe runs (`_pipeline.run`); hashable (a module
+            function or a partial of one, kept). Exactly one of stages and fused_moe is set.
+        fused_moe: (x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config) -> out:
+            a layer that does not run the pipeline (the reference); called with the keyword
+            activation_quant (an ActivationQuant) too when the problem has one, with
+            out_dtype when the caller asks for an output dtype other than x's, and with
+            batch_invariant=True when the caller asks for it.
         layouts: the QuantizedExperts layouts its fused_moe (and grouped GEMM) reads;
             selection refuses weights in any other (layout_reason) before asking
-            unsupported_reason.
+            unsupported_reason. None: every layout (the reference converts them back).
         grouped_matmul: its grouped GEMM (GroupedMatmul), or None where it has none that
             takes an AlignedRouting.
         preferred_layouts: kernel layouts (of `layouts`) that wna16_jax.preferred_layout picks
@@ -168,23 +195,43 @@ class Backend:
             refuses other weights (codes_reason) for fused_moe and the grouped GEMM.
         biases: whether its fused_moe takes w13_bias and w2_bias (keywords, passed only when
             given); selection refuses problems with biases otherwise.
+        batch_invariant_reason: None where its stages (and grouped GEMM, through the library's
+            `batch_invariant_config`) compute each row in an order that does not depend on the
+            other rows of the call: its stages then take batch_invariant=True, which fixes
+            their configs for the weights' shape without a K split; else why not (refused for
+            batch_invariant=True problems, skipped by the automatic choice).
     """
 
     name: str
     unsupported_reason: Callable[[MoEProblem], str | None]
-    fused_moe: Callable
     align_unsupported_reason: Callable[[AlignProblem], str | None]
     moe_align_block_size: Callable
-    layouts: tuple[str, ...] = ("canonical",)
+    stages: Callable | None = None
+    fused_moe: Callable | None = None
+    layouts: tuple[str, ...] | None = ("canonical",)
     grouped_matmul: GroupedMatmul | None = None
     preferred_layouts: tuple[str, ...] = ()
     config_type: type = BlockConfig
     layout_conversion: LayoutConversion | None = None
     codes: tuple[str, ...] = ("int",)
     biases: bool = False
+    batch_invariant_reason: str | None = NOT_BATCH_INVARIANT
+
+    def __post_init__(self):
+        if (self.stages is None) == (self.fused_moe is None):
+            raise ValueError(
+                f"Backend {self.name!r}: give exactly one of stages (the pipeline's, run by "
+                f"the library) and fused_moe (a layer of its own), got "
+                f"stages={self.stages!r}, fused_moe={self.fused_moe!r}"
+            )
 
 
 _REGISTRY: dict[str, Backend] = {}
+
+# The reference backend's name: pure jnp in f32, any platform, any layout (its layer is
+# _reference.fused_moe, its linear a dequantize and one dot); the CPU default. Model code names
+# it through this constant (wna16_jax.REFERENCE_BACKEND), never as a string.
+REFERENCE_BACKEND = "xla"
 
 # Tried in order by automatic selection. 'pallas_interpret' is never chosen automatically.
 PRIORITY: dict[str, tuple[str, ...]] = {
@@ -239,20 +286,54 @@ def config_class(name: str) -> type | None:
     return next((b.config_type for b in _REGISTRY.values() if b.config_type.__name__ == name), None)
 
 
+def layouts() -> tuple[str, ...]:
+    """The QuantizedExperts layouts: "canonical", then every registered backend's kernel
+    layouts (those its layout_conversion defines), in registry order."""
+    _ensure_builtin_backends()
+    found = ["canonical"]
+    for b in _REGISTRY.values():
+        if b.layout_conversion is not None:
+            found += [lay for lay in b.layout_conversion.bits if lay not in found]
+    return tuple(found)
+
+
 def layout_conversion(layout: str) -> LayoutConversion:
-    """The conversion of kernel layout `layout`: the first registered backend's that reads it
-    and defines its conversion.
+    """The conversion of kernel layout `layout`: the first registered backend's that defines
+    it.
 
     Raises:
-        ValueError: `layout` is not one of LAYOUTS, or no registered backend converts it.
+        ValueError: `layout` is not a kernel layout of a registered backend.
     """
-    if layout not in LAYOUTS or layout == "canonical":
-        raise ValueError(f"layout={layout!r} is not one of the kernel layouts {LAYOUTS[1:]}")
     _ensure_builtin_backends()
     for b in _REGISTRY.values():
-        if layout in b.layouts and b.layout_conversion is not None:
+        if b.layout_conversion is not None and layout in b.layout_conversion.bits:
             return b.layout_conversion
-    raise ValueError(f"no registered backend converts weights to the {layout!r} layout")
+    raise ValueError(f"layout={layout!r} is not one of the kernel layouts {layouts()[1:]}")
+
+
+def read_layouts(backend: Backend) -> tuple[str, ...]:
+    """The layouts `backend` reads (Backend.layouts; None: every registered one)."""
+    return layouts() if backend.layouts is None else backend.layouts
+
+
+# QuantizedExperts asks the registry for a kernel layout's shape and checks.
+_types._registry_layout = layout_conversion
+
+
+def layout_bits(layout: str) -> int:
+    """The bits of the weights kernel layout `layout` holds."""
+    return layout_conversion(layout).bits[layout]
+
+
+def shard_granularity(layout: str) -> int:
+    """A shard of weights in `layout` splits N and K into multiples of this: 1 for the
+    canonical layout (whose packed words and groups the caller checks), a kernel layout's
+    weight tile otherwise.
+
+    Raises:
+        ValueError: an unknown layout.
+    """
+    return 1 if layout == "canonical" else layout_conversion(layout).granularity
 
 
 def kernel_layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | None:
@@ -262,9 +343,9 @@ def kernel_layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | Non
 
 
 def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
-    """`qw` (any layout) in `layout`, one of LAYOUTS (wna16_jax.layouts)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    """`qw` (any layout) in `layout`, one of `layouts()` (wna16_jax.layouts)."""
+    if layout not in layouts():
+        raise ValueError(f"layout={layout!r} is not one of {layouts()}")
     if qw.layout == layout:
         return qw
     qw = to_canonical_layout(qw)
@@ -295,8 +376,8 @@ def backend_layout(implementation: str, bits: int) -> str:
         ValueError: an unknown implementation, or one that reads no layout of `bits`-bit
             weights (its layouts named).
     """
-    layouts_ = get_backend(implementation).layouts
-    held = [lay for lay in layouts_ if lay == "canonical" or KERNEL_LAYOUT_BITS[lay] == bits]
+    layouts_ = read_layouts(get_backend(implementation))
+    held = [lay for lay in layouts_ if lay == "canonical" or layout_bits(lay) == bits]
     if not held:
         raise ValueError(
             f"backend {implementation!r} reads no layout of int{bits} weights ({layouts_})"
@@ -319,9 +400,9 @@ MIN_COMPUTE_CAPABILITY = 8.0
 
 def layout_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | None:
     """Why `backend` cannot read `problem`'s weight layout (None when it can)."""
-    if problem.layout in backend.layouts:
+    if problem.layout in read_layouts(backend):
         return None
-    if "canonical" in backend.layouts:
+    if "canonical" in read_layouts(backend):
         return (
             f"the weights are in the {problem.layout!r} layout, which this backend does not "
             f"read (wna16_jax.layouts.to_canonical_layout converts back)"
@@ -348,7 +429,7 @@ def layout_reason(backend: Backend, problem: MoEProblem | GemmProblem) -> str | 
     readers = [
         name
         for name, b in sorted(_REGISTRY.items())
-        if "canonical" in b.layouts and not name.endswith("_interpret")
+        if "canonical" in read_layouts(b) and not name.endswith("_interpret")
     ]
     return (
         f"reads weights only in the {_listed(backend.layouts, 'or')} layout, which cannot hold "
@@ -395,7 +476,7 @@ def cuda_gpu_reason(platform: str, hint: str = "") -> str | None:
 
 def compiled_and_interpreted(
     name: str,
-    fused_moe: Callable,
+    stages: Callable,
     reason: Callable[[MoEProblem], str | None],
     shape_reason: Callable[[MoEProblem], str | None],
     align: Callable,
@@ -411,17 +492,18 @@ def compiled_and_interpreted(
     layout_conversion: LayoutConversion | None = None,
     codes: tuple[str, ...] = ("int",),
     biases: bool = False,
+    batch_invariant_reason: str | None = NOT_BATCH_INVARIANT,
 ) -> tuple[Backend, Backend]:
     """Backend `name` (compiled, on a CUDA GPU) and `name`_interpret (the same kernels in the
-    interpreter, any platform), both reading weights in `layouts`. `fused_moe`, `align`
-    (moe_align_block_size's kernel) and `gemm` (the grouped GEMM: GroupedMatmul.run, or None)
-    take the keyword `interpret`; `reason` says why the compiled kernels cannot run a problem,
+    interpreter, any platform), both reading weights in `layouts`. `stages` (Backend.stages),
+    `align` (moe_align_block_size's kernel) and `gemm` (the grouped GEMM: GroupedMatmul.run, or
+    None) take the keyword `interpret`; `reason` says why the compiled kernels cannot run a problem,
     `shape_reason` why no kernel can (any platform); gemm_config and gemm_shape_reason are the
     GEMM's GroupedMatmul.config and its shape reason (any platform); gemm_gpu_reason(platform)
     says why the compiled GEMM cannot run on a platform (default: `cuda_gpu_reason`);
     gemm_linear (taking `interpret` too) is GroupedMatmul.linear; preferred_layouts are the
     compiled backend's (an interpreter is never preferred); config_type, layout_conversion,
-    codes and biases are both's."""
+    batch_invariant_reason, codes and biases are both's."""
 
     def align_reason(problem: AlignProblem) -> str | None:
         return cuda_gpu_reason(problem.platform)
@@ -448,7 +530,7 @@ def compiled_and_interpreted(
         Backend(
             name=name,
             unsupported_reason=reason,
-            fused_moe=functools.partial(fused_moe, interpret=False),
+            stages=functools.partial(stages, interpret=False),
             align_unsupported_reason=align_reason,
             moe_align_block_size=functools.partial(align, interpret=False),
             layouts=layouts,
@@ -458,11 +540,12 @@ def compiled_and_interpreted(
             layout_conversion=layout_conversion,
             codes=codes,
             biases=biases,
+            batch_invariant_reason=batch_invariant_reason,
         ),
         Backend(
             name=f"{name}_interpret",
             unsupported_reason=shape_reason,
-            fused_moe=functools.partial(fused_moe, interpret=True),
+            stages=functools.partial(stages, interpret=True),
             align_unsupported_reason=lambda problem: None,
             moe_align_block_size=functools.partial(align, interpret=True),
             layouts=layouts,
@@ -471,6 +554,7 @@ def compiled_and_interpreted(
             layout_conversion=layout_conversion,
             codes=codes,
             biases=biases,
+            batch_invariant_reason=batch_invariant_reason,
         ),
     )
 
@@ -495,6 +579,8 @@ def backend_reason(
         return reason
     if reason := codes_reason(backend, problem):
         return reason
+    if problem.batch_invariant and backend.batch_invariant_reason is not None:
+        return backend.batch_invariant_reason
     if isinstance(problem, GemmProblem):
         return backend.grouped_matmul.unsupported_reason(problem)
     return backend.unsupported_reason(problem)
@@ -593,9 +679,12 @@ def _xla_fused_moe(
     config,
     activation_quant=None,
     out_dtype=None,
+    batch_invariant=False,
     w13_bias=None,
     w2_bias=None,
 ):
+    """The reference layer (`_reference.fused_moe`, independent of the pipeline); config is not
+    read (the reference has no tiles)."""
     return _reference.fused_moe(
         x,
         to_canonical_layout(w13),
@@ -605,8 +694,8 @@ def _xla_fused_moe(
         expert_map=expert_map,
         activation=activation,
         activation_quant=activation_quant,
-        block_m=getattr(config, "block_m", None) or 16,  # a backend's own config may have none
         out_dtype=out_dtype,
+        batch_invariant=batch_invariant,
         w13_bias=w13_bias,
         w2_bias=w2_bias,
     )
@@ -630,12 +719,13 @@ def _xla_gemm_config(shape: GemmShape, config: BlockConfig | None):
 
 
 XLA_BACKEND = Backend(
-    name="xla",
+    name=REFERENCE_BACKEND,
     unsupported_reason=_xla_unsupported_reason,
     fused_moe=_xla_fused_moe,
     align_unsupported_reason=lambda problem: None,
     moe_align_block_size=_reference.moe_align_block_size,
-    layouts=LAYOUTS,  # other layouts convert back to the canonical one (wna16_jax.layouts)
+    layouts=None,  # every layout: the others convert back to the canonical one
+    batch_invariant_reason=None,  # fixed token blocks; the linear's rows in fixed blocks too
     grouped_matmul=GroupedMatmul(
         unsupported_reason=lambda problem: None,
         config=_xla_gemm_config,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from wna16_jax._activations import quantize_activations
-from wna16_jax._routing import local_expert_of, placed_slots
+from wna16_jax._routing import local_expert_of, placed_slots, sum_slots
 from wna16_jax._types import ActivationQuant, QuantizedExperts
 
 # Tokens per chunk of every backend. The GEMM configs are chosen per chunk from its T*k slots, so
@@ -90,8 +90,8 @@ def slots_in_blocks(
 # ---- the pipeline ---------------------------------------------------------------------------
 
 
-def sum_over_top_k(y, routed: Routed, topk_weights=None):
-    """GEMM2's rows y -> f32 [T, H]: each token's k slot rows summed in f32.
+def sum_over_top_k(y, routed: Routed, topk_weights=None, *, in_order: bool = False):
+    """GEMM2's rows y -> f32 [T, H]: each token's k slot rows summed in f32 (`sum_slots`).
 
     Slots not kept (dropped by the alignment: their rows were never written; off this shard
     where the backend says so) count zero. topk_weights: [T, k], multiplied into the rows
@@ -103,7 +103,7 @@ def sum_over_top_k(y, routed: Routed, topk_weights=None):
     rows = jnp.where(routed.keep[:, None], rows.astype(jnp.float32), 0.0).reshape(t, k, -1)
     if topk_weights is not None:
         rows = rows * topk_weights[..., None].astype(jnp.float32)
-    return rows.sum(axis=1)
+    return sum_slots(rows, in_order=in_order)
 
 
 def rows_in_input_order(rows, experts, perm):
@@ -127,30 +127,36 @@ def act_order_rows(x, topk_ids, perm, *, num_experts: int, expert_map=None):
 
 
 def moe_chunk(
-    stages: MoeStages, x, *, w13, w2, topk_weights, topk_ids, expert_map=None, biases=(None, None)
-):
+    stages: MoeStages, x, *, w13, w2, topk_weights, topk_ids, expert_map=None,
+    batch_invariant=False, biases=(None, None),
+):  # fmt: skip
     """One chunk of tokens through `stages`: [t, H] f32, before the output's rounding.
 
     Experts with an input order (w13.perm, act-order) take each slot's row of x in their
     order (`act_order_rows`): the chunk's T*k slots run as tokens of one slot each (the same
-    GEMM rows as before), and their rows are summed over k in f32 after. biases: (w13_bias,
-    w2_bias), each None or [E, N]."""
+    GEMM rows as before), and their rows are summed over k in f32 after. batch_invariant: the
+    k slots summed in order (`sum_slots`), and a block per slot never replaces the alignment
+    (a one-token call would otherwise route differently from a token inside a batch). biases:
+    (w13_bias, w2_bias), each None or [E, N]."""
     t, k = topk_ids.shape
-    distinct = t == 1  # a token's k experts are distinct
+    distinct = t == 1 and not batch_invariant  # a token's k experts are distinct
+    slots = functools.partial(_slots, in_order=batch_invariant, biases=biases)
     if w13.perm is None:
-        return _slots(stages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct, biases)
+        return slots(stages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct)
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
     rows = act_order_rows(x, topk_ids, w13.perm, num_experts=num_experts, expert_map=expert_map)
     w13 = dataclasses.replace(w13, perm=None)  # applied to the rows
     ids, weights = topk_ids.reshape(-1, 1), topk_weights.reshape(-1, 1)
-    y = _slots(stages, rows, w13, w2, weights, ids, expert_map, distinct, biases)  # [T*k, H] f32
-    return y.reshape(t, k, -1).sum(axis=1)
+    y = slots(stages, rows, w13, w2, weights, ids, expert_map, distinct)  # [T*k, H] f32
+    return sum_slots(y.reshape(t, k, -1), in_order=batch_invariant)
 
 
 def _slots(
-    stages: MoeStages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct_experts, biases
-):
-    """The stages on x [T, H] and its slots [T, k]: f32 [T, H]."""
+    stages: MoeStages, x, w13, w2, topk_weights, topk_ids, expert_map, distinct_experts, *,
+    in_order=False, biases=(None, None),
+):  # fmt: skip
+    """The stages on x [T, H] and its slots [T, k]: f32 [T, H] (the k slots summed in order
+    where in_order)."""
     b13, b2 = ({} if b is None else {"bias": b} for b in biases)
     t, k = topk_ids.shape
     num_experts = expert_map.shape[0] if expert_map is not None else w13.num_experts
@@ -167,7 +173,7 @@ def _slots(
     in_gemm2 = stages.routed_weights == "gemm2"
     weights = topk_weights.reshape(-1).astype(jnp.float32) if in_gemm2 else None
     y = stages.gemm2(act, w2, routed, plan, weights, **b2)  # [R', H] f32
-    return sum_over_top_k(y, routed, None if in_gemm2 else topk_weights)
+    return sum_over_top_k(y, routed, None if in_gemm2 else topk_weights, in_order=in_order)
 
 
 def fused_moe(
@@ -181,6 +187,7 @@ def fused_moe(
     expert_map=None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
+    batch_invariant: bool = False,
     w13_bias=None,
     w2_bias=None,
 ):
@@ -193,6 +200,8 @@ def fused_moe(
         expert_map: optional int32 [E_global] global -> local (-1 off-shard).
         chunk_tokens: tokens per chunk.
         out_dtype: the output dtype (default x.dtype), rounded once from the f32 sums.
+        batch_invariant: each token's k slots summed in order (`moe_chunk`); the stages were
+            made with batch_invariant=True (their configs fixed for the weights).
         w13_bias: optional [E, 2I] per-expert bias of GEMM1 (before the activation).
         w2_bias: optional [E, H] per-expert bias of GEMM2 (before the routed weights).
 
@@ -200,10 +209,88 @@ def fused_moe(
         [T, H] in out_dtype.
     """
     run = functools.partial(
-        moe_chunk, stages, w13=w13, w2=w2, expert_map=expert_map, biases=(w13_bias, w2_bias)
+        moe_chunk,
+        stages,
+        w13=w13,
+        w2=w2,
+        expert_map=expert_map,
+        batch_invariant=batch_invariant,
+        biases=(w13_bias, w2_bias),
     )
     return map_token_chunks(
         run, x, topk_weights, topk_ids, chunk_tokens=chunk_tokens, out_dtype=out_dtype
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "make_stages",
+        "activation",
+        "config",
+        "activation_quant",
+        "chunk_tokens",
+        "out_dtype",
+        "batch_invariant",
+    ),
+)
+def run(
+    make_stages: Callable[..., MoeStages],
+    x,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights,
+    topk_ids,
+    *,
+    expert_map=None,
+    activation: str = "silu",
+    config=None,
+    activation_quant: ActivationQuant | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    out_dtype=None,
+    batch_invariant: bool = False,
+    w13_bias=None,
+    w2_bias=None,
+):
+    """The MoE layer of a backend: its stages (make_stages(activation=, config=,
+    activation_quant=), a backend's `Backend.stages`) through `fused_moe`, jitted; inputs
+    already validated (wna16_jax.fused_moe calls it).
+
+    Args:
+        make_stages: the backend's stages factory (static: hashable, e.g. a module function or
+            one functools.partial kept for reuse).
+        x: [T, H].  w13: [E, 2I, H].  w2: [E, H, I] (in the layout the stages take).
+        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
+        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
+        activation: the activation's name.  config: the backend's config, or None.
+        activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
+        chunk_tokens: tokens per chunk.  out_dtype: the output dtype (default x.dtype).
+        batch_invariant: each row computed as it would be alone (the stages made with
+            batch_invariant=True, a backend whose `batch_invariant_reason` is None).
+        w13_bias, w2_bias: optional per-expert biases [E, 2I] and [E, H] (`fused_moe`), for
+            backends with Backend.biases.
+
+    Returns:
+        [T, H] in out_dtype.
+    """
+    # Only batch-invariant calls pass the keyword: a backend that cannot honour it takes none.
+    extra = {"batch_invariant": True} if batch_invariant else {}
+    stages = make_stages(
+        activation=activation, config=config, activation_quant=activation_quant, **extra
+    )
+    return fused_moe(
+        stages,
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        chunk_tokens=chunk_tokens,
+        out_dtype=out_dtype,
+        batch_invariant=batch_invariant,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
 
 

@@ -173,6 +173,15 @@ def zero_points(qw: QuantizedExperts):
     return jnp.full((e, n, qw.num_groups), implicit_zero(qw.bits), jnp.uint8)
 
 
+def e2m1_to_f32(v):
+    """uint32 E2M1 codes v in [0, 16) -> their f32 values, exactly, from bits alone (traceable in
+    any kernel): the bits of 0, 0.5, 1, 1.5, 2, 3, 4, 6 are 0, 252 << 22 and (m + 252) << 22 for
+    the magnitudes m = 2..7, and bit 3 of the code is the sign (code 8 is -0)."""
+    mag = v & jnp.uint32(7)
+    bits = jnp.where(mag < 2, mag * jnp.uint32(252 << 22), (mag + jnp.uint32(252)) << 22)
+    return jax.lax.bitcast_convert_type(bits | ((v & jnp.uint32(8)) << 28), jnp.float32)
+
+
 def e8m0_to_f32(x):
     """E8M0 scale bytes -> their f32 values 2^(x - 127), exactly (x = 0: the subnormal 2^-127,
     x = 255: NaN). uint8 [...] -> f32 [...] (numpy for numpy input, else jax)."""

@@ -1,4 +1,6 @@
-"""Pure-jnp block alignment and fused MoE: the 'xla' backend and the oracle for the kernels."""
+"""Pure-jnp block alignment, grouped GEMM and fused MoE: the 'xla' backend and the oracle for the
+kernels; its layer is computed on its own (no _pipeline), so a kernel's test compares two
+independent computations."""
 
 from __future__ import annotations
 
@@ -7,10 +9,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from wna16_jax import _pipeline
-from wna16_jax._activations import Int8Rows, activation_fn
-from wna16_jax._quant import E2M1_VALUES, dequantize_mxfp4_codes, e8m0_to_f32, unpack_k, zero_points
-from wna16_jax._routing import local_expert_of, max_padded_len, slot_experts
+from wna16_jax._activations import Int8Rows, activation_fn, quantize_activations
+from wna16_jax._quant import (
+    E2M1_VALUES,
+    dequantize_mxfp4_codes,
+    e8m0_to_f32,
+    unpack_k,
+    zero_points,
+)
+from wna16_jax._routing import local_expert_of, max_padded_len, sum_slots
 from wna16_jax._types import AlignedRouting, QuantizedExperts
 
 
@@ -84,9 +91,8 @@ def _dequantize_one(qw: QuantizedExperts, e):
 
 
 def grouped_matmul(
-    a, qw: QuantizedExperts, routing: AlignedRouting, *, top_k: int, routed_weights=None,
-    bias=None,
-):  # fmt: skip
+    a, qw: QuantizedExperts, routing: AlignedRouting, *, top_k: int, routed_weights=None
+):
     """Block-sorted grouped matmul: rows of `a` times dequant(qw[e]).T, in f32.
 
     Args:
@@ -95,8 +101,6 @@ def grouped_matmul(
         routing: AlignedRouting over R * top_k slots (sentinel = R * top_k).
         top_k: slots per row of `a` (1 when `a` already holds one row per slot).
         routed_weights: optional f32 [num_slots] multiplied into each slot's output row.
-        bias: optional [E_local, N] float, expert e's added to its rows (before the routed
-            weights), in f32.
 
     Returns:
         f32 [num_slots, N]: output row per slot (rows of blocks of expert -1 are zero).
@@ -115,8 +119,6 @@ def grouped_matmul(
         e = routing.expert_ids[b]
         w = _dequantize_one(qw, jnp.maximum(e, 0))  # [N, K]
         y = jnp.dot(rows, w.T, precision=jax.lax.Precision.HIGHEST)  # [bm, N]
-        if bias is not None:
-            y = y + bias[jnp.maximum(e, 0)].astype(jnp.float32)
         if routed_weights is not None:
             y = y * routed_weights[jnp.where(valid, slot, 0)][:, None]
         y = jnp.where((e >= 0) & valid[:, None], y, 0.0)
@@ -179,8 +181,6 @@ def grouped_matmul_int8(
     """
     bm = routing.block_m
     num_slots = a_q.shape[0] * top_k
-    n, k = qw.n, qw.k
-    g = qw.group
     ids = routing.sorted_token_ids
     num_used_blocks = routing.num_tokens_post_padded // bm
 
@@ -189,87 +189,81 @@ def grouped_matmul_int8(
         valid = slot < num_slots
         row = jnp.where(valid, slot // top_k, 0)
         e = routing.expert_ids[b]
-        w, s = _signed_weights_one(qw, jnp.maximum(e, 0))  # [N, K] int, [N, G] f32
-        rows = a_q[row].astype(w.dtype).reshape(bm, k // g, g)  # [bm, G, g]
-        acc = jax.lax.dot_general(
-            rows,
-            w.reshape(n, k // g, g),
-            dimension_numbers=(((2,), (2,)), ((1,), (1,))),
-            preferred_element_type=jnp.int32,
-        )  # [G, bm, N] exact
-        y = jnp.sum(acc.astype(jnp.float32) * s.T[:, None, :], axis=0)  # [bm, N]
-        y = y * a_scale[row][:, None]
+        y = _int8_rows_times(a_q[row], a_scale[row], qw, jnp.maximum(e, 0))  # [bm, N]
         if routed_weights is not None:
             y = y * routed_weights[jnp.where(valid, slot, 0)][:, None]
         y = jnp.where((e >= 0) & valid[:, None], y, 0.0)
         return out.at[jnp.where(valid, slot, num_slots)].set(y)
 
-    out = jnp.zeros((num_slots + 1, n), jnp.float32)
+    out = jnp.zeros((num_slots + 1, qw.n), jnp.float32)
     out = jax.lax.fori_loop(0, num_used_blocks, body, out)
     return out[:num_slots]
 
 
-# ---- the layer: the 'xla' backend's MoeStages ---------------------------------------------
+def _int8_rows_times(q, scale, qw: QuantizedExperts, e):
+    """f32 [R, N] = int8 rows q [R, K] (scales f32 [R]) times expert `e` (traced) of `qw`,
+    transposed: each group's integer dot exact in int32, then the weight scales and the row
+    scales in f32 (the W8A8 kernels' epilogue order)."""
+    w, s = _signed_weights_one(qw, e)  # [N, K] int, [N, G] f32
+    r, k = q.shape
+    g = qw.group
+    acc = jax.lax.dot_general(
+        q.astype(w.dtype).reshape(r, k // g, g),  # [R, G, g]
+        w.reshape(qw.n, k // g, g),
+        dimension_numbers=(((2,), (2,)), ((1,), (1,))),
+        preferred_element_type=jnp.int32,
+    )  # [G, R, N] exact
+    y = jnp.sum(acc.astype(jnp.float32) * s.T[:, None, :], axis=0)  # [R, N]
+    return y * scale[:, None]
 
 
-def _gemm(a, w, routed: _pipeline.Routed, *, top_k: int, routed_weights=None, bias=None):
-    """A GEMM of the layer in f32; on Int8Rows exact in int32 with the scales applied in f32
-    (a bias, [E, N], added in f32 before the routed weights)."""
-    if isinstance(a, Int8Rows) and bias is None:
-        return grouped_matmul_int8(
-            a.q, a.scale, w, routed.blocks, top_k=top_k, routed_weights=routed_weights
-        )
+# ---- the layer: computed on its own, not through _pipeline -----------------------------------
+
+# Tokens per block of the layer: every GEMM of the reference has this many rows, whatever T,
+# so a token's result does not depend on the other tokens of its call.
+TOKEN_BLOCK = 16
+
+
+def _gemm_rows(a, qw: QuantizedExperts, e):
+    """f32 [R, N] = rows a [R, K] times expert `e` (traced) of `qw`, transposed: in f32 on the
+    dequantized weight for float rows; exact for Int8Rows (`_int8_rows_times`)."""
     if isinstance(a, Int8Rows):
-        y = grouped_matmul_int8(a.q, a.scale, w, routed.blocks, top_k=top_k)
-        experts = slot_experts(routed.blocks, y.shape[0])  # each slot's expert's bias
-        b = bias[jnp.maximum(experts, 0)].astype(jnp.float32)
-        y = y + jnp.where(experts[:, None] >= 0, b, 0.0)
-        return y if routed_weights is None else y * routed_weights[:, None]
-    return grouped_matmul(
-        a, w, routed.blocks, top_k=top_k, routed_weights=routed_weights, bias=bias
-    )
+        return _int8_rows_times(a.q, a.scale, qw, e)
+    w = _dequantize_one(qw, e)  # [N, K] f32
+    return jnp.dot(a.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
 
 
-def _plan(num_slots, num_experts, w13, w2, *, block_m: int) -> int:
-    return block_m
+def _expert_layer(x, w13, w2, e, *, activation, activation_quant, biases=(None, None)):
+    """One expert's MLP on rows x [R, H]: f32 [R, H] = w2[e] @ act(w13[e] @ x + b13[e]) +
+    b2[e], the activation in f32 (unrounded), each GEMM's input quantized first under
+    activation_quant; x's columns in the expert's input order first where w13 has one (perm,
+    act-order). biases: (w13_bias [E, 2I], w2_bias [E, H]), each None or added in f32."""
+    b13, b2 = biases
+    if w13.perm is not None:  # act-order: the rows in the expert's input order
+        x = x[:, jax.lax.dynamic_index_in_dim(w13.perm, e, keepdims=False)]
+    a = x if activation_quant is None else quantize_activations(x, activation_quant, 1)
+    h = _gemm_rows(a, w13, e)  # [R, 2I] f32
+    if b13 is not None:
+        h = h + b13[e].astype(jnp.float32)
+    h = activation_fn(activation)(h)  # [R, I] f32
+    if activation_quant is not None:
+        h = quantize_activations(h, activation_quant, 2)  # a scale per row
+    y = _gemm_rows(h, w2, e)  # [R, H] f32
+    return y if b2 is None else y + b2[e].astype(jnp.float32)
 
 
-def _route(a, topk_ids, block_m: int, *, num_experts: int, expert_map, distinct_experts):
-    return _pipeline.slots_in_blocks(
-        moe_align_block_size,
-        a,
-        topk_ids,
-        block_m=block_m,
-        num_experts=num_experts,
-        expert_map=expert_map,
-        distinct_experts=distinct_experts,
-    )
-
-
-def _gemm1(a, w13, routed, block_m, *, activation, bias=None):
-    h = _gemm(a, w13, routed, top_k=routed.top_k, bias=bias)  # [T*k, 2I] f32
-    return activation_fn(activation)(h)  # [T*k, I] f32: unrounded (the kernels round to x.dtype)
-
-
-def _gemm2(act, w2, routed, block_m, routed_weights, bias=None):
-    return _gemm(act, w2, routed, top_k=1, routed_weights=routed_weights, bias=bias)  # [T*k, H]
-
-
-def stages(*, block_m: int = 16, activation="silu", activation_quant=None):
-    """The reference's MoeStages: `moe_align_block_size`, then `grouped_matmul` (or
-    `grouped_matmul_int8` on int8 rows) for both GEMMs, the activation in f32 between them."""
-    return _pipeline.MoeStages(
-        plan=functools.partial(_plan, block_m=block_m),
-        route=_route,
-        gemm1=functools.partial(_gemm1, activation=activation),
-        gemm2=_gemm2,
-        activation_quant=activation_quant,
-    )
+def _slot_experts(topk_ids, num_experts: int, expert_map):
+    """int32 [T, k]: each slot's local expert; -1 for an id outside [0, num_experts) and for an
+    expert off this shard (expert_map -1)."""
+    ids = topk_ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < num_experts)
+    safe = jnp.where(valid, ids, 0)
+    local = safe if expert_map is None else expert_map.astype(jnp.int32)[safe]
+    return jnp.where(valid, local, -1)
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("activation", "activation_quant", "block_m", "chunk_tokens", "out_dtype"),
+    jax.jit, static_argnames=("activation", "activation_quant", "out_dtype", "batch_invariant")
 )
 def fused_moe(
     x,
@@ -281,43 +275,72 @@ def fused_moe(
     expert_map=None,
     activation: str = "silu",
     activation_quant=None,
-    block_m: int = 16,
-    chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
     out_dtype=None,
+    batch_invariant: bool = False,
     w13_bias=None,
     w2_bias=None,
 ):
-    """Reference MoE layer (docs/design.md steps 1-5) in f32, processed in token chunks.
+    """Reference MoE layer (docs/design.md steps 1-5) in f32, computed on its own: no alignment,
+    no _pipeline. For each block of TOKEN_BLOCK tokens and each local expert with a slot there,
+    the expert's MLP on the block's rows (`_expert_layer`); slot (t, j) takes its expert's row t
+    times topk_weights[t, j]; each token's k slots are summed in f32 (j in order).
 
     With activation_quant (int8 activations: the oracle of the W8A8 kernels), x is quantized
     per `activation_quant` (GEMM1's input), GEMM1 is exact in int32 with the scales applied in
-    f32, silu(gate) * up in f32 is quantized again (GEMM2's input), GEMM2 is exact with the
-    routed weights, then the k slots are summed in f32. The kernels apply the same
-    quantization to the same values, so only f32 rounding order separates them.
+    f32, silu(gate) * up in f32 is quantized again (GEMM2's input), GEMM2 is exact, the routed
+    weight multiplies each slot's row, then the k slots are summed in f32. The kernels apply the
+    same quantization to the same values, so only f32 rounding order separates them.
 
     Args:
         x: [T, H] activations.  w13: [E, 2I, H].  w2: [E, H, I] (any canonical weights).
-        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
-        expert_map: optional int32 [E_global] global -> local (-1 off-shard).
+        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids (ids outside
+            [0, E_global) are dropped).
+        expert_map: optional int32 [E_global] global -> local (-1 off-shard: dropped).
         activation: "silu" or a ClampedSwiGLU.  activation_quant: None (16-bit activations) or
-        an ActivationQuant with its scales known.  block_m: alignment block.  chunk_tokens:
-        tokens per chunk.  out_dtype: the output dtype (default x.dtype).
+        an ActivationQuant with its scales known.  out_dtype: the output dtype (default
+        x.dtype).
         w13_bias: optional [E, 2I], added to GEMM1's sums before the activation.
         w2_bias: optional [E, H], added to GEMM2's rows before the routed weights.
+        batch_invariant: the k slots summed left to right (`sum_slots`); the token blocks'
+            GEMMs already have one shape for every T.
 
     Returns:
         [T, H] in out_dtype.
     """
-    return _pipeline.fused_moe(
-        stages(block_m=block_m, activation=activation, activation_quant=activation_quant),
-        x,
-        w13,
-        w2,
-        topk_weights,
-        topk_ids,
-        expert_map=expert_map,
-        chunk_tokens=chunk_tokens,
-        out_dtype=out_dtype,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-    )
+    t, hdim = x.shape
+    k = topk_ids.shape[1]
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if t == 0:
+        return jnp.zeros((0, hdim), out_dtype)
+    num_experts = w13.num_experts if expert_map is None else expert_map.shape[0]
+    experts = _slot_experts(topk_ids, num_experts, expert_map)  # [T, k]
+    blocks = -(-t // TOKEN_BLOCK)
+    pad = blocks * TOKEN_BLOCK - t
+    xb = jnp.pad(x, ((0, pad), (0, 0))).reshape(blocks, TOKEN_BLOCK, hdim)
+    eb = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1).reshape(blocks, TOKEN_BLOCK, k)
+    wb = jnp.pad(topk_weights.astype(jnp.float32), ((0, pad), (0, 0)))
+    wb = wb.reshape(blocks, TOKEN_BLOCK, k)
+    layer = functools.partial(
+        _expert_layer, activation=activation, activation_quant=activation_quant,
+        biases=(w13_bias, w2_bias),
+    )  # fmt: skip
+
+    def block(b, slots):  # slots: f32 [T_pad, k, H], each slot's weighted row
+        rows, ids, weights = xb[b], eb[b], wb[b]  # [TB, H], [TB, k], [TB, k]
+
+        def expert(e, block_slots):  # block_slots: f32 [TB, k, H]
+            def run(block_slots):
+                y = layer(rows, w13, w2, e)  # [TB, H] f32
+                mine = (ids == e)[..., None]  # [TB, k, 1]
+                return jnp.where(mine, y[:, None, :] * weights[..., None], block_slots)
+
+            return jax.lax.cond(jnp.any(ids == e), run, lambda s: s, block_slots)
+
+        zero = jnp.zeros((TOKEN_BLOCK, k, hdim), jnp.float32)
+        block_slots = jax.lax.fori_loop(0, w13.num_experts, expert, zero)
+        return jax.lax.dynamic_update_slice_in_dim(slots, block_slots, b * TOKEN_BLOCK, axis=0)
+
+    slots = jnp.zeros((blocks * TOKEN_BLOCK, k, hdim), jnp.float32)
+    slots = jax.lax.fori_loop(0, blocks, block, slots)
+    # [T, H]: the sum over each token's k slots
+    return sum_slots(slots[:t], in_order=batch_invariant).astype(out_dtype)

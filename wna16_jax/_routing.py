@@ -89,3 +89,14 @@ def slot_experts(routing: AlignedRouting, num_slots: int):
         .at[routing.sorted_token_ids]
         .set(block_of_position, mode="drop")
     )
+
+
+def sum_slots(rows, *, in_order: bool = False):
+    """f32 [T, k, H] -> [T, H], the sum over k; in_order: ((r0 + r1) + r2) + ..., an order that
+    no compiler choice for the shape can change (batch_invariant)."""
+    if not in_order:
+        return rows.sum(axis=1)
+    total = rows[:, 0]
+    for j in range(1, rows.shape[1]):
+        total = total + rows[:, j]
+    return total

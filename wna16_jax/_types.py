@@ -19,20 +19,31 @@ CODES = ("int", "e2m1")
 MXFP4_GROUP = 32
 # E8M0 scale bytes: 2^(byte - E8M0_BIAS); the byte 0xFF is NaN.
 E8M0_BIAS = 127
+
+
+def kernel_layout(layout: str):
+    """The registered LayoutConversion of kernel layout `layout` (its shape and checks), from
+    the backend registry, which installs itself here on import (wna16_jax._dispatch: the
+    registry imports this module, not the other way).
+
+    Raises:
+        ValueError: `layout` is not a registered kernel layout.
+    """
+    return _registry_layout(layout)
+
+
+def _no_registry(layout: str):
+    raise ValueError(f"layout={layout!r}: no backend registry is loaded (import wna16_jax)")
+
+
+# Replaced by wna16_jax._dispatch.layout_conversion when the registry is imported.
+_registry_layout = _no_registry
 # docs/design.md's 2^31 rule: Pallas' Triton lowering indexes in int32.
 MAX_ARRAY_ELEMENTS = 2**31 - 1
 # BlockConfig.unpack values.
 UNPACK_MODES = ("slices", "tile", "join")
 # BlockConfig.dot values.
 DOT_MODES = ("mma", "fma")
-# QuantizedExperts.layout values: "canonical" (docs/design.md, every backend), "mgpu_int4" and
-# "mgpu_int8" (the Mosaic GPU GEMM's private layouts, made once by
-# wna16_jax.layouts.to_kernel_layout).
-LAYOUTS = ("canonical", "mgpu_int4", "mgpu_int8")
-# The bits of the weights each kernel layout holds.
-KERNEL_LAYOUT_BITS = {"mgpu_int4": 4, "mgpu_int8": 8}
-# The mgpu layouts' weight tiles: MGPU_TILE x MGPU_TILE (features x inputs).
-MGPU_TILE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +74,9 @@ class QuantizedExperts:
             inputs contiguous), so that its product is x[..., perm[e]] @ W_stored[e].T, and
             its weight in x's order W[e, :, perm[e, j]] = W_stored[e, :, j]. None: K in x's
             order. Any layout (it orders the inputs, not the packed words).
-    Layouts "mgpu_int4" and "mgpu_int8" (read by the 'mgpu' backend, and by 'xla' through
-    wna16_jax.layouts.to_canonical_layout): qweight int4 (int8) [E, N/64, K/64, 64, 64] holding
-    q - 8 (q - 128) in 64x64 tiles (N and K multiples of 64); scales [E, K//G, N]; zeros None
-    or 8 - z (128 - z) as [E, K//G, N] in the scales' dtype. MXFP4 in "mgpu_int4": the E2M1
-    codes' bits as they are, scales bfloat16 [E, K//32, N] holding 2^(X - 127), zeros None.
+    A kernel layout (another `layout`: wna16_jax.layouts.LAYOUTS) is its backend's; the
+    backend registers its shapes, checks and conversions (`Backend.layout_conversion`) and
+    describes its arrays beside them (MXFP4 takes 'mgpu_int4': pallas_kernels/mgpu/layout.py).
     """
 
     qweight: Any
@@ -88,9 +97,8 @@ class QuantizedExperts:
     @property
     def shape(self) -> tuple[int, int, int]:
         """Logical [E, N, K]."""
-        if self.layout in KERNEL_LAYOUT_BITS:  # [E, N/64, K/64, 64, 64] tiles
-            e, n_tiles, k_tiles, tile_n, tile_k = (int(d) for d in self.qweight.shape)
-            return (e, n_tiles * tile_n, k_tiles * tile_k)
+        if self.layout != "canonical":  # the kernel layout's backend knows its arrays
+            return kernel_layout(self.layout).shape(self)
         e, n, kw = self.qweight.shape
         return (e, n, kw * self.pack_factor)
 
@@ -136,14 +144,16 @@ class QuantizedExperts:
     def validate(self, name: str = "weights") -> None:
         """Raises ValueError naming the offending values if the arrays do not have the layout's
         shapes and dtypes."""
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"{name}: layout={self.layout!r} is not one of {LAYOUTS}")
         if self.codes not in CODES:
             raise ValueError(f"{name}: codes={self.codes!r} is not one of {CODES}")
         if self.is_mxfp4:
             self._validate_mxfp4_scheme(name)
-        if self.layout in KERNEL_LAYOUT_BITS:
-            self._validate_mgpu(name)
+        if self.layout != "canonical":
+            try:
+                layout = kernel_layout(self.layout)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+            layout.validate(self, name)
         else:
             self._validate_canonical(name)
         self._validate_perm(name)
@@ -194,15 +204,13 @@ class QuantizedExperts:
                 )
 
     def _validate_mxfp4_scheme(self, name: str) -> None:
-        """codes "e2m1" is MXFP4 only: 4 bits, groups of 32, no zero points, in the canonical
-        layout or mgpu_int4's (its codes as they are, its scales' values in bfloat16)."""
-        layout = self.layout if self.layout == "mgpu_int4" else "canonical"
-        want = dict(bits=4, group_size=MXFP4_GROUP, zeros=None, layout=layout)
+        """codes "e2m1" is MXFP4 only: 4 bits, groups of 32, no zero points (a kernel layout
+        that holds it checks its own arrays)."""
+        want = dict(bits=4, group_size=MXFP4_GROUP, zeros=None)
         have = dict(
             bits=self.bits,
             group_size=self.group_size,
             zeros=None if self.zeros is None else "an array",
-            layout=self.layout,
         )
         for field, value in want.items():
             if have[field] != value:
@@ -390,33 +398,6 @@ class QuantizedExperts:
             "scales dtype": jnp.dtype(self.scales.dtype),
             "(N, K)" if axis == 0 else "(E, K)": (n, k) if axis == 0 else (e, k),
         }
-
-    def _validate_mgpu(self, name: str) -> None:
-        layout, bits = self.layout, KERNEL_LAYOUT_BITS[self.layout]
-        if self.bits != bits:
-            raise ValueError(
-                f"{name}: the {layout} layout holds int{bits} weights, not int{self.bits}"
-            )
-        tile = (MGPU_TILE, MGPU_TILE)
-        q = self.qweight
-        if q.ndim != 5 or tuple(q.shape[3:]) != tile or q.dtype != jnp.dtype(f"int{bits}"):
-            raise ValueError(
-                f"{name}: {layout} qweight must be int{bits} [E, N/64, K/64, 64, 64], got "
-                f"{q.dtype} {tuple(q.shape)}"
-            )
-        e, n, k = self.shape
-        if self.group_size != -1 and (self.group_size <= 0 or k % self.group_size):
-            raise ValueError(f"{name}: K={k} is not a multiple of group_size={self.group_size}")
-        want = (e, self.num_groups, n)
-        for field in ("scales", "zeros"):
-            arr = getattr(self, field)
-            if arr is None and field == "zeros":
-                continue
-            if tuple(arr.shape) != want or not jnp.issubdtype(arr.dtype, jnp.floating):
-                raise ValueError(
-                    f"{name}: {layout} {field} must be float [E, K//G, N] = {want}, got "
-                    f"{arr.dtype} {tuple(arr.shape)}"
-                )
 
 
 def _same_values(a, b, what: str) -> bool:

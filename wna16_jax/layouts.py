@@ -5,19 +5,34 @@
 
 Which layout runs fastest here: wj.preferred_layout(w13, w2, dtype=jnp.bfloat16).
 
-A kernel layout belongs to the backend whose kernels read it: the backend registers its
-conversions with the registry (wna16_jax._dispatch, Backend.layout_conversion), and the
-functions here find them there. "mgpu_int4" and "mgpu_int8", the Mosaic GPU GEMM's, are
-described beside their conversions (pallas_kernels/mgpu/layout.py).
+A kernel layout belongs to the backend whose kernels read it: the backend registers what it
+holds, its checks, its shard granularity and its conversions with the registry
+(wna16_jax.backend_api.LayoutConversion), and the functions here find them there. LAYOUTS is
+"canonical" and every registered kernel layout (e.g. "mgpu_int4" and "mgpu_int8", the Mosaic
+GPU GEMM's, described beside their conversions in pallas_kernels/mgpu/layout.py).
 """
 
 from __future__ import annotations
 
-from wna16_jax._dispatch import kernel_layout_reason, to_canonical_layout, to_kernel_layout
-from wna16_jax._types import LAYOUTS, MGPU_TILE
+from wna16_jax._dispatch import (
+    kernel_layout_reason,
+    layout_bits,
+    shard_granularity,
+    to_canonical_layout,
+    to_kernel_layout,
+)
 
-# MGPU_TILE: the kernel layouts' tiles are MGPU_TILE x MGPU_TILE weights, so a shard of such a
-# weight holds whole tiles (its N and K splits multiples of MGPU_TILE).
-__all__ = [
-    "LAYOUTS", "MGPU_TILE", "kernel_layout_reason", "to_canonical_layout", "to_kernel_layout",
+__all__ = [  # noqa: F822 (LAYOUTS comes from the module's __getattr__)
+    "LAYOUTS", "kernel_layout_reason", "layout_bits", "shard_granularity",
+    "to_canonical_layout", "to_kernel_layout",
 ]  # fmt: skip
+
+
+def __getattr__(name: str):
+    """LAYOUTS: "canonical", then the registered backends' kernel layouts (looked up when first
+    read, so that importing wna16_jax imports no kernels)."""
+    if name == "LAYOUTS":
+        from wna16_jax import _dispatch
+
+        return _dispatch.layouts()
+    raise AttributeError(f"module 'wna16_jax.layouts' has no attribute {name!r}")

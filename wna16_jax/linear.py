@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from wna16_jax import _dispatch, layouts
 from wna16_jax._activations import ACTIVATIONS, activate
 from wna16_jax._checks import check_array, check_out_dtype
-from wna16_jax._configs import GemmShape
+from wna16_jax._configs import GemmShape, batch_invariant_config
 from wna16_jax._inference_only import inference_only
 from wna16_jax._quant import dequantize_experts
 from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
@@ -71,14 +71,50 @@ def _check(x, w: QuantizedExperts, activation=None) -> None:
             raise ValueError(f"a gated weight's rows are [gate; up]: N={n} is not even")
 
 
-def _problem(w: QuantizedExperts, rows: int, dtype) -> _dispatch.GemmProblem:
+# Rows per dot of the batch-invariant 'xla' linear: every call runs dots of this one shape
+# (XLA picks a dot's algorithm, its blocking of K included, by shape), the last block padded.
+BATCH_INVARIANT_ROWS = 16
+
+
+def _problem(
+    w: QuantizedExperts, rows: int, dtype, batch_invariant: bool = False
+) -> _dispatch.GemmProblem:
     return _dispatch.GemmProblem(
         platform=_dispatch.current_platform(),
         shape=GemmShape.of_weights(w, m=max(rows, 1)),
         dtype=jnp.dtype(dtype).name,
         has_zeros=w.has_zeros,
         layout=w.layout,
+        batch_invariant=batch_invariant,
     )
+
+
+def _dot_f32(x, w):
+    """f32 [M, N] = x [M, K] @ w [N, K].T, f32 accumulation. HIGHEST: f32 operands would
+    otherwise run as TF32 on a GPU (measured rel err 2.7e-4 on the H200); 16-bit operands are
+    exact products either way."""
+    return jnp.einsum(
+        "mk,nk->mn", x, w, preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+    )  # fmt: skip
+
+
+def dot_in_row_blocks(x, w, rows: int = BATCH_INVARIANT_ROWS):
+    """`_dot_f32` as one dot of shape [rows, K] x [K, N] per block of x's rows (the last
+    padded with zero rows), in a loop XLA cannot merge into a larger dot: a row's sums do not
+    depend on M or on where the row sits (batch_invariant).
+
+    Args:
+        x: [M, K].  w: [N, K].  rows: the rows per dot.
+
+    Returns:
+        f32 [M, N].
+    """
+    m, k = x.shape
+    blocks = -(-m // rows)
+    xb = jnp.pad(x, ((0, blocks * rows - m), (0, 0))).reshape(blocks, rows, k)
+    y = jax.lax.map(lambda block: _dot_f32(block, w), xb)  # [blocks, rows, N]
+    return y.reshape(blocks * rows, -1)[:m]
 
 
 def _names(implementation):
@@ -122,7 +158,8 @@ def preferred_layout(
         candidates = _dispatch.preferred_layouts()
     else:
         candidates = [
-            (lay, implementation) for lay in _dispatch.get_backend(implementation).layouts
+            (lay, implementation)
+            for lay in _dispatch.read_layouts(_dispatch.get_backend(implementation))
         ]
     for layout, name in candidates:
         if layout == "canonical":
@@ -147,6 +184,7 @@ def quantized_matmul(
     out_dtype=None,
     implementation: str | Sequence[str] | None = None,
     config: BlockConfig | object | None = None,
+    batch_invariant: bool = False,
 ):
     """y [..., N] = x [..., K] @ dequant(w[0]).T, accumulated in f32, rounded once to out_dtype.
 
@@ -166,6 +204,11 @@ def quantized_matmul(
             tiles the weight).
         config: the kernel's config, a BlockConfig (or the 'mgpu' GEMM's MgpuConfig); None:
             the tuned table, then the heuristic.
+        batch_invariant: static; True computes each row of x in an order that does not
+            depend on the other rows (their number or its position): "xla" runs one dot shape
+            per block of BATCH_INVARIANT_ROWS rows (`dot_in_row_blocks`), a kernel its config
+            for w's shape alone without a K split (`batch_invariant_config`); backends that
+            cannot are refused with their reason.
 
     Raises:
         TypeError: x is not an array (a Python list: convert it first).
@@ -174,6 +217,8 @@ def quantized_matmul(
     """
     _check(x, w, activation)
     check_out_dtype(out_dtype)
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
     return _quantized_matmul(
         x,
         w,
@@ -181,36 +226,37 @@ def quantized_matmul(
         out_dtype=jnp.dtype(out_dtype or x.dtype),
         implementation=_names(implementation),
         config=config,
+        batch_invariant=batch_invariant,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "implementation", "config"))
-def _quantized_matmul(x, w: QuantizedExperts, *, activation, out_dtype, implementation, config):
+@functools.partial(
+    jax.jit,
+    static_argnames=("activation", "out_dtype", "implementation", "config", "batch_invariant"),
+)
+def _quantized_matmul(
+    x, w: QuantizedExperts, *, activation, out_dtype, implementation, config, batch_invariant
+):
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.n // 2 if activation else w.n
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
-    problem = _problem(w, rows, x.dtype)
+    problem = _problem(w, rows, x.dtype, batch_invariant)
     backend = _dispatch.select_backend(problem, implementation)
     if rows == 0:  # no rows: nothing to launch
         return jnp.zeros((*lead, n), out_dtype)
     if backend.name == "xla":
         # [N, K], K in x's order (an input permutation, act-order, applied to the weight)
         wd = dequantize_experts(layouts.to_canonical_layout(w), dtype=x.dtype)[0]
-        # HIGHEST: f32 operands would otherwise run as TF32 on a GPU (measured rel err 2.7e-4
-        # on the H200); 16-bit operands are exact products either way.
-        y = jnp.einsum(
-            "mk,nk->mn",
-            x2,
-            wd,
-            preferred_element_type=jnp.float32,
-            precision=jax.lax.Precision.HIGHEST,
-        )
+        y = dot_in_row_blocks(x2, wd) if batch_invariant else _dot_f32(x2, wd)
         if activation is not None:
             y = activate(y, activation)
     else:
         gemm = backend.grouped_matmul
-        cfg, _ = gemm.config(problem.shape, config)
+        if batch_invariant:
+            cfg, _ = batch_invariant_config(gemm.config, problem.shape, config)
+        else:
+            cfg, _ = gemm.config(problem.shape, config)
         x2 = inference_only(x2)  # a kernel: no gradients (the "xla" path has them)
         if w.perm is not None:  # act-order: x's features in the weight's input order
             x2, w = jnp.take(x2, w.perm[0], axis=1), dataclasses.replace(w, perm=None)

@@ -16,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 from wna16_jax import _api
 from wna16_jax import linear as _linear
 from wna16_jax._checks import as_int, ids_as_int32
+from wna16_jax._dispatch import shard_granularity
 from wna16_jax._quant import random_quantized_experts
-from wna16_jax._types import MGPU_TILE, ActivationQuant, BlockConfig, QuantizedExperts
+from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
 
 logger = logging.getLogger("wna16_jax")
 
@@ -252,13 +253,14 @@ def _check_tp(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
 
 
 def _check_whole_tiles(i: int, num_shards: int, qw: QuantizedExperts, what: str) -> None:
-    """A tensor shard of an mgpu layout (I/n rows of w13's gate and up, or I/n of w2's K) must
-    hold whole tiles."""
+    """A tensor shard of a kernel layout (I/n rows of w13's gate and up, or I/n of w2's K) must
+    hold whole tiles (the layout's shard granularity)."""
     per = i // num_shards
-    if qw.layout != "canonical" and per % MGPU_TILE:
+    tile = shard_granularity(qw.layout)
+    if per % tile:
         raise ValueError(
-            f"{what}: I/n = {i}/{num_shards} = {per} is not a multiple of {MGPU_TILE}: each "
-            f"tensor shard of the {qw.layout} layout must hold whole {MGPU_TILE}x{MGPU_TILE} "
+            f"{what}: I/n = {i}/{num_shards} = {per} is not a multiple of {tile}: each "
+            f"tensor shard of the {qw.layout} layout must hold whole {tile}x{tile} "
             f"weight tiles (shard canonical weights, then convert each shard)"
         )
 
@@ -962,10 +964,10 @@ def _check_linear_shards(w: QuantizedExperts, n_n: int, n_k: int) -> None:
     _, n, k = w.shape
     problems = []
     per_word = 32 // w.bits
-    tile = 1 if w.layout == "canonical" else MGPU_TILE
+    tile = shard_granularity(w.layout)
     if n % (n_n * tile) or (w.has_zeros and w.layout == "canonical" and n // n_n % 2):
         problems.append(f"N={n} does not split into {n_n} shards of whole {tile}-row tiles")
-    unit = max(per_word if w.layout == "canonical" else MGPU_TILE, 1)
+    unit = max(per_word if w.layout == "canonical" else tile, 1)
     if w.group_size != -1:
         unit = max(unit, w.group_size)
     if k % (n_k * unit):

@@ -240,7 +240,7 @@ class QuantizedLinear(nnx.Module):
         if qe is None:
             qe = random_quantized(rngs, (1, n, k), cfg.quant, dtype=cfg.dtype)
         self.weight = QuantizedTensor(qe)
-        self.implementation: str | None = "xla"
+        self.implementation: str | None = wj.REFERENCE_BACKEND
         self.sharding: LinearSharding | None = None  # set by set_sharding on a mesh
 
     def canonical_weight(self) -> wj.QuantizedExperts:
@@ -291,18 +291,18 @@ class QuantizedLinear(nnx.Module):
         """The backend that runs this layer for activations of `dtype`, None for the float dot:
         "xla", or a weight (on a mesh: a shard) no requested kernel takes here (e.g. N not a
         multiple of 16)."""
-        if self.implementation == "xla":
+        if self.implementation == wj.REFERENCE_BACKEND:
             return None
-        names = None if self.implementation is None else (self.implementation, "xla")
+        names = None if self.implementation is None else (self.implementation, wj.REFERENCE_BACKEND)
         name = wj.linear.select_implementation(
             self.shard_shapes(), dtype=dtype, implementation=names
         )
-        return None if name == "xla" else name
+        return None if name == wj.REFERENCE_BACKEND else name
 
     def kernel_reason(self, dtype) -> str | None:
         """Why this layer's named `implementation` does not run it (it runs on the float dot
         instead); None when it does, on "xla", and for the automatic choice."""
-        if self.implementation in (None, "xla") or self.kernel(dtype) is not None:
+        if self.implementation in (None, wj.REFERENCE_BACKEND) or self.kernel(dtype) is not None:
             return None
         shard, whole = self.shard_shapes(), self.weight.get().shape
         where = f"its weight {whole}"

@@ -315,7 +315,7 @@ def _linear_spec(mesh: Mesh, spec2, shape, qt: QuantizedTensor | None, what: str
     n_ax, k_ax = _at(spec2, 0), _at(spec2, 1)
     n, k = shape
     s_n, s_k = _entry_size(mesh, n_ax), _entry_size(mesh, k_ax)
-    tile = 1 if qt is None or qt.layout == "canonical" else wj.layouts.MGPU_TILE
+    tile = 1 if qt is None else wj.layouts.shard_granularity(qt.layout)
     pairs = qt is not None and qt.layout == "canonical" and qt.zeros is not None and qt.bits == 4
     if n % s_n or (n // s_n) % tile or (pairs and (n // s_n) % 2):
         _log_once((what, "n"), "%s: N=%d cannot split %d ways; replicated on N", what, n, s_n)
@@ -496,7 +496,7 @@ def shard_model(
     on_kernel = [
         m
         for _, m in nnx.iter_modules(model)
-        if isinstance(m, QuantizedLinear) and m.implementation != "xla"
+        if isinstance(m, QuantizedLinear) and m.implementation != wj.REFERENCE_BACKEND
     ]
     for m in on_kernel:
         m.set_layout("canonical")  # placed as the canonical weight, converted again below

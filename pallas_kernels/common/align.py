@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from wna16_jax import _routing
-from wna16_jax._types import AlignedRouting
+from wna16_jax import backend_api
+from wna16_jax.backend_api import AlignedRouting
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ def moe_align_block_size(
         ValueError: on a topk_ids that is not int32 [T, k], E outside [1, 1024], block_m < 1,
             an expert_map that is not int32 [E], or 2^31 or more sorted positions.
     """
-    max_padded = _routing.check_align_kernel_args(  # P
+    max_padded = backend_api.check_align_kernel_args(  # P
         topk_ids,
         num_experts=num_experts,
         block_m=block_m,
@@ -348,7 +348,7 @@ def moe_align_block_size(
     num_slots = t * k  # S, also the sentinel
     num_blocks = max_padded // block_m
     if num_slots == 0:  # nothing to launch over: every position is padding
-        return _routing.all_padding_routing(max_padded, block_m)
+        return backend_api.all_padding_routing(max_padded, block_m)
 
     if config is None:
         config = default_config(num_slots)

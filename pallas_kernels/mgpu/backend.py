@@ -1,5 +1,5 @@
 """The 'mgpu' and 'mgpu_interpret' backends (the Mosaic GPU GEMM, weights in the mgpu_int4 or
-mgpu_int8 layout): fused_moe, moe_align_block_size and the grouped GEMM (the quantized
+mgpu_int8 layout): their MoE stages, moe_align_block_size and the grouped GEMM (the quantized
 linear's)."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from pallas_kernels.mgpu import grouped_matmul as mgpu_grouped_matmul
 from pallas_kernels.mgpu import layout as mgpu_layout
 from pallas_kernels.mgpu.config import MgpuConfig
 from pallas_kernels.mgpu.wna16_gemm import group_reason
-from wna16_jax import _configs
-from wna16_jax._dispatch import (
+from wna16_jax import backend_api
+from wna16_jax.backend_api import (
+    CODES,
     GemmProblem,
     LayoutConversion,
     MoEProblem,
     compiled_and_interpreted,
     cuda_gpu_reason,
 )
-from wna16_jax._types import CODES
 
 # The Mosaic GPU GEMM: 64 output features per program.
 MGPU_SPAN = 64
@@ -81,13 +81,13 @@ def _gemm_shape_reason(problem: GemmProblem) -> str | None:
 
 BACKENDS = compiled_and_interpreted(
     "mgpu",
-    mgpu_fused_moe.fused_moe,
+    mgpu_fused_moe.stages,
     _mgpu_reason,
     _mgpu_shape_reason,
     moe_align_block_size,
     mgpu_layout.LAYOUTS,
     gemm=mgpu_grouped_matmul.grouped_matmul,
-    gemm_config=functools.partial(_configs.resolve, mgpu_grouped_matmul.GEMM_RULES),
+    gemm_config=functools.partial(backend_api.resolve, mgpu_grouped_matmul.GEMM_RULES),
     gemm_shape_reason=_gemm_shape_reason,
     gemm_gpu_reason=sm90_reason,
     gemm_linear=mgpu_grouped_matmul.linear,
@@ -96,10 +96,19 @@ BACKENDS = compiled_and_interpreted(
     # preferred by the same reasoning (not yet measured).
     preferred_layouts=("mgpu_int4", "mgpu_int8"),
     config_type=MgpuConfig,
+    batch_invariant_reason=(
+        "does not compute rows batch-invariantly: its K splits and output tiles per program "
+        "are chosen from the number of blocks, hence from the rows in the call (gemm_splits, "
+        "auto_splits)"
+    ),
     layout_conversion=LayoutConversion(
+        bits=mgpu_layout.LAYOUT_BITS,
         reason=mgpu_layout.layout_reason,
         to_kernel=mgpu_layout.to_mgpu_layout,
         to_canonical=mgpu_layout.to_canonical,
+        shape=mgpu_layout.logical_shape,
+        validate=mgpu_layout.validate,
+        granularity=mgpu_layout.MGPU_TILE,
     ),
     codes=CODES,
 )

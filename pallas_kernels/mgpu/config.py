@@ -1,5 +1,5 @@
 """The Mosaic GPU backend's configs: MgpuConfig, the layer's config rules (the caller's config,
-the tuned table's or `default_config`'s, through `_configs.resolve`) and each GEMM's plan at a
+the tuned table's or `default_config`'s, through `backend_api.resolve`) and each GEMM's plan at a
 config (k-step, features per program, K splits, output tiles per program, fused activation)."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.mgpu.layout import MGPU_TILE
 from pallas_kernels.mgpu.wna16_gemm import SMEM_BYTES, TILE, stage_bytes, takes_bf16_weights
-from wna16_jax import _configs
-from wna16_jax._types import MGPU_TILE, BlockConfig, QuantizedExperts
+from wna16_jax import backend_api
+from wna16_jax.backend_api import BlockConfig, QuantizedExperts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +295,7 @@ def layer_default_config(shape: LayerShape) -> MgpuConfig:
 # device's tuned table's (the nearest M of exactly this problem: int8 rows, W8A8, have entries of
 # their own), else `default_config`. The GEMMs check a config against the shapes when they run
 # (mgpu_wna16_gemm's check_config).
-LAYER_RULES = _configs.ConfigRules(
+LAYER_RULES = backend_api.ConfigRules(
     config_type=MgpuConfig,
     heuristic=layer_default_config,
     table=TUNED_TABLE,
@@ -316,9 +317,9 @@ def layer_config(
     """The layer's config for a chunk of num_slots (T*k) slots over num_experts (the routing's)
     experts under LAYER_RULES. Logs each new choice once at INFO with where it came from."""
     shape = LayerShape.of_layer(num_slots, num_experts, w13, w2, int8_rows=int8_rows)
-    cfg, source = _configs.resolve(LAYER_RULES, shape, config)
+    cfg, source = backend_api.resolve(LAYER_RULES, shape, config)
     problem = shape.table_problem()
-    _configs.log_once(
+    backend_api.log_once(
         ("mgpu", num_slots, tuple(problem.items()), cfg),
         "wna16_jax: fused_moe mgpu M=%d %s %s [%s]", num_slots, problem, cfg, source,
     )  # fmt: skip

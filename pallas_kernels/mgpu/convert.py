@@ -10,10 +10,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.mgpu import layout
-from wna16_jax._types import MGPU_TILE
+from wna16_jax.backend_api import e2m1_to_f32
 
 # The mgpu layouts' weight tiles are TILE x TILE; TILE features are one wgmma's M.
-TILE = MGPU_TILE
+TILE = layout.MGPU_TILE
 
 
 # What a converted weight holds beyond the stored value (`converted_tile`), per bits: int4's
@@ -95,8 +95,6 @@ def e2m1_bf16_pair_reference(word: int) -> int:
 
 def e2m1_values(q):
     """int32 arrays whose low 4 bits are E2M1 codes -> their f32 values (exact)."""
-    from pallas_kernels.pallas._dequant import e2m1_to_f32
-
     return e2m1_to_f32(q.astype(jnp.uint32) & jnp.uint32(15))
 
 

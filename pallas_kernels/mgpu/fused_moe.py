@@ -24,10 +24,14 @@ from pallas_kernels.common.align import moe_align_block_size
 from pallas_kernels.mgpu.config import MgpuConfig, gemm_plan, gemm_rows_in_use, layer_config
 from pallas_kernels.mgpu.convert import w8a8_input_order
 from pallas_kernels.mgpu.wna16_gemm import mgpu_wna16_gemm
-from wna16_jax import _pipeline
-from wna16_jax._activations import Int8Rows, activate
-from wna16_jax._routing import local_expert_of
-from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
+from wna16_jax import backend_api
+from wna16_jax.backend_api import (
+    ActivationQuant,
+    BlockConfig,
+    Int8Rows,
+    activate,
+    local_expert_of,
+)
 
 
 def rows_in_block_order(x, slots, top_k: int, *, interpret: bool = False):
@@ -181,7 +185,7 @@ def _route(
         )
     local, _ = local_expert_of(topk_ids, num_experts=num_experts, expert_map=expert_map)
     blocks = Blocks(experts, gemm_rows_in_use(cfg, in_use))
-    routed = _pipeline.Routed(blocks, topk_ids.shape[1], keep=local >= 0, slot_rows=position)
+    routed = backend_api.Routed(blocks, topk_ids.shape[1], keep=local >= 0, slot_rows=position)
     return routed, x_rows
 
 
@@ -206,64 +210,27 @@ def _gemm2(act, w2, routed, cfg: MgpuConfig, routed_weights, *, interpret):
 
 
 def stages(
-    config=None, *, interpret: bool = False, one_token: bool = True,
+    config: BlockConfig | MgpuConfig | None = None, *, activation: str = "silu",
+    interpret: bool = False, one_token: bool = True,
     activation_quant: ActivationQuant | None = None,
 ):  # fmt: skip
-    """This backend's MoeStages at config (each chunk's: `layer_config`, for None the tuned
-    table's or `default_config`'s). one_token=False: a chunk of one token takes the aligned
-    blocks too. activation_quant: W8A8 (both GEMMs' inputs int8)."""
-    return _pipeline.MoeStages(
+    """This backend's MoeStages (Backend.stages; the library's pipeline runs them) at config:
+    an MgpuConfig, a BlockConfig (`from_block_config`) or None: for each chunk the tuned table's
+    config at its token slots, else `default_config`'s (`layer_config`; no choice at run time).
+    Silu only; weights in the mgpu_int4 or mgpu_int8 layout. one_token=False: a chunk of one
+    token takes the aligned blocks too. activation_quant: W8A8 on symmetric mgpu_int8 weights
+    (both GEMMs' inputs int8).
+
+    Raises:
+        NotImplementedError: an activation other than silu.
+    """
+    if activation != "silu":
+        raise NotImplementedError(f"the mgpu backend runs silu only, not {activation!r}")
+    return backend_api.MoeStages(
         plan=functools.partial(_plan, config=config, int8_rows=activation_quant is not None),
         route=functools.partial(_route, interpret=interpret, one_token=one_token),
         gemm1=functools.partial(_gemm1, interpret=interpret),
         gemm2=functools.partial(_gemm2, interpret=interpret),
         routed_weights="sum",
         activation_quant=activation_quant,
-    )
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "activation",
-        "config",
-        "out_dtype",
-        "chunk_tokens",
-        "activation_quant",
-        "interpret",
-    ),
-)
-def fused_moe(
-    x: jax.Array,
-    w13: QuantizedExperts,
-    w2: QuantizedExperts,
-    topk_weights: jax.Array,
-    topk_ids: jax.Array,
-    *,
-    expert_map=None,
-    activation: str = "silu",
-    config: BlockConfig | MgpuConfig | None = None,
-    out_dtype=None,
-    chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
-    activation_quant: ActivationQuant | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """The 'mgpu' backend's fused_moe (silu only; weights in the mgpu_int4 or mgpu_int8 layout),
-    [T, H]. activation_quant: W8A8 on symmetric mgpu_int8 weights.
-
-    config: an MgpuConfig, a BlockConfig (`from_block_config`) or None: for each chunk the
-    tuned table's config at its token slots, else `default_config`'s (`layer_config`; no
-    choice at run time)."""
-    if activation != "silu":
-        raise NotImplementedError(f"the mgpu backend runs silu only, not {activation!r}")
-    return _pipeline.fused_moe(
-        stages(config, interpret=interpret, activation_quant=activation_quant),
-        x,
-        w13,
-        w2,
-        topk_weights,
-        topk_ids,
-        expert_map=expert_map,
-        chunk_tokens=chunk_tokens,
-        out_dtype=out_dtype,
     )

@@ -34,10 +34,8 @@ from pallas_kernels.mgpu.fused_moe import (
     used_blocks,
 )
 from pallas_kernels.mgpu.wna16_gemm import group_reason, mgpu_wna16_gemm, takes_rows
-from wna16_jax import _configs
-from wna16_jax._activations import activate, weighted_rows
-from wna16_jax._configs import GemmShape
-from wna16_jax._types import BlockConfig
+from wna16_jax import backend_api
+from wna16_jax.backend_api import BlockConfig, GemmShape, activate, weighted_rows
 
 # The name of the GEMM's table in the tuned files (wna16_jax/data/tuned/<device>.json): configs
 # per GEMM (the quantized linear's, wj.grouped_matmul's), written by examples/tune.py.
@@ -82,16 +80,16 @@ def linear_config(shape: GemmShape) -> MgpuConfig:
 
 # The GEMM's ConfigRules: a caller's MgpuConfig (or BlockConfig: `from_block_config`), else the
 # device's TUNED_TABLE entry for exactly this GEMM at the nearest M (within
-# _configs.TUNED_M_RATIO), else
+# backend_api.TUNED_M_RATIO), else
 # `linear_config`. The GEMM checks a config against the shapes when it runs (mgpu_wna16_gemm's
 # check_config).
-GEMM_RULES = _configs.ConfigRules(
+GEMM_RULES = backend_api.ConfigRules(
     config_type=MgpuConfig,
     heuristic=linear_config,
     table=TUNED_TABLE,
-    table_key=_configs.gemm_table_key,
+    table_key=backend_api.gemm_table_key,
     converters={BlockConfig: from_block_config},
-    entry_problem=_configs.gemm_entry_shape,
+    entry_problem=backend_api.gemm_entry_shape,
 )
 
 

@@ -43,11 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from wna16_jax._quant import e8m0_to_f32, pack_zeros, unpack_zeros
-from wna16_jax._types import KERNEL_LAYOUT_BITS, MGPU_TILE, QuantizedExperts
+from wna16_jax.backend_api import QuantizedExperts, e8m0_to_f32, pack_zeros, unpack_zeros
 
-# The layouts, each holding weights of one bit width (KERNEL_LAYOUT_BITS).
-LAYOUTS = ("mgpu_int4", "mgpu_int8")
+# The layouts and the bits of the weights each holds.
+LAYOUT_BITS = {"mgpu_int4": 4, "mgpu_int8": 8}
+LAYOUTS = tuple(LAYOUT_BITS)
+# The layouts' weight tiles: MGPU_TILE x MGPU_TILE (features x inputs); a shard of such weights
+# holds whole tiles.
+MGPU_TILE = 64
 
 # Flips the top bit of each value of a canonical word: u -> u - 2^(bits-1) read as signed.
 _FLIP_TOP_BIT = {4: 0x88888888, 8: 0x80808080}
@@ -55,7 +58,7 @@ _FLIP_TOP_BIT = {4: 0x88888888, 8: 0x80808080}
 
 def layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | None:
     """Why `layout` cannot hold weights [E, N, K] of `bits` bits (None when it can)."""
-    held = KERNEL_LAYOUT_BITS[layout]
+    held = LAYOUT_BITS[layout]
     if bits != held:
         return f"the {layout} layout holds int{held} weights, not int{bits}"
     if n % MGPU_TILE or k % MGPU_TILE:
@@ -66,10 +69,44 @@ def layout_reason(layout: str, *, bits: int, n: int, k: int) -> str | None:
     return None
 
 
+def logical_shape(qw: QuantizedExperts) -> tuple[int, int, int]:
+    """[E, N, K] of `qw` in an mgpu layout (qweight [E, N/64, K/64, 64, 64])."""
+    e, n_tiles, k_tiles, tile_n, tile_k = (int(d) for d in qw.qweight.shape)
+    return (e, n_tiles * tile_n, k_tiles * tile_k)
+
+
+def validate(qw: QuantizedExperts, name: str) -> None:
+    """Raises ValueError naming `name` and the values where `qw`'s arrays do not have its mgpu
+    layout's shapes and dtypes."""
+    layout, bits = qw.layout, LAYOUT_BITS[qw.layout]
+    if qw.bits != bits:
+        raise ValueError(f"{name}: the {layout} layout holds int{bits} weights, not int{qw.bits}")
+    tile = (MGPU_TILE, MGPU_TILE)
+    q = qw.qweight
+    if q.ndim != 5 or tuple(q.shape[3:]) != tile or q.dtype != jnp.dtype(f"int{bits}"):
+        raise ValueError(
+            f"{name}: {layout} qweight must be int{bits} [E, N/64, K/64, 64, 64], got "
+            f"{q.dtype} {tuple(q.shape)}"
+        )
+    e, n, k = qw.shape
+    if qw.group_size != -1 and (qw.group_size <= 0 or k % qw.group_size):
+        raise ValueError(f"{name}: K={k} is not a multiple of group_size={qw.group_size}")
+    want = (e, qw.num_groups, n)
+    for field in ("scales", "zeros"):
+        arr = getattr(qw, field)
+        if arr is None and field == "zeros":
+            continue
+        if tuple(arr.shape) != want or not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(
+                f"{name}: {layout} {field} must be float [E, K//G, N] = {want}, got "
+                f"{arr.dtype} {tuple(arr.shape)}"
+            )
+
+
 def to_mgpu_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     """Canonical `qw` (validated, held by `layout`: `layout_reason`) in `layout`."""
     e, n, k = qw.shape
-    bits = KERNEL_LAYOUT_BITS[layout]
+    bits = LAYOUT_BITS[layout]
     stored = jnp.dtype(f"int{bits}")  # q - 2^(bits-1)
     if qw.is_mxfp4:  # the codes' bits as they are, the scales' values in bfloat16
         q = tiled(lax.bitcast_convert_type(jnp.asarray(qw.qweight), stored).reshape(e, n, k))

@@ -78,7 +78,7 @@ from pallas_kernels.mgpu.convert import (
     converted_tile,
     int8_operand_tile,
 )
-from wna16_jax._types import QuantizedExperts
+from wna16_jax.backend_api import QuantizedExperts
 
 
 def _plgpu():

@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.pallas import _dequant
-from wna16_jax._types import AlignedRouting, BlockConfig
+from wna16_jax.backend_api import AlignedRouting, BlockConfig
 
 
 def slice_major(a, *, block_k: int, bits: int):

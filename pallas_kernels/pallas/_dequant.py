@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
+from wna16_jax.backend_api import e2m1_to_f32
+
 _F32_MAGIC = 0x4B000000  # 2^23
 _HALF_MAGIC = {
     # dtype name: (bit pattern of 2^p, 2^p, largest exact v + 1)
@@ -62,15 +64,6 @@ def to_f32_minus_zero(v, z):
     """uint32 v, zero point z (int32 array or int, broadcastable) -> f32 (v - z), exact."""
     f = jax.lax.bitcast_convert_type(v | jnp.uint32(_F32_MAGIC), jnp.float32)  # 2^23 + v
     return f - (jnp.float32(2.0**23) + jnp.asarray(z).astype(jnp.float32))
-
-
-def e2m1_to_f32(v):
-    """uint32 E2M1 codes v in [0, 16) -> their f32 values, exactly: the bits of 0, 0.5, 1,
-    1.5, 2, 3, 4, 6 are 0, 252 << 22 and (m + 252) << 22 for the magnitudes m = 2..7, and bit 3
-    of the code is the sign (code 8 is -0)."""
-    mag = v & jnp.uint32(7)
-    bits = jnp.where(mag < 2, mag * jnp.uint32(252 << 22), (mag + jnp.uint32(252)) << 22)
-    return jax.lax.bitcast_convert_type(bits | ((v & jnp.uint32(8)) << 28), jnp.float32)
 
 
 def e8m0_to_f32(x):

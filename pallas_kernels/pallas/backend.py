@@ -1,5 +1,5 @@
 """The 'pallas' and 'pallas_interpret' backends (the Triton-lowered kernels, weights in the
-canonical layout): fused_moe, moe_align_block_size and the grouped GEMM."""
+canonical layout): their MoE stages, moe_align_block_size and the grouped GEMM."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels.common.align import moe_align_block_size
+from pallas_kernels.common.block_configs import min_block_k
 from pallas_kernels.pallas import fused_moe as pallas_moe
 from pallas_kernels.pallas.w8a8_gemm import MIN_INT8_DOT_K
 from pallas_kernels.pallas.wna16_gemm import wna16_gemm
-from wna16_jax import _activations, _configs
-from wna16_jax._configs import min_block_k
-from wna16_jax._dispatch import (
+from wna16_jax import backend_api
+from wna16_jax.backend_api import (
+    CODES,
     GemmProblem,
     MoEProblem,
     compiled_and_interpreted,
     cuda_gpu_reason,
 )
-from wna16_jax._types import CODES
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -57,7 +57,7 @@ def _w8a8_reason(problem: MoEProblem) -> str | None:
 def _shape_reason(problem: MoEProblem) -> str | None:
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
-    if _activations.normalize_activation(problem.activation) is None:
+    if backend_api.normalize_activation(problem.activation) is None:
         return f"activation {problem.activation!r} is not 'silu' or a ClampedSwiGLU"
     if problem.activation_quant is not None and problem.has_bias:
         return "per-expert biases with int8 activations (W8A8) are not supported"
@@ -104,18 +104,19 @@ def grouped_matmul(
             a, w, routing, routed_weights, out_dtype=out_dtype, activation=activation, **gemm
         )
     out = wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm)
-    return _activations.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
+    return backend_api.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
 
 
 BACKENDS = compiled_and_interpreted(
     "pallas",
-    pallas_moe.fused_moe,
+    pallas_moe.stages,
     _pallas_reason,
     _shape_reason,
     moe_align_block_size,
     gemm=grouped_matmul,
-    gemm_config=functools.partial(_configs.resolve, pallas_moe.RULES),
+    gemm_config=functools.partial(backend_api.resolve, pallas_moe.RULES),
     gemm_shape_reason=gemm_shape_reason,
     codes=CODES,
     biases=True,
+    batch_invariant_reason=None,  # the stages' and the GEMM's configs at a fixed M, no K split
 )

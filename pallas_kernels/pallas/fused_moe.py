@@ -6,20 +6,26 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.align import moe_align_block_size
-from pallas_kernels.common.block_configs import block_configs
+from pallas_kernels.common.block_configs import block_config_rules, block_configs
 from pallas_kernels.pallas import w8a8_gemm as w8a8
 from pallas_kernels.pallas.wna16_gemm import wna16_gemm
-from wna16_jax import _configs, _pipeline
-from wna16_jax._activations import Int8Rows, activate, activation_fn, normalize_activation
-from wna16_jax._types import ActivationQuant, BlockConfig, QuantizedExperts
+from wna16_jax import backend_api
+from wna16_jax.backend_api import (
+    ActivationQuant,
+    BlockConfig,
+    Int8Rows,
+    QuantizedExperts,
+    activate,
+    activation_fn,
+    normalize_activation,
+)
 
 # The Pallas-Triton grouped GEMM's ConfigRules: its BlockConfig validity rules and heuristic,
 # and the "pallas" tuned table (measured on this GEMM).
-RULES = _configs.block_config_rules(table="pallas")
+RULES = block_config_rules(table="pallas")
 
 
 def gemm_configs(
@@ -29,14 +35,18 @@ def gemm_configs(
     config: BlockConfig | None,
     *,
     activation_quant: ActivationQuant | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[BlockConfig, BlockConfig]:
     """This backend's configs of GEMM1 and GEMM2 (`block_configs`): the WNA16 GEMM's RULES, or
-    the W8A8 GEMM's (`w8a8_gemm.RULES`) with activation_quant."""
+    the W8A8 GEMM's (`w8a8_gemm.RULES`) with activation_quant; batch_invariant: at a fixed M
+    without a K split."""
     if activation_quant is None:
-        return block_configs(num_slots, w13, w2, config, rules=RULES)
+        return block_configs(
+            num_slots, w13, w2, config, rules=RULES, batch_invariant=batch_invariant
+        )
     return block_configs(
         num_slots, w13, w2, config, rules=w8a8.RULES, name=f"W8A8 ({activation_quant.scheme})",
-        shape_of=w8a8.gemm_shape,
+        shape_of=w8a8.gemm_shape, batch_invariant=batch_invariant,
     )  # fmt: skip
 
 
@@ -129,15 +139,20 @@ class Plan(NamedTuple):
     out_slice_major: tuple[int, int] | None = None
 
 
-def _plan(num_slots, num_experts, w13, w2, *, config, activation, activation_quant) -> Plan:
-    c1, c2 = gemm_configs(num_slots, w13, w2, config, activation_quant=activation_quant)
+def _plan(
+    num_slots, num_experts, w13, w2, *, config, activation, activation_quant, batch_invariant
+) -> Plan:
+    c1, c2 = gemm_configs(
+        num_slots, w13, w2, config, activation_quant=activation_quant,
+        batch_invariant=batch_invariant,
+    )  # fmt: skip
     if activation_quant is None and act_in_slice_major(c1, c2, w13, activation):
         return Plan(c1, c2, (c2.block_k, w2.bits))
     return Plan(c1, c2)
 
 
 def _route(a, topk_ids, plan: Plan, *, num_experts, expert_map, distinct_experts, interpret):
-    return _pipeline.slots_in_blocks(
+    return backend_api.slots_in_blocks(
         functools.partial(align, interpret=interpret),
         a,
         topk_ids,
@@ -191,88 +206,37 @@ def stages(
     activation: str = "silu",
     config: BlockConfig | None = None,
     activation_quant: ActivationQuant | None = None,
+    batch_invariant: bool = False,
     interpret: bool = False,
-) -> _pipeline.MoeStages:
-    """This backend's MoeStages: the Pallas align kernel, the WNA16 GEMMs (the W8A8 GEMMs with
-    activation_quant), the routed weights applied by GEMM2."""
-    return _pipeline.MoeStages(
+) -> backend_api.MoeStages:
+    """This backend's MoeStages (Backend.stages; the library's pipeline runs them): the Pallas
+    align kernel, the WNA16 GEMMs (the W8A8 GEMMs with activation_quant), the routed weights
+    applied by GEMM2.
+
+    GEMM1's activation is rounded to x.dtype (as vLLM does); GEMM2 writes f32 with the routed
+    weights applied, summed over the k slots in f32 by the pipeline. With activation_quant (W8A8;
+    w13 and w2 int8 per-channel symmetric): x is quantized to int8 rows, GEMM1 runs int8 x int8
+    -> int32 with the scales in its epilogue (f32 out), silu(gate) * up in f32 is quantized
+    again, and GEMM2 runs the same way with the routed weights.
+
+    Args:
+        activation: "silu".
+        config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM).
+        activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
+        batch_invariant: both GEMMs' configs chosen for the weights' shape alone (a fixed M),
+            without a K split, so a row's sums do not depend on the rows beside it.
+        interpret: run the kernels under the Pallas interpreter.
+    """
+    return backend_api.MoeStages(
         plan=functools.partial(
-            _plan, config=config, activation=activation, activation_quant=activation_quant
-        ),
+            _plan,
+            config=config,
+            activation=activation,
+            activation_quant=activation_quant,
+            batch_invariant=batch_invariant,
+        ),  # fmt: skip
         route=functools.partial(_route, interpret=interpret),
         gemm1=functools.partial(_gemm1, activation=activation, interpret=interpret),
         gemm2=functools.partial(_gemm2, interpret=interpret),
         activation_quant=activation_quant,
-    )
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "activation",
-        "config",
-        "interpret",
-        "chunk_tokens",
-        "activation_quant",
-        "out_dtype",
-    ),
-)
-def fused_moe(
-    x,
-    w13: QuantizedExperts,
-    w2: QuantizedExperts,
-    topk_weights,
-    topk_ids,
-    *,
-    expert_map=None,
-    activation: str = "silu",
-    config: BlockConfig | None = None,
-    interpret: bool = False,
-    chunk_tokens: int = _pipeline.DEFAULT_CHUNK_TOKENS,
-    activation_quant: ActivationQuant | None = None,
-    out_dtype=None,
-    w13_bias=None,
-    w2_bias=None,
-):
-    """fused_moe (docs/design.md steps 1-5) from the Pallas kernels; inputs already validated.
-
-    GEMM1's activation is rounded to x.dtype (as vLLM does); GEMM2 writes f32 with the routed
-    weights applied, summed over the k slots in f32. With activation_quant (W8A8; w13 and w2
-    int8 per-channel symmetric): x is quantized to int8 rows, GEMM1 runs int8 x int8 -> int32
-    with the scales in its epilogue (f32 out), silu(gate) * up in f32 is quantized again, and
-    GEMM2 runs the same way with the routed weights.
-
-    Args:
-        x: [T, H] bf16/f16/f32.  w13: [E, 2I, H].  w2: [E, H, I].
-        topk_weights: [T, k] float.  topk_ids: [T, k] int32 global ids.
-        expert_map: optional int32 [E_global].  activation: "silu" or a ClampedSwiGLU.
-        config: BlockConfig for both GEMMs or None (tuned table, then heuristic, per GEMM).
-        interpret: run the kernels under the Pallas interpreter.
-        chunk_tokens: tokens per chunk for large T.
-        activation_quant: None (16-bit activations) or an ActivationQuant with its scales.
-        out_dtype: the output dtype (default x.dtype), rounded once from the f32 sum.
-        w13_bias: optional [E, 2I] float, added in GEMM1's epilogue before the activation.
-        w2_bias: optional [E, H] float, added in GEMM2's epilogue before the routed weights.
-
-    Returns:
-        [T, H] in out_dtype.
-    """
-    moe = stages(
-        activation=activation,
-        config=config,
-        activation_quant=activation_quant,
-        interpret=interpret,
-    )
-    return _pipeline.fused_moe(
-        moe,
-        x,
-        w13,
-        w2,
-        topk_weights,
-        topk_ids,
-        expert_map=expert_map,
-        chunk_tokens=chunk_tokens,
-        out_dtype=out_dtype,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
     )

@@ -9,15 +9,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import block_configs
 from pallas_kernels.pallas._common import (
     grouped_gemm_call,
     grouped_gemm_program,
     operand_pairs,
     slice_major,
 )
-from wna16_jax import _configs
-from wna16_jax._quant import implicit_zero
-from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
+from wna16_jax import backend_api
+from wna16_jax.backend_api import AlignedRouting, BlockConfig, QuantizedExperts, implicit_zero
 
 # Triton's int8 tensor-core dot (mma k32) contracts at least 32 features (16 for 16-bit types).
 MIN_INT8_DOT_K = 32
@@ -102,16 +102,16 @@ def weight_problems(qw: QuantizedExperts) -> list[str]:
     return problems
 
 
-def gemm_shape(qw: QuantizedExperts, m: int = 0) -> _configs.GemmShape:
+def gemm_shape(qw: QuantizedExperts, m: int = 0) -> backend_api.GemmShape:
     _, n, k = qw.shape
-    return _configs.GemmShape(
+    return backend_api.GemmShape(
         m=m, n=n, k=k, num_experts=qw.num_experts, bits=8, group=k, group_size=-1
     )
 
 
-def config_problems(config: BlockConfig, shape: _configs.GemmShape) -> list[str]:
+def config_problems(config: BlockConfig, shape: backend_api.GemmShape) -> list[str]:
     """Why `config` cannot run the W8A8 GEMM `shape`: the WNA16 rules plus the int8 dot's."""
-    problems = _configs.config_problems(config, shape)
+    problems = block_configs.config_problems(config, shape)
     if config.dot != "mma":
         problems.append(f"dot={config.dot!r}: the W8A8 GEMM runs int8 tensor-core dots only")
     per_dot = config.block_k // 4 if config.unpack == "slices" else config.block_k
@@ -123,7 +123,7 @@ def config_problems(config: BlockConfig, shape: _configs.GemmShape) -> list[str]
     return problems
 
 
-def check_config(config: BlockConfig, shape: _configs.GemmShape) -> None:
+def check_config(config: BlockConfig, shape: backend_api.GemmShape) -> None:
     """Raises ValueError quoting the values when `config` cannot run the W8A8 GEMM `shape`."""
     problems = config_problems(config, shape)
     if problems:
@@ -133,13 +133,13 @@ def check_config(config: BlockConfig, shape: _configs.GemmShape) -> None:
         )
 
 
-def heuristic_config(shape: _configs.GemmShape) -> BlockConfig:
+def heuristic_config(shape: backend_api.GemmShape) -> BlockConfig:
     """An untuned W8A8 config: the WNA16 heuristic's, with a k-tile the int8 dot accepts.
 
     Per-channel weights put no group limit on block_k; when the heuristic's "slices" tile is too
     narrow for an int8 dot (K not a multiple of 128), one dot over a "tile" of 64 or 32 runs.
     """
-    config = _configs.heuristic_config(shape, allow_fma=False)  # int8 tensor-core dots only
+    config = block_configs.heuristic_config(shape, allow_fma=False)  # int8 tensor-core dots only
     if config_problems(config, shape):
         bk = next((b for b in (64, 32) if shape.k % b == 0), MIN_INT8_DOT_K)
         config = dataclasses.replace(config, block_k=bk, unpack="tile")
@@ -149,7 +149,7 @@ def heuristic_config(shape: _configs.GemmShape) -> BlockConfig:
 
 # The W8A8 GEMM's ConfigRules: its int8 dot's validity rules and heuristic, no tuned table (the
 # tuned tables time the 16-bit-activation GEMM).
-RULES = _configs.ConfigRules(
+RULES = backend_api.ConfigRules(
     config_type=BlockConfig, heuristic=heuristic_config, check=check_config
 )
 
@@ -202,7 +202,7 @@ def w8a8_gemm(
     r, k = a_q.shape
     if tuple(a_scale.shape) != (r,):
         raise ValueError(f"a_scale shape {tuple(a_scale.shape)} != (R,) = {(r,)}")
-    _configs.check_gemm_operands(config, routing, k, qw)
+    block_configs.check_gemm_operands(config, routing, k, qw)
     n = qw.n
     num_slots = r * top_k
     if config.unpack == "slices":

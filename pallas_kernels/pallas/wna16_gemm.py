@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl  # noqa: F401  (tests patch wna16_gemm.pl.pallas_call)
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import block_configs
 from pallas_kernels.pallas import _dequant
 from pallas_kernels.pallas._common import (
     grouped_gemm_call,
@@ -19,10 +20,14 @@ from pallas_kernels.pallas._common import (
     slice_major_columns,
     slice_words,
 )
-from wna16_jax import _configs
-from wna16_jax._activations import normalize_activation
-from wna16_jax._quant import implicit_zero
-from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
+from wna16_jax import backend_api
+from wna16_jax.backend_api import (
+    AlignedRouting,
+    BlockConfig,
+    QuantizedExperts,
+    implicit_zero,
+    normalize_activation,
+)
 
 
 def _dot(a, w):
@@ -335,8 +340,8 @@ def _gemm_kernel(
 
 def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     """Raises ValueError when `config` cannot run a GEMM over `qw` ([E, N, K])."""
-    shape = _configs.GemmShape.of_weights(qw)
-    _configs.check_config(config, shape)
+    shape = backend_api.GemmShape.of_weights(qw)
+    block_configs.check_config(config, shape)
 
 
 @functools.partial(
@@ -404,7 +409,7 @@ def wna16_gemm(
     """
     check_gemm_config(config, qw)
     r, k = a.shape
-    _configs.check_gemm_operands(config, routing, k, qw)
+    block_configs.check_gemm_operands(config, routing, k, qw)
     e, n, _ = qw.shape
     if activation is not None and normalize_activation(activation) is None:
         raise ValueError(f"activation={activation!r} is not None, 'silu' or a ClampedSwiGLU")

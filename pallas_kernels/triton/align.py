@@ -11,9 +11,8 @@ import triton.language as tl
 
 from pallas_kernels.triton import _launch
 from pallas_kernels.triton.config import MAX_EXPERTS
-from wna16_jax import _routing
-from wna16_jax._routing import max_padded_len
-from wna16_jax._types import AlignedRouting
+from wna16_jax import backend_api
+from wna16_jax.backend_api import AlignedRouting, max_padded_len
 
 # Slots per program of both kernels.
 CHUNK_SLOTS = 256
@@ -205,7 +204,7 @@ def moe_align_block_size(
         ValueError: a topk_ids that is not int32 [T, k], E outside [1, 1024], block_m < 1, an
             expert_map that is not int32 [E], or 2^31 or more sorted positions.
     """
-    max_padded = _routing.check_align_kernel_args(
+    max_padded = backend_api.check_align_kernel_args(
         topk_ids,
         num_experts=num_experts,
         block_m=block_m,
@@ -213,7 +212,7 @@ def moe_align_block_size(
         max_experts=MAX_EXPERTS,
     )
     if topk_ids.size == 0:  # nothing to count: every position is padding
-        return _routing.all_padding_routing(max_padded, block_m)
+        return backend_api.all_padding_routing(max_padded, block_m)
     count, place = align_launches(
         topk_ids, num_experts=num_experts, block_m=block_m, expert_map=expert_map
     )

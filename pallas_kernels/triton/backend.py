@@ -1,4 +1,4 @@
-"""The 'triton' backend (Triton kernels called through jax_triton): fused_moe,
+"""The 'triton' backend (Triton kernels called through jax_triton): MoE stages,
 moe_align_block_size and the grouped GEMM.
 
 Importing this module imports neither triton nor jax_triton: `unsupported_reason` tries them
@@ -12,10 +12,16 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels.triton.config import MAX_EXPERTS, MIN_SPAN, RULES
-from wna16_jax import _activations, _configs
-from wna16_jax._dispatch import AlignProblem, Backend, GemmProblem, GroupedMatmul, MoEProblem
-from wna16_jax._dispatch import cuda_gpu_reason as _gpu_reason
-from wna16_jax._types import CODES
+from wna16_jax import backend_api
+from wna16_jax.backend_api import (
+    CODES,
+    AlignProblem,
+    Backend,
+    GemmProblem,
+    GroupedMatmul,
+    MoEProblem,
+)
+from wna16_jax.backend_api import cuda_gpu_reason as _gpu_reason
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -43,8 +49,8 @@ def shape_reason(problem: MoEProblem) -> str | None:
         )
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"activation dtype {problem.dtype} is not one of {SUPPORTED_DTYPES}"
-    if _activations.normalize_activation(problem.activation) is None:
-        names = sorted(_activations.ACTIVATIONS)
+    if backend_api.normalize_activation(problem.activation) is None:
+        names = sorted(backend_api.ACTIVATIONS)
         return f"activation {problem.activation!r} is not one of {names}"
     if problem.num_global_experts > MAX_EXPERTS:
         return f"{problem.num_global_experts} experts, over the align kernel's {MAX_EXPERTS}"
@@ -71,22 +77,11 @@ def align_unsupported_reason(problem: AlignProblem) -> str | None:
     return reason
 
 
-def _fused_moe(
-    x, w13, w2, topk_weights, topk_ids, *, expert_map, activation, config, out_dtype=None
-):
+def _stages(**kwargs):
+    """The kernels' MoeStages (Backend.stages), imported on first use."""
     from pallas_kernels.triton import fused_moe as triton_moe
 
-    return triton_moe.fused_moe(
-        x,
-        w13,
-        w2,
-        topk_weights,
-        topk_ids,
-        expert_map=expert_map,
-        activation=activation,
-        config=config,
-        out_dtype=out_dtype,
-    )
+    return triton_moe.stages(**kwargs)
 
 
 def _align(topk_ids, *, num_experts, block_m, expert_map):
@@ -129,19 +124,20 @@ def _grouped_matmul(
     if activation is None:
         return wna16_gemm(a, w, routing, routed_weights, out_dtype=out_dtype, **gemm)
     out = wna16_gemm(a, w, routing, out_dtype=jnp.float32, **gemm)
-    return _activations.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
+    return backend_api.activate_then_weight(out, activation, routed_weights, out_dtype or a.dtype)
 
 
 BACKENDS = (
     Backend(
         name="triton",
         unsupported_reason=unsupported_reason,
-        fused_moe=_fused_moe,
+        stages=_stages,
         align_unsupported_reason=align_unsupported_reason,
         moe_align_block_size=_align,
+        batch_invariant_reason=None,  # the stages' and the GEMM's configs at a fixed M, no K split
         grouped_matmul=GroupedMatmul(
             unsupported_reason=gemm_unsupported_reason,
-            config=functools.partial(_configs.resolve, RULES),
+            config=functools.partial(backend_api.resolve, RULES),
             run=_grouped_matmul,
         ),
         codes=CODES,

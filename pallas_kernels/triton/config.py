@@ -3,9 +3,8 @@ BlockConfig rules and its ConfigRules."""
 
 from __future__ import annotations
 
-from wna16_jax import _configs
-from wna16_jax._configs import GemmShape
-from wna16_jax._types import BlockConfig
+from pallas_kernels.common import block_configs
+from wna16_jax.backend_api import BlockConfig, GemmShape
 
 # Every tensor-core dot of the kernel contracts one span: a k-tile inside one group, or one
 # group of a k-tile holding several; Triton's dots need K >= 16.
@@ -27,7 +26,7 @@ def triton_config_problems(config: BlockConfig) -> list[str]:
 
 def check_triton_config(config: BlockConfig, shape: GemmShape | None = None) -> None:
     """Raises ValueError quoting the problems where `config` breaks the Triton GEMM's own rules
-    (`triton_config_problems`; the shape's are `_configs.check_config`'s)."""
+    (`triton_config_problems`; the shape's are `block_configs.check_config`'s)."""
     if problems := triton_config_problems(config):
         raise ValueError(f"config {config} cannot run the Triton GEMM: " + "; ".join(problems))
 
@@ -35,4 +34,4 @@ def check_triton_config(config: BlockConfig, shape: GemmShape | None = None) -> 
 # The Triton GEMM's ConfigRules: the BlockConfig heuristic with tensor-core configs only (the
 # Triton GEMM has no dot="fma"), its own rules beside the BlockConfig ones, and no tuned table
 # (the "pallas" table was measured on the Pallas-Triton GEMM).
-RULES = _configs.block_config_rules(table=None, allow_fma=False, check=check_triton_config)
+RULES = block_configs.block_config_rules(table=None, allow_fma=False, check=check_triton_config)

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from pallas_kernels.common import block_configs
 from pallas_kernels.triton import _launch
 from pallas_kernels.triton.config import MIN_SPAN, check_triton_config
-from wna16_jax import _configs
-from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
+from wna16_jax import backend_api
+from wna16_jax.backend_api import AlignedRouting, BlockConfig, QuantizedExperts
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -234,7 +235,7 @@ def _wna16_gemm_into_kernel(
 
 def check_gemm_config(config: BlockConfig, qw: QuantizedExperts) -> None:
     """Raises ValueError when `config` cannot run a GEMM over `qw` ([E, N, K])."""
-    _configs.check_config(config, _configs.GemmShape.of_weights(qw))
+    block_configs.check_config(config, backend_api.GemmShape.of_weights(qw))
     check_triton_config(config)
     span = min(config.block_k, qw.group)
     if span < MIN_SPAN:
@@ -268,7 +269,7 @@ def gemm_launch(
     """
     check_gemm_config(config, qw)
     r, k = a.shape
-    _configs.check_gemm_operands(config, routing, k, qw)
+    block_configs.check_gemm_operands(config, routing, k, qw)
     e, n, _ = qw.shape
     dtype = jnp.dtype(a.dtype)
     if dtype.name not in SUPPORTED_DTYPES:
@@ -380,8 +381,8 @@ def wna16_gemm(
         routing: AlignedRouting with block_m == config.block_m.
         routed_weights: optional f32 [R * top_k] per-slot multipliers.
         top_k: slots per activation row.
-        config: BlockConfig (the rules of `wna16_jax._configs.check_config`; split_k > 1
-            accumulates partial tiles with atomic adds into a zeroed f32 buffer).
+        config: BlockConfig (the rules of block_configs.check_config; split_k > 1 accumulates
+            the partial tiles with atomic adds into a zeroed f32 buffer).
         out_dtype: output dtype (default a.dtype; split-K always accumulates in f32).
         out_init: optional [R * top_k, N] out_dtype buffer the kernel writes into (split_k == 1
             only); rows it does not write keep their values (tests pass NaN to see coverage).
