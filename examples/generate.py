@@ -428,14 +428,15 @@ def build_model(args, mesh=None, checkpoint: str | None = None):
         if family.full_width is None:
             raise SystemExit(f"--full-width-layers: {args.family} has none; use --preset")
         cfg = family.full_width(args.full_width_layers, dtype=args.dtype or "bfloat16", **overrides)
-        what = f"random {args.family} width, {args.full_width_layers} layers, {weights}"
+        what = f"random full-width model, {args.full_width_layers} layers, {weights}"
     else:
         cfg = family.config_class.tiny(dtype=args.dtype or "float32", **overrides)
-        what = f"tiny random {args.family} model, {weights}"
+        what = f"tiny random model, {weights}"
     if args.mtp:
         what += ", with its MTP layer"
     if args.activation_quant:
         what += f", routed experts W8A8 ({args.activation_quant} activations)"
+    what += f" ({family.model_class.__name__})"
     model = family.init_random(cfg, seed=args.seed, implementation=args.implementation, **placement)
     model.set_activation_quant(args.activation_quant)
     return model, load_tokenizer(None, cfg=cfg), what

@@ -20,7 +20,7 @@ def prepare(
     model: CausalLM,
     *,
     implementation: str | Sequence[str] | None = None,
-    linear_implementation: str = "xla",
+    linear_implementation: str = wj.REFERENCE_BACKEND,
     expert_layout: str = "auto",
     quantize_lm_head: str | QuantSpec | None = None,
     mesh: Mesh | None = None,
@@ -38,9 +38,10 @@ def prepare(
        "expert" and "tensor", heads over "tensor", the batch over "data"; `moe_mode` the
        sharded MoE's token mode), unless it is already placed there;
     3. `implementation`: the routed experts' fused_moe backend (None: automatic);
-    4. `linear_implementation`: the quantized non-expert linears' ("xla", "auto" or a
-       registered backend; `fuse_linears`: linears reading one input as one GEMM on a
-       kernel, unsharded models only), each weight in the layout that backend reads;
+    4. `linear_implementation`: the quantized non-expert linears' (default the reference,
+       `wj.REFERENCE_BACKEND`; "auto" or a registered backend; `fuse_linears`: linears
+       reading one input as one GEMM on a kernel, unsharded models only), each weight in the
+       layout that backend reads;
     5. `expert_layout`: the routed experts' layout ("auto": the one the experts' backend
        reads, `CausalLM.resolve_expert_layout`), converted one layer at a time, each layer's
        old arrays dropped before the next converts (never both layouts of the whole model).

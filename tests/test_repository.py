@@ -4,6 +4,7 @@ not the runs that measured it."""
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
 import subprocess
@@ -12,6 +13,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("wna16_jax", "pallas_kernels", "models", "examples")
+# The one library module the kernels import: the backend API.
+BACKEND_API = "wna16_jax.backend_api"
 
 
 def _tracked_files() -> list[pathlib.Path]:
@@ -100,8 +103,8 @@ def _layer_problem(importer: str, imported: str) -> str | None:
         return None
     if top == "pallas_kernels":
         if imported_top == "wna16_jax":
-            if imported in ("wna16_jax", "wna16_jax._reference", "wna16_jax._api"):
-                return "kernels import the shared wna16_jax modules, not the API or the oracle"
+            if imported != BACKEND_API:
+                return f"kernels import the library through {BACKEND_API} only"
             return None
         if imported_top != "pallas_kernels":
             return "kernels import only wna16_jax's shared modules and pallas_kernels"
@@ -168,6 +171,11 @@ KERNEL_NAME = re.compile(r"^(mgpu|pallas|triton)")
 def _kernel_names_in_code(source: str) -> list[tuple[int, str]]:
     """(line, text) of each string constant in `source`'s code (docstrings aside) that names a
     kernel backend or layout (KERNEL_NAME)."""
+    return [(line, text) for line, text in _string_constants(source) if KERNEL_NAME.match(text)]
+
+
+def _string_constants(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each string constant in `source`'s code, docstrings aside."""
     tree = ast.parse(source)
     docstrings = {
         id(node.body[0].value)
@@ -183,7 +191,6 @@ def _kernel_names_in_code(source: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Constant)
         and isinstance(node.value, str)
         and id(node) not in docstrings
-        and KERNEL_NAME.match(node.value)
     ]
 
 
@@ -206,6 +213,9 @@ def test_kernel_name_rule_catches_a_branch_on_a_backend():
 def test_layer_rules_catch_forbidden_imports():
     """The rules above reject what they must (so the layer test cannot pass vacuously)."""
     assert _layer_problem("pallas_kernels.pallas.fused_moe", "wna16_jax._reference")
+    assert _layer_problem("pallas_kernels.pallas.wna16_gemm", "wna16_jax._types")
+    assert _layer_problem("pallas_kernels.common.align", "wna16_jax")
+    assert _layer_problem("pallas_kernels.mgpu.layout", BACKEND_API) is None
     assert _layer_problem("pallas_kernels.pallas.fused_moe", "pallas_kernels.mgpu.config")
     assert _layer_problem("wna16_jax._api", "pallas_kernels.pallas.backend")
     assert _layer_problem("models.deepseek_v3.modeling", "wna16_jax._types")
@@ -213,7 +223,6 @@ def test_layer_rules_catch_forbidden_imports():
     assert _layer_problem("pallas_kernels.mgpu.fused_moe", "pallas_kernels.common.align") is None
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
-
 
 
 def _family_packages() -> tuple[str, ...]:
@@ -259,6 +268,171 @@ def test_family_rule_catches_a_family_named_elsewhere():
     assert _family_problem("models.registry", "models.qwen_moe", families) is None
     assert _family_problem("models.qwen_moe.sharding", "models.qwen_moe.modeling", families) is None
     assert _family_problem("examples.full_deepseek_v3", "models.deepseek_v3", families) is None
+
+
+# ---- the backend seam ------------------------------------------------------------------------
+#
+# A backend lives in pallas_kernels/<its name>/ (pallas_kernels/common holds what several share),
+# registers its stages from <its name>/backend.py, and the library runs the one pipeline: no
+# kernel file defines fused_moe.
+
+KERNEL_SHARED = "common"
+
+
+def _backend_folders() -> list[str]:
+    return sorted(
+        p.name
+        for p in (ROOT / "pallas_kernels").iterdir()
+        if p.is_dir() and (p / "__init__.py").exists() and p.name != KERNEL_SHARED
+    )
+
+
+def _fused_moe_definitions(source: str) -> list[int]:
+    """The lines where `source` defines a function named fused_moe (at any depth)."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "fused_moe"
+    ]
+
+
+def test_no_backend_defines_fused_moe():
+    """Backends give stages; the library's pipeline is the one MoE layer."""
+    hits = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / "pallas_kernels").rglob("*.py"))
+        for line in _fused_moe_definitions(path.read_text())
+    ]
+    assert not hits, "a kernel file defines fused_moe:\n" + "\n".join(hits)
+
+
+def test_fused_moe_rule_catches_a_definition():
+    code = "import jax\n\n@jax.jit\ndef fused_moe(x):\n    return x\n"
+    assert _fused_moe_definitions(code) == [4]
+    assert _fused_moe_definitions("def stages():\n    return fused_moe\n") == []
+
+
+def _folder_problems(folders, modules, registered) -> list[str]:
+    """Why the backend folders and the registry disagree (empty when each folder is named after
+    the backend it registers).
+
+    Args:
+        folders: the backend folders of pallas_kernels.
+        modules: the registry's built-in backend modules (BUILTIN_BACKEND_MODULES).
+        registered: {module: names of the Backends it registers}.
+    """
+    problems = []
+    for module in modules:
+        parts = module.split(".")
+        if len(parts) != 3 or parts[0] != "pallas_kernels" or parts[2] != "backend":
+            problems.append(f"{module} is not pallas_kernels.<backend>.backend")
+            continue
+        if parts[1] not in folders:
+            problems.append(f"{module}: no folder pallas_kernels/{parts[1]}")
+        for name in registered.get(module, ()):
+            if name not in (parts[1], f"{parts[1]}_interpret"):
+                problems.append(f"{module} registers {name!r}, not the folder's name {parts[1]!r}")
+    listed = {m.split(".")[1] for m in modules if m.count(".") == 2}
+    problems += [f"pallas_kernels/{f} registers no backend" for f in folders if f not in listed]
+    return problems
+
+
+def test_backend_folders_are_named_after_their_backends():
+    from wna16_jax import _dispatch
+
+    _dispatch.registered_backends()
+    registered = {
+        module: [b.name for b in importlib.import_module(module).BACKENDS]
+        for module in _dispatch.BUILTIN_BACKEND_MODULES
+    }
+    problems = _folder_problems(_backend_folders(), _dispatch.BUILTIN_BACKEND_MODULES, registered)
+    assert not problems, "\n".join(problems)
+
+
+def test_folder_rule_catches_a_misnamed_folder():
+    """The layout before the folders were renamed: 'triton' lived in jax_triton/."""
+    module = "pallas_kernels.jax_triton.backend"
+    assert _folder_problems(["jax_triton"], [module], {module: ["triton"]}) == [
+        f"{module} registers 'triton', not the folder's name 'jax_triton'"
+    ]
+    assert _folder_problems(["pallas", "spare"], ["pallas_kernels.pallas.backend"], {}) == [
+        "pallas_kernels/spare registers no backend"
+    ]
+    assert not _folder_problems(
+        ["mgpu"], ["pallas_kernels.mgpu.backend"], {"pallas_kernels.mgpu.backend": ["mgpu"]}
+    )
+
+
+def _backend_private_names() -> set[str]:
+    """The module constants (UPPER_CASE) of the backend folders that wna16_jax does not
+    publish (e.g. MGPU_TILE; wj.layouts.LAYOUTS is public)."""
+    import wna16_jax as wj
+
+    public = set(wj.__all__) | set(wj.layouts.__all__)
+    names = set()
+    for folder in _backend_folders():
+        for path in (ROOT / "pallas_kernels" / folder).glob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                if isinstance(node, ast.AnnAssign):
+                    targets = [node.target]
+                names |= {
+                    t.id
+                    for t in targets
+                    if isinstance(t, ast.Name) and re.fullmatch(r"[A-Z][A-Z0-9_]+", t.id)
+                }
+    return names - public
+
+
+def _private_names_in_code(source: str, private: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of each name or attribute in `source` that is one of `private`."""
+    return [
+        (node.lineno, name)
+        for node in ast.walk(ast.parse(source))
+        if (name := getattr(node, "id", None) or getattr(node, "attr", None)) in private
+        and isinstance(node, (ast.Name, ast.Attribute))
+    ]
+
+
+def test_models_read_no_backend_private_name():
+    """Model code reads no backend's constants (its tile, layouts, limits): it asks the
+    registry (e.g. wj.layouts.shard_granularity(layout))."""
+    private = _backend_private_names()
+    assert "MGPU_TILE" in private  # the rule sees the backends' constants
+    hits = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in sorted((ROOT / "models").rglob("*.py"))
+        for line, name in _private_names_in_code(path.read_text(), private)
+    ]
+    assert not hits, "\n".join(hits)
+
+
+def test_private_name_rule_catches_a_tile_read():
+    code = "import wna16_jax as wj\ntile = wj.layouts.MGPU_TILE\nLAYOUTS = 1\n"
+    assert _private_names_in_code(code, {"MGPU_TILE"}) == [(2, "MGPU_TILE")]
+
+
+def _reference_names_in_code(source: str) -> list[int]:
+    """The lines of string constants "xla" in `source`'s code (docstrings aside): a branch on
+    the reference backend by its name."""
+    return [line for line, text in _string_constants(source) if text == "xla"]
+
+
+def test_models_branch_on_no_reference_name():
+    """Model code names the reference backend through the library (wj.REFERENCE_BACKEND), never
+    as the string "xla"."""
+    hits = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / "models").rglob("*.py"))
+        for line in _reference_names_in_code(path.read_text())
+    ]
+    assert not hits, "\n".join(hits)
+
+
+def test_reference_rule_catches_a_branch():
+    code = 'def f(impl):\n    """Runs on "xla"."""\n    return None if impl == "xla" else impl\n'
+    assert _reference_names_in_code(code) == [3]
+
 
 # Words that name run records rather than the code: work sessions and their numbered calls,
 # issue numbers, the GPU-lending machinery. Written in pieces so that this file passes itself.

@@ -302,9 +302,9 @@ class CausalLM(nnx.Module):
         chosen = None if implementation == "auto" else implementation
         self.unfuse_linears()
         for m in self.dequantized_linears().values():
-            m.set_implementation("xla", dtype=self.cfg.dtype)
+            m.set_implementation(wj.REFERENCE_BACKEND, dtype=self.cfg.dtype)
         pairs = []  # (owner, {name: part}): linears that may run as one GEMM
-        if fuse and implementation != "xla" and self.sharding is None:
+        if fuse and implementation != wj.REFERENCE_BACKEND and self.sharding is None:
             for owner in self._fusing_modules():
                 parts = owner.FUSION.unfused(owner)
                 if parts and any(isinstance(m, QuantizedLinear) for m in parts.values()):
