@@ -20,6 +20,7 @@ from typing import Any
 FAMILY_PACKAGES = (
     "deepseek_v3",
     "qwen_moe",
+    "gpt_oss",
 )
 
 

@@ -25,6 +25,9 @@ class QuantSpec:
             The router and the embeddings / lm_head always stay float.
         scale_dtype: the scales' dtype (e.g. "float16", as GPTQ checkpoints store them);
             None: the model's dtype.
+        scheme: None (integer codes, the fields above) or "mxfp4" (E2M1 codes, one uint8 E8M0
+            scale per 32 inputs, no zero points: bits 4, group_size 32, has_zp False;
+            `MXFP4`, as gpt-oss and DeepSeek-V4 ship their routed experts).
     """
 
     bits: int = 4
@@ -32,10 +35,21 @@ class QuantSpec:
     has_zp: bool = True
     targets: tuple[str, ...] = QUANT_TARGETS
     scale_dtype: str | None = None
+    scheme: str | None = None
 
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise ValueError(f"QuantSpec.bits={self.bits} is not supported (supported: 4, 8)")
+        if self.scheme not in (None, "mxfp4"):
+            raise ValueError(f"QuantSpec.scheme={self.scheme!r} is not None or 'mxfp4'")
+        if self.scheme == "mxfp4" and (
+            (self.bits, self.group_size, self.has_zp, self.scale_dtype) != (4, 32, False, None)
+        ):
+            raise ValueError(
+                f"QuantSpec.scheme='mxfp4' is bits 4, group_size 32, has_zp False with E8M0 "
+                f"scales, got bits={self.bits}, group_size={self.group_size}, "
+                f"has_zp={self.has_zp}, scale_dtype={self.scale_dtype!r}"
+            )
         unknown = sorted(set(self.targets) - set(QUANT_TARGETS))
         if unknown:
             raise ValueError(
@@ -48,13 +62,19 @@ class QuantSpec:
 
     @classmethod
     def parse(cls, spec: str | QuantSpec | None, *, group_size: int = 128) -> QuantSpec | None:
-        """`None`, a QuantSpec, or "int4" / "int8" (asymmetric, `group_size`)."""
+        """`None`, a QuantSpec, "int4" / "int8" (asymmetric, `group_size`) or "mxfp4" (`MXFP4`)."""
         if spec is None or isinstance(spec, QuantSpec):
             return spec
+        if spec == "mxfp4":
+            return MXFP4
         names = {"int4": 4, "int8": 8}
         if spec not in names:
-            raise ValueError(f"quantize={spec!r} is not one of {sorted(names)} or None")
+            raise ValueError(f"quantize={spec!r} is not one of {sorted(names) + ['mxfp4']} or None")
         return cls(bits=names[spec], group_size=group_size)
+
+
+# MXFP4 routed experts, the rest float: how gpt-oss and DeepSeek-V4 ship their weights.
+MXFP4 = QuantSpec(bits=4, group_size=32, has_zp=False, targets=("experts",), scheme="mxfp4")
 
 
 def type_problems(cfg) -> list[str]:

@@ -123,11 +123,17 @@ class TensorKind:
             at `entry.path`, or the value of the variable there.
         write: `(model, entry, format) -> {tensor name: numpy array}` for `save_pretrained`
             (None: a model holding such rows is not saved).
+        quant_methods: the config.json quantization_config quant_method values its tensors
+            come in (beside the engine's QUANT_METHODS; e.g. gpt-oss's "mxfp4").
+        quantization_config: `(model, entry) -> dict | None`: the quantization_config the
+            written tensors of the entry need in config.json (None: none).
     """
 
     check: Callable
     read: Callable
     write: Callable | None = None
+    quant_methods: tuple[str, ...] = ()
+    quantization_config: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,10 +400,11 @@ def check_checkpoint(
     """
     problems: list[str] = []
     method = quant_method(qcfg)
-    if qcfg is not None and method not in QUANT_METHODS:
+    methods = {*QUANT_METHODS, *(m for kind in names.kinds.values() for m in kind.quant_methods)}
+    if qcfg is not None and method not in methods:
         problems.append(
             f"quantization_config: quant_method={method!r} is not supported "
-            f"(supported: {sorted(QUANT_METHODS)})"
+            f"(supported: {sorted(methods)})"
         )
     fp8_block = None
     if method == "fp8":
@@ -1192,6 +1199,7 @@ def save_pretrained(
         tensors[name] = np.ascontiguousarray(arr if dtype is None else arr.astype(dtype))
 
     float_dtype = ml_dtypes.bfloat16 if format == "bf16" else None
+    kind_qcfg = None  # what a family's own kind of rows says its tensors are
     for entry in weight_table(names, model.cfg, mtp=model.mtp is not None):
         if entry.kind == "weight":
             put(
@@ -1201,11 +1209,13 @@ def save_pretrained(
             dtype = np.float32 if entry.kind == "param_f32" else float_dtype
             put(entry.name, module_at(model, entry.path).get_value(), dtype)
         elif entry.kind in names.kinds:
-            write = names.kinds[entry.kind].write
-            if write is None:
+            kind = names.kinds[entry.kind]
+            if kind.write is None:
                 raise ValueError(f"{entry.name}: its kind {entry.kind!r} is not saved")
-            for name, arr in write(model, entry, format).items():
+            for name, arr in kind.write(model, entry, format).items():
                 put(name, arr)
+            if kind.quantization_config is not None:
+                kind_qcfg = kind.quantization_config(model, entry) or kind_qcfg
         elif entry.kind == "experts" and experts_aq is not None:
             aq = module_at(model, entry.path).activation_quant
             if aq.scheme == "int8_static":  # this layer's scales, on each of its experts
@@ -1241,10 +1251,17 @@ def save_pretrained(
             f"format={format!r}: quantized linears differ in (bits, group_size, "
             f"zero points): {sorted(keys)}; one quantization_config cannot say so"
         )
+    if keys and kind_qcfg is not None:
+        raise ValueError(
+            f"format={format!r}: quantized linears beside tensors whose quantization_config "
+            f"is {kind_qcfg}; one quantization_config cannot say both"
+        )
     if keys:
         hf["quantization_config"] = _quantization_config(
             format, keys.pop(), float_linears, act_order, experts_aq
         )
+    elif kind_qcfg is not None:
+        hf["quantization_config"] = kind_qcfg
     if format == "bf16":
         hf["torch_dtype"] = "bfloat16"
     write_checkpoint(path, tensors, hf, max_shard_bytes=max_shard_bytes)

@@ -142,8 +142,8 @@ def normal(rngs: Rng, shape, std: float = 1.0):
 class QuantizedTensor(nnx.Module):
     """The leaves of one `wj.QuantizedExperts` [E, N, K] held as NNX variables.
 
-    `get()` rebuilds the QuantizedExperts (bits, group_size and layout are static attributes),
-    which keeps nnx.split / merge / jit working on plain arrays.
+    `get()` rebuilds the QuantizedExperts (bits, group_size, layout and codes are static
+    attributes), which keeps nnx.split / merge / jit working on plain arrays.
     """
 
     def __init__(self, qe: wj.QuantizedExperts):
@@ -154,6 +154,7 @@ class QuantizedTensor(nnx.Module):
         self.bits = int(qe.bits)
         self.group_size = int(qe.group_size)
         self.layout = str(qe.layout)
+        self.codes = str(qe.codes)  # "int", or "e2m1" (MXFP4)
 
     def get(self) -> wj.QuantizedExperts:
         return wj.QuantizedExperts(
@@ -164,6 +165,7 @@ class QuantizedTensor(nnx.Module):
             group_size=self.group_size,
             layout=self.layout,
             perm=None if self.perm is None else self.perm.get_value(),
+            codes=self.codes,
         )
 
     @property
@@ -174,8 +176,11 @@ class QuantizedTensor(nnx.Module):
 def random_quantized(rngs: Rng, shape, spec: QuantSpec, *, dtype) -> wj.QuantizedExperts:
     """Random weights [E, N, K] in the format `spec` says, drawn in the quantized domain by
     `wna16_jax.random_quantized_experts` (weights ~ 1/sqrt(K); scales exact in float16, so
-    saving and reloading a random model is exact), its scales in spec.scale_dtype or `dtype`."""
+    saving and reloading a random model is exact), its scales in spec.scale_dtype or `dtype`
+    (MXFP4: E2M1 codes with uint8 E8M0 scales)."""
     key = rngs if isinstance(rngs, np.random.Generator) else rngs.params()
+    if spec.scheme is not None:
+        return wj.random_quantized_experts(key, shape, scheme=spec.scheme)
     return wj.random_quantized_experts(
         key,
         shape,

@@ -5,6 +5,7 @@ chat_template.jinja or tokenizer_config.json."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -221,10 +222,14 @@ class ChatTemplate:
     template: str
     special_tokens: dict[str, str]
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = True, **kwargs
+    ) -> str:
         """The prompt text for `messages` ([{"role": "user", "content": "..."}, ...]), as
         transformers' apply_chat_template(tokenize=False) renders it: a sandboxed Jinja
-        environment with trim_blocks, lstrip_blocks, loop controls, raise_exception and tojson.
+        environment with trim_blocks, lstrip_blocks, loop controls, raise_exception, tojson
+        and strftime_now (today's date, as gpt-oss's harmony template writes it); `kwargs` are
+        the template's own variables (e.g. gpt-oss's reasoning_effort, tools, model_identity).
         Encode the text without a bos token of the tokenizer's own: the template writes it.
 
         Raises:
@@ -255,14 +260,20 @@ class ChatTemplate:
         )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
         try:
             return env.from_string(self.template).render(
                 messages=list(messages),
+                **{**self.special_tokens, **kwargs},
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
             )
         except jinja2.TemplateError as err:
             raise ValueError(f"the chat_template of {self.path} failed: {err}") from None
+
+
+def strftime_now(fmt: str) -> str:
+    """The local time now in `fmt` (a chat template's strftime_now, as transformers gives it)."""
+    return datetime.datetime.now().strftime(fmt)
 
 
 def _token_text(value) -> str | None:

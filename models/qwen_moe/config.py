@@ -124,6 +124,11 @@ class QwenMoeConfig:
         return self.model_type == "qwen2_moe" or self.attention_bias
 
     @property
+    def o_bias(self) -> bool:
+        """A bias on o_proj: Qwen3's `attention_bias`."""
+        return self.model_type == "qwen3_moe" and self.attention_bias
+
+    @property
     def shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
 
