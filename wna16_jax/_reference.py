@@ -281,8 +281,9 @@ def fused_moe(
     w2_bias=None,
 ):
     """Reference MoE layer (docs/design.md steps 1-5) in f32, computed on its own: no alignment,
-    no _pipeline. For each block of TOKEN_BLOCK tokens and each local expert with a slot there,
-    the expert's MLP on the block's rows (`_expert_layer`); slot (t, j) takes its expert's row t
+    no _pipeline. For each block of TOKEN_BLOCK tokens, each local expert's MLP on the block's
+    rows (`_expert_layer`; or, where the block holds fewer slots than there are experts, each
+    slot's expert's); slot (t, j) takes its expert's row t
     times topk_weights[t, j]; each token's k slots are summed in f32 (j in order).
 
     With activation_quant (int8 activations: the oracle of the W8A8 kernels), x is quantized
@@ -325,19 +326,35 @@ def fused_moe(
         biases=(w13_bias, w2_bias),
     )  # fmt: skip
 
-    def block(b, slots):  # slots: f32 [T_pad, k, H], each slot's weighted row
-        rows, ids, weights = xb[b], eb[b], wb[b]  # [TB, H], [TB, k], [TB, k]
+    # Two loops give the same bits (each slot's row is its expert's MLP on the whole block, one
+    # GEMM shape for every T); the shorter one is taken, and neither branches on data (no
+    # conditional in a program that runs the reference, e.g. a model's decode loop).
+    slots_per_block = min(t, TOKEN_BLOCK) * k  # the slots a block can hold (T < TB: one block)
 
-        def expert(e, block_slots):  # block_slots: f32 [TB, k, H]
-            def run(block_slots):
-                y = layer(rows, w13, w2, e)  # [TB, H] f32
-                mine = (ids == e)[..., None]  # [TB, k, 1]
-                return jnp.where(mine, y[:, None, :] * weights[..., None], block_slots)
-
-            return jax.lax.cond(jnp.any(ids == e), run, lambda s: s, block_slots)
+    def by_expert(rows, ids, weights):  # every local expert once: [TB, k, H]
+        def expert(e, block_slots):
+            y = layer(rows, w13, w2, e)  # [TB, H] f32
+            mine = (ids == e)[..., None]  # [TB, k, 1]
+            return jnp.where(mine, y[:, None, :] * weights[..., None], block_slots)
 
         zero = jnp.zeros((TOKEN_BLOCK, k, hdim), jnp.float32)
-        block_slots = jax.lax.fori_loop(0, w13.num_experts, expert, zero)
+        return jax.lax.fori_loop(0, w13.num_experts, expert, zero)
+
+    def by_slot(rows, ids, weights):  # each slot's expert in turn: [TB, k, H]
+        def slot(s, block_slots):
+            row, j = s // k, s % k
+            e = ids[row, j]
+            y = layer(rows, w13, w2, jnp.maximum(e, 0))[row]  # [H] f32
+            value = jnp.where(e >= 0, y * weights[row, j], 0.0)
+            return block_slots.at[row, j].set(value)
+
+        zero = jnp.zeros((TOKEN_BLOCK, k, hdim), jnp.float32)
+        return jax.lax.fori_loop(0, slots_per_block, slot, zero)
+
+    per_block = by_slot if slots_per_block < w13.num_experts else by_expert
+
+    def block(b, slots):  # slots: f32 [T_pad, k, H], each slot's weighted row
+        block_slots = per_block(xb[b], eb[b], wb[b])  # [TB, H], [TB, k], [TB, k] in
         return jax.lax.dynamic_update_slice_in_dim(slots, block_slots, b * TOKEN_BLOCK, axis=0)
 
     slots = jnp.zeros((blocks * TOKEN_BLOCK, k, hdim), jnp.float32)
