@@ -1,4 +1,4 @@
-"""config.json readers of both families: any JSON value in a field reads or is refused by name."""
+"""config.json readers of every family: any JSON value in a field reads or is refused by name."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from models.deepseek_v3.config import DeepseekV3Config
+from models.gpt_oss.config import GptOssConfig
 from models.qwen_moe.config import QwenMoeConfig
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 READERS = {
+    "gpt_oss": GptOssConfig,
     "kimi_k2": DeepseekV3Config,
     "qwen2_moe": QwenMoeConfig,
     "qwen3_moe": QwenMoeConfig,
@@ -50,7 +52,9 @@ ROPE = st.fixed_dictionaries(
 
 
 def _base(name: str) -> dict:
-    return json.loads((FIXTURES / name / "float" / "config.json").read_text())
+    float_checkpoint = FIXTURES / name / "float"  # beside a quantized one; else the one
+    root = float_checkpoint if float_checkpoint.is_dir() else FIXTURES / name
+    return json.loads((root / "config.json").read_text())
 
 
 def _read(cls, d: dict):
@@ -89,8 +93,8 @@ def test_any_json_value_reads_or_is_refused_by_name(name, data):
      ("num_hidden_layers", "2", "num_hidden_layers='2' must be an integer")],
 )  # fmt: skip
 def test_wrong_types_are_named(name, key, value, match):
-    if key == "mlp_only_layers" and READERS[name] is DeepseekV3Config:
-        pytest.skip("DeepSeek configs have no mlp_only_layers (first_k_dense_replace instead)")
+    if key == "mlp_only_layers" and READERS[name] in (DeepseekV3Config, GptOssConfig):
+        pytest.skip(f"{name} configs have no mlp_only_layers (every layer's MLP is named)")
     d = _base(name)
     d[key] = value
     with pytest.raises(ValueError, match=match):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
+
+from models.common.checkpoint import CONFIG_FILE, read_config
 
 # The linears a QuantSpec may quantize, by role; each family's name table tags its linears
 # with these.
@@ -125,3 +128,32 @@ def range_problems(cfg, least: Mapping[str, int], positive: Sequence[str]) -> li
         elif v is not None and not 0 <= v < max(cfg.vocab_size, 1):
             problems.append(f"{name}={v} is not a token id in [0, vocab_size={cfg.vocab_size})")
     return problems
+
+
+class HfConfig:
+    """What every family's config shares of config.json: `from_json` reads the file through
+    `read_config` (a save killed before config.json was written reads the config saved with
+    the weights) and hands the dict to the family's `from_hf_dict`."""
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides):
+        """Reads `path` (a config.json or a directory holding one).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a JSON object, or invalid values; the message names the file.
+        """
+        if os.path.isdir(path):
+            path = os.path.join(path, CONFIG_FILE)
+        d = read_config(path)
+        try:
+            return cls.from_hf_dict(d, **overrides)
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    """config.json's eos_token_id (absent, one id or a list of ids) as a tuple of ids."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)

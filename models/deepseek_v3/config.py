@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
-from models.common.checkpoint import read_config
 from models.common.checks import hf_config_problems
-from models.common.config import QuantSpec, range_problems, type_problems
+from models.common.config import HfConfig, QuantSpec, range_problems, type_problems
 
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -89,7 +87,7 @@ def _rope_problems(r: YarnScaling | None) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config:
+class DeepseekV3Config(HfConfig):
     """Every DeepSeek-V3 (and V2 / V2-Lite) config.json field the model uses.
 
     Two fields are not HF's: `dtype` (activations and float weights) and `quant` (which
@@ -236,22 +234,6 @@ class DeepseekV3Config:
                 kw[k] = float(kw[k])
         kw.update(overrides)
         return cls(**kw)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike, **overrides) -> DeepseekV3Config:
-        """Reads `path` (a config.json or a directory holding one).
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError: not a JSON object, or invalid values; the message names the file.
-        """
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        d = read_config(path)
-        try:
-            return cls.from_hf_dict(d, **overrides)
-        except ValueError as err:
-            raise ValueError(f"{path}: {err}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config.json dict (model_type deepseek_v3); `dtype`/`quant` are not written."""

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
-from models.common.checkpoint import read_json
-from models.common.config import MXFP4, QuantSpec, range_problems, type_problems
+from models.common.checks import hf_config_problems
+from models.common.config import (
+    MXFP4,
+    HfConfig,
+    QuantSpec,
+    eos_ids,
+    range_problems,
+    type_problems,
+)
 
 MODEL_TYPE = "gpt_oss"
 ARCHITECTURE = "GptOssForCausalLM"
@@ -50,7 +56,7 @@ _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit"
 
 
 @dataclasses.dataclass(frozen=True)
-class GptOssConfig:
+class GptOssConfig(HfConfig):
     """Every gpt-oss config.json field the model uses (openai/gpt-oss-20b and -120b).
 
     Attention: q/k/v/o with biases (`attention_bias`), grouped-query heads, a learned sink per
@@ -101,7 +107,7 @@ class GptOssConfig:
                 f"layer_types has {len(self.layer_types)} entries for num_hidden_layers="
                 f"{self.num_hidden_layers}"
             )
-        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        bad = sorted({repr(t) for t in self.layer_types if t not in LAYER_TYPES})
         if bad:
             problems.append(f"layer_types holds {bad}, not one of {list(LAYER_TYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -169,8 +175,21 @@ class GptOssConfig:
         checkpoints ship) or 5's rope_parameters.
 
         Raises:
-            ValueError: a rope type other than "yarn" or "default", naming it.
+            ValueError: a field of the wrong JSON type or missing (each named), or a rope type
+                other than "yarn" or "default", naming it.
         """
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_local_experts")  # fmt: skip
+        problems = hf_config_problems(
+            d,
+            cls,
+            required=required,
+            nullable=("num_key_value_heads", "head_dim", "sliding_window", "layer_types"),
+        )
+        if not isinstance(d.get("layer_types") or [], list):
+            problems.append(f"layer_types={d['layer_types']!r} must be a list of layer names")
+        if problems:
+            raise ValueError("invalid gpt-oss config: " + "; ".join(problems))
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "yarn":
@@ -210,19 +229,12 @@ class GptOssConfig:
             swiglu_limit=float(d.get("swiglu_limit", 7.0)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+            eos_token_id=eos_ids(eos),
             pad_token_id=d.get("pad_token_id"),
             quantization_config=d.get("quantization_config"),
         )
         kw.update(overrides)
         return cls(**kw)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike, **overrides) -> GptOssConfig:
-        try:
-            return cls.from_hf_dict(read_json(path), **overrides)
-        except (KeyError, ValueError) as err:
-            raise ValueError(f"{path}: {err}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json as the checkpoints write it (transformers 4's rope_scaling)."""

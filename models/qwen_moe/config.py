@@ -4,12 +4,10 @@ preset per released size."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
-from models.common.checkpoint import read_config
 from models.common.checks import hf_config_problems
-from models.common.config import QuantSpec, range_problems, type_problems
+from models.common.config import HfConfig, QuantSpec, eos_ids, range_problems, type_problems
 
 # config.json model_type -> architectures entry.
 MODEL_TYPES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -38,7 +36,7 @@ _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenMoeConfig:
+class QwenMoeConfig(HfConfig):
     """One config for both families; `model_type` tells them apart.
 
     Qwen2-MoE: q/k/v biases, a shared expert of `shared_expert_intermediate_size` scaled by
@@ -193,19 +191,12 @@ class QwenMoeConfig:
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+            eos_token_id=eos_ids(eos),
             pad_token_id=d.get("pad_token_id"),
             quantization_config=d.get("quantization_config"),
         )
         kw.update(overrides)
         return cls(**kw)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike, **overrides) -> QwenMoeConfig:
-        try:
-            return cls.from_hf_dict(read_config(path), **overrides)
-        except (KeyError, ValueError) as err:
-            raise ValueError(f"{path}: {err}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config.json dict (what `from_hf_dict` reads back); `dtype` and `quant` are
