@@ -693,3 +693,22 @@ def test_preferred_layout_on_this_gpu(rng):
     sm90 = str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
     want = "mgpu_int4" if sm90 else "canonical"
     assert wj.preferred_layout(w13, w2, dtype=jnp.bfloat16) == want
+
+
+@pytest.mark.parametrize("has_zeros", [True, False])
+def test_layout_conversion_holds_about_its_old_and_new_arrays(has_zeros):
+    """Converting to a kernel layout and back is one compiled program whose temporaries stay a
+    small fraction of the weight (run op by op, each step held a weight-sized array)."""
+    from wna16_jax import _dispatch
+
+    canonical = jax.eval_shape(
+        lambda: wj.random_quantized_experts(
+            jax.random.key(0), (16, 1024, 2048), bits=4, group_size=128, has_zeros=has_zeros
+        )
+    )
+    layout = wj.backend_layout("mgpu_interpret", bits=4)
+    kernel = jax.eval_shape(functools.partial(_dispatch._converted, layout=layout), canonical)
+    assert kernel.layout == layout
+    for src, dst in ((canonical, layout), (kernel, "canonical")):
+        memory = _dispatch._converted.lower(src, layout=dst).compile().memory_analysis()
+        assert memory.temp_size_in_bytes <= memory.output_size_in_bytes / 16, (dst, memory)

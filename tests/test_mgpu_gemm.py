@@ -1647,7 +1647,7 @@ def test_auto_splits(programs, splits):
 @pytest.mark.parametrize("layout", ["canonical", "mgpu_int4", "mgpu_int8"])
 def test_export_serializes_the_layout(rng, layout):
     """jax.export round-trips QuantizedExperts with its layout; an auxdata written before the
-    layout field existed (two meta fields) reads as canonical."""
+    layout and codes fields existed (two meta fields) reads as canonical integer codes."""
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
     bits = 8 if layout == "mgpu_int8" else 4
     qw = helpers.random_quantized_experts(rng, 2, 64, 256, bits, 128, True, BF16)
@@ -1655,7 +1655,7 @@ def test_export_serializes_the_layout(rng, layout):
     exported = jax.export.export(jax.jit(lambda w: w))(qw)
     back = jax.export.deserialize(exported.serialize())
     assert back.out_tree.unflatten([0, 1, 2]).layout == layout
-    assert _types._deserialize_auxdata(b"[4, 128]") == (4, 128, "canonical")
+    assert _types._deserialize_auxdata(b"[4, 128]") == (4, 128, "canonical", "int")
 
 
 def test_tiles_per_program_divide_the_tiles(rng, monkeypatch):

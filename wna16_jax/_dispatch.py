@@ -356,7 +356,7 @@ def to_kernel_layout(qw: QuantizedExperts, layout: str) -> QuantizedExperts:
     _, n, k = qw.shape
     if reason := kernel_layout_reason(layout, bits=qw.bits, n=n, k=k):
         raise ValueError(reason)
-    return layout_conversion(layout).to_kernel(qw, layout)
+    return _converted(qw, layout=layout)
 
 
 def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
@@ -364,7 +364,18 @@ def to_canonical_layout(qw: QuantizedExperts) -> QuantizedExperts:
     if qw.layout == "canonical":
         return qw
     qw.validate("weights")
-    return layout_conversion(qw.layout).to_canonical(qw)
+    return _converted(qw, layout="canonical")
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _converted(qw: QuantizedExperts, *, layout: str) -> QuantizedExperts:
+    """A checked conversion as one compiled program: its temporaries are a few of the scales'
+    size, so converting a weight holds about its old and new arrays. Run op by op, each step
+    (word flip, bitcast, tile transpose, tile order) held a weight-sized array at once (a
+    DeepSeek-V3 layer's w13 is 3.5 GiB in int4)."""
+    if layout == "canonical":
+        return layout_conversion(qw.layout).to_canonical(qw)
+    return layout_conversion(layout).to_kernel(qw, layout)
 
 
 def backend_layout(implementation: str, bits: int) -> str:
