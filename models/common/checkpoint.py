@@ -143,7 +143,7 @@ def non_finite_problem(name: str, arr: np.ndarray, dtype: str) -> str | None:
         return None
     first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), arr.shape))
     return (
-        f"{name!r} holds {count} non-finite value{'s' * (count > 1)} (NaN or inf, first at "
+        f"tensor {name!r} holds {count} non-finite value{'s' * (count > 1)} (NaN or inf, first at "
         f"{list(first)}): the checkpoint is damaged (download it again); a NaN weight makes "
         f"every logit NaN and generation emit token 0"
     )
