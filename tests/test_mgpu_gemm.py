@@ -1520,7 +1520,7 @@ def _dsv3_weights(intermediate: int):
 @pytest.fixture
 def on_h200(monkeypatch):
     """Config lookups as on an H200: its shipped tuned table."""
-    monkeypatch.setattr(mgpu_config._configs, "device_kind", lambda: "NVIDIA H200")
+    monkeypatch.setattr(wj_configs, "device_kind", lambda: "NVIDIA H200")
 
 
 @pytest.mark.parametrize("layer", sorted(DSV3_LAYERS))
