@@ -33,8 +33,10 @@ def _mgpu_shape_reason(problem: MoEProblem) -> str | None:
     # Backend.layouts.
     if problem.dtype != "bfloat16" and problem.activation_quant is None:
         return f"activation dtype {problem.dtype} is not bfloat16"
-    if problem.activation != "silu":
-        return f"activation {problem.activation!r} is not supported (only 'silu')"
+    if backend_api.normalize_activation(problem.activation) is None:
+        return f"activation {problem.activation!r} is not 'silu' or a ClampedSwiGLU"
+    if problem.activation_quant is not None and problem.has_bias:
+        return "per-expert biases with int8 activations (W8A8) are not supported"
     if problem.activation_quant is not None:
         # W8A8 takes int8 weights without zero points (grouped along K in whole k-tiles, or
         # per channel: the group checks below); its rows are int8 whatever x's dtype (the
@@ -111,4 +113,5 @@ BACKENDS = compiled_and_interpreted(
         granularity=mgpu_layout.MGPU_TILE,
     ),
     codes=CODES,
+    biases=True,
 )

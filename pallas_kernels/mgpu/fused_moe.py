@@ -1,10 +1,13 @@
 """The MoE layer on the Mosaic GPU GEMM (the 'mgpu' backend): the pipeline's stages with x's rows
-gathered in block order, GEMM1 with silu * up, GEMM2, and the routed weights in the top-k sum.
+gathered in block order, GEMM1 with its bias and gated activation, GEMM2 with its bias, and the
+routed weights in the top-k sum.
 
 Unlike the Triton-lowered GEMMs, these take rows already in block order (x gathered once), write
 rows in block order, and the top-k sum gathers each slot's row back and applies its routed
 weight. Weights are QuantizedExperts in the "mgpu_int4" or "mgpu_int8" layout
-(wna16_jax.layouts).
+(wna16_jax.layouts). Per-expert biases (gpt-oss's) are added to the f32 sums in the GEMMs'
+epilogues: w13_bias [E, 2I] before the activation ("silu", or gpt-oss's ClampedSwiGLU), w2_bias
+[E, H] to GEMM2's rows, which the top-k sum then weights, as the 'xla' reference does.
 
 W8A8 (activation_quant, symmetric mgpu_int8 weights): x is quantized to int8 rows per the
 scheme and put in the W8A8 GEMM's input order once, before its rows are gathered; GEMM1's f32
@@ -67,17 +70,24 @@ def used_blocks(routing, num_slots: int, block_m: int):
 def block_gemm(cfg: MgpuConfig, interpret: bool):
     """gemm(rows, w, block_experts, rows_in_use) -> [P, N] f32: the Mosaic GPU GEMM at cfg
     (rows_in_use: mgpu_wna16_gemm's, or None; GEMM2's config: `down_config`),
-    K-split partial products summed in f32; with activation_dtype, w's rows are [gate; up] and
-    the result is silu(gate) * up in that dtype, [P, N/2] (in GEMM1's epilogue where
-    `fuses_activation`)."""
+    K-split partial products summed in f32; bias (None or float [E, N]) added to the f32 sums
+    in the GEMM's epilogue; with activation_dtype, w's rows are [gate; up] and the result is
+    `activation` ("silu" or a ClampedSwiGLU) of them in that dtype, [P, N/2] (in GEMM1's
+    epilogue where `fuses_activation`, else on the summed f32 products)."""
 
-    def gemm(rows, w, block_experts, rows_in_use=None, activation_dtype=None):
+    def gemm(
+        rows, w, block_experts, rows_in_use=None, activation_dtype=None, activation="silu",
+        bias=None,
+    ):  # fmt: skip
         x_scales = None
         if isinstance(rows, Int8Rows):  # W8A8: rows in the GEMM's input order
             rows, x_scales = rows.q, rows.scale
         _, splits, gated, options = gemm_plan(cfg, w, block_experts.shape[0], activation_dtype)
+        extra = {} if bias is None else {"bias": bias}
+        if gated and activation != "silu":
+            extra["activation"] = activation
         out = mgpu_wna16_gemm(
-            rows, w, block_experts, rows_in_use, x_scales=x_scales, **options,
+            rows, w, block_experts, rows_in_use, x_scales=x_scales, **options, **extra,
             interpret=interpret,
         )  # fmt: skip
         if gated:
@@ -85,7 +95,7 @@ def block_gemm(cfg: MgpuConfig, interpret: bool):
         out = out.sum(axis=0) if splits > 1 else out
         if activation_dtype is None:
             return out.astype(jnp.float32)
-        return activate(out, "silu", activation_dtype)
+        return activate(out, activation, activation_dtype)
 
     return gemm
 
@@ -189,24 +199,29 @@ def _route(
     return routed, x_rows
 
 
-def _gemm1(x_rows, w13, routed, cfg: MgpuConfig, *, interpret):
-    """[P, H] -> silu(gate) * up [P, I] in x's dtype: the activation sees unrounded f32 sums
-    and is rounded for GEMM2's tensor cores, as in the 'pallas' backend (the 'xla' reference
-    keeps it in f32); f32 from int8 rows (W8A8: quantized again for GEMM2). With halved
-    blocks, a block's unused rows may be unwritten; GEMM2 reads none of them."""
+def _gemm1(x_rows, w13, routed, cfg: MgpuConfig, *, activation, interpret, bias=None):
+    """[P, H] -> activation(gate, up) [P, I] in x's dtype (bias: [E, 2I], added to the f32
+    sums first, or None): the activation sees unrounded f32 sums and is rounded for GEMM2's
+    tensor cores, as in the 'pallas' backend (the 'xla' reference keeps it in f32); f32 from
+    int8 rows (W8A8: quantized again for GEMM2). With halved blocks, a block's unused rows may
+    be unwritten; GEMM2 reads none of them."""
     blocks = routed.blocks
     gemm = block_gemm(cfg, interpret)
     dtype = jnp.float32 if isinstance(x_rows, Int8Rows) else x_rows.dtype
-    return gemm(x_rows, w13, blocks.experts, blocks.rows_in_use, activation_dtype=dtype)
+    return gemm(
+        x_rows, w13, blocks.experts, blocks.rows_in_use, activation_dtype=dtype,
+        activation=activation, bias=bias,
+    )  # fmt: skip
 
 
-def _gemm2(act, w2, routed, cfg: MgpuConfig, routed_weights, *, interpret):
-    """[P, I] -> f32 [P, H] in block order (the routed weights come in the top-k sum). Int8Rows
-    (W8A8) are put in the GEMM's input order."""
+def _gemm2(act, w2, routed, cfg: MgpuConfig, routed_weights, *, interpret, bias=None):
+    """[P, I] -> f32 [P, H] in block order, plus each row's expert's bias ([E, H], or None;
+    the routed weights come in the top-k sum). Int8Rows (W8A8) are put in the GEMM's input
+    order."""
     if isinstance(act, Int8Rows):
         act = Int8Rows(w8a8_input_order(act.q), act.scale)
     blocks = routed.blocks
-    return block_gemm(cfg, interpret)(act, w2, blocks.experts, blocks.rows_in_use)
+    return block_gemm(cfg, interpret)(act, w2, blocks.experts, blocks.rows_in_use, bias=bias)
 
 
 def stages(
@@ -217,19 +232,23 @@ def stages(
     """This backend's MoeStages (Backend.stages; the library's pipeline runs them) at config:
     an MgpuConfig, a BlockConfig (`from_block_config`) or None: for each chunk the tuned table's
     config at its token slots, else `default_config`'s (`layer_config`; no choice at run time).
-    Silu only; weights in the mgpu_int4 or mgpu_int8 layout. one_token=False: a chunk of one
-    token takes the aligned blocks too. activation_quant: W8A8 on symmetric mgpu_int8 weights
-    (both GEMMs' inputs int8).
+    activation: "silu", or gpt-oss's "swiglu_oai" / a ClampedSwiGLU; weights in the mgpu_int4 or
+    mgpu_int8 layout. one_token=False: a chunk of one token takes the aligned blocks too.
+    activation_quant: W8A8 on symmetric mgpu_int8 weights (both GEMMs' inputs int8). The GEMMs
+    take the pipeline's biases (keyword bias) in their epilogues.
 
     Raises:
-        NotImplementedError: an activation other than silu.
+        NotImplementedError: an activation other than silu or a ClampedSwiGLU.
     """
-    if activation != "silu":
-        raise NotImplementedError(f"the mgpu backend runs silu only, not {activation!r}")
+    act = backend_api.normalize_activation(activation)
+    if act is None:
+        raise NotImplementedError(
+            f"the mgpu backend runs 'silu' or a ClampedSwiGLU, not {activation!r}"
+        )
     return backend_api.MoeStages(
         plan=functools.partial(_plan, config=config, int8_rows=activation_quant is not None),
         route=functools.partial(_route, interpret=interpret, one_token=one_token),
-        gemm1=functools.partial(_gemm1, interpret=interpret),
+        gemm1=functools.partial(_gemm1, activation=act, interpret=interpret),
         gemm2=functools.partial(_gemm2, interpret=interpret),
         routed_weights="sum",
         activation_quant=activation_quant,

@@ -35,7 +35,7 @@ from pallas_kernels.mgpu.fused_moe import (
 )
 from pallas_kernels.mgpu.wna16_gemm import group_reason, mgpu_wna16_gemm, takes_rows
 from wna16_jax import backend_api
-from wna16_jax.backend_api import BlockConfig, GemmShape, activate, weighted_rows
+from wna16_jax.backend_api import BlockConfig, GemmShape, normalize_activation, weighted_rows
 
 # The name of the GEMM's table in the tuned files (wna16_jax/data/tuned/<device>.json): configs
 # per GEMM (the quantized linear's, wj.grouped_matmul's), written by examples/tune.py.
@@ -97,9 +97,10 @@ def grouped_matmul(
     a, w, routing, routed_weights=None, *, top_k, config: MgpuConfig, out_dtype=None,
     activation=None, interpret=False,
 ):  # fmt: skip
-    """GroupedMatmul.run on the Mosaic GPU GEMM: [R * top_k, N] (N/2 with activation "silu",
-    applied in the GEMM's epilogue where it tiles, `config.fuses_activation`) in out_dtype
-    (default a's), from the f32 sums; routed weights multiply after the activation, in f32."""
+    """GroupedMatmul.run on the Mosaic GPU GEMM: [R * top_k, N] (N/2 with an activation, "silu"
+    or a ClampedSwiGLU, applied in the GEMM's epilogue where it tiles, `config.fuses_activation`)
+    in out_dtype (default a's), from the f32 sums; routed weights multiply after the activation,
+    in f32."""
     num_slots = a.shape[0] * top_k
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     slots, block_experts = used_blocks(routing, num_slots, config.block_m)
@@ -110,26 +111,32 @@ def grouped_matmul(
         out = gemm(x_rows, w, block_experts, gemm_rows_in_use(config, in_use))  # f32
     else:
         activation_dtype = out_dtype if routed_weights is None else jnp.float32
-        if activation != "silu":  # GEMM1's epilogue computes silu only
-            out = activate(gemm(x_rows, w, block_experts), activation, activation_dtype)
-        else:
-            out = gemm(
-                x_rows, w, block_experts, gemm_rows_in_use(config, in_use),
-                activation_dtype=activation_dtype,
-            )  # fmt: skip
+        out = gemm(
+            x_rows, w, block_experts, gemm_rows_in_use(config, in_use),
+            activation_dtype=activation_dtype, activation=_gated(activation),
+        )  # fmt: skip
     return weighted_rows(out[position], routed_weights, out_dtype)
+
+
+def _gated(activation):
+    """A GEMM's gated activation as the GEMM takes it: "silu" or a ClampedSwiGLU."""
+    gated = normalize_activation(activation)
+    if gated is None:
+        raise ValueError(f"activation={activation!r} is not 'silu' or a ClampedSwiGLU")
+    return gated
 
 
 def linear(x, w, *, config: MgpuConfig, out_dtype=None, activation=None, interpret=False):
     """GroupedMatmul.linear: x [R, K] @ dequant(w[0]).T -> [R, N] in out_dtype (default x's),
     rounded once from the f32 sums (in the GEMM where it is not K-split); with activation
-    ("silu") w's rows are [gate; up] and the result silu(gate) * up [R, N/2] (in the GEMM's
-    epilogue where it fuses it, as GEMM1). x's rows are the GEMM's rows in block order, all of
-    expert 0: as they are where the GEMM takes them (`takes_rows`: fewer than 8, part of one
-    block: no padded copy of x, no slice of the output, a decode step's two kernels fewer per
-    linear), else padded to whole blocks. The rows in use per block are static (all, the last
-    block's remainder). K splits: config.splits, else `linear_splits` (a split gated GEMM
-    applies silu * up to the summed f32 partial products)."""
+    ("silu" or a ClampedSwiGLU) w's rows are [gate; up] and the result activation(gate, up)
+    [R, N/2] (in the GEMM's epilogue where it fuses it, as GEMM1). x's rows are the GEMM's
+    rows in block order, all of expert 0: as they are where the GEMM takes them
+    (`takes_rows`: fewer than 8, part of one block: no padded copy of x, no slice of the
+    output, a decode step's two kernels fewer per linear), else padded to whole blocks. The
+    rows in use per block are static (all, the last block's remainder). K splits:
+    config.splits, else `linear_splits` (a split gated GEMM applies the activation to the
+    summed f32 partial products)."""
     if config.splits is None:
         splits = linear_splits(config, w, gated=activation is not None)
         config = dataclasses.replace(config, splits=splits)
@@ -143,10 +150,9 @@ def linear(x, w, *, config: MgpuConfig, out_dtype=None, activation=None, interpr
     in_use = gemm_rows_in_use(config, jnp.asarray(in_use))
     experts = jnp.zeros(blocks, jnp.int32)
     if activation is not None:
-        if activation != "silu":  # the epilogue computes silu only
-            out = activate(block_gemm(config, interpret)(x_rows, w, experts), activation, out_dtype)
-            return out[:rows]
-        out = block_gemm(config, interpret)(x_rows, w, experts, in_use, activation_dtype=out_dtype)
+        out = block_gemm(config, interpret)(
+            x_rows, w, experts, in_use, activation_dtype=out_dtype, activation=_gated(activation)
+        )
         return out[:rows]
     _, splits, _, options = gemm_plan(config, w, blocks, out_dtype=out_dtype)
     out = mgpu_wna16_gemm(x_rows, w, experts, in_use, **options, interpret=interpret)

@@ -78,7 +78,7 @@ from pallas_kernels.mgpu.convert import (
     converted_tile,
     int8_operand_tile,
 )
-from wna16_jax.backend_api import QuantizedExperts
+from wna16_jax.backend_api import ClampedSwiGLU, QuantizedExperts, normalize_activation
 
 
 def _plgpu():
@@ -349,6 +349,8 @@ class GemmPlan:
     profile_regions: tuple[str, ...]
     profile_dir: str | None
     codes: str = "int"  # QuantizedExperts.codes: "e2m1" (MXFP4) converts to E2M1 values
+    has_bias: bool = False  # a bias [E, N] per expert and feature, added to the f32 sums
+    activation: str | ClampedSwiGLU = "silu"  # gated's: "silu" or a ClampedSwiGLU
 
     @property
     def w8a8(self) -> bool:
@@ -454,7 +456,7 @@ def make_plan(
     splits: int = 1, gated: bool = False, tiles_per_program: int = 1, block_halvings: int = 1,
     buffer_rows: int | None = None, bf16_weights: bool = False, out_dtype=None,
     interpret: bool = False, profile_dir: str | None = None,
-    profile_regions: tuple[str, ...] = PROFILE_REGIONS,
+    profile_regions: tuple[str, ...] = PROFILE_REGIONS, bias=None, activation="silu",
 ) -> GemmPlan:  # fmt: skip
     """The GemmPlan of mgpu_wna16_gemm's arguments (see there), checked: raises ValueError
     (NotImplementedError for unsupported operands) for what the GEMM cannot run."""
@@ -476,7 +478,14 @@ def make_plan(
             f"wgmma's least rows), got block_m={block_m}, block_halvings={block_halvings}, and "
             f"one count per block: {rows_in_use.shape} for {block_experts.shape} blocks"
         )
-    _, n, k = w.shape
+    e, n, k = w.shape
+    if bias is not None and (
+        tuple(bias.shape) != (e, n) or not jnp.issubdtype(bias.dtype, jnp.floating)
+    ):
+        raise ValueError(f"bias must be float [E, N] = {[e, n]}, got {bias.dtype} {bias.shape}")
+    gated_activation = normalize_activation(activation)
+    if gated_activation is None:
+        raise ValueError(f"activation={activation!r} is not 'silu' or a ClampedSwiGLU")
     p = x_rows.shape[0]
     dtype = jnp.dtype(x_rows.dtype)
     out_dtype = jnp.dtype(out_dtype or (jnp.float32 if dtype == jnp.int8 else dtype))
@@ -489,6 +498,7 @@ def make_plan(
         splits=splits, gated=gated, tiles=tiles_per_program, halvings=block_halvings,
         narrow=narrow, buffer_rows=0, bf16_weights=bf16_weights, interpret=interpret,
         profile_regions=tuple(profile_regions), profile_dir=profile_dir, codes=w.codes,
+        has_bias=bias is not None, activation=gated_activation,
     )  # fmt: skip
     if block_experts.shape != (plan.blocks,):
         raise ValueError(
@@ -530,6 +540,7 @@ class Program:
     s_gmem: object
     z_gmem: object | None
     xs_gmem: object | None
+    b_gmem: object | None  # the biases [E, N] (has_bias)
     o_gmem: object
     o_smem: object
     a_smem: object | None  # the interpreter's dequantized tiles (its wgmma takes A from smem)
@@ -588,12 +599,58 @@ def store_all(prog: Program, values, ni) -> None:
         plgpu.wait_smem_to_gmem(0)
 
 
-def epilogue(plan: GemmPlan, accs):
-    """The output sub-tiles from the f32 sums: silu(gate) * up, or the sums."""
+def gated_product(activation):
+    """(gate, up) -> the output of a gated activation on f32 sub-tiles: "silu" (silu(gate) *
+    up) or a ClampedSwiGLU (gpt-oss's: gate clamped above at its limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)), its limit and alpha the value's."""
+    if activation == "silu":
+        return lambda g, u: g / (1.0 + jnp.exp(-g)) * u
+    alpha, limit = activation.alpha, activation.limit
+
+    def clamped_swiglu(g, u):
+        g = jnp.minimum(g, limit)
+        return (jnp.clip(u, -limit, limit) + 1.0) * (g / (1.0 + jnp.exp(-alpha * g)))
+
+    return clamped_swiglu
+
+
+def biased(prog: Program, accs, ni):
+    """accs (per half, per sub-tile) of output tile ni plus each feature's bias of the block's
+    expert in f32 (W's rows: a gated W's gate and up halves each their own), read from global
+    memory (optimized=False: Mosaic GPU lowers optimized loads from shared memory only); with
+    K splits only the first split adds it, so that the partial products sum to one bias."""
+    plgpu = _plgpu()
+    plan = prog.plan
+    row = plgpu.Layout.WGMMA.reduce(1)
+    out = []
+    for h in range(plan.halves):
+        for s in range(plan.subs):
+            first = h * plan.out_n + ni * plan.tile_n + prog.sub_tile(s) * TILE
+            bias = plgpu.load(
+                prog.b_gmem.at[prog.e, pl.ds(first, TILE)], layout=row, optimized=False
+            )
+            value = accs[h * plan.subs + s].astype(jnp.float32)
+            bias = lax.broadcast_in_dim(bias.astype(jnp.float32), value.shape, [0])
+            if plan.splits > 1:
+                first_split = lax.broadcast_in_dim(
+                    (prog.si == 0).astype(jnp.float32), value.shape, ()
+                )
+                bias = bias * plgpu.layout_cast(first_split, plgpu.Layout.WGMMA)
+            out.append(value + bias)
+    return tuple(out)
+
+
+def epilogue(prog: Program, accs, ni):
+    """Output tile ni's sub-tiles from the f32 sums: plus the biases (has_bias), then the gated
+    activation (gated) or as they are."""
+    plan = prog.plan
+    if plan.has_bias:
+        accs = biased(prog, accs, ni)
     if not plan.gated:
         return accs
     gates, ups = accs[: plan.subs], accs[plan.subs :]
-    return tuple(g / (1.0 + jnp.exp(-g)) * u for g, u in zip(gates, ups, strict=True))
+    act = gated_product(plan.activation)
+    return tuple(act(g, u) for g, u in zip(gates, ups, strict=True))
 
 
 def scaled_sums(prog: Program, acc_refs):
@@ -807,7 +864,7 @@ def pipeline_step(prog: Program, idx, *refs):
 
     @pl.when(kk == plan.steps - 1)
     def _store():
-        store(prog, epilogue(plan, accs), ni)
+        store(prog, epilogue(prog, accs, ni), ni)
 
     return accs
 
@@ -914,7 +971,7 @@ def run(prog: Program) -> None:
         def rounded(run_steps):
             def scope(*acc_refs):
                 run_steps(acc_refs)
-                store_all(prog, epilogue(plan, scaled_sums(prog, acc_refs)), prog.n_run)
+                store_all(prog, epilogue(prog, scaled_sums(prog, acc_refs), prog.n_run), prog.n_run)
 
             accs = [plgpu.ACC((TILE, prog.rows), plan.sums) for _ in range(plan.halves * plan.subs)]
             program(lambda: pl.run_scoped(scope, *accs))
@@ -924,11 +981,13 @@ def run(prog: Program) -> None:
         pipeline(lambda run_steps: program(lambda: run_steps(zero_accs(prog))))
         plgpu.wait_smem_to_gmem(0)
     elif not plan.consumers:
-        program(lambda: store_all(prog, epilogue(plan, pipeline()), prog.n_run))
+        program(lambda: store_all(prog, epilogue(prog, pipeline(), prog.n_run), prog.n_run))
     else:
         pipeline(
             lambda run_steps: program(
-                lambda: store_all(prog, epilogue(plan, run_steps(zero_accs(prog))), prog.n_run)
+                lambda: store_all(
+                    prog, epilogue(prog, run_steps(zero_accs(prog)), prog.n_run), prog.n_run
+                )
             )
         )
 
@@ -945,6 +1004,7 @@ def gemm_program(plan: GemmPlan, experts_gmem, *refs) -> None:
     x_gmem, q_gmem, s_gmem = refs.pop(0), refs.pop(0), refs.pop(0)
     z_gmem = refs.pop(0) if plan.has_offset else None
     xs_gmem = refs.pop(0) if plan.w8a8 else None
+    b_gmem = refs.pop(0) if plan.has_bias else None
     o_gmem, o_smem = refs.pop(0), refs.pop(0)
     a_smem = refs.pop(0) if plan.interpret else None
     wg = lax.axis_index("wg") if plan.consumers else 0
@@ -958,7 +1018,7 @@ def gemm_program(plan: GemmPlan, experts_gmem, *refs) -> None:
         plan=plan, rows=plan.block_m, wg=wg, si=si,
         bi=bi, n_run=n_run, expert=expert, e=jnp.clip(expert, 0, plan.num_experts - 1),
         has_expert=has_expert, x_gmem=x_gmem, q_gmem=q_gmem, s_gmem=s_gmem, z_gmem=z_gmem,
-        xs_gmem=xs_gmem, o_gmem=o_gmem, o_smem=o_smem, a_smem=a_smem,
+        xs_gmem=xs_gmem, b_gmem=b_gmem, o_gmem=o_gmem, o_smem=o_smem, a_smem=a_smem,
     )  # fmt: skip
     if plan.narrow:  # a block computes and stores the fewest rows (of the widths) it uses
         used = rows_gmem[bi]
@@ -986,6 +1046,7 @@ def mgpu_wna16_gemm(
     rows_in_use: jax.Array | None = None,
     *,
     x_scales: jax.Array | None = None,
+    bias: jax.Array | None = None,
     **config,
 ) -> jax.Array:
     """out[p] = x_rows[p] @ W[block_experts[p // block_m]].T in out_dtype (default x_rows',
@@ -993,12 +1054,17 @@ def mgpu_wna16_gemm(
     to be summed. Fewer than PARTIAL_BLOCK_ROWS bf16 rows may fill part of one block (a decode
     step's rows as they are): TMA reads the missing rows as zeros and skips their stores.
     gated: W's rows are the [gate; up] halves of a gated MLP (DeepSeek's w13) and out[p] =
-    silu(gate) * up, [P, N/2], computed on the f32 sums before the one rounding to out_dtype.
+    activation(gate, up), [P, N/2], computed on the f32 sums before the one rounding to
+    out_dtype: `activation` "silu" (silu(gate) * up) or a ClampedSwiGLU (gpt-oss's).
+    bias: None, or float [E, N] (W's rows: a gated W's [gate; up]), expert e's row added to
+    the f32 sums of its blocks' rows (scaled, before the activation; under K splits by the
+    first split's partial products).
 
     config: `make_plan`'s keywords (block_m, block_k, block_n, max_concurrent_steps, consumers,
-    splits, gated, tiles_per_program, block_halvings, buffer_rows, bf16_weights, out_dtype,
-    interpret, profile_dir, profile_regions), checked and gathered with the operands' shapes
-    into one GemmPlan, the kernel's one static argument; each is described below.
+    splits, gated, activation, tiles_per_program, block_halvings, buffer_rows, bf16_weights,
+    out_dtype, interpret, profile_dir, profile_regions), checked and gathered with the
+    operands' shapes into one GemmPlan, the kernel's one static argument; each is described
+    below.
 
     W8A8: x_rows int8 in `w8a8_input_order` with their f32 scales x_scales [P] (x_rows[p] *
     x_scales[p] the rows), on symmetric mgpu_int8 weights: int8 x int8 products on the int8
@@ -1060,12 +1126,12 @@ def mgpu_wna16_gemm(
     regions, fewer registers for the profiler: with all five of PROFILE_REGIONS ptxas spilled
     registers in GEMM2 at M=4096).
     """
-    plan = make_plan(x_rows, w, block_experts, rows_in_use, x_scales=x_scales, **config)
-    return _call(plan, x_rows, w, block_experts, rows_in_use, x_scales)
+    plan = make_plan(x_rows, w, block_experts, rows_in_use, x_scales=x_scales, bias=bias, **config)
+    return _call(plan, x_rows, w, block_experts, rows_in_use, x_scales, bias)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
-def _call(plan: GemmPlan, x_rows, w, block_experts, rows_in_use, x_scales):
+def _call(plan: GemmPlan, x_rows, w, block_experts, rows_in_use, x_scales, bias):
     """The kernel's launch: its operands in the layouts it reads, its grid, scratch and
     profile space."""
     plgpu = _plgpu()
@@ -1083,6 +1149,8 @@ def _call(plan: GemmPlan, x_rows, w, block_experts, rows_in_use, x_scales):
     if plan.w8a8:  # [blocks, xs_width]: a block's scales, then zeros to XS_BYTES
         xs = x_scales.reshape(plan.blocks, plan.block_m)
         operands.append(jnp.pad(xs, ((0, 0), (0, plan.xs_width - plan.block_m))))
+    if plan.has_bias:
+        operands.append(bias)
     out_shape = (plan.splits, plan.rows, plan.out_n) if plan.splits > 1 else (plan.rows, plan.out_n)
     wgs, subs = plan.wgs, plan.subs
     scratch = [plgpu.SMEM((wgs, plan.buffer_rows, TILE), plan.out_dtype)]
