@@ -69,15 +69,43 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
     return out
 
 
+def numpy_clamped_swiglu(gate, up, act: wj.ClampedSwiGLU):
+    """gpt-oss's activation of float64 halves, as transformers' GptOssExperts computes it."""
+    gate = np.minimum(gate, act.limit)
+    return (np.clip(up, -act.limit, act.limit) + 1) * gate / (1 + np.exp(-act.alpha * gate))
+
+
+def gpt_oss_epilogue(rng, products, *, e: int, gated: bool, bias_dtype):
+    """For a GEMM's float64 products [P, N]: per-expert biases [E, N] of bias_dtype on their
+    scale (rms), and (gated) a ClampedSwiGLU whose limit is the median |product + bias|, so
+    that about half the gate and up values are clamped; the limit and alpha are the value's,
+    not gpt-oss's."""
+    rms = float(np.sqrt(np.mean(products**2)))
+    bias = jnp.asarray(rng.standard_normal((e, products.shape[1])) * rms, bias_dtype)
+    act = wj.ClampedSwiGLU(alpha=1.3, limit=float(np.median(np.abs(products)))) if gated else None
+    return bias, act
+
+
 def run_gemm_case(
     rng, *, e, n, k, group_size, has_zp, block_m, block_k, blocks, consumers=0, splits=1,
     stages=4, block_n=64, gated=False, tiles_per_program=1, bf16_weights=False, bits=4,
-    scale_dtype=BF16,
+    scale_dtype=BF16, bias_dtype=None,
 ):  # fmt: skip
+    """The GEMM against numpy on random weights and rows of `blocks`' experts; bias_dtype: with
+    per-expert biases of that dtype and (gated) a ClampedSwiGLU (`gpt_oss_epilogue`)."""
     qw = helpers.random_quantized_experts(rng, e, n, k, bits, group_size, has_zp, scale_dtype)
     block_experts = np.asarray(blocks, np.int32)
     x_rows = jnp.asarray(rng.standard_normal((len(blocks) * block_m, k)), BF16)
     w = prepare_weights(qw)
+    # the oracle takes the kernel's weights
+    w_deq = helpers.bf16_weights_of(qw) if bf16_weights else helpers.numpy_dequantize(qw)
+    ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
+    epilogue = {}
+    if bias_dtype is not None:
+        bias, act = gpt_oss_epilogue(rng, ref, e=e, gated=gated, bias_dtype=bias_dtype)
+        epilogue = {"bias": bias} | ({"activation": act} if gated else {})
+        experts = np.repeat(block_experts, block_m)
+        ref = ref + np.where(experts[:, None] >= 0, np.asarray(bias, np.float64)[experts], 0)
     out = mgpu_wna16_gemm(
         x_rows,
         w,
@@ -94,14 +122,15 @@ def run_gemm_case(
         # K-split partial products are summed here: f32, so that only the sum is rounded.
         out_dtype=jnp.float32 if splits > 1 else None,
         interpret=INTERPRET,
+        **epilogue,
     )
     out = np.asarray(out)  # INTERPRETER_DISPATCH: the partials summed in numpy
-    # the oracle takes the kernel's weights
-    w_deq = helpers.bf16_weights_of(qw) if bf16_weights else helpers.numpy_dequantize(qw)
-    ref = numpy_block_gemm(x_rows, w_deq, block_experts, block_m)
-    if gated:  # silu(gate) * up of the halves, in float64
+    if gated:  # the activation of the halves, in float64
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
-        ref = gate / (1 + np.exp(-gate)) * up
+        if "activation" in epilogue:
+            ref = numpy_clamped_swiglu(gate, up, epilogue["activation"])
+        else:
+            ref = gate / (1 + np.exp(-gate)) * up
     if splits > 1:
         assert out.shape == (splits, *ref.shape)
         out = out.sum(axis=0, dtype=np.float32).astype(BF16)
@@ -300,6 +329,53 @@ def test_gemm_small_groups_and_scale_dtypes(
         tiles_per_program=tiles, splits=splits, stages=3, bf16_weights=bf16_weights, bits=bits,
         scale_dtype=scale_dtype,
     )  # fmt: skip
+
+
+# gpt-oss's epilogue (per-expert biases; gated: the clamped SwiGLU) on each way a program stores
+# its sums: one warpgroup, warp specialization (gated halves per consumer), bf16_weights' carried
+# sums, a run of tiles (stored at each tile's last k-step), per-channel scales carried to the end
+# (scaled, then biased), and K splits (the first split's partial products take the bias).
+GPT_OSS_EPILOGUE_CASES = (
+    dict(block_m=8, block_k=64, gated=True, bias_dtype=BF16),
+    dict(block_m=16, block_k=64, consumers=2, gated=True, bias_dtype=jnp.float32),
+    dict(
+        block_m=16,
+        block_k=64,
+        consumers=1,
+        block_n=128,
+        gated=True,
+        bf16_weights=True,
+        bias_dtype=BF16,
+    ),  # fmt: skip
+    dict(block_m=8, block_k=64, gated=True, tiles_per_program=2, bias_dtype=BF16),
+    dict(
+        block_m=8,
+        block_k=64,
+        consumers=1,
+        group_size=-1,
+        bits=8,
+        has_zp=False,
+        bf16_weights=True,
+        bias_dtype=jnp.float16,
+    ),  # fmt: skip
+    dict(block_m=8, block_k=64, splits=2, bias_dtype=BF16),
+)
+
+
+def _case_id(case: dict) -> str:
+    return ",".join(
+        f"{k}={jnp.dtype(v).name if k.endswith('dtype') else v}" for k, v in case.items()
+    )
+
+
+@pytest.mark.parametrize("case", GPT_OSS_EPILOGUE_CASES, ids=_case_id)
+def test_gemm_biases_and_clamped_swiglu(rng, case):
+    """Per-expert biases [E, N] added to the f32 sums of each block's expert (none to blocks of
+    expert -1: zero rows) and, gated, a ClampedSwiGLU of gate and up (its limit reached by
+    about half of them) match numpy."""
+    case = {"group_size": 64, "has_zp": True} | case
+    n = 128 * (2 if case.get("gated") else 1) * (2 if case.get("tiles_per_program") else 1)
+    run_gemm_case(rng, e=3, n=n, k=128, blocks=[1, -1, 0, 2, 1], **case)
 
 
 # int8 (the mgpu_int8 layout): each path of the int4 cases above, zero points and symmetric,

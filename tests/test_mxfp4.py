@@ -219,17 +219,22 @@ def _numpy_gpt_oss_moe(x, w13, w2, b13, b2, tw, ids, alpha=1.702, limit=7.0):
 
 # (implementation, config): 'xla'; the Pallas layer (interpreted) with its own configs (the
 # activation and the biases in GEMM1's epilogue) and with split-K (GEMM1's biases added by the
-# first split, the activation after the sum).
+# first split, the activation after the sum); the Mosaic GPU layer (interpreted, mgpu_int4
+# weights) with its own configs (both in the epilogues of 8-row blocks; its other paths:
+# tests/test_mgpu_gemm.py).
 GPT_OSS_CASES = [
     ("xla", None),
     ("pallas_interpret", None),
     ("pallas_interpret", BlockConfig(block_m=16, block_n=64, block_k=64, split_k=2, unpack="tile")),
+    ("mgpu_interpret", None),
 ]
 
 
 @pytest.mark.parametrize("activation", ["swiglu_oai", wj.ClampedSwiGLU(alpha=1.5, limit=3.0)])
 @pytest.mark.parametrize(
-    "implementation, config", GPT_OSS_CASES, ids=["xla", "pallas", "pallas-split-k"]
+    "implementation, config",
+    GPT_OSS_CASES,
+    ids=["xla", "pallas", "pallas-split-k", "mgpu"],
 )
 def test_gpt_oss_layer(rng, activation, implementation, config):
     """MXFP4 experts with both biases and the clamped SwiGLU match the float64 layer; the
@@ -242,10 +247,12 @@ def test_gpt_oss_layer(rng, activation, implementation, config):
     b13 = rng.normal(size=(e, 2 * i)).astype(np.float32)
     b2 = rng.normal(size=(e, h)).astype(np.float32)
     tw, ids = helpers.random_routing(rng, t, k, e)
+    layout = wj.backend_layout(implementation, 4)
     out = wj.fused_moe(
-        x, w13, w2, jnp.asarray(tw), jnp.asarray(ids), activation=activation,
-        w13_bias=jnp.asarray(b13), w2_bias=jnp.asarray(b2), out_dtype=jnp.float32,
-        implementation=implementation, config=config,
+        x, wj.layouts.to_kernel_layout(w13, layout), wj.layouts.to_kernel_layout(w2, layout),
+        jnp.asarray(tw), jnp.asarray(ids), activation=activation, w13_bias=jnp.asarray(b13),
+        w2_bias=jnp.asarray(b2), out_dtype=jnp.float32, implementation=implementation,
+        config=config,
     )  # fmt: skip
     fn = activation if isinstance(activation, wj.ClampedSwiGLU) else wj.ClampedSwiGLU()
     w13d, w2d = helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2)
@@ -268,9 +275,18 @@ def test_biases_are_checked_and_refused_by_backends_without_them(rng):
         wj.fused_moe(x, w13, w2, tw, ids, w13_bias=jnp.zeros((e, i)))
     with pytest.raises(ValueError, match="w2_bias dtype"):
         wj.fused_moe(x, w13, w2, tw, ids, w2_bias=jnp.zeros((e, h), jnp.int32))
-    m13, m2 = (wj.layouts.to_kernel_layout(w, "mgpu_int4") for w in (w13, w2))
-    with pytest.raises(NotImplementedError, match="no per-expert biases"):
-        wj.fused_moe(x, m13, m2, tw, ids, w2_bias=jnp.ones((e, h)), implementation="mgpu_interpret")
+    s13, s2 = (
+        wj.layouts.to_kernel_layout(
+            wj.random_quantized_experts(rng, shape, bits=8, group_size=-1, has_zeros=False),
+            "mgpu_int8",
+        )
+        for shape in ((e, 2 * i, h), (e, h, i))
+    )
+    with pytest.raises(NotImplementedError, match="biases with int8 activations"):
+        wj.fused_moe(
+            x, s13, s2, tw, ids, w2_bias=jnp.ones((e, h)), implementation="mgpu_interpret",
+            activation_quant=wj.ActivationQuant("int8_per_token"),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="activation='gelu'"):
         wj.fused_moe(x, w13, w2, tw, ids, activation="gelu")
     with pytest.raises(ValueError, match="alpha"):
