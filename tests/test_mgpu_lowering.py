@@ -17,6 +17,7 @@ import json
 import pathlib
 import re
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,25 +27,58 @@ import wna16_jax as wj
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "mgpu_kernels.json"
 
-# name: (E, top_k, H, I, bits, group, zero points, scale dtype, tokens, W8A8); scale dtype
-# "e8m0": MXFP4 (E2M1 codes, group 32, held by the mgpu_int4 layout).
+
+class Layer(NamedTuple):
+    """A layer's experts and tokens. scale_dtype "e8m0": MXFP4 (E2M1 codes, group 32, held by
+    the mgpu_int4 layout). gpt_oss: gpt-oss's expert math, bfloat16 biases of both GEMMs and
+    the clamped SwiGLU (wj.ClampedSwiGLU())."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    bits: int
+    group: int
+    zero_points: bool
+    scale_dtype: str
+    tokens: int
+    w8a8: bool
+    gpt_oss: bool = False
+
+
 CASES = {
-    "deepseek-v3-g128-zp-m1": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 1, False),
-    "deepseek-v3-g128-zp-m16": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 16, False),
-    "deepseek-v3-g128-zp-m256": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 256, False),
-    "deepseek-v3-g128-zp-m4096": (256, 8, 7168, 2048, 4, 128, True, "bfloat16", 4096, False),
-    "deepseek-v3-tp8-g128-sym-m1": (256, 8, 7168, 256, 4, 128, False, "bfloat16", 1, False),
-    "kimi-k2-48-experts-g32-sym-m160": (48, 8, 7168, 2048, 4, 32, False, "bfloat16", 160, False),
-    "kimi-k2-48-experts-g32-sym-m4096": (48, 8, 7168, 2048, 4, 32, False, "bfloat16", 4096, False),
-    "deepseek-v3-g64-zp-f32-m16": (256, 8, 7168, 2048, 4, 64, True, "float32", 16, False),
-    "deepseek-v3-g128-zp-f16-m4096": (256, 8, 7168, 2048, 4, 128, True, "float16", 4096, False),
-    "deepseek-v3-int8-g32-zp-f16-m1": (256, 8, 7168, 2048, 8, 32, True, "float16", 1, False),
-    "qwen3-moe-g128-sym-fp16-m64": (128, 8, 2048, 768, 4, 128, False, "float16", 64, False),
-    "w8a16-per-channel-m4096": (256, 8, 7168, 2048, 8, -1, False, "bfloat16", 4096, False),
-    "w8a8-per-channel-m256": (256, 8, 7168, 2048, 8, -1, False, "bfloat16", 256, True),
-    "gpt-oss-120b-mxfp4-m1": (128, 4, 2880, 2880, 4, 32, False, "e8m0", 1, False),
-    "gpt-oss-120b-mxfp4-m4096": (128, 4, 2880, 2880, 4, 32, False, "e8m0", 4096, False),
-    "deepseek-v3-mxfp4-m16": (256, 8, 7168, 2048, 4, 32, False, "e8m0", 16, False),
+    "deepseek-v3-g128-zp-m1": Layer(256, 8, 7168, 2048, 4, 128, True, "bfloat16", 1, False),
+    "deepseek-v3-g128-zp-m16": Layer(256, 8, 7168, 2048, 4, 128, True, "bfloat16", 16, False),
+    "deepseek-v3-g128-zp-m256": Layer(256, 8, 7168, 2048, 4, 128, True, "bfloat16", 256, False),
+    "deepseek-v3-g128-zp-m4096": Layer(256, 8, 7168, 2048, 4, 128, True, "bfloat16", 4096, False),
+    "deepseek-v3-tp8-g128-sym-m1": Layer(256, 8, 7168, 256, 4, 128, False, "bfloat16", 1, False),
+    "kimi-k2-48-experts-g32-sym-m160": Layer(
+        48, 8, 7168, 2048, 4, 32, False, "bfloat16", 160, False
+    ),
+    "kimi-k2-48-experts-g32-sym-m4096": Layer(
+        48, 8, 7168, 2048, 4, 32, False, "bfloat16", 4096, False
+    ),
+    "deepseek-v3-g64-zp-f32-m16": Layer(256, 8, 7168, 2048, 4, 64, True, "float32", 16, False),
+    "deepseek-v3-g128-zp-f16-m4096": Layer(
+        256, 8, 7168, 2048, 4, 128, True, "float16", 4096, False
+    ),
+    "deepseek-v3-int8-g32-zp-f16-m1": Layer(256, 8, 7168, 2048, 8, 32, True, "float16", 1, False),
+    "qwen3-moe-g128-sym-fp16-m64": Layer(128, 8, 2048, 768, 4, 128, False, "float16", 64, False),
+    "w8a16-per-channel-m4096": Layer(256, 8, 7168, 2048, 8, -1, False, "bfloat16", 4096, False),
+    "w8a8-per-channel-m256": Layer(256, 8, 7168, 2048, 8, -1, False, "bfloat16", 256, True),
+    "gpt-oss-120b-mxfp4-m1": Layer(128, 4, 2880, 2880, 4, 32, False, "e8m0", 1, False),
+    "gpt-oss-120b-mxfp4-m4096": Layer(128, 4, 2880, 2880, 4, 32, False, "e8m0", 4096, False),
+    "deepseek-v3-mxfp4-m16": Layer(256, 8, 7168, 2048, 4, 32, False, "e8m0", 16, False),
+    # gpt-oss-120b's and -20b's experts (H = I = 2880: 45 tiles of 64) with their biases and
+    # activation: at decode GEMM1's 8-row blocks fuse both into its epilogue; 16-row blocks of
+    # 128 features and 128-row blocks of two consumers do not tile a half of 2880 (the
+    # activation follows GEMM1's f32 output)
+    "gpt-oss-120b-mxfp4-oai-m1": Layer(128, 4, 2880, 2880, 4, 32, False, "e8m0", 1, False, True),
+    "gpt-oss-120b-mxfp4-oai-m4096": Layer(
+        128, 4, 2880, 2880, 4, 32, False, "e8m0", 4096, False, True
+    ),
+    "gpt-oss-20b-mxfp4-oai-m1": Layer(32, 4, 2880, 2880, 4, 32, False, "e8m0", 1, False, True),
+    "gpt-oss-20b-mxfp4-oai-m256": Layer(32, 4, 2880, 2880, 4, 32, False, "e8m0", 256, False, True),
 }
 
 
@@ -86,12 +120,13 @@ def kernel_texts(lowered_text: str) -> list[str]:
 def lowered_kernels(case) -> list[str]:
     """The case's two GEMMs as the 'mgpu' layer runs them (its config for the case's slots,
     `layer_config`; as many blocks as the alignment uses at most; GEMM1 gated into the
-    activation), lowered for CUDA on shapes alone."""
+    activation where it tiles; gpt-oss's with their biases), lowered for CUDA on shapes
+    alone."""
     from pallas_kernels.mgpu import config as mgpu_config
     from pallas_kernels.mgpu.fused_moe import block_gemm
     from wna16_jax._activations import Int8Rows
 
-    e, k, h, i, bits, group, zp, scale_dtype, t, w8a8 = case
+    e, k, h, i, bits, group, zp, scale_dtype, t, w8a8, gpt_oss = case
 
     def experts(n, kk):
         if scale_dtype == "e8m0":
@@ -127,15 +162,16 @@ def lowered_kernels(case) -> list[str]:
 
     gemm = block_gemm(cfg, interpret=False)
     act_dtype = jnp.float32 if w8a8 else jnp.bfloat16
+    b13, b2 = (jax.ShapeDtypeStruct((e, n), jnp.bfloat16) if gpt_oss else None for n in (2 * i, h))
+    act = wj.ClampedSwiGLU() if gpt_oss else "silu"
     texts = []
-    for run in (
-        lambda x, w, be, ru: gemm(x, w, be, ru, activation_dtype=act_dtype),
-        lambda x, w, be, ru: gemm(x, w, be, ru),
+    for run, bias in (
+        (lambda x, w, be, ru, b: gemm(x, w, be, ru, act_dtype, act, b), b13),
+        (lambda x, w, be, ru, b: gemm(x, w, be, ru, bias=b), b2),
     ):
         w, x = (w13, rows(h)) if not texts else (w2, rows(i))
-        lowered = (
-            jax.jit(run).trace(x, w, block_experts, in_use).lower(lowering_platforms=("cuda",))
-        )
+        traced = jax.jit(run).trace(x, w, block_experts, in_use, bias)
+        lowered = traced.lower(lowering_platforms=("cuda",))
         texts += kernel_texts(lowered.as_text(debug_info=False))
     return texts
 
