@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import shutil
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from backend_cases import ALL_SCHEMES_ENV
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -67,10 +69,12 @@ def test_the_fixture_is_what_the_checks_need(ref):
 # ---- against transformers -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", "mgpu_interpret"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
 def test_logits_and_greedy_tokens_match_transformers(ref, implementation):
     """The MXFP4 experts on each backend, served as models.prepare sets them up (a kernel
-    that does not decode MXFP4 or add biases skips with the reason its selection gives)."""
+    that does not decode MXFP4 or add biases skips with the reason its selection gives). The
+    Mosaic GPU kernels take bfloat16 activations only: `test_bf16_model_on_mgpu_matches_xla`
+    and `test_bf16_checkpoint_on_mgpu_matches_xla_and_transformers`."""
     model = models.load_pretrained(FIXTURE, dtype=jnp.float32, progress=False)
     try:
         models.prepare(model, implementation=implementation, progress=False)
@@ -296,7 +300,7 @@ def test_the_presets_draw_mxfp4_experts_at_full_width():
     assert not any(isinstance(m, QuantizedLinear) for _, m in nnx.iter_modules(model))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", "mgpu_interpret"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
 def test_mxfp4_experts_match_their_dequantized_twin(implementation):
     """A random MXFP4 model on each backend against the same weights dequantized (float
     experts, `float_moe`): fused_moe's biases and clamped swiglu on the E2M1 codes. H and I are
@@ -312,6 +316,62 @@ def test_mxfp4_experts_match_their_dequantized_twin(implementation):
     except NotImplementedError as err:
         pytest.skip(str(err))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# ---- the Mosaic GPU kernels (interpreted): bfloat16 activations only -----------------------
+
+# A bf16 model on the Mosaic GPU kernels against the same model on 'xla', norm-wise: the kernels
+# round GEMM1's activation to bf16 before GEMM2 ('xla' keeps it in f32) and the roundings compound
+# over the layers (the bf16 model tolerance of tests/test_deepseek_v3_common.py; measured 0.6%
+# on the 2-layer model below, 1.1% on the fixture).
+BF16_MODEL_TOL = 5e-2
+
+
+def test_bf16_model_on_mgpu_matches_xla():
+    """A random bf16 model with MXFP4 experts on 'mgpu_interpret' (the mgpu_int4 layout;
+    the experts' biases and clamped SwiGLU in the GEMMs' epilogues) against the same model
+    on 'xla'."""
+    cfg = GptOssConfig.tiny(
+        hidden_size=128, intermediate_size=128, num_hidden_layers=2, quant=MXFP4,
+        dtype="bfloat16",
+    )  # fmt: skip
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 5))
+    logits = {}
+    for implementation in ("xla", "mgpu_interpret"):
+        model = init_random(cfg, seed=6)
+        models.prepare(model, implementation=implementation, progress=False)
+        logits[implementation] = np.asarray(model(ids), np.float64)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.weights.layout == "mgpu_int4"
+    for bias in (experts.w13_bias, experts.w2_bias):
+        assert np.abs(np.asarray(bias.get_value(), np.float32)).min() > 0
+    want, got = logits["xla"], logits["mgpu_interpret"]
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < BF16_MODEL_TOL, err
+
+
+@pytest.mark.skipif(
+    os.environ.get(ALL_SCHEMES_ENV) != "1",
+    reason=f"the fixture on the Mosaic GPU interpreter takes ~2 min ({ALL_SCHEMES_ENV}=1 runs it)",
+)
+def test_bf16_checkpoint_on_mgpu_matches_xla_and_transformers(ref):
+    """The checkpoint in bf16 on 'mgpu_interpret' against the same bf16 model on 'xla' (logits
+    norm-wise, greedy tokens equal) and against transformers' f32 logits (norm-wise: a bf16
+    model's distance from its f32 twin, measured 3.5% on both backends)."""
+    mask = ref["attention_mask"].astype(bool)
+    steps = ref["greedy"].shape[1] - ref["ids"].shape[1]
+    logits, tokens = {}, {}
+    for implementation in ("xla", "mgpu_interpret"):
+        model = models.load_pretrained(FIXTURE, dtype=jnp.bfloat16, progress=False)
+        models.prepare(model, implementation=implementation, progress=False)
+        logits[implementation] = np.asarray(model(ref["ids"], ref["attention_mask"]))[mask]
+        out = models.generate(model, _prompts(ref), max_new_tokens=steps, eos_id=())
+        tokens[implementation] = np.asarray(out)[:, -steps:]
+    want, got = logits["xla"].astype(np.float64), logits["mgpu_interpret"].astype(np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < BF16_MODEL_TOL
+    hf = ref["logits"][mask]
+    assert np.linalg.norm(got - hf) / np.linalg.norm(hf) < BF16_MODEL_TOL
+    np.testing.assert_array_equal(tokens["mgpu_interpret"], tokens["xla"])
 
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "generate.py"
