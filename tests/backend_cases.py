@@ -134,6 +134,13 @@ SAMPLED_SCHEMES = (
 )
 
 
+# gpt-oss's expert math (per-expert biases of both GEMMs, the clamped SwiGLU) on every scheme of
+# SCHEMES, where a backend sets GPT_OSS_MATH, under WNA16_TEST_ALL_SCHEMES=1 (on MXFP4, gpt-oss's
+# own scheme, tests/test_mxfp4.py runs it in CI).
+def gpt_oss_schemes() -> tuple[Scheme, ...]:
+    return SCHEMES if os.environ.get(ALL_SCHEMES_ENV) == "1" else ()
+
+
 def invariant_schemes() -> tuple[Scheme, ...]:
     """The schemes of the batch-invariance checks: SAMPLED_SCHEMES, or every one under
     WNA16_TEST_ALL_SCHEMES=1."""
@@ -176,11 +183,17 @@ class SchemeCases:
     # True: the backend computes rows batch-invariantly (batch_invariant=True); False: it
     # refuses batch_invariant=True with its reason; None: not checked (no registered name).
     BATCH_INVARIANT: bool | None = True
+    # True: fused_moe takes per-expert biases and a ClampedSwiGLU (test_scheme_gpt_oss_math).
+    GPT_OSS_MATH: bool = False
 
     def pytest_generate_tests(self, metafunc):
         if "scheme" in metafunc.fixturenames:
             schemes = [s for s in SCHEMES if self.supports_scheme(s)]
             metafunc.parametrize("scheme", schemes, ids=[str(s) for s in schemes])
+        if "gpt_oss_scheme" in metafunc.fixturenames:
+            schemes = [s for s in gpt_oss_schemes() if self.supports_scheme(s)]
+            schemes = schemes if self.GPT_OSS_MATH else []
+            metafunc.parametrize("gpt_oss_scheme", schemes, ids=[str(s) for s in schemes])
         if "invariant_scheme" in metafunc.fixturenames:
             schemes = [s for s in invariant_schemes() if self.supports_scheme(s)]
             if self.BATCH_INVARIANT is not True:
@@ -240,6 +253,33 @@ class SchemeCases:
         self.assert_scheme_close(out, want, f"{scheme} fused_moe vs float64 oracle")
         ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla")
         self.assert_scheme_close(out, ref, f"{scheme} fused_moe vs xla")
+
+    def test_scheme_gpt_oss_math(self, rng, gpt_oss_scheme):
+        """fused_moe with per-expert biases of both GEMMs (on the scale of their products) and
+        a ClampedSwiGLU whose limit is the median |GEMM1 + bias| (about half the gate and up
+        values clamped) against the float64 layer."""
+        p = SCHEME_PROBLEM
+        e, t, k, i = p["E"], p["T"], p["k"], p["I"]
+        x = jnp.asarray(rng.normal(size=(t, p["H"])), jnp.bfloat16)
+        w13 = self.scheme_weights(rng, gpt_oss_scheme, e, 2 * i, p["H"])
+        w2 = self.scheme_weights(rng, gpt_oss_scheme, e, p["H"], i)
+        tw, ti = (jnp.asarray(a) for a in helpers.random_routing(rng, t, k, e))
+        w13d, w2d = helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2)
+        hid = np.einsum("th,enh->ten", np.asarray(x, np.float64), w13d)  # [T, E, 2I]
+        b13 = rng.normal(size=(e, 2 * i)) * np.sqrt(np.mean(hid**2))
+        act = wj.ClampedSwiGLU(alpha=1.3, limit=float(np.median(np.abs(hid + b13))))
+        layer = dict(activation_dtype=jnp.dtype(jnp.bfloat16), activation=act)
+        without_b2 = helpers.numpy_fused_moe(x, w13d, w2d, tw, ti, w13_bias=b13, **layer)
+        b2 = rng.normal(size=(e, p["H"])) * np.sqrt(np.mean(without_b2**2))
+        b13, b2 = jnp.asarray(b13, jnp.bfloat16), jnp.asarray(b2, jnp.bfloat16)
+        out = jax.block_until_ready(
+            wj.fused_moe(
+                x, self.prepare(w13), self.prepare(w2), tw, ti, activation=act,
+                w13_bias=b13, w2_bias=b2, implementation=self.IMPLEMENTATION,
+            )
+        )  # fmt: skip
+        want = helpers.numpy_fused_moe(x, w13d, w2d, tw, ti, w13_bias=b13, w2_bias=b2, **layer)
+        self.assert_scheme_close(out, want, f"{gpt_oss_scheme} gpt-oss math vs float64 oracle")
 
     def test_scheme_grouped_matmul(self, rng, scheme):
         """The grouped GEMM with silu (w13's [gate; up]) and routed weights, f32 output."""

@@ -293,9 +293,17 @@ def _silu(v: np.ndarray) -> np.ndarray:
     return 0.5 * v * (1.0 + np.tanh(0.5 * v))  # v * sigmoid(v), without exp overflow
 
 
+def numpy_clamped_swiglu(gate, up, act) -> np.ndarray:
+    """gpt-oss's activation (a wj.ClampedSwiGLU `act`) of float64 halves, as transformers'
+    GptOssExperts computes it."""
+    gate = np.minimum(gate, act.limit)
+    sigmoid = 0.5 * (1.0 + np.tanh(0.5 * act.alpha * gate))  # without exp overflow
+    return (np.clip(up, -act.limit, act.limit) + 1) * gate * sigmoid
+
+
 def numpy_fused_moe(
     x, w13_deq, w2_deq, topk_weights, topk_ids, expert_map=None, activation_dtype=None,
-    rows_dtype=None,
+    rows_dtype=None, activation=None, w13_bias=None, w2_bias=None,
 ) -> np.ndarray:  # fmt: skip
     """The MoE layer in float64: out[t] = sum_j w[t,j] * w2[e] @ silu_mul(w13[e] @ x[t]).
 
@@ -312,6 +320,9 @@ def numpy_fused_moe(
         rows_dtype: likewise, round each slot's GEMM2 row (before its routing weight) to this
             dtype, for a backend that writes its rows so (the mgpu backend's opt-in
             bf16_down_rows).
+        activation: None (silu) or a wj.ClampedSwiGLU (`numpy_clamped_swiglu`).
+        w13_bias, w2_bias: optional per-expert biases [E_local, 2I] and [E_local, H], added to
+            each GEMM's products (GEMM2's before the routing weight).
 
     Returns:
         float64 [T, H].
@@ -337,10 +348,17 @@ def numpy_fused_moe(
         if rows.size == 0:
             continue
         hid = x[rows] @ w13[e].T  # [n, 2I]
-        act = _silu(hid[:, :i]) * hid[:, i:]  # [n, I]
+        if w13_bias is not None:
+            hid = hid + np.asarray(w13_bias, np.float64)[e]
+        if activation is None:
+            act = _silu(hid[:, :i]) * hid[:, i:]  # [n, I]
+        else:
+            act = numpy_clamped_swiglu(hid[:, :i], hid[:, i:], activation)
         if activation_dtype is not None:
             act = np.asarray(jnp.asarray(act, activation_dtype), np.float64)
         y = act @ w2[e].T  # [n, H]
+        if w2_bias is not None:
+            y = y + np.asarray(w2_bias, np.float64)[e]
         if rows_dtype is not None:
             y = np.asarray(jnp.asarray(y, rows_dtype), np.float64)
         y = y * wts[rows, slots][:, None]

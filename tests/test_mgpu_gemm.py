@@ -69,12 +69,6 @@ def numpy_block_gemm(x_rows, w_deq, block_experts, block_m):
     return out
 
 
-def numpy_clamped_swiglu(gate, up, act: wj.ClampedSwiGLU):
-    """gpt-oss's activation of float64 halves, as transformers' GptOssExperts computes it."""
-    gate = np.minimum(gate, act.limit)
-    return (np.clip(up, -act.limit, act.limit) + 1) * gate / (1 + np.exp(-act.alpha * gate))
-
-
 def gpt_oss_epilogue(rng, products, *, e: int, gated: bool, bias_dtype):
     """For a GEMM's float64 products [P, N]: per-expert biases [E, N] of bias_dtype on their
     scale (rms), and (gated) a ClampedSwiGLU whose limit is the median |product + bias|, so
@@ -128,7 +122,7 @@ def run_gemm_case(
     if gated:  # the activation of the halves, in float64
         gate, up = ref[:, : n // 2], ref[:, n // 2 :]
         if "activation" in epilogue:
-            ref = numpy_clamped_swiglu(gate, up, epilogue["activation"])
+            ref = helpers.numpy_clamped_swiglu(gate, up, epilogue["activation"])
         else:
             ref = gate / (1 + np.exp(-gate)) * up
     if splits > 1:
@@ -622,6 +616,7 @@ class TestMgpuInterpreted(FusedMoeCases):
     DTYPES = ("bfloat16",)
     CASES = MGPU_CASES
     BATCH_INVARIANT = False  # its K splits follow the number of blocks
+    GPT_OSS_MATH = True
 
     def prepare(self, w):
         return prepare_weights(w)  # mgpu_int4 or mgpu_int8 by its bits
