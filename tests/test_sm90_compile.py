@@ -198,11 +198,11 @@ def mxfp4_layer_args(m: int) -> tuple:
     )
 
 
-def abstract_mxfp4_experts(n, k):
-    """[E, N, K] MXFP4 experts: E2M1 codes in uint32 words, uint8 E8M0 scales per 32 inputs."""
+def abstract_mxfp4_experts(n, k, *, e=E):
+    """[e, N, K] MXFP4 experts: E2M1 codes in uint32 words, uint8 E8M0 scales per 32 inputs."""
     return wj.QuantizedExperts(
-        jax.ShapeDtypeStruct((E, n, k // 8), jnp.uint32),
-        jax.ShapeDtypeStruct((E, n, k // 32), jnp.uint8),
+        jax.ShapeDtypeStruct((e, n, k // 8), jnp.uint32),
+        jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8),
         None,
         bits=4,
         group_size=32,
@@ -236,16 +236,29 @@ def test_mxfp4_kernels_build_for_sm90(m, config):
         )
 
 
+# gpt-oss-120b's experts: E = 128, top-4, H = I = 2880 (45 k-tiles of 64, none of 128).
+GPT_OSS_E, GPT_OSS_TOP_K, GPT_OSS_H = 128, 4, 2880
+
+
+def gpt_oss_layer_args(m: int, *, e=E, top_k=TOP_K, h=H, i=I) -> tuple:
+    """fused_moe's arguments (shapes) with MXFP4 experts [e, 2i, h] and [e, h, i] and both
+    biases (f32 [e, 2i], [e, h]), m tokens."""
+    return (
+        jax.ShapeDtypeStruct((m, h), jnp.bfloat16),
+        abstract_mxfp4_experts(2 * i, h, e=e),
+        abstract_mxfp4_experts(h, i, e=e),
+        jax.ShapeDtypeStruct((m, top_k), jnp.float32),
+        jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((e, 2 * i), jnp.float32),
+        jax.ShapeDtypeStruct((e, h), jnp.float32),
+    )
+
+
 @pytest.mark.parametrize("m", [1, 256])
 def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m):
-    """gpt-oss's expert math on MXFP4 experts (DeepSeek-V3 shapes: gpt-oss's own H = 2880 is not
-    a multiple of the Pallas kernels' 128-wide int4 k-tile): both biases and the clamped
-    SwiGLU in the GEMMs' epilogues build for sm_90."""
-    args = (
-        *mxfp4_layer_args(m),
-        jax.ShapeDtypeStruct((E, 2 * I), jnp.float32),
-        jax.ShapeDtypeStruct((E, H), jnp.float32),
-    )
+    """gpt-oss's expert math on MXFP4 experts at DeepSeek-V3 shapes (128-wide k-tiles): both
+    biases and the clamped SwiGLU in the GEMMs' epilogues build for sm_90."""
+    args = gpt_oss_layer_args(m)
 
     def layer(x, w13, w2, tw, ids, b13, b2):
         return helpers.pipeline_fused_moe(pallas_moe.stages)(
@@ -256,3 +269,27 @@ def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m):
     gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
     assert [k.name for k in gemms] == ["wna16_gemm_mxfp4"] * 2, [k.name for k in kernels]
     assert all(k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES for k in kernels)
+
+
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_gpt_oss_120b_builds_for_sm90(m):
+    """gpt-oss-120b's MoE layer (MXFP4, E = 128, top-4, H = I = 2880, both biases, the clamped
+    SwiGLU) at its heuristic configs: 64-wide k-tiles ("join" on tensor cores, "slices" on the
+    CUDA cores at decode) build for sm_90 within its shared memory."""
+    args = gpt_oss_layer_args(m, e=GPT_OSS_E, top_k=GPT_OSS_TOP_K, h=GPT_OSS_H, i=GPT_OSS_H)
+    configs = pallas_moe.gemm_configs(m * GPT_OSS_TOP_K, args[1], args[2], None)
+    assert all(c.block_k == 64 for c in configs), configs
+
+    def layer(x, w13, w2, tw, ids, b13, b2):
+        return helpers.pipeline_fused_moe(pallas_moe.stages)(
+            x, w13, w2, tw, ids, activation=wj.ClampedSwiGLU(), w13_bias=b13, w2_bias=b2
+        )
+
+    kernels = sm90.compile_for_sm90(layer, *args)
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert [k.name for k in gemms] == ["wna16_gemm_mxfp4"] * 2, [k.name for k in kernels]
+    for k in kernels:
+        assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES, (
+            f"{k.name} (warps {k.num_warps}, stages {k.num_stages}) needs {k.shared_bytes} "
+            f"bytes of shared memory"
+        )
