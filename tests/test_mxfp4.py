@@ -435,9 +435,7 @@ def test_triton_layer_interpreted_with_gpt_oss_math(rng, h, i, config):
     layer = helpers.pipeline_fused_moe(triton_moe.stages, interpret=True)
     biases = dict(w13_bias=b13, w2_bias=b2)
     out = layer(x, w13, w2, tw, ids, activation=act, config=config, **biases)
-    ref = wj.fused_moe(
-        x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla", **biases
-    )
+    ref = wj.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla", **biases)
     helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "triton vs xla")
 
 
