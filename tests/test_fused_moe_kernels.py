@@ -372,3 +372,36 @@ def test_deepseek_v3_tp8(rng, has_zp, m, split_k):
     if split_k is not None:
         config = BlockConfig(block_m=16, block_n=64, block_k=128, split_k=split_k)
     check_deepseek(x, w13, w2, tw, ti, config=config)
+
+
+# ---- GPU only: gpt-oss-120b -----------------------------------------------------------------
+
+GPT_OSS_E, GPT_OSS_TOP_K, GPT_OSS_H = 128, 4, 2880
+
+
+def check_gpt_oss_shapes(rng, *, m: int, e: int, top_k: int, h: int, i: int, tol: float):
+    """gpt-oss's MoE layer (MXFP4 experts drawn on the device, both biases, the clamped SwiGLU)
+    at the heuristic's configs against 'xla' on the same weights, f32 out."""
+    k13, k2, kx = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
+    w13 = wj.random_quantized_experts(k13, (e, 2 * i, h), scheme="mxfp4", std=4.0 / np.sqrt(h))
+    w2 = wj.random_quantized_experts(k2, (e, h, i), scheme="mxfp4")
+    x = jax.random.normal(kx, (m, h), BF16)
+    b13 = jnp.asarray(rng.normal(size=(e, 2 * i)), jnp.float32)
+    b2 = jnp.asarray(rng.normal(size=(e, h)), BF16)
+    tw, ti = (jnp.asarray(a) for a in helpers.random_routing(rng, m, top_k, e))
+    kwargs = dict(
+        activation=wj.ClampedSwiGLU(), w13_bias=b13, w2_bias=b2, out_dtype=jnp.float32
+    )  # fmt: skip
+    out = wj.fused_moe(x, w13, w2, tw, ti, implementation=IMPLEMENTATION, **kwargs)
+    ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla", **kwargs)
+    what = f"{IMPLEMENTATION} vs xla at E={e}, top-{top_k}, H={h}, I={i}, M={m}"
+    assert_moe_close(np.asarray(out), np.asarray(ref), BF16, what, tol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 512])
+def test_gpt_oss_120b(rng, m):
+    """gpt-oss-120b's shapes (45 k-tiles of 64 per GEMM), compiled."""
+    check_gpt_oss_shapes(
+        rng, m=m, e=GPT_OSS_E, top_k=GPT_OSS_TOP_K, h=GPT_OSS_H, i=GPT_OSS_H, tol=DSV3_TOL
+    )
