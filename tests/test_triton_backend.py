@@ -744,7 +744,7 @@ def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
     e, h, i, t, k = 8, 256, 128, 3, 2
     w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 64, True, BF16)
     w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 64, True, BF16)
-    c1, c2 = triton_moe._plan(t * k, e, w13, w2, config=None)  # what the pipeline asks
+    c1, c2 = triton_moe._plan(t * k, e, w13, w2, config=None, batch_invariant=False)
     heuristic = block_configs.heuristic_config(
         _configs.GemmShape.of_weights(w13, m=t * k), allow_fma=False
     )
@@ -755,7 +755,9 @@ def test_tuned_fma_entries_give_way_to_the_heuristic(rng, monkeypatch):
     args = (x, w13, w2, jnp.asarray(tw, F32), jnp.asarray(ids, jnp.int32))
     out = helpers.pipeline_fused_moe(triton_moe.stages, interpret=True)(*args)
     ref = wj.fused_moe(*args, implementation="xla")
-    helpers.assert_close(out, ref, BF16, "triton fused_moe with an fma tuned entry")
+    # The layer's tolerance (assert_moe_close): GEMM1's sums rounded to bf16 move single
+    # outputs by up to ~2% of rms(ref) against 'xla' (as the Pallas layer's do).
+    assert_moe_close(out, ref, BF16, "triton fused_moe with an fma tuned entry")
 
 
 # ---- align against the reference ------------------------------------------------------------
