@@ -22,13 +22,13 @@ pytestmark = pytest.mark.skipif(sm90.available() is not None, reason=str(sm90.av
 E, TOP_K, H, I = 256, 8, 7168, 2048
 
 
-def abstract_experts(n, k, bits, group_size, has_zeros, dtype=jnp.bfloat16):
+def abstract_experts(n, k, bits, group_size, has_zeros, dtype=jnp.bfloat16, *, e=E):
     g = k if group_size == -1 else group_size
     zn = n // 2 if bits == 4 else n
     return wj.QuantizedExperts(
-        jax.ShapeDtypeStruct((E, n, k * bits // 32), jnp.uint32),
-        jax.ShapeDtypeStruct((E, n, k // g), dtype),
-        jax.ShapeDtypeStruct((E, zn, k // g), jnp.uint8) if has_zeros else None,
+        jax.ShapeDtypeStruct((e, n, k * bits // 32), jnp.uint32),
+        jax.ShapeDtypeStruct((e, n, k // g), dtype),
+        jax.ShapeDtypeStruct((e, zn, k // g), jnp.uint8) if has_zeros else None,
         bits=bits,
         group_size=group_size,
     )
@@ -293,3 +293,32 @@ def test_gpt_oss_120b_builds_for_sm90(m):
             f"{k.name} (warps {k.num_warps}, stages {k.num_stages}) needs {k.shared_bytes} "
             f"bytes of shared memory"
         )
+
+
+@pytest.mark.parametrize(
+    "group_size, has_zeros", [(32, True), (-1, False)], ids=["g32-zp", "channel-sym"]
+)
+@pytest.mark.parametrize("m", [1, 256])
+def test_int4_64_wide_k_tiles_build_for_sm90(m, group_size, has_zeros):
+    """int4 at gpt-oss-120b's expert shapes (H = I = 2880): the 64-wide "join" tiles convert
+    with PTX (prmt + lop3) on the tensor cores, "slices" on the CUDA cores at decode."""
+    h, e = GPT_OSS_H, GPT_OSS_E
+    w13 = abstract_experts(2 * h, h, 4, group_size, has_zeros, e=e)
+    w2 = abstract_experts(h, h, 4, group_size, has_zeros, e=e)
+    args = (
+        jax.ShapeDtypeStruct((m, h), jnp.bfloat16),
+        w13,
+        w2,
+        jax.ShapeDtypeStruct((m, GPT_OSS_TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, GPT_OSS_TOP_K), jnp.int32),
+    )
+    configs = pallas_moe.gemm_configs(m * GPT_OSS_TOP_K, w13, w2, None)
+    assert [(c.block_k, c.unpack) for c in configs] == [(64, "join" if m > 1 else "slices")] * 2
+    kernels = sm90.compile_for_sm90(
+        lambda *a: helpers.pipeline_fused_moe(pallas_moe.stages)(*a), *args
+    )
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert [k.name for k in gemms] == ["wna16_gemm_int4"] * 2, [k.name for k in kernels]
+    for k in kernels:
+        assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES, (k.name, k.shared_bytes)
+    assert all("prmt.b32" in k.ptx and "lop3.b32" in k.ptx for k in gemms)
