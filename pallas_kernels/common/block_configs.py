@@ -110,9 +110,11 @@ def heuristic_config(shape: GemmShape, *, allow_fma: bool = True) -> BlockConfig
     """An untuned config that is valid for `shape` and reasonable on a Hopper GPU.
 
     block_k is the group size when that is allowed (one scale per k-tile: the scale multiplies
-    the product, not the tile), else the smallest allowed multiple of the group. With at most
-    a quarter of a row per expert (decode), the CUDA-core product over one-row blocks with
-    split-K (`few_rows_config`), unless allow_fma is False (kernels with tensor-core dots only).
+    the product, not the tile), else the smallest allowed multiple of the group; where no
+    "slices" tile fits but 64 does (int4, K a multiple of 64 and not of 128), a 64-wide "join"
+    tile (NARROWEST_BLOCK_K). With at most a quarter of a row per expert (decode), the
+    CUDA-core product over one-row blocks with split-K (`few_rows_config`), unless allow_fma is
+    False (kernels with tensor-core dots only).
     """
     rows_per_expert = max(1, shape.m // max(1, shape.num_experts))
     if rows_per_expert <= 16:
