@@ -218,12 +218,6 @@ class CausalLM(nnx.Module):
             if hasattr(type(m), "batch_invariant"):
                 m.batch_invariant = batch_invariant
 
-    def _keep_batch_invariant(self) -> None:
-        """The flag set again on modules made after set_batch_invariant (fused, split or
-        dequantized linears)."""
-        if self.batch_invariant is not None:
-            self.set_batch_invariant(self.batch_invariant)
-
     # --- the routed experts ----------------------------------------------------------------
     def set_implementation(self, implementation: str | Sequence[str] | None) -> None:
         """Selects the fused_moe backend of every routed-expert layer (None = automatic)."""
@@ -371,7 +365,6 @@ class CausalLM(nnx.Module):
                 if (why := m.kernel_reason(self.cfg.dtype)) is not None:
                     on_xla[why].append(paths[id(m)])
             jax.block_until_ready(nnx.state(module))  # the bar follows the device
-        self._keep_batch_invariant()
         log = self.logger()
         for why, count in apart.items():
             log.info("%s (%d modules)", why, count)
@@ -453,8 +446,9 @@ class CausalLM(nnx.Module):
             has_zp=spec.has_zp,
             scale_dtype=jnp.dtype(self.cfg.dtype),
         )
-        self.lm_head = QuantizedLinear(self.cfg, k, n, rngs=None, qe=qe)
-        self._keep_batch_invariant()
+        head = QuantizedLinear(self.cfg, k, n, rngs=None, qe=qe)
+        head.batch_invariant = self.lm_head.batch_invariant
+        self.lm_head = head
 
     def dequantize_attention_linears(self) -> None:
         """Replaces every quantized linear read only as its dequantized weight (the modules'
@@ -468,8 +462,9 @@ class CausalLM(nnx.Module):
                 if isinstance(linear, QuantizedLinear):
                     _, n, k = linear.weight.shape
                     dense = linear.dense_weight(self.cfg.dtype)
-                    setattr(m, name, Linear(self.cfg, k, n, rngs=None, weight=dense))
-        self._keep_batch_invariant()
+                    dense = Linear(self.cfg, k, n, rngs=None, weight=dense)
+                    dense.batch_invariant = linear.batch_invariant
+                    setattr(m, name, dense)
 
     def prepare_decode(self) -> None:
         """What `generate` runs on its traced copy of the model before the decode loop."""
