@@ -606,7 +606,8 @@ def generate(
         )
         decode_shardings = dict(
             in_shardings=(state_sh, logits_sh, cache_sh, rep, rep, rep),
-            out_shardings=(rep, cache_sh),  # tokens replicated: every host can read them
+            # tokens (and logits) replicated: every host can read them
+            out_shardings=(rep, cache_sh, rep) if return_logits else (rep, cache_sh),
         )
         padded, pmask = ms.put(padded, ms.specs.tokens_bt), ms.put(pmask, ms.specs.tokens_bt)
     prefill, c1 = _compiled(
