@@ -1,4 +1,4 @@
-"""Whole models under batch_invariant=True: a prompt's tokens and logits alone equal its row in a batch."""
+"""Whole models under batch_invariant=True: a prompt alone gives its row of a batch, bitwise."""
 
 from __future__ import annotations
 
