@@ -27,9 +27,14 @@ NEW_TOKENS = 4
 
 
 def _load(family: str):
-    """The family's tiny model in bfloat16 (quantized experts: int4, or gpt-oss's MXFP4)."""
-    if family == "deepseek_v3":
-        cfg = DeepseekV3Config.tiny(num_hidden_layers=2, dtype="bfloat16")
+    """The family's tiny model in bfloat16 (quantized experts: int4, or gpt-oss's MXFP4);
+    "deepseek_v3_moe": DeepSeek-V3's one MoE layer alone, of 4 experts."""
+    if family.startswith("deepseek_v3"):
+        kw = dict(num_hidden_layers=2, dtype="bfloat16")
+        if family.endswith("moe"):
+            kw |= dict(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=4,
+                       n_group=1, topk_group=1, num_experts_per_tok=2)  # fmt: skip
+        cfg = DeepseekV3Config.tiny(**kw)
         return models.init_random(cfg, seed=0, progress=False)
     path = FIXTURES / family / ("int4" if family.startswith("qwen") else "")
     return models.load_pretrained(path, progress=False)
@@ -51,7 +56,7 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 def _generate(model, prompts, **kw):
     kw = dict(max_new_tokens=NEW_TOKENS, eos_id=(), return_logits=True) | kw
     tokens, logits = models.generate(model, prompts, **kw)
-    return np.asarray(tokens)[:, -NEW_TOKENS:], np.asarray(logits)
+    return np.asarray(tokens)[:, -kw["max_new_tokens"] :], np.asarray(logits)
 
 
 def _assert_rows_alone_equal_batch(model, prompts, rows, **kw):
@@ -70,11 +75,12 @@ def test_greedy_rows_alone_equal_the_batch(family):
 
 
 def test_pallas_interpret_rows_alone_equal_the_batch():
-    """The routed experts on the interpreted Pallas kernels (DeepSeek-V3's tiny model: H=128,
-    the kernels' smallest int4 k-tile); a row of each prompt bucket."""
-    model = _prepared("deepseek_v3", "pallas_interpret")
+    """The routed experts on the interpreted Pallas kernels (DeepSeek-V3's tiny MoE layer:
+    H=128, the kernels' smallest int4 k-tile): the one-token prompt, alone in the 16-token
+    bucket, in the batch in the 32-token one."""
+    model = _prepared("deepseek_v3_moe", "pallas_interpret")
     assert model.implementation == "pallas_interpret"
-    _assert_rows_alone_equal_batch(model, _prompts(model.cfg.vocab_size), (1, 7))
+    _assert_rows_alone_equal_batch(model, _prompts(model.cfg.vocab_size), (1,), max_new_tokens=2)
 
 
 def test_without_the_flag_rows_differ():
