@@ -176,6 +176,8 @@ class SchemeCases:
     # True: the backend computes rows batch-invariantly (batch_invariant=True); False: it
     # refuses batch_invariant=True with its reason; None: not checked (no registered name).
     BATCH_INVARIANT: bool | None = True
+    # The scheme checks' problem (fused_moe's; the GEMM's K is H).
+    PROBLEM: dict = SCHEME_PROBLEM
 
     def pytest_generate_tests(self, metafunc):
         if "scheme" in metafunc.fixturenames:
@@ -221,7 +223,7 @@ class SchemeCases:
         )  # fmt: skip
 
     def test_scheme_fused_moe(self, rng, scheme):
-        p = SCHEME_PROBLEM
+        p = self.PROBLEM
         x = jnp.asarray(rng.normal(size=(p["T"], p["H"])), jnp.bfloat16)
         w13 = self.scheme_weights(rng, scheme, p["E"], 2 * p["I"], p["H"])
         w2 = self.scheme_weights(rng, scheme, p["E"], p["H"], p["I"])
@@ -243,7 +245,7 @@ class SchemeCases:
 
     def test_scheme_grouped_matmul(self, rng, scheme):
         """The grouped GEMM with silu (w13's [gate; up]) and routed weights, f32 output."""
-        p = SCHEME_PROBLEM
+        p = self.PROBLEM
         t, top_k, e, n, k = p["T"], p["k"], p["E"], 2 * p["I"], p["H"]
         a = jnp.asarray(rng.normal(size=(t, k)), jnp.bfloat16)
         w = self.scheme_weights(rng, scheme, e, n, k)
@@ -267,8 +269,8 @@ class SchemeCases:
 
     def test_scheme_linear(self, rng, scheme):
         """The quantized linear ([1, N, K]) on 3 rows, bf16 output."""
-        w = self.scheme_weights(rng, scheme, 1, 192, SCHEME_PROBLEM["H"])
-        x = jnp.asarray(rng.normal(size=(3, SCHEME_PROBLEM["H"])), jnp.bfloat16)
+        w = self.scheme_weights(rng, scheme, 1, 192, self.PROBLEM["H"])
+        x = jnp.asarray(rng.normal(size=(3, self.PROBLEM["H"])), jnp.bfloat16)
         out = wj.linear.quantized_matmul(x, self.prepare(w), implementation=self.IMPLEMENTATION)
         ref = np.asarray(x, np.float64) @ helpers.numpy_dequantize(w)[0].T
         assert out.shape == ref.shape and out.dtype == jnp.bfloat16

@@ -16,17 +16,27 @@ How to run:
 
 from __future__ import annotations
 
+import os
+
 import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from backend_cases import ELEMENT_SLACK, FusedMoeCases
+from backend_cases import (
+    ALL_SCHEMES_ENV,
+    ELEMENT_SLACK,
+    MXFP4,
+    FusedMoeCases,
+    Scheme,
+    SchemeCases,
+)
 
 import wna16_jax as wj
 from pallas_kernels.pallas import fused_moe as pallas_moe
 from pallas_kernels.pallas import wna16_gemm as gemm_module
 from wna16_jax._types import BlockConfig
+from wna16_jax.backend_api import GemmShape
 
 # Compiled on a GPU, the Pallas interpreter elsewhere (the special paths below).
 ON_GPU = jax.default_backend() == "gpu"
@@ -155,6 +165,159 @@ def test_block_k_below_kernel_minimum_raises(rng):
         wj.fused_moe(x, w13, w2, tw, ti, implementation=IMPLEMENTATION, config=config)
 
 
+# ---- 64-wide k-tiles: K a multiple of 64, not of 128 (gpt-oss's H = I = 2880 = 45 x 64) -------
+
+# The 4-bit schemes of the 64-wide k-tiles in CI (groups of 32, 64 and per channel, each scale
+# dtype, with and without zero points, and MXFP4); WNA16_TEST_ALL_SCHEMES=1 runs every scheme
+# whose group tiles H and I.
+K64_SAMPLED = (
+    Scheme(4, 32, True, "bfloat16"),
+    Scheme(4, 64, False, "float16"),
+    Scheme(4, -1, True, "float32"),
+    MXFP4,
+)
+# H = 5 x 64, I = 3 x 64: no 128-wide k-tile fits either GEMM.
+K64_PROBLEM = dict(T=5, E=4, k=2, H=320, I=192)
+
+
+def k64_schemes() -> tuple[Scheme, ...]:
+    """K64_SAMPLED, or under WNA16_TEST_ALL_SCHEMES=1 every scheme of SCHEMES whose group
+    divides K64_PROBLEM's H and I."""
+    if os.environ.get(ALL_SCHEMES_ENV) != "1":
+        return K64_SAMPLED
+    from backend_cases import SCHEMES
+
+    p = K64_PROBLEM
+    return tuple(s for s in SCHEMES if s.group_size == -1 or p["I"] % s.group_size == 0)
+
+
+class TestPallasInterpretedK64Schemes(SchemeCases):
+    """The scheme matrix's grouped GEMM and quantized linear against float64 on K = 320, which
+    the heuristic tiles 64 wide."""
+
+    IMPLEMENTATION = "pallas_interpret"
+    PROBLEM = K64_PROBLEM
+    BATCH_INVARIANT = None  # the batch-invariance checks run at the 128-wide problem
+    test_scheme_fused_moe = None  # the layer's checks at this K: test_k64_gpt_oss_layer
+
+    def supports_scheme(self, scheme: Scheme) -> bool:
+        return scheme in k64_schemes() and super().supports_scheme(scheme)
+
+
+def test_k64_heuristic_configs():
+    """Where 128 does not tile K, the heuristic takes a 64-wide "join" k-tile on the tensor
+    cores and "slices" on the CUDA cores; where it does (K = 7168, 2048), its 128-wide choice
+    is unchanged."""
+    from pallas_kernels.common.block_configs import heuristic_config
+
+    def shape(m, k, bits=4, group=32):
+        return GemmShape(m=m, n=384, k=k, num_experts=8, bits=bits, group=group,
+                            group_size=group, scale_bytes=2)  # fmt: skip
+
+    assert heuristic_config(shape(64, 320)).block_k == 64
+    assert heuristic_config(shape(64, 320)).unpack == "join"
+    decode = heuristic_config(shape(1, 2880))
+    assert (decode.block_k, decode.unpack, decode.dot) == (64, "slices", "fma")
+    assert heuristic_config(shape(64, 2880, group=2880)).unpack == "join"
+    for k, group in ((7168, 128), (2048, 128), (256, 32)):
+        config = heuristic_config(shape(64, k, group=group))
+        assert (config.block_k, config.unpack) == (128, "slices"), (k, group, config)
+    # int8's smallest "slices" tile is 64 already.
+    assert heuristic_config(shape(64, 320, bits=8)).unpack == "slices"
+
+
+def gpt_oss_inputs(rng, scheme: Scheme, *, t: int, e: int, k: int, h: int, i: int):
+    """x, w13, w2 ([E, 2I, H], [E, H, I] in `scheme`), both biases, the routing; x scaled so
+    that GEMM1's sums reach past the clamped SwiGLU's limit and stay inside it."""
+    w13 = SchemeCases.scheme_weights(rng, scheme, e, 2 * i, h)
+    w2 = SchemeCases.scheme_weights(rng, scheme, e, h, i)
+    w13d, w2d = helpers.numpy_dequantize(w13), helpers.numpy_dequantize(w2)
+    x = rng.normal(size=(t, h)) * 4.0 / (np.sqrt(h) * np.sqrt(np.mean(w13d**2)))
+    b13 = rng.normal(size=(e, 2 * i))
+    b2 = rng.normal(size=(e, h)) * np.sqrt(i * np.mean(w2d**2)) * 4.0
+    tw, ti = helpers.random_routing(rng, t, k, e)
+    hid = np.einsum("th,enh->ten", x, w13d) + b13  # [T, E, 2I]
+    limit = wj.ClampedSwiGLU().limit
+    assert (hid[..., :i] > limit).any() and (np.abs(hid[..., i:]) < limit).any()
+    return (
+        jnp.asarray(x, BF16), w13, w2, jnp.asarray(b13, jnp.float32), jnp.asarray(b2, BF16),
+        jnp.asarray(tw), jnp.asarray(ti),
+    )  # fmt: skip
+
+
+def check_gpt_oss_layer(rng, scheme, *, t, e, config=None, h=320, i=192, k=2):
+    """gpt-oss's expert math (both biases, the clamped SwiGLU) on `scheme`'s experts through
+    the Pallas kernels (interpreted) against 'xla' on the same weights, f32 out."""
+    x, w13, w2, b13, b2, tw, ti = gpt_oss_inputs(rng, scheme, t=t, e=e, k=k, h=h, i=i)
+    kwargs = dict(
+        activation=wj.ClampedSwiGLU(), w13_bias=b13, w2_bias=b2, out_dtype=jnp.float32,
+        config=config,
+    )  # fmt: skip
+    out = wj.fused_moe(x, w13, w2, tw, ti, implementation=IMPLEMENTATION, **kwargs)
+    ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla", **kwargs)
+    # The kernels round the activation to bf16 before GEMM2; 'xla' keeps it in f32.
+    assert_moe_close(np.asarray(out), np.asarray(ref), BF16, f"{scheme} {config} vs xla")
+
+
+def _k64_layer_cases():
+    """(scheme, T, E): 24 tokens over 4 experts (tensor-core "join" tiles, GEMM1's epilogue
+    adding its bias before the fused activation) for each scheme; one token over 8 experts
+    (CUDA-core "slices" tiles) for MXFP4 (every scheme under WNA16_TEST_ALL_SCHEMES; int4's
+    in test_k64_explicit_configs)."""
+    everything = os.environ.get(ALL_SCHEMES_ENV) == "1"
+    cases = [pytest.param(s, 24, 4, id=f"prefill-mma-join-{s}") for s in k64_schemes()]
+    decode = k64_schemes() if everything else (MXFP4,)
+    return cases + [pytest.param(s, 1, 8, id=f"decode-fma-slices-{s}") for s in decode]
+
+
+@pytest.mark.parametrize("scheme, t, e", _k64_layer_cases())
+def test_k64_gpt_oss_layer(rng, scheme, t, e):
+    """H = 320, I = 192 at the heuristic's configs."""
+    check_gpt_oss_layer(rng, scheme, t=t, e=e)
+
+
+K64_CONFIGS = [
+    # split-K over 3 k-tiles of both GEMMs (H = I = 192): the biases added by split 0 alone
+    BlockConfig(block_m=16, block_n=32, block_k=64, split_k=3, unpack="join"),
+    # CUDA-core "slices": GEMM1's fused epilogue writes GEMM2's 64-wide slice_major order
+    BlockConfig(block_m=1, block_n=32, block_k=64, dot="fma"),
+    # the general path: each value scaled in f32 before one dot over the tile
+    BlockConfig(block_m=16, block_n=32, block_k=64, unpack="tile"),
+]
+
+
+def _k64_config_cases():
+    """Each of K64_CONFIGS once, MXFP4 and int4 alternating (both with each under
+    WNA16_TEST_ALL_SCHEMES=1)."""
+    names = ["join-split3", "fma-slices", "tile"]
+    pair = (MXFP4, K64_SAMPLED[0])
+    both = os.environ.get(ALL_SCHEMES_ENV) == "1"
+    return [
+        pytest.param(s, c, id=f"{name}-{s}")
+        for j, (c, name) in enumerate(zip(K64_CONFIGS, names, strict=True))
+        for s in (pair if both else (pair[j % 2],))
+    ]
+
+
+@pytest.mark.parametrize("scheme, config", _k64_config_cases())
+def test_k64_explicit_configs(rng, scheme, config):
+    """A caller's 64-wide configs on H = I = 192 (3 k-tiles per GEMM)."""
+    check_gpt_oss_layer(rng, scheme, t=3, e=4, config=config, h=192, i=192)
+
+
+def test_k_not_a_multiple_of_64_is_refused(rng):
+    """H = 96 (a multiple of 32, not of 64): the backend says why, naming the k-tile."""
+    x, w13, w2, tw, ti = helpers.random_moe_inputs(
+        rng, T=3, H=96, I=128, E=4, k=2, bits=4, group_size=32
+    )
+    message = (
+        r"H=96 is not a multiple of 64, the smallest k-tile for int4 \(each dot contracts at "
+        r"least 16 features per value slice\)"
+    )
+    with pytest.raises(NotImplementedError, match=message):
+        wj.fused_moe(x, w13, w2, tw, ti, implementation=IMPLEMENTATION)
+
+
 # ---- GPU only: DeepSeek-V3 ------------------------------------------------------------------
 
 DSV3_E, DSV3_TOP_K, DSV3_H, DSV3_G = 256, 8, 7168, 128
@@ -209,3 +372,36 @@ def test_deepseek_v3_tp8(rng, has_zp, m, split_k):
     if split_k is not None:
         config = BlockConfig(block_m=16, block_n=64, block_k=128, split_k=split_k)
     check_deepseek(x, w13, w2, tw, ti, config=config)
+
+
+# ---- GPU only: gpt-oss-120b -----------------------------------------------------------------
+
+GPT_OSS_E, GPT_OSS_TOP_K, GPT_OSS_H = 128, 4, 2880
+
+
+def check_gpt_oss_shapes(rng, *, m: int, e: int, top_k: int, h: int, i: int, tol: float):
+    """gpt-oss's MoE layer (MXFP4 experts drawn on the device, both biases, the clamped SwiGLU)
+    at the heuristic's configs against 'xla' on the same weights, f32 out."""
+    k13, k2, kx = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
+    w13 = wj.random_quantized_experts(k13, (e, 2 * i, h), scheme="mxfp4", std=4.0 / np.sqrt(h))
+    w2 = wj.random_quantized_experts(k2, (e, h, i), scheme="mxfp4")
+    x = jax.random.normal(kx, (m, h), BF16)
+    b13 = jnp.asarray(rng.normal(size=(e, 2 * i)), jnp.float32)
+    b2 = jnp.asarray(rng.normal(size=(e, h)), BF16)
+    tw, ti = (jnp.asarray(a) for a in helpers.random_routing(rng, m, top_k, e))
+    kwargs = dict(
+        activation=wj.ClampedSwiGLU(), w13_bias=b13, w2_bias=b2, out_dtype=jnp.float32
+    )  # fmt: skip
+    out = wj.fused_moe(x, w13, w2, tw, ti, implementation=IMPLEMENTATION, **kwargs)
+    ref = wj.fused_moe(x, w13, w2, tw, ti, implementation="xla", **kwargs)
+    what = f"{IMPLEMENTATION} vs xla at E={e}, top-{top_k}, H={h}, I={i}, M={m}"
+    assert_moe_close(np.asarray(out), np.asarray(ref), BF16, what, tol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 512])
+def test_gpt_oss_120b(rng, m):
+    """gpt-oss-120b's shapes (45 k-tiles of 64 per GEMM), compiled."""
+    check_gpt_oss_shapes(
+        rng, m=m, e=GPT_OSS_E, top_k=GPT_OSS_TOP_K, h=GPT_OSS_H, i=GPT_OSS_H, tol=DSV3_TOL
+    )

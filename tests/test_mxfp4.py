@@ -408,19 +408,34 @@ def test_triton_gemm_interpreted(rng, config):
 
 
 @needs_triton
-def test_triton_layer_interpreted_with_gpt_oss_activation(rng):
-    """The Triton layer (interpreted) on MXFP4 experts with the clamped SwiGLU matches 'xla'."""
+@pytest.mark.parametrize(
+    "h, i, config",
+    [
+        (128, 64, None),
+        (192, 192, BlockConfig(block_m=16, block_n=32, block_k=64, split_k=3, unpack="tile")),
+    ],
+    ids=["heuristic", "h192-i192-split-k"],
+)
+def test_triton_layer_interpreted_with_gpt_oss_math(rng, h, i, config):
+    """The Triton layer (interpreted) on MXFP4 experts with both biases and the clamped SwiGLU
+    matches 'xla' (the clamps reached); split-K adds GEMM1's and GEMM2's biases once."""
     from pallas_kernels.triton import fused_moe as triton_moe
 
-    t, e, k, h, i = 3, 4, 2, 128, 64
+    t, e, k = 3, 4, 2
     x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
     w13 = wj.random_quantized_experts(rng, (e, 2 * i, h), scheme="mxfp4", std=0.5)
     w2 = wj.random_quantized_experts(rng, (e, h, i), scheme="mxfp4", std=0.1)
+    b13 = jnp.asarray(rng.normal(size=(e, 2 * i)), jnp.float32)
+    b2 = jnp.asarray(rng.normal(size=(e, h)), jnp.bfloat16)
     tw, ids = (jnp.asarray(a) for a in helpers.random_routing(rng, t, k, e))
     act = wj.ClampedSwiGLU()
+    hid = np.einsum("th,enh->ten", np.asarray(x, np.float64), helpers.numpy_dequantize(w13))
+    hid += np.asarray(b13, np.float64)
+    assert (hid[..., :i] > act.limit).any() and (np.abs(hid[..., i:]) > act.limit).any()
     layer = helpers.pipeline_fused_moe(triton_moe.stages, interpret=True)
-    out = layer(x, w13, w2, tw, ids, activation=act)
-    ref = wj.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla")
+    biases = dict(w13_bias=b13, w2_bias=b2)
+    out = layer(x, w13, w2, tw, ids, activation=act, config=config, **biases)
+    ref = wj.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", implementation="xla", **biases)
     helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "triton vs xla")
 
 

@@ -22,13 +22,13 @@ pytestmark = pytest.mark.skipif(sm90.available() is not None, reason=str(sm90.av
 E, TOP_K, H, I = 256, 8, 7168, 2048
 
 
-def abstract_experts(n, k, bits, group_size, has_zeros, dtype=jnp.bfloat16):
+def abstract_experts(n, k, bits, group_size, has_zeros, dtype=jnp.bfloat16, *, e=E):
     g = k if group_size == -1 else group_size
     zn = n // 2 if bits == 4 else n
     return wj.QuantizedExperts(
-        jax.ShapeDtypeStruct((E, n, k * bits // 32), jnp.uint32),
-        jax.ShapeDtypeStruct((E, n, k // g), dtype),
-        jax.ShapeDtypeStruct((E, zn, k // g), jnp.uint8) if has_zeros else None,
+        jax.ShapeDtypeStruct((e, n, k * bits // 32), jnp.uint32),
+        jax.ShapeDtypeStruct((e, n, k // g), dtype),
+        jax.ShapeDtypeStruct((e, zn, k // g), jnp.uint8) if has_zeros else None,
         bits=bits,
         group_size=group_size,
     )
@@ -198,11 +198,11 @@ def mxfp4_layer_args(m: int) -> tuple:
     )
 
 
-def abstract_mxfp4_experts(n, k):
-    """[E, N, K] MXFP4 experts: E2M1 codes in uint32 words, uint8 E8M0 scales per 32 inputs."""
+def abstract_mxfp4_experts(n, k, *, e=E):
+    """[e, N, K] MXFP4 experts: E2M1 codes in uint32 words, uint8 E8M0 scales per 32 inputs."""
     return wj.QuantizedExperts(
-        jax.ShapeDtypeStruct((E, n, k // 8), jnp.uint32),
-        jax.ShapeDtypeStruct((E, n, k // 32), jnp.uint8),
+        jax.ShapeDtypeStruct((e, n, k // 8), jnp.uint32),
+        jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8),
         None,
         bits=4,
         group_size=32,
@@ -236,16 +236,43 @@ def test_mxfp4_kernels_build_for_sm90(m, config):
         )
 
 
-@pytest.mark.parametrize("m", [1, 256])
-def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m):
-    """gpt-oss's expert math on MXFP4 experts (DeepSeek-V3 shapes: gpt-oss's own H = 2880 is not
-    a multiple of the Pallas kernels' 128-wide int4 k-tile): both biases and the clamped
-    SwiGLU in the GEMMs' epilogues build for sm_90."""
-    args = (
-        *mxfp4_layer_args(m),
-        jax.ShapeDtypeStruct((E, 2 * I), jnp.float32),
-        jax.ShapeDtypeStruct((E, H), jnp.float32),
+# gpt-oss-120b's experts: E = 128, top-4, H = I = 2880 (45 k-tiles of 64, none of 128).
+GPT_OSS_E, GPT_OSS_TOP_K, GPT_OSS_H = 128, 4, 2880
+
+
+def gpt_oss_layer_args(m: int, *, e=E, top_k=TOP_K, h=H, i=I) -> tuple:
+    """fused_moe's arguments (shapes) with MXFP4 experts [e, 2i, h] and [e, h, i] and both
+    biases (f32 [e, 2i], [e, h]), m tokens."""
+    return (
+        jax.ShapeDtypeStruct((m, h), jnp.bfloat16),
+        abstract_mxfp4_experts(2 * i, h, e=e),
+        abstract_mxfp4_experts(h, i, e=e),
+        jax.ShapeDtypeStruct((m, top_k), jnp.float32),
+        jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((e, 2 * i), jnp.float32),
+        jax.ShapeDtypeStruct((e, h), jnp.float32),
     )
+
+
+# (m, experts' shapes): DeepSeek-V3's (128-wide k-tiles) and gpt-oss-120b's (E = 128, top-4,
+# H = I = 2880: 64-wide k-tiles, "join" on the tensor cores, "slices" on the CUDA cores).
+GPT_OSS_BUILDS = [
+    (1, dict()),
+    (256, dict()),
+    *((m, dict(e=GPT_OSS_E, top_k=GPT_OSS_TOP_K, h=GPT_OSS_H, i=GPT_OSS_H)) for m in (1, 64, 4096)),
+]
+
+
+@pytest.mark.parametrize(
+    "m, shapes", GPT_OSS_BUILDS, ids=["dsv3-m1", "dsv3-m256", "120b-m1", "120b-m64", "120b-m4096"]
+)
+def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m, shapes):
+    """gpt-oss's expert math on MXFP4 experts (both biases and the clamped SwiGLU in the GEMMs'
+    epilogues) at the heuristic's configs builds for sm_90 within its shared memory."""
+    args = gpt_oss_layer_args(m, **shapes)
+    top_k, h = args[3].shape[1], args[0].shape[1]
+    configs = pallas_moe.gemm_configs(m * top_k, args[1], args[2], None)
+    assert all((c.block_k == 64) == (h % 128 != 0) for c in configs), configs
 
     def layer(x, w13, w2, tw, ids, b13, b2):
         return helpers.pipeline_fused_moe(pallas_moe.stages)(
@@ -255,4 +282,37 @@ def test_mxfp4_gpt_oss_epilogue_builds_for_sm90(m):
     kernels = sm90.compile_for_sm90(layer, *args)
     gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
     assert [k.name for k in gemms] == ["wna16_gemm_mxfp4"] * 2, [k.name for k in kernels]
-    assert all(k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES for k in kernels)
+    for k in kernels:
+        assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES, (
+            f"{k.name} (warps {k.num_warps}, stages {k.num_stages}) needs {k.shared_bytes} "
+            f"bytes of shared memory"
+        )
+
+
+@pytest.mark.parametrize(
+    "group_size, has_zeros", [(32, True), (-1, False)], ids=["g32-zp", "channel-sym"]
+)
+@pytest.mark.parametrize("m", [1, 256])
+def test_int4_64_wide_k_tiles_build_for_sm90(m, group_size, has_zeros):
+    """int4 at gpt-oss-120b's expert shapes (H = I = 2880): the 64-wide "join" tiles convert
+    with PTX (prmt + lop3) on the tensor cores, "slices" on the CUDA cores at decode."""
+    h, e = GPT_OSS_H, GPT_OSS_E
+    w13 = abstract_experts(2 * h, h, 4, group_size, has_zeros, e=e)
+    w2 = abstract_experts(h, h, 4, group_size, has_zeros, e=e)
+    args = (
+        jax.ShapeDtypeStruct((m, h), jnp.bfloat16),
+        w13,
+        w2,
+        jax.ShapeDtypeStruct((m, GPT_OSS_TOP_K), jnp.float32),
+        jax.ShapeDtypeStruct((m, GPT_OSS_TOP_K), jnp.int32),
+    )
+    configs = pallas_moe.gemm_configs(m * GPT_OSS_TOP_K, w13, w2, None)
+    assert [(c.block_k, c.unpack) for c in configs] == [(64, "join" if m > 1 else "slices")] * 2
+    kernels = sm90.compile_for_sm90(
+        lambda *a: helpers.pipeline_fused_moe(pallas_moe.stages)(*a), *args
+    )
+    gemms = [k for k in kernels if k.name.startswith("wna16_gemm")]
+    assert [k.name for k in gemms] == ["wna16_gemm_int4"] * 2, [k.name for k in kernels]
+    for k in kernels:
+        assert k.shared_bytes <= sm90.H200_SHARED_MEMORY_BYTES, (k.name, k.shared_bytes)
+    assert all("prmt.b32" in k.ptx and "lop3.b32" in k.ptx for k in gemms)

@@ -95,17 +95,26 @@ def _largest_pow2_divisor(x: int, cap: int) -> int:
 
 
 def min_block_k(bits: int) -> int:
-    """The smallest block_k of the kernels: each dot contracts block_k // (32 // bits) >= 16."""
+    """The smallest "slices" block_k: each dot contracts block_k // (32 // bits) >= 16."""
     return 16 * (32 // bits)
+
+
+# The narrowest k-tile the heuristic gives and the Pallas backend runs: int8's smallest "slices"
+# tile, and for int4 a "join" tile of 8 words (each converted once, its value slices joined back
+# into feature order: one dot per group in the tile, >= 16 features). It serves K a multiple of
+# 64 but not of 128 (gpt-oss: H = I = 2880 = 45 x 64).
+NARROWEST_BLOCK_K = 64
 
 
 def heuristic_config(shape: GemmShape, *, allow_fma: bool = True) -> BlockConfig:
     """An untuned config that is valid for `shape` and reasonable on a Hopper GPU.
 
     block_k is the group size when that is allowed (one scale per k-tile: the scale multiplies
-    the product, not the tile), else the smallest allowed multiple of the group. With at most
-    a quarter of a row per expert (decode), the CUDA-core product over one-row blocks with
-    split-K (`few_rows_config`), unless allow_fma is False (kernels with tensor-core dots only).
+    the product, not the tile), else the smallest allowed multiple of the group; where no
+    "slices" tile fits but 64 does (int4, K a multiple of 64 and not of 128), a 64-wide "join"
+    tile (NARROWEST_BLOCK_K). With at most a quarter of a row per expert (decode), the
+    CUDA-core product over one-row blocks with split-K (`few_rows_config`), unless allow_fma is
+    False (kernels with tensor-core dots only).
     """
     rows_per_expert = max(1, shape.m // max(1, shape.num_experts))
     if rows_per_expert <= 16:
@@ -132,6 +141,9 @@ def heuristic_config(shape: GemmShape, *, allow_fma: bool = True) -> BlockConfig
         block_k = inside_group[0]  # the largest
     elif whole_groups:
         block_k = whole_groups[-1]  # the smallest
+    elif NARROWEST_BLOCK_K in fits:
+        # No "slices" tile (int4, K a multiple of 64 but not of 128): a 64-wide "join" tile.
+        unpack, block_k = "join", NARROWEST_BLOCK_K
     else:
         # K or the group too short for "slices" (16 values per dot): one dot over the tile.
         unpack = "tile"
@@ -171,9 +183,12 @@ def few_rows_config(base: BlockConfig, shape: GemmShape) -> BlockConfig:
     tiles = shape.k // base.block_k
     split_k = next((s for s in (8, 4, 2) if tiles % s == 0 and tiles // s >= 4), 1)
     block_n = max(16, _largest_pow2_divisor(shape.n, 128))
+    # CUDA-core products need no 16-wide dot: a "join" tile reads its value slices as they are.
+    unpack = "slices" if base.unpack == "join" else base.unpack
     return dataclasses.replace(
-        base, block_m=1, block_n=block_n, split_k=split_k, num_stages=2, dot="fma"
-    )
+        base, block_m=1, block_n=block_n, split_k=split_k, num_stages=2, dot="fma",
+        unpack=unpack,
+    )  # fmt: skip
 
 
 def block_config_rules(

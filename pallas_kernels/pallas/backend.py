@@ -8,7 +8,7 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels.common.align import moe_align_block_size
-from pallas_kernels.common.block_configs import min_block_k
+from pallas_kernels.common.block_configs import NARROWEST_BLOCK_K
 from pallas_kernels.pallas import fused_moe as pallas_moe
 from pallas_kernels.pallas.w8a8_gemm import MIN_INT8_DOT_K
 from pallas_kernels.pallas.wna16_gemm import wna16_gemm
@@ -63,7 +63,7 @@ def _shape_reason(problem: MoEProblem) -> str | None:
         return "per-expert biases with int8 activations (W8A8) are not supported"
     if problem.activation_quant is not None:
         return _w8a8_reason(problem)
-    lo = min_block_k(problem.bits)
+    lo = NARROWEST_BLOCK_K
     for what, size in (("H", problem.hidden), ("I", problem.intermediate)):
         if size % lo:
             return (

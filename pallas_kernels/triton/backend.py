@@ -141,5 +141,6 @@ BACKENDS = (
             run=_grouped_matmul,
         ),
         codes=CODES,
+        biases=True,
     ),
 )

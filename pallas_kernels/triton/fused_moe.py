@@ -33,17 +33,19 @@ def _route(a, topk_ids, plan, *, num_experts, expert_map, distinct_experts, inte
     )
 
 
-def _gemm1(x, w13, routed, plan, *, activation, interpret):
-    """[T, H] -> the activation per slot [T*k, I], rounded to x.dtype (as the Pallas pipeline
-    and vLLM do)."""
+def _gemm1(x, w13, routed, plan, *, activation, interpret, bias=None):
+    """[T, H] -> the activation per slot [T*k, I]: GEMM1's f32 sums plus the expert's bias
+    ([E, 2I] or None) rounded to x.dtype (as the Pallas pipeline's unfused GEMM1 and vLLM do),
+    then the activation."""
     h = wna16_gemm(  # [T*k, 2I]
-        x, w13, routed.blocks, top_k=routed.top_k, config=plan[0], interpret=interpret
+        x, w13, routed.blocks, top_k=routed.top_k, config=plan[0], interpret=interpret, bias=bias
     )
     return activate(h, activation, x.dtype)
 
 
-def _gemm2(act, w2, routed, plan, routed_weights, *, interpret):
-    """[T*k, I] -> f32 [T*k, H], each slot's row times its routed weight."""
+def _gemm2(act, w2, routed, plan, routed_weights, *, interpret, bias=None):
+    """[T*k, I] -> f32 [T*k, H], each slot's row plus its expert's bias ([E, H] or None)
+    times its routed weight."""
     return wna16_gemm(
         act,
         w2,
@@ -53,6 +55,7 @@ def _gemm2(act, w2, routed, plan, routed_weights, *, interpret):
         config=plan[1],
         out_dtype=jnp.float32,
         interpret=interpret,
+        bias=bias,
     )
 
 
@@ -62,7 +65,9 @@ def stages(
 ):  # fmt: skip
     """This backend's MoeStages (Backend.stages; the library's pipeline runs them): the Triton
     align kernel and WNA16 GEMMs. GEMM1's output and the activation are rounded to x.dtype (as
-    the Pallas pipeline and vLLM do); GEMM2 writes f32 with the routed weights applied.
+    the Pallas pipeline and vLLM do); GEMM2 writes f32 with the routed weights applied. The
+    per-expert biases (w13_bias, w2_bias) are added in the GEMMs' epilogues to the f32 sums:
+    GEMM1's before the activation, GEMM2's before the routed weight.
 
     Args:
         activation: a key of ACTIVATIONS.

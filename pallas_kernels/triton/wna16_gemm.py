@@ -101,6 +101,7 @@ def _gemm_program(
     s_ptr,  # [E, N, K // GROUP] scales
     z_ptr,  # [E, N // 2, K // GROUP] uint8 (int4, even n low nibble) / [E, N, K // GROUP] (int8)
     rw_ptr,  # [NUM_SLOTS] f32 routed weights (a 1-element dummy without them)
+    bias_ptr,  # [E, N] per-expert biases (a 1-element dummy without them)
     out_ptr,  # [NUM_SLOTS, N]; f32 and zeroed when SPLIT_K > 1
     NUM_SLOTS: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -111,6 +112,7 @@ def _gemm_program(
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_RW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -127,6 +129,8 @@ def _gemm_program(
 
     Blocks at or past num_tokens_post_padded exit at once; blocks of expert -1 store zeros
     (split_k == 1); padding slots read activation row 0 and are masked out of every store.
+    The epilogue adds expert e's bias to the f32 sums (split 0 alone under split-K), then
+    multiplies by the routed weight.
     """
     PER_WORD: tl.constexpr = 32 // BITS
     NUM_N_BLOCKS: tl.constexpr = N // BN
@@ -187,6 +191,11 @@ def _gemm_program(
                         DOT_PRECISION,
                         E2M1,
                     )
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + e64 * N + offs_n).to(tl.float32)  # [BN]
+                if SPLIT_K > 1:
+                    b = tl.where(split == 0, b, 0.0)
+                acc += b[None, :]
             if HAS_RW:
                 rw = tl.load(rw_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0)
                 acc = acc * rw[:, None]
@@ -198,38 +207,40 @@ def _gemm_program(
 
 @triton.jit
 def _wna16_gemm_kernel(
-    ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr,
+    ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, bias_ptr,
     out_ptr,  # [NUM_SLOTS, N] fresh output
     NUM_SLOTS: tl.constexpr, TOP_K: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
     NUM_BLOCKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_RW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_RW: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr,
     BK: tl.constexpr, SPAN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     LOAD_ONCE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
     DOT_PRECISION: tl.constexpr, E2M1: tl.constexpr,
 ):  # fmt: skip
     _gemm_program(
-        ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, out_ptr,
-        NUM_SLOTS, TOP_K, N, K, NUM_BLOCKS, BITS, GROUP, HAS_ZEROS, HAS_RW, BM, BN, BK, SPAN,
-        SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION, E2M1,
+        ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, bias_ptr, out_ptr,
+        NUM_SLOTS, TOP_K, N, K, NUM_BLOCKS, BITS, GROUP, HAS_ZEROS, HAS_RW, HAS_BIAS, BM, BN,
+        BK, SPAN, SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION, E2M1,
     )  # fmt: skip
 
 
 @triton.jit
 def _wna16_gemm_into_kernel(
-    ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr,
+    ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, bias_ptr,
     init_ptr,  # [NUM_SLOTS, N] the caller's buffer, aliased to out_ptr (not read)
     out_ptr,
     NUM_SLOTS: tl.constexpr, TOP_K: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
     NUM_BLOCKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_RW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_RW: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr,
     BK: tl.constexpr, SPAN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     LOAD_ONCE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
     DOT_PRECISION: tl.constexpr, E2M1: tl.constexpr,
 ):  # fmt: skip
     _gemm_program(
-        ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, out_ptr,
-        NUM_SLOTS, TOP_K, N, K, NUM_BLOCKS, BITS, GROUP, HAS_ZEROS, HAS_RW, BM, BN, BK, SPAN,
-        SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION, E2M1,
+        ids_ptr, eids_ptr, ntpp_ptr, a_ptr, qw_ptr, s_ptr, z_ptr, rw_ptr, bias_ptr, out_ptr,
+        NUM_SLOTS, TOP_K, N, K, NUM_BLOCKS, BITS, GROUP, HAS_ZEROS, HAS_RW, HAS_BIAS, BM, BN,
+        BK, SPAN, SPLIT_K, GROUP_M, LOAD_ONCE, MAGIC, OFFSET, DOT_PRECISION, E2M1,
     )  # fmt: skip
 
 
@@ -261,6 +272,7 @@ def gemm_launch(
     config: BlockConfig,
     out_dtype=None,
     out_init=None,
+    bias=None,
 ) -> _launch.Launch:
     """The kernel launch of `wna16_gemm` (arguments as there; arrays or jax.ShapeDtypeStruct).
 
@@ -279,6 +291,8 @@ def gemm_launch(
         raise ValueError(
             f"routed_weights must be [R * top_k] = [{num_slots}], got {tuple(routed_weights.shape)}"
         )
+    if bias is not None and tuple(bias.shape) != (e, n):
+        raise ValueError(f"bias must be [E, N] = {[e, n]}, got {tuple(bias.shape)}")
     out_dtype = jnp.dtype(out_dtype or dtype)
     magic, offset, widest = _HALF_MAGIC.get(dtype.name, (0, 0, 0))
     if qw.bits > widest or qw.is_mxfp4:  # no exponent trick: integers (or E2M1 values) dotted
@@ -289,6 +303,8 @@ def gemm_launch(
         rw = jnp.zeros((1,), jnp.float32)
     else:
         rw = routed_weights.astype(jnp.float32)
+    has_bias = bias is not None
+    bias = bias if has_bias else jnp.zeros((1,), jnp.float32)
     split = config.split_k > 1
     out = jax.ShapeDtypeStruct((num_slots, n), jnp.float32 if split else out_dtype)
     inputs = (
@@ -300,6 +316,7 @@ def gemm_launch(
         qw.scales,
         zeros,
         rw,
+        bias,
     )
     kernel, aliases = _wna16_gemm_kernel, ()
     if out_init is not None:
@@ -328,6 +345,7 @@ def gemm_launch(
             GROUP=qw.group,
             HAS_ZEROS=qw.has_zeros,
             HAS_RW=routed_weights is not None,
+            HAS_BIAS=has_bias,
             BM=config.block_m,
             BN=config.block_n,
             BK=config.block_k,
@@ -360,11 +378,13 @@ def wna16_gemm(
     out_dtype=None,
     out_init=None,
     interpret: bool = False,
+    bias=None,
 ):
     """Grouped matmul of gathered activation rows with dequantized expert weights (Triton).
 
-    out[s] = (a[s // top_k] @ dequant(qw[e(s)]).T) * routed_weights[s] for each slot s of the
-    routing, where e(s) is the expert of the block holding s (zeros for expert -1).
+    out[s] = (a[s // top_k] @ dequant(qw[e(s)]).T + bias[e(s)]) * routed_weights[s] for each
+    slot s of the routing, where e(s) is the expert of the block holding s (zeros for expert
+    -1).
 
     Each dot contracts a span of min(block_k, G) input features inside one group: the group's
     scale multiplies the f32 [bm, bn] product, not each weight. For bf16 with int4 and for fp16
@@ -387,6 +407,8 @@ def wna16_gemm(
         out_init: optional [R * top_k, N] out_dtype buffer the kernel writes into (split_k == 1
             only); rows it does not write keep their values (tests pass NaN to see coverage).
         interpret: run in Triton's interpreter on the host (any platform; slow).
+        bias: optional [E, N] per-expert biases (bf16/f16/f32), added to the f32 sums before
+            the routed weights and the output's rounding.
 
     Returns:
         [R * top_k, N] of out_dtype. Rows of slots that sit in no block (ids the alignment
@@ -406,6 +428,7 @@ def wna16_gemm(
         config=config,
         out_dtype=out_dtype,
         out_init=out_init,
+        bias=bias,
     )
     (out,) = _launch.run(launch, interpret=interpret)
     return out.astype(out_dtype or a.dtype)
