@@ -265,6 +265,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="seed of the random model, --distinct-prompts and sampling (default 0)",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every row computed as it would be alone: its tokens and logits bitwise the "
+        "same for any batch size and position, and on every run (models.prepare(..., "
+        "batch_invariant=True); each row samples with its own key from --seed). Slower: "
+        "fixed 16-row blocks, attention in key chunks, no kernel that refuses it (mgpu). "
+        "One device (no --mesh), no --mtp",
+    )
+    p.add_argument(
         "--mtp",
         type=int,
         choices=(1, 2, 3),
@@ -333,8 +342,8 @@ GPU_BACKENDS = {"pallas": "pallas_interpret", "mgpu": "mgpu_interpret", "triton"
 
 def flag_conflict(args) -> str | None:
     """Why the flags cannot run together, found before JAX starts or a model is built, or None:
-    --layers without --preset, an unknown --implementation, --mtp with --mesh, a Mosaic GPU
-    backend on float32 activations."""
+    --layers without --preset, an unknown --implementation, --mtp with --mesh,
+    --batch-invariant with either, a Mosaic GPU backend on float32 activations."""
     if args.layers and not args.preset:
         return f"--layers {args.layers} sets a --preset's layer count: add --preset NAME"
     if args.implementation is not None:
@@ -345,6 +354,9 @@ def flag_conflict(args) -> str | None:
             return f"--implementation {args.implementation}: {unknown} not among {list(known)}"
     if args.mtp and args.mesh:
         return "--mtp decodes on one device: drop --mesh (or --mtp)"
+    if args.batch_invariant and (args.mesh or args.mtp):
+        flag = "--mesh" if args.mesh else "--mtp"
+        return f"--batch-invariant runs on one device without speculative decoding: drop {flag}"
     mgpu = [f"{f} {v}" for f, v in (("--implementation", args.implementation),
                                     ("--linear-implementation", args.linear_implementation))
             if v and v.startswith("mgpu")]  # fmt: skip
@@ -602,8 +614,11 @@ def prepare_model(model, args, linears: str, *, progress: bool):
         expert_layout=args.expert_layout,
         quantize_lm_head=args.quantize_lm_head,
         fuse_linears=not args.no_fuse_linears,
+        batch_invariant=args.batch_invariant,
         progress=progress,
     )
+    if args.batch_invariant:
+        print("batch-invariant: every row computed as it would be alone")
     if args.quantize_lm_head:
         print(f"lm_head quantized to {args.quantize_lm_head}")
     counts, reasons = linear_backends(model)
@@ -744,7 +759,8 @@ def main(argv=None) -> int:
             model,
             prompts,
             **settings,
-            seed=args.seed,
+            # --batch-invariant: one seed a row, so a row samples as it would alone
+            seed=[args.seed] * batch_size if args.batch_invariant else args.seed,
             pad_id=tokenizer.pad_id,
             return_stats=True,
             warmup=not args.no_warmup,

@@ -26,6 +26,7 @@ def prepare(
     mesh: Mesh | None = None,
     moe_mode: str = "replicated",
     fuse_linears: bool = True,
+    batch_invariant: bool = False,
     progress: bool = True,
 ) -> CausalLM:
     """Makes a built or loaded model ready to serve, in place (returns it): the steps in the
@@ -46,11 +47,19 @@ def prepare(
        reads, `CausalLM.resolve_expert_layout`), converted one layer at a time, each layer's
        old arrays dropped before the next converts (never both layouts of the whole model).
 
+    `batch_invariant`: every row computed as it would be alone, bitwise, on every run
+    (`CausalLM.set_batch_invariant`, docs/design.md 'Batch invariance'), bound before steps
+    3-5 so the kernels and layouts chosen are ones that run it (the automatic choice passes
+    over a backend that refuses it; a named one raises its reason). One device only.
+
     Each choice is logged at INFO. `progress`: tqdm bars over the conversions.
 
     Raises:
         ValueError: a value the step refuses (named), e.g. quantize_lm_head on a tied or
-            already-sharded head, an unknown linear implementation or layout.
+            already-sharded head, an unknown linear implementation or layout,
+            batch_invariant=True with a mesh.
+        NotImplementedError: batch_invariant=True with an implementation that cannot run it
+            (its reason).
         TypeError: a model of no registered family, or mesh not a jax.sharding.Mesh.
     """
     family = family_of_model(model)
@@ -68,6 +77,16 @@ def prepare(
             model.unfuse_linears()  # a fused weight has no sharding rule
             family.shard_model(model, mesh, moe_mode=moe_mode)
             logger.info("placed on the mesh %s", dict(mesh.shape))
+    if batch_invariant and (mesh is not None or model.sharding is not None):
+        raise ValueError(
+            "batch_invariant=True runs on one device: a sharded model sums the experts' "
+            "partial outputs with a psum or all-to-all chosen by the token count "
+            "(wna16_jax.sharding); prepare it without a mesh"
+        )
+    model.set_batch_invariant(batch_invariant)
+    if batch_invariant:
+        logger.info("batch-invariant: every row computed as it would be alone")
+        _check_batch_invariant(implementation, linear_implementation)
     model.set_implementation(implementation)
     model.set_linear_implementation(linear_implementation, fuse=fuse_linears, progress=progress)
     logger.info("quantized linears on %r", linear_implementation)
@@ -77,3 +96,13 @@ def prepare(
         model.set_expert_layout(layout, progress=progress)
         logger.info("routed experts in the %s layout (%.1f s)", layout, time.perf_counter() - t0)
     return model
+
+
+def _check_batch_invariant(implementation, linear_implementation: str) -> None:
+    """Raises NotImplementedError with the backend's reason where the one implementation named
+    for the routed experts or the linears cannot compute rows batch-invariantly (a sequence
+    of names is tried in order: one that cannot is passed over)."""
+    for name in dict.fromkeys((implementation, linear_implementation)):
+        if isinstance(name, str) and name != "auto":
+            if (why := wj.batch_invariant_reason(name)) is not None:
+                raise NotImplementedError(f"batch_invariant=True: backend {name!r} {why}")

@@ -36,6 +36,7 @@ def test_example_help(capsys):
         "--no-progress",
         "--activation-quant",
         "--mtp",
+        "--batch-invariant",
     ):
         assert flag in out
     assert "generation_config.json" in out
@@ -164,6 +165,23 @@ def test_example_activation_quant(capsys):
             example.parse_args(["--activation-quant", "int8_per_token", *extra])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_example_batch_invariant(capsys):
+    """--batch-invariant: the model prepared with the flag; a row's tokens alone (batch 1) are
+    those of each row of a batch of 3; with --mtp or --mesh it is refused before any build."""
+    example = _load_example()
+    argv = ["--max-new-tokens", "3", "--no-warmup", "--batch-invariant", "--batch-size", "1", "3"]
+    assert example.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "batch-invariant: every row computed as it would be alone" in out
+    rows = [line.split(":", 1)[1] for line in _tokens(out)]
+    assert len(rows) == 4 and len(set(rows)) == 1, rows
+    for extra in (["--mtp", "1"], ["--mesh", "expert=1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            example.parse_args(["--batch-invariant", *extra])
+        assert exit_info.value.code == 2
+        assert "--batch-invariant runs on one device" in capsys.readouterr().err
 
 
 def test_example_distinct_prompts(capsys):

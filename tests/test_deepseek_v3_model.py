@@ -220,7 +220,8 @@ def test_decode_program_has_a_fixed_trip_count_and_no_conditional(batched_run, t
         eos_ids=(1,),
         fill_id=1,
     )
-    args = (state, logits, cache, jax.random.key(0), jnp.float32(temperature), jnp.float32(top_p))
+    keys = generate_module.row_keys(0, ids.shape[0])  # one sampling key a row
+    args = (state, logits, cache, keys, jnp.float32(temperature), jnp.float32(top_p))
     jaxpr = jax.make_jaxpr(fn)(*args)
     top = [e.primitive.name for e in jaxpr.eqns]
     everywhere = str(jaxpr)
@@ -250,7 +251,12 @@ def test_decode_dequantizes_kv_b_once_before_the_loop(batched_run):
         fill_id=0,
     )
     jaxpr = jax.make_jaxpr(fn)(
-        state, logits, cache, jax.random.key(0), jnp.float32(0), jnp.float32(1)
+        state,
+        logits,
+        cache,
+        generate_module.row_keys(0, ids.shape[0]),
+        jnp.float32(0),
+        jnp.float32(1),
     )
     scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
     n, k = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank

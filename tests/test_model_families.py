@@ -251,8 +251,8 @@ def test_every_registered_family_describes_itself():
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
 def test_prepare_is_the_ordered_calls(model_type):
     """models.prepare(model, ...) leaves the model as the four ordered calls it replaces
-    (quantize_lm_head, set_implementation, set_linear_implementation, set_expert_layout): the
-    same modules and layouts, and logits equal to the last bit."""
+    (quantize_lm_head, set_batch_invariant, set_implementation, set_linear_implementation,
+    set_expert_layout): the same modules and layouts, and logits equal to the last bit."""
     from models.common.config import QuantSpec
 
     cfg = QwenMoeConfig.tiny(model_type=model_type, quant=QuantSpec(bits=4, group_size=32))
@@ -267,6 +267,7 @@ def test_prepare_is_the_ordered_calls(model_type):
     )
     by_hand = init_random(cfg, seed=4)
     by_hand.quantize_lm_head("int8")
+    by_hand.set_batch_invariant(False)
     by_hand.set_implementation("xla")
     by_hand.set_linear_implementation("xla", progress=False)
     by_hand.set_expert_layout("canonical", progress=False)

@@ -14,6 +14,7 @@ from wna16_jax._dispatch import (
     REFERENCE_BACKEND,
     Backend,
     backend_layout,
+    batch_invariant_reason,
     register_backend,
     registered_backends,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "REFERENCE_BACKEND",
     "backend_api",
     "backend_layout",
+    "batch_invariant_reason",
     "check_finite",
     "dequantize_experts",
     "formats",

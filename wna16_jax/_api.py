@@ -590,6 +590,7 @@ def preferred_layout(
     dtype,
     activation: str = "silu",
     activation_quant: str | ActivationQuant | None = None,
+    batch_invariant: bool = False,
 ) -> str:
     """The layout to convert these experts to once (at load) for the fastest backend that runs
     them on this platform: the first of _dispatch.preferred_layouts() that holds their bits and
@@ -606,6 +607,7 @@ def preferred_layout(
         dtype: the activation dtype x will have.
         activation: fused_moe's activation.
         activation_quant: fused_moe's activation_quant (None: 16-bit activations).
+        batch_invariant: fused_moe's (a backend that refuses it is passed over).
 
     Raises:
         ValueError: experts (or a dtype, activation, activation_quant) that fused_moe itself
@@ -615,7 +617,9 @@ def preferred_layout(
     x = jax.ShapeDtypeStruct((1, w13.shape[2]), dtype)
     ids = jax.ShapeDtypeStruct((1, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((1, top_k), jnp.float32)
-    problem, _, _ = _moe_problem(x, w13, w2, weights, ids, None, activation, activation_quant)
+    problem, _, _ = _moe_problem(
+        x, w13, w2, weights, ids, None, activation, activation_quant, batch_invariant
+    )
     for layout, name in _dispatch.preferred_layouts():
         bits = _dispatch.layout_bits(layout)
         if (w13.bits, w2.bits) != (bits, bits):  # a kernel layout holds one bit width

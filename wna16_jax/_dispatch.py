@@ -397,6 +397,17 @@ def backend_layout(implementation: str, bits: int) -> str:
     return held[0]
 
 
+def batch_invariant_reason(implementation: str) -> str | None:
+    """Why backend `implementation` cannot compute rows batch-invariantly
+    (batch_invariant=True), None where it can: lets a model refuse a named backend before it
+    converts weights for it.
+
+    Raises:
+        ValueError: an unknown implementation.
+    """
+    return get_backend(implementation).batch_invariant_reason
+
+
 def get_backend(name: str) -> Backend:
     _ensure_builtin_backends()
     if name not in _REGISTRY:

@@ -129,18 +129,26 @@ def select_implementation(
     *,
     dtype=jnp.bfloat16,
     implementation: str | Sequence[str] | None = None,
+    batch_invariant: bool = False,
 ) -> str:
-    """The backend `quantized_matmul` uses for `w` and activations of `dtype` (nothing runs).
+    """The backend `quantized_matmul` uses for `w` and activations of `dtype` (nothing runs),
+    with `batch_invariant` as quantized_matmul takes it (a backend that cannot is skipped, or
+    refused with its reason when named).
 
     Raises:
         ValueError: an unknown backend name.
         NotImplementedError: no requested backend can run it (reasons listed).
     """
-    return _dispatch.select_backend(_problem(w, 1, dtype), _names(implementation)).name
+    problem = _problem(w, 1, dtype, batch_invariant)
+    return _dispatch.select_backend(problem, _names(implementation)).name
 
 
 def preferred_layout(
-    w: QuantizedExperts, *, dtype=jnp.bfloat16, implementation: str | None = None
+    w: QuantizedExperts,
+    *,
+    dtype=jnp.bfloat16,
+    implementation: str | None = None,
+    batch_invariant: bool = False,
 ) -> str:
     """The layout to convert the linear weight `w` to once (at load) so that `implementation`
     runs it here: for None (the automatic choice) the first of _dispatch.preferred_layouts()
@@ -149,6 +157,7 @@ def preferred_layout(
     multiples of 64), for a backend
     name the first of
     its layouts in which it takes it; else "canonical" (where 'pallas' or 'xla' run it).
+    `batch_invariant`: only backends that run quantized_matmul(..., batch_invariant=True).
 
     Raises:
         ValueError: `w` is not a linear weight [1, N, K], or an unknown backend name.
@@ -170,7 +179,8 @@ def preferred_layout(
             )
         except ValueError:  # the layout cannot hold this weight (its bits, N or K not in tiles)
             continue
-        if _dispatch.backend_reason(_dispatch.get_backend(name), _problem(converted, 1, dtype)):
+        problem = _problem(converted, 1, dtype, batch_invariant)
+        if _dispatch.backend_reason(_dispatch.get_backend(name), problem):
             continue
         return layout
     return "canonical"

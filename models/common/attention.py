@@ -9,10 +9,97 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.common.modules import RMSNorm, Rng, make_linear, normal
+from models.common.modules import ROW_BLOCK, RMSNorm, Rng, in_row_blocks, make_linear, normal
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+# Cache slots per step of `attend_in_chunks`. generate's prompt and cache buckets are
+# multiples of it, so a row's tokens sit at the same place inside their chunks whatever the
+# bucket (the left padding of a longer batch shifts them by whole chunks).
+KEY_CHUNK = ROW_BLOCK
+
+
+def attend_in_chunks(q, k, v, mask, *, scale: float, sinks=None, chunk: int = KEY_CHUNK):
+    """softmax(q k^T * scale) v with reductions that depend on neither the batch nor the cache
+    length: each row (jax.lax.map) and each block of queries (`in_row_blocks`) alone, the keys
+    in chunks of `chunk` slots summed one chunk after another (an online softmax: running max,
+    sum and output rescaled per chunk). Chunks holding no visible key change nothing, so the
+    same tokens at a shift of whole chunks give the same bits. The batch-invariant form of
+    the families' attention (`batch_invariant`).
+
+    Args:
+        q: [B, S, n, Dk]; query head j*g + i reads key/value head j (g = n / m).
+        k: [B, L, m, Dk].  v: [B, L, m, Dv].
+        mask: bool [B, S, L], True where a query sees a key (each query sees one at least).
+        scale: the scores' factor.
+        sinks: None, or f32 [n]: a logit per query head in every softmax, whose share is
+            dropped (gpt-oss).
+
+    Returns:
+        f32 [B, S, n, Dv].
+    """
+    b, s, n, dk = q.shape
+    length, m, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = n // m
+    pad = -length % chunk
+    if pad:  # slots past the end: never seen
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+    chunks = (length + pad) // chunk
+    if sinks is None:
+        m0, l0 = jnp.full((n,), -jnp.inf, _F32), jnp.zeros((n,), _F32)
+    else:  # the sink is the first key: exp(sink - sink) = 1 in the sum, nothing in the output
+        m0, l0 = sinks.astype(_F32), jnp.ones((n,), _F32)
+
+    def block(qb, mb, kc, vc):
+        """qb [Q, n, Dk], mb [Q, L] against one row's keys kc [C, chunk, m, Dk], values
+        vc [C, chunk, m, Dv] -> [Q, n, Dv]."""
+        rows = qb.shape[0]
+        qg = qb.reshape(rows, m, g, dk)
+        mc = mb.reshape(rows, chunks, chunk).swapaxes(0, 1)  # [C, Q, chunk]
+
+        def step(carry, xs):
+            run_max, total, acc = carry  # [Q, n], [Q, n], [Q, n, Dv]
+            kj, vj, mj = xs
+            sc = (
+                jnp.einsum(
+                    "qmgd,cmd->qmgc", qg, kj, precision=_HIGHEST, preferred_element_type=_F32
+                ).reshape(rows, n, chunk)
+                * scale
+            )
+            seen = mj[:, None, :]  # [Q, 1, chunk]
+            new_max = jnp.maximum(run_max, jnp.where(seen, sc, -jnp.inf).max(axis=-1))
+            empty = new_max == -jnp.inf  # nothing seen yet: keep the zeros
+            alpha = jnp.where(empty, 0.0, jnp.exp(run_max - jnp.where(empty, 0.0, new_max)))
+            p = jnp.where(seen, jnp.exp(sc - new_max[..., None]), 0.0)  # [Q, n, chunk]
+            pv = jnp.einsum(
+                "qmgc,cmd->qmgd",
+                p.reshape(rows, m, g, chunk).astype(vj.dtype),
+                vj,
+                precision=_HIGHEST,
+                preferred_element_type=_F32,
+            )
+            total = total * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + pv.reshape(rows, n, dv)
+            return (new_max, total, acc), None
+
+        init = (
+            jnp.broadcast_to(m0, (rows, n)),
+            jnp.broadcast_to(l0, (rows, n)),
+            jnp.zeros((rows, n, dv), _F32),
+        )
+        (_, total, acc), _ = jax.lax.scan(step, init, (kc, vc, mc))
+        return acc / total[..., None]
+
+    def row(args):
+        qr, mr, kr, vr = args  # [S, n, Dk], [S, L], [L, m, Dk], [L, m, Dv]
+        kc = kr.reshape(chunks, chunk, m, dk)
+        vc = vr.reshape(chunks, chunk, m, dv)
+        return in_row_blocks(lambda qb, mb: block(qb, mb, kc, vc), qr, mr, rows=min(s, chunk))
+
+    return jax.lax.map(row, (q, mask, k, v))
 
 
 def apply_rope(x, cos, sin):
@@ -57,6 +144,13 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    batch_invariant = False  # `attend_in_chunks`
+
+    def sink_logits(self):
+        """f32 [n]: a logit per query head that joins every softmax (its share dropped), or
+        None (a family with sinks overrides it)."""
+        return None
+
     @staticmethod
     def _linear(proj, bias, x):
         y = proj(x)
@@ -66,6 +160,9 @@ class Attention(nnx.Module):
         """q [B, S, n, D], k / v [B, L, m, D], mask bool [B, S, L] -> [B, S, n, D]."""
         b, s, n, d = q.shape
         m = k.shape[2]
+        if self.batch_invariant:
+            out = attend_in_chunks(q, k, v, mask, scale=d**-0.5, sinks=self.sink_logits())
+            return out.astype(q.dtype)
         qg = q.reshape(b, s, m, n // m, d)  # query head j*g + i reads key/value head j
         scores = jnp.einsum(
             "bsmgd,blmd->bmgsl", qg, k, precision=_HIGHEST, preferred_element_type=_F32

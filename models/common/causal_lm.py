@@ -41,6 +41,7 @@ from models.common.modules import (
     chunk_mask,
     constrain,
     decode_mask,
+    matmul_nk,
     module_at,
     positions_from_mask,
     set_module,
@@ -117,6 +118,9 @@ class CausalLM(nnx.Module):
     """
 
     LAYER: type
+    # None until models.prepare chooses (`set_batch_invariant`); then whether every row is
+    # computed as it would be alone.
+    batch_invariant: bool | None = None
 
     def __init__(self, cfg, *, rngs: Rng, implementation=None):
         self.cfg = cfg
@@ -187,6 +191,32 @@ class CausalLM(nnx.Module):
     def routed_experts(self) -> list[RoutedExperts]:
         """The quantized routed-expert layers, in order."""
         return [m for _, m in nnx.iter_modules(self) if isinstance(m, RoutedExperts)]
+
+    # --- batch invariance ------------------------------------------------------------------
+    def set_batch_invariant(self, batch_invariant: bool) -> None:
+        """Computes every row as it would be alone (`batch_invariant=True`) or not: the flag
+        set on each module with a batch-invariant form (`models.common.modules`: the kernels'
+        `batch_invariant=True`, the float linears, head and router in row blocks, RMSNorm per
+        row block, the attention in key chunks). `models.prepare` calls it before choosing
+        kernels and layouts, which then pass over a backend that refuses the flag; generate
+        rows are then bitwise those of the prompt alone, on every run (docs/design.md,
+        'Batch invariance').
+
+        Raises:
+            ValueError: batch_invariant is not a bool, or True on a sharded model (one device
+                only: the sharded MoE's psum or all-to-all order follows the token count).
+        """
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if batch_invariant and self.sharding is not None:
+            raise ValueError(
+                "batch_invariant=True runs on one device: a sharded model sums the experts' "
+                "partial outputs with a psum or all-to-all chosen by the token count "
+                "(wna16_jax.sharding); serve it without a mesh"
+            )
+        for _, m in nnx.iter_modules(self):
+            if hasattr(type(m), "batch_invariant"):
+                m.batch_invariant = batch_invariant
 
     # --- the routed experts ----------------------------------------------------------------
     def set_implementation(self, implementation: str | Sequence[str] | None) -> None:
@@ -267,7 +297,11 @@ class CausalLM(nnx.Module):
             w13 = jax.eval_shape(functools.partial(shard, split="n"), w13)
             w2 = jax.eval_shape(functools.partial(shard, split="k"), w2)
         return wj.preferred_layout(
-            w13, w2, dtype=self.cfg.dtype, activation_quant=m.activation_quant
+            w13,
+            w2,
+            dtype=self.cfg.dtype,
+            activation_quant=m.activation_quant,
+            batch_invariant=bool(self.batch_invariant),
         )
 
     # --- the quantized linears -------------------------------------------------------------
@@ -412,7 +446,9 @@ class CausalLM(nnx.Module):
             has_zp=spec.has_zp,
             scale_dtype=jnp.dtype(self.cfg.dtype),
         )
-        self.lm_head = QuantizedLinear(self.cfg, k, n, rngs=None, qe=qe)
+        head = QuantizedLinear(self.cfg, k, n, rngs=None, qe=qe)
+        head.batch_invariant = self.lm_head.batch_invariant
+        self.lm_head = head
 
     def dequantize_attention_linears(self) -> None:
         """Replaces every quantized linear read only as its dequantized weight (the modules'
@@ -426,7 +462,9 @@ class CausalLM(nnx.Module):
                 if isinstance(linear, QuantizedLinear):
                     _, n, k = linear.weight.shape
                     dense = linear.dense_weight(self.cfg.dtype)
-                    setattr(m, name, Linear(self.cfg, k, n, rngs=None, weight=dense))
+                    dense = Linear(self.cfg, k, n, rngs=None, weight=dense)
+                    dense.batch_invariant = linear.batch_invariant
+                    setattr(m, name, dense)
 
     def prepare_decode(self) -> None:
         """What `generate` runs on its traced copy of the model before the decode loop."""
@@ -452,7 +490,7 @@ class CausalLM(nnx.Module):
             w = self.model.embed_tokens.weight.get_value()
         else:
             w = self.lm_head.dense_weight(x.dtype)
-        return jnp.einsum("...h,vh->...v", x, w.astype(x.dtype), preferred_element_type=_F32)
+        return matmul_nk(x, w, _F32, batch_invariant=bool(self.batch_invariant))
 
     def _run(self, ids, positions, mask, *, mode, cache=None, index=None):
         cos, sin = self.rope(positions)

@@ -129,6 +129,50 @@ def sample(logits, key, temperature, top_p, *, greedy: bool, nucleus: bool):
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
+def sample_rows(logits, keys, temperature, top_p, *, greedy, nucleus, batch_invariant=False):
+    """`sample` row by row: next tokens int32 [B] from f32 logits [B, V] and one key per row
+    (keys [B]): row r's token depends on its own logits and key only. `batch_invariant`: each
+    row sampled alone (jax.lax.map: the sort and sums over V of one row's shape), else the
+    rows batched (jax.vmap)."""
+    if greedy:  # an argmax is exact whatever the batch
+        return sample(logits, None, temperature, top_p, greedy=True, nucleus=nucleus)
+
+    def one(row, key):
+        return sample(row[None], key, temperature, top_p, greedy=False, nucleus=nucleus)[0]
+
+    if batch_invariant:
+        return jax.lax.map(lambda args: one(*args), (logits, keys))
+    return jax.vmap(one)(logits, keys)
+
+
+def row_keys(seed, batch: int):
+    """The sampling key of each row, typed keys [B]: for one int seed, row r's is
+    fold_in(key(seed), r) (it depends on the row's position); for a sequence of B seeds, row
+    r's is key(seed[r]) (on its own seed only, whatever the batch). Step t draws with
+    fold_in(row key, t)."""
+    if isinstance(seed, (int, np.integer)):
+        base = jax.random.key(int(seed))
+        keys = [jax.random.fold_in(base, r) for r in range(batch)]
+    else:
+        keys = [jax.random.key(int(s)) for s in seed]
+    return jax.random.wrap_key_data(jnp.stack([jax.random.key_data(k) for k in keys]))
+
+
+def _check_seed(seed, batch: int) -> None:
+    """seed: an int, or a sequence of `batch` ints (one a prompt), each in jax.random.key's
+    range."""
+    if isinstance(seed, (list, tuple, np.ndarray)):
+        if len(seed) != batch:
+            raise ValueError(f"seed holds {len(seed)} seeds for {batch} prompts (one a prompt)")
+        named = [(f"seed[{i}]", s) for i, s in enumerate(seed)]
+    else:
+        named = [("seed", seed)]
+    for name, value in named:
+        value = _as_int(name, value)
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{name}={value} is outside [-2**63, 2**63) (jax.random.key's range)")
+
+
 def _prefill(state, tokens, mask, *, graphdef, cache_len):
     model = nnx.merge(graphdef, state)
     return model.prefill(tokens, mask, max_len=cache_len)
@@ -138,7 +182,7 @@ def _decode(
     state,
     logits,
     cache,
-    key,
+    keys,
     temperature,
     top_p,
     *,
@@ -148,39 +192,46 @@ def _decode(
     nucleus,
     eos_ids,
     fill_id,
+    batch_invariant=False,
+    return_logits=False,
 ):
-    """Samples `steps` tokens per row, the first from the prefill's logits.
+    """Samples `steps` tokens per row, the first from the prefill's logits, step t of row r
+    with fold_in(keys[r], t).
 
     A fixed trip count (no loop predicate read back by the host each token): a row that has
     produced an eos id is filled with `fill_id` from then on. Returns (int32 [B, steps], the
-    cache): the cache is returned so that its donated input buffers serve as the loop's, updated
-    in place (XLA reuses a donated buffer only for an output).
+    cache), then with return_logits the f32 logits [B, steps, V] each token was drawn from:
+    the cache is returned so that its donated input buffers serve as the loop's, updated in
+    place (XLA reuses a donated buffer only for an output).
     """
     model = nnx.merge(graphdef, state)
     model.prepare_decode()  # before the loop: once per call, not every step
-    b = logits.shape[0]
+    b, v = logits.shape
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
     out = jnp.full((b, steps), fill_id, jnp.int32)
+    seen = jnp.zeros((b, steps if return_logits else 0, v), jnp.float32)
 
-    def pick(logits, key, done):
-        tok = sample(logits, key, temperature, top_p, greedy=greedy, nucleus=nucleus)
+    def pick(logits, step, done, seen):
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+        tok = sample_rows(logits, step_keys, temperature, top_p, greedy=greedy,
+                          nucleus=nucleus, batch_invariant=batch_invariant)  # fmt: skip
         tok = jnp.where(done, fill_id, tok)
-        return tok, done | jnp.isin(tok, eos)
+        if return_logits:
+            seen = jax.lax.dynamic_update_slice(seen, logits[:, None], (0, step, 0))
+        return tok, done | jnp.isin(tok, eos), seen
 
-    key, sub = jax.random.split(key)
-    tok, done = pick(logits, sub, jnp.zeros((b,), bool))
+    tok, done, seen = pick(logits, 0, jnp.zeros((b,), bool), seen)
     out = out.at[:, 0].set(tok)
 
     def body(step, carry):
-        tok, cache, out, done, key = carry
+        tok, cache, out, done, seen = carry
         logits, cache = model.decode(tok, cache)
-        key, sub = jax.random.split(key)
-        tok, done = pick(logits, sub, done)
+        tok, done, seen = pick(logits, step, done, seen)
         out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, step))
-        return tok, cache, out, done, key
+        return tok, cache, out, done, seen
 
-    _, cache, out, _, _ = jax.lax.fori_loop(1, steps, body, (tok, cache, out, done, key))
-    return out, cache
+    _, cache, out, _, seen = jax.lax.fori_loop(1, steps, body, (tok, cache, out, done, seen))
+    return (out, cache, seen) if return_logits else (out, cache)
 
 
 # Compiled executables by (function, static args, argument shapes and shardings): compile time
@@ -401,7 +452,7 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     attention_mask=None,
     pad_id: int | None = None,
     eos_id: int | Sequence[int] | None = None,
@@ -409,6 +460,8 @@ def generate(
     warmup: bool = False,
     speculative: str | None = None,
     num_draft_tokens: int = 1,
+    batch_invariant: bool | None = None,
+    return_logits: bool = False,
 ):
     """Generates `max_new_tokens` tokens for each prompt.
 
@@ -425,7 +478,10 @@ def generate(
             MIN_TEMPERATURE (1e-6) are greedy too (`sampling_kind`): any temperature > 0 gives
             finite probabilities, never a sample from NaN.
         top_p: nucleus sampling mass (1 = off).
-        seed: sampling seed.
+        seed: the sampling seed: one int (row r draws with fold_in(key(seed), r), so its
+            samples depend on its position in the batch), or a sequence of one seed per
+            prompt (row r draws with key(seed[r]): its samples depend on its own seed only,
+            alone or in any batch). Step t of a row draws with fold_in(its key, t).
         attention_mask: [B, S], 0 on left padding (default: no padding).
         pad_id: padding token for list prompts (default cfg.pad_token_id, else 0).
         eos_id: id(s) that end a row: it stops at the first token that is any of them
@@ -440,10 +496,17 @@ def generate(
             distribution when sampling; the stats a SpeculativeStats (acceptance rate,
             tokens per step). One device only.
         num_draft_tokens: k, the chained drafts per step with speculative (1 to 3).
+        batch_invariant: None: as the model was prepared; True: each row's tokens and logits
+            are bitwise those of its prompt alone (and the same on every run): a model not
+            yet prepared gets the flag bound here (`CausalLM.set_batch_invariant`, as
+            models.prepare(..., batch_invariant=True) does); False on a model prepared with
+            it, or True on one prepared without it, is refused. One device, no speculative.
+        return_logits: also return the f32 logits [B, max_new_tokens, V] each new token was
+            chosen from (those of finished rows included).
 
     Returns:
         int32 [B, S + max_new_tokens] (prompt columns as given, then the new tokens);
-        with return_stats, (tokens, GenerateStats).
+        with return_logits, (tokens, logits); with return_stats, the GenerateStats last.
 
     Raises (before any device work; the messages quote the values):
         TypeError: ids that are not integers (floats are not truncated), a max_new_tokens,
@@ -461,9 +524,7 @@ def generate(
     max_new_tokens = _check_sampling(
         max_new_tokens, temperature, top_p, cfg.max_position_embeddings
     )
-    seed = _as_int("seed", seed)
-    if not -(2**63) <= seed < 2**63:
-        raise ValueError(f"seed={seed} is outside [-2**63, 2**63) (jax.random.key's range)")
+    _bind_batch_invariant(model, batch_invariant, speculative)
     if speculative is not None and speculative not in SPECULATIVE_DECODERS:
         raise ValueError(
             f"speculative={speculative!r} is not None or one of {sorted(SPECULATIVE_DECODERS)}"
@@ -491,6 +552,9 @@ def generate(
     _check_ids(tokens, mask, cfg.vocab_size)
     tokens = tokens.astype(np.int32)
     b, s = tokens.shape
+    _check_seed(seed, b)
+    if speculative is not None and not isinstance(seed, (int, np.integer)):
+        raise ValueError("speculative decoding takes one int seed, not one a prompt")
     if s + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} after a prompt of {s} tokens needs "
@@ -542,7 +606,8 @@ def generate(
         )
         decode_shardings = dict(
             in_shardings=(state_sh, logits_sh, cache_sh, rep, rep, rep),
-            out_shardings=(rep, cache_sh),  # tokens replicated: every host can read them
+            # tokens (and logits) replicated: every host can read them
+            out_shardings=(rep, cache_sh, rep) if return_logits else (rep, cache_sh),
         )
         padded, pmask = ms.put(padded, ms.specs.tokens_bt), ms.put(pmask, ms.specs.tokens_bt)
     prefill, c1 = _compiled(
@@ -560,7 +625,7 @@ def generate(
     t1 = time.perf_counter()
 
     scalars = (
-        jax.random.key(seed),
+        row_keys(seed, b),
         jnp.asarray(temperature, jnp.float32),
         jnp.asarray(top_p, jnp.float32),
     )
@@ -570,6 +635,8 @@ def generate(
         **sampling_kind(temperature, top_p),
         "eos_ids": eos_ids,
         "fill_id": fill_id,
+        "batch_invariant": bool(getattr(model, "batch_invariant", False)),
+        "return_logits": return_logits,
     }
     # The cache (argument 2) is donated: the loop updates the prefill's buffers in place.
     decode, c2 = _compiled(
@@ -578,7 +645,7 @@ def generate(
     if warmup:
         jax.block_until_ready(decode(state, logits, jax.tree.map(jnp.copy, cache), *scalars))
     t2 = time.perf_counter()
-    new, _ = jax.block_until_ready(decode(state, logits, cache, *scalars))
+    new, _, *seen = jax.block_until_ready(decode(state, logits, cache, *scalars))
     t3 = time.perf_counter()
 
     out = np.concatenate([tokens, np.asarray(new)], axis=1)
@@ -594,5 +661,29 @@ def generate(
         warm=warmup,
     )
     logger.info("generate: %s", stats)
-    out = jnp.asarray(out, jnp.int32)
-    return (out, stats) if return_stats else out
+    result = (jnp.asarray(out, jnp.int32), *seen) + ((stats,) if return_stats else ())
+    return result if len(result) > 1 else result[0]
+
+
+def _bind_batch_invariant(model, batch_invariant: bool | None, speculative) -> None:
+    """generate's batch_invariant against the model's (`CausalLM.batch_invariant`: None until
+    prepared): True binds it on a model not yet prepared; a model prepared otherwise is
+    refused."""
+    if batch_invariant is None:
+        return
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        raise TypeError(f"batch_invariant must be True, False or None, got {batch_invariant!r}")
+    prepared = getattr(model, "batch_invariant", None)
+    if batch_invariant and prepared is None:
+        model.set_batch_invariant(True)
+    elif prepared is not None and bool(prepared) != bool(batch_invariant):
+        raise ValueError(
+            f"generate(batch_invariant={bool(batch_invariant)}) on a model prepared with "
+            f"batch_invariant={prepared}: prepare it again with "
+            f"models.prepare(model, ..., batch_invariant={bool(batch_invariant)})"
+        )
+    if batch_invariant and speculative is not None:
+        raise ValueError(
+            f"batch_invariant=True with speculative={speculative!r}: speculative decoding is "
+            f"not batch-invariant (its draft layer's rows are not covered); drop one of them"
+        )

@@ -191,16 +191,63 @@ def random_quantized(rngs: Rng, shape, spec: QuantSpec, *, dtype) -> wj.Quantize
     )
 
 
-def _matmul_nk(x, w, out_dtype=None):
+# ---- batch invariance -----------------------------------------------------------------------
+# A module whose float math has a batch-invariant form declares `batch_invariant = False` as a
+# class attribute; `CausalLM.set_batch_invariant` sets it on the instances (a static attribute:
+# each value compiles its own program). Under it every computation that reduces over a row
+# runs on blocks of ROW_BLOCK rows of one shape (`in_row_blocks`), so a row's bits depend on
+# neither the number of rows in the call nor the row's position among them.
+
+ROW_BLOCK = wj.linear.BATCH_INVARIANT_ROWS
+
+
+def in_row_blocks(fn, *xs, batch_dims: int = 1, rows: int = ROW_BLOCK):
+    """fn applied to blocks of `rows` rows of xs, one block at a time (jax.lax.map: XLA does
+    not merge the blocks into one larger op), the last block padded with zero rows.
+
+    Args:
+        fn: (*blocks [rows, ...]) -> a pytree of arrays [rows, ...]; each output row may read
+            only its own input rows.
+        xs: arrays [*lead, ...] of one lead (their first batch_dims dims): the rows.
+
+    Returns:
+        fn's pytree with each leaf [*lead, ...].
+    """
+    lead = xs[0].shape[:batch_dims]
+    m = int(np.prod(lead))
+    blocks = -(-m // rows)
+
+    def split(x):  # [*lead, ...] -> [blocks, rows, ...]
+        flat = x.reshape(m, *x.shape[batch_dims:])
+        flat = jnp.pad(flat, [(0, blocks * rows - m)] + [(0, 0)] * (flat.ndim - 1))
+        return flat.reshape(blocks, rows, *flat.shape[1:])
+
+    out = jax.lax.map(lambda b: fn(*b), tuple(split(x) for x in xs))
+
+    def join(y):  # [blocks, rows, ...] -> [*lead, ...]
+        return y.reshape(blocks * rows, *y.shape[2:])[:m].reshape(*lead, *y.shape[2:])
+
+    return jax.tree.map(join, out)
+
+
+def matmul_nk(x, w, out_dtype=None, *, batch_invariant: bool = False):
     """x [..., K] @ w[N, K].T in out_dtype (default x.dtype), accumulated and rounded once in
     f32: when K is split over devices (o_proj under tensor parallelism) the partial sums are
-    added in f32 too, so a bf16 model rounds once, as on one device."""
-    y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), preferred_element_type=_F32)
+    added in f32 too, so a bf16 model rounds once, as on one device. `batch_invariant`: one
+    dot of [ROW_BLOCK, K] per block of rows (`wj.linear.dot_in_row_blocks`)."""
+    w = w.astype(x.dtype)
+    if batch_invariant:
+        y = wj.linear.dot_in_row_blocks(x.reshape(-1, x.shape[-1]), w, ROW_BLOCK)
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+    else:
+        y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=_F32)
     return y.astype(out_dtype or x.dtype)
 
 
 class Linear(nnx.Module):
     """y = x @ weight.T with weight float [N, K] (HF layout)."""
+
+    batch_invariant = False
 
     def __init__(self, cfg, k: int, n: int, *, rngs: Rng, weight=None):
         if weight is None:
@@ -211,8 +258,10 @@ class Linear(nnx.Module):
         """float [N, K]."""
         return self.weight.get_value().astype(dtype)
 
-    def __call__(self, x):
-        return _matmul_nk(x, self.weight.get_value())
+    def __call__(self, x, *, out_dtype=None):
+        return matmul_nk(
+            x, self.weight.get_value(), out_dtype, batch_invariant=self.batch_invariant
+        )
 
 
 class QuantizedLinear(nnx.Module):
@@ -226,7 +275,10 @@ class QuantizedLinear(nnx.Module):
     (`set_layout`). On a mesh (`sharding` set: a LinearSharding) the kernel runs per device
     on its shard of the weight (`wna16_jax.sharding.quantized_matmul_sharded`: a kernel call
     cannot be partitioned by GSPMD), and the layout and kernel are chosen for that shard.
+    `batch_invariant`: the kernel's `batch_invariant=True`, the float dot in row blocks.
     """
+
+    batch_invariant = False
 
     def __init__(
         self,
@@ -295,7 +347,10 @@ class QuantizedLinear(nnx.Module):
             return None
         names = None if self.implementation is None else (self.implementation, wj.REFERENCE_BACKEND)
         name = wj.linear.select_implementation(
-            self.shard_shapes(), dtype=dtype, implementation=names
+            self.shard_shapes(),
+            dtype=dtype,
+            implementation=names,
+            batch_invariant=self.batch_invariant,
         )
         return None if name == wj.REFERENCE_BACKEND else name
 
@@ -312,7 +367,10 @@ class QuantizedLinear(nnx.Module):
         # hold (a shard not in whole tiles).
         canonical = jax.eval_shape(self.canonical_weight)
         want = wj.linear.preferred_layout(
-            canonical, dtype=dtype, implementation=self.implementation
+            canonical,
+            dtype=dtype,
+            implementation=self.implementation,
+            batch_invariant=self.batch_invariant,
         )
         if want != self.weight.layout:
             convert = functools.partial(wj.layouts.to_kernel_layout, layout=want)
@@ -321,7 +379,12 @@ class QuantizedLinear(nnx.Module):
             except ValueError as err:
                 return f"{where} cannot take the {want} layout: {err}"
         try:
-            wj.linear.select_implementation(shard, dtype=dtype, implementation=self.implementation)
+            wj.linear.select_implementation(
+                shard,
+                dtype=dtype,
+                implementation=self.implementation,
+                batch_invariant=self.batch_invariant,
+            )
         except NotImplementedError as err:
             return f"{where}: {err}"
         return None
@@ -333,7 +396,12 @@ class QuantizedLinear(nnx.Module):
         self.implementation = implementation
         shard = self.shard_shapes(jax.eval_shape(self.canonical_weight))  # shapes suffice
         self.set_layout(
-            wj.linear.preferred_layout(shard, dtype=dtype, implementation=implementation)
+            wj.linear.preferred_layout(
+                shard,
+                dtype=dtype,
+                implementation=implementation,
+                batch_invariant=self.batch_invariant,
+            )
         )
 
     def __call__(self, x, *, activation: str | None = None, out_dtype=None):
@@ -347,11 +415,12 @@ class QuantizedLinear(nnx.Module):
         """
         kernel = self.kernel(x.dtype)
         if kernel is None:
+            matmul = functools.partial(matmul_nk, batch_invariant=self.batch_invariant)
             if activation is None:
-                return _matmul_nk(x, self.dense_weight(x.dtype), out_dtype)
+                return matmul(x, self.dense_weight(x.dtype), out_dtype)
             if activation != "silu":
                 raise ValueError(f"activation={activation!r} is not None or 'silu'")
-            gate, up = jnp.split(_matmul_nk(x, self.dense_weight(x.dtype)), 2, axis=-1)
+            gate, up = jnp.split(matmul(x, self.dense_weight(x.dtype)), 2, axis=-1)
             return (jax.nn.silu(gate) * up).astype(out_dtype or x.dtype)  # MLP.__call__'s
         if self.sharding is not None:
             return self.sharding.matmul(
@@ -367,6 +436,7 @@ class QuantizedLinear(nnx.Module):
             activation=activation,
             out_dtype=out_dtype,
             implementation=kernel,
+            batch_invariant=self.batch_invariant,
         )
 
 
@@ -404,6 +474,7 @@ class FusedLinear(QuantizedLinear):
             part = w.slice(start, start + n, axis=1)  # rows [start, start + n)
             out[name] = QuantizedLinear(self.cfg, w.k, n, rngs=None, qe=part)
             out[name].implementation = self.implementation
+            out[name].batch_invariant = self.batch_invariant
             start += n
         return out
 
@@ -472,6 +543,7 @@ class Fusion:
         why = fusion_reason(parts)
         if why is None:
             fused = FusedLinear(cfg, parts)
+            fused.batch_invariant = any(m.batch_invariant for m in parts.values())
             fused.set_implementation(implementation, dtype=cfg.dtype)
             if fused.kernel(cfg.dtype) is None:
                 name = implementation or "auto"
@@ -517,9 +589,17 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.asarray(w, cfg.dtype))
         self.eps = eps
 
-    def __call__(self, x):
+    batch_invariant = False  # `in_row_blocks`: the mean of squares over blocks of rows
+
+    def _normalize(self, x):
         x32 = x.astype(_F32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+
+    def __call__(self, x):
+        if self.batch_invariant:
+            y = in_row_blocks(self._normalize, x, batch_dims=x.ndim - 1)
+        else:
+            y = self._normalize(x)
         return self.weight.get_value().astype(x.dtype) * y.astype(x.dtype)
 
 
@@ -624,6 +704,8 @@ class RoutedExperts(nnx.Module):
         self.sharding: ModelSharding | None = None
         self.w13_tp_shards = 1
 
+    batch_invariant = False  # fused_moe's
+
     def canonical_w13(self) -> wj.QuantizedExperts:
         """w13 [E, 2I, H] with rows [gate; up], in the canonical layout, whatever the
         tensor-parallel row order or kernel layout."""
@@ -683,6 +765,7 @@ class RoutedExperts(nnx.Module):
             topk_ids,
             implementation=self.implementation,
             activation_quant=self.activation_quant,
+            batch_invariant=self.batch_invariant,
         )
 
 
@@ -702,6 +785,8 @@ class FloatExperts(nnx.Module):
         self.sharding: ModelSharding | None = None
         self.w13_tp_shards = 1
 
+    batch_invariant = False  # `float_experts` on blocks of tokens (`in_row_blocks`)
+
     def canonical_w13(self) -> jax.Array:
         """w13 float [E, 2I, H] with rows [gate; up] whatever the tensor-parallel layout."""
         w13 = self.w13.get_value()
@@ -715,6 +800,9 @@ class FloatExperts(nnx.Module):
         w13, w2 = self.w13.get_value(), self.w2.get_value()
         if self.sharding is not None:
             return self.sharding.float_moe(float_experts, x, w13, w2, topk_weights, topk_ids)
+        if self.batch_invariant:
+            block = lambda xb, wb, ib: float_experts(xb, w13, w2, wb, ib)
+            return in_row_blocks(block, x, topk_weights, topk_ids)
         return float_experts(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -791,10 +879,15 @@ class Router(nnx.Module):
         """f32 [T, E] -> (topk_weights f32 [T, k], topk_ids int32 [T, k])."""
         raise NotImplementedError(f"{type(self).__name__} does not define route")
 
+    batch_invariant = False  # the logits and `route` on blocks of tokens (`in_row_blocks`)
+
     def __call__(self, x):
         """x [T, H] -> (topk_weights f32 [T, k], topk_ids int32 [T, k])."""
         w = self.weight.get_value().astype(_F32)
-        return self.route(jnp.dot(x.astype(_F32), w.T, precision=_HIGHEST))
+        logits = lambda xt: jnp.dot(xt.astype(_F32), w.T, precision=_HIGHEST)  # [T, E]
+        if self.batch_invariant:
+            return in_row_blocks(lambda xb: self.route(logits(xb)), x)
+        return self.route(logits(x))
 
 
 class MoEBlock(nnx.Module):

@@ -12,7 +12,9 @@ from models.common.generate import (
     bucket,
     generate,
     load_generation_config,
+    row_keys,
     sample,
+    sample_rows,
     sampling_kind,
     scaled_logits,
 )
@@ -29,7 +31,9 @@ __all__ = [
     "bucket",
     "generate",
     "load_generation_config",
+    "row_keys",
     "sample",
+    "sample_rows",
     "sampling_kind",
     "scaled_logits",
 ]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.common.attention import attend_in_chunks
 from models.common.causal_lm import CausalLM
 from models.common.causal_lm import KVCache as KVCache
 from models.common.causal_lm import decode_positions_and_mask as decode_positions_and_mask
@@ -32,7 +33,9 @@ from models.common.modules import (
     Rng,
     Router,
     constrain,
+    in_row_blocks,
     make_linear,
+    matmul_nk,
     normal,
 )
 
@@ -187,6 +190,8 @@ class MLAttention(nnx.Module):
         Returns [B, S, h, dv].
         """
         w_uk, w_uv = self._split_kv_b(c_kv.dtype)
+        if self.batch_invariant:
+            return self._naive_in_chunks(q_nope, q_pe, c_kv, k_pe, mask, w_uk, w_uv)
         k_nope = jnp.einsum("btr,hdr->bthd", c_kv, w_uk)  # [B, T, h, dn]
         v = jnp.einsum("btr,hvr->bthv", c_kv, w_uv)  # [B, T, h, dv]
         scores = jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=_F32)
@@ -203,12 +208,48 @@ class MLAttention(nnx.Module):
         Returns [B, S, h, dv].
         """
         w_uk, w_uv = self._split_kv_b(q_nope.dtype)
+        if self.batch_invariant:
+            return self._absorbed_in_chunks(q_nope, q_pe, latent, mask, w_uk, w_uv)
         q_lat = jnp.einsum("bshd,hdr->bshr", q_nope, w_uk)  # [B, S, h, R]
         q = jnp.concatenate([q_lat, q_pe], axis=-1)  # [B, S, h, R + dr]
         scores = jnp.einsum("bshk,btk->bhst", q, latent, preferred_element_type=_F32)
         p = self._softmax(scores, mask[:, None]).astype(latent.dtype)
         o_lat = jnp.einsum("bhst,btr->bshr", p, latent[..., : self.cfg.kv_lora_rank])
         return jnp.einsum("bshr,hvr->bshv", o_lat, w_uv)
+
+    # The batch-invariant forms (`batch_invariant`): the per-token products over blocks of
+    # rows (`in_row_blocks`), the attention in key chunks (`attend_in_chunks`).
+    batch_invariant = False
+
+    def _naive_in_chunks(self, q_nope, q_pe, c_kv, k_pe, mask, w_uk, w_uv):
+        b, t, _ = c_kv.shape
+        h, dn, r = w_uk.shape
+        # k_nope [B, T, h, dn], v [B, T, h, dv]
+        k_nope = matmul_nk(c_kv, w_uk.reshape(h * dn, r), batch_invariant=True)
+        v = matmul_nk(c_kv, w_uv.reshape(-1, r), batch_invariant=True).reshape(b, t, h, -1)
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [B, S, h, dn + dr]
+        k_pe = jnp.broadcast_to(k_pe[:, :, None], (b, t, h, k_pe.shape[-1]))
+        k = jnp.concatenate([k_nope.reshape(b, t, h, dn), k_pe], axis=-1)
+        out = attend_in_chunks(q, k, v, mask, scale=self.cfg.softmax_scale)
+        return out.astype(v.dtype)
+
+    def _absorbed_in_chunks(self, q_nope, q_pe, latent, mask, w_uk, w_uv):
+        dtype = q_nope.dtype
+
+        def per_head(x, w, spec):  # rows of x [B, S, h, .] times each head's w, f32 sums
+            # f32 operands (16-bit products are exact in f32): XLA's CPU runtime has no
+            # batched dot of bf16 operands into f32
+            w32 = w.astype(_F32)
+            f = lambda xb: jnp.einsum(spec, xb.astype(_F32), w32, precision=_HIGHEST)
+            return in_row_blocks(f, x, batch_dims=2).astype(dtype)
+
+        q_lat = per_head(q_nope, w_uk, "shd,hdr->shr")  # [B, S, h, R]
+        q = jnp.concatenate([q_lat, q_pe], axis=-1)  # [B, S, h, R + dr]
+        kv = latent[:, :, None]  # [B, L, 1, R + dr]: one key head for every query head
+        o_lat = attend_in_chunks(
+            q, kv, kv[..., : self.cfg.kv_lora_rank], mask, scale=self.cfg.softmax_scale
+        ).astype(latent.dtype)  # [B, S, h, R]
+        return per_head(o_lat, w_uv, "shr,hvr->shv")  # [B, S, h, dv]
 
     def __call__(self, x, *, cos, sin, mask, mode: str, cache=None, index=None):
         """Args:

@@ -11,6 +11,7 @@ E experts, k top-k, I the experts' intermediate size.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -30,6 +31,7 @@ from models.common.modules import (
     Rng,
     RoutedExperts,
     constrain,
+    in_row_blocks,
     normal,
     random_quantized,
 )
@@ -102,6 +104,9 @@ class Attention(GQAttention):
         super().__init__(cfg, rngs=rngs)
         n = cfg.num_attention_heads
         self.sinks = nnx.Param(jnp.asarray(normal(rngs, (n,), 1.0), cfg.dtype))  # [n]
+
+    def sink_logits(self):
+        return self.sinks.get_value().astype(_F32)  # [n], head j*g + i
 
     def _softmax(self, scores):
         """scores f32 [B, m, g, S, L] -> the softmax over them and each head's sink logit,
@@ -191,6 +196,8 @@ class Experts(nnx.Module):
         self.w13_bias = nnx.Param(jnp.asarray(w13_bias, cfg.dtype))
         self.w2_bias = nnx.Param(jnp.asarray(w2_bias, cfg.dtype))
 
+    batch_invariant = False  # fused_moe's; float_moe on blocks of tokens (`in_row_blocks`)
+
     @property
     def quantized(self) -> bool:
         return isinstance(self.weights, RoutedExperts)
@@ -200,9 +207,13 @@ class Experts(nnx.Module):
         cfg = self.cfg
         b13, b2 = self.w13_bias.get_value(), self.w2_bias.get_value()
         if not self.quantized:
-            w = self.weights
-            return float_moe(x, w.w13.get_value(), w.w2.get_value(), b13, b2, topk_weights,
-                             topk_ids, activation=activation_of(cfg))  # fmt: skip
+            w13, w2 = self.weights.w13.get_value(), self.weights.w2.get_value()
+            moe = functools.partial(float_moe, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2,
+                                    activation=activation_of(cfg))  # fmt: skip
+            if self.batch_invariant:
+                block = lambda xb, wb, ib: moe(xb, topk_weights=wb, topk_ids=ib)
+                return in_row_blocks(block, x, topk_weights, topk_ids)
+            return moe(x, topk_weights=topk_weights, topk_ids=topk_ids)
         m = self.weights
         return wj.fused_moe(
             x,
@@ -214,6 +225,7 @@ class Experts(nnx.Module):
             w2_bias=b2,
             activation=activation_of(cfg),
             implementation=m.implementation,
+            batch_invariant=self.batch_invariant,
         )
 
 
