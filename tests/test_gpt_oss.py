@@ -304,8 +304,8 @@ def test_the_presets_draw_mxfp4_experts_at_full_width():
 def test_mxfp4_experts_match_their_dequantized_twin(implementation):
     """A random MXFP4 model on each backend against the same weights dequantized (float
     experts, `float_moe`): fused_moe's biases and clamped swiglu on the E2M1 codes. H and I are
-    multiples of 128 (the kernels' k-tiles); a kernel that does not take MXFP4 or biases skips
-    with its selection's reason."""
+    multiples of 128 (the kernels' widest k-tile); a kernel that does not take MXFP4 or biases
+    skips with its selection's reason."""
     cfg = GptOssConfig.tiny(hidden_size=128, intermediate_size=256, quant=MXFP4)
     model = init_random(cfg, seed=6)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 9))
