@@ -16,9 +16,19 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import wna16_jax as wj
 from wna16_jax import AlignedRouting, QuantizedExperts, _pipeline
+
+# Triton's own package (pip install triton==3.6.0): builds the Pallas-Triton and jax-triton
+# kernels for sm_90 and runs the jax-triton ones in Triton's interpreter on the CPU.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON,
+    reason="triton is not installed (pip install triton==3.6.0 compiles and interprets the "
+    "kernels on CPU)",
+)
 
 # ---- tolerances -----------------------------------------------------------------------------
 

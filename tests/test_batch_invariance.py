@@ -133,3 +133,23 @@ def test_w8a8_rows_batch_invariant(rng, implementation):
         )  # fmt: skip
 
     assert_rows_batch_invariant(call, 64, f"{implementation} W8A8 fused_moe")
+
+
+@helpers.needs_triton
+def test_triton_rows_batch_invariant(rng):
+    """The jax-triton layer in Triton's interpreter (it claims the guarantee: no refusal
+    above): each row alone and among M in {1, 2, 7} rows, bit for bit."""
+    from pallas_kernels.triton import fused_moe as triton_moe
+
+    e, k, h, i, t = 8, 2, 128, 128, 7
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
+    w13 = helpers.random_quantized_experts(rng, e, 2 * i, h, 4, 32, True, jnp.bfloat16)
+    w2 = helpers.random_quantized_experts(rng, e, h, i, 4, 32, True, jnp.bfloat16)
+    tw, ti = helpers.random_routing(rng, t, k, e)
+    layer = helpers.pipeline_fused_moe(triton_moe.stages, interpret=True, batch_invariant=True)
+
+    def call(rows):
+        args = (x[rows], w13, w2, jnp.asarray(tw[rows]), jnp.asarray(ti[rows]))
+        return layer(*args, batch_invariant=True)
+
+    assert_rows_batch_invariant(call, t, "triton (interpreted) fused_moe")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import helpers
 import jax
@@ -384,10 +383,7 @@ def test_mgpu_converter_pairs_every_code_pair():
 
 # ---- the Triton kernel ----------------------------------------------------------------------
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (pip install triton==3.6.0 interprets the kernels on CPU)",
-)
+needs_triton = helpers.needs_triton
 
 
 @needs_triton

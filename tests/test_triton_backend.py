@@ -45,18 +45,7 @@ from wna16_jax._types import AlignedRouting, BlockConfig, QuantizedExperts
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 ON_GPU = jax.default_backend() == "gpu"
-try:
-    import triton  # noqa: F401  (compiles and interprets the kernels on CPU when present)
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-
-needs_triton = pytest.mark.skipif(
-    not HAS_TRITON,
-    reason="triton is not installed (pip install triton==3.6.0 compiles and interprets the "
-    "kernels on CPU)",
-)
+HAS_TRITON, needs_triton = helpers.HAS_TRITON, helpers.needs_triton
 
 
 @pytest.fixture
