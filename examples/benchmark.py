@@ -25,7 +25,9 @@ Examples (GPU):
     python examples/benchmark.py --activation-quant int8_per_token --m 1 256 4096    # W8A8
     python examples/benchmark.py --group-size 32 --no-zp --scale-dtype float16 --m 1 4096
     python examples/benchmark.py --preset kimi-k2-ep8 --m 64 160 400 --straight 32  # 8/20/50 a GPU
-    python examples/benchmark.py --preset gpt-oss-120b --m 1 16 256 4096           # MXFP4
+    python examples/benchmark.py --preset gpt-oss-120b --m 1 16 256 4096  # MXFP4, biases
+    python examples/benchmark.py --mxfp4 --m 1 4096    # against: --group-size 32 --no-zp
+    python examples/benchmark.py --implementations pallas --m 1 64 4096 --batch-invariant
     python examples/benchmark.py --m 1 16 --json out/bench.json --plot out/roofline.png
 """
 
@@ -73,6 +75,8 @@ EXPERT_SHARDS = {"kimi-k2-ep8": 8}
 SYMMETRIC_PRESETS = ("kimi-k2-ep8",)
 # Presets whose experts are MXFP4 (the checkpoints ship them so); --mxfp4 makes any preset's.
 MXFP4_PRESETS = ("gpt-oss-120b", "gpt-oss-20b")
+# Presets whose layer is gpt-oss's: per-expert biases on both GEMMs and the clamped SwiGLU.
+GPT_OSS_PRESETS = ("gpt-oss-120b", "gpt-oss-20b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +94,8 @@ class Problem:
     scale_dtype: str | None = None  # the scales' dtype (None: the activations')
     expert_shards: int = 1  # run one of this many expert-parallel shards: E / shards experts
     scheme: str | None = None  # None (integer codes: bits, group_size, has_zp) or "mxfp4"
+    gpt_oss_math: bool = False  # per-expert biases on both GEMMs, activation "swiglu_oai"
+    batch_invariant: bool = False  # fused_moe(batch_invariant=True)
 
     @property
     def local_experts(self) -> int:
@@ -135,6 +141,20 @@ def random_experts(key, problem: Problem):
     e, h, i = problem.local_experts, problem.hidden, problem.intermediate
     return make(jax.random.fold_in(key, 1), (e, 2 * i, h)), make(
         jax.random.fold_in(key, 2), (e, h, i)
+    )
+
+
+def random_biases(key, problem: Problem):
+    """{} or gpt-oss's per-expert biases: w13_bias [E, 2I] and w2_bias [E, H] in the
+    activations' dtype (key fold_in 6)."""
+    if not problem.gpt_oss_math:
+        return {}
+    e, h, i = problem.local_experts, problem.hidden, problem.intermediate
+    k13, k2 = jax.random.split(jax.random.fold_in(key, 6))
+    dtype = jnp.dtype(problem.dtype)
+    return dict(
+        w13_bias=jax.random.normal(k13, (e, 2 * i), dtype),
+        w2_bias=jax.random.normal(k2, (e, h), dtype),
     )
 
 
@@ -501,9 +521,11 @@ def config_text(record: dict | None) -> str:
 
 
 def moe_layer(
-    w13, w2, x, tw, ids, *, implementation, config, activation_quant=None, expert_map=None
+    w13, w2, biases, x, tw, ids, *, implementation, config, problem: Problem, expert_map=None
 ):
-    """wj.fused_moe with the weights first (the timed functions take consts, then a set)."""
+    """wj.fused_moe with the weights and biases ({} or `random_biases`) first (the timed
+    functions take consts, then a set); the problem's activation_quant, gpt-oss math and
+    batch_invariant."""
     return wj.fused_moe(
         x,
         w13,
@@ -513,7 +535,10 @@ def moe_layer(
         expert_map=expert_map,
         implementation=implementation,
         config=config,
-        activation_quant=activation_quant,
+        activation="swiglu_oai" if problem.gpt_oss_math else "silu",
+        activation_quant=problem.activation_quant,
+        batch_invariant=problem.batch_invariant,
+        **biases,
     )
 
 
@@ -528,6 +553,7 @@ def bench_problem(
     the failures."""
     key = jax.random.key(0) if key is None else key
     w13, w2 = random_experts(key, problem)
+    biases = random_biases(key, problem)
     weights = WeightsByLayout(w13, w2, jnp.dtype(problem.dtype), problem.activation_quant)
     k, i, h = problem.top_k, problem.intermediate, problem.hidden
     rows, failures = [], []
@@ -556,12 +582,12 @@ def bench_problem(
                     moe_layer,
                     implementation=impl,
                     config=cfg,
-                    activation_quant=problem.activation_quant,
+                    problem=problem,
                     expert_map=expert_map(problem),
                 )
                 row = dict(implementation=impl, M=m, config=config_record(cfg))
                 try:
-                    consts = weights.for_backend(impl)
+                    consts = (*weights.for_backend(impl), biases)
                     t, t_host = time_loop(
                         fn, sets, iters=iters or default_iters(m), repeats=repeats,
                         consts=consts, warmup_s=warmup_s,
@@ -724,6 +750,19 @@ def main(argv=None):
         + "; --bits, --group-size, --no-zp and --scale-dtype are ignored then)",
     )
     p.add_argument(
+        "--silu",
+        action="store_true",
+        help="the plain layer (silu, no biases) for the presets that run gpt-oss's by default ("
+        + ", ".join(GPT_OSS_PRESETS)
+        + ": per-expert biases on both GEMMs, the clamped SwiGLU)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="fused_moe(batch_invariant=True): configs fixed per weight shape, no split-K (its "
+        "cost against a run without; mgpu refuses it)",
+    )
+    p.add_argument(
         "--scale-dtype",
         choices=("bfloat16", "float16", "float32"),
         default=None,
@@ -823,6 +862,11 @@ def main(argv=None):
         problem = dataclasses.replace(
             problem, group_size=32, bits=4, has_zp=False, scale_dtype=None, scheme="mxfp4"
         )
+    problem = dataclasses.replace(
+        problem,
+        gpt_oss_math=args.preset in GPT_OSS_PRESETS and not args.silu,
+        batch_invariant=args.batch_invariant,
+    )
     if args.activation_quant:  # W8A8 runs int8 per-channel symmetric weights
         problem = dataclasses.replace(
             problem,

@@ -7,6 +7,7 @@ examples/generate.py has its own smoke tests in test_deepseek_v3_example.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -119,21 +120,22 @@ def test_benchmark_expert_shard_in_the_interpreter():
     np.testing.assert_array_equal(np.asarray(emap)[:4], np.arange(4))
     assert np.all(np.asarray(emap)[4:] == -1)
     mk = wj.layouts.to_kernel_layout
-    out = bench.moe_layer(
-        mk(w13, "mgpu_int4"), mk(w2, "mgpu_int4"), x, tw, ids,
-        implementation="mgpu_interpret", config=None, expert_map=emap,
-    )  # fmt: skip
-    ref = bench.moe_layer(w13, w2, x, tw, ids, implementation="xla", config=None, expert_map=emap)
+    layer = functools.partial(bench.moe_layer, config=None, problem=problem, expert_map=emap)
+    out = layer(mk(w13, "mgpu_int4"), mk(w2, "mgpu_int4"), {}, x, tw, ids,
+                implementation="mgpu_interpret")  # fmt: skip
+    ref = layer(w13, w2, {}, x, tw, ids, implementation="xla")
     helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, "expert shard vs xla")
 
 
 def test_benchmark_mxfp4(capsys):
     """--mxfp4 (the gpt-oss presets' weights) on a tiny layer: the Pallas and Mosaic GPU
     kernels in their interpreters, the weight bytes a step reads counting half a byte a code
-    and the uint8 E8M0 scales, and each layer equal to 'xla' on the same weights."""
+    and the uint8 E8M0 scales; with the gpt-oss presets' math (biases, clamped SwiGLU) each
+    layer equal to 'xla' on the same weights."""
     bench = _load("benchmark")
     assert set(bench.MXFP4_PRESETS) <= set(bench.PRESETS)
     assert bench.PRESETS["gpt-oss-120b"] == (128, 4, 2880, 2880, 32)
+    assert set(bench.GPT_OSS_PRESETS) <= set(bench.MXFP4_PRESETS)
     result = bench.main(
         ["--preset", "tiny", "--mxfp4", "--implementations", "pallas_interpret",
          "mgpu_interpret", "--m", "2", "--iters", "1", "--repeats", "1", "--sets", "1"]
@@ -144,16 +146,36 @@ def test_benchmark_mxfp4(capsys):
     per_expert = 3 * h * i // 2 + 3 * h * i // 32  # codes + scales of w13 and w2
     for row in result["rows"]:
         assert row["weight_bytes"] == per_expert * row["experts_touched"]
-    problem = bench.Problem(e, k, h, i, 32, bits=4, has_zp=False, scheme="mxfp4")
+    problem = bench.Problem(e, k, h, i, 32, bits=4, has_zp=False, scheme="mxfp4", gpt_oss_math=True)
     key = jax.random.key(0)
     w13, w2 = bench.random_experts(key, problem)
+    biases = bench.random_biases(key, problem)
     assert w13.is_mxfp4 and w13.scales.dtype == jnp.uint8 and w2.shape == (e, h, i)
+    assert biases["w13_bias"].shape == (e, 2 * i) and biases["w2_bias"].shape == (e, h)
     [(x, tw, ids)] = [tuple(a[0] for a in bench.random_inputs(key, problem, 4, 1))]
-    ref = bench.moe_layer(w13, w2, x, tw, ids, implementation="xla", config=None)
+    layer = functools.partial(bench.moe_layer, config=None, problem=problem)
+    ref = layer(w13, w2, biases, x, tw, ids, implementation="xla")
+    plain = bench.moe_layer(w13, w2, {}, x, tw, ids, implementation="xla", config=None,
+                            problem=dataclasses.replace(problem, gpt_oss_math=False))  # fmt: skip
+    assert not np.allclose(np.asarray(plain, np.float32), np.asarray(ref, np.float32))
     for impl in ("pallas_interpret", "mgpu_interpret"):
         a, b = (wj.layouts.to_kernel_layout(w, wj.backend_layout(impl, 4)) for w in (w13, w2))
-        out = bench.moe_layer(a, b, x, tw, ids, implementation=impl, config=None)
+        out = layer(a, b, biases, x, tw, ids, implementation=impl)
         helpers.assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16, f"{impl} vs xla")
+
+
+def test_benchmark_batch_invariant():
+    """--batch-invariant: the Pallas layer runs with the flag; mgpu, which cannot guarantee
+    it, is a failure that gives its reason."""
+    bench = _load("benchmark")
+    result = bench.main(
+        ["--batch-invariant", "--implementations", "pallas_interpret", "mgpu_interpret",
+         "--m", "3", "--iters", "1", "--repeats", "1", "--sets", "1"]
+    )  # fmt: skip
+    assert result["problem"]["batch_invariant"] is True
+    assert [r["implementation"] for r in result["rows"]] == ["pallas_interpret"]
+    [failed] = result["failed"]
+    assert failed["implementation"] == "mgpu_interpret" and "K splits" in failed["error"]
 
 
 def test_benchmark_reports_a_backend_that_cannot_run():
