@@ -102,6 +102,33 @@ class Problem:
         return self.num_experts // self.expert_shards
 
 
+def preset_problem(
+    name: str, *, bits: int = 4, no_zp: bool = False, group_size: int | None = None,
+    scale_dtype: str | None = None, routing: str = "uniform", mxfp4: bool = False,
+    silu: bool = False, batch_invariant: bool = False, activation_quant: str | None = None,
+) -> Problem:  # fmt: skip
+    """The Problem of preset `name` as the flags of the same names change it: symmetric
+    weights for SYMMETRIC_PRESETS, MXFP4 for MXFP4_PRESETS (or mxfp4), gpt-oss's layer for
+    GPT_OSS_PRESETS (unless silu), int8 per-channel symmetric weights under activation_quant."""
+    e, k, h, i, g = PRESETS[name]
+    problem = Problem(
+        e, k, h, i, g if group_size is None else group_size, bits,
+        not (no_zp or name in SYMMETRIC_PRESETS), routing=routing, scale_dtype=scale_dtype,
+        expert_shards=EXPERT_SHARDS.get(name, 1),
+        gpt_oss_math=name in GPT_OSS_PRESETS and not silu, batch_invariant=batch_invariant,
+    )  # fmt: skip
+    if mxfp4 or name in MXFP4_PRESETS:
+        problem = dataclasses.replace(
+            problem, group_size=32, bits=4, has_zp=False, scale_dtype=None, scheme="mxfp4"
+        )
+    if activation_quant:  # W8A8 runs int8 per-channel symmetric weights
+        problem = dataclasses.replace(
+            problem, group_size=-1, bits=8, has_zp=False, activation_quant=activation_quant,
+            scheme=None,
+        )  # fmt: skip
+    return problem
+
+
 def random_routing(key, m, e, k, num_sets):
     """num_sets independent [m, k] routings (weights f32, ids int32), each token's experts
     distinct."""
@@ -850,32 +877,11 @@ def main(argv=None):
     if args.straight == 1 or args.straight < 0:
         p.error(f"--straight must be 0 (off) or at least 2, got {args.straight}")
     logging.basicConfig(level=logging.WARNING)
-    e, k, h, i, g = PRESETS[args.preset]
-    if args.group_size is not None:
-        g = args.group_size
-    problem = Problem(
-        e, k, h, i, g, args.bits, not (args.no_zp or args.preset in SYMMETRIC_PRESETS),
-        routing=args.routing, scale_dtype=args.scale_dtype,
-        expert_shards=EXPERT_SHARDS.get(args.preset, 1),
+    problem = preset_problem(
+        args.preset, bits=args.bits, no_zp=args.no_zp, group_size=args.group_size,
+        scale_dtype=args.scale_dtype, routing=args.routing, mxfp4=args.mxfp4, silu=args.silu,
+        batch_invariant=args.batch_invariant, activation_quant=args.activation_quant,
     )  # fmt: skip
-    if args.mxfp4 or args.preset in MXFP4_PRESETS:
-        problem = dataclasses.replace(
-            problem, group_size=32, bits=4, has_zp=False, scale_dtype=None, scheme="mxfp4"
-        )
-    problem = dataclasses.replace(
-        problem,
-        gpt_oss_math=args.preset in GPT_OSS_PRESETS and not args.silu,
-        batch_invariant=args.batch_invariant,
-    )
-    if args.activation_quant:  # W8A8 runs int8 per-channel symmetric weights
-        problem = dataclasses.replace(
-            problem,
-            group_size=-1,
-            bits=8,
-            has_zp=False,
-            activation_quant=args.activation_quant,
-            scheme=None,
-        )
     ms = args.m or ([1, 4, 16, 64, 256, 1024, 4096] if on_gpu else [1, 4])
     impls = args.implementations or (
         ["mgpu", "pallas", "xla"] if on_gpu else ["pallas_interpret", "xla"]

@@ -230,14 +230,16 @@ def main(argv=None) -> int:
     ms = args.m or ([1, 16] if on_gpu else [1])
     impls = args.implementations or (["mgpu", "pallas"] if on_gpu else ["pallas_interpret"])
 
-    e, top_k, h, i, g = benchmark.PRESETS[args.preset]
-    problem = benchmark.Problem(e, top_k, h, i, g, bits=4, has_zp=not args.no_zp)
+    problem = benchmark.preset_problem(args.preset, no_zp=args.no_zp)
     key = jax.random.key(0)
     weights = benchmark.WeightsByLayout(*benchmark.random_experts(key, problem), problem.dtype)
+    biases = benchmark.random_biases(key, problem)
     out = []
     for impl in impls:
-        consts = weights.for_backend(impl)
-        layer = functools.partial(benchmark.moe_layer, implementation=impl, config=None)
+        consts = (*weights.for_backend(impl), biases)
+        layer = functools.partial(
+            benchmark.moe_layer, implementation=impl, config=None, problem=problem
+        )
         for m in ms:
             num_sets = calls if args.run == "step" else 4
             xs, tws, idss = benchmark.random_inputs(key, problem, m, num_sets)
