@@ -474,7 +474,8 @@ class FusedLinear(QuantizedLinear):
             part = w.slice(start, start + n, axis=1)  # rows [start, start + n)
             out[name] = QuantizedLinear(self.cfg, w.k, n, rngs=None, qe=part)
             out[name].implementation = self.implementation
-            out[name].batch_invariant = self.batch_invariant
+            if self.batch_invariant:  # else the class's False: the tree of a never-fused model
+                out[name].batch_invariant = True
             start += n
         return out
 
@@ -543,7 +544,8 @@ class Fusion:
         why = fusion_reason(parts)
         if why is None:
             fused = FusedLinear(cfg, parts)
-            fused.batch_invariant = any(m.batch_invariant for m in parts.values())
+            if any(m.batch_invariant for m in parts.values()):
+                fused.batch_invariant = True
             fused.set_implementation(implementation, dtype=cfg.dtype)
             if fused.kernel(cfg.dtype) is None:
                 name = implementation or "auto"
